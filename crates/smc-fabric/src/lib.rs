@@ -1,0 +1,1 @@
+//! smc-fabric (being built).

@@ -1,0 +1,1 @@
+//! smc-proto (being built).

@@ -1,0 +1,1 @@
+//! smc-wire (being built).
