@@ -14,12 +14,19 @@
 #![forbid(unsafe_code)]
 
 pub mod cdc;
+pub mod clc;
 pub mod codec;
 pub mod error;
+pub mod llc;
+pub mod message;
+pub mod tcp_option;
 pub mod types;
 
+pub use clc::{AcceptConfirm, ClcHeader, ClcMessage, ClcPacket, ClcType, Decline, DeclineCode, Proposal};
 pub use cdc::{CdcMessage, CdcPacket, ConnStateFlags, Cursor, ProducerFlags};
 pub use error::{Error, ErrorClass, Result};
+pub use llc::{LlcMessage, LlcPacket, LlcType};
+pub use message::ControlMessage;
 pub use types::{Gid, Mac, PeerId, QpMtu, RmbeSize, U24};
 
 /// Length of every LLC and CDC message (RFC 7609 A.3, A.4).

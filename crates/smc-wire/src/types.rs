@@ -37,8 +37,8 @@ macro_rules! wire_enum {
             }
         }
 
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        impl core::fmt::Debug for $name {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
                 match self.0 {
                     $( v if v == $val => write!(f, concat!(stringify!($name), "::", stringify!($const))), )*
                     v => write!(f, concat!(stringify!($name), "({:#x})"), v),
@@ -46,8 +46,8 @@ macro_rules! wire_enum {
             }
         }
 
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        impl core::fmt::Display for $name {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
                 match self.description() {
                     Some(t) => write!(f, "{:#x} ({})", self.0, t),
                     None => write!(f, "{:#x} (unknown)", self.0),
