@@ -16,7 +16,9 @@
 pub mod cdc;
 pub mod clc;
 pub mod codec;
+pub mod describe;
 pub mod error;
+pub mod examples;
 pub mod llc;
 pub mod message;
 pub mod tcp_option;
