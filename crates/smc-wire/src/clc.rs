@@ -326,7 +326,10 @@ impl Proposal {
         }
         p.check_trailer()?;
         let bytes = p.as_bytes();
-        let mut r = Reader::new(&bytes[HEADER_LEN..bytes.len() - TRAILER_LEN], "CLC Proposal");
+        let mut r = Reader::new(
+            &bytes[HEADER_LEN..bytes.len() - TRAILER_LEN],
+            "CLC Proposal",
+        );
         let peer_id = PeerId::from_bytes(r.array()?);
         let preferred_gid = Gid(r.array()?);
         let preferred_mac = Mac(r.array()?);
@@ -391,7 +394,11 @@ impl Proposal {
         Ok(Proposal {
             version,
             smc_type_v1: h.flags & 0x03,
-            smc_type_v2: if version >= 2 { (h.flags >> 2) & 0x03 } else { 0 },
+            smc_type_v2: if version >= 2 {
+                (h.flags >> 2) & 0x03
+            } else {
+                0
+            },
             peer_id,
             preferred_gid,
             preferred_mac,
@@ -683,7 +690,13 @@ impl Decline {
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
         let mut w = Writer::new(buf);
         let flags = if self.out_of_sync { 0x08 } else { 0 };
-        ClcHeader::emit(&mut w, ClcType::DECLINE, self.buffer_len(), self.version, flags);
+        ClcHeader::emit(
+            &mut w,
+            ClcType::DECLINE,
+            self.buffer_len(),
+            self.version,
+            flags,
+        );
         w.put(&self.peer_id.to_bytes());
         w.u32(self.diagnosis.0);
         match &self.v2_diagnoses {

@@ -260,7 +260,12 @@ pub fn llc(m: &LlcMessage) -> Description {
                 ("error_mask", u(d.error_mask)),
                 (
                     "rkeys",
-                    Value::List(d.valid_rkeys().iter().map(|k| vec![("rkey", u(*k))]).collect()),
+                    Value::List(
+                        d.valid_rkeys()
+                            .iter()
+                            .map(|k| vec![("rkey", u(*k))])
+                            .collect(),
+                    ),
                 ),
             ],
         ),
@@ -290,7 +295,10 @@ pub fn cdc(c: &CdcMessage) -> Description {
             ("write_blocked", b(c.prod_flags.write_blocked)),
             ("urgent_pending", b(c.prod_flags.urgent_pending)),
             ("urgent_present", b(c.prod_flags.urgent_present)),
-            ("cons_update_requested", b(c.prod_flags.cons_update_requested)),
+            (
+                "cons_update_requested",
+                b(c.prod_flags.cons_update_requested),
+            ),
             ("failover_validation", b(c.prod_flags.failover_validation)),
             ("peer_done_writing", b(c.conn_flags.peer_done_writing)),
             ("peer_conn_closed", b(c.conn_flags.peer_conn_closed)),

@@ -13,6 +13,7 @@
 //! Nothing here performs I/O, allocates while parsing a fixed-size message, or uses `unsafe`.
 #![forbid(unsafe_code)]
 
+pub mod capture;
 pub mod cdc;
 pub mod clc;
 pub mod codec;
@@ -24,8 +25,10 @@ pub mod message;
 pub mod tcp_option;
 pub mod types;
 
-pub use clc::{AcceptConfirm, ClcHeader, ClcMessage, ClcPacket, ClcType, Decline, DeclineCode, Proposal};
 pub use cdc::{CdcMessage, CdcPacket, ConnStateFlags, Cursor, ProducerFlags};
+pub use clc::{
+    AcceptConfirm, ClcHeader, ClcMessage, ClcPacket, ClcType, Decline, DeclineCode, Proposal,
+};
 pub use error::{Error, ErrorClass, Result};
 pub use llc::{LlcMessage, LlcPacket, LlcType};
 pub use message::ControlMessage;

@@ -537,7 +537,9 @@ impl LlcMessage {
         }
         let rf = |reply: bool| if reply { FLAG_REPLY } else { 0 };
         let (byte2, flags) = match self {
-            LlcMessage::ConfirmLink(m) => (0, rf(m.reply) | if m.no_rmbe_eyecatcher { 0x03 } else { 0 }),
+            LlcMessage::ConfirmLink(m) => {
+                (0, rf(m.reply) | if m.no_rmbe_eyecatcher { 0x03 } else { 0 })
+            }
             LlcMessage::AddLink(m) => (
                 m.reject_reason.0 & 0x0F,
                 rf(m.reply) | if m.rejected { 0x40 } else { 0 },

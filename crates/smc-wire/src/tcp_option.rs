@@ -77,11 +77,14 @@ pub fn find_in_options(options: &[u8]) -> Result<bool> {
 
 /// Whether a whole TCP header (with options) carries the SMC option.
 pub fn find_in_tcp_header(tcp: &[u8]) -> Result<bool> {
-    let off = tcp.get(12).map(|b| usize::from(b >> 4) * 4).ok_or(Error::Truncated {
-        what: "TCP header",
-        need: 13,
-        have: tcp.len(),
-    })?;
+    let off = tcp
+        .get(12)
+        .map(|b| usize::from(b >> 4) * 4)
+        .ok_or(Error::Truncated {
+            what: "TCP header",
+            need: 13,
+            have: tcp.len(),
+        })?;
     if off < 20 {
         return Err(Error::Malformed {
             what: "TCP header",
@@ -108,7 +111,9 @@ mod tests {
     #[test]
     fn within_full_syn_options() {
         // MSS 1460, SACK permitted, timestamps, NOP, window scale 7, then the SMC option.
-        let mut o = vec![2, 4, 0x05, 0xb4, 4, 2, 8, 10, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3, 3, 7];
+        let mut o = vec![
+            2, 4, 0x05, 0xb4, 4, 2, 8, 10, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3, 3, 7,
+        ];
         o.extend_from_slice(&LINUX_ALIGNED);
         assert_eq!(find_in_options(&o), Ok(true));
         o.truncate(20);
@@ -117,15 +122,27 @@ mod tests {
 
     #[test]
     fn other_experiment_ids_and_odd_lengths() {
-        assert_eq!(find_in_options(&[0xFE, 6, 0xE2, 0xD4, 0xC3, 0xC4]), Ok(false));
-        assert_eq!(find_in_options(&[0xFE, 7, 0xE2, 0xD4, 0xC3, 0xD9, 0]), Ok(false));
-        assert_eq!(find_in_options(&[0xFE, 8, 0xE2, 0xD4, 0xC3, 0xD9, 0, 0]), Ok(true));
+        assert_eq!(
+            find_in_options(&[0xFE, 6, 0xE2, 0xD4, 0xC3, 0xC4]),
+            Ok(false)
+        );
+        assert_eq!(
+            find_in_options(&[0xFE, 7, 0xE2, 0xD4, 0xC3, 0xD9, 0]),
+            Ok(false)
+        );
+        assert_eq!(
+            find_in_options(&[0xFE, 8, 0xE2, 0xD4, 0xC3, 0xD9, 0, 0]),
+            Ok(true)
+        );
         assert_eq!(find_in_options(&[0xFE, 4, 0xE2, 0xD4]), Ok(false));
     }
 
     #[test]
     fn eol_stops_and_bad_lengths_error() {
-        assert_eq!(find_in_options(&[0, 0xFE, 6, 0xE2, 0xD4, 0xC3, 0xD9]), Ok(false));
+        assert_eq!(
+            find_in_options(&[0, 0xFE, 6, 0xE2, 0xD4, 0xC3, 0xD9]),
+            Ok(false)
+        );
         assert!(find_in_options(&[0xFE, 6, 0xE2]).is_err());
         assert!(find_in_options(&[0xFE]).is_err());
         assert!(find_in_options(&[0xFE, 1]).is_err());

@@ -34,35 +34,45 @@ fn proposal() -> impl Strategy<Value = Proposal> {
         proptest::collection::vec((any::<[u8; 16]>(), 0u8..=128), 0..=8),
         proptest::collection::vec(any::<u8>(), 0..64),
     )
-        .prop_map(|((version, t1, t2, peer_id, g, m), smcd, (v4, pl), v6, ext)| Proposal {
-            version,
-            smc_type_v1: t1,
-            smc_type_v2: if version >= 2 { t2 } else { 0 },
-            peer_id,
-            preferred_gid: g,
-            preferred_mac: m,
-            smcd_area: smcd.map(|(a, b, c)| SmcdArea {
-                ism_gid: a,
-                ism_chid: b,
-                v2_ext_offset: c,
-            }),
-            ipv4_subnet: Ipv4Addr::from(v4),
-            ipv4_prefix_len: pl,
-            ipv6_prefixes: v6
-                .into_iter()
-                .map(|(p, l)| Ipv6Prefix {
-                    prefix: Ipv6Addr::from(p),
-                    prefix_len: l,
-                })
-                .collect(),
-            v2_extensions: if version >= 2 { ext } else { vec![] },
-        })
+        .prop_map(
+            |((version, t1, t2, peer_id, g, m), smcd, (v4, pl), v6, ext)| Proposal {
+                version,
+                smc_type_v1: t1,
+                smc_type_v2: if version >= 2 { t2 } else { 0 },
+                peer_id,
+                preferred_gid: g,
+                preferred_mac: m,
+                smcd_area: smcd.map(|(a, b, c)| SmcdArea {
+                    ism_gid: a,
+                    ism_chid: b,
+                    v2_ext_offset: c,
+                }),
+                ipv4_subnet: Ipv4Addr::from(v4),
+                ipv4_prefix_len: pl,
+                ipv6_prefixes: v6
+                    .into_iter()
+                    .map(|(p, l)| Ipv6Prefix {
+                        prefix: Ipv6Addr::from(p),
+                        prefix_len: l,
+                    })
+                    .collect(),
+                v2_extensions: if version >= 2 { ext } else { vec![] },
+            },
+        )
 }
 
 fn accept_confirm() -> impl Strategy<Value = AcceptConfirm> {
     (
         (1u8..=1, any::<bool>(), peer(), gid(), mac(), u24()),
-        (any::<u32>(), 1u8..=255, any::<u32>(), 0u8..16, 1u8..=5, any::<u64>(), u24()),
+        (
+            any::<u32>(),
+            1u8..=255,
+            any::<u32>(),
+            0u8..16,
+            1u8..=5,
+            any::<u64>(),
+            u24(),
+        ),
     )
         .prop_map(
             |((version, fc, peer_id, gid, mac, qp), (rkey, idx, tok, size, mtu, va, psn))| {
@@ -123,32 +133,60 @@ fn link_rtoken() -> impl Strategy<Value = LinkRtoken> {
 
 fn llc_message() -> impl Strategy<Value = LlcMessage> {
     prop_oneof![
-        (any::<bool>(), any::<bool>(), mac(), gid(), u24(), any::<u8>(), any::<u32>(), any::<[u8; 2]>())
-            .prop_map(|(r, ec, m, g, q, l, uid, [ml, mc])| LlcMessage::ConfirmLink(ConfirmLink {
-                reply: r,
-                no_rmbe_eyecatcher: ec,
-                sender_mac: m,
-                sender_gid: g,
-                sender_qp: q,
-                link_num: l,
-                link_user_id: uid,
-                max_links: ml,
-                max_conns: mc,
-            })),
-        (any::<bool>(), any::<bool>(), 0u8..16, mac(), gid(), u24(), any::<u8>(), 0u8..16, u24())
-            .prop_map(|(r, z, rr, m, g, q, l, mtu, psn)| LlcMessage::AddLink(AddLink {
-                reply: r,
-                rejected: z,
-                reject_reason: AddLinkRejectReason(rr),
-                sender_mac: m,
-                sender_gid: g,
-                sender_qp: q,
-                link_num: l,
-                mtu: QpMtu(mtu),
-                initial_psn: psn,
-            })),
-        (any::<bool>(), any::<u8>(), any::<u8>(), any::<[(u32, u32, u64); 2]>()).prop_map(
-            |(r, l, n, p)| LlcMessage::AddLinkCont(AddLinkCont {
+        (
+            any::<bool>(),
+            any::<bool>(),
+            mac(),
+            gid(),
+            u24(),
+            any::<u8>(),
+            any::<u32>(),
+            any::<[u8; 2]>()
+        )
+            .prop_map(
+                |(r, ec, m, g, q, l, uid, [ml, mc])| LlcMessage::ConfirmLink(ConfirmLink {
+                    reply: r,
+                    no_rmbe_eyecatcher: ec,
+                    sender_mac: m,
+                    sender_gid: g,
+                    sender_qp: q,
+                    link_num: l,
+                    link_user_id: uid,
+                    max_links: ml,
+                    max_conns: mc,
+                })
+            ),
+        (
+            any::<bool>(),
+            any::<bool>(),
+            0u8..16,
+            mac(),
+            gid(),
+            u24(),
+            any::<u8>(),
+            0u8..16,
+            u24()
+        )
+            .prop_map(
+                |(r, z, rr, m, g, q, l, mtu, psn)| LlcMessage::AddLink(AddLink {
+                    reply: r,
+                    rejected: z,
+                    reject_reason: AddLinkRejectReason(rr),
+                    sender_mac: m,
+                    sender_gid: g,
+                    sender_qp: q,
+                    link_num: l,
+                    mtu: QpMtu(mtu),
+                    initial_psn: psn,
+                })
+            ),
+        (
+            any::<bool>(),
+            any::<u8>(),
+            any::<u8>(),
+            any::<[(u32, u32, u64); 2]>()
+        )
+            .prop_map(|(r, l, n, p)| LlcMessage::AddLinkCont(AddLinkCont {
                 reply: r,
                 link_num: l,
                 num_rtokens: n,
@@ -157,8 +195,7 @@ fn llc_message() -> impl Strategy<Value = LlcMessage> {
                     new_rkey: b,
                     new_vaddr: c
                 }),
-            })
-        ),
+            })),
         (any::<[bool; 3]>(), any::<u8>(), any::<u32>()).prop_map(|([r, a, o], l, reason)| {
             LlcMessage::DeleteLink(DeleteLink {
                 reply: r,
@@ -168,24 +205,40 @@ fn llc_message() -> impl Strategy<Value = LlcMessage> {
                 reason: DeleteLinkReason(reason),
             })
         }),
-        (any::<[bool; 3]>(), any::<u8>(), any::<u32>(), any::<u64>(), link_rtoken(), link_rtoken())
-            .prop_map(|([r, z, c], n, k, va, o1, o2)| LlcMessage::ConfirmRkey(ConfirmRkey {
-                reply: r,
-                negative: z,
-                retry: c,
-                num_tokens: n,
-                rkey: k,
-                vaddr: va,
-                others: [o1, o2],
-            })),
-        (any::<[bool; 2]>(), any::<u8>(), link_rtoken(), link_rtoken(), link_rtoken()).prop_map(
-            |([r, z], n, a, b, c)| LlcMessage::ConfirmRkeyCont(ConfirmRkeyCont {
-                reply: r,
-                negative: z,
-                num_tokens_left: n,
-                tokens: [a, b, c],
-            })
-        ),
+        (
+            any::<[bool; 3]>(),
+            any::<u8>(),
+            any::<u32>(),
+            any::<u64>(),
+            link_rtoken(),
+            link_rtoken()
+        )
+            .prop_map(|([r, z, c], n, k, va, o1, o2)| LlcMessage::ConfirmRkey(
+                ConfirmRkey {
+                    reply: r,
+                    negative: z,
+                    retry: c,
+                    num_tokens: n,
+                    rkey: k,
+                    vaddr: va,
+                    others: [o1, o2],
+                }
+            )),
+        (
+            any::<[bool; 2]>(),
+            any::<u8>(),
+            link_rtoken(),
+            link_rtoken(),
+            link_rtoken()
+        )
+            .prop_map(|([r, z], n, a, b, c)| LlcMessage::ConfirmRkeyCont(
+                ConfirmRkeyCont {
+                    reply: r,
+                    negative: z,
+                    num_tokens_left: n,
+                    tokens: [a, b, c],
+                }
+            )),
         (any::<[bool; 2]>(), 0u8..=8, any::<u8>(), any::<[u32; 8]>()).prop_map(
             |([r, z], n, mask, k)| LlcMessage::DeleteRkey(DeleteRkey {
                 reply: r,
@@ -210,16 +263,22 @@ fn llc_message() -> impl Strategy<Value = LlcMessage> {
 }
 
 fn cdc_message() -> impl Strategy<Value = CdcMessage> {
-    (any::<u16>(), any::<u32>(), cursor(), cursor(), any::<u8>(), any::<u8>()).prop_map(
-        |(s, t, p, c, pf, cf)| CdcMessage {
+    (
+        any::<u16>(),
+        any::<u32>(),
+        cursor(),
+        cursor(),
+        any::<u8>(),
+        any::<u8>(),
+    )
+        .prop_map(|(s, t, p, c, pf, cf)| CdcMessage {
             seqno: s,
             alert_token: t,
             producer: p,
             consumer: c,
             prod_flags: ProducerFlags::from_byte(pf),
             conn_flags: ConnStateFlags::from_byte(cf),
-        },
-    )
+        })
 }
 
 proptest! {
@@ -297,7 +356,10 @@ fn every_truncation_and_single_byte_change() {
                 if name.starts_with("clc") {
                     assert!(ClcMessage::parse(t).is_err(), "{name} truncated to {len}");
                 } else {
-                    assert!(ControlMessage::parse(t).is_err(), "{name} truncated to {len}");
+                    assert!(
+                        ControlMessage::parse(t).is_err(),
+                        "{name} truncated to {len}"
+                    );
                 }
             }
             cases += 1;

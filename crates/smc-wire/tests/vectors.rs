@@ -187,7 +187,10 @@ fn clc_decline() {
         panic!("not a decline")
     };
     assert_eq!(d, Decline::new(server_peer(), DeclineCode::NOSMCDEV, false));
-    assert_eq!(d.diagnosis.description(), Some("no SMC device found (R or D)"));
+    assert_eq!(
+        d.diagnosis.description(),
+        Some("no SMC device found (R or D)")
+    );
     let ClcMessage::Decline(d) = clc("clc_decline_out_of_sync") else {
         panic!("not a decline")
     };
