@@ -1,1 +1,36 @@
-fn main() {}
+//! `smc`: the smc-rs command line.
+#![forbid(unsafe_code)]
+
+mod decode;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// smc-rs: SMC-R (RFC 7609) in userspace.
+#[derive(Parser, Debug)]
+#[command(name = "smc", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Decode SMC-R messages from hex, a pcap/pcapng file or the bundled reference vectors.
+    Decode(decode::DecodeArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Decode(args) => decode::run(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("smc: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -327,7 +327,19 @@ impl Value {
                 }
             }
             Value::Bool(v) => v.to_string(),
-            Value::Bytes(v) => v.iter().map(|b| format!("{b:02x}")).collect(),
+            Value::Bytes(v) => match v.len() {
+                16 => {
+                    let mut a = [0u8; 16];
+                    a.copy_from_slice(v);
+                    core::net::Ipv6Addr::from(a).to_string()
+                }
+                6 => {
+                    let mut a = [0u8; 6];
+                    a.copy_from_slice(v);
+                    crate::Mac(a).to_string()
+                }
+                _ => v.iter().map(|b| format!("{b:02x}")).collect(),
+            },
             Value::Text(t) => t.clone(),
             Value::List(items) => {
                 let parts: Vec<String> = items

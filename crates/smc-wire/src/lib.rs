@@ -18,6 +18,7 @@ pub mod cdc;
 pub mod clc;
 pub mod codec;
 pub mod describe;
+pub mod dissect;
 pub mod error;
 pub mod examples;
 pub mod llc;

@@ -1,0 +1,262 @@
+//! `smc decode`: print every SMC-R message found in hex input, a capture, or the examples.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value as Json};
+use smc_wire::describe::{self, Description, Value};
+use smc_wire::dissect::{self, Finding, Found, Origin};
+use smc_wire::examples;
+use smc_wire::{
+    tcp_option, ClcMessage, ControlMessage, EYECATCHER_SMCD, EYECATCHER_SMCR, MSG44_LEN,
+};
+
+/// Arguments of `smc decode`.
+#[derive(clap::Args, Debug)]
+pub struct DecodeArgs {
+    /// Hex strings, each one or more messages (CLC messages back to back, a 44-byte LLC/CDC
+    /// message, or a TCP options block). Without any, hex is read from standard input.
+    hex: Vec<String>,
+    /// Read a pcap or pcapng capture instead (Ethernet frames).
+    #[arg(short = 'r', long = "file", conflicts_with_all = ["hex", "example"])]
+    file: Option<PathBuf>,
+    /// Decode a bundled reference vector by name, or `all` of them.
+    #[arg(long, conflicts_with = "hex")]
+    example: Option<String>,
+    /// One JSON object per message, one per line.
+    #[arg(long)]
+    json: bool,
+}
+
+struct Out {
+    json: bool,
+    errors: usize,
+    messages: usize,
+}
+
+impl Out {
+    fn message(&mut self, d: &Description, source: &[(&str, Json)]) -> Result<()> {
+        self.messages += 1;
+        let mut stdout = std::io::stdout().lock();
+        if self.json {
+            let mut m = Map::new();
+            m.insert("kind".into(), Json::String(d.kind.into()));
+            for (k, v) in source {
+                m.insert((*k).into(), v.clone());
+            }
+            for (k, v) in &d.fields {
+                m.insert((*k).into(), to_json(v));
+            }
+            writeln!(stdout, "{}", Json::Object(m))?;
+        } else {
+            let src: Vec<String> = source
+                .iter()
+                .map(|(k, v)| {
+                    format!(
+                        "{k}={}",
+                        v.as_str().map(str::to_string).unwrap_or(v.to_string())
+                    )
+                })
+                .collect();
+            if src.is_empty() {
+                writeln!(stdout, "{}", d.kind)?;
+            } else {
+                writeln!(stdout, "{} ({})", d.kind, src.join(" "))?;
+            }
+            for (k, v) in &d.fields {
+                writeln!(stdout, "  {k}: {}", v.to_text())?;
+            }
+        }
+        Ok(())
+    }
+
+    fn error(&mut self, what: &str, e: &dyn std::fmt::Display) {
+        self.errors += 1;
+        eprintln!("smc decode: {what}: {e}");
+    }
+}
+
+fn to_json(v: &Value) -> Json {
+    match v {
+        Value::U(n) => json!(n),
+        Value::Bool(b) => json!(b),
+        Value::Bytes(b) => Json::String(hex::encode(b)),
+        Value::Text(t) => Json::String(t.clone()),
+        Value::List(items) => Json::Array(
+            items
+                .iter()
+                .map(|rec| {
+                    Json::Object(
+                        rec.iter()
+                            .map(|(k, v)| ((*k).to_string(), to_json(v)))
+                            .collect(),
+                    )
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// Decode a byte string that is one or more messages.
+fn decode_bytes(out: &mut Out, what: &str, b: &[u8]) -> Result<()> {
+    if b.starts_with(&EYECATCHER_SMCR) || b.starts_with(&EYECATCHER_SMCD) {
+        let mut rest = b;
+        while !rest.is_empty() {
+            match ClcMessage::parse(rest) {
+                Ok((m, used)) => {
+                    out.message(&describe::clc(&m), &[])?;
+                    rest = &rest[used..];
+                }
+                Err(e) => {
+                    out.error(what, &e);
+                    break;
+                }
+            }
+        }
+    } else if !b.is_empty() && b.len() % MSG44_LEN == 0 {
+        for chunk in b.chunks(MSG44_LEN) {
+            match ControlMessage::parse(chunk) {
+                Ok(m) => out.message(&describe::control(&m), &[])?,
+                Err(e) => out.error(what, &e),
+            }
+        }
+    } else {
+        match tcp_option::find_in_options(b) {
+            Ok(present) => out.message(
+                &Description {
+                    kind: "tcp.options",
+                    fields: vec![("smc_option", Value::Bool(present))],
+                },
+                &[],
+            )?,
+            Err(_) => out.error(
+                what,
+                &format!(
+                    "{} bytes: not a CLC message (no SMCR eye catcher), not a 44-byte LLC/CDC \
+                     message and not a TCP options block",
+                    b.len()
+                ),
+            ),
+        }
+    }
+    Ok(())
+}
+
+fn decode_finding(out: &mut Out, f: &Finding) -> Result<()> {
+    let mut src = vec![("frame", json!(f.frame))];
+    match &f.origin {
+        Origin::Tcp { src: s, dst: d } => {
+            src.push(("src", Json::String(s.to_string())));
+            src.push(("dst", Json::String(d.to_string())));
+        }
+        Origin::Roce { dest_qp, psn } => {
+            src.push(("dest_qp", json!(dest_qp)));
+            src.push(("psn", json!(psn)));
+        }
+    }
+    let what = format!("frame {}", f.frame);
+    match &f.found {
+        Found::TcpOption { syn_ack } => out.message(
+            &Description {
+                kind: "tcp.smc_option",
+                fields: vec![
+                    ("syn_ack", Value::Bool(*syn_ack)),
+                    ("exid", Value::Bytes(EYECATCHER_SMCR.to_vec())),
+                ],
+            },
+            &src,
+        )?,
+        Found::Clc(b) => match ClcMessage::parse(b) {
+            Ok((m, _)) => out.message(&describe::clc(&m), &src)?,
+            Err(e) => out.error(&what, &e),
+        },
+        Found::Send(b) => match ControlMessage::parse(b) {
+            Ok(m) => out.message(&describe::control(&m), &src)?,
+            Err(e) => out.error(&what, &e),
+        },
+        Found::ClcError(e) => out.error(&what, e),
+    }
+    Ok(())
+}
+
+/// Run `smc decode`.
+pub fn run(args: &DecodeArgs) -> Result<ExitCode> {
+    let mut out = Out {
+        json: args.json,
+        errors: 0,
+        messages: 0,
+    };
+    if let Some(path) = &args.file {
+        let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+        let findings = dissect::read_capture(f)?;
+        for f in &findings {
+            decode_finding(&mut out, f)?;
+        }
+    } else if let Some(name) = &args.example {
+        let list: Vec<(&str, &str)> = if name == "all" {
+            examples::VECTORS
+                .iter()
+                .chain(examples::VARIANTS)
+                .copied()
+                .collect()
+        } else {
+            examples::VECTORS
+                .iter()
+                .chain(examples::VARIANTS)
+                .filter(|(n, _)| n == name)
+                .copied()
+                .collect()
+        };
+        if list.is_empty() {
+            let names: Vec<&str> = examples::VECTORS
+                .iter()
+                .chain(examples::VARIANTS)
+                .map(|(n, _)| *n)
+                .collect();
+            bail!(
+                "no example named {name:?}; known: all, {}",
+                names.join(", ")
+            );
+        }
+        for (n, h) in list {
+            let b = examples::from_hex(h).context("bundled vector is valid hex")?;
+            if !args.json {
+                println!("# {n}");
+            }
+            decode_bytes(&mut out, n, &b)?;
+        }
+    } else {
+        let inputs: Vec<String> = if args.hex.is_empty() || args.hex == ["-"] {
+            let mut s = String::new();
+            std::io::stdin().read_to_string(&mut s)?;
+            s.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_string)
+                .collect()
+        } else {
+            args.hex.clone()
+        };
+        for (i, h) in inputs.iter().enumerate() {
+            let what = format!("input {}", i + 1);
+            match examples::from_hex(h) {
+                Some(b) => decode_bytes(&mut out, &what, &b)?,
+                None => out.error(&what, &"not valid hex"),
+            }
+        }
+    }
+    if out.errors > 0 {
+        eprintln!(
+            "smc decode: {} message(s) decoded, {} error(s)",
+            out.messages, out.errors
+        );
+        return Ok(ExitCode::from(1));
+    }
+    if out.messages == 0 {
+        eprintln!("smc decode: no SMC message found");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
