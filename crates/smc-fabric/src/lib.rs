@@ -1,1 +1,543 @@
-//! smc-fabric (being built).
+//! # smc-fabric: the RDMA verbs model of smc-rs and its backends
+//!
+//! SMC-R (RFC 7609) moves payload by RDMA WRITE into the peer's memory and signals by RDMA SEND
+//! of 44-byte CDC/LLC messages over reliably connected (RC) queue pairs. This crate models that
+//! layer as a small set of backend-agnostic verbs objects:
+//!
+//! | object | verbs analogue | what it is for |
+//! |---|---|---|
+//! | [`Device`] | `ibv_context` + port | software RNIC: name, [`Gid`], [`Mac`], port state, events, fault injection |
+//! | [`ProtectionDomain`] | `ibv_pd` | scope of memory regions a connected remote QP may access |
+//! | [`MemoryRegion`] | `ibv_mr` | fabric-owned buffer with lkey, rkey, address, length, [`AccessFlags`] |
+//! | [`CompletionQueue`] | `ibv_cq` + `ibv_comp_channel` | [`WorkCompletion`]s; busy [`poll`](CompletionQueue::poll), blocking [`wait`](CompletionQueue::wait), or an eventfd for epoll/tokio |
+//! | [`QueuePair`] | RC `ibv_qp` | RESET → INIT → RTR → RTS (→ ERROR); post [`SendWr`] and [`RecvWr`] |
+//!
+//! Every object is an enum over backends (today only the shared-memory backend, `shm`); a
+//! software-RoCE or libibverbs backend adds a variant without changing callers.
+//!
+//! ## Semantics
+//!
+//! - RDMA WRITE is executed at post time (the shm backend copies straight into the mapped remote
+//!   region after checking rkey, bounds and access); SEND is placed into the peer's receive ring.
+//!   Work requests of one QP execute in order, so a WRITE posted before a SEND is visible at the
+//!   receiver before the SEND's receive completion.
+//! - A remote-access violation completes with [`WcStatus::RemoteAccessError`] and moves the QP to
+//!   [`QpState::Error`]; in the error state every outstanding and newly posted work request
+//!   completes with [`WcStatus::WrFlushError`]. Synchronous misuse returns a [`FabricError`].
+//! - SENDs that find the peer's ring full wait in the send queue (RC "RNR retry forever"); the
+//!   queue advances whenever the QP posts or its send CQ is polled.
+//! - A peer process dying closes its control sockets: our QPs connected to it enter the error
+//!   state immediately (messages it already sent are still delivered first).
+//! - Work completions of receives report the message length; the bytes are in the posted
+//!   receive buffer, read them with [`MemoryRegion::read_at`].
+//!
+//! ## The shm backend
+//!
+//! Devices `shm0`, `shm1`, … come from [`FabricConfig`] (or the environment, see
+//! [`config`]). Each process that opens a device is its own RNIC port with its own GID (derived
+//! from pid, randomness and device index) and listens on a Unix SEQPACKET socket
+//! `<dir>/<device>/<gid hex>.sock` in the fabric directory (default `$XDG_RUNTIME_DIR/smc-fabric`,
+//! else `/tmp/smc-fabric-<uid>`). Moving a QP to RTR connects to the remote GID's socket; memory
+//! regions and rings are sealed memfds passed with SCM_RIGHTS. A remote QP gets only regions of
+//! the protection domain of the QP it is connected to, and only with remote-write access.
+//! SEND uses a lock-free SPSC ring in shared memory whose eventfd doorbell is rung only when the
+//! receiver sleeps, so a busy-polling receiver costs the sender no system call.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! use smc_fabric::*;
+//!
+//! /// `exchange` stands for the CLC/LLC exchange: it sends our QP info and RMB (rkey, address)
+//! /// to the peer and returns the peer's.
+//! fn link(
+//!     exchange: impl FnOnce(LocalQpInfo, u32, u64) -> (RemoteQpInfo, u32, u64),
+//! ) -> Result<()> {
+//! let cfg = FabricConfig::from_env()?;
+//! let dev = Device::open(&cfg, "shm0")?;
+//! let pd = dev.alloc_pd()?;
+//! let cq = dev.create_cq()?;
+//! let rmb = pd.register(64 * 1024, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+//! let rx = pd.register(4096, AccessFlags::LOCAL_WRITE)?;
+//! let qp = pd.create_qp(&cq, &cq, QpCaps::default())?;
+//! qp.to_init()?;
+//! let (remote, peer_rkey, peer_addr) = exchange(qp.local_info(), rmb.rkey(), rmb.addr());
+//! qp.post_recv(&RecvWr { wr_id: 1, sge: rx.sge(0, 44)? })?;
+//! qp.to_rtr(remote)?;
+//! qp.to_rts()?;
+//! qp.post_send(&SendWr::WriteInline { wr_id: 2, data: b"payload", remote_addr: peer_addr, rkey: peer_rkey, signaled: false })?;
+//! qp.post_send(&SendWr::Send { wr_id: 3, data: &[0u8; 44], signaled: true })?;
+//! let mut wcs = [WorkCompletion::EMPTY; 16];
+//! let n = cq.wait(&mut wcs, None)?;
+//! for wc in &wcs[..n] {
+//!     assert!(wc.is_ok());
+//! }
+//! Ok(())
+//! }
+//! ```
+//!
+//! ## Tests
+//!
+//! - `cargo test -p smc-fabric` runs unit tests, in-process fabric tests and the multi-process
+//!   tests (`tests/multiprocess.rs` re-executes the test binary as the peer). Set
+//!   `SMC_FABRIC_STRESS_MESSAGES=1000000` for the million-message WRITE-then-SEND run.
+//! - The loom model of the ring and doorbell protocol:
+//!   `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/work/target-fabric-loom cargo test -p smc-fabric --release --lib loom`
+//! - Benchmarks: `cargo bench -p smc-fabric --bench fabric`.
+
+#![warn(missing_docs)]
+
+pub mod config;
+mod error;
+mod ring;
+mod shm;
+mod sync;
+mod types;
+
+pub use config::{DeviceConfig, FabricConfig, Fault};
+pub use error::{FabricError, Result};
+pub use ring::MAX_INLINE;
+pub use types::{
+    AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, QpCaps, QpState, RecvWr,
+    RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
+
+use rustix::fd::BorrowedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Names of the devices of a fabric configuration (verbs `ibv_get_device_list`).
+pub fn list_devices(config: &FabricConfig) -> Vec<String> {
+    config.device_names()
+}
+
+#[derive(Clone)]
+enum DeviceImpl {
+    Shm(Arc<shm::DeviceHandle>),
+}
+
+/// An opened software RNIC port. Cloning gives another handle to the same port.
+#[derive(Clone)]
+pub struct Device {
+    inner: DeviceImpl,
+}
+
+impl Device {
+    /// Open the configured device `name` (shm backend: devices named in `config`).
+    pub fn open(config: &FabricConfig, name: &str) -> Result<Device> {
+        Ok(Device {
+            inner: DeviceImpl::Shm(shm::DeviceHandle::open(config, name)?),
+        })
+    }
+
+    /// Device name, e.g. `shm0`.
+    pub fn name(&self) -> &str {
+        match &self.inner {
+            DeviceImpl::Shm(d) => &d.core.config.name,
+        }
+    }
+
+    /// GID of this port (unique per process and device).
+    pub fn gid(&self) -> Gid {
+        match &self.inner {
+            DeviceImpl::Shm(d) => d.core.gid,
+        }
+    }
+
+    /// MAC address of this port.
+    pub fn mac(&self) -> Mac {
+        match &self.inner {
+            DeviceImpl::Shm(d) => d.core.mac,
+        }
+    }
+
+    /// Configuration of the device (netdevs and addresses it serves).
+    pub fn config(&self) -> &DeviceConfig {
+        match &self.inner {
+            DeviceImpl::Shm(d) => &d.core.config,
+        }
+    }
+
+    /// Largest SEND payload in bytes.
+    pub fn max_inline(&self) -> usize {
+        MAX_INLINE
+    }
+
+    /// Current port state.
+    pub fn port_state(&self) -> PortState {
+        match &self.inner {
+            DeviceImpl::Shm(d) => d.port_state(),
+        }
+    }
+
+    /// Fault injection: bring the port down (every QP enters the error state and flushes) or up.
+    pub fn set_port_state(&self, state: PortState) {
+        match &self.inner {
+            DeviceImpl::Shm(d) => d.set_port_state(state),
+        }
+    }
+
+    /// Fault injection: the next `n` send-queue work requests on this device fail with
+    /// [`WcStatus::RetryExceeded`] (and move their QP to the error state).
+    pub fn fail_next_work_requests(&self, n: u32) {
+        match &self.inner {
+            DeviceImpl::Shm(d) => {
+                d.core
+                    .fail_next
+                    .fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Next asynchronous event (port change, fatal QP error), if any.
+    pub fn poll_event(&self) -> Option<DeviceEvent> {
+        match &self.inner {
+            DeviceImpl::Shm(d) => d.poll_event(),
+        }
+    }
+
+    /// Allocate a protection domain.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        match &self.inner {
+            DeviceImpl::Shm(d) => Ok(ProtectionDomain {
+                inner: PdImpl::Shm {
+                    dev: d.clone(),
+                    id: d.core.alloc_pd(),
+                },
+            }),
+        }
+    }
+
+    /// Create a completion queue with its completion channel.
+    pub fn create_cq(&self) -> Result<CompletionQueue> {
+        match &self.inner {
+            DeviceImpl::Shm(d) => Ok(CompletionQueue {
+                inner: CqImpl::Shm(shm::CqShared::new(d.clone())?),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name())
+            .field("gid", &self.gid())
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+enum PdImpl {
+    Shm {
+        dev: Arc<shm::DeviceHandle>,
+        id: u32,
+    },
+}
+
+/// A protection domain: memory regions and QPs created from it belong together; a remote QP
+/// reaches only regions of its peer QP's protection domain.
+#[derive(Clone)]
+pub struct ProtectionDomain {
+    inner: PdImpl,
+}
+
+impl ProtectionDomain {
+    /// Allocate and register a zeroed memory region of `len` bytes owned by the fabric.
+    pub fn register(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        match &self.inner {
+            PdImpl::Shm { dev, id } => Ok(MemoryRegion {
+                inner: MrImpl::Shm {
+                    dev: dev.clone(),
+                    mr: shm::MrInner::register(&dev.core, *id, len, access)?,
+                },
+            }),
+        }
+    }
+
+    /// Create an RC queue pair in state RESET whose send and receive work completes on the given
+    /// completion queues (which must belong to the same device).
+    pub fn create_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCaps,
+    ) -> Result<QueuePair> {
+        match (&self.inner, &send_cq.inner, &recv_cq.inner) {
+            (PdImpl::Shm { dev, id }, CqImpl::Shm(s), CqImpl::Shm(r)) => Ok(QueuePair {
+                inner: QpImpl::Shm(shm::QpShared::create(
+                    dev.clone(),
+                    *id,
+                    s.clone(),
+                    r.clone(),
+                    caps,
+                )?),
+            }),
+        }
+    }
+}
+
+enum MrImpl {
+    Shm {
+        dev: Arc<shm::DeviceHandle>,
+        mr: Arc<shm::MrInner>,
+    },
+}
+
+/// A registered memory region. Dropping it deregisters it: remote WRITEs with its rkey then
+/// fail with [`WcStatus::RemoteAccessError`].
+///
+/// The memory may be written by the peer at any time (when registered with remote write), so
+/// this type never hands out Rust references to it: use [`read_at`](Self::read_at),
+/// [`write_at`](Self::write_at) or the raw [`as_ptr`](Self::as_ptr).
+pub struct MemoryRegion {
+    inner: MrImpl,
+}
+
+impl MemoryRegion {
+    /// Local key (names the region in local [`Sge`]s).
+    pub fn lkey(&self) -> u32 {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.key,
+        }
+    }
+    /// Remote key (names the region in remote WRITEs; SMC-R sends it in CLC/LLC).
+    pub fn rkey(&self) -> u32 {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.key,
+        }
+    }
+    /// Virtual address of the first byte (the base of remote addresses and SGE addresses).
+    pub fn addr(&self) -> u64 {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.vaddr(),
+        }
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.len(),
+        }
+    }
+    /// Whether the region is empty (never true: regions have at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Access flags.
+    pub fn access(&self) -> AccessFlags {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.access,
+        }
+    }
+    /// Raw pointer to the first byte (valid while the region lives). Access it only with raw
+    /// copies or atomics: a peer may write it concurrently.
+    pub fn as_ptr(&self) -> *mut u8 {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.mapping.ptr(),
+        }
+    }
+    /// An SGE for `len` bytes at byte `offset` of this region (bounds checked).
+    pub fn sge(&self, offset: usize, len: u32) -> Result<Sge> {
+        let end = offset
+            .checked_add(len as usize)
+            .ok_or(FabricError::LocalAccess)?;
+        if end > self.len() {
+            return Err(FabricError::LocalAccess);
+        }
+        Ok(Sge {
+            addr: self.addr() + offset as u64,
+            length: len,
+            lkey: self.lkey(),
+        })
+    }
+    /// Copy bytes out of the region starting at `offset`.
+    pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.read_at(offset, buf),
+        }
+    }
+    /// Copy bytes into the region starting at `offset`.
+    pub fn write_at(&self, offset: usize, buf: &[u8]) -> Result<()> {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.write_at(offset, buf),
+        }
+    }
+    /// Deregister now (same as dropping).
+    pub fn deregister(self) {}
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        match &self.inner {
+            MrImpl::Shm { dev, mr } => mr.deregister(&dev.core),
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("rkey", &self.rkey())
+            .field("addr", &self.addr())
+            .field("len", &self.len())
+            .field("access", &self.access())
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+enum CqImpl {
+    Shm(Arc<shm::CqShared>),
+}
+
+/// A completion queue with a completion channel.
+///
+/// Busy polling: call [`poll`](Self::poll) in a loop (no system call while peers are active).
+/// Blocking: [`wait`](Self::wait). Event loops (epoll, tokio `AsyncFd`): watch
+/// [`fd`](Self::fd) for readability, and per wake-up call [`ack_notify`](Self::ack_notify),
+/// drain with `poll`, then [`req_notify`](Self::req_notify) and `poll` once more before waiting
+/// again (the usual verbs arm-then-recheck pattern).
+#[derive(Clone)]
+pub struct CompletionQueue {
+    inner: CqImpl,
+}
+
+impl CompletionQueue {
+    /// Poll up to `out.len()` completions without blocking; returns how many were written.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        match &self.inner {
+            CqImpl::Shm(c) => c.poll(out),
+        }
+    }
+
+    /// Spin on [`poll`](Self::poll) for up to `spins` iterations; returns on the first completion.
+    pub fn poll_busy(&self, out: &mut [WorkCompletion], spins: u64) -> usize {
+        for _ in 0..spins {
+            let n = self.poll(out);
+            if n > 0 {
+                return n;
+            }
+            std::hint::spin_loop();
+        }
+        0
+    }
+
+    /// Block until at least one completion arrives or `timeout` elapses (`Ok(0)`).
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> Result<usize> {
+        match &self.inner {
+            CqImpl::Shm(c) => c.wait(out, timeout),
+        }
+    }
+
+    /// Arm the completion channel: [`fd`](Self::fd) becomes readable at the next completion.
+    pub fn req_notify(&self) {
+        match &self.inner {
+            CqImpl::Shm(c) => c.req_notify(),
+        }
+    }
+
+    /// Consume the channel's readiness after [`fd`](Self::fd) was reported readable.
+    pub fn ack_notify(&self) {
+        match &self.inner {
+            CqImpl::Shm(c) => c.ack_notify(),
+        }
+    }
+
+    /// The completion channel (an eventfd), for epoll or tokio.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        match &self.inner {
+            CqImpl::Shm(c) => c.eventfd(),
+        }
+    }
+}
+
+enum QpImpl {
+    Shm(Arc<shm::QpShared>),
+}
+
+/// A reliably connected queue pair. Dropping it destroys it (the peer's QP enters the error
+/// state).
+pub struct QueuePair {
+    inner: QpImpl,
+}
+
+impl QueuePair {
+    /// QP number (24 bits).
+    pub fn qp_num(&self) -> u32 {
+        match &self.inner {
+            QpImpl::Shm(q) => q.qpn,
+        }
+    }
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        match &self.inner {
+            QpImpl::Shm(q) => q.state(),
+        }
+    }
+    /// What the peer needs to connect to this QP (GID, QPN, PSN, MTU).
+    pub fn local_info(&self) -> LocalQpInfo {
+        match &self.inner {
+            QpImpl::Shm(q) => q.local_info(),
+        }
+    }
+    /// The remote QP given at RTR, if any.
+    pub fn remote_info(&self) -> Option<RemoteQpInfo> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.remote_info(),
+        }
+    }
+    /// RESET → INIT (receives may be posted from now on).
+    pub fn to_init(&self) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.to_init(),
+        }
+    }
+    /// INIT → RTR with the remote QP learnt from the peer. The shm backend connects to the
+    /// remote device here; an unreachable peer is an error and the QP stays in INIT.
+    pub fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.to_rtr(remote),
+        }
+    }
+    /// RTR → RTS (sends may be posted from now on).
+    pub fn to_rts(&self) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.to_rts(),
+        }
+    }
+    /// Fault injection / teardown: move to ERROR, flushing outstanding work.
+    pub fn force_error(&self) {
+        match &self.inner {
+            QpImpl::Shm(q) => q.enter_error("forced"),
+        }
+    }
+    /// Post a send-queue work request (SEND, RDMA WRITE).
+    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.post_send(wr),
+        }
+    }
+    /// Post a receive buffer for one incoming SEND.
+    pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.post_recv(wr),
+        }
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        match &self.inner {
+            QpImpl::Shm(q) => q.destroy(),
+        }
+    }
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("qp_num", &self.qp_num())
+            .field("state", &self.state())
+            .finish()
+    }
+}

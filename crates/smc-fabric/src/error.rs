@@ -1,0 +1,81 @@
+//! Typed errors of the fabric API.
+
+use crate::types::QpState;
+
+/// Every synchronous failure of the fabric API.
+///
+/// Failures of posted work are reported as [`crate::WcStatus`] in work completions instead.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FabricError {
+    /// No device with this name is configured.
+    #[error("no such fabric device: {0}")]
+    NoSuchDevice(String),
+    /// The device port is down (fault injection or configuration).
+    #[error("device port is down")]
+    PortDown,
+    /// The requested QP state transition is not allowed from the current state.
+    #[error("invalid QP state transition from {from:?} to {to:?}")]
+    InvalidTransition {
+        /// State the QP is in.
+        from: QpState,
+        /// State that was requested.
+        to: QpState,
+    },
+    /// Posting is not allowed in the QP's current state (e.g. SEND before RTS).
+    #[error("operation not allowed in QP state {0:?}")]
+    InvalidState(QpState),
+    /// The send or receive queue already holds its maximum number of work requests.
+    #[error("work queue is full")]
+    QueueFull,
+    /// An inline payload is larger than the backend allows.
+    #[error("message of {len} bytes exceeds the maximum of {max}")]
+    MessageTooLarge {
+        /// Requested length.
+        len: usize,
+        /// Maximum length.
+        max: usize,
+    },
+    /// A local key does not name a memory region of this protection domain.
+    #[error("invalid local key {0:#x}")]
+    InvalidLkey(u32),
+    /// An address range is outside the memory region or access is not permitted.
+    #[error("local access outside memory region bounds or permissions")]
+    LocalAccess,
+    /// An argument is out of range (sizes, queue depths, PSN).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+    /// The objects belong to different devices or protection domains.
+    #[error("objects belong to different devices or protection domains")]
+    Mismatch,
+    /// The remote QP could not be reached or refused the connection.
+    #[error("remote QP unreachable: {0}")]
+    PeerUnreachable(String),
+    /// The peer sent a malformed or inconsistent control message or resource.
+    #[error("peer protocol violation: {0}")]
+    PeerViolation(&'static str),
+    /// A wait timed out.
+    #[error("timed out")]
+    Timeout,
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Os {
+        /// What the fabric was doing.
+        context: &'static str,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl FabricError {
+    pub(crate) fn os(context: &'static str, err: impl Into<std::io::Error>) -> Self {
+        FabricError::Os {
+            context,
+            source: err.into(),
+        }
+    }
+}
+
+/// Result alias of the fabric API.
+pub type Result<T> = std::result::Result<T, FabricError>;

@@ -1,0 +1,443 @@
+//! Lock-free single-producer/single-consumer message ring in shared memory, with the
+//! doorbell ("sleeping" flag) protocols used by SEND delivery.
+//!
+//! Layout of a ring region (all offsets in bytes, little cache-line padded header):
+//!
+//! | offset | field | written by |
+//! |---|---|---|
+//! | 0 | `tail: u64` (messages produced) | producer |
+//! | 8 | `rx_armed: u32` (consumer sleeps, wants a doorbell) | consumer sets, producer clears |
+//! | 64 | `head: u64` (messages consumed) | consumer |
+//! | 72 | `tx_waiting: u32` (producer waits for space) | producer sets, consumer clears |
+//! | 128 | `epoch: u64` (memory-region revocation epoch) | ring owner (consumer) |
+//! | 256 | `capacity` slots of [`SLOT_SIZE`] bytes: `len: u32`, 4 reserved bytes, payload | producer |
+//!
+//! The peer process may scribble over every byte of the region at any time. Both sides therefore
+//! keep their own copy of their index, validate the other index (`0 <= tail - head <= capacity`)
+//! and every slot length before use, and copy slots out with raw pointer copies before parsing.
+//! The only Rust references formed over shared memory are to atomic types, which permit
+//! concurrent modification.
+//!
+//! Doorbell protocol (a Dekker pair of SeqCst fences, so no wake-up is lost and a busy consumer
+//! costs the producer no system call):
+//! - consumer before sleeping: `rx_armed = 1; fence(SeqCst); re-check tail`, sleep only if empty;
+//! - producer after publishing `tail` (Release): `fence(SeqCst); if rx_armed != 0 && swap(rx_armed, 0)
+//!   != 0 { ring the doorbell }`.
+//!
+//! The same protocol with `tx_waiting` and `head` wakes a producer that waits for space.
+
+use crate::sync::{fence, AtomicU32, AtomicU64};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
+
+/// Size of one ring slot in bytes.
+pub const SLOT_SIZE: usize = 64;
+/// Bytes of a slot used by its header.
+const SLOT_HEADER: usize = 8;
+/// Largest SEND payload a slot carries.
+pub const MAX_INLINE: usize = SLOT_SIZE - SLOT_HEADER;
+/// Size of the ring header in bytes (slots start here).
+pub const HEADER_SIZE: usize = 256;
+
+/// Ring header; `#[repr(C)]` so that it matches the shared-memory layout documented above.
+///
+/// The padding is made of atomics too, so that a reference to the header never covers plain
+/// bytes the peer may write.
+#[repr(C)]
+pub(crate) struct RingHeader {
+    pub(crate) tail: AtomicU64,
+    pub(crate) rx_armed: AtomicU32,
+    #[cfg(not(loom))]
+    _pad0: [AtomicU32; 13],
+    pub(crate) head: AtomicU64,
+    pub(crate) tx_waiting: AtomicU32,
+    #[cfg(not(loom))]
+    _pad1: [AtomicU32; 13],
+    pub(crate) epoch: AtomicU64,
+    #[cfg(not(loom))]
+    _pad2: [AtomicU64; 15],
+}
+
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<RingHeader>() == HEADER_SIZE);
+
+impl RingHeader {
+    /// A zeroed header (used by the loom model, which allocates the header on the heap).
+    #[cfg(loom)]
+    pub(crate) fn new() -> RingHeader {
+        RingHeader {
+            tail: AtomicU64::new(0),
+            rx_armed: AtomicU32::new(0),
+            head: AtomicU64::new(0),
+            tx_waiting: AtomicU32::new(0),
+            epoch: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Bytes needed for a ring of `capacity` slots.
+pub const fn ring_bytes(capacity: u32) -> usize {
+    HEADER_SIZE + capacity as usize * SLOT_SIZE
+}
+
+/// Storage of ring slots: raw shared memory in production, loom cells in the model.
+pub(crate) trait SlotMem {
+    /// Copy `src` into slot `idx` (`idx < capacity`, checked by the caller).
+    fn write_slot(&self, idx: usize, src: &[u8; SLOT_SIZE]);
+    /// Copy slot `idx` into `dst` (`idx < capacity`, checked by the caller).
+    fn read_slot(&self, idx: usize, dst: &mut [u8; SLOT_SIZE]);
+}
+
+/// The peer broke the ring invariants (indices or lengths out of range).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RingCorrupt;
+
+/// Producer side state (kept in private memory).
+#[derive(Debug)]
+pub(crate) struct Producer {
+    tail: u64,
+    capacity: u32,
+}
+
+impl Producer {
+    pub(crate) fn new(capacity: u32) -> Producer {
+        Producer { tail: 0, capacity }
+    }
+
+    /// Try to append `msg` (at most [`MAX_INLINE`] bytes). `Ok(false)` when the ring is full.
+    pub(crate) fn try_push(
+        &mut self,
+        hdr: &RingHeader,
+        slots: &impl SlotMem,
+        msg: &[u8],
+    ) -> Result<bool, RingCorrupt> {
+        if msg.len() > MAX_INLINE {
+            return Err(RingCorrupt);
+        }
+        let head = hdr.head.load(Acquire);
+        let used = self.tail.wrapping_sub(head);
+        if used > u64::from(self.capacity) {
+            return Err(RingCorrupt);
+        }
+        if used == u64::from(self.capacity) {
+            return Ok(false);
+        }
+        let mut slot = [0u8; SLOT_SIZE];
+        // `msg.len() <= MAX_INLINE < u32::MAX`.
+        slot[..4].copy_from_slice(&(msg.len() as u32).to_le_bytes());
+        slot[SLOT_HEADER..SLOT_HEADER + msg.len()].copy_from_slice(msg);
+        let idx = (self.tail % u64::from(self.capacity)) as usize;
+        slots.write_slot(idx, &slot);
+        self.tail = self.tail.wrapping_add(1);
+        hdr.tail.store(self.tail, Release);
+        Ok(true)
+    }
+
+    /// After one or more pushes: whether the consumer sleeps and must get a doorbell.
+    pub(crate) fn consumer_needs_doorbell(hdr: &RingHeader) -> bool {
+        fence(SeqCst);
+        hdr.rx_armed.load(Relaxed) != 0 && hdr.rx_armed.swap(0, AcqRel) != 0
+    }
+
+    /// Announce that the producer waits for space; returns `true` if space appeared meanwhile
+    /// (then the caller retries at once instead of sleeping).
+    pub(crate) fn arm_wait_for_space(&self, hdr: &RingHeader) -> bool {
+        hdr.tx_waiting.store(1, Relaxed);
+        fence(SeqCst);
+        let head = hdr.head.load(Acquire);
+        self.tail.wrapping_sub(head) < u64::from(self.capacity)
+    }
+}
+
+/// Consumer side state (kept in private memory).
+#[derive(Debug)]
+pub(crate) struct Consumer {
+    head: u64,
+    capacity: u32,
+}
+
+impl Consumer {
+    pub(crate) fn new(capacity: u32) -> Consumer {
+        Consumer { head: 0, capacity }
+    }
+
+    /// Number of messages ready, validated against the capacity.
+    pub(crate) fn available(&self, hdr: &RingHeader) -> Result<u64, RingCorrupt> {
+        let tail = hdr.tail.load(Acquire);
+        let avail = tail.wrapping_sub(self.head);
+        if avail > u64::from(self.capacity) {
+            return Err(RingCorrupt);
+        }
+        Ok(avail)
+    }
+
+    /// Copy the oldest message into `out` and return its length, without consuming it.
+    /// Call only when [`Consumer::available`] returned at least one message.
+    pub(crate) fn peek(
+        &self,
+        slots: &impl SlotMem,
+        out: &mut [u8; MAX_INLINE],
+    ) -> Result<usize, RingCorrupt> {
+        let idx = (self.head % u64::from(self.capacity)) as usize;
+        let mut slot = [0u8; SLOT_SIZE];
+        slots.read_slot(idx, &mut slot);
+        let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]) as usize;
+        if len > MAX_INLINE {
+            return Err(RingCorrupt);
+        }
+        out[..len].copy_from_slice(&slot[SLOT_HEADER..SLOT_HEADER + len]);
+        Ok(len)
+    }
+
+    /// Release the oldest message's slot to the producer. Returns whether the producer waits for
+    /// space and must get a doorbell.
+    pub(crate) fn advance(&mut self, hdr: &RingHeader) -> bool {
+        self.head = self.head.wrapping_add(1);
+        hdr.head.store(self.head, Release);
+        fence(SeqCst);
+        hdr.tx_waiting.load(Relaxed) != 0 && hdr.tx_waiting.swap(0, AcqRel) != 0
+    }
+
+    /// Announce that the consumer is about to sleep. Returns `true` if messages arrived
+    /// meanwhile (then the caller must not sleep).
+    pub(crate) fn arm_sleep(&self, hdr: &RingHeader) -> Result<bool, RingCorrupt> {
+        hdr.rx_armed.store(1, Relaxed);
+        fence(SeqCst);
+        Ok(self.available(hdr)? > 0)
+    }
+}
+
+/// Slots in a mapped shared-memory region.
+#[cfg(not(loom))]
+pub(crate) struct RawSlots {
+    base: *mut u8,
+    capacity: usize,
+}
+
+#[cfg(not(loom))]
+impl RawSlots {
+    /// # Safety
+    /// `base` must point to `capacity * SLOT_SIZE` bytes that stay mapped (readable and
+    /// writable) for the lifetime of the returned value.
+    pub(crate) unsafe fn new(base: *mut u8, capacity: usize) -> RawSlots {
+        RawSlots { base, capacity }
+    }
+}
+
+#[cfg(not(loom))]
+impl SlotMem for RawSlots {
+    fn write_slot(&self, idx: usize, src: &[u8; SLOT_SIZE]) {
+        if idx >= self.capacity {
+            return;
+        }
+        // SAFETY: idx < capacity, so the slot lies inside the mapping promised by `new`. The
+        // destination is shared memory the peer may write concurrently; a raw byte copy never
+        // forms a reference to it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(idx * SLOT_SIZE), SLOT_SIZE)
+        }
+    }
+
+    fn read_slot(&self, idx: usize, dst: &mut [u8; SLOT_SIZE]) {
+        if idx >= self.capacity {
+            return;
+        }
+        // SAFETY: as in `write_slot`; the bytes are copied out before being interpreted.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.add(idx * SLOT_SIZE),
+                dst.as_mut_ptr(),
+                SLOT_SIZE,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+#[cfg(not(loom))]
+mod tests {
+    use super::*;
+
+    struct HeapRing {
+        mem: Vec<u64>,
+    }
+
+    impl HeapRing {
+        fn new(cap: u32) -> HeapRing {
+            HeapRing {
+                mem: vec![0u64; ring_bytes(cap) / 8],
+            }
+        }
+        fn hdr(&self) -> &RingHeader {
+            // SAFETY: the buffer is 8-aligned, zeroed (a valid RingHeader) and long enough.
+            unsafe { &*(self.mem.as_ptr() as *const RingHeader) }
+        }
+        fn slots(&mut self, cap: u32) -> RawSlots {
+            // SAFETY: the slot area follows the header inside `mem`, which outlives the test.
+            unsafe {
+                RawSlots::new(
+                    (self.mem.as_mut_ptr() as *mut u8).add(HEADER_SIZE),
+                    cap as usize,
+                )
+            }
+        }
+    }
+
+    #[test]
+    fn push_pop_wraps_and_reports_full() {
+        let mut ring = HeapRing::new(4);
+        let slots = ring.slots(4);
+        let hdr = ring.hdr();
+        let mut p = Producer::new(4);
+        let mut c = Consumer::new(4);
+        let mut buf = [0u8; MAX_INLINE];
+        for round in 0..10u8 {
+            for i in 0..4u8 {
+                assert_eq!(p.try_push(hdr, &slots, &[round, i, 7]), Ok(true));
+            }
+            assert_eq!(p.try_push(hdr, &slots, &[0]), Ok(false));
+            assert_eq!(c.available(hdr), Ok(4));
+            for i in 0..4u8 {
+                assert_eq!(c.peek(&slots, &mut buf), Ok(3));
+                assert_eq!(&buf[..3], &[round, i, 7]);
+                c.advance(hdr);
+            }
+            assert_eq!(c.available(hdr), Ok(0));
+        }
+    }
+
+    #[test]
+    fn scribbled_indices_and_lengths_are_rejected() {
+        let mut ring = HeapRing::new(4);
+        let slots = ring.slots(4);
+        let hdr = ring.hdr();
+        let c = Consumer::new(4);
+        hdr.tail.store(5, Relaxed);
+        assert_eq!(c.available(hdr), Err(RingCorrupt));
+        hdr.tail.store(u64::MAX, Relaxed);
+        assert_eq!(c.available(hdr), Err(RingCorrupt));
+        hdr.tail.store(1, Relaxed);
+        slots.write_slot(0, &[0xff; SLOT_SIZE]);
+        let mut buf = [0u8; MAX_INLINE];
+        assert_eq!(c.peek(&slots, &mut buf), Err(RingCorrupt));
+        let mut p = Producer::new(4);
+        hdr.head.store(9, Relaxed);
+        assert_eq!(p.try_push(hdr, &slots, &[1]), Err(RingCorrupt));
+    }
+
+    #[test]
+    fn doorbell_only_when_armed() {
+        let mut ring = HeapRing::new(2);
+        let slots = ring.slots(2);
+        let hdr = ring.hdr();
+        let mut p = Producer::new(2);
+        let mut c = Consumer::new(2);
+        assert_eq!(c.arm_sleep(hdr), Ok(false));
+        assert_eq!(p.try_push(hdr, &slots, b"x"), Ok(true));
+        assert!(Producer::consumer_needs_doorbell(hdr));
+        assert_eq!(p.try_push(hdr, &slots, b"y"), Ok(true));
+        assert!(
+            !Producer::consumer_needs_doorbell(hdr),
+            "one doorbell per arming"
+        );
+        assert!(!p.arm_wait_for_space(hdr));
+        assert!(c.advance(hdr), "producer waited for space");
+        assert!(!c.advance(hdr));
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::{Arc, Notify};
+
+    struct LoomSlots {
+        cells: Vec<UnsafeCell<[u8; SLOT_SIZE]>>,
+    }
+
+    impl SlotMem for LoomSlots {
+        fn write_slot(&self, idx: usize, src: &[u8; SLOT_SIZE]) {
+            // SAFETY: loom checks that producer and consumer never access a slot concurrently.
+            self.cells[idx].with_mut(|p| unsafe { *p = *src });
+        }
+        fn read_slot(&self, idx: usize, dst: &mut [u8; SLOT_SIZE]) {
+            // SAFETY: as above.
+            self.cells[idx].with(|p| unsafe { *dst = *p });
+        }
+    }
+
+    struct Shared {
+        hdr: RingHeader,
+        slots: LoomSlots,
+        rx_bell: Notify,
+        tx_bell: Notify,
+    }
+
+    /// Producer pushes `n` messages into a ring of `cap` slots, sleeping when full; the consumer
+    /// pops them, sleeping when empty. Loom explores all interleavings: a lost doorbell shows up
+    /// as a deadlock, a missing Release/Acquire as a data race on a slot cell or wrong payload.
+    fn model(cap: u32, n: u8) {
+        loom::model(move || {
+            let shared = Arc::new(Shared {
+                hdr: RingHeader::new(),
+                slots: LoomSlots {
+                    cells: (0..cap)
+                        .map(|_| UnsafeCell::new([0u8; SLOT_SIZE]))
+                        .collect(),
+                },
+                rx_bell: Notify::new(),
+                tx_bell: Notify::new(),
+            });
+            let s2 = shared.clone();
+            let producer = loom::thread::spawn(move || {
+                let mut p = Producer::new(cap);
+                let mut i = 0u8;
+                while i < n {
+                    match p.try_push(&s2.hdr, &s2.slots, &[i, i.wrapping_mul(3)]) {
+                        Ok(true) => {
+                            i += 1;
+                            if Producer::consumer_needs_doorbell(&s2.hdr) {
+                                s2.rx_bell.notify();
+                            }
+                        }
+                        Ok(false) => {
+                            if !p.arm_wait_for_space(&s2.hdr) {
+                                s2.tx_bell.wait();
+                            }
+                        }
+                        Err(RingCorrupt) => panic!("ring corrupt"),
+                    }
+                }
+            });
+            let mut c = Consumer::new(cap);
+            let mut buf = [0u8; MAX_INLINE];
+            let mut expect = 0u8;
+            while expect < n {
+                let avail = c.available(&shared.hdr).expect("valid ring");
+                if avail == 0 {
+                    if !c.arm_sleep(&shared.hdr).expect("valid ring") {
+                        shared.rx_bell.wait();
+                    }
+                    continue;
+                }
+                let len = c.peek(&shared.slots, &mut buf).expect("valid slot");
+                assert_eq!(&buf[..len], &[expect, expect.wrapping_mul(3)]);
+                expect += 1;
+                if c.advance(&shared.hdr) {
+                    shared.tx_bell.notify();
+                }
+            }
+            producer.join().expect("producer");
+        });
+    }
+
+    #[test]
+    fn loom_ring_doorbell_no_lost_wakeup() {
+        model(1, 3);
+    }
+
+    #[test]
+    fn loom_ring_doorbell_wraparound() {
+        model(2, 3);
+    }
+}

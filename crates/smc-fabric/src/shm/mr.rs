@@ -1,0 +1,133 @@
+//! Memory regions: sealed memfds owned by the fabric, mapped locally and granted to peers.
+
+use super::device::{lock, DeviceCore};
+use super::mem::{self, Mapping};
+use crate::error::{FabricError, Result};
+use crate::types::AccessFlags;
+use rustix::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// A registered memory region.
+pub(crate) struct MrInner {
+    pub(crate) mapping: Mapping,
+    pub(crate) memfd: OwnedFd,
+    pub(crate) pd: u32,
+    pub(crate) key: u32,
+    pub(crate) access: AccessFlags,
+}
+
+impl MrInner {
+    pub(crate) fn register(
+        core: &DeviceCore,
+        pd: u32,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Arc<MrInner>> {
+        if len == 0 || len > core.fabric.max_mr_size {
+            return Err(FabricError::InvalidArgument("memory region size"));
+        }
+        let memfd = mem::sealed_memfd("smc-fabric-mr", len)?;
+        let mapping = Mapping::map(rustix::fd::AsFd::as_fd(&memfd), len)?;
+        let key = core.alloc_key();
+        let mr = Arc::new(MrInner {
+            mapping,
+            memfd,
+            pd,
+            key,
+            access,
+        });
+        lock(&core.mrs).insert(key, mr.clone());
+        Ok(mr)
+    }
+
+    /// Virtual address (the local mapping address, as with hardware verbs).
+    pub(crate) fn vaddr(&self) -> u64 {
+        self.mapping.ptr() as u64
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.mapping.len()
+    }
+
+    /// Byte offset of `[addr, addr+len)` inside the region, if it lies inside.
+    pub(crate) fn offset_of(&self, addr: u64, len: u64) -> Option<usize> {
+        let off = addr.checked_sub(self.vaddr())?;
+        let end = off.checked_add(len)?;
+        if end > self.len() as u64 {
+            return None;
+        }
+        usize::try_from(off).ok()
+    }
+
+    /// Copy `buf.len()` bytes from `offset` into `buf`.
+    pub(crate) fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        let end = offset
+            .checked_add(buf.len())
+            .ok_or(FabricError::LocalAccess)?;
+        if end > self.len() {
+            return Err(FabricError::LocalAccess);
+        }
+        // SAFETY: the range is inside the live mapping; shared memory is only copied with raw
+        // pointer copies, never referenced.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.mapping.ptr().add(offset),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copy `buf` into the region at `offset`.
+    pub(crate) fn write_at(&self, offset: usize, buf: &[u8]) -> Result<()> {
+        let end = offset
+            .checked_add(buf.len())
+            .ok_or(FabricError::LocalAccess)?;
+        if end > self.len() {
+            return Err(FabricError::LocalAccess);
+        }
+        // SAFETY: as in `read_at`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), self.mapping.ptr().add(offset), buf.len())
+        };
+        Ok(())
+    }
+
+    /// Remove the region from the device table and tell every peer of a QP in its protection
+    /// domain to drop cached mappings (revocation epoch in the QP's receive ring).
+    pub(crate) fn deregister(&self, core: &DeviceCore) {
+        lock(&core.mrs).remove(&self.key);
+        for qp in core.live_qps() {
+            if qp.pd == self.pd {
+                qp.inbound_header().epoch.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+/// Resolve a local SGE to (region, offset), checking PD, bounds and (optionally) local write.
+pub(crate) fn resolve_local(
+    core: &DeviceCore,
+    pd: u32,
+    lkey: u32,
+    addr: u64,
+    len: u32,
+    need_write: bool,
+) -> Result<(Arc<MrInner>, usize)> {
+    let mr = lock(&core.mrs)
+        .get(&lkey)
+        .cloned()
+        .ok_or(FabricError::InvalidLkey(lkey))?;
+    if mr.pd != pd {
+        return Err(FabricError::InvalidLkey(lkey));
+    }
+    if need_write && !mr.access.contains(AccessFlags::LOCAL_WRITE) {
+        return Err(FabricError::LocalAccess);
+    }
+    let off = mr
+        .offset_of(addr, u64::from(len))
+        .ok_or(FabricError::LocalAccess)?;
+    Ok((mr, off))
+}

@@ -1,0 +1,1023 @@
+//! Reliably connected queue pairs over the shm fabric.
+
+use super::control::{self, Watch};
+use super::cq::CqShared;
+use super::device::{lock, DeviceCore, DeviceHandle};
+use super::mem::{self, Mapping};
+use super::mr::{resolve_local, MrInner};
+use super::wire::{self, Msg, Received};
+use crate::error::{FabricError, Result};
+use crate::ring::{ring_bytes, Consumer, Producer, RawSlots, RingHeader, HEADER_SIZE, MAX_INLINE};
+use crate::types::{
+    Gid, LocalQpInfo, Mtu, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode, WcStatus,
+    WorkCompletion,
+};
+use rustix::fd::{AsFd, OwnedFd};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Largest receive-ring capacity accepted from a peer.
+const MAX_RING_CAP: u32 = 1 << 16;
+
+struct Meta {
+    remote: Option<RemoteQpInfo>,
+    /// The peer that connected to our receive side (from its Hello).
+    peer: Option<(Gid, u32)>,
+}
+
+struct PostedRecv {
+    wr_id: u64,
+    mr: Arc<MrInner>,
+    off: usize,
+    len: u32,
+}
+
+struct RecvSide {
+    consumer: Consumer,
+    posted: VecDeque<PostedRecv>,
+    /// Doorbell of the peer's send CQ (rung when it waits for ring space).
+    peer_tx_bell: Option<OwnedFd>,
+}
+
+struct RemoteMr {
+    mapping: Mapping,
+    vaddr: u64,
+}
+
+/// Our connection to the peer's receive side.
+struct Outbound {
+    sock: Arc<OwnedFd>,
+    ring: Mapping,
+    capacity: u32,
+    producer: Producer,
+    rx_bell: OwnedFd,
+    mrs: HashMap<u32, RemoteMr>,
+    epoch: u64,
+}
+
+impl Outbound {
+    fn header(&self) -> &RingHeader {
+        ring_header(&self.ring)
+    }
+    fn slots(&self) -> RawSlots {
+        // SAFETY: the slot area follows the header inside the mapping owned by `self`; the
+        // returned value is used only while `self` is borrowed.
+        unsafe { RawSlots::new(self.ring.ptr().add(HEADER_SIZE), self.capacity as usize) }
+    }
+}
+
+/// The header of a peer's ring mapping.
+fn ring_header(ring: &Mapping) -> &RingHeader {
+    // SAFETY: the mapping is page aligned and at least `ring_bytes(capacity)` long (validated
+    // against the sealed memfd's size); `RingHeader` consists of atomics only, so any bytes
+    // the peer writes are a valid value and concurrent modification is permitted. The
+    // reference does not outlive the borrow of the mapping.
+    unsafe { &*(ring.ptr() as *const RingHeader) }
+}
+
+enum WriteSrc {
+    Mr(Arc<MrInner>, usize, u32),
+    Bytes(Vec<u8>),
+}
+
+enum Pending {
+    Send {
+        wr_id: u64,
+        data: [u8; MAX_INLINE],
+        len: usize,
+        signaled: bool,
+    },
+    Write {
+        wr_id: u64,
+        src: WriteSrc,
+        remote_addr: u64,
+        rkey: u32,
+        signaled: bool,
+    },
+}
+
+impl Pending {
+    fn wr_id(&self) -> u64 {
+        match self {
+            Pending::Send { wr_id, .. } | Pending::Write { wr_id, .. } => *wr_id,
+        }
+    }
+    fn opcode(&self) -> WcOpcode {
+        match self {
+            Pending::Send { .. } => WcOpcode::Send,
+            Pending::Write { .. } => WcOpcode::RdmaWrite,
+        }
+    }
+}
+
+/// A work request ready to execute, borrowing its source bytes.
+enum Op<'a> {
+    Send {
+        data: &'a [u8],
+    },
+    /// The source is a raw range: it may be a local region a peer can also write, so it is
+    /// never turned into a slice.
+    Write {
+        src: *const u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: u32,
+        _p: std::marker::PhantomData<&'a [u8]>,
+    },
+}
+
+impl Op<'_> {
+    fn write(src: *const u8, len: usize, remote_addr: u64, rkey: u32) -> Self {
+        Op::Write {
+            src,
+            len,
+            remote_addr,
+            rkey,
+            _p: std::marker::PhantomData,
+        }
+    }
+}
+
+enum Exec {
+    /// Executed (or flushed); completion if one is due.
+    Done(Option<WorkCompletion>),
+    /// The peer's receive ring is full; retry later.
+    Full,
+    /// Failed: the completion carries the error and the QP must enter the error state.
+    Fatal(WorkCompletion),
+}
+
+struct SendSide {
+    out: Option<Outbound>,
+    pending: VecDeque<Pending>,
+}
+
+/// A queue pair.
+pub(crate) struct QpShared {
+    pub(crate) dev: Arc<DeviceHandle>,
+    pub(crate) qpn: u32,
+    pub(crate) pd: u32,
+    psn: u32,
+    caps: QpCaps,
+    state: AtomicU8,
+    pub(crate) send_cq: Arc<CqShared>,
+    pub(crate) recv_cq: Arc<CqShared>,
+    meta: Mutex<Meta>,
+    inbound_fd: OwnedFd,
+    inbound: Mapping,
+    inbound_cap: u32,
+    recv: Mutex<RecvSide>,
+    send: Mutex<SendSide>,
+    has_pending: AtomicBool,
+}
+
+fn wc(
+    wr_id: u64,
+    status: WcStatus,
+    opcode: WcOpcode,
+    byte_len: u32,
+    qp_num: u32,
+) -> WorkCompletion {
+    WorkCompletion {
+        wr_id,
+        status,
+        opcode,
+        byte_len,
+        qp_num,
+    }
+}
+
+impl QpShared {
+    pub(crate) fn create(
+        dev: Arc<DeviceHandle>,
+        pd: u32,
+        send_cq: Arc<CqShared>,
+        recv_cq: Arc<CqShared>,
+        caps: QpCaps,
+    ) -> Result<Arc<QpShared>> {
+        if caps.max_send_wr == 0 || caps.max_recv_wr == 0 || caps.max_recv_wr > MAX_RING_CAP {
+            return Err(FabricError::InvalidArgument("queue depths"));
+        }
+        if !Arc::ptr_eq(&send_cq.dev, &dev) || !Arc::ptr_eq(&recv_cq.dev, &dev) {
+            return Err(FabricError::Mismatch);
+        }
+        let cap = caps
+            .max_recv_wr
+            .max(16)
+            .next_power_of_two()
+            .min(MAX_RING_CAP);
+        let inbound_fd = mem::sealed_memfd("smc-fabric-ring", ring_bytes(cap))?;
+        let inbound = Mapping::map(inbound_fd.as_fd(), ring_bytes(cap))?;
+        let core = &dev.core;
+        let qpn = core.alloc_qpn();
+        let psn = u32::from_le_bytes(mem::random_bytes()) & 0x00ff_ffff;
+        let qp = Arc::new(QpShared {
+            dev: dev.clone(),
+            qpn,
+            pd,
+            psn,
+            caps,
+            state: AtomicU8::new(QpState::Reset.to_u8()),
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            meta: Mutex::new(Meta {
+                remote: None,
+                peer: None,
+            }),
+            inbound_fd,
+            inbound,
+            inbound_cap: cap,
+            recv: Mutex::new(RecvSide {
+                consumer: Consumer::new(cap),
+                posted: VecDeque::new(),
+                peer_tx_bell: None,
+            }),
+            send: Mutex::new(SendSide {
+                out: None,
+                pending: VecDeque::new(),
+            }),
+            has_pending: AtomicBool::new(false),
+        });
+        lock(&core.qps).insert(qpn, Arc::downgrade(&qp));
+        send_cq.attach(&qp);
+        recv_cq.attach(&qp);
+        Ok(qp)
+    }
+
+    fn core(&self) -> &DeviceCore {
+        &self.dev.core
+    }
+
+    pub(crate) fn state(&self) -> QpState {
+        QpState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn local_info(&self) -> LocalQpInfo {
+        LocalQpInfo {
+            gid: self.core().gid,
+            qp_num: self.qpn,
+            psn: self.psn,
+            mtu: Mtu::Mtu4096,
+        }
+    }
+
+    pub(crate) fn remote_info(&self) -> Option<RemoteQpInfo> {
+        lock(&self.meta).remote
+    }
+
+    pub(crate) fn inbound_header(&self) -> &RingHeader {
+        // SAFETY: our own ring mapping is page aligned and at least HEADER_SIZE long; the header
+        // holds atomics only (the peer may write them concurrently, which atomics permit); the
+        // mapping lives as long as `self`.
+        unsafe { &*(self.inbound.ptr() as *const RingHeader) }
+    }
+
+    fn inbound_slots(&self) -> RawSlots {
+        // SAFETY: the slot area of our ring mapping, which lives as long as `self`.
+        unsafe {
+            RawSlots::new(
+                self.inbound.ptr().add(HEADER_SIZE),
+                self.inbound_cap as usize,
+            )
+        }
+    }
+
+    pub(crate) fn inbound_capacity(&self) -> u32 {
+        self.inbound_cap
+    }
+
+    pub(crate) fn inbound_memfd(&self) -> rustix::fd::BorrowedFd<'_> {
+        self.inbound_fd.as_fd()
+    }
+
+    fn cas_state(&self, from: QpState, to: QpState) -> Result<()> {
+        self.state
+            .compare_exchange(
+                from.to_u8(),
+                to.to_u8(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .map(|_| ())
+            .map_err(|cur| FabricError::InvalidTransition {
+                from: QpState::from_u8(cur),
+                to,
+            })
+    }
+
+    /// RESET → INIT.
+    pub(crate) fn to_init(&self) -> Result<()> {
+        self.cas_state(QpState::Reset, QpState::Init)
+    }
+
+    /// INIT → RTR: record the remote QP and connect to its device.
+    pub(crate) fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
+        let st = self.state();
+        if st != QpState::Init {
+            return Err(FabricError::InvalidTransition {
+                from: st,
+                to: QpState::Rtr,
+            });
+        }
+        if remote.qp_num == 0 || remote.qp_num > 0x00ff_ffff || remote.psn > 0x00ff_ffff {
+            return Err(FabricError::InvalidArgument(
+                "remote QP number or PSN out of range",
+            ));
+        }
+        let core = self.core();
+        if !core.port_up.load(Ordering::Acquire) {
+            return Err(FabricError::PortDown);
+        }
+        {
+            let mut meta = lock(&self.meta);
+            if let Some((g, q)) = meta.peer {
+                if g != remote.gid || q != remote.qp_num {
+                    return Err(FabricError::PeerViolation(
+                        "another peer connected to this QP",
+                    ));
+                }
+            }
+            meta.remote = Some(remote);
+        }
+        let out = match self.connect(remote) {
+            Ok(o) => o,
+            Err(e) => {
+                lock(&self.meta).remote = None;
+                return Err(e);
+            }
+        };
+        let sock = out.sock.clone();
+        {
+            let mut s = lock(&self.send);
+            if self.state() != QpState::Init {
+                return Err(FabricError::InvalidTransition {
+                    from: self.state(),
+                    to: QpState::Rtr,
+                });
+            }
+            s.out = Some(out);
+        }
+        self.cas_state(QpState::Init, QpState::Rtr)?;
+        lock(&core.inbox).push(Watch {
+            qpn: self.qpn,
+            sock,
+        });
+        core.wake_control();
+        Ok(())
+    }
+
+    fn connect(&self, remote: RemoteQpInfo) -> Result<Outbound> {
+        let core = self.core();
+        let path = core.dev_dir.join(format!("{}.sock", remote.gid.to_hex()));
+        let sock = control::connect(&path)?;
+        let hello = Msg::Hello {
+            src_gid: core.gid,
+            src_qpn: self.qpn,
+            dst_qpn: remote.qp_num,
+        };
+        wire::send(sock.as_fd(), &hello, &[self.send_cq.eventfd()])?;
+        let (capacity, mut fds) = match wire::recv(sock.as_fd())? {
+            Received::Msg(Msg::HelloOk { capacity }, fds) => (capacity, fds),
+            Received::Msg(Msg::Refused { reason }, _) => {
+                return Err(FabricError::PeerUnreachable(format!(
+                    "connection refused ({reason})"
+                )))
+            }
+            Received::Msg(..) => return Err(FabricError::PeerViolation("unexpected hello reply")),
+            Received::Closed | Received::WouldBlock => {
+                return Err(FabricError::PeerUnreachable("no hello reply".into()))
+            }
+        };
+        if capacity == 0 || capacity > MAX_RING_CAP || fds.len() != 2 {
+            return Err(FabricError::PeerViolation("bad hello reply"));
+        }
+        let rx_bell = fds.pop().ok_or(FabricError::PeerViolation("hello fds"))?;
+        let ring_fd = fds.pop().ok_or(FabricError::PeerViolation("hello fds"))?;
+        let len = ring_bytes(capacity);
+        mem::validate_peer_memfd(ring_fd.as_fd(), len)?;
+        let ring = Mapping::map(ring_fd.as_fd(), len)?;
+        let mut out = Outbound {
+            sock: Arc::new(sock),
+            ring,
+            capacity,
+            producer: Producer::new(capacity),
+            rx_bell,
+            mrs: HashMap::new(),
+            epoch: 0,
+        };
+        out.epoch = out.header().epoch.load(Ordering::Acquire);
+        Ok(out)
+    }
+
+    /// RTR → RTS.
+    pub(crate) fn to_rts(&self) -> Result<()> {
+        self.cas_state(QpState::Rtr, QpState::Rts)
+    }
+
+    /// Called by the control thread on a peer's Hello. `Err` carries the refusal reason.
+    pub(crate) fn accept_peer(
+        &self,
+        gid: Gid,
+        qpn: u32,
+        peer_bell: OwnedFd,
+    ) -> std::result::Result<(), u32> {
+        if !matches!(self.state(), QpState::Init | QpState::Rtr | QpState::Rts) {
+            return Err(wire::REFUSE_STATE);
+        }
+        {
+            let mut meta = lock(&self.meta);
+            if meta.peer.is_some() {
+                return Err(wire::REFUSE_PEER);
+            }
+            if let Some(r) = meta.remote {
+                if r.gid != gid || r.qp_num != qpn {
+                    return Err(wire::REFUSE_PEER);
+                }
+            }
+            meta.peer = Some((gid, qpn));
+        }
+        lock(&self.recv).peer_tx_bell = Some(peer_bell);
+        Ok(())
+    }
+
+    /// Whether the connected peer is the remote this QP was moved to RTR with.
+    pub(crate) fn peer_confirmed(&self) -> bool {
+        let meta = lock(&self.meta);
+        match (meta.remote, meta.peer) {
+            (Some(r), Some((g, q))) => r.gid == g && r.qp_num == q,
+            _ => false,
+        }
+    }
+
+    pub(crate) fn has_pending(&self) -> bool {
+        self.has_pending.load(Ordering::Acquire)
+    }
+
+    /// Post a send-queue work request.
+    pub(crate) fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        let st = self.state();
+        match st {
+            QpState::Rts => {}
+            QpState::Error => {
+                let op = match wr {
+                    SendWr::Send { .. } => WcOpcode::Send,
+                    _ => WcOpcode::RdmaWrite,
+                };
+                self.send_cq
+                    .push(wc(wr.wr_id(), WcStatus::WrFlushError, op, 0, self.qpn));
+                return Ok(());
+            }
+            s => return Err(FabricError::InvalidState(s)),
+        }
+        let mut local_mr = None;
+        match *wr {
+            SendWr::Send { data, .. } => {
+                if data.len() > MAX_INLINE {
+                    return Err(FabricError::MessageTooLarge {
+                        len: data.len(),
+                        max: MAX_INLINE,
+                    });
+                }
+            }
+            SendWr::Write { local, .. } => {
+                local_mr = Some(resolve_local(
+                    self.core(),
+                    self.pd,
+                    local.lkey,
+                    local.addr,
+                    local.length,
+                    false,
+                )?);
+            }
+            SendWr::WriteInline { data, .. } => {
+                if u32::try_from(data.len()).is_err() {
+                    return Err(FabricError::MessageTooLarge {
+                        len: data.len(),
+                        max: u32::MAX as usize,
+                    });
+                }
+            }
+        }
+        let mut fatal = false;
+        {
+            let mut s = lock(&self.send);
+            if !s.pending.is_empty() {
+                fatal = self.drain_pending(&mut s);
+            }
+            if s.pending.is_empty() && !fatal {
+                let (op, signaled, opcode) = match (*wr, &local_mr) {
+                    (SendWr::Send { data, signaled, .. }, _) => {
+                        (Op::Send { data }, signaled, WcOpcode::Send)
+                    }
+                    (
+                        SendWr::Write {
+                            local,
+                            remote_addr,
+                            rkey,
+                            signaled,
+                            ..
+                        },
+                        Some((mr, off)),
+                    ) => {
+                        // SAFETY: `resolve_local` checked that [off, off+length) lies inside the
+                        // region's mapping, so the offset pointer stays in bounds.
+                        let src = unsafe { mr.mapping.ptr().add(*off) }.cast_const();
+                        let len = local.length as usize;
+                        (
+                            Op::write(src, len, remote_addr, rkey),
+                            signaled,
+                            WcOpcode::RdmaWrite,
+                        )
+                    }
+                    (
+                        SendWr::WriteInline {
+                            data,
+                            remote_addr,
+                            rkey,
+                            signaled,
+                            ..
+                        },
+                        _,
+                    ) => (
+                        Op::write(data.as_ptr(), data.len(), remote_addr, rkey),
+                        signaled,
+                        WcOpcode::RdmaWrite,
+                    ),
+                    (SendWr::Write { .. }, None) => return Err(FabricError::LocalAccess),
+                };
+                match self.exec(&mut s.out, wr.wr_id(), op, opcode, signaled) {
+                    Exec::Done(Some(c)) => self.send_cq.push(c),
+                    Exec::Done(None) => {}
+                    Exec::Fatal(c) => {
+                        self.send_cq.push(c);
+                        fatal = true;
+                    }
+                    Exec::Full => self.enqueue(&mut s, wr, local_mr)?,
+                }
+            } else {
+                self.enqueue(&mut s, wr, local_mr)?;
+            }
+        }
+        if fatal {
+            self.enter_error("work request failed");
+        }
+        Ok(())
+    }
+
+    fn enqueue(
+        &self,
+        s: &mut SendSide,
+        wr: &SendWr<'_>,
+        local: Option<(Arc<MrInner>, usize)>,
+    ) -> Result<()> {
+        if s.pending.len() >= self.caps.max_send_wr as usize {
+            return Err(FabricError::QueueFull);
+        }
+        let p = match (*wr, local) {
+            (
+                SendWr::Send {
+                    wr_id,
+                    data,
+                    signaled,
+                },
+                _,
+            ) => {
+                let mut buf = [0u8; MAX_INLINE];
+                buf[..data.len()].copy_from_slice(data);
+                Pending::Send {
+                    wr_id,
+                    data: buf,
+                    len: data.len(),
+                    signaled,
+                }
+            }
+            (
+                SendWr::Write {
+                    wr_id,
+                    local,
+                    remote_addr,
+                    rkey,
+                    signaled,
+                },
+                Some((mr, off)),
+            ) => Pending::Write {
+                wr_id,
+                src: WriteSrc::Mr(mr, off, local.length),
+                remote_addr,
+                rkey,
+                signaled,
+            },
+            (
+                SendWr::WriteInline {
+                    wr_id,
+                    data,
+                    remote_addr,
+                    rkey,
+                    signaled,
+                },
+                _,
+            ) => Pending::Write {
+                wr_id,
+                src: WriteSrc::Bytes(data.to_vec()),
+                remote_addr,
+                rkey,
+                signaled,
+            },
+            (SendWr::Write { .. }, None) => return Err(FabricError::LocalAccess),
+        };
+        s.pending.push_back(p);
+        self.has_pending.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Execute queued work requests in order while the ring has room. Returns whether one failed
+    /// fatally (the caller moves the QP to the error state after releasing the lock).
+    fn drain_pending(&self, s: &mut SendSide) -> bool {
+        let mut fatal = false;
+        let SendSide { out, pending } = s;
+        while let Some(p) = pending.front() {
+            let wr_id = p.wr_id();
+            let opcode = p.opcode();
+            let res = match p {
+                Pending::Send {
+                    data,
+                    len,
+                    signaled,
+                    ..
+                } => {
+                    let data = *data;
+                    let (len, signaled) = (*len, *signaled);
+                    self.exec(
+                        out,
+                        wr_id,
+                        Op::Send { data: &data[..len] },
+                        opcode,
+                        signaled,
+                    )
+                }
+                Pending::Write {
+                    src,
+                    remote_addr,
+                    rkey,
+                    signaled,
+                    ..
+                } => {
+                    let (remote_addr, rkey, signaled) = (*remote_addr, *rkey, *signaled);
+                    // The source pointer stays valid: the pending entry (which owns the bytes or an
+                    // `Arc` of the region) is popped only after `exec` returns.
+                    let (src, len) = match src {
+                        WriteSrc::Bytes(v) => (v.as_ptr(), v.len()),
+                        // SAFETY: the range was checked against the region at post time.
+                        WriteSrc::Mr(mr, off, len) => (
+                            unsafe { mr.mapping.ptr().add(*off) }.cast_const(),
+                            *len as usize,
+                        ),
+                    };
+                    self.exec(
+                        out,
+                        wr_id,
+                        Op::write(src, len, remote_addr, rkey),
+                        opcode,
+                        signaled,
+                    )
+                }
+            };
+            match res {
+                Exec::Full => break,
+                Exec::Done(c) => {
+                    pending.pop_front();
+                    if let Some(c) = c {
+                        self.send_cq.push(c);
+                    }
+                }
+                Exec::Fatal(c) => {
+                    pending.pop_front();
+                    self.send_cq.push(c);
+                    fatal = true;
+                    break;
+                }
+            }
+        }
+        if pending.is_empty() {
+            self.has_pending.store(false, Ordering::Release);
+        }
+        fatal
+    }
+
+    /// Execute one work request against the peer.
+    fn exec(
+        &self,
+        out: &mut Option<Outbound>,
+        wr_id: u64,
+        op: Op<'_>,
+        opcode: WcOpcode,
+        signaled: bool,
+    ) -> Exec {
+        let Some(o) = out.as_mut() else {
+            return Exec::Done(Some(wc(wr_id, WcStatus::WrFlushError, opcode, 0, self.qpn)));
+        };
+        let core = self.core();
+        let fail = |status| Exec::Fatal(wc(wr_id, status, opcode, 0, self.qpn));
+        if core.take_fail_token() {
+            return fail(WcStatus::RetryExceeded);
+        }
+        match op {
+            Op::Send { data } => {
+                let slots = o.slots();
+                match o.producer.try_push(ring_header(&o.ring), &slots, data) {
+                    Ok(true) => {
+                        if Producer::consumer_needs_doorbell(o.header()) {
+                            mem::ring_eventfd(o.rx_bell.as_fd());
+                        }
+                        Exec::Done(signaled.then(|| {
+                            wc(
+                                wr_id,
+                                WcStatus::Success,
+                                opcode,
+                                data.len() as u32,
+                                self.qpn,
+                            )
+                        }))
+                    }
+                    Ok(false) => Exec::Full,
+                    Err(_) => fail(WcStatus::RemoteInvalidRequest),
+                }
+            }
+            Op::Write {
+                src,
+                len,
+                remote_addr,
+                rkey,
+                ..
+            } => {
+                let epoch = o.header().epoch.load(Ordering::Acquire);
+                if epoch != o.epoch {
+                    o.mrs.clear();
+                    o.epoch = epoch;
+                }
+                if !o.mrs.contains_key(&rkey) {
+                    match request_mr(o, rkey, core.fabric.max_mr_size) {
+                        Ok(m) => {
+                            o.mrs.insert(rkey, m);
+                        }
+                        Err(status) => return fail(status),
+                    }
+                }
+                let Some(m) = o.mrs.get(&rkey) else {
+                    return fail(WcStatus::RemoteAccessError);
+                };
+                let Some(off) = remote_addr.checked_sub(m.vaddr) else {
+                    return fail(WcStatus::RemoteAccessError);
+                };
+                let in_bounds = off
+                    .checked_add(len as u64)
+                    .is_some_and(|end| end <= m.mapping.len() as u64);
+                if !in_bounds {
+                    return fail(WcStatus::RemoteAccessError);
+                }
+                // SAFETY: [off, off + len) was checked to lie inside the mapping of the granted
+                // region, which stays mapped while `o` is borrowed; `src` points to `len`
+                // readable bytes (checked local region or caller slice, see `Op::write`). The
+                // destination is shared memory the peer owns: written only with a raw copy,
+                // never referenced. A peer mapping and a local source never overlap (distinct
+                // mappings), except for a loopback QP writing a region onto itself, where the
+                // caller asked for it; `copy` tolerates overlap.
+                unsafe { std::ptr::copy(src, m.mapping.ptr().add(off as usize), len) };
+                Exec::Done(
+                    signaled.then(|| wc(wr_id, WcStatus::Success, opcode, len as u32, self.qpn)),
+                )
+            }
+        }
+    }
+
+    /// Move queued sends forward (called from CQ polling).
+    pub(crate) fn progress_send(&self) {
+        let fatal = {
+            let mut s = lock(&self.send);
+            self.drain_pending(&mut s)
+        };
+        if fatal {
+            self.enter_error("work request failed");
+        }
+    }
+
+    /// Arm the "waiting for space" doorbell if sends are queued.
+    pub(crate) fn arm_send_space(&self) {
+        let s = lock(&self.send);
+        if !s.pending.is_empty() {
+            if let Some(o) = &s.out {
+                let _ = o.producer.arm_wait_for_space(o.header());
+            }
+        }
+    }
+
+    /// Arm the "receiver sleeps" doorbell of our receive ring.
+    pub(crate) fn arm_recv_doorbell(&self) {
+        let r = lock(&self.recv);
+        // Data that is already waiting is picked up by the caller's re-poll.
+        let _ = r.consumer.arm_sleep(self.inbound_header());
+    }
+
+    /// Post a receive work request.
+    pub(crate) fn post_recv(&self, wr: &RecvWr) -> Result<()> {
+        let st = self.state();
+        match st {
+            QpState::Reset => return Err(FabricError::InvalidState(st)),
+            QpState::Error => {
+                self.recv_cq.push(wc(
+                    wr.wr_id,
+                    WcStatus::WrFlushError,
+                    WcOpcode::Recv,
+                    0,
+                    self.qpn,
+                ));
+                return Ok(());
+            }
+            _ => {}
+        }
+        let s = wr.sge;
+        let (mr, off) = resolve_local(self.core(), self.pd, s.lkey, s.addr, s.length, true)?;
+        let data_waiting = {
+            let mut r = lock(&self.recv);
+            if r.posted.len() >= self.caps.max_recv_wr as usize {
+                return Err(FabricError::QueueFull);
+            }
+            r.posted.push_back(PostedRecv {
+                wr_id: wr.wr_id,
+                mr,
+                off,
+                len: s.length,
+            });
+            matches!(st, QpState::Rtr | QpState::Rts)
+                && r.consumer
+                    .available(self.inbound_header())
+                    .is_ok_and(|n| n > 0)
+        };
+        if data_waiting {
+            self.recv_cq.notify_if_armed();
+        }
+        Ok(())
+    }
+
+    /// Deliver ring messages into posted receives. Returns (completions written, QP broken).
+    pub(crate) fn progress_recv(&self, out: &mut [WorkCompletion]) -> (usize, bool) {
+        if !matches!(self.state(), QpState::Rtr | QpState::Rts) {
+            return (0, false);
+        }
+        let mut r = lock(&self.recv);
+        let mut n = 0;
+        let mut broken = false;
+        while n < out.len() {
+            match self.consume_one(&mut r) {
+                Ok(Some(c)) => {
+                    out[n] = c;
+                    n += 1;
+                    if c.status != WcStatus::Success {
+                        broken = true;
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(()) => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        (n, broken)
+    }
+
+    /// Deliver one message if one is waiting and a receive is posted.
+    fn consume_one(&self, r: &mut RecvSide) -> std::result::Result<Option<WorkCompletion>, ()> {
+        if r.posted.is_empty() {
+            return Ok(None);
+        }
+        let hdr = self.inbound_header();
+        if r.consumer.available(hdr).map_err(|_| ())? == 0 {
+            return Ok(None);
+        }
+        let mut buf = [0u8; MAX_INLINE];
+        let len = r
+            .consumer
+            .peek(&self.inbound_slots(), &mut buf)
+            .map_err(|_| ())?;
+        let Some(p) = r.posted.pop_front() else {
+            return Ok(None);
+        };
+        if r.consumer.advance(hdr) {
+            if let Some(bell) = &r.peer_tx_bell {
+                mem::ring_eventfd(bell.as_fd());
+            }
+        }
+        let status = if len > p.len as usize {
+            WcStatus::LocalLengthError
+        } else if p.mr.write_at(p.off, &buf[..len]).is_err() {
+            WcStatus::LocalProtectionError
+        } else {
+            WcStatus::Success
+        };
+        Ok(Some(wc(
+            p.wr_id,
+            status,
+            WcOpcode::Recv,
+            len as u32,
+            self.qpn,
+        )))
+    }
+
+    /// Move to the error state: deliver what already arrived, flush everything else, release the
+    /// connection and peer mappings, and tell the control thread (which closes our sockets, so
+    /// the peer's QP fails too).
+    pub(crate) fn enter_error(&self, reason: &str) {
+        let prev = QpState::from_u8(self.state.swap(QpState::Error.to_u8(), Ordering::AcqRel));
+        if prev == QpState::Error {
+            return;
+        }
+        tracing::debug!(qp = self.qpn, reason, "QP entered error state");
+        {
+            let mut r = lock(&self.recv);
+            let mut wcs = Vec::new();
+            if matches!(prev, QpState::Rtr | QpState::Rts) {
+                while let Ok(Some(c)) = self.consume_one(&mut r) {
+                    wcs.push(c);
+                }
+            }
+            for p in r.posted.drain(..) {
+                wcs.push(wc(
+                    p.wr_id,
+                    WcStatus::WrFlushError,
+                    WcOpcode::Recv,
+                    0,
+                    self.qpn,
+                ));
+            }
+            r.peer_tx_bell = None;
+            self.recv_cq.push_all(wcs);
+        }
+        {
+            let mut s = lock(&self.send);
+            let wcs: Vec<_> = s
+                .pending
+                .drain(..)
+                .map(|p| wc(p.wr_id(), WcStatus::WrFlushError, p.opcode(), 0, self.qpn))
+                .collect();
+            s.out = None;
+            self.has_pending.store(false, Ordering::Release);
+            self.send_cq.push_all(wcs);
+        }
+        self.core()
+            .push_event(crate::types::DeviceEvent::QpFatal { qp_num: self.qpn });
+        self.core().wake_control();
+    }
+
+    /// Destroy: release everything without generating completions.
+    pub(crate) fn destroy(self: &Arc<Self>) {
+        self.state.store(QpState::Error.to_u8(), Ordering::Release);
+        {
+            let mut r = lock(&self.recv);
+            r.posted.clear();
+            r.peer_tx_bell = None;
+        }
+        {
+            let mut s = lock(&self.send);
+            s.pending.clear();
+            s.out = None;
+        }
+        self.send_cq.detach(self);
+        self.recv_cq.detach(self);
+        lock(&self.core().qps).remove(&self.qpn);
+        self.core().wake_control();
+    }
+}
+
+/// Ask the peer for the region `rkey` over our control connection and map it.
+fn request_mr(o: &Outbound, rkey: u32, max_len: usize) -> std::result::Result<RemoteMr, WcStatus> {
+    if wire::send(o.sock.as_fd(), &Msg::MrRequest { rkey }, &[]).is_err() {
+        return Err(WcStatus::RetryExceeded);
+    }
+    match wire::recv(o.sock.as_fd()) {
+        Ok(Received::Msg(
+            Msg::MrGrant {
+                rkey: k,
+                vaddr,
+                len,
+            },
+            mut fds,
+        )) => {
+            if k != rkey || fds.len() != 1 || len == 0 || len > max_len as u64 {
+                return Err(WcStatus::RemoteInvalidRequest);
+            }
+            let fd = fds.pop().ok_or(WcStatus::RemoteInvalidRequest)?;
+            let len = len as usize;
+            if mem::validate_peer_memfd(fd.as_fd(), len).is_err() {
+                return Err(WcStatus::RemoteInvalidRequest);
+            }
+            let mapping = Mapping::map(fd.as_fd(), len).map_err(|_| WcStatus::GeneralError)?;
+            Ok(RemoteMr { mapping, vaddr })
+        }
+        Ok(Received::Msg(Msg::Refused { .. }, _)) => Err(WcStatus::RemoteAccessError),
+        Ok(Received::Msg(..)) => Err(WcStatus::RemoteInvalidRequest),
+        _ => Err(WcStatus::RetryExceeded),
+    }
+}

@@ -1,0 +1,520 @@
+//! Fabric semantics between two ports opened in one process.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::*;
+use smc_fabric::*;
+
+fn cfg(tag: &str) -> FabricConfig {
+    FabricConfig::with_dir(test_dir(tag), 2)
+}
+
+#[test]
+fn device_identity_and_state_machine() {
+    let cfg = cfg("ident");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    assert_ne!(a.dev.gid(), b.dev.gid(), "each opening is its own port");
+    assert_eq!(a.dev.name(), "shm0");
+    assert_eq!(a.dev.port_state(), PortState::Active);
+    assert!(matches!(
+        Device::open(&cfg, "shm9"),
+        Err(FabricError::NoSuchDevice(_))
+    ));
+    assert_eq!(a.qp.state(), QpState::Init);
+    assert!(matches!(
+        a.qp.to_rts(),
+        Err(FabricError::InvalidTransition { .. })
+    ));
+    assert!(matches!(
+        a.qp.post_send(&SendWr::Send {
+            wr_id: 1,
+            data: b"x",
+            signaled: true
+        }),
+        Err(FabricError::InvalidState(QpState::Init))
+    ));
+    connect(&a, &b);
+    assert_eq!(a.qp.state(), QpState::Rts);
+    assert_eq!(a.qp.remote_info().map(|r| r.qp_num), Some(b.qp.qp_num()));
+    assert!(matches!(
+        a.qp.post_send(&SendWr::Send {
+            wr_id: 1,
+            data: &[0u8; 57],
+            signaled: true
+        }),
+        Err(FabricError::MessageTooLarge { .. })
+    ));
+}
+
+#[test]
+fn write_then_send_ordering_and_completions() {
+    let cfg = cfg("order");
+    let a = Side::new(&cfg, "shm0", 1 << 16);
+    let b = Side::new(&cfg, "shm0", 1 << 16);
+    b.post_all_rx();
+    connect(&a, &b);
+    for i in 0..2000u64 {
+        let slot = (i as usize % RX_SLOTS) as u64;
+        let payload: Vec<u8> = (0..1000).map(|k| (i as u8).wrapping_add(k as u8)).collect();
+        let off = (i as usize * 1000) % ((1 << 16) - 1000);
+        a.qp.post_send(&SendWr::WriteInline {
+            wr_id: 0,
+            data: &payload,
+            remote_addr: b.rmb.addr() + off as u64,
+            rkey: b.rmb.rkey(),
+            signaled: false,
+        })
+        .unwrap();
+        let mut msg = [0u8; 44];
+        msg[..8].copy_from_slice(&i.to_le_bytes());
+        msg[8..16].copy_from_slice(&fnv(&payload).to_le_bytes());
+        msg[16..24].copy_from_slice(&(off as u64).to_le_bytes());
+        a.qp.post_send(&SendWr::Send {
+            wr_id: i,
+            data: &msg,
+            signaled: true,
+        })
+        .unwrap();
+        let wc = a.next_wc();
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.opcode),
+            (i, WcStatus::Success, WcOpcode::Send)
+        );
+        let wc = b.next_wc();
+        assert_eq!(
+            (wc.status, wc.opcode, wc.byte_len),
+            (WcStatus::Success, WcOpcode::Recv, 44)
+        );
+        assert_eq!(wc.wr_id, slot);
+        let m = b.rx_bytes(&wc);
+        assert_eq!(u64::from_le_bytes(m[..8].try_into().unwrap()), i);
+        let mut data = vec![0u8; 1000];
+        b.rmb.read_at(off, &mut data).unwrap();
+        assert_eq!(fnv(&data), u64::from_le_bytes(m[8..16].try_into().unwrap()));
+        b.post_rx(wc.wr_id as usize);
+    }
+}
+
+#[test]
+fn sge_write_and_signaled_write_completion() {
+    let cfg = cfg("sge");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    a.rmb.write_at(100, b"hello fabric").unwrap();
+    let local = a.rmb.sge(100, 12).unwrap();
+    a.qp.post_send(&SendWr::Write {
+        wr_id: 7,
+        local,
+        remote_addr: b.rmb.addr() + 4000,
+        rkey: b.rmb.rkey(),
+        signaled: true,
+    })
+    .unwrap();
+    let wc = a.next_wc();
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (7, WcStatus::Success, WcOpcode::RdmaWrite, 12)
+    );
+    let mut got = [0u8; 12];
+    b.rmb.read_at(4000, &mut got).unwrap();
+    assert_eq!(&got, b"hello fabric");
+    // Invalid local key is a synchronous error.
+    let bad = Sge {
+        addr: local.addr,
+        length: 4,
+        lkey: 0xdead,
+    };
+    assert!(matches!(
+        a.qp.post_send(&SendWr::Write {
+            wr_id: 8,
+            local: bad,
+            remote_addr: b.rmb.addr(),
+            rkey: b.rmb.rkey(),
+            signaled: true
+        }),
+        Err(FabricError::InvalidLkey(0xdead))
+    ));
+}
+
+fn expect_remote_access_error(a: &Side, wr: SendWr<'_>) {
+    a.qp.post_send(&wr).unwrap();
+    let wc = a.next_wc();
+    assert_eq!(wc.status, WcStatus::RemoteAccessError);
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn rkey_violation_is_remote_access_error() {
+    let cfg = cfg("rkey");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    b.post_all_rx();
+    connect(&a, &b);
+    expect_remote_access_error(
+        &a,
+        SendWr::WriteInline {
+            wr_id: 1,
+            data: b"x",
+            remote_addr: b.rmb.addr(),
+            rkey: b.rmb.rkey() ^ 0x5a5a,
+            signaled: true,
+        },
+    );
+    // Later work flushes, and the peer's QP fails too (connection closed).
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 2,
+        data: b"y",
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(a.next_wc().status, WcStatus::WrFlushError);
+    let wc = b.next_wc();
+    assert_eq!(wc.status, WcStatus::WrFlushError);
+    assert_eq!(b.qp.state(), QpState::Error);
+}
+
+#[test]
+fn bounds_violations_are_remote_access_errors() {
+    let cfg = cfg("bounds");
+    for (delta, len) in [(4090u64, 7usize), (u64::MAX - 2, 1)] {
+        let a = Side::new(&cfg, "shm0", 4096);
+        let b = Side::new(&cfg, "shm0", 4096);
+        connect(&a, &b);
+        let data = vec![1u8; len];
+        expect_remote_access_error(
+            &a,
+            SendWr::WriteInline {
+                wr_id: 1,
+                data: &data,
+                remote_addr: b.rmb.addr().wrapping_add(delta),
+                rkey: b.rmb.rkey(),
+                signaled: true,
+            },
+        );
+    }
+    // Below the region start.
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    expect_remote_access_error(
+        &a,
+        SendWr::WriteInline {
+            wr_id: 1,
+            data: b"z",
+            remote_addr: b.rmb.addr() - 1,
+            rkey: b.rmb.rkey(),
+            signaled: true,
+        },
+    );
+}
+
+#[test]
+fn access_and_protection_domain_are_enforced() {
+    let cfg = cfg("pd");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    // b's receive area has no remote-write access.
+    expect_remote_access_error(
+        &a,
+        SendWr::WriteInline {
+            wr_id: 1,
+            data: b"z",
+            remote_addr: b.rx.addr(),
+            rkey: b.rx.rkey(),
+            signaled: true,
+        },
+    );
+    // A region of another PD on the same device is not reachable either.
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    let other_pd = b.dev.alloc_pd().unwrap();
+    let foreign = other_pd
+        .register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    expect_remote_access_error(
+        &a,
+        SendWr::WriteInline {
+            wr_id: 1,
+            data: b"z",
+            remote_addr: foreign.addr(),
+            rkey: foreign.rkey(),
+            signaled: true,
+        },
+    );
+}
+
+#[test]
+fn deregistered_region_is_no_longer_writable() {
+    let cfg = cfg("dereg");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    let extra =
+        b.pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let (addr, rkey) = (extra.addr(), extra.rkey());
+    a.qp.post_send(&SendWr::WriteInline {
+        wr_id: 1,
+        data: b"ok",
+        remote_addr: addr,
+        rkey,
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(a.next_wc().status, WcStatus::Success);
+    drop(extra);
+    expect_remote_access_error(
+        &a,
+        SendWr::WriteInline {
+            wr_id: 2,
+            data: b"no",
+            remote_addr: addr,
+            rkey,
+            signaled: true,
+        },
+    );
+}
+
+#[test]
+fn port_down_flushes_outstanding_work() {
+    let cfg = cfg("portdown");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    a.post_all_rx();
+    b.post_all_rx();
+    connect(&a, &b);
+    a.dev.set_port_state(PortState::Down);
+    assert_eq!(a.dev.port_state(), PortState::Down);
+    assert_eq!(a.qp.state(), QpState::Error);
+    let mut flushed = 0;
+    while flushed < RX_SLOTS {
+        let wc = a.next_wc();
+        assert_eq!(
+            (wc.status, wc.opcode),
+            (WcStatus::WrFlushError, WcOpcode::Recv)
+        );
+        flushed += 1;
+    }
+    // The peer notices through the closed connection.
+    let wc = b.next_wc();
+    assert_eq!(wc.status, WcStatus::WrFlushError);
+    assert_eq!(b.qp.state(), QpState::Error);
+    let mut events = Vec::new();
+    while let Some(e) = a.dev.poll_event() {
+        events.push(e);
+    }
+    assert!(events.contains(&DeviceEvent::PortDown));
+    assert!(events.contains(&DeviceEvent::QpFatal {
+        qp_num: a.qp.qp_num()
+    }));
+    // New connections fail while down; work after port up succeeds on new QPs.
+    let c = a.pd.create_qp(&a.cq, &a.cq, QpCaps::default()).unwrap();
+    c.to_init().unwrap();
+    assert!(matches!(c.to_rtr(b.remote()), Err(FabricError::PortDown)));
+    a.dev.set_port_state(PortState::Active);
+    assert_eq!(a.dev.poll_event(), Some(DeviceEvent::PortActive));
+    let c2 = a.pd.create_qp(&a.cq, &a.cq, QpCaps::default()).unwrap();
+    c2.to_init().unwrap();
+    let b3 = Side::new(&cfg, "shm0", 4096);
+    c2.to_rtr(b3.remote()).unwrap();
+    let a2 = Side::new(&cfg, "shm1", 4096);
+    let b2 = Side::new(&cfg, "shm1", 4096);
+    b2.post_all_rx();
+    connect(&a2, &b2);
+    a2.qp
+        .post_send(&SendWr::Send {
+            wr_id: 9,
+            data: b"after",
+            signaled: true,
+        })
+        .unwrap();
+    assert_eq!(a2.next_wc().status, WcStatus::Success);
+    assert_eq!(b2.rx_bytes(&b2.next_wc()), b"after");
+}
+
+#[test]
+fn forced_error_and_failed_completions() {
+    let cfg = cfg("faults");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    b.post_all_rx();
+    connect(&a, &b);
+    a.dev.fail_next_work_requests(1);
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 1,
+        data: b"lost",
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(a.next_wc().status, WcStatus::RetryExceeded);
+    assert_eq!(a.qp.state(), QpState::Error);
+    assert_eq!(b.next_wc().status, WcStatus::WrFlushError);
+
+    let c = Side::new(&cfg, "shm0", 4096);
+    let d = Side::new(&cfg, "shm0", 4096);
+    c.post_all_rx();
+    d.post_all_rx();
+    connect(&c, &d);
+    d.qp.force_error();
+    assert_eq!(d.next_wc().status, WcStatus::WrFlushError);
+    let wc = c.next_wc();
+    assert_eq!(c.qp.state(), QpState::Error);
+    assert_eq!(wc.status, WcStatus::WrFlushError);
+}
+
+#[test]
+fn faults_from_config() {
+    let mut cfg = cfg("cfgfault");
+    cfg.faults = config::parse_faults("shm1:down,shm0:fail=1").unwrap();
+    let d1 = Device::open(&cfg, "shm1").unwrap();
+    assert_eq!(d1.port_state(), PortState::Down);
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    b.post_all_rx();
+    connect(&a, &b);
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 1,
+        data: b"x",
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(a.next_wc().status, WcStatus::RetryExceeded);
+}
+
+#[test]
+fn ring_full_sends_wait_and_deliver_in_order() {
+    let cfg = cfg("rnr");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    // No receives posted: the ring (64 slots) fills, the rest waits in the send queue.
+    for i in 0..200u64 {
+        a.qp.post_send(&SendWr::Send {
+            wr_id: i,
+            data: &i.to_le_bytes(),
+            signaled: true,
+        })
+        .unwrap();
+    }
+    let mut next_send = 0u64;
+    let mut next_recv = 0u64;
+    while next_recv < 200 {
+        for slot in 0..RX_SLOTS {
+            b.post_rx(slot);
+        }
+        for _ in 0..RX_SLOTS {
+            if next_recv == 200 {
+                break;
+            }
+            let wc = b.next_wc();
+            assert_eq!(wc.status, WcStatus::Success);
+            assert_eq!(
+                u64::from_le_bytes(b.rx_bytes(&wc)[..8].try_into().unwrap()),
+                next_recv
+            );
+            next_recv += 1;
+            let mut wcs = [WorkCompletion::EMPTY; 8];
+            let n = a.cq.poll(&mut wcs);
+            for w in &wcs[..n] {
+                assert_eq!((w.wr_id, w.status), (next_send, WcStatus::Success));
+                next_send += 1;
+            }
+        }
+    }
+    while next_send < 200 {
+        let w = a.next_wc();
+        assert_eq!((w.wr_id, w.status), (next_send, WcStatus::Success));
+        next_send += 1;
+    }
+}
+
+#[test]
+fn blocking_ping_pong_between_threads() {
+    let cfg = cfg("pingpong");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    a.post_all_rx();
+    b.post_all_rx();
+    connect(&a, &b);
+    const N: u64 = 2000;
+    let t = std::thread::spawn(move || {
+        for i in 0..N {
+            let mut got = None;
+            while got.is_none() {
+                let wc = b.next_wc();
+                if wc.opcode == WcOpcode::Recv {
+                    assert_eq!(
+                        u64::from_le_bytes(b.rx_bytes(&wc)[..8].try_into().unwrap()),
+                        i
+                    );
+                    b.post_rx(wc.wr_id as usize);
+                    got = Some(());
+                }
+            }
+            b.qp.post_send(&SendWr::Send {
+                wr_id: i,
+                data: &i.to_le_bytes(),
+                signaled: false,
+            })
+            .unwrap();
+        }
+        b
+    });
+    for i in 0..N {
+        a.qp.post_send(&SendWr::Send {
+            wr_id: i,
+            data: &i.to_le_bytes(),
+            signaled: false,
+        })
+        .unwrap();
+        let wc = a.next_wc();
+        assert_eq!((wc.status, wc.opcode), (WcStatus::Success, WcOpcode::Recv));
+        assert_eq!(
+            u64::from_le_bytes(a.rx_bytes(&wc)[..8].try_into().unwrap()),
+            i
+        );
+        a.post_rx(wc.wr_id as usize);
+    }
+    let _b = t.join().unwrap();
+}
+
+#[test]
+fn no_fd_or_mapping_leaks_in_process() {
+    let cfg = cfg("leak");
+    // Warm up lazily initialised process state (thread-locals, allocator arenas).
+    {
+        let a = Side::new(&cfg, "shm0", 4096);
+        let b = Side::new(&cfg, "shm0", 4096);
+        connect(&a, &b);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let (fds, maps) = (fd_count(), map_count());
+    for _ in 0..3 {
+        let a = Side::new(&cfg, "shm0", 8192);
+        let b = Side::new(&cfg, "shm0", 8192);
+        b.post_all_rx();
+        connect(&a, &b);
+        a.qp.post_send(&SendWr::WriteInline {
+            wr_id: 1,
+            data: b"abc",
+            remote_addr: b.rmb.addr(),
+            rkey: b.rmb.rkey(),
+            signaled: false,
+        })
+        .unwrap();
+        a.qp.post_send(&SendWr::Send {
+            wr_id: 2,
+            data: b"abc",
+            signaled: true,
+        })
+        .unwrap();
+        assert_eq!(a.next_wc().status, WcStatus::Success);
+        assert_eq!(b.next_wc().status, WcStatus::Success);
+    }
+    assert_eq!(fd_count(), fds, "fd leak");
+    assert_eq!(map_count(), maps, "mapping leak");
+}
