@@ -1,1 +1,27 @@
-//! smc-proto (being built).
+//! smc-proto: the sans-IO protocol engine of smc-rs (RFC 7609).
+//!
+//! This crate makes every protocol decision and performs no I/O: no clock (time is a
+//! [`Timestamp`] passed in), no threads, no sockets, no randomness (identifiers that need it
+//! come from the caller). Its parts so far:
+//!
+//! - [`rmbe`]: RMB element layout (RFC eye catcher or Linux), cursor arithmetic.
+//! - [`rmb_pool`]: the RMBs of a link group and which elements are free; the §4.4.2 conflict.
+//! - [`conn`]: one connection's data path (cursors, windows, urgent data) and its normal and
+//!   abnormal termination (RFC 7609 §4.5, §4.7, §4.8).
+//! - [`timer`], [`time`]: one timer table per object; virtual time.
+//! - `harness` (feature `harness`, always on in this crate's tests): the deterministic
+//!   two-peer harness used by protocol tests.
+#![forbid(unsafe_code)]
+
+pub mod conn;
+pub mod rmb_pool;
+pub mod rmbe;
+pub mod time;
+pub mod timer;
+
+#[cfg(any(test, feature = "harness"))]
+pub mod harness;
+
+pub use conn::{ConnError, Connection, ConnectionConfig, Event, State};
+pub use rmbe::{Region, Regions, RmbeLayout, RmbeRing};
+pub use time::Timestamp;
