@@ -172,24 +172,6 @@ pub struct AddLink {
     pub initial_psn: U24,
 }
 
-impl Default for AddLinkRejectReason {
-    fn default() -> Self {
-        AddLinkRejectReason(0)
-    }
-}
-
-impl Default for QpMtu {
-    fn default() -> Self {
-        QpMtu(0)
-    }
-}
-
-impl Default for DeleteLinkReason {
-    fn default() -> Self {
-        DeleteLinkReason(0)
-    }
-}
-
 /// One RToken pair of ADD LINK CONTINUATION: an RMB identified by its rkey on the link the
 /// message travels on, and the same RMB's rkey and address on the new link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
