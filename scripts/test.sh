@@ -25,7 +25,7 @@ echo "== fuzz (stable, no sanitizer, ${SMC_FUZZ_SECONDS:=10}s per target)"
         cp -r "corpus/$t/." "$work/"
         cargo fuzz run -s none "$t" "$work" -- -max_total_time="$SMC_FUZZ_SECONDS" >"$work.log" 2>&1 || {
             cat "$work.log"; echo "fuzz target $t failed"; exit 1; }
-        grep -E '^#[0-9]+ *DONE' "$work.log" | sed "s/^/fuzz $t: /" || tail -n 1 "$work.log"
+        grep -E '^Done [0-9]+ runs' "$work.log" | sed "s/^/fuzz $t: /" || tail -n 1 "$work.log"
         rm -rf "$work" "$work.log"
     done
 )

@@ -28,6 +28,13 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // A closed stdout (`smc decode ... | head`) ends the output quietly, as in other tools.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("smc: error: {e:#}");
             ExitCode::from(2)

@@ -111,15 +111,32 @@ fn field(smc: &Value, key: &str) -> String {
     }
 }
 
-fn all_values(smc: &Value, key: &str) -> Vec<String> {
-    match find(smc, key) {
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_str().map(str::to_string))
-            .collect(),
-        _ => vec![],
+/// Every value of `key` anywhere below `v`, in document order (arrays flattened).
+fn all_values(v: &Value, key: &str) -> Vec<String> {
+    fn walk(v: &Value, key: &str, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, x) in m {
+                    if k == key {
+                        match x {
+                            Value::String(s) => out.push(s.clone()),
+                            Value::Array(a) => {
+                                out.extend(a.iter().filter_map(|y| y.as_str().map(str::to_string)))
+                            }
+                            _ => {}
+                        }
+                    } else {
+                        walk(x, key, out);
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|x| walk(x, key, out)),
+            _ => {}
+        }
     }
+    let mut out = Vec::new();
+    walk(v, key, &mut out);
+    out
 }
 
 fn num(s: &str) -> u64 {
@@ -141,6 +158,9 @@ fn tshark_decodes_every_message() {
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let path = dir.join("all.pcap");
     let order = write_capture(&path);
+    if let Some(keep) = std::env::var_os("SMC_CAPTURE_OUT") {
+        std::fs::copy(&path, keep).expect("copy capture");
+    }
     let frames = tshark_json(&path);
     assert_eq!(frames.len(), order.len(), "one frame per message");
     if std::env::var_os("SMC_TSHARK_DUMP").is_some() {
