@@ -1112,9 +1112,12 @@ impl Connection {
         if !self.state_sends_cdcs() || self.sent_conn_flags.peer_conn_closed {
             return false;
         }
+        // A flag newly set goes out at once; a flag merely cleared (writer no longer
+        // blocked, urgent data acknowledged) rides on the next CDC sent anyway.
         let (pf, cf) = self.desired_flags();
-        pf != self.sent_prod_flags
-            || cf != self.sent_conn_flags
+        let newly_set = |want: u8, sent: u8| want & !sent != 0;
+        newly_set(pf.to_byte(), self.sent_prod_flags.to_byte())
+            || newly_set(cf.to_byte(), self.sent_conn_flags.to_byte())
             || self.request_update
             || self.cons_update_due
             || (self.prod != self.prod_sent && !self.holding())
