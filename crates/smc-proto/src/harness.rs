@@ -267,7 +267,10 @@ impl Pair {
             let ring = RmbeRing::new(peer.conn.config().layout, peer.conn.config().local_rmbe_len)
                 .unwrap_or_else(|e| panic!("{e}"));
             let cap = u64::from(ring.capacity());
-            let in_use = me.written_total - peer.consumed_total;
+            // The receiver consumes through its application or, after shutdown(RD)/close,
+            // on the application's behalf.
+            let st = peer.conn.stats();
+            let in_use = me.written_total - (st.bytes_consumed + st.bytes_discarded);
             assert!(
                 in_use + n as u64 <= cap,
                 "write of {n} bytes past the window: {in_use} unconsumed of {cap}"

@@ -395,7 +395,8 @@ impl Connection {
         if let Some(e) = self.error {
             return Err(ApiError::Failed(e));
         }
-        if self.write_shut || self.write_shut_pending || self.local_closed || self.close_pending {
+        // While a close or shutdown is pending the runtime still writes its backlog.
+        if self.write_shut || self.local_closed {
             return Err(ApiError::WriteShutdown);
         }
         if !self.can_write() {
@@ -1109,13 +1110,21 @@ impl Connection {
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.8.1
         //# When the PeerConnectionClosed indicator is turned on, the SMC-R peer is
         //# indicating that it is done updating the partner's RMBE.
-        if !self.state_sends_cdcs() || self.sent_conn_flags.peer_conn_closed {
+        if self.sent_conn_flags.peer_conn_closed {
             return false;
         }
         // A flag newly set goes out at once; a flag merely cleared (writer no longer
         // blocked, urgent data acknowledged) rides on the next CDC sent anyway.
         let (pf, cf) = self.desired_flags();
         let newly_set = |want: u8, sent: u8| want & !sent != 0;
+        // Our PeerConnectionClosed still goes out when the close took us straight to Closed
+        // (Fig. 22 3D and 4C), unless the connection failed.
+        if self.local_closed && self.error.is_none() {
+            return true;
+        }
+        if !self.state_sends_cdcs() {
+            return false;
+        }
         newly_set(pf.to_byte(), self.sent_prod_flags.to_byte())
             || newly_set(cf.to_byte(), self.sent_conn_flags.to_byte())
             || self.request_update

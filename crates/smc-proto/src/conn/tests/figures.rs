@@ -25,8 +25,16 @@ fn cap(layout: RmbeLayout) -> usize {
 /// Assert the figure columns: A's view of B's consumer cursor, B's view of A's producer
 /// cursor.
 fn assert_views(p: &Pair, a_cons: Cursor, b_prod: Cursor) {
-    assert_eq!(p.a.conn.peer_consumer_cursor(), a_cons, "Host A consumer cursor");
-    assert_eq!(p.b.conn.peer_producer_cursor(), b_prod, "Host B producer cursor");
+    assert_eq!(
+        p.a.conn.peer_consumer_cursor(),
+        a_cons,
+        "Host A consumer cursor"
+    );
+    assert_eq!(
+        p.b.conn.peer_producer_cursor(),
+        b_prod,
+        "Host B producer cursor"
+    );
 }
 
 /// Bring the A→B stream to `wrap:x` (figure coordinates) with all data consumed and Host A
