@@ -150,7 +150,7 @@ impl RmbeRing {
     }
 
     /// Length of the RMBE, eye catcher included.
-    pub fn len(&self) -> u32 {
+    pub fn rmbe_len(&self) -> u32 {
         self.len
     }
 

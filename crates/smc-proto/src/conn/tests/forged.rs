@@ -63,37 +63,85 @@ fn forged(to: Side, f: impl FnOnce(&mut CdcMessage), reason: AbortReason) {
 
 #[test]
 fn producer_outside_the_rmbe() {
-    forged(Side::B, |m| m.producer.count = FIG_RMBE, AbortReason::ProducerOutOfBounds);
-    forged(Side::B, |m| m.producer.count = u32::MAX, AbortReason::ProducerOutOfBounds);
+    forged(
+        Side::B,
+        |m| m.producer.count = FIG_RMBE,
+        AbortReason::ProducerOutOfBounds,
+    );
+    forged(
+        Side::B,
+        |m| m.producer.count = u32::MAX,
+        AbortReason::ProducerOutOfBounds,
+    );
     // RFC mode: the eye catcher is not data.
-    forged(Side::B, |m| m.producer.count = 2, AbortReason::ProducerOutOfBounds);
+    forged(
+        Side::B,
+        |m| m.producer.count = 2,
+        AbortReason::ProducerOutOfBounds,
+    );
 }
 
 #[test]
 fn consumer_outside_the_rmbe() {
-    forged(Side::A, |m| m.consumer.count = FIG_RMBE + 1, AbortReason::ConsumerOutOfBounds);
-    forged(Side::A, |m| m.consumer.count = 0, AbortReason::ConsumerOutOfBounds);
+    forged(
+        Side::A,
+        |m| m.consumer.count = FIG_RMBE + 1,
+        AbortReason::ConsumerOutOfBounds,
+    );
+    forged(
+        Side::A,
+        |m| m.consumer.count = 0,
+        AbortReason::ConsumerOutOfBounds,
+    );
 }
 
 #[test]
 fn producer_moving_backwards() {
-    forged(Side::B, |m| m.producer = Cursor::new(0, 500), AbortReason::ProducerBackwards);
-    forged(Side::B, |m| m.producer = Cursor::new(u16::MAX, 5000), AbortReason::ProducerBackwards);
+    forged(
+        Side::B,
+        |m| m.producer = Cursor::new(0, 500),
+        AbortReason::ProducerBackwards,
+    );
+    forged(
+        Side::B,
+        |m| m.producer = Cursor::new(u16::MAX, 5000),
+        AbortReason::ProducerBackwards,
+    );
 }
 
 #[test]
 fn producer_claiming_more_than_the_buffer_holds() {
     // One wrap too far past the last producer cursor.
-    forged(Side::B, |m| m.producer = Cursor::new(1, 1005), AbortReason::ProducerOverrun);
-    forged(Side::B, |m| m.producer = Cursor::new(7, 1004), AbortReason::ProducerOverrun);
+    forged(
+        Side::B,
+        |m| m.producer = Cursor::new(1, 1005),
+        AbortReason::ProducerOverrun,
+    );
+    forged(
+        Side::B,
+        |m| m.producer = Cursor::new(7, 1004),
+        AbortReason::ProducerOverrun,
+    );
     // Within a buffer of the last producer cursor, but past B's unread data.
-    forged(Side::B, |m| m.producer = Cursor::new(1, 500), AbortReason::ProducerOverrun);
+    forged(
+        Side::B,
+        |m| m.producer = Cursor::new(1, 500),
+        AbortReason::ProducerOverrun,
+    );
 }
 
 #[test]
 fn consumer_claiming_unsent_data() {
-    forged(Side::A, |m| m.consumer = Cursor::new(0, 2000), AbortReason::ConsumerAhead);
-    forged(Side::A, |m| m.consumer = Cursor::new(1, 4), AbortReason::ConsumerAhead);
+    forged(
+        Side::A,
+        |m| m.consumer = Cursor::new(0, 2000),
+        AbortReason::ConsumerAhead,
+    );
+    forged(
+        Side::A,
+        |m| m.consumer = Cursor::new(1, 4),
+        AbortReason::ConsumerAhead,
+    );
 }
 
 #[test]
