@@ -569,6 +569,36 @@ fn sc_rmbe_conflict_in_every_state(seen: &mut Seen) {
     }
 }
 
+/// A conflict while our abort reply is still queued (ProcessAbort): the reply is dropped.
+fn sc_rmbe_conflict_in_process_abort(seen: &mut Seen) {
+    let mut p = pair();
+    let b = &p.b.conn;
+    let abort = smc_wire::CdcMessage {
+        seqno: 1,
+        alert_token: b.config().local_alert_token,
+        producer: b.peer_producer_cursor(),
+        consumer: b.peer_consumer_cursor(),
+        prod_flags: Default::default(),
+        conn_flags: smc_wire::ConnStateFlags {
+            peer_abnormal_close: true,
+            ..Default::default()
+        },
+    };
+    let t = now(&p);
+    p.b.conn.handle_cdc(abort, t);
+    assert_eq!(p.b.conn.state(), State::ProcessAbort);
+    p.b.conn.handle_rmbe_conflict(t);
+    assert_eq!(p.b.conn.state(), State::Closed);
+    assert_eq!(p.b.conn.poll_transmit(), None);
+    p.flush(Side::B);
+    record(&p, seen);
+}
+
+#[test]
+fn rmbe_conflict_in_process_abort() {
+    sc_rmbe_conflict_in_process_abort(&mut Seen::new());
+}
+
 #[test]
 fn close_then_close() {
     sc_close_then_close(&mut Seen::new());
@@ -656,6 +686,7 @@ fn every_transition_is_exercised() {
     sc_abort_from_every_state(&mut seen);
     sc_peer_abort_in_every_state(&mut seen);
     sc_rmbe_conflict_in_every_state(&mut seen);
+    sc_rmbe_conflict_in_process_abort(&mut seen);
     let table: Seen = TRANSITIONS
         .iter()
         .map(|t| (t.from, t.input, t.to))
