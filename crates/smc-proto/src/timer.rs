@@ -83,3 +83,40 @@ impl<K: TimerKind, const N: usize> TimerTable<K, N> {
         Some(kind)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum K {
+        X,
+        Y,
+    }
+
+    impl TimerKind for K {
+        const ALL: &'static [K] = &[K::X, K::Y];
+        fn index(self) -> usize {
+            self as usize
+        }
+    }
+
+    #[test]
+    fn earliest_deadline_first() {
+        let t = |ms| Timestamp::from_duration(Duration::from_millis(ms));
+        let mut table: TimerTable<K, 2> = TimerTable::new();
+        assert_eq!(table.next_deadline(), None);
+        table.set(K::X, t(20));
+        table.set(K::Y, t(10));
+        assert_eq!(table.next_deadline(), Some(t(10)));
+        assert_eq!(table.pop_expired(t(5)), None);
+        assert_eq!(table.pop_expired(t(30)), Some(K::Y));
+        assert_eq!(table.pop_expired(t(30)), Some(K::X));
+        assert_eq!(table.pop_expired(t(30)), None);
+        table.set(K::X, t(1));
+        table.stop(K::X);
+        assert!(!table.is_set(K::X));
+    }
+}

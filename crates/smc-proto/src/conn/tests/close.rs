@@ -735,3 +735,41 @@ fn table_is_deterministic() {
         }
     }
 }
+
+/// §4.4.2 end to end: the peer presents, for a new connection, the RMBE an old connection
+/// still writes into; the old connection is aborted without flows and its local RMBE is
+/// returned to the pool.
+#[test]
+fn rmbe_conflict_detected_at_rendezvous() {
+    use crate::rmb_pool::{PeerRmbeKey, PeerRmbeRegistry, RmbPool, RmbPoolConfig};
+    let mut pool = RmbPool::new(RmbPoolConfig::default()).expect("valid");
+    let mut registry = PeerRmbeRegistry::new();
+    let old_local = pool.allocate(smc_wire::RmbeSize(0)).expect("rmbe");
+    let key = PeerRmbeKey {
+        rkey: 0x1234,
+        index: 5,
+    };
+    assert_eq!(registry.claim(key, 1u32), None);
+    let mut old = pair();
+    old.app_send(Side::B, b"unread data sitting in A's RMBE");
+    old.a.auto_read = false;
+    old.settle();
+    // A new rendezvous: the peer names the same RMBE for connection 2.
+    let victim = registry.claim(key, 2u32);
+    assert_eq!(victim, Some(1));
+    let sent = old.a.conn.stats().cdc_sent;
+    let t = old.now;
+    old.a.conn.handle_rmbe_conflict(t);
+    old.flush(Side::A);
+    assert_eq!(old.a.conn.state(), State::Closed);
+    assert_eq!(old.a.conn.stats().cdc_sent, sent);
+    assert_eq!(old.a.conn.readable(), 0, "local data ignored");
+    assert_eq!(
+        old.a.conn.error(),
+        Some(ConnError::Reset(AbortReason::RmbeConflict))
+    );
+    assert!(old.a.saw(Event::Closed));
+    pool.release(old_local.handle).expect("released");
+    assert_eq!(pool.in_use(), 0);
+    assert_eq!(registry.owner(key), Some(2));
+}
