@@ -145,9 +145,11 @@ enum SendUrgent {
     /// The application has urgent data it could not write yet (P announced).
     Pending,
     /// Urgent data was written; the producer cursor `end` is one past the urgent byte. No more
-    /// writes until the peer's consumer cursor reaches `end`.
+    /// writes until the peer's consumer cursor reaches `end`. `next_pending`: the application
+    /// has queued further urgent data meanwhile.
     InFlight {
         end: Cursor,
+        next_pending: bool,
     },
 }
 
@@ -463,7 +465,10 @@ impl Connection {
             return Err(ApiError::EmptyUrgent);
         }
         self.advance_producer(n)?;
-        self.urgent = SendUrgent::InFlight { end: self.prod };
+        self.urgent = SendUrgent::InFlight {
+            end: self.prod,
+            next_pending: false,
+        };
         self.after_send_change(now);
         Ok(())
     }
@@ -475,8 +480,10 @@ impl Connection {
     //# indicator (the writer blocked indicator remains on as well).
     pub fn urgent_pending(&mut self, now: Timestamp) -> Result<(), ApiError> {
         self.check_write()?;
-        if self.urgent == SendUrgent::None {
-            self.urgent = SendUrgent::Pending;
+        match &mut self.urgent {
+            u @ SendUrgent::None => *u = SendUrgent::Pending,
+            SendUrgent::Pending => {}
+            SendUrgent::InFlight { next_pending, .. } => *next_pending = true,
         }
         self.after_send_change(now);
         Ok(())
@@ -520,7 +527,15 @@ impl Connection {
     }
 
     fn has_pending_writes(&self) -> bool {
-        self.send_backlog > 0 || self.urgent == SendUrgent::Pending
+        self.send_backlog > 0
+            || matches!(
+                self.urgent,
+                SendUrgent::Pending
+                    | SendUrgent::InFlight {
+                        next_pending: true,
+                        ..
+                    }
+            )
     }
 
     fn after_send_change(&mut self, now: Timestamp) {
@@ -771,9 +786,13 @@ impl Connection {
         if acked > 0 {
             let was_blocked = self.write_regions().is_empty();
             self.peer_cons = msg.consumer;
-            if let SendUrgent::InFlight { end } = self.urgent {
+            if let SendUrgent::InFlight { end, next_pending } = self.urgent {
                 if self.peer_ring.distance(end, self.peer_cons).is_ok() {
-                    self.urgent = SendUrgent::None;
+                    self.urgent = if next_pending {
+                        SendUrgent::Pending
+                    } else {
+                        SendUrgent::None
+                    };
                 }
             }
             if was_blocked && !self.write_regions().is_empty() {

@@ -349,3 +349,28 @@ fn urgent_byte_consumed_in_pieces() {
     assert!(!p.a.conn.write_regions().is_empty());
     assert_eq!(p.b.rx, stream(0, 150));
 }
+
+#[test]
+fn second_urgent_send_while_first_unacknowledged() {
+    let mut p = pair64k();
+    p.app_send_urgent(Side::A, &stream(0, 10));
+    p.pump(Side::A);
+    // The application sends more urgent data before the first is acknowledged.
+    let now = p.now;
+    p.a.conn.urgent_pending(now).expect("active");
+    let m = deliver_cdc(&mut p, Side::B);
+    assert!(m.prod_flags.urgent_present);
+    p.read(Side::B, usize::MAX);
+    deliver_cdc(&mut p, Side::A);
+    // Acknowledged: the second urgent send is still announced (P without U).
+    p.a.conn.request_consumer_update().expect("active");
+    p.flush(Side::A);
+    let m = deliver_cdc(&mut p, Side::B);
+    assert!(m.prod_flags.urgent_pending);
+    assert!(!m.prod_flags.urgent_present);
+    p.app_send_urgent(Side::A, &stream(10, 5));
+    p.pump(Side::A);
+    let m = p.wire.back().map(|f| f.what);
+    assert!(matches!(m, Some(crate::harness::Wire::Cdc(c))
+        if c.prod_flags.urgent_present && c.producer == Cursor::new(0, 15)));
+}
