@@ -501,7 +501,7 @@ impl Connection {
     /// cork is removed, or the cork ceiling timer fires).
     pub fn set_cork(&mut self, cork: bool, now: Timestamp) {
         self.cork = cork;
-        if !cork {
+        if !cork && self.prod != self.prod_sent {
             self.flush_due = true;
         }
         self.sync_timers(now);
@@ -864,8 +864,13 @@ impl Connection {
             Err(CursorOrder::Backwards) => return Err(AbortReason::ProducerBackwards),
             Err(_) => return Err(AbortReason::ProducerOverrun),
         };
-        // The peer may not write past our consumer cursor: unread data never exceeds the RMBE.
-        if self.local_ring.distance(self.cons, msg.producer).is_err() {
+        // The peer may not write past the consumer cursor we told it: what it claims to have
+        // written since then never exceeds the RMBE.
+        if self
+            .local_ring
+            .distance(self.cons_sent, msg.producer)
+            .is_err()
+        {
             return Err(AbortReason::ProducerOverrun);
         }
         if new_bytes > 0 && self.peer_done {
@@ -876,8 +881,12 @@ impl Connection {
             Err(CursorOrder::Backwards) => return Err(AbortReason::ConsumerBackwards),
             Err(_) => return Err(AbortReason::ConsumerAhead),
         };
-        // The peer cannot have consumed what we did not produce.
-        if self.peer_ring.distance(msg.consumer, self.prod).is_err() {
+        // The peer cannot have consumed what we did not announce.
+        if self
+            .peer_ring
+            .distance(msg.consumer, self.prod_sent)
+            .is_err()
+        {
             return Err(AbortReason::ConsumerAhead);
         }
         Ok((new_bytes, acked))
@@ -931,6 +940,10 @@ impl Connection {
     /// close() or shutdown(SHUT_RDWR). Unread data resets the connection; data still to be
     /// written defers the close until [`set_send_backlog`](Self::set_send_backlog) reports
     /// zero; otherwise PeerConnectionClosed is sent.
+    ///
+    /// RDMA WRITEs already posted need no wait: the CDC carrying PeerConnectionClosed is a
+    /// SEND on the same reliably connected QP, which the peer sees only after those writes.
+    /// After close the application is gone: later data from the peer is discarded.
     pub fn close(&mut self, now: Timestamp) -> Result<(), ApiError> {
         if self.error.is_some() || self.local_closed || self.close_pending {
             return Ok(());

@@ -245,3 +245,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn producer_using_a_consumer_update_we_never_sent() {
+    let mut p = setup();
+    // B consumed 1000 bytes but (window unconstrained) did not tell A.
+    assert_eq!(p.read(Side::B, usize::MAX), 1000);
+    assert!(p.wire.is_empty());
+    // Writing a full buffer past B's *current* consumer cursor would be fine, but A can only
+    // know the consumer cursor B sent (the initial one).
+    let mut m = baseline(&p, Side::B, 500);
+    m.producer = Cursor::new(1, 1004);
+    p.inject(Side::B, m);
+    assert_aborted(p, Side::B, AbortReason::ProducerOverrun);
+}
+
+#[test]
+fn consumer_acknowledging_unannounced_data() {
+    let mut p = setup();
+    // A writes 100 more bytes under TCP_CORK: produced, but not yet announced.
+    let t = p.now;
+    p.a.conn.set_cork(true, t);
+    p.app_send(Side::A, &stream(1000, 100));
+    p.pump(Side::A);
+    assert!(p.wire.is_empty());
+    let mut m = baseline(&p, Side::A, 500);
+    m.consumer = Cursor::new(0, 1104);
+    p.inject(Side::A, m);
+    assert_aborted(p, Side::A, AbortReason::ConsumerAhead);
+}
