@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the smc-rs tests need, only when it is missing (Debian 12, root or sudo).
 #   tshark      – the outside decoder the wire tests check our bytes against
+#   clang, libbpf-dev – build the eBPF TCP-option program (crates/smc/bpf)
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 set -euo pipefail
 
@@ -14,6 +15,15 @@ if ! command -v tshark >/dev/null 2>&1; then
     # tshark asks whether non-root users may capture; the default (no) is fine.
     echo "wireshark-common wireshark-common/install-setuid boolean false" | as_root debconf-set-selections
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tshark >/dev/null
+fi
+
+missing=()
+command -v clang >/dev/null 2>&1 || missing+=(clang)
+[ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "install-deps: installing ${missing[*]}" >&2
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 if ! cargo fuzz --version >/dev/null 2>&1; then

@@ -1,0 +1,311 @@
+//! SMC capability discovery with the TCP experimental option (RFC 7609 §3.1, §3.5.1.1).
+//!
+//! RFC 7609 §3.5.1.1: "A client who wishes to do SMC-R will include TCP option 254 using an
+//! ExID equal to the EBCDIC (codepage IBM-1047) encoding of "SMCR" on its SYN flow." A
+//! userspace stack cannot add TCP options through the sockets API, so smc-rs loads a small
+//! eBPF `sock_ops` program (bpf/smc_tcp_option.bpf.c, built by clang from build.rs, loaded with
+//! aya) into a cgroup v2. The program acts only on sockets this instance marked:
+//!
+//! - client: [`TcpOptionDiscovery::mark_client`] before `connect()`; the SYN carries the option;
+//!   after the handshake [`TcpOptionDiscovery::client_outcome`] says whether the SYN-ACK did too;
+//! - server: [`TcpOptionDiscovery::mark_listener`] before `listen()`; a SYN-ACK carries the option
+//!   only when the SYN did, and [`TcpOptionDiscovery::server_outcome`] says so per accepted
+//!   connection.
+//!
+//! CLC runs only when both handshake segments carried the option; otherwise the connection
+//! stays TCP ("peer did not offer SMC"). Loading needs root (or CAP_BPF + CAP_NET_ADMIN).
+
+use std::net::SocketAddr;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Where the cgroup v2 hierarchy is usually mounted (unified mode, then hybrid mode).
+pub const CGROUP2_CANDIDATES: &[&str] = &["/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
+
+/// What the handshake showed about the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Both the SYN and the SYN-ACK carried the SMC option: run CLC.
+    BothOffered,
+    /// We offered SMC but the peer did not (client: SYN-ACK without the option; server: SYN
+    /// without it, so the SYN-ACK did not carry it either).
+    PeerDidNotOffer,
+}
+
+/// Why discovery could not be set up or queried.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// The crate was built without the eBPF program (no clang at build time, or the `ebpf`
+    /// feature is off).
+    #[error("the eBPF TCP-option program was not built (clang missing at build time)")]
+    NotBuilt,
+    /// No cgroup v2 mount was found.
+    #[error("no cgroup v2 hierarchy found (tried {0:?})")]
+    NoCgroup2(Vec<PathBuf>),
+    /// Opening the cgroup failed.
+    #[error("cannot open cgroup {path}: {source}")]
+    Cgroup {
+        /// The cgroup directory.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Loading or attaching the program failed (usually missing privileges).
+    #[error("cannot load the eBPF program (needs root or CAP_BPF + CAP_NET_ADMIN): {0}")]
+    Load(String),
+    /// A map operation failed.
+    #[error("eBPF map {map}: {msg}")]
+    Map {
+        /// Which map.
+        map: &'static str,
+        /// What failed.
+        msg: String,
+    },
+    /// A socket query (SO_COOKIE, local address) failed.
+    #[error("socket: {0}")]
+    Socket(#[from] std::io::Error),
+}
+
+/// The map key of a passive connection, mirroring `struct smc_flow_key` in the C program:
+/// family, local port, remote port (host order), local and remote address (network-order words).
+fn flow_key(local: SocketAddr, remote: SocketAddr) -> [u32; 11] {
+    let mut k = [0u32; 11];
+    let words = |a: &SocketAddr, out: &mut [u32]| match a {
+        SocketAddr::V4(v) => out[0] = u32::from_ne_bytes(v.ip().octets()),
+        SocketAddr::V6(v) => {
+            for (i, c) in v.ip().octets().chunks_exact(4).enumerate() {
+                out[i] = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+    };
+    k[0] = if local.is_ipv4() { 2 } else { 10 };
+    k[1] = u32::from(local.port());
+    k[2] = u32::from(remote.port());
+    words(&local, &mut k[3..7]);
+    words(&remote, &mut k[7..11]);
+    k
+}
+
+/// Find the cgroup v2 mount to attach to.
+pub fn find_cgroup2() -> Result<PathBuf, DiscoveryError> {
+    for c in CGROUP2_CANDIDATES {
+        let p = Path::new(c);
+        if p.join("cgroup.procs").exists() && p.join("cgroup.subtree_control").exists() {
+            return Ok(p.to_path_buf());
+        }
+        // Hybrid mode: the unified hierarchy has cgroup.procs but no controllers file at /.
+        if p.join("cgroup.procs").exists() && *c == "/sys/fs/cgroup/unified" {
+            return Ok(p.to_path_buf());
+        }
+    }
+    Err(DiscoveryError::NoCgroup2(
+        CGROUP2_CANDIDATES.iter().map(PathBuf::from).collect(),
+    ))
+}
+
+#[cfg(all(feature = "ebpf", smc_bpf_built))]
+mod imp {
+    use super::*;
+    use aya::maps::{HashMap, MapData};
+    use aya::programs::{CgroupAttachMode, SockOps};
+    use aya::Ebpf;
+
+    // The ELF parser needs the object 8-byte aligned, which plain include_bytes! does not give.
+    static PROGRAM: &[u8] =
+        aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/smc_tcp_option.bpf.o"));
+
+    /// Client socket states written by the program (see the C source).
+    const CLIENT_MARKED: u32 = 1;
+    const CLIENT_PEER_OFFERED: u32 = 2;
+
+    struct Maps {
+        sockets: HashMap<MapData, u64, u32>,
+        listen_ports: HashMap<MapData, u32, u32>,
+        accepted: HashMap<MapData, [u32; 11], u32>,
+    }
+
+    /// The loaded and attached discovery program; detached when dropped.
+    pub struct TcpOptionDiscovery {
+        // Kept alive: dropping the Ebpf detaches and unloads the program.
+        _bpf: Ebpf,
+        maps: Mutex<Maps>,
+        cgroup: PathBuf,
+    }
+
+    /// The error and every source below it, so a failing syscall shows its errno.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s.push_str(": ");
+            s.push_str(&c.to_string());
+            cur = c.source();
+        }
+        s
+    }
+
+    fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> DiscoveryError {
+        move |e| DiscoveryError::Map {
+            map,
+            msg: chain(&e),
+        }
+    }
+
+    impl TcpOptionDiscovery {
+        /// Load the program and attach it to `cgroup` (default: the cgroup v2 root), next to
+        /// any other programs attached there.
+        pub fn load(cgroup: Option<&Path>) -> Result<Self, DiscoveryError> {
+            let cgroup = match cgroup {
+                Some(p) => p.to_path_buf(),
+                None => find_cgroup2()?,
+            };
+            let dir = std::fs::File::open(&cgroup).map_err(|source| DiscoveryError::Cgroup {
+                path: cgroup.clone(),
+                source,
+            })?;
+            let mut bpf = Ebpf::load(PROGRAM).map_err(|e| DiscoveryError::Load(chain(&e)))?;
+            let prog: &mut SockOps = bpf
+                .program_mut("smc_tcp_option")
+                .ok_or_else(|| DiscoveryError::Load("program smc_tcp_option missing".into()))?
+                .try_into()
+                .map_err(|e: aya::programs::ProgramError| DiscoveryError::Load(chain(&e)))?;
+            prog.load().map_err(|e| DiscoveryError::Load(chain(&e)))?;
+            prog.attach(dir.as_fd(), CgroupAttachMode::Single)
+                .map_err(|e| DiscoveryError::Load(chain(&e)))?;
+            let mut take = |name: &'static str| {
+                bpf.take_map(name).ok_or_else(|| DiscoveryError::Map {
+                    map: name,
+                    msg: "missing from the object".into(),
+                })
+            };
+            let sockets =
+                HashMap::try_from(take("smc_sockets")?).map_err(map_err("smc_sockets"))?;
+            let listen_ports = HashMap::try_from(take("smc_listen_ports")?)
+                .map_err(map_err("smc_listen_ports"))?;
+            let accepted =
+                HashMap::try_from(take("smc_accepted")?).map_err(map_err("smc_accepted"))?;
+            Ok(TcpOptionDiscovery {
+                _bpf: bpf,
+                maps: Mutex::new(Maps {
+                    sockets,
+                    listen_ports,
+                    accepted,
+                }),
+                cgroup,
+            })
+        }
+
+        /// The cgroup the program is attached to.
+        pub fn cgroup(&self) -> &Path {
+            &self.cgroup
+        }
+
+        fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
+            // A panic while holding the lock cannot leave the maps inconsistent (each
+            // operation is one syscall), so a poisoned lock is still usable.
+            self.maps.lock().unwrap_or_else(|p| p.into_inner())
+        }
+
+        /// Mark a client socket before `connect()`: its SYN will carry the SMC option.
+        pub fn mark_client(&self, sock: impl AsFd) -> Result<u64, DiscoveryError> {
+            let cookie = rustix::net::sockopt::socket_cookie(sock).map_err(std::io::Error::from)?;
+            self.maps()
+                .sockets
+                .insert(cookie, CLIENT_MARKED, 0)
+                .map_err(map_err("smc_sockets"))?;
+            Ok(cookie)
+        }
+
+        /// After `connect()` completed: whether the SYN-ACK carried the option too. Forgets
+        /// the socket.
+        pub fn client_outcome(&self, cookie: u64) -> Result<Outcome, DiscoveryError> {
+            let mut m = self.maps();
+            let state = m.sockets.get(&cookie, 0).ok();
+            let _ = m.sockets.remove(&cookie);
+            Ok(match state {
+                Some(CLIENT_PEER_OFFERED) => Outcome::BothOffered,
+                _ => Outcome::PeerDidNotOffer,
+            })
+        }
+
+        /// Forget a marked client socket whose connect failed.
+        pub fn unmark_client(&self, cookie: u64) {
+            let _ = self.maps().sockets.remove(&cookie);
+        }
+
+        /// Mark a listening port before `listen()`: SYN-ACKs answer an SMC SYN with the option.
+        pub fn mark_listener(&self, port: u16) -> Result<(), DiscoveryError> {
+            self.maps()
+                .listen_ports
+                .insert(u32::from(port), 1, 0)
+                .map_err(map_err("smc_listen_ports"))
+        }
+
+        /// Stop marking a listening port.
+        pub fn unmark_listener(&self, port: u16) {
+            let _ = self.maps().listen_ports.remove(&u32::from(port));
+        }
+
+        /// For an accepted connection: whether its SYN carried the option (and so its
+        /// SYN-ACK did). Forgets the connection.
+        pub fn server_outcome(
+            &self,
+            local: SocketAddr,
+            remote: SocketAddr,
+        ) -> Result<Outcome, DiscoveryError> {
+            let key = flow_key(local, remote);
+            let mut m = self.maps();
+            let hit = m.accepted.get(&key, 0).is_ok();
+            let _ = m.accepted.remove(&key);
+            Ok(if hit {
+                Outcome::BothOffered
+            } else {
+                Outcome::PeerDidNotOffer
+            })
+        }
+    }
+}
+
+#[cfg(not(all(feature = "ebpf", smc_bpf_built)))]
+mod imp {
+    use super::*;
+
+    /// Discovery is unavailable in this build; [`TcpOptionDiscovery::load`] always fails.
+    pub struct TcpOptionDiscovery {
+        _never: Mutex<()>,
+    }
+
+    impl TcpOptionDiscovery {
+        /// Always [`DiscoveryError::NotBuilt`] in this build.
+        pub fn load(_cgroup: Option<&Path>) -> Result<Self, DiscoveryError> {
+            let _ = flow_key;
+            Err(DiscoveryError::NotBuilt)
+        }
+    }
+}
+
+pub use imp::TcpOptionDiscovery;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flow_key_layout_matches_the_c_struct() {
+        let l: SocketAddr = "192.168.1.10:40000".parse().unwrap();
+        let r: SocketAddr = "192.168.1.20:12345".parse().unwrap();
+        let k = flow_key(l, r);
+        assert_eq!(k[0], 2);
+        assert_eq!(k[1], 40000);
+        assert_eq!(k[2], 12345);
+        assert_eq!(k[3].to_ne_bytes(), [192, 168, 1, 10]);
+        assert_eq!(k[7].to_ne_bytes(), [192, 168, 1, 20]);
+        assert_eq!(&k[4..7], &[0, 0, 0]);
+        let l6: SocketAddr = "[2001:db8::1]:1".parse().unwrap();
+        let k6 = flow_key(l6, l6);
+        assert_eq!(k6[0], 10);
+        assert_eq!(k6[3].to_ne_bytes(), [0x20, 0x01, 0x0d, 0xb8]);
+        assert_eq!(k6[6].to_ne_bytes(), [0, 0, 0, 1]);
+    }
+}
