@@ -175,7 +175,9 @@ impl RmbeRing {
     /// `c` moved forward by `n` bytes (`n` at most the capacity; larger values are clamped).
     pub fn advance(&self, c: Cursor, n: u32) -> Cursor {
         let cap = u64::from(self.capacity());
-        let off = u64::from(c.count.saturating_sub(self.start)) + u64::from(n).min(cap);
+        // Clamp so that even a cursor outside the data area cannot produce one.
+        let here = u64::from(c.count.saturating_sub(self.start)).min(cap - 1);
+        let off = here + u64::from(n).min(cap);
         if off >= cap {
             // off - cap < cap <= u32::MAX, so the conversion cannot fail.
             let rest = u32::try_from(off - cap).unwrap_or(0);

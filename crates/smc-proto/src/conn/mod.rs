@@ -513,6 +513,16 @@ impl Connection {
         self.sync_timers(now);
     }
 
+    /// Whether TCP_NODELAY is in effect.
+    pub fn nodelay(&self) -> bool {
+        self.nodelay
+    }
+
+    /// Whether TCP_CORK is in effect.
+    pub fn cork(&self) -> bool {
+        self.cork
+    }
+
     /// Ask the peer for a consumer-cursor update now (R flag; for diagnosing a stalled
     /// receiver, RFC 7609 §4.5.1).
     pub fn request_consumer_update(&mut self) -> Result<(), ApiError> {
@@ -527,6 +537,10 @@ impl Connection {
     }
 
     fn has_pending_writes(&self) -> bool {
+        if self.write_shut || self.local_closed {
+            // Nothing can be written any more.
+            return false;
+        }
         self.send_backlog > 0
             || matches!(
                 self.urgent,
@@ -539,6 +553,12 @@ impl Connection {
     }
 
     fn after_send_change(&mut self, now: Timestamp) {
+        // Data that can never be written because the peer closed: reset, as on receipt of
+        // PeerConnectionClosed with data pending (RFC 7609 §4.8.1 4A).
+        if self.peer_closed && self.has_pending_writes() && self.error.is_none() {
+            self.abort_with(AbortReason::PeerClosedWithPendingData, now, true);
+            return;
+        }
         if !self.has_pending_writes() && self.error.is_none() {
             //= https://www.rfc-editor.org/rfc/rfc7609#section-4.8.1
             //# If this process could not be completed synchronously (the pending close

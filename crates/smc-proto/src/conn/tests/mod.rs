@@ -5,6 +5,7 @@ mod data_path;
 mod figures;
 mod forged;
 mod model;
+mod termination_model;
 
 use smc_wire::{CdcMessage, Cursor};
 
