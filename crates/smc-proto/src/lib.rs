@@ -10,7 +10,8 @@
 //!   abnormal termination (RFC 7609 §4.5, §4.7, §4.8).
 //! - [`timer`], [`time`]: one timer table per object; virtual time.
 //! - `harness` (feature `harness`, always on in this crate's tests): the deterministic
-//!   two-peer harness used by protocol tests.
+//!   two-peer harness used by protocol tests. Other crates' tests enable it with
+//!   `smc-proto = { workspace = true, features = ["harness"] }` under `[dev-dependencies]`.
 #![forbid(unsafe_code)]
 
 pub mod conn;

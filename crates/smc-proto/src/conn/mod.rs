@@ -1007,9 +1007,10 @@ impl Connection {
 
     /// Abortive close requested by the application (e.g. SO_LINGER with zero timeout): TCP
     /// reset plus PeerConnAbort (Fig. 23 path 1).
-    pub fn abort(&mut self, now: Timestamp) -> Result<(), ApiError> {
+    ///
+    /// Does nothing once the connection is closed or already aborting.
+    pub fn abort(&mut self, now: Timestamp) {
         self.abort_with(AbortReason::ApplicationAbort, now, true);
-        Ok(())
     }
 
     /// The TCP connection was reset by the peer. Starts abnormal termination unless the peer

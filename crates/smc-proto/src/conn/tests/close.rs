@@ -47,7 +47,7 @@ fn close(p: &mut Pair, side: Side) {
 
 fn abort(p: &mut Pair, side: Side) {
     let t = now(p);
-    p.peer_mut(side).conn.abort(t).expect("abort");
+    p.peer_mut(side).conn.abort(t);
     p.flush(side);
 }
 
