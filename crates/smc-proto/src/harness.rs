@@ -398,6 +398,15 @@ impl Pair {
         }
     }
 
+    /// Run an application command on `side`'s engine at the current time, then put what it
+    /// produced on the wire: `pair.act(Side::A, |c, now| c.close(now))`.
+    pub fn act<R>(&mut self, side: Side, f: impl FnOnce(&mut Connection, Timestamp) -> R) -> R {
+        let now = self.now;
+        let r = f(&mut self.peer_mut(side).conn, now);
+        self.flush(side);
+        r
+    }
+
     /// Hand `msg` to `to`'s engine now, as if it came from the fabric (for forged CDCs).
     pub fn inject(&mut self, to: Side, msg: CdcMessage) {
         let now = self.now;

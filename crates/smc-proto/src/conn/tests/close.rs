@@ -34,21 +34,15 @@ fn states(p: &Pair) -> (State, State) {
 }
 
 fn shut_wr(p: &mut Pair, side: Side) {
-    let t = now(p);
-    p.peer_mut(side).conn.shutdown_write(t).expect("shutdown");
-    p.flush(side);
+    p.act(side, |c, t| c.shutdown_write(t)).expect("shutdown");
 }
 
 fn close(p: &mut Pair, side: Side) {
-    let t = now(p);
-    p.peer_mut(side).conn.close(t).expect("close");
-    p.flush(side);
+    p.act(side, |c, t| c.close(t)).expect("close");
 }
 
 fn abort(p: &mut Pair, side: Side) {
-    let t = now(p);
-    p.peer_mut(side).conn.abort(t);
-    p.flush(side);
+    p.act(side, |c, t| c.abort(t));
 }
 
 fn both_closed_cleanly(p: &Pair) {
