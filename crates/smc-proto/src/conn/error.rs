@@ -37,11 +37,15 @@ pub enum AbortReason {
     RmbeConflict,
     /// A termination timer expired (PeerCloseWait1/2, PeerFinCloseWait).
     CloseTimeout,
+    /// The connection's link group lost its last link or was terminated (RFC 7609 §2.3).
+    LinkGroupLost,
+    /// A failover validation CDC showed that data was lost (RFC 7609 §4.6.1: SR < SS).
+    FailoverDataLoss,
 }
 
 impl AbortReason {
     /// Every reason, in counter order.
-    pub const ALL: [AbortReason; 15] = [
+    pub const ALL: [AbortReason; 17] = [
         AbortReason::ProducerOutOfBounds,
         AbortReason::ConsumerOutOfBounds,
         AbortReason::ProducerBackwards,
@@ -57,6 +61,8 @@ impl AbortReason {
         AbortReason::PeerAbort,
         AbortReason::RmbeConflict,
         AbortReason::CloseTimeout,
+        AbortReason::LinkGroupLost,
+        AbortReason::FailoverDataLoss,
     ];
 
     /// Whether the peer misbehaved (malformed or inconsistent CDC): a protocol violation.
@@ -79,7 +85,9 @@ impl AbortReason {
             AbortReason::PeerAbort
             | AbortReason::TcpReset
             | AbortReason::RmbeConflict
-            | AbortReason::PeerClosedWithPendingData => ConnError::Reset(self),
+            | AbortReason::PeerClosedWithPendingData
+            | AbortReason::LinkGroupLost
+            | AbortReason::FailoverDataLoss => ConnError::Reset(self),
             AbortReason::CloseTimeout => ConnError::TimedOut,
             _ => ConnError::Aborted(self),
         }

@@ -233,6 +233,7 @@ pub struct Connection {
     nodelay: bool,
     flush_due: bool,
     request_update: bool,
+    resend_due: bool,
     // Receive direction: the peer writes into our RMBE.
     local_ring: RmbeRing,
     cons: Cursor,
@@ -280,6 +281,7 @@ impl Connection {
             nodelay: config.nodelay,
             flush_due: false,
             request_update: false,
+            resend_due: false,
             local_ring,
             cons: local_ring.initial(),
             cons_sent: local_ring.initial(),
@@ -748,6 +750,10 @@ impl Connection {
             self.stats.cdc_wrong_token += 1;
             return;
         }
+        if msg.prod_flags.failover_validation {
+            self.handle_failover_validation(msg.seqno, now);
+            return;
+        }
         if let Some(last) = self.last_rx_seq {
             if (msg.seqno.wrapping_sub(last) as i16) <= 0 {
                 self.stats.cdc_stale += 1;
@@ -777,11 +783,6 @@ impl Connection {
         }
         if msg.conn_flags.peer_abnormal_close {
             self.passive_abort(now);
-            return;
-        }
-        if msg.prod_flags.failover_validation {
-            // Failover validation belongs to the link layer (§4.6.1).
-            self.stats.cdc_ignored += 1;
             return;
         }
         let (new_bytes, acked) = match self.validate(&msg) {
@@ -868,6 +869,65 @@ impl Connection {
                 self.transition(Input::PeerDoneWriting);
             }
         }
+        self.sync_timers(now);
+    }
+
+    /// The failover data validation message (F flag) carries the sender's SS: the sequence
+    /// number of the last CDC whose write it knows was received. We compare it with SR, the
+    /// sequence number of the last CDC we received.
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
+    //# Upon receipt of the failover validation message, the receiver must verify that its SR
+    //# value for the TCP connection is equal to or greater than the sequence number in the
+    //# failover validation message.
+    fn handle_failover_validation(&mut self, ss: u16, now: Timestamp) {
+        self.stats.failover_validations += 1;
+        // Before any CDC arrived SR is the number before the first one (sequence numbers start
+        // at 1, §4.3), so SR = 0.
+        let sr = self.last_rx_seq.unwrap_or(0);
+        if (sr.wrapping_sub(ss) as i16) < 0 {
+            //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
+            //# If SR is less than the sequence number value in the validation message, data
+            //# has been lost, and the receiver must immediately reset the TCP connection.
+            tracing::debug!(sr, ss, "failover validation: data lost; resetting");
+            self.abort_with(AbortReason::FailoverDataLoss, now, true);
+        }
+    }
+
+    /// SR (RFC 7609 §4.6.1): the sequence number of the last CDC received, if any.
+    pub fn sequence_received(&self) -> Option<u16> {
+        self.last_rx_seq
+    }
+
+    /// After a failover the sender replays the writes that were pending or failed and then
+    /// sends one CDC, with a new sequence number, that describes them all (RFC 7609 §4.6.2,
+    /// second option). Call this once the replayed RDMA WRITEs are posted; the next
+    /// [`poll_transmit`](Self::poll_transmit) yields that CDC.
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.2
+    //# Combine failed and pending messages into a single new write with a new sequence
+    //# number.
+    pub fn failover_resend(&mut self) {
+        if self.state_sends_cdcs() {
+            self.resend_due = true;
+        }
+    }
+
+    /// The link group this connection runs on is gone (its last link failed or it was
+    /// terminated): no CDC or RDMA write can flow any more. The connection goes to Closed at
+    /// once, the application sees a reset, and the runtime resets the TCP connection.
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-4.5.3
+    //# If no alternate SMC-R link exists in the SMC-R link group, then all of the SMC-R
+    //# connections on this link are abnormally terminated by resetting the TCP connections
+    //# represented by these SMC-R connections.
+    pub fn handle_link_group_lost(&mut self, now: Timestamp) {
+        if self.state == State::Closed {
+            return;
+        }
+        self.stats.aborts.add(AbortReason::LinkGroupLost);
+        self.fail(AbortReason::LinkGroupLost.app_error());
+        self.events.push_back(Event::SendTcpReset);
+        self.purge();
+        self.abort_pending = false;
+        self.transition(Input::LinkGroupLost);
         self.sync_timers(now);
     }
 
@@ -1181,6 +1241,7 @@ impl Connection {
         newly_set(pf.to_byte(), self.sent_prod_flags.to_byte())
             || newly_set(cf.to_byte(), self.sent_conn_flags.to_byte())
             || self.request_update
+            || self.resend_due
             || self.cons_update_due
             || (self.prod != self.prod_sent && !self.holding())
     }
@@ -1224,6 +1285,7 @@ impl Connection {
         self.cons_update_due = false;
         self.peer_update_requested = false;
         self.request_update = false;
+        self.resend_due = false;
         self.flush_due = false;
         self.timers.stop(ConnTimer::Flush);
         self.stats.cdc_sent += 1;

@@ -79,6 +79,9 @@ pub enum Input {
     AbortTimerExpired,
     /// The peer presented this connection's peer RMBE for a new connection (§4.4.2).
     RmbeConflict,
+    /// The link group lost its last link (or was terminated): no CDC can flow any more, the
+    /// TCP connection is reset (RFC 7609 §2.3, §4.5.3).
+    LinkGroupLost,
 }
 
 /// A condition on the connection that selects between transitions on the same input.
@@ -208,6 +211,16 @@ pub const TRANSITIONS: &[Transition] = &[
     t(PeerFinCloseWait, RmbeConflict, Always, Closed, "4.4.2 conflict"),
     t(PeerAbortWait, RmbeConflict, Always, Closed, "4.4.2 conflict"),
     t(ProcessAbort, RmbeConflict, Always, Closed, "4.4.2 conflict"),
+    // Link group lost (2.3, 4.5.3): no fabric left to flow on; reset the TCP connection.
+    t(Active, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(PeerCloseWait1, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(PeerCloseWait2, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(AppCloseWait1, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(AppCloseWait2, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(AppFinCloseWait, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(PeerFinCloseWait, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(PeerAbortWait, LinkGroupLost, Always, Closed, "2.3 no link left"),
+    t(ProcessAbort, LinkGroupLost, Always, Closed, "2.3 no link left"),
 ];
 
 /// The transition taken from `from` on `input` given `facts`, if the table has one.

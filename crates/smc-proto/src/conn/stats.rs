@@ -52,6 +52,8 @@ pub struct ConnStats {
     pub window_updates_sent: u64,
     /// CDC messages received.
     pub cdc_received: u64,
+    /// Failover data validation CDCs (F flag) received (RFC 7609 §4.6.1).
+    pub failover_validations: u64,
     /// Received CDCs ignored because their sequence number was not newer than the last one.
     pub cdc_stale: u64,
     /// Received CDCs ignored because they carried another connection's alert token.

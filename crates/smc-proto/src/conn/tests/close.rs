@@ -563,6 +563,54 @@ fn sc_rmbe_conflict_in_every_state(seen: &mut Seen) {
     }
 }
 
+/// The link group is lost (last link failed) in every state: Closed at once, no CDC, TCP reset.
+fn sc_link_group_lost_in_every_state(seen: &mut Seen) {
+    for (state, local_closed) in REACHABLE {
+        let (mut p, side) = reach(state, local_closed);
+        let sent = p.peer(side).conn.stats().cdc_sent;
+        let t = now(&p);
+        p.peer_mut(side).conn.handle_link_group_lost(t);
+        p.flush(side);
+        let me = p.peer(side);
+        assert_eq!(me.conn.state(), State::Closed);
+        assert_eq!(me.conn.stats().cdc_sent, sent, "no CDC without a link");
+        assert!(me.saw(Event::SendTcpReset));
+        if state != State::PeerAbortWait {
+            assert_eq!(
+                me.conn.error(),
+                Some(ConnError::Reset(AbortReason::LinkGroupLost))
+            );
+        }
+        record(&p, seen);
+    }
+    // ProcessAbort: the queued abort reply is dropped.
+    let mut p = pair();
+    let b = &p.b.conn;
+    let abort = smc_wire::CdcMessage {
+        seqno: 1,
+        alert_token: b.config().local_alert_token,
+        producer: b.peer_producer_cursor(),
+        consumer: b.peer_consumer_cursor(),
+        prod_flags: Default::default(),
+        conn_flags: smc_wire::ConnStateFlags {
+            peer_abnormal_close: true,
+            ..Default::default()
+        },
+    };
+    let t = now(&p);
+    p.b.conn.handle_cdc(abort, t);
+    p.b.conn.handle_link_group_lost(t);
+    assert_eq!(p.b.conn.state(), State::Closed);
+    assert_eq!(p.b.conn.poll_transmit(), None);
+    p.flush(Side::B);
+    record(&p, seen);
+}
+
+#[test]
+fn link_group_lost_in_every_state() {
+    sc_link_group_lost_in_every_state(&mut Seen::new());
+}
+
 /// A conflict while our abort reply is still queued (ProcessAbort): the reply is dropped.
 fn sc_rmbe_conflict_in_process_abort(seen: &mut Seen) {
     let mut p = pair();
@@ -681,6 +729,7 @@ fn every_transition_is_exercised() {
     sc_peer_abort_in_every_state(&mut seen);
     sc_rmbe_conflict_in_every_state(&mut seen);
     sc_rmbe_conflict_in_process_abort(&mut seen);
+    sc_link_group_lost_in_every_state(&mut seen);
     let table: Seen = TRANSITIONS
         .iter()
         .map(|t| (t.from, t.input, t.to))
