@@ -15,6 +15,9 @@
 #![forbid(unsafe_code)]
 
 pub mod conn;
+pub mod endpoint;
+pub mod fabric;
+pub mod link_group;
 pub mod rmb_pool;
 pub mod rmbe;
 pub mod time;

@@ -118,6 +118,8 @@ pub enum PoolError {
 struct RmbSlot {
     size: RmbeSize,
     in_use: Vec<bool>,
+    /// Retired (being deleted with DELETE RKEY): never allocated from again.
+    retired: bool,
 }
 
 /// The local RMBs of one link group and the state of each element.
@@ -175,7 +177,7 @@ impl RmbPool {
         }
         let element_len = size.bytes();
         for (slot_no, slot) in self.rmbs.iter_mut().enumerate() {
-            if slot.size != size {
+            if slot.size != size || slot.retired {
                 continue;
             }
             if let Some(i) = slot.in_use.iter().position(|u| !u) {
@@ -189,7 +191,11 @@ impl RmbPool {
         let elements = self.elements_per_rmb(size);
         let mut in_use = vec![false; usize::from(elements)];
         in_use[0] = true;
-        self.rmbs.push(RmbSlot { size, in_use });
+        self.rmbs.push(RmbSlot {
+            size,
+            in_use,
+            retired: false,
+        });
         let slot_no = self.rmbs.len() - 1;
         let info = RmbInfo {
             id: RmbId(u8::try_from(slot_no).unwrap_or(u8::MAX)),
@@ -256,6 +262,21 @@ impl RmbPool {
             element_len: s.size.bytes(),
             elements: u8::try_from(s.in_use.len()).unwrap_or(u8::MAX),
         })
+    }
+
+    /// Whether RMB `id` exists, is not retired and has no element in use.
+    pub fn rmb_unused(&self, id: RmbId) -> bool {
+        self.rmbs
+            .get(usize::from(id.0))
+            .is_some_and(|s| !s.retired && s.in_use.iter().all(|u| !u))
+    }
+
+    /// Retire RMB `id` (it is being deleted, RFC 7609 §3.5.5.2.2): no element of it is
+    /// handed out again. Its slot number is not reused.
+    pub fn retire(&mut self, id: RmbId) {
+        if let Some(s) = self.rmbs.get_mut(usize::from(id.0)) {
+            s.retired = true;
+        }
     }
 
     /// Number of elements in use.

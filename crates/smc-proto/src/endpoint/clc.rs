@@ -1,0 +1,1442 @@
+//! CLC rendezvous (RFC 7609 §3.5.1–§3.5.2, App. C.1–C.6) and the first contact's link setup
+//! (§3.5.3, Fig. 8, Fig. 42).
+//!
+//! Each handshake state holds only what its phase needs: the client goes `ExpectAccept` →
+//! (`ClientAwaitRkey` →) established, or on a first contact `ExpectAccept` →
+//! `ExpectConfirmLink` → `ConfirmLinkSending` → `ExpectSecondLink` → established; the server
+//! goes `ExpectProposal` → (`ServerAwaitRkey` →) `ExpectConfirm` → established, or on a first
+//! contact `ExpectConfirm` → `ExpectConfirmLinkReply` → `ExpectSecondLink` → established.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::Ipv4Addr;
+
+use smc_wire::clc::Ipv6Prefix;
+use smc_wire::llc::ConfirmLink;
+use smc_wire::{
+    AcceptConfirm, CdcMessage, ClcHeader, ClcMessage, Decline, DeclineCode, ErrorClass,
+    LlcMessage, Proposal, QpMtu,
+};
+
+use super::{
+    Endpoint, EndpointError, EndpointEvent, Entry, Fallback, LocalSetup, ResetReason, SmcConn,
+    TcpId,
+};
+use crate::conn::{Connection, ConnectionConfig};
+use crate::fabric::{DeviceId, FabricOp, LgrId, RemoteQp, Resources};
+use crate::link_group::{Link, LinkGroup, LinkState, LocalRmb, LocalRequest, PeerRmb, Role};
+use crate::rmb_pool::{PeerRmbeKey, PeerRmbeRegistry, RmbPool};
+use crate::rmbe::RmbeLayout;
+use crate::time::Timestamp;
+use crate::timer::TimerTable;
+
+/// Linux's flag bits in CONFIRM LINK: "no RMBE eye catcher" (wire-formats.md §1 item 1).
+const CONFIRM_LINK_NO_EYECATCHER: bool = true;
+
+/// A TCP connection whose CLC handshake (and, on a first contact, link setup) is in progress.
+#[derive(Debug)]
+pub struct Handshake {
+    role: Role,
+    state: HsState,
+    /// CLC bytes received and not yet parsed.
+    buf: Vec<u8>,
+    /// C.5: deadline of the whole CLC exchange.
+    clc_deadline: Timestamp,
+    /// C.7: deadline of the LLC message awaited during a first contact.
+    llc_deadline: Option<Timestamp>,
+    /// Client, subsequent contact: the server's Accept, kept while our CONFIRM RKEY runs.
+    peer_accept: Option<AcceptConfirm>,
+}
+
+#[derive(Debug)]
+enum HsState {
+    /// Server: waiting for the client's Proposal.
+    ExpectProposal,
+    /// Client: Proposal sent from `device`.
+    ExpectAccept { device: DeviceId },
+    /// Client, subsequent contact: our new RMB is being confirmed (Fig. 13); Confirm follows.
+    ClientAwaitRkey { setup: LocalSetup, link: u8 },
+    /// Server, subsequent contact: our new RMB is being confirmed; Accept follows.
+    ServerAwaitRkey { setup: LocalSetup, link: u8 },
+    /// Server: Accept sent; Confirm awaited. CDCs that overtake the Confirm are held
+    /// (§3.5.2.4).
+    ExpectConfirm {
+        setup: LocalSetup,
+        link: u8,
+        first_contact: bool,
+        held: Vec<CdcMessage>,
+    },
+    /// Client, first contact: Confirm sent; the server's CONFIRM LINK awaited on the new link.
+    ExpectConfirmLink {
+        setup: LocalSetup,
+        peer: AcceptConfirm,
+        link: u8,
+    },
+    /// Server, first contact: CONFIRM LINK sent; the reply awaited.
+    ExpectConfirmLinkReply {
+        setup: LocalSetup,
+        peer: AcceptConfirm,
+        link: u8,
+        sent: bool,
+    },
+    /// Client, first contact: CONFIRM LINK reply posted; its completion is the point of no
+    /// return (C.2).
+    ConfirmLinkSending {
+        setup: LocalSetup,
+        peer: AcceptConfirm,
+        link: u8,
+    },
+    /// First contact past the point of no return: the second-link exchange runs.
+    ExpectSecondLink {
+        setup: LocalSetup,
+        peer: AcceptConfirm,
+        link: u8,
+    },
+}
+
+impl Handshake {
+    /// The state's name (diagnostics).
+    pub fn name(&self) -> &'static str {
+        match self.state {
+            HsState::ExpectProposal => "ExpectProposal",
+            HsState::ExpectAccept { .. } => "ExpectAccept",
+            HsState::ClientAwaitRkey { .. } => "ClientAwaitRkey",
+            HsState::ServerAwaitRkey { .. } => "ServerAwaitRkey",
+            HsState::ExpectConfirm { .. } => "ExpectConfirm",
+            HsState::ExpectConfirmLink { .. } => "ExpectConfirmLink",
+            HsState::ExpectConfirmLinkReply { .. } => "ExpectConfirmLinkReply",
+            HsState::ConfirmLinkSending { .. } => "ConfirmLinkSending",
+            HsState::ExpectSecondLink { .. } => "ExpectSecondLink",
+        }
+    }
+
+    /// Our role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Whether CLC messages are still expected (C.5 timer applies).
+    fn in_clc(&self) -> bool {
+        matches!(
+            self.state,
+            HsState::ExpectProposal
+                | HsState::ExpectAccept { .. }
+                | HsState::ClientAwaitRkey { .. }
+                | HsState::ServerAwaitRkey { .. }
+                | HsState::ExpectConfirm { .. }
+        )
+    }
+
+    /// The next deadline.
+    pub(super) fn deadline(&self) -> Option<Timestamp> {
+        let clc = self.in_clc().then_some(self.clc_deadline);
+        clc.into_iter().chain(self.llc_deadline).min()
+    }
+
+    fn setup(&self) -> Option<(LocalSetup, u8)> {
+        match &self.state {
+            HsState::ExpectProposal | HsState::ExpectAccept { .. } => None,
+            HsState::ClientAwaitRkey { setup, link }
+            | HsState::ServerAwaitRkey { setup, link }
+            | HsState::ExpectConfirm { setup, link, .. }
+            | HsState::ExpectConfirmLink { setup, link, .. }
+            | HsState::ExpectConfirmLinkReply { setup, link, .. }
+            | HsState::ConfirmLinkSending { setup, link, .. }
+            | HsState::ExpectSecondLink { setup, link, .. } => Some((*setup, *link)),
+        }
+    }
+
+    fn is_first_contact(&self) -> bool {
+        matches!(
+            self.state,
+            HsState::ExpectConfirm {
+                first_contact: true,
+                ..
+            } | HsState::ExpectConfirmLink { .. }
+                | HsState::ExpectConfirmLinkReply { .. }
+                | HsState::ConfirmLinkSending { .. }
+                | HsState::ExpectSecondLink { .. }
+        )
+    }
+}
+
+/// The server's subnet check (RFC 7609 §3.5.1): the client's IPv4 network number and prefix
+/// length equal one of ours, or one of its IPv6 prefixes equals one of ours.
+//= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
+//# The server verifies that the client's subnet (IPv4) or prefix (IPv6) matches
+pub fn subnet_matches(
+    proposal: &Proposal,
+    ipv4: &[(Ipv4Addr, u8)],
+    ipv6: &[Ipv6Prefix],
+) -> bool {
+    let v4 = proposal.ipv4_prefix_len > 0
+        && ipv4.iter().any(|(net, len)| {
+            *len == proposal.ipv4_prefix_len
+                && mask4(*net, *len) == mask4(proposal.ipv4_subnet, *len)
+        });
+    let v6 = proposal.ipv6_prefixes.iter().any(|p| {
+        ipv6.iter().any(|q| {
+            q.prefix_len == p.prefix_len
+                && mask6(q.prefix.octets(), q.prefix_len) == mask6(p.prefix.octets(), p.prefix_len)
+        })
+    });
+    v4 || v6
+}
+
+fn mask4(a: Ipv4Addr, len: u8) -> u32 {
+    let m = if len == 0 {
+        0
+    } else {
+        u32::MAX << (32 - u32::from(len.min(32)))
+    };
+    u32::from(a) & m
+}
+
+fn mask6(a: [u8; 16], len: u8) -> u128 {
+    let m = if len == 0 {
+        0
+    } else {
+        u128::MAX << (128 - u32::from(len.min(128)))
+    };
+    u128::from_be_bytes(a) & m
+}
+
+/// How one received CLC message is to be handled.
+enum Parsed {
+    Msg(ClcMessage),
+    /// A message we cannot use because of a bad enumerated value: Decline (C.6).
+    BadValue,
+    /// Malformed: protocol error, terminate (C.6).
+    Malformed(&'static str),
+}
+
+fn parse_one(bytes: &[u8]) -> Parsed {
+    match ClcMessage::parse(bytes) {
+        Ok((m, _)) => Parsed::Msg(m),
+        Err(e) => match e.class() {
+            ErrorClass::BadValue => Parsed::BadValue,
+            _ => Parsed::Malformed("malformed CLC message"),
+        },
+    }
+}
+
+impl Endpoint {
+    // ----- Application commands ------------------------------------------------------------
+
+    /// Start the client side of the CLC handshake on a TCP connection whose SYN/SYN-ACK both
+    /// carried the SMC-R option: sends the Proposal.
+    pub fn connect(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        if self.entries.contains_key(&tcp) {
+            return Err(EndpointError::DuplicateConnection);
+        }
+        let device = DeviceId(0);
+        let dev = self.device(device).ok_or(EndpointError::NoDevice)?;
+        let (ipv4_subnet, ipv4_prefix_len) = self
+            .config
+            .ipv4_subnets
+            .first()
+            .map(|(n, l)| (Ipv4Addr::from(mask4(*n, *l)), *l))
+            .unwrap_or((Ipv4Addr::UNSPECIFIED, 0));
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
+        //# The client sends an SMC Proposal CLC message to the server.
+        let proposal = Proposal {
+            version: 1,
+            smc_type_v1: 0,
+            smc_type_v2: 0,
+            peer_id: self.config.peer_id,
+            preferred_gid: dev.gid,
+            preferred_mac: dev.mac,
+            smcd_area: None,
+            ipv4_subnet,
+            ipv4_prefix_len,
+            ipv6_prefixes: self.config.ipv6_prefixes.clone(),
+            v2_extensions: Vec::new(),
+        };
+        self.send_clc(tcp, &ClcMessage::Proposal(proposal));
+        self.entries.insert(
+            tcp,
+            Entry::Setup(Box::new(Handshake {
+                role: Role::Client,
+                state: HsState::ExpectAccept { device },
+                buf: Vec::new(),
+                clc_deadline: now + self.config.clc_timeout,
+                llc_deadline: None,
+                peer_accept: None,
+            })),
+        );
+        Ok(())
+    }
+
+    /// Start the server side of the CLC handshake on an accepted TCP connection whose SYN and
+    /// SYN-ACK both carried the SMC-R option: waits for the Proposal.
+    pub fn accept(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        if self.entries.contains_key(&tcp) {
+            return Err(EndpointError::DuplicateConnection);
+        }
+        self.entries.insert(
+            tcp,
+            Entry::Setup(Box::new(Handshake {
+                role: Role::Server,
+                state: HsState::ExpectProposal,
+                buf: Vec::new(),
+                clc_deadline: now + self.config.clc_timeout,
+                llc_deadline: None,
+                peer_accept: None,
+            })),
+        );
+        Ok(())
+    }
+
+    /// The TCP connection was reset by the peer during setup (or later): forget it.
+    pub fn handle_tcp_reset(&mut self, tcp: TcpId, now: Timestamp) {
+        match self.entries.get_mut(&tcp) {
+            Some(Entry::Setup(_)) => {
+                if let Some(Entry::Setup(h)) = self.entries.remove(&tcp) {
+                    self.cleanup_setup(tcp, &h, now);
+                }
+            }
+            Some(Entry::Smc(c)) => {
+                c.conn.handle_tcp_reset(now);
+                self.after_conn(tcp, now);
+            }
+            None => {}
+        }
+    }
+
+    // ----- TCP input -----------------------------------------------------------------------
+
+    /// Bytes read from the TCP connection while its CLC handshake runs. Bytes for a
+    /// connection that is not in a handshake are ignored (after a fallback they are
+    /// application data and never come here).
+    pub fn handle_tcp_data(
+        &mut self,
+        tcp: TcpId,
+        bytes: &[u8],
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
+        let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        h.buf.extend_from_slice(bytes);
+        loop {
+            let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+                return;
+            };
+            if h.buf.len() < smc_wire::clc::HEADER_LEN {
+                return;
+            }
+            let header = match ClcHeader::parse(&h.buf) {
+                Ok(hd) => hd,
+                Err(e) => {
+                    //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.6
+                    //# All protocol errors, with the exception of bad enumerated values,
+                    //# must result in termination of the TCP connection.
+                    let why = match e.class() {
+                        ErrorClass::BadValue => "bad CLC header value",
+                        _ => "malformed CLC header",
+                    };
+                    self.setup_reset(tcp, ResetReason::ClcProtocolError(why), now);
+                    return;
+                }
+            };
+            let len = usize::from(header.length);
+            if h.buf.len() < len {
+                return;
+            }
+            let rest = h.buf.split_off(len);
+            let msg_bytes = std::mem::replace(&mut h.buf, rest);
+            self.clc_message(tcp, &msg_bytes, res, now);
+        }
+    }
+
+    fn clc_message(&mut self, tcp: TcpId, bytes: &[u8], res: &mut dyn Resources, now: Timestamp) {
+        let parsed = parse_one(bytes);
+        let Some(Entry::Setup(h)) = self.entries.get(&tcp) else {
+            return;
+        };
+        // A Decline may come in lieu of any expected CLC message (C.1), and during the LLC
+        // negotiation of a first contact until our point of no return (C.2).
+        let expecting_clc = h.in_clc()
+            || matches!(
+                h.state,
+                HsState::ExpectConfirmLink { .. }
+                    | HsState::ExpectConfirmLinkReply { .. }
+                    | HsState::ConfirmLinkSending { .. }
+            );
+        let msg = match parsed {
+            Parsed::Malformed(why) => {
+                self.setup_reset(tcp, ResetReason::ClcProtocolError(why), now);
+                return;
+            }
+            Parsed::BadValue if expecting_clc && self.may_decline(tcp) => {
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.6
+                //# If a reserved value is received, the proper error response is to send an
+                //# SMC Decline and fall back to IP
+                self.decline(tcp, DeclineCode::CNFERR, false, now);
+                return;
+            }
+            Parsed::BadValue => {
+                self.setup_reset(tcp, ResetReason::ClcProtocolError("bad value"), now);
+                return;
+            }
+            Parsed::Msg(m) => m,
+        };
+        if let ClcMessage::Decline(d) = &msg {
+            if expecting_clc {
+                self.peer_declined(tcp, d, now);
+            } else {
+                self.setup_reset(
+                    tcp,
+                    ResetReason::ClcProtocolError("Decline past the point of no return"),
+                    now,
+                );
+            }
+            return;
+        }
+        let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
+        match (state, msg) {
+            (HsState::ExpectProposal, ClcMessage::Proposal(p)) => {
+                self.on_proposal(tcp, p, res, now)
+            }
+            (HsState::ExpectAccept { device }, ClcMessage::Accept(a)) => {
+                self.on_accept(tcp, device, a, res, now)
+            }
+            (
+                HsState::ExpectConfirm {
+                    setup,
+                    link,
+                    first_contact,
+                    held,
+                },
+                ClcMessage::Confirm(c),
+            ) => self.on_confirm(tcp, setup, link, first_contact, held, c, now),
+            (state, _) => {
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.6
+                //# Protocol errors occur during CLC negotiation when a message is received
+                //# that is not expected.
+                if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                    h.state = state;
+                }
+                self.setup_reset(
+                    tcp,
+                    ResetReason::ClcProtocolError("unexpected CLC message"),
+                    now,
+                );
+            }
+        }
+    }
+
+    /// Whether we may still send a Decline on this connection (no chase, C.1; point of no
+    /// return, C.3): only in lieu of a message we expect.
+    fn may_decline(&self, tcp: TcpId) -> bool {
+        matches!(
+            self.entries.get(&tcp),
+            Some(Entry::Setup(h)) if !matches!(
+                h.state,
+                HsState::ExpectSecondLink { .. }
+                    | HsState::ExpectConfirmLinkReply { sent: true, .. }
+            )
+        )
+    }
+
+    // ----- Server --------------------------------------------------------------------------
+
+    fn on_proposal(&mut self, tcp: TcpId, p: Proposal, res: &mut dyn Resources, now: Timestamp) {
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
+        //# The server must verify that it is on the same LAN (subnet) as the client
+        // Linux (since 5.10) proposes in version 2 with SMC-R v1 offered: parsed, answered
+        // with version 1 (wire-formats.md §1 item 4).
+        if !p.offers_smcr_v1() {
+            self.decline(tcp, DeclineCode::MODEUNSUPP, false, now);
+            return;
+        }
+        if !subnet_matches(&p, &self.config.ipv4_subnets, &self.config.ipv6_prefixes) {
+            self.decline(tcp, DeclineCode::DIFFPREFIX, false, now);
+            return;
+        }
+        if self.config.devices.is_empty() {
+            self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
+            return;
+        }
+        // Subsequent contact: an existing group with this peer, usable and not full.
+        let existing = self
+            .lgrs
+            .values()
+            .filter(|g| {
+                g.role == Role::Server
+                    && g.peer_id == p.peer_id
+                    && g.first_contact.is_none()
+                    && g.conns.len() < self.config.max_conns_per_lgr
+                    && g.active_count() > 0
+            })
+            .map(|g| {
+                let link = g
+                    .active_links()
+                    .find(|l| l.remote.is_some_and(|r| r.gid == p.preferred_gid))
+                    .or_else(|| g.active_links().next())
+                    .map(|l| l.num);
+                (g.id, link)
+            })
+            .next();
+        if let Some((lgr, Some(link))) = existing {
+            //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.1
+            //# If the server finds that it already has an SMC-R link group with the client
+            let setup = match self.alloc_rmbe(lgr, res) {
+                Ok(s) => s,
+                Err(()) => {
+                    self.decline(tcp, DeclineCode::MEM, false, now);
+                    return;
+                }
+            };
+            self.alerts.insert(setup.alert, tcp);
+            if let Some(g) = self.lgrs.get_mut(&lgr) {
+                g.conns.insert(tcp);
+                g.timers.stop(crate::link_group::LgrTimer::Idle);
+            }
+            if let Some(info) = setup.alloc.new_rmb {
+                // Fig. 12: the new RMB is confirmed on every link before it is used.
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    g.pending.push_back(LocalRequest::ConfirmRkey(info.id));
+                }
+                self.set_state(tcp, HsState::ServerAwaitRkey { setup, link });
+                self.llc_kick(lgr, res, now);
+            } else {
+                self.send_accept(tcp, setup, link, false, now);
+            }
+            return;
+        }
+        // First contact (or a parallel link group).
+        match self.new_link_group(Role::Server, p.peer_id, DeviceId(0), 1, res, now) {
+            Ok(lgr) => {
+                let setup = match self.alloc_rmbe(lgr, res) {
+                    Ok(s) => s,
+                    Err(()) => {
+                        self.destroy_link_group(lgr, now);
+                        self.decline(tcp, DeclineCode::MEM, false, now);
+                        return;
+                    }
+                };
+                self.alerts.insert(setup.alert, tcp);
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    g.conns.insert(tcp);
+                    g.first_contact = Some(tcp);
+                    for r in g.local_rmbs.values_mut() {
+                        r.confirmed = true;
+                    }
+                }
+                self.send_accept(tcp, setup, 1, true, now);
+            }
+            Err(()) => self.decline(tcp, DeclineCode::MEM, false, now),
+        }
+    }
+
+    fn send_accept(
+        &mut self,
+        tcp: TcpId,
+        setup: LocalSetup,
+        link: u8,
+        first_contact: bool,
+        now: Timestamp,
+    ) {
+        let Some(msg) = self.local_accept_confirm(setup, link, first_contact) else {
+            self.setup_reset(tcp, ResetReason::ClcProtocolError("no link"), now);
+            return;
+        };
+        self.send_clc(tcp, &ClcMessage::Accept(msg));
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.3
+        //# the server cannot send an SMC Decline after sending an SMC Accept
+        self.set_state(
+            tcp,
+            HsState::ExpectConfirm {
+                setup,
+                link,
+                first_contact,
+                held: Vec::new(),
+            },
+        );
+    }
+
+    /// Our half of Accept / Confirm for a connection set up on `link`.
+    fn local_accept_confirm(
+        &self,
+        setup: LocalSetup,
+        link: u8,
+        first_contact: bool,
+    ) -> Option<AcceptConfirm> {
+        let g = self.lgrs.get(&setup.lgr)?;
+        let l = g.links.get(&link)?;
+        let dev = self.device(l.device)?;
+        let token = g.local_rmbs.get(&setup.alloc.handle.rmb)?.tokens.get(&link)?;
+        Some(AcceptConfirm {
+            version: 1,
+            first_contact,
+            peer_id: self.config.peer_id,
+            gid: dev.gid,
+            mac: dev.mac,
+            qp_num: l.local_qp.qpn,
+            rmb_rkey: token.rkey,
+            rmbe_idx: setup.alloc.handle.index,
+            rmbe_alert_token: setup.alert,
+            rmbe_size: setup.alloc.size,
+            qp_mtu: g.mtu,
+            rmb_vaddr: token.vaddr,
+            initial_psn: l.local_qp.psn,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_confirm(
+        &mut self,
+        tcp: TcpId,
+        setup: LocalSetup,
+        link: u8,
+        first_contact: bool,
+        held: Vec<CdcMessage>,
+        c: AcceptConfirm,
+        now: Timestamp,
+    ) {
+        let lgr = setup.lgr;
+        if first_contact {
+            // The client's QP: connect ours to it and verify it with CONFIRM LINK (Fig. 8).
+            let Some(g) = self.lgrs.get_mut(&lgr) else {
+                return;
+            };
+            let mtu = QpMtu(g.mtu.0.min(c.qp_mtu.0));
+            g.mtu = mtu;
+            let remote = RemoteQp {
+                gid: c.gid,
+                mac: c.mac,
+                qpn: c.qp_num,
+                psn: c.initial_psn,
+                mtu,
+            };
+            let Some(l) = g.links.get_mut(&link) else {
+                return;
+            };
+            l.remote = Some(remote);
+            let (id, device) = (l.id, l.device);
+            let mut tokens = BTreeMap::new();
+            tokens.insert(
+                link,
+                crate::fabric::MrInfo {
+                    rkey: c.rmb_rkey,
+                    vaddr: c.rmb_vaddr,
+                },
+            );
+            g.peer_rmbs.push(PeerRmb { tokens });
+            self.fabric_out.push_back(FabricOp::ConnectQp {
+                link: id,
+                device,
+                remote,
+            });
+            let msg = self.confirm_link_msg(lgr, link, false);
+            if let Some(msg) = msg {
+                self.post_llc(lgr, link, msg, Some(tcp), now);
+            }
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+            //# Timer waits for: CONFIRM LINK reply from client.
+            let deadline = now + self.config.llc_timeout_first_contact;
+            if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                h.state = HsState::ExpectConfirmLinkReply {
+                    setup,
+                    peer: c,
+                    link,
+                    sent: false,
+                };
+                h.llc_deadline = Some(deadline);
+            }
+            return;
+        }
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.3
+        //# The MAC/GID/QP information provided by the client matches an active link within
+        //# the link group.
+        let Some(g) = self.lgrs.get(&lgr) else {
+            self.setup_reset(tcp, ResetReason::LinkGroupLost, now);
+            return;
+        };
+        let client_link = g
+            .active_links()
+            .find(|l| l.remote.is_some_and(|r| r.qpn == c.qp_num && r.gid == c.gid))
+            .map(|l| l.num);
+        let Some(client_link) = client_link else {
+            // No Decline after Accept (C.1): break the TCP connection.
+            self.setup_reset(
+                tcp,
+                ResetReason::ClcProtocolError("Confirm names no active link"),
+                now,
+            );
+            return;
+        };
+        self.establish(tcp, setup, link, client_link, &c, held, now);
+    }
+
+    // ----- Client --------------------------------------------------------------------------
+
+    fn on_accept(
+        &mut self,
+        tcp: TcpId,
+        device: DeviceId,
+        a: AcceptConfirm,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
+        // Subsequent contact: the server's peer ID, GID, MAC and QP match a known link.
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
+        //# It is a subsequent contact if the server-side peer ID, GID, MAC, and QP number
+        //# provided in the packet match a known SMC-R link, and the first contact flag is
+        //# not set.
+        let known = self
+            .lgrs
+            .values()
+            .filter(|g| g.role == Role::Client && g.peer_id == a.peer_id)
+            .find_map(|g| {
+                g.active_links()
+                    .find(|l| {
+                        l.remote
+                            .is_some_and(|r| r.qpn == a.qp_num && r.gid == a.gid && r.mac == a.mac)
+                    })
+                    .map(|l| (g.id, l.num))
+            });
+        if !a.first_contact {
+            let Some((lgr, link)) = known else {
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.4
+                //# Because the first contact flag is off, the client realizes it is out of
+                //# sync with the server and sends an SMC Decline to cause the connection to
+                //# fall back to IP.
+                self.decline(tcp, DeclineCode::SYNCERR, true, now);
+                return;
+            };
+            let setup = match self.alloc_rmbe(lgr, res) {
+                Ok(s) => s,
+                Err(()) => {
+                    self.decline(tcp, DeclineCode::MEM, false, now);
+                    return;
+                }
+            };
+            if let Some(g) = self.lgrs.get_mut(&lgr) {
+                g.conns.insert(tcp);
+                g.timers.stop(crate::link_group::LgrTimer::Idle);
+            }
+            self.alerts.insert(setup.alert, tcp);
+            // Remember the server's RMB (a new RToken on this link means a new RMB).
+            self.note_peer_rmb(lgr, link, a.rmb_rkey, a.rmb_vaddr);
+            if let Some(info) = setup.alloc.new_rmb {
+                //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
+                //# If the client allocates a new RMB for this TCP connection, it performs the
+                //# processing described in Section 3.5.5.2.1
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    g.pending.push_back(LocalRequest::ConfirmRkey(info.id));
+                }
+                self.set_state(tcp, HsState::ClientAwaitRkey { setup, link });
+                self.set_peer_accept(tcp, a);
+                self.llc_kick(lgr, res, now);
+            } else {
+                self.client_send_confirm(tcp, setup, link, a, now);
+            }
+            return;
+        }
+        // First contact (possibly a parallel link group the server chose to create).
+        let lgr = match self.new_link_group(Role::Client, a.peer_id, device, 1, res, now) {
+            Ok(l) => l,
+            Err(()) => {
+                self.decline(tcp, DeclineCode::MEM, false, now);
+                return;
+            }
+        };
+        let setup = match self.alloc_rmbe(lgr, res) {
+            Ok(s) => s,
+            Err(()) => {
+                self.destroy_link_group(lgr, now);
+                self.decline(tcp, DeclineCode::MEM, false, now);
+                return;
+            }
+        };
+        self.alerts.insert(setup.alert, tcp);
+        let Some(g) = self.lgrs.get_mut(&lgr) else {
+            return;
+        };
+        g.conns.insert(tcp);
+        g.first_contact = Some(tcp);
+        for r in g.local_rmbs.values_mut() {
+            r.confirmed = true;
+        }
+        let mtu = QpMtu(g.mtu.0.min(a.qp_mtu.0));
+        g.mtu = mtu;
+        let mut tokens = BTreeMap::new();
+        tokens.insert(
+            1,
+            crate::fabric::MrInfo {
+                rkey: a.rmb_rkey,
+                vaddr: a.rmb_vaddr,
+            },
+        );
+        g.peer_rmbs.push(PeerRmb { tokens });
+        let remote = RemoteQp {
+            gid: a.gid,
+            mac: a.mac,
+            qpn: a.qp_num,
+            psn: a.initial_psn,
+            mtu,
+        };
+        let Some(l) = g.links.get_mut(&1) else {
+            return;
+        };
+        l.remote = Some(remote);
+        let (id, dev) = (l.id, l.device);
+        self.fabric_out.push_back(FabricOp::ConnectQp {
+            link: id,
+            device: dev,
+            remote,
+        });
+        let Some(confirm) = self.local_accept_confirm(setup, 1, false) else {
+            return;
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
+        //# the client sends an SMC Confirm CLC message to the server
+        self.send_clc(tcp, &ClcMessage::Confirm(confirm));
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7
+        //# the client sets a timer to wait for a RoCE verification message from the server
+        //# that the QP is actually connected and usable.
+        let deadline = now + self.config.llc_timeout_first_contact;
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            h.state = HsState::ExpectConfirmLink {
+                setup,
+                peer: a,
+                link: 1,
+            };
+            h.llc_deadline = Some(deadline);
+        }
+    }
+
+    /// Keep the server's Accept while the client's CONFIRM RKEY runs (it is needed to
+    /// establish afterwards).
+    fn set_peer_accept(&mut self, tcp: TcpId, a: AcceptConfirm) {
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            h.peer_accept = Some(a);
+        }
+    }
+
+    fn client_send_confirm(
+        &mut self,
+        tcp: TcpId,
+        setup: LocalSetup,
+        link: u8,
+        a: AcceptConfirm,
+        now: Timestamp,
+    ) {
+        let Some(confirm) = self.local_accept_confirm(setup, link, false) else {
+            self.setup_reset(tcp, ResetReason::LinkGroupLost, now);
+            return;
+        };
+        self.send_clc(tcp, &ClcMessage::Confirm(confirm));
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.1
+        //# once the client sends an SMC Confirm on a TCP connection that isn't a first
+        //# contact, it is committed to SMC-R for this TCP connection
+        self.establish(tcp, setup, link, link, &a, Vec::new(), now);
+    }
+
+    /// A CONFIRM RKEY we started for a handshake finished (`ok`) or failed.
+    pub(super) fn handshake_rkey_done(
+        &mut self,
+        lgr: LgrId,
+        rmb: crate::rmb_pool::RmbId,
+        ok: bool,
+        now: Timestamp,
+    ) {
+        let waiting: Vec<TcpId> = self
+            .entries
+            .iter()
+            .filter_map(|(t, e)| match e {
+                Entry::Setup(h) => match &h.state {
+                    HsState::ClientAwaitRkey { setup, .. } | HsState::ServerAwaitRkey { setup, .. }
+                        if setup.lgr == lgr && setup.alloc.handle.rmb == rmb =>
+                    {
+                        Some(*t)
+                    }
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect();
+        for tcp in waiting {
+            let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+                continue;
+            };
+            let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
+            let accept = h.peer_accept.take();
+            match state {
+                HsState::ClientAwaitRkey { setup, link } => match (ok, accept) {
+                    (true, Some(a)) => self.client_send_confirm(tcp, setup, link, a, now),
+                    _ => self.decline(tcp, DeclineCode::ERR_RTOK, false, now),
+                },
+                HsState::ServerAwaitRkey { setup, link } => {
+                    if ok {
+                        self.send_accept(tcp, setup, link, false, now);
+                    } else {
+                        self.decline(tcp, DeclineCode::ERR_RTOK, false, now);
+                    }
+                }
+                other => {
+                    if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                        h.state = other;
+                    }
+                }
+            }
+        }
+    }
+
+    // ----- First contact link verification (Fig. 8, Fig. 42) --------------------------------
+
+    /// CONFIRM LINK message for our link `num` of `lgr`.
+    pub(super) fn confirm_link_msg(&self, lgr: LgrId, num: u8, reply: bool) -> Option<LlcMessage> {
+        let g = self.lgrs.get(&lgr)?;
+        let l = g.links.get(&num)?;
+        let dev = self.device(l.device)?;
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.3
+        //# CONFIRM LINK(MA,GA,QP8, link lim, server link user ID, linknum)
+        Some(LlcMessage::ConfirmLink(ConfirmLink {
+            reply,
+            no_rmbe_eyecatcher: CONFIRM_LINK_NO_EYECATCHER,
+            sender_mac: dev.mac,
+            sender_gid: dev.gid,
+            sender_qp: l.local_qp.qpn,
+            link_num: num,
+            link_user_id: l.local_user_id,
+            max_links: self.config.max_links.clamp(2, 8),
+            max_conns: 0,
+        }))
+    }
+
+    /// A CONFIRM LINK arrived on the first link of a group whose first contact is `tcp`.
+    /// Returns false when the message was not for the handshake.
+    pub(super) fn handshake_confirm_link(
+        &mut self,
+        tcp: TcpId,
+        lgr: LgrId,
+        via: u8,
+        m: ConfirmLink,
+        now: Timestamp,
+    ) -> bool {
+        let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+            return false;
+        };
+        let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
+        match state {
+            HsState::ExpectConfirmLink { setup, peer, link } if !m.reply && via == link => {
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                //# What it indicates: Incorrect link information.
+                if m.sender_qp != peer.qp_num || m.sender_gid != peer.gid || m.link_num == 0 {
+                    self.decline(tcp, DeclineCode::CNFERR, false, now);
+                    return true;
+                }
+                if !m.no_rmbe_eyecatcher {
+                    self.decline(tcp, DeclineCode::RMBE_EC, false, now);
+                    return true;
+                }
+                // The server assigns the link number: renumber our provisional link.
+                let num = m.link_num;
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    if num != link {
+                        if let Some(mut l) = g.links.remove(&link) {
+                            l.num = num;
+                            self.links.insert(l.id, (lgr, num));
+                            g.links.insert(num, l);
+                        }
+                        for r in g.local_rmbs.values_mut() {
+                            if let Some(t) = r.tokens.remove(&link) {
+                                r.tokens.insert(num, t);
+                            }
+                        }
+                        for r in g.peer_rmbs.iter_mut() {
+                            if let Some(t) = r.tokens.remove(&link) {
+                                r.tokens.insert(num, t);
+                            }
+                        }
+                    }
+                    g.last_link_num = num;
+                    g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
+                }
+                self.activate_link(lgr, num, m.link_user_id, now);
+                if let Some(reply) = self.confirm_link_msg(lgr, num, true) {
+                    self.post_llc(lgr, num, reply, Some(tcp), now);
+                }
+                if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                    h.state = HsState::ConfirmLinkSending {
+                        setup,
+                        peer,
+                        link: num,
+                    };
+                }
+                true
+            }
+            HsState::ExpectConfirmLinkReply {
+                setup,
+                peer,
+                link,
+                ..
+            } if m.reply && via == link => {
+                if m.sender_qp != peer.qp_num || m.sender_gid != peer.gid || m.link_num != link {
+                    self.decline(tcp, DeclineCode::CNFERR, false, now);
+                    return true;
+                }
+                if !m.no_rmbe_eyecatcher {
+                    // The client wants RMBE eye catchers (RFC layout): we follow Linux and
+                    // decline (wire-formats.md §1 item 1).
+                    self.decline(tcp, DeclineCode::RMBE_EC, false, now);
+                    return true;
+                }
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
+                }
+                self.activate_link(lgr, link, m.link_user_id, now);
+                if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                    h.state = HsState::ExpectSecondLink { setup, peer, link };
+                    h.llc_deadline = None;
+                }
+                // Fig. 9: the second link is set up right away, before data flows.
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    g.pending.push_front(LocalRequest::AddLink);
+                }
+                true
+            }
+            other => {
+                if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                    h.state = other;
+                }
+                false
+            }
+        }
+    }
+
+    /// Completion of the first contact's CONFIRM LINK (request or reply).
+    pub(super) fn handshake_confirm_completion(&mut self, tcp: TcpId, ok: bool, now: Timestamp) {
+        let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        if !ok {
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.2
+            //# a first contact peer can send an SMC Decline at any time during LLC
+            //# negotiation until it has successfully sent its CONFIRM LINK (request or
+            //# response) flow.
+            if self.may_decline(tcp) {
+                self.decline(tcp, DeclineCode::TIMEOUT_CL, false, now);
+            }
+            return;
+        }
+        let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
+        h.state = match state {
+            HsState::ConfirmLinkSending { setup, peer, link } => {
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                //# LLC message: CONFIRM LINK reply from client (first contact) Timer waits
+                //# for: ADD LINK from server.
+                h.llc_deadline = Some(now + self.config.llc_timeout_first_contact);
+                HsState::ExpectSecondLink { setup, peer, link }
+            }
+            HsState::ExpectConfirmLinkReply {
+                setup, peer, link, ..
+            } => HsState::ExpectConfirmLinkReply {
+                setup,
+                peer,
+                link,
+                sent: true,
+            },
+            other => other,
+        };
+    }
+
+    /// The client's ADD LINK of the first contact arrived: the handshake's own timer stops
+    /// (the exchange's timers take over).
+    pub(super) fn handshake_second_link_started(&mut self, tcp: TcpId) {
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            if matches!(h.state, HsState::ExpectSecondLink { .. }) {
+                h.llc_deadline = None;
+            }
+        }
+    }
+
+    /// The second-link exchange of a first contact ended (link added, rejected or failed):
+    /// the connection is established.
+    pub(super) fn first_contact_done(&mut self, lgr: LgrId, now: Timestamp) {
+        let Some(tcp) = self.lgrs.get_mut(&lgr).and_then(|g| g.first_contact.take()) else {
+            return;
+        };
+        let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
+        match state {
+            HsState::ExpectSecondLink { setup, peer, link } => {
+                self.establish(tcp, setup, link, link, &peer, Vec::new(), now);
+            }
+            other => {
+                h.state = other;
+            }
+        }
+    }
+
+    /// Whether the first contact of `lgr` is still before its point of no return.
+    pub(super) fn first_contact_may_decline(&self, lgr: LgrId) -> Option<TcpId> {
+        let tcp = self.lgrs.get(&lgr)?.first_contact?;
+        self.may_decline(tcp).then_some(tcp)
+    }
+
+    // ----- Outcomes ------------------------------------------------------------------------
+
+    /// Send a Decline (in lieu of the message we expect) and fall back to TCP.
+    pub(super) fn decline(&mut self, tcp: TcpId, code: DeclineCode, out_of_sync: bool, now: Timestamp) {
+        let d = Decline::new(self.config.peer_id, code, out_of_sync);
+        self.send_clc(tcp, &ClcMessage::Decline(d));
+        self.fall_back(tcp, Fallback::Declined(code), now);
+    }
+
+    fn peer_declined(&mut self, tcp: TcpId, d: &Decline, now: Timestamp) {
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-A.2.5
+        //# the receiver of this Decline message must perform cleanup of any link group
+        //# with the sender
+        if d.out_of_sync {
+            let groups: Vec<LgrId> = self
+                .lgrs
+                .values()
+                .filter(|g| g.peer_id == d.peer_id && g.first_contact != Some(tcp))
+                .map(|g| g.id)
+                .collect();
+            for g in groups {
+                self.terminate_group(g, smc_wire::llc::DeleteLinkReason::PROTOCOL_VIOLATION, false, now);
+            }
+        }
+        self.fall_back(
+            tcp,
+            Fallback::PeerDeclined {
+                code: d.diagnosis,
+                out_of_sync: d.out_of_sync,
+            },
+            now,
+        );
+    }
+
+    fn fall_back(&mut self, tcp: TcpId, reason: Fallback, now: Timestamp) {
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.1
+        //# when an SMC Decline is sent in lieu of an expected CLC message, no confirmation
+        //# is required, and the TCP connection immediately falls back to using the IP
+        //# fabric.
+        let Some(Entry::Setup(h)) = self.entries.remove(&tcp) else {
+            return;
+        };
+        self.cleanup_setup(tcp, &h, now);
+        self.stats.fallbacks += 1;
+        self.events.push_back(EndpointEvent::FellBack {
+            tcp,
+            reason,
+            leftover: h.buf.clone(),
+        });
+    }
+
+    /// Break the TCP connection during setup (C.5, C.6, C.7).
+    pub(super) fn setup_reset(&mut self, tcp: TcpId, reason: ResetReason, now: Timestamp) {
+        let Some(Entry::Setup(h)) = self.entries.remove(&tcp) else {
+            return;
+        };
+        self.cleanup_setup(tcp, &h, now);
+        self.stats.setup_resets += 1;
+        self.events.push_back(EndpointEvent::Reset { tcp, reason });
+    }
+
+    /// Release what a failed setup held: the RMBE and alert token, and the whole link group
+    /// when it was this connection's first contact.
+    fn cleanup_setup(&mut self, tcp: TcpId, h: &Handshake, now: Timestamp) {
+        let first = h.is_first_contact();
+        if let Some((setup, _)) = h.setup() {
+            self.alerts.remove(&setup.alert);
+            if let Some(g) = self.lgrs.get_mut(&setup.lgr) {
+                g.conns.remove(&tcp);
+                let _ = g.pool.release(setup.alloc.handle);
+                if g.first_contact == Some(tcp) {
+                    g.first_contact = None;
+                }
+            }
+            if first {
+                self.destroy_link_group(setup.lgr, now);
+            } else {
+                self.maybe_idle(setup.lgr, now);
+            }
+        }
+    }
+
+    fn handshake_timeout_reason(h: &Handshake) -> ResetReason {
+        match h.state {
+            HsState::ExpectConfirmLink { .. } => ResetReason::LlcTimeout("CONFIRM LINK"),
+            HsState::ExpectConfirmLinkReply { .. } => ResetReason::LlcTimeout("CONFIRM LINK reply"),
+            HsState::ConfirmLinkSending { .. } => ResetReason::LlcTimeout("CONFIRM LINK send"),
+            HsState::ExpectSecondLink { .. } => ResetReason::LlcTimeout("ADD LINK"),
+            _ => ResetReason::ClcTimeout,
+        }
+    }
+
+    /// A handshake's timer fired.
+    pub(super) fn handshake_timeout(&mut self, tcp: TcpId, _res: &mut dyn Resources, now: Timestamp) {
+        let Some(Entry::Setup(h)) = self.entries.get(&tcp) else {
+            return;
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.5
+        //# If the TCP and/or CLC handshakes time out, the TCP connection must be terminated
+        //# as it would be in a legacy IP environment
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7
+        //# If the client's timer expires without receiving either an SMC Decline or a RoCE
+        //# message confirmation from the server, there is a problem with either the server
+        //# or the TCP fabric.  In either case, the client must break the TCP connection and
+        //# clean up the SMC-R link.
+        let reason = Self::handshake_timeout_reason(h);
+        self.setup_reset(tcp, reason, now);
+    }
+
+    fn set_state(&mut self, tcp: TcpId, state: HsState) {
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            h.state = state;
+        }
+    }
+
+    // ----- Link groups and RMBEs -----------------------------------------------------------
+
+    /// Create a link group with one link (number `num`, provisional on the client) on
+    /// `device`.
+    fn new_link_group(
+        &mut self,
+        role: Role,
+        peer_id: smc_wire::PeerId,
+        device: DeviceId,
+        num: u8,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) -> Result<LgrId, ()> {
+        let dev = self.device(device).ok_or(())?;
+        let pool = RmbPool::new(crate::rmb_pool::RmbPoolConfig {
+            layout: RmbeLayout::Linux,
+            ..self.config.rmb_pool
+        })
+        .map_err(|_| ())?;
+        let id = self.new_lgr_id();
+        let link_id = self.new_link_id();
+        let qp = res.create_qp(link_id, device).map_err(|_| ())?;
+        let user_id = res.random_u32();
+        let mut links = BTreeMap::new();
+        links.insert(
+            num,
+            Link {
+                id: link_id,
+                num,
+                device,
+                local_qp: qp,
+                remote: None,
+                state: LinkState::Activating,
+                local_user_id: user_id,
+                peer_user_id: None,
+                asymmetric: false,
+                last_activity: now,
+                test_link: None,
+                timers: TimerTable::new(),
+            },
+        );
+        self.links.insert(link_id, (id, num));
+        self.lgrs.insert(
+            id,
+            LinkGroup {
+                id,
+                role,
+                peer_id,
+                max_links: self.config.max_links.clamp(2, 8),
+                links,
+                last_link_num: num,
+                pool,
+                local_rmbs: BTreeMap::new(),
+                peer_rmbs: Vec::new(),
+                peer_rmbes: PeerRmbeRegistry::new(),
+                conns: BTreeSet::new(),
+                link_exchange: None,
+                rkey_exchange: None,
+                pending: VecDeque::new(),
+                queued: VecDeque::new(),
+                first_contact: None,
+                timers: TimerTable::new(),
+                mtu: dev.mtu,
+                deleted: BTreeSet::new(),
+                rkey_cont: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Allocate an RMBE (registering a new RMB on every link if one is needed) and an alert
+    /// token.
+    fn alloc_rmbe(&mut self, lgr: LgrId, res: &mut dyn Resources) -> Result<LocalSetup, ()> {
+        let size = self.config.rmbe_size;
+        let alert = self.new_alert_token(res);
+        let g = self.lgrs.get_mut(&lgr).ok_or(())?;
+        let alloc = g.pool.allocate(size).map_err(|_| ())?;
+        if let Some(info) = alloc.new_rmb {
+            let mut tokens = BTreeMap::new();
+            for l in g.links.values() {
+                match res.register_rmb(lgr, info.id, info.len(), l.id, l.device) {
+                    Ok(mr) => {
+                        tokens.insert(l.num, mr);
+                    }
+                    Err(_) => {
+                        let _ = g.pool.release(alloc.handle);
+                        return Err(());
+                    }
+                }
+            }
+            g.local_rmbs.insert(
+                info.id,
+                LocalRmb {
+                    len: info.len(),
+                    element_len: info.element_len,
+                    tokens,
+                    confirmed: false,
+                },
+            );
+        }
+        Ok(LocalSetup { lgr, alloc, alert })
+    }
+
+    /// Record the peer's RMB known on `link` by (rkey, vaddr), if new.
+    fn note_peer_rmb(&mut self, lgr: LgrId, link: u8, rkey: u32, vaddr: u64) {
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            if g.peer_rmb_index(link, rkey).is_none() {
+                let mut tokens = BTreeMap::new();
+                tokens.insert(link, crate::fabric::MrInfo { rkey, vaddr });
+                g.peer_rmbs.push(PeerRmb { tokens });
+            }
+        }
+    }
+
+    /// The connection is set up: build its engine (Fig. 22 transition 2).
+    #[allow(clippy::too_many_arguments)]
+    fn establish(
+        &mut self,
+        tcp: TcpId,
+        setup: LocalSetup,
+        _link: u8,
+        peer_link: u8,
+        peer: &AcceptConfirm,
+        held: Vec<CdcMessage>,
+        now: Timestamp,
+    ) {
+        let lgr = setup.lgr;
+        self.note_peer_rmb(lgr, peer_link, peer.rmb_rkey, peer.rmb_vaddr);
+        let Some(g) = self.lgrs.get_mut(&lgr) else {
+            self.setup_reset(tcp, ResetReason::LinkGroupLost, now);
+            return;
+        };
+        let Some(peer_rmb) = g.peer_rmb_index(peer_link, peer.rmb_rkey) else {
+            return;
+        };
+        let peer_len = peer.rmbe_size.bytes();
+        let peer_key = PeerRmbeKey {
+            rkey: peer.rmb_rkey,
+            index: peer.rmbe_idx,
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-4.4.2
+        //# In this case, the SMC-R peer must abort the existing SMC-R connection associated
+        //# with this RMBE.
+        let conflict = g.peer_rmbes.claim(peer_key, tcp);
+        // Spread connections over the links: each side chooses its own (§2.3).
+        let send_link = least_loaded_link(g, &self.entries).unwrap_or(peer_link);
+        let mut config = ConnectionConfig::new(
+            RmbeLayout::Linux,
+            setup.alloc.element_len,
+            peer_len,
+            setup.alert,
+            peer.rmbe_alert_token,
+        );
+        config.close_timeout = self.config.close_timeout;
+        config.abort_timeout = self.config.close_timeout;
+        let conn = match Connection::new(config) {
+            Ok(c) => c,
+            Err(_) => {
+                self.setup_reset(tcp, ResetReason::ClcProtocolError("RMBE too small"), now);
+                return;
+            }
+        };
+        let first_contact = matches!(self.entries.get(&tcp), Some(Entry::Setup(h)) if h.is_first_contact());
+        let unacked_from = conn.producer_cursor();
+        self.entries.insert(
+            tcp,
+            Entry::Smc(Box::new(SmcConn {
+                lgr,
+                conn,
+                local: setup.alloc.handle,
+                local_element_offset: setup.alloc.element_offset,
+                local_alert: setup.alert,
+                peer_rmb,
+                peer_element_offset: u64::from(peer_len)
+                    * u64::from(peer.rmbe_idx.saturating_sub(1)),
+                peer_key,
+                send_link,
+                unacked: VecDeque::new(),
+                unacked_from,
+                ss: 0,
+            })),
+        );
+        self.alerts.insert(setup.alert, tcp);
+        self.stats.established += 1;
+        self.events.push_back(EndpointEvent::Established {
+            tcp,
+            lgr,
+            first_contact,
+        });
+        if let Some(old) = conflict {
+            if let Some(Entry::Smc(c)) = self.entries.get_mut(&old) {
+                c.conn.handle_rmbe_conflict(now);
+            }
+            self.after_conn(old, now);
+        }
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.4
+        //# the server must queue this data until it has processed the SMC Confirm
+        for cdc in held {
+            if let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) {
+                c.conn.handle_cdc(cdc, now);
+            }
+        }
+        self.after_conn(tcp, now);
+    }
+
+    /// A CDC for an alert token whose connection still awaits Confirm: held (§3.5.2.4).
+    /// Returns false if `tcp` is not in that state.
+    pub(super) fn hold_early_cdc(&mut self, tcp: TcpId, cdc: CdcMessage) -> bool {
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            if let HsState::ExpectConfirm { held, .. } = &mut h.state {
+                held.push(cdc);
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// The group's maximum links: the smaller announcement, clamped to 2..=8 (0 counts as 2).
+fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.2
+    //# the number of links in a link group is negotiated
+    let theirs = if theirs == 0 { 2 } else { theirs };
+    ours.min(theirs).clamp(2, 8)
+}
+
+/// The active link with the fewest established connections sending on it.
+pub(super) fn least_loaded_link(
+    g: &LinkGroup,
+    entries: &BTreeMap<TcpId, Entry>,
+) -> Option<u8> {
+    g.active_links()
+        .map(|l| {
+            let n = entries
+                .values()
+                .filter(|e| matches!(e, Entry::Smc(c) if c.lgr == g.id && c.send_link == l.num))
+                .count();
+            (n, l.num)
+        })
+        .min()
+        .map(|(_, num)| num)
+}

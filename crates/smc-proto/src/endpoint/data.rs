@@ -1,0 +1,377 @@
+//! The data path of established connections over a link group, and failover (RFC 7609 §4.5,
+//! §4.6).
+
+use smc_wire::{CdcMessage, ConnStateFlags, Cursor, ProducerFlags};
+
+use super::{Endpoint, EndpointError, EndpointEvent, Entry, ReadTarget, TcpId, WrPurpose};
+use crate::conn::Event;
+use crate::fabric::{FabricOp, LgrId};
+use crate::rmbe::RmbeRing;
+use crate::time::Timestamp;
+
+impl Endpoint {
+    /// A CDC message arrived: route it by alert token.
+    pub(super) fn handle_cdc(&mut self, cdc: CdcMessage, now: Timestamp) {
+        let Some(&tcp) = self.alerts.get(&cdc.alert_token) else {
+            return;
+        };
+        match self.entries.get_mut(&tcp) {
+            Some(Entry::Smc(c)) => {
+                c.conn.handle_cdc(cdc, now);
+                self.after_conn(tcp, now);
+            }
+            Some(Entry::Setup(_)) => {
+                //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.4
+                //# On a subsequent contact TCP/IP connection, a peer may send data as soon
+                //# as it has received the peer RMB information for the connection.
+                let _ = self.hold_early_cdc(tcp, cdc);
+            }
+            None => {}
+        }
+    }
+
+    /// After any input to a connection engine: post its CDCs, forward its events, release
+    /// it once Closed.
+    pub(super) fn after_conn(&mut self, tcp: TcpId, now: Timestamp) {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        let lgr = c.lgr;
+        let mut cdcs = Vec::new();
+        while let Some(m) = c.conn.poll_transmit() {
+            cdcs.push(m);
+        }
+        let mut events = Vec::new();
+        while let Some(e) = c.conn.poll_event() {
+            events.push(e);
+        }
+        trim_unacked(c);
+        let send_link = c.send_link;
+        for m in cdcs {
+            self.post_cdc(tcp, lgr, send_link, m, now);
+        }
+        let mut closed = false;
+        for e in events {
+            if e == Event::Closed {
+                closed = true;
+            }
+            self.events.push_back(EndpointEvent::Conn { tcp, event: e });
+        }
+        if closed {
+            self.release_conn(tcp, now);
+        }
+    }
+
+    fn post_cdc(&mut self, tcp: TcpId, lgr: LgrId, num: u8, m: CdcMessage, now: Timestamp) {
+        let Some(link) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
+            return;
+        };
+        link.last_activity = now;
+        let id = link.id;
+        let wr = self.new_wr(WrPurpose::Cdc {
+            tcp,
+            link: id,
+            seq: m.seqno,
+            prod: m.producer,
+        });
+        self.fabric_out.push_back(FabricOp::PostSend {
+            link: id,
+            wr,
+            msg: m.to_bytes(),
+        });
+    }
+
+    /// The connection reached Closed: its RMBE returns to the pool (§4.4.2).
+    fn release_conn(&mut self, tcp: TcpId, now: Timestamp) {
+        let Some(Entry::Smc(c)) = self.entries.remove(&tcp) else {
+            return;
+        };
+        self.alerts.remove(&c.local_alert);
+        if let Some(g) = self.lgrs.get_mut(&c.lgr) {
+            let _ = g.pool.release(c.local);
+            g.peer_rmbes.release(c.peer_key, tcp);
+            g.conns.remove(&tcp);
+        }
+        self.maybe_idle(c.lgr, now);
+    }
+
+    /// A CDC's SEND completed: SS moves to its sequence number (§4.6.1) and the bytes it
+    /// describes need no replay any more.
+    pub(super) fn cdc_completed(&mut self, tcp: TcpId, link: crate::fabric::LinkId, seq: u16, prod: Cursor) {
+        let links = &self.links;
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        if links.get(&link).map(|(_, n)| *n) != Some(c.send_link) {
+            return;
+        }
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
+        //# The sender must keep track of the sequence number of the CDC message that described
+        //# the last write acknowledged by the peer RNIC, or Sequence Sent (SS).
+        c.ss = seq;
+        drop_unacked_to(c, prod);
+    }
+
+    // ----- Application commands ------------------------------------------------------------
+
+    /// Send application bytes: as many as fit in the peer's RMBE now are RDMA-written (see
+    /// [`FabricOp::RdmaWrite`]) and announced by a CDC. Returns how many were taken.
+    pub fn send(&mut self, tcp: TcpId, data: &[u8], now: Timestamp) -> Result<usize, EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        let regions = c.conn.write_regions();
+        let n = regions.total().min(u32::try_from(data.len()).unwrap_or(u32::MAX));
+        if n == 0 {
+            c.conn.set_send_backlog(data.len() as u64, now);
+            self.after_conn(tcp, now);
+            return Ok(0);
+        }
+        let Some(token) = self
+            .lgrs
+            .get(&c.lgr)
+            .and_then(|g| g.peer_rmbs.get(c.peer_rmb))
+            .and_then(|r| r.tokens.get(&c.send_link))
+            .copied()
+        else {
+            return Err(EndpointError::NotEstablished);
+        };
+        let Some(link) = self
+            .lgrs
+            .get(&c.lgr)
+            .and_then(|g| g.links.get(&c.send_link))
+            .map(|l| l.id)
+        else {
+            return Err(EndpointError::NotEstablished);
+        };
+        let mut off = 0usize;
+        let mut writes = Vec::new();
+        for r in regions.truncate(n).iter() {
+            let len = r.len as usize;
+            let chunk = data[off..off + len].to_vec();
+            writes.push((
+                token.vaddr + c.peer_element_offset + u64::from(r.offset),
+                chunk,
+            ));
+            off += len;
+        }
+        c.conn.produced(n, now)?;
+        c.unacked.extend(&data[..n as usize]);
+        c.conn
+            .set_send_backlog((data.len() - n as usize) as u64, now);
+        for (addr, chunk) in writes {
+            let wr = self.new_wr(WrPurpose::Write { tcp, link });
+            self.fabric_out.push_back(FabricOp::RdmaWrite {
+                link,
+                wr,
+                rkey: token.rkey,
+                addr,
+                data: chunk,
+            });
+        }
+        self.after_conn(tcp, now);
+        Ok(n as usize)
+    }
+
+    /// Where the unread bytes of a connection are in our RMB (the runtime copies them out and
+    /// calls [`consumed`](Self::consumed)).
+    pub fn read_target(&mut self, tcp: TcpId, now: Timestamp) -> Result<ReadTarget, EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        // Linux layout: no eye catcher to check.
+        let regions = c.conn.read_regions([0; 4], now)?;
+        Ok(ReadTarget {
+            lgr: c.lgr,
+            rmb: c.local.rmb,
+            element_offset: c.local_element_offset,
+            regions,
+        })
+    }
+
+    /// The application consumed `n` bytes.
+    pub fn consumed(&mut self, tcp: TcpId, n: u32, now: Timestamp) -> Result<(), EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        c.conn.consumed(n, now)?;
+        self.after_conn(tcp, now);
+        Ok(())
+    }
+
+    /// shutdown(SHUT_WR).
+    pub fn shutdown_write(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        c.conn.shutdown_write(now)?;
+        self.after_conn(tcp, now);
+        Ok(())
+    }
+
+    /// close().
+    pub fn close(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        c.conn.close(now)?;
+        self.after_conn(tcp, now);
+        Ok(())
+    }
+
+    /// Abortive close.
+    pub fn abort(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        c.conn.abort(now);
+        self.after_conn(tcp, now);
+        Ok(())
+    }
+
+    fn not_established(&self, tcp: TcpId) -> EndpointError {
+        if self.entries.contains_key(&tcp) {
+            EndpointError::NotEstablished
+        } else {
+            EndpointError::UnknownConnection
+        }
+    }
+
+    // ----- Failover (§4.6) -----------------------------------------------------------------
+
+    /// Link `failed` of `lgr` is gone: move every connection that sent on it to a surviving
+    /// link.
+    pub(super) fn failover_link(&mut self, lgr: LgrId, failed: u8, now: Timestamp) {
+        let moving: Vec<TcpId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e, Entry::Smc(c) if c.lgr == lgr && c.send_link == failed))
+            .map(|(t, _)| *t)
+            .collect();
+        for tcp in moving {
+            let Some(g) = self.lgrs.get(&lgr) else {
+                return;
+            };
+            let Some(new) = super::clc::least_loaded_link(g, &self.entries) else {
+                return;
+            };
+            self.failover_conn(tcp, new, now);
+        }
+    }
+
+    /// Move one connection to link `new`: send the failover validation CDC carrying SS, then
+    /// replay the bytes not known received, then one CDC describing them (§4.6.1, §4.6.2).
+    fn failover_conn(&mut self, tcp: TcpId, new: u8, now: Timestamp) {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return;
+        };
+        let lgr = c.lgr;
+        let Some(g) = self.lgrs.get(&lgr) else {
+            return;
+        };
+        let Some(link) = g.links.get(&new).map(|l| l.id) else {
+            return;
+        };
+        let token = g
+            .peer_rmbs
+            .get(c.peer_rmb)
+            .and_then(|r| r.tokens.get(&new))
+            .copied();
+        let Some(token) = token else {
+            // The peer's RMB is unknown on the surviving link: nothing can be written.
+            c.conn.handle_link_group_lost(now);
+            self.after_conn(tcp, now);
+            return;
+        };
+        self.stats.failovers += 1;
+        c.send_link = new;
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
+        //# When an RNIC fails and the sender changes SMC-R links, the sender must first send
+        //# a CDC message with the F-bit (failover validation indicator; see Appendix A.4) set
+        //# over the new SMC-R link.  This is the failover data validation message.  The
+        //# sequence number in this CDC message is equal to SS.
+        let validation = CdcMessage {
+            seqno: c.ss,
+            alert_token: c.conn.config().peer_alert_token,
+            producer: Cursor::default(),
+            consumer: Cursor::default(),
+            prod_flags: ProducerFlags {
+                failover_validation: true,
+                ..ProducerFlags::default()
+            },
+            conn_flags: ConnStateFlags::default(),
+        };
+        trim_unacked(c);
+        // Replay: the bytes from `unacked_from` to our producer cursor, in order.
+        let ring = RmbeRing::new(c.conn.config().layout, c.conn.config().peer_rmbe_len);
+        let mut writes = Vec::new();
+        if let Ok(ring) = ring {
+            let n = c.unacked.len() as u32;
+            let regions = ring.regions(c.unacked_from, n);
+            let bytes: Vec<u8> = c.unacked.iter().copied().collect();
+            let mut off = 0usize;
+            for r in regions.iter() {
+                let len = r.len as usize;
+                if let Some(chunk) = bytes.get(off..off + len) {
+                    writes.push((
+                        token.vaddr + c.peer_element_offset + u64::from(r.offset),
+                        chunk.to_vec(),
+                    ));
+                }
+                off += len;
+            }
+        }
+        let replay = !writes.is_empty();
+        if replay {
+            c.conn.failover_resend();
+        }
+        let wr = self.new_wr(WrPurpose::Cdc {
+            tcp,
+            link,
+            seq: validation.seqno,
+            prod: Cursor::default(),
+        });
+        // The validation CDC's completion must not move SS: forget its purpose.
+        self.wrs.remove(&wr);
+        self.fabric_out.push_back(FabricOp::PostSend {
+            link,
+            wr,
+            msg: validation.to_bytes(),
+        });
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.2
+        //# the sender must replay any RDMA writes (and their associated CDC messages) that
+        //# were in progress or failed when the previous SMC-R link failed, before sending new
+        //# data on the new SMC-R link.
+        for (addr, data) in writes {
+            let wr = self.new_wr(WrPurpose::Write { tcp, link });
+            self.fabric_out.push_back(FabricOp::RdmaWrite {
+                link,
+                wr,
+                rkey: token.rkey,
+                addr,
+                data,
+            });
+        }
+        self.after_conn(tcp, now);
+    }
+}
+
+/// Forget replay bytes the peer has consumed (its consumer cursor passed them).
+fn trim_unacked(c: &mut super::SmcConn) {
+    let peer_cons = c.conn.peer_consumer_cursor();
+    drop_unacked_to(c, peer_cons);
+}
+
+/// Forget replay bytes before cursor `to` (if `to` lies within them).
+fn drop_unacked_to(c: &mut super::SmcConn, to: Cursor) {
+    let Ok(ring) = RmbeRing::new(c.conn.config().layout, c.conn.config().peer_rmbe_len) else {
+        return;
+    };
+    if let Ok(n) = ring.distance(c.unacked_from, to) {
+        let n = n as usize;
+        if n > 0 && n <= c.unacked.len() {
+            c.unacked.drain(..n);
+            c.unacked_from = to;
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! The per-stack SMC-R endpoint: CLC rendezvous, link groups, LLC exchanges, connections,
+//! failover and keepalive, as one sans-IO object (RFC 7609 §3, §4.5.3, §4.6, App. C).
+//!
+//! See [`Endpoint`] for the contract and the call order.
+
+mod clc;
+mod data;
+mod llc;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use smc_wire::clc::Ipv6Prefix;
+use smc_wire::llc::DeleteLinkReason;
+use smc_wire::{Cursor, DeclineCode, LlcMessage, PeerId, RmbeSize};
+
+use crate::conn::{ConnError, Connection};
+use crate::fabric::{Device, DeviceId, FabricOp, LgrId, LinkId, Resources, WrId};
+use crate::link_group::LinkGroup;
+use crate::rmb_pool::{PeerRmbeKey, RmbPoolConfig, RmbeAllocation, RmbeHandle};
+use crate::time::Timestamp;
+
+pub use clc::{subnet_matches, Handshake};
+
+/// The runtime's handle for one TCP connection (a socket); chosen by the caller, unique while
+/// the connection exists in the endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TcpId(pub u64);
+
+/// Configuration of one endpoint (one SMC-R peer).
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// Our peer ID; the caller draws the instance number at random when the stack starts.
+    pub peer_id: PeerId,
+    /// Our RNICs on the RoCE LAN, in order of preference.
+    pub devices: Vec<Device>,
+    /// Our IPv4 subnets (network number, prefix length), for the server's subnet check and
+    /// the client's Proposal (the first one).
+    pub ipv4_subnets: Vec<(Ipv4Addr, u8)>,
+    /// Our IPv6 prefixes.
+    pub ipv6_prefixes: Vec<Ipv6Prefix>,
+    /// Most symmetric links per link group we support (2..=8).
+    pub max_links: u8,
+    /// Most connections per link group; a server with a full group for a peer creates a
+    /// parallel link group.
+    pub max_conns_per_lgr: usize,
+    /// RMB pool of each link group.
+    pub rmb_pool: RmbPoolConfig,
+    /// RMBE size asked for each connection.
+    pub rmbe_size: RmbeSize,
+    /// C.5: the whole CLC handshake must complete within this time.
+    pub clc_timeout: Duration,
+    /// C.7: LLC reply timer during the first contact setup of a link group.
+    pub llc_timeout_first_contact: Duration,
+    /// C.7: LLC reply timer while maintaining a link group.
+    pub llc_timeout: Duration,
+    /// C.8: retry adding a second link after this time.
+    pub add_link_retry: Duration,
+    /// §4.5.3: TEST LINK when a link has been idle this long (`None`: no keepalive).
+    pub keepalive: Option<Duration>,
+    /// The server terminates a link group without connections after this time.
+    pub lgr_idle_timeout: Duration,
+    /// Connection timers (close and abort waits).
+    pub close_timeout: Duration,
+}
+
+impl EndpointConfig {
+    /// A configuration with the RFC's spirit of defaults: two links, 30 s CLC timer, 10 s
+    /// first-contact LLC timer (long enough for the peer's write-completion timeout and a few
+    /// Decline retransmissions), 2 s maintenance LLC timer, 10 s add-link retry.
+    pub fn new(peer_id: PeerId, devices: Vec<Device>) -> Self {
+        EndpointConfig {
+            peer_id,
+            devices,
+            ipv4_subnets: Vec::new(),
+            ipv6_prefixes: Vec::new(),
+            max_links: 2,
+            max_conns_per_lgr: 255,
+            rmb_pool: RmbPoolConfig::default(),
+            rmbe_size: RmbeSize(0),
+            clc_timeout: Duration::from_secs(30),
+            llc_timeout_first_contact: Duration::from_secs(10),
+            llc_timeout: Duration::from_secs(2),
+            add_link_retry: Duration::from_secs(10),
+            keepalive: None,
+            lgr_idle_timeout: Duration::from_secs(600),
+            close_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why a TCP connection fell back to plain TCP (RFC 7609 App. C.1–C.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fallback {
+    /// The peer sent a Decline with this reason (and the S flag if `out_of_sync`).
+    PeerDeclined {
+        /// The peer's diagnosis.
+        code: DeclineCode,
+        /// S flag: the peer is out of sync with our link group.
+        out_of_sync: bool,
+    },
+    /// We sent a Decline with this reason.
+    Declined(DeclineCode),
+}
+
+impl Fallback {
+    /// The Decline reason code, whoever sent it.
+    pub fn code(self) -> DeclineCode {
+        match self {
+            Fallback::PeerDeclined { code, .. } | Fallback::Declined(code) => code,
+        }
+    }
+}
+
+/// Why a TCP connection must be reset (no fallback possible, App. C.3, C.5, C.6, C.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum ResetReason {
+    /// C.5: the CLC handshake did not complete in time.
+    #[error("CLC handshake timed out")]
+    ClcTimeout,
+    /// C.6: a malformed or unexpected CLC message (protocol error).
+    #[error("CLC protocol error: {0}")]
+    ClcProtocolError(&'static str),
+    /// C.7: an LLC reply of the first contact setup did not come.
+    #[error("LLC timeout during link group setup: {0}")]
+    LlcTimeout(&'static str),
+    /// The link group (or its last link) failed past the point of no return.
+    #[error("link group lost")]
+    LinkGroupLost,
+    /// §4.4.2: the peer presented an RMBE that is in use.
+    #[error("RMB element conflict")]
+    RmbeConflict,
+    /// The established connection failed.
+    #[error("connection failed: {0}")]
+    Connection(ConnError),
+}
+
+/// Something the runtime or the application must learn.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EndpointEvent {
+    /// The TCP connection runs over SMC-R from now on.
+    Established {
+        /// The connection.
+        tcp: TcpId,
+        /// Its link group.
+        lgr: LgrId,
+        /// Whether it created the link group.
+        first_contact: bool,
+    },
+    /// The TCP connection falls back to plain TCP; `leftover` are TCP bytes received after
+    /// the CLC messages (application data), to be delivered to the application.
+    FellBack {
+        /// The connection.
+        tcp: TcpId,
+        /// Why.
+        reason: Fallback,
+        /// Bytes after the last CLC message.
+        leftover: Vec<u8>,
+    },
+    /// The runtime must reset the TCP connection (RST) and report the error.
+    Reset {
+        /// The connection.
+        tcp: TcpId,
+        /// Why.
+        reason: ResetReason,
+    },
+    /// An event of an established connection (data, close states).
+    Conn {
+        /// The connection.
+        tcp: TcpId,
+        /// The event.
+        event: crate::conn::Event,
+    },
+    /// A link became active.
+    LinkUp {
+        /// Group.
+        lgr: LgrId,
+        /// Link.
+        link: LinkId,
+        /// Link number.
+        num: u8,
+    },
+    /// A link went away.
+    LinkDown {
+        /// Group.
+        lgr: LgrId,
+        /// Link.
+        link: LinkId,
+        /// Link number.
+        num: u8,
+        /// Why.
+        reason: DeleteLinkReason,
+    },
+    /// A link group was terminated.
+    LinkGroupTerminated {
+        /// Group.
+        lgr: LgrId,
+    },
+}
+
+/// Where the application's next bytes go in the peer's RMBE (for a zero-copy runtime that
+/// writes directly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReadTarget {
+    /// Link group of the RMB.
+    pub lgr: LgrId,
+    /// Our RMB.
+    pub rmb: crate::rmb_pool::RmbId,
+    /// Offset of the connection's element in the RMB.
+    pub element_offset: u64,
+    /// Unread ranges, offsets within the element.
+    pub regions: crate::rmbe::Regions,
+}
+
+/// Misuse of the endpoint API (never the peer's fault).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum EndpointError {
+    /// No such TCP connection.
+    #[error("unknown TCP connection")]
+    UnknownConnection,
+    /// The TCP connection id is already in use.
+    #[error("TCP connection id in use")]
+    DuplicateConnection,
+    /// The connection is not (yet) running over SMC-R.
+    #[error("connection not established over SMC-R")]
+    NotEstablished,
+    /// The endpoint has no RNIC.
+    #[error("no RoCE device")]
+    NoDevice,
+    /// The connection refused the operation.
+    #[error("connection: {0}")]
+    Conn(#[from] crate::conn::ApiError),
+}
+
+/// What a posted work request was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WrPurpose {
+    /// An LLC message on link `num` of `lgr`; `confirm_for` marks the first contact's
+    /// CONFIRM LINK (request or reply), whose completion is the point of no return (C.2).
+    Llc {
+        lgr: LgrId,
+        link: LinkId,
+        confirm_for: Option<TcpId>,
+    },
+    /// A CDC message of a connection.
+    Cdc {
+        tcp: TcpId,
+        link: LinkId,
+        seq: u16,
+        prod: Cursor,
+    },
+    /// An RDMA WRITE of a connection.
+    Write { tcp: TcpId, link: LinkId },
+}
+
+/// An established SMC-R connection: the data engine and where its bytes go.
+#[derive(Debug)]
+struct SmcConn {
+    lgr: LgrId,
+    conn: Connection,
+    local: RmbeHandle,
+    local_element_offset: u64,
+    local_alert: u32,
+    /// Index of the peer RMB in the group's table.
+    peer_rmb: usize,
+    peer_element_offset: u64,
+    peer_key: PeerRmbeKey,
+    /// The link we send on (each side chooses its own, §2.3).
+    send_link: u8,
+    /// Bytes written to the peer but not known received: from `unacked_from` to our
+    /// producer cursor (kept for replay, §4.6.2).
+    unacked: VecDeque<u8>,
+    unacked_from: Cursor,
+    /// SS (§4.6.1): sequence number of the last CDC whose send completed.
+    ss: u16,
+}
+
+/// One TCP connection known to the endpoint.
+#[derive(Debug)]
+enum Entry {
+    /// CLC handshake (and, on a first contact, the link setup) in progress.
+    Setup(Box<Handshake>),
+    /// Running over SMC-R.
+    Smc(Box<SmcConn>),
+}
+
+/// The RMBE and alert token a connection got during its setup.
+#[derive(Debug, Clone, Copy)]
+struct LocalSetup {
+    lgr: LgrId,
+    alloc: RmbeAllocation,
+    alert: u32,
+}
+
+/// The SMC-R peer of one process: owns link groups, links, RMB pools, connection engines and
+/// the CLC handshakes in progress.
+///
+/// # Contract
+///
+/// Sans-IO, like [`Connection`]: no clock, no I/O, no randomness of its own.
+///
+/// * Inputs: [`handle_tcp_data`](Self::handle_tcp_data) (bytes read from a TCP connection
+///   during its CLC handshake), [`handle_tcp_reset`](Self::handle_tcp_reset),
+///   [`handle_message`](Self::handle_message) (a 44-byte SEND received on a link),
+///   [`handle_completion`](Self::handle_completion) (a work completion, good or failed),
+///   [`handle_link_failure`](Self::handle_link_failure) (QP error, port down),
+///   [`handle_timeout`](Self::handle_timeout); application commands
+///   [`connect`](Self::connect), [`accept`](Self::accept), [`send`](Self::send),
+///   [`read_target`](Self::read_target) + [`consumed`](Self::consumed),
+///   [`shutdown_write`](Self::shutdown_write), [`close`](Self::close),
+///   [`abort`](Self::abort), [`request_add_link`](Self::request_add_link),
+///   [`request_delete_link`](Self::request_delete_link),
+///   [`terminate_link_group`](Self::terminate_link_group).
+/// * Outputs: [`poll_tcp_transmit`](Self::poll_tcp_transmit) (bytes to write on a TCP
+///   connection), [`poll_fabric`](Self::poll_fabric) (QPs to connect, SENDs and RDMA WRITEs to
+///   post, QPs to destroy, RMBs to free — perform them in order: a link's posts keep their
+///   order), [`poll_event`](Self::poll_event), [`poll_timeout`](Self::poll_timeout).
+///
+/// After every input drain the three queues and re-read `poll_timeout`. Identifiers that need
+/// synchronous answers (QP numbers, rkeys) and randomness come from the [`Resources`] passed
+/// to each input.
+///
+/// # Design decisions
+///
+/// * RMBE layout: we follow Linux — no eye catcher, cursors from 0 — and always send the
+///   `0x03` flags in CONFIRM LINK. A peer whose CONFIRM LINK lacks them wants the RFC
+///   eye-catcher layout; we answer with a Decline `0x03050000` (RMBE_EC) and fall back,
+///   like Linux, rather than run a second layout on the wire (wire-formats.md §1 item 1).
+/// * Maximum links: each side announces its maximum in CONFIRM LINK; the group uses the
+///   smaller, clamped to 2..=8 (a 0 from an old peer counts as 2).
+/// * The point of no return of a first contact is the successful completion of our CONFIRM
+///   LINK (request or reply) send (App. C.2); of a subsequent contact, sending Accept
+///   (server) or Confirm (client) (App. C.1, C.3). Before it, RoCE failures Decline; after
+///   it, they reset.
+/// * A first contact completes (the application sees [`EndpointEvent::Established`]) only
+///   after the second-link ADD LINK exchange ended — added, rejected, or failed (App. C.8
+///   retry timer armed) — so no data flows during it.
+/// * Failover replays by the RFC's second option (§4.6.2): the bytes not known received
+///   are rewritten over the new link and described by one CDC with a new sequence number.
+#[derive(Debug)]
+pub struct Endpoint {
+    config: EndpointConfig,
+    lgrs: BTreeMap<LgrId, LinkGroup>,
+    entries: BTreeMap<TcpId, Entry>,
+    /// Alert token → connection (established or awaiting Confirm).
+    alerts: BTreeMap<u32, TcpId>,
+    /// Link id → (group, link number).
+    links: BTreeMap<LinkId, (LgrId, u8)>,
+    wrs: BTreeMap<WrId, WrPurpose>,
+    next_lgr: u32,
+    next_link: u32,
+    next_wr: u64,
+    tcp_out: VecDeque<(TcpId, Vec<u8>)>,
+    fabric_out: VecDeque<FabricOp>,
+    events: VecDeque<EndpointEvent>,
+    stats: EndpointStats,
+}
+
+/// Counters of an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct EndpointStats {
+    /// Connections established over SMC-R.
+    pub established: u64,
+    /// Connections that fell back to TCP.
+    pub fallbacks: u64,
+    /// Connections reset during setup.
+    pub setup_resets: u64,
+    /// Connections moved to another link.
+    pub failovers: u64,
+    /// LLC messages received and discarded (optional types, stale links).
+    pub llc_discarded: u64,
+    /// Links that failed.
+    pub link_failures: u64,
+    /// Negative CONFIRM RKEY replies we sent because of a collision.
+    pub rkey_collisions: u64,
+    /// TEST LINK requests sent.
+    pub test_links_sent: u64,
+}
+
+impl Endpoint {
+    /// A new endpoint.
+    pub fn new(config: EndpointConfig) -> Endpoint {
+        Endpoint {
+            config,
+            lgrs: BTreeMap::new(),
+            entries: BTreeMap::new(),
+            alerts: BTreeMap::new(),
+            links: BTreeMap::new(),
+            wrs: BTreeMap::new(),
+            next_lgr: 1,
+            next_link: 1,
+            next_wr: 1,
+            tcp_out: VecDeque::new(),
+            fabric_out: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: EndpointStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.config
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> EndpointStats {
+        self.stats
+    }
+
+    /// The link groups.
+    pub fn link_groups(&self) -> impl Iterator<Item = &LinkGroup> {
+        self.lgrs.values()
+    }
+
+    /// One link group.
+    pub fn link_group(&self, id: LgrId) -> Option<&LinkGroup> {
+        self.lgrs.get(&id)
+    }
+
+    /// The connection engine of an established connection.
+    pub fn connection(&self, tcp: TcpId) -> Option<&Connection> {
+        match self.entries.get(&tcp) {
+            Some(Entry::Smc(c)) => Some(&c.conn),
+            _ => None,
+        }
+    }
+
+    /// The link group and send link number of an established connection.
+    pub fn connection_link(&self, tcp: TcpId) -> Option<(LgrId, u8)> {
+        match self.entries.get(&tcp) {
+            Some(Entry::Smc(c)) => Some((c.lgr, c.send_link)),
+            _ => None,
+        }
+    }
+
+    /// The handshake state name of a connection being set up (diagnostics, tests).
+    pub fn handshake_state(&self, tcp: TcpId) -> Option<&'static str> {
+        match self.entries.get(&tcp) {
+            Some(Entry::Setup(h)) => Some(h.name()),
+            _ => None,
+        }
+    }
+
+    // ----- Outputs -------------------------------------------------------------------------
+
+    /// Bytes to write on a TCP connection (CLC messages).
+    pub fn poll_tcp_transmit(&mut self) -> Option<(TcpId, Vec<u8>)> {
+        self.tcp_out.pop_front()
+    }
+
+    /// The next fabric operation to perform.
+    pub fn poll_fabric(&mut self) -> Option<FabricOp> {
+        self.fabric_out.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<EndpointEvent> {
+        self.events.pop_front()
+    }
+
+    /// The earliest deadline of every timer of the endpoint.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        let hs = self.entries.values().filter_map(|e| match e {
+            Entry::Setup(h) => h.deadline(),
+            Entry::Smc(c) => c.conn.poll_timeout(),
+        });
+        let lg = self.lgrs.values().filter_map(|g| g.next_deadline());
+        hs.chain(lg).min()
+    }
+
+    /// Fire every timer due at `now`.
+    pub fn handle_timeout(&mut self, res: &mut dyn Resources, now: Timestamp) {
+        let due: Vec<TcpId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| match e {
+                Entry::Setup(h) => h.deadline().is_some_and(|d| d <= now),
+                Entry::Smc(c) => c.conn.poll_timeout().is_some_and(|d| d <= now),
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        for tcp in due {
+            match self.entries.get_mut(&tcp) {
+                Some(Entry::Setup(_)) => self.handshake_timeout(tcp, res, now),
+                Some(Entry::Smc(c)) => {
+                    c.conn.handle_timeout(now);
+                    self.after_conn(tcp, now);
+                }
+                None => {}
+            }
+        }
+        let groups: Vec<LgrId> = self
+            .lgrs
+            .iter()
+            .filter(|(_, g)| g.next_deadline().is_some_and(|d| d <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in groups {
+            self.lgr_timeout(id, res, now);
+        }
+    }
+
+    // ----- Internal helpers ----------------------------------------------------------------
+
+    fn new_wr(&mut self, purpose: WrPurpose) -> WrId {
+        let wr = WrId(self.next_wr);
+        self.next_wr += 1;
+        self.wrs.insert(wr, purpose);
+        wr
+    }
+
+    fn new_lgr_id(&mut self) -> LgrId {
+        let id = LgrId(self.next_lgr);
+        self.next_lgr += 1;
+        id
+    }
+
+    fn new_link_id(&mut self) -> LinkId {
+        let id = LinkId(self.next_link);
+        self.next_link += 1;
+        id
+    }
+
+    /// A fresh alert token, unique in the endpoint.
+    fn new_alert_token(&mut self, res: &mut dyn Resources) -> u32 {
+        loop {
+            let t = res.random_u32();
+            if t != 0 && !self.alerts.contains_key(&t) {
+                return t;
+            }
+        }
+    }
+
+    /// Post an LLC message on link `num` of `lgr`.
+    fn post_llc(
+        &mut self,
+        lgr: LgrId,
+        num: u8,
+        msg: LlcMessage,
+        confirm_for: Option<TcpId>,
+        now: Timestamp,
+    ) {
+        let Some(link) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
+            return;
+        };
+        link.last_activity = now;
+        let id = link.id;
+        tracing::trace!(?lgr, num, ?msg, "post LLC");
+        let wr = self.new_wr(WrPurpose::Llc {
+            lgr,
+            link: id,
+            confirm_for,
+        });
+        self.fabric_out.push_back(FabricOp::PostSend {
+            link: id,
+            wr,
+            msg: msg.to_bytes(),
+        });
+    }
+
+    fn send_clc(&mut self, tcp: TcpId, msg: &smc_wire::ClcMessage) {
+        self.tcp_out.push_back((tcp, msg.to_vec()));
+    }
+
+    fn device(&self, d: DeviceId) -> Option<Device> {
+        self.config.devices.get(usize::from(d.0)).copied()
+    }
+}

@@ -1,0 +1,162 @@
+//! The fabric as the endpoint sees it: RNICs, reliably connected QPs, registered RMBs, and the
+//! operations the runtime performs on them.
+//!
+//! The model follows the verbs of `smc-fabric` (device GID/MAC, RC QP with QP number, PSN and
+//! MTU, memory region with rkey and address) without depending on that crate. Resource
+//! allocation that must return identifiers synchronously (a new QP's number and initial PSN,
+//! a registered RMB's rkey and address) and every random identifier go through the
+//! caller-supplied [`Resources`] trait; everything else (connecting a QP, posting a SEND or an
+//! RDMA WRITE, destroying a QP) is an output, [`FabricOp`], that the runtime performs and
+//! completes with [`Endpoint::handle_completion`](crate::endpoint::Endpoint::handle_completion).
+
+use core::fmt;
+
+use smc_wire::{Gid, Mac, QpMtu, U24};
+
+use crate::rmb_pool::RmbId;
+
+/// Index of one of the endpoint's RNICs in [`EndpointConfig::devices`](crate::endpoint::EndpointConfig::devices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DeviceId(pub u8);
+
+/// One RNIC (RoCE port) the endpoint may use: its addresses on the RoCE LAN and path MTU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Device {
+    /// GID of the port.
+    pub gid: Gid,
+    /// MAC of the port.
+    pub mac: Mac,
+    /// Largest path MTU the port supports.
+    pub mtu: QpMtu,
+}
+
+/// Identifies a link group inside one endpoint (never reused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LgrId(pub u32);
+
+/// Identifies one link (one RC QP) inside one endpoint, across all link groups (never reused,
+/// unlike link numbers, which the server assigns per link group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LinkId(pub u32);
+
+impl fmt::Display for LinkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "link#{}", self.0)
+    }
+}
+
+/// Identifies one posted work request; its completion comes back with the same id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WrId(pub u64);
+
+/// What a newly created QP returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QpInfo {
+    /// QP number.
+    pub qpn: U24,
+    /// Initial packet sequence number (random, from the fabric).
+    pub psn: U24,
+}
+
+/// What registering an RMB with one link's protection domain returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MrInfo {
+    /// Remote key the peer uses in RDMA WRITEs on that link.
+    pub rkey: u32,
+    /// Virtual address of the RMB's first byte as the peer addresses it.
+    pub vaddr: u64,
+}
+
+/// A local resource could not be had (no memory, no QP): the rendezvous declines with
+/// "insufficient resources" or the link is not added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[error("local fabric resources unavailable: {0}")]
+pub struct ResourceError(pub &'static str);
+
+/// Local resources and randomness, supplied by the caller (runtime or harness).
+///
+/// The endpoint calls these synchronously while it processes an input. Identifiers that the
+/// RFC wants random (link user IDs, alert tokens) come from [`random_u32`](Self::random_u32);
+/// the peer-ID instance is chosen by the caller before the endpoint is created.
+pub trait Resources {
+    /// Create an RC QP on `device` for `link` (reset → init); return its number and initial PSN.
+    fn create_qp(&mut self, link: LinkId, device: DeviceId) -> Result<QpInfo, ResourceError>;
+    /// Allocate (once per `rmb`) and register RMB `rmb` of link group `lgr`, `len` bytes, for
+    /// remote write on `link` (on `device`); return the rkey and address on that link.
+    fn register_rmb(
+        &mut self,
+        lgr: LgrId,
+        rmb: RmbId,
+        len: u64,
+        link: LinkId,
+        device: DeviceId,
+    ) -> Result<MrInfo, ResourceError>;
+    /// A random 32-bit number.
+    fn random_u32(&mut self) -> u32;
+}
+
+/// The peer side of a QP, to move our QP to ready-to-send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteQp {
+    /// Peer GID.
+    pub gid: Gid,
+    /// Peer MAC.
+    pub mac: Mac,
+    /// Peer QP number.
+    pub qpn: U24,
+    /// Peer initial PSN.
+    pub psn: U24,
+    /// Path MTU to use (the smaller of both sides).
+    pub mtu: QpMtu,
+}
+
+/// A fabric operation the runtime must perform, in the order given.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FabricOp {
+    /// Connect our QP of `link` to the peer's QP (init → RTR → RTS).
+    ConnectQp {
+        /// The link.
+        link: LinkId,
+        /// Our device.
+        device: DeviceId,
+        /// The peer's QP.
+        remote: RemoteQp,
+    },
+    /// Post an IB SEND of a 44-byte LLC or CDC message on `link`.
+    PostSend {
+        /// The link.
+        link: LinkId,
+        /// Completion id.
+        wr: WrId,
+        /// The message.
+        msg: [u8; smc_wire::MSG44_LEN],
+    },
+    /// Post an RDMA WRITE of `data` to the peer's memory `(rkey, addr)` on `link`.
+    ///
+    /// The engine keeps a copy of the bytes until the peer is known to have them, so that it
+    /// can replay the write on another link after a failure (RFC 7609 §4.6.2).
+    RdmaWrite {
+        /// The link.
+        link: LinkId,
+        /// Completion id.
+        wr: WrId,
+        /// Peer rkey of the target RMB on this link.
+        rkey: u32,
+        /// Target address.
+        addr: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Destroy the QP of `link` (flushing whatever is still posted).
+    DestroyQp {
+        /// The link.
+        link: LinkId,
+    },
+    /// Deregister and free RMB `rmb` of link group `lgr` on every link.
+    FreeRmb {
+        /// The link group.
+        lgr: LgrId,
+        /// The RMB.
+        rmb: RmbId,
+    },
+}

@@ -1,0 +1,425 @@
+//! Link groups and links (RFC 7609 §2.2, §3.5.5): the state the [`Endpoint`] keeps per link
+//! group, and the configuration exchanges in progress on it.
+//!
+//! A link group joins two SMC-R peers (identified by peer ID) over one or more links, each link
+//! an RC QP between one RNIC on each side. The server assigns link numbers and drives every
+//! change of the group's configuration; the client may ask (ADD LINK or DELETE LINK request).
+//! Every RMB of the group is registered on every link, so each RMB has one RToken per link.
+//!
+//! [`Endpoint`]: crate::endpoint::Endpoint
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use smc_wire::llc::RtokenPair;
+use smc_wire::{LlcMessage, PeerId, QpMtu};
+
+use crate::endpoint::TcpId;
+use crate::fabric::{DeviceId, LgrId, LinkId, MrInfo, QpInfo, RemoteQp};
+use crate::rmb_pool::{PeerRmbeRegistry, RmbId, RmbPool};
+use crate::time::Timestamp;
+use crate::timer::{TimerKind, TimerTable};
+
+/// Which side of the link group we are: the server (accepted the first TCP connection) owns
+/// the configuration of the group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// We connected (CLC client).
+    Client,
+    /// We accepted (CLC server).
+    Server,
+}
+
+/// The life of one link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinkState {
+    /// The QP exists; the CONFIRM LINK exchange has not completed.
+    Activating,
+    /// Confirmed; carries LLC, CDC and RDMA traffic.
+    Active,
+}
+
+/// The timers of one link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LinkTimer {
+    /// Check whether the link has been idle past the keepalive interval (§4.5.3).
+    Keepalive,
+    /// A TEST LINK is outstanding; its reply is due.
+    TestLinkReply,
+}
+
+impl TimerKind for LinkTimer {
+    const ALL: &'static [Self] = &[LinkTimer::Keepalive, LinkTimer::TestLinkReply];
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One SMC-R link: a reliably connected QP between one RNIC on each side.
+#[derive(Debug, Clone)]
+pub struct Link {
+    /// Endpoint-wide identifier (the runtime's handle for the QP).
+    pub id: LinkId,
+    /// Link number in the group, assigned by the server.
+    pub num: u8,
+    /// Our RNIC.
+    pub device: DeviceId,
+    /// Our QP.
+    pub local_qp: QpInfo,
+    /// The peer's QP, once known.
+    pub remote: Option<RemoteQp>,
+    /// Confirmed or not.
+    pub state: LinkState,
+    /// Our link user ID (random, for display).
+    pub local_user_id: u32,
+    /// The peer's link user ID from its CONFIRM LINK.
+    pub peer_user_id: Option<u32>,
+    /// The link shares an RNIC with another link of the group on one side (RFC 7609 §2.2,
+    /// Fig. 6): at most one per group, not counted toward the maximum.
+    pub asymmetric: bool,
+    /// Last time anything was sent or received on the link (keepalive, §4.5.3).
+    pub last_activity: Timestamp,
+    /// User data of the outstanding TEST LINK.
+    pub test_link: Option<[u8; 16]>,
+    /// Keepalive timers.
+    pub timers: TimerTable<LinkTimer, 2>,
+}
+
+/// One of our RMBs: its size and its RToken on every link.
+#[derive(Debug, Clone)]
+pub struct LocalRmb {
+    /// Total length.
+    pub len: u64,
+    /// Length of one element.
+    pub element_len: u32,
+    /// RToken per link number.
+    pub tokens: BTreeMap<u8, MrInfo>,
+    /// The peer knows this RMB on every link (CLC first contact or CONFIRM RKEY done).
+    pub confirmed: bool,
+}
+
+/// One of the peer's RMBs, as RTokens per link number.
+#[derive(Debug, Clone, Default)]
+pub struct PeerRmb {
+    /// (rkey, address) per link number.
+    pub tokens: BTreeMap<u8, MrInfo>,
+}
+
+/// A configuration change of the link (ADD LINK / DELETE LINK) in progress (RFC 7609
+/// §3.5.5.3, second group).
+#[derive(Debug, Clone)]
+pub enum LinkExchange {
+    /// Server: we added link `new` with an ADD LINK sent over link `via`.
+    ServerAddLink {
+        /// The new link's number.
+        new: u8,
+        /// The link the exchange flows on.
+        via: u8,
+        /// Where it stands.
+        step: ServerAddStep,
+        /// Part of a first contact (the connection that created the group waits for it).
+        first_contact: bool,
+        /// Our RToken pairs not yet sent in ADD LINK CONTINUATION.
+        ours_left: Vec<RtokenPair>,
+    },
+    /// Client: the server adds link `new` over link `via`.
+    ClientAddLink {
+        /// The new link's number.
+        new: u8,
+        /// The link the exchange flows on.
+        via: u8,
+        /// Where it stands.
+        step: ClientAddStep,
+        /// Part of a first contact.
+        first_contact: bool,
+        /// Our RToken pairs not yet sent.
+        ours_left: Vec<RtokenPair>,
+    },
+    /// Server: DELETE LINK for link `link` sent over `via`, reply awaited.
+    DeleteLink {
+        /// The link being deleted.
+        link: u8,
+        /// The link the request flows on.
+        via: u8,
+    },
+    /// Client (first contact, C.7): our DELETE LINK for the second link is out; the socket
+    /// opens once the server's DELETE LINK request for it arrives and we reply.
+    ClientAwaitDelete {
+        /// The link.
+        link: u8,
+    },
+}
+
+/// Steps of a server-side ADD LINK exchange (Fig. 9, Fig. 15).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ServerAddStep {
+    /// ADD LINK request sent; ADD LINK reply awaited.
+    SentAddLink,
+    /// ADD LINK CONTINUATION sent; the client's continuation awaited.
+    SentCont,
+    /// CONFIRM LINK sent on the new link; its reply awaited.
+    SentConfirmLink,
+}
+
+/// Steps of a client-side ADD LINK exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientAddStep {
+    /// ADD LINK reply sent; the server's first continuation awaited.
+    SentReply,
+    /// Our continuation sent; the next one (or CONFIRM LINK on the new link) awaited.
+    SentCont {
+        /// The server announced more RToken pairs than it has sent so far.
+        server_owes: bool,
+    },
+}
+
+/// An RMB configuration change we started (CONFIRM RKEY / DELETE RKEY); may run concurrently
+/// with the peer's own (RFC 7609 §3.5.5.3).
+#[derive(Debug, Clone)]
+pub enum RkeyExchange {
+    /// CONFIRM RKEY for `rmb` sent over `via`, reply awaited.
+    Confirm {
+        /// The RMB.
+        rmb: RmbId,
+        /// The link used.
+        via: u8,
+    },
+    /// DELETE RKEY for `rmbs` sent over `via`, reply awaited.
+    Delete {
+        /// The RMBs.
+        rmbs: Vec<RmbId>,
+        /// The link used.
+        via: u8,
+    },
+}
+
+/// A configuration change we want to start once none is in progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalRequest {
+    /// Tell the peer about a new RMB on every link (Fig. 12, Fig. 13).
+    ConfirmRkey(RmbId),
+    /// Remove RMBs (Fig. 14).
+    DeleteRkey(Vec<RmbId>),
+    /// Server: add a link if a usable pair of RNICs exists.
+    AddLink,
+    /// Server: delete one link.
+    DeleteLink {
+        /// The link.
+        link: u8,
+        /// Orderly (the link is still usable) or not.
+        orderly: bool,
+        /// Reason.
+        reason: smc_wire::llc::DeleteLinkReason,
+    },
+}
+
+/// The timers of a link group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LgrTimer {
+    /// The reply (or next message) of the link exchange in progress is due (App. C.7).
+    LinkExchange,
+    /// The reply to our CONFIRM RKEY / DELETE RKEY is due (App. C.7).
+    RkeyExchange,
+    /// Retry adding a second link (App. C.8).
+    AddLinkRetry,
+    /// The group has had no connection for the idle time: the server terminates it.
+    Idle,
+}
+
+impl TimerKind for LgrTimer {
+    const ALL: &'static [Self] = &[
+        LgrTimer::LinkExchange,
+        LgrTimer::RkeyExchange,
+        LgrTimer::AddLinkRetry,
+        LgrTimer::Idle,
+    ];
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One link group.
+#[derive(Debug)]
+pub struct LinkGroup {
+    /// Identifier.
+    pub id: LgrId,
+    /// Our role.
+    pub role: Role,
+    /// The peer.
+    pub peer_id: PeerId,
+    /// Negotiated maximum number of symmetric links (2..=8).
+    pub max_links: u8,
+    /// Links by link number.
+    pub links: BTreeMap<u8, Link>,
+    /// Last link number assigned (server), for the no-reuse rule.
+    pub last_link_num: u8,
+    /// Our RMB elements.
+    pub pool: RmbPool,
+    /// Our RMBs' RTokens.
+    pub local_rmbs: BTreeMap<RmbId, LocalRmb>,
+    /// The peer's RMBs' RTokens.
+    pub peer_rmbs: Vec<PeerRmb>,
+    /// Which peer RMBE each of our connections writes into (§4.4.2).
+    pub peer_rmbes: PeerRmbeRegistry<TcpId>,
+    /// The connections (established or being set up) on this group.
+    pub conns: BTreeSet<TcpId>,
+    /// The link exchange in progress.
+    pub link_exchange: Option<LinkExchange>,
+    /// Our RKey exchange in progress.
+    pub rkey_exchange: Option<RkeyExchange>,
+    /// Configuration changes we want to start.
+    pub pending: VecDeque<LocalRequest>,
+    /// Peer messages queued by a collision rule, processed after the current exchange.
+    pub queued: VecDeque<(u8, LlcMessage)>,
+    /// The TCP connection of the first contact, while its setup is not complete.
+    pub first_contact: Option<TcpId>,
+    /// Timers.
+    pub timers: TimerTable<LgrTimer, 4>,
+    /// The path MTU of our links.
+    pub mtu: QpMtu,
+    /// Link numbers deleted (a late DELETE LINK for them is a timing window, not an error).
+    pub deleted: BTreeSet<u8>,
+    /// A peer CONFIRM RKEY awaiting its CONTINUATION: (peer RMB index, tokens still to
+    /// come, the first message).
+    pub rkey_cont: Option<(usize, u8, smc_wire::llc::ConfirmRkey)>,
+}
+
+impl LinkGroup {
+    /// Active links, in link-number order.
+    pub fn active_links(&self) -> impl Iterator<Item = &Link> {
+        self.links.values().filter(|l| l.state == LinkState::Active)
+    }
+
+    /// The number of active links.
+    pub fn active_count(&self) -> usize {
+        self.active_links().count()
+    }
+
+    /// The link with endpoint id `id`.
+    pub fn link_by_id(&self, id: LinkId) -> Option<&Link> {
+        self.links.values().find(|l| l.id == id)
+    }
+
+    /// Next link number for a new link: the one after the last assigned that is free,
+    /// so numbers are not reused until the space 1..=255 is exhausted.
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.2
+    //# link numbers cannot be reused until the entire link numbering space has been
+    //# exhausted.
+    pub fn next_link_num(&mut self) -> Option<u8> {
+        let mut n = self.last_link_num;
+        for _ in 0..255 {
+            n = if n == 255 { 1 } else { n + 1 };
+            if !self.links.contains_key(&n) {
+                self.last_link_num = n;
+                return Some(n);
+            }
+        }
+        None
+    }
+
+    /// Whether a link between our `device` and the peer's `gid` would be parallel to an
+    /// existing link (same RNIC pair).
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.1
+    //# Parallel link: not allowed -- SMC-R links having the same physical RNIC at both hosts
+    pub fn would_be_parallel(&self, device: DeviceId, peer_gid: smc_wire::Gid) -> bool {
+        self.links
+            .values()
+            .any(|l| l.device == device && l.remote.is_some_and(|r| r.gid == peer_gid))
+    }
+
+    /// Symmetric links (asymmetric ones are not counted toward the maximum).
+    pub fn symmetric_count(&self) -> usize {
+        self.links.values().filter(|l| !l.asymmetric).count()
+    }
+
+    /// The peer RMB whose RToken on link `num` is `rkey`.
+    pub fn peer_rmb_index(&self, num: u8, rkey: u32) -> Option<usize> {
+        self.peer_rmbs
+            .iter()
+            .position(|r| r.tokens.get(&num).is_some_and(|t| t.rkey == rkey))
+    }
+
+    /// Our RMB whose RToken on link `num` is `rkey`.
+    pub fn local_rmb_by_rkey(&self, num: u8, rkey: u32) -> Option<RmbId> {
+        self.local_rmbs
+            .iter()
+            .find(|(_, r)| r.tokens.get(&num).is_some_and(|t| t.rkey == rkey))
+            .map(|(id, _)| *id)
+    }
+
+    /// The earliest deadline of the group and its links.
+    pub fn next_deadline(&self) -> Option<Timestamp> {
+        self.links
+            .values()
+            .filter_map(|l| l.timers.next_deadline())
+            .chain(self.timers.next_deadline())
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rmb_pool::RmbPoolConfig;
+
+    fn lgr() -> LinkGroup {
+        LinkGroup {
+            id: LgrId(1),
+            role: Role::Server,
+            peer_id: PeerId::default(),
+            max_links: 2,
+            links: BTreeMap::new(),
+            last_link_num: 0,
+            pool: RmbPool::new(RmbPoolConfig::default()).expect("pool"),
+            local_rmbs: BTreeMap::new(),
+            peer_rmbs: Vec::new(),
+            peer_rmbes: PeerRmbeRegistry::new(),
+            conns: BTreeSet::new(),
+            link_exchange: None,
+            rkey_exchange: None,
+            pending: VecDeque::new(),
+            queued: VecDeque::new(),
+            first_contact: None,
+            timers: TimerTable::new(),
+            mtu: QpMtu::MTU_1024,
+            deleted: BTreeSet::new(),
+            rkey_cont: None,
+        }
+    }
+
+    fn link(num: u8) -> Link {
+        Link {
+            id: LinkId(u32::from(num)),
+            num,
+            device: DeviceId(0),
+            local_qp: QpInfo {
+                qpn: smc_wire::U24::truncate(1),
+                psn: smc_wire::U24::truncate(1),
+            },
+            remote: None,
+            state: LinkState::Active,
+            local_user_id: 0,
+            peer_user_id: None,
+            asymmetric: false,
+            last_activity: Timestamp::ZERO,
+            test_link: None,
+            timers: TimerTable::new(),
+        }
+    }
+
+    #[test]
+    fn link_numbers_not_reused_until_exhausted() {
+        let mut g = lgr();
+        assert_eq!(g.next_link_num(), Some(1));
+        g.links.insert(1, link(1));
+        assert_eq!(g.next_link_num(), Some(2));
+        // Link 2 was deleted again: the next number is 3, not 2.
+        assert_eq!(g.next_link_num(), Some(3));
+        g.last_link_num = 255;
+        // Wraps, skipping the number in use.
+        assert_eq!(g.next_link_num(), Some(2));
+        for n in 1..=255u8 {
+            g.links.insert(n, link(n));
+        }
+        assert_eq!(g.next_link_num(), None);
+    }
+}
