@@ -21,7 +21,7 @@ use crate::rmbe::{RmbeLayout, RmbeRing};
 use crate::time::Timestamp;
 
 /// One of the two peers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Side {
     /// Host A.
     A,

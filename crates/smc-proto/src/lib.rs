@@ -25,6 +25,8 @@ pub mod timer;
 
 #[cfg(any(test, feature = "harness"))]
 pub mod harness;
+#[cfg(any(test, feature = "harness"))]
+pub mod lgr_harness;
 
 pub use conn::{ConnError, Connection, ConnectionConfig, Event, State};
 pub use rmbe::{Region, Regions, RmbeLayout, RmbeRing};

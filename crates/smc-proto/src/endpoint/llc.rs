@@ -218,6 +218,7 @@ impl Endpoint {
             LlcMessage::ConfirmLink(c) => {
                 if let Some(tcp) = g.first_contact {
                     if self.handshake_confirm_link(tcp, lgr, via, c, now) {
+                        self.llc_kick(lgr, res, now);
                         return;
                     }
                 }

@@ -1,0 +1,912 @@
+//! Deterministic two-endpoint harness: two [`Endpoint`]s, a fake TCP pipe per connection, a
+//! fake fabric with QPs carrying SENDs and RDMA WRITEs between the endpoints' RMB memory, a
+//! virtual clock and a bounded drive loop, and a message trace for flow-by-flow assertions.
+//!
+//! The fabric is FIFO with a fixed delay: each posted operation is delivered (SEND →
+//! [`Endpoint::handle_message`], RDMA WRITE → copied into the peer host's RMB memory after an
+//! rkey and bounds check) and then completed on the sender ([`Endpoint::handle_completion`]).
+//! [`EndpointPair::kill_link`] breaks a QP pair: what is still in flight on it is lost, every
+//! outstanding work request completes in error on both sides, and both endpoints get
+//! [`Endpoint::handle_link_failure`].
+//!
+//! Enabled by the `harness` feature (always on in this crate's tests).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+use std::time::Duration;
+
+use smc_wire::{ClcMessage, ControlMessage, Gid, LlcMessage, Mac, PeerId, QpMtu, U24};
+
+use crate::endpoint::{Endpoint, EndpointConfig, EndpointEvent, TcpId};
+use crate::fabric::{
+    Device, DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
+};
+use crate::harness::Side;
+use crate::rmb_pool::RmbId;
+use crate::time::Timestamp;
+
+/// Seeded xorshift generator: the harness's only source of "randomness".
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// A number in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// The fake fabric resources of one host: QP numbers, RMB memory and registrations.
+#[derive(Debug)]
+pub struct FakeResources {
+    rng: Rng,
+    next_qpn: u32,
+    next_rkey: u32,
+    next_vaddr: u64,
+    /// QP number of each link.
+    pub qps: BTreeMap<LinkId, QpInfo>,
+    /// RMB memory by (group, RMB).
+    pub memory: BTreeMap<(LgrId, RmbId), (u64, Vec<u8>)>,
+    /// rkey → (group, RMB, link).
+    pub mrs: BTreeMap<u32, (LgrId, RmbId, LinkId)>,
+    /// Fail the next QP creations (resource exhaustion knob).
+    pub fail_create_qp: usize,
+}
+
+impl FakeResources {
+    /// Resources whose identifiers come from `seed`; `base` separates the QPN/rkey spaces of
+    /// the two hosts (for readability of traces only).
+    pub fn new(seed: u64, base: u32) -> FakeResources {
+        FakeResources {
+            rng: Rng::new(seed),
+            next_qpn: base + 8,
+            next_rkey: base * 0x100 + 1,
+            next_vaddr: u64::from(base) << 32,
+            qps: BTreeMap::new(),
+            memory: BTreeMap::new(),
+            mrs: BTreeMap::new(),
+            fail_create_qp: 0,
+        }
+    }
+}
+
+impl Resources for FakeResources {
+    fn create_qp(&mut self, link: LinkId, _device: DeviceId) -> Result<QpInfo, ResourceError> {
+        if self.fail_create_qp > 0 {
+            self.fail_create_qp -= 1;
+            return Err(ResourceError("no QP"));
+        }
+        let qp = QpInfo {
+            qpn: U24::truncate(self.next_qpn),
+            psn: U24::truncate(self.rng.next_u64() as u32),
+        };
+        self.next_qpn += 1;
+        self.qps.insert(link, qp);
+        Ok(qp)
+    }
+
+    fn register_rmb(
+        &mut self,
+        lgr: LgrId,
+        rmb: RmbId,
+        len: u64,
+        link: LinkId,
+        _device: DeviceId,
+    ) -> Result<MrInfo, ResourceError> {
+        let next_vaddr = &mut self.next_vaddr;
+        let (vaddr, _) = self.memory.entry((lgr, rmb)).or_insert_with(|| {
+            let v = *next_vaddr;
+            *next_vaddr += len + 0x1000;
+            (v, vec![0u8; len as usize])
+        });
+        let rkey = self.next_rkey;
+        self.next_rkey += 1;
+        self.mrs.insert(rkey, (lgr, rmb, link));
+        Ok(MrInfo {
+            rkey,
+            vaddr: *vaddr,
+        })
+    }
+
+    fn random_u32(&mut self) -> u32 {
+        self.rng.next_u64() as u32
+    }
+}
+
+/// One simulated host.
+#[derive(Debug)]
+pub struct Host {
+    /// The endpoint under test.
+    pub ep: Endpoint,
+    /// Its fabric resources and RMB memory.
+    pub res: FakeResources,
+    /// Our QPs: link → (our QPN, peer QPN once connected, alive).
+    pub qps: BTreeMap<LinkId, (U24, Option<U24>, bool)>,
+    /// Every event, with its time.
+    pub events: Vec<(Timestamp, EndpointEvent)>,
+    /// Application bytes waiting to be sent, per connection.
+    pub tx: BTreeMap<TcpId, VecDeque<u8>>,
+    /// Application bytes read, per connection.
+    pub rx: BTreeMap<TcpId, Vec<u8>>,
+    /// Read whatever arrives at once.
+    pub auto_read: bool,
+    /// Connections established over SMC-R.
+    pub established: BTreeSet<TcpId>,
+    /// Outstanding work requests: id → link.
+    pub outstanding: BTreeMap<WrId, LinkId>,
+}
+
+impl Host {
+    fn new(config: EndpointConfig, seed: u64, base: u32) -> Host {
+        Host {
+            ep: Endpoint::new(config),
+            res: FakeResources::new(seed, base),
+            qps: BTreeMap::new(),
+            events: Vec::new(),
+            tx: BTreeMap::new(),
+            rx: BTreeMap::new(),
+            auto_read: true,
+            established: BTreeSet::new(),
+            outstanding: BTreeMap::new(),
+        }
+    }
+
+    /// Whether an event matching `f` was reported.
+    pub fn saw(&self, f: impl Fn(&EndpointEvent) -> bool) -> bool {
+        self.events.iter().any(|(_, e)| f(e))
+    }
+
+    /// The link id of link number `num` in the only (or first) link group.
+    pub fn link(&self, num: u8) -> Option<LinkId> {
+        self.ep
+            .link_groups()
+            .next()
+            .and_then(|g| g.links.get(&num))
+            .map(|l| l.id)
+    }
+}
+
+/// What travelled, for the trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Traced {
+    /// A CLC message on a TCP connection.
+    Clc(TcpId, ClcMessage),
+    /// Bytes on a TCP connection that are not a CLC message.
+    TcpData(TcpId, usize),
+    /// A TCP reset.
+    TcpRst(TcpId),
+    /// An LLC message on a link (the sender's link id).
+    Llc(LinkId, LlcMessage),
+    /// A CDC message on a link.
+    Cdc(LinkId, smc_wire::CdcMessage),
+    /// An RDMA WRITE of this many bytes.
+    Write(LinkId, usize),
+}
+
+/// One trace entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceEntry {
+    /// Post time.
+    pub at: Timestamp,
+    /// Sender.
+    pub from: Side,
+    /// What.
+    pub what: Traced,
+    /// Lost (dropped by a knob or on a killed link).
+    pub lost: bool,
+}
+
+impl fmt::Display for TraceEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dir = match self.from {
+            Side::A => "A->B",
+            Side::B => "B->A",
+        };
+        write!(f, "{dir} {}", describe(&self.what))?;
+        if self.lost {
+            write!(f, " (lost)")?;
+        }
+        Ok(())
+    }
+}
+
+/// A short description of a traced message, as the RFC figures name them.
+pub fn describe(t: &Traced) -> String {
+    match t {
+        Traced::Clc(_, m) => match m {
+            ClcMessage::Proposal(_) => "SMC Proposal".into(),
+            ClcMessage::Accept(a) if a.first_contact => "SMC Accept(first contact)".into(),
+            ClcMessage::Accept(_) => "SMC Accept".into(),
+            ClcMessage::Confirm(_) => "SMC Confirm".into(),
+            ClcMessage::Decline(d) => format!(
+                "SMC Decline({:#010x}{})",
+                d.diagnosis.0,
+                if d.out_of_sync { ", S" } else { "" }
+            ),
+        },
+        Traced::TcpData(_, n) => format!("TCP data {n}"),
+        Traced::TcpRst(_) => "TCP RST".into(),
+        Traced::Llc(_, m) => {
+            let kind = match m {
+                LlcMessage::ConfirmLink(c) => format!("CONFIRM LINK link={}", c.link_num),
+                LlcMessage::AddLink(a) if a.rejected => {
+                    format!("ADD LINK link={} rejected({})", a.link_num, a.reject_reason.0)
+                }
+                LlcMessage::AddLink(a) => format!("ADD LINK link={}", a.link_num),
+                LlcMessage::AddLinkCont(c) => format!(
+                    "ADD LINK CONTINUATION link={} pairs={}",
+                    c.link_num,
+                    c.valid_pairs().len()
+                ),
+                LlcMessage::DeleteLink(d) if d.all => "DELETE LINK all".into(),
+                LlcMessage::DeleteLink(d) => format!("DELETE LINK link={}", d.link_num),
+                LlcMessage::ConfirmRkey(c) if c.negative => "CONFIRM RKEY negative".into(),
+                LlcMessage::ConfirmRkey(c) => format!("CONFIRM RKEY others={}", c.num_tokens),
+                LlcMessage::ConfirmRkeyCont(_) => "CONFIRM RKEY CONTINUATION".into(),
+                LlcMessage::DeleteRkey(d) if d.negative => "DELETE RKEY negative".into(),
+                LlcMessage::DeleteRkey(d) => format!("DELETE RKEY count={}", d.count),
+                LlcMessage::TestLink(_) => "TEST LINK".into(),
+                LlcMessage::Optional { msg_type, .. } => format!("LLC optional {msg_type:#x}"),
+            };
+            if m.is_reply() {
+                format!("{kind} rsp")
+            } else {
+                kind
+            }
+        }
+        Traced::Cdc(_, c) if c.prod_flags.failover_validation => {
+            format!("CDC failover validation seq={}", c.seqno)
+        }
+        Traced::Cdc(_, c) => format!("CDC seq={}", c.seqno),
+        Traced::Write(_, n) => format!("RDMA WRITE {n}"),
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Item {
+    Tcp {
+        to: Side,
+        tcp: TcpId,
+        bytes: Vec<u8>,
+    },
+    Rst {
+        to: Side,
+        tcp: TcpId,
+    },
+    Send {
+        from: Side,
+        link: LinkId,
+        wr: WrId,
+        msg: [u8; smc_wire::MSG44_LEN],
+    },
+    Write {
+        from: Side,
+        link: LinkId,
+        wr: WrId,
+        rkey: u32,
+        addr: u64,
+        data: Vec<u8>,
+    },
+    Completion {
+        side: Side,
+        wr: WrId,
+        ok: bool,
+    },
+    LinkFailure {
+        side: Side,
+        link: LinkId,
+    },
+}
+
+/// A decision of the drop knob.
+pub type DropFn = Box<dyn FnMut(&TraceEntry) -> bool>;
+
+/// Knobs of the harness.
+pub struct Knobs {
+    /// One-way delay of every TCP segment and fabric operation.
+    pub delay: Duration,
+    /// Lose the messages for which this returns true (TCP bytes, SENDs, WRITEs).
+    pub drop: Option<DropFn>,
+    /// Carry a TCP RST to the peer when an endpoint resets a connection.
+    pub deliver_tcp_rst: bool,
+    /// Bound of the drive loop; exceeding it is a livelock and panics.
+    pub max_steps: usize,
+}
+
+impl fmt::Debug for Knobs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Knobs")
+            .field("delay", &self.delay)
+            .field("drop", &self.drop.is_some())
+            .field("deliver_tcp_rst", &self.deliver_tcp_rst)
+            .field("max_steps", &self.max_steps)
+            .finish()
+    }
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            delay: Duration::from_micros(10),
+            drop: None,
+            deliver_tcp_rst: true,
+            max_steps: 200_000,
+        }
+    }
+}
+
+/// Two endpoints joined by fake TCP and a fake fabric. Side A is the client of the
+/// connections opened with [`connect`](Self::connect), side B the server.
+#[derive(Debug)]
+pub struct EndpointPair {
+    /// Host A.
+    pub a: Host,
+    /// Host B.
+    pub b: Host,
+    /// Virtual time.
+    pub now: Timestamp,
+    /// Knobs.
+    pub knobs: Knobs,
+    queue: VecDeque<(Timestamp, Item)>,
+    /// Everything sent, in order.
+    pub trace: Vec<TraceEntry>,
+    /// Links killed by the test (both sides' ids).
+    pub dead: BTreeSet<(Side, LinkId)>,
+    /// Steps taken.
+    pub steps: usize,
+}
+
+/// A device on side `s` number `i`: distinct GIDs and MACs per side and device.
+pub fn device(s: Side, i: u8) -> Device {
+    let sb = match s {
+        Side::A => 0xA0,
+        Side::B => 0xB0,
+    };
+    let mut gid = [0u8; 16];
+    gid[0] = 0xfe;
+    gid[1] = 0x80;
+    gid[14] = sb;
+    gid[15] = i + 1;
+    Device {
+        gid: Gid(gid),
+        mac: Mac([0x02, 0, 0, 0, sb, i + 1]),
+        mtu: QpMtu::MTU_1024,
+    }
+}
+
+/// A configuration for side `s` with `devices` RNICs on the 10.0.0.0/24 subnet.
+pub fn config(s: Side, devices: u8) -> EndpointConfig {
+    let peer_id = PeerId {
+        instance: match s {
+            Side::A => 0x0A0A,
+            Side::B => 0x0B0B,
+        },
+        mac: device(s, 0).mac,
+    };
+    let mut c = EndpointConfig::new(peer_id, (0..devices).map(|i| device(s, i)).collect());
+    c.ipv4_subnets = vec![(std::net::Ipv4Addr::new(10, 0, 0, 0), 24)];
+    c
+}
+
+impl EndpointPair {
+    /// Two endpoints with the given configurations and a seed for their random identifiers.
+    pub fn new(a: EndpointConfig, b: EndpointConfig, seed: u64) -> EndpointPair {
+        EndpointPair {
+            a: Host::new(a, seed, 0x100),
+            b: Host::new(b, seed ^ 0x5555, 0x200),
+            now: Timestamp::ZERO,
+            knobs: Knobs::default(),
+            queue: VecDeque::new(),
+            trace: Vec::new(),
+            dead: BTreeSet::new(),
+            steps: 0,
+        }
+    }
+
+    /// Two endpoints with `a_devs` and `b_devs` RNICs each.
+    pub fn with_devices(a_devs: u8, b_devs: u8) -> EndpointPair {
+        Self::new(config(Side::A, a_devs), config(Side::B, b_devs), 1)
+    }
+
+    /// One host.
+    pub fn host(&self, s: Side) -> &Host {
+        match s {
+            Side::A => &self.a,
+            Side::B => &self.b,
+        }
+    }
+
+    /// One host, mutable.
+    pub fn host_mut(&mut self, s: Side) -> &mut Host {
+        match s {
+            Side::A => &mut self.a,
+            Side::B => &mut self.b,
+        }
+    }
+
+    /// Open TCP connection `tcp` from A (client) to B (server), both having negotiated the
+    /// SMC-R option, and start the CLC handshake.
+    pub fn connect(&mut self, tcp: TcpId) {
+        let now = self.now;
+        self.b.ep.accept(tcp, now).expect("accept");
+        self.a.ep.connect(tcp, now).expect("connect");
+        self.flush();
+    }
+
+    /// Run `f` on one endpoint with its resources, then collect its outputs.
+    pub fn act<R>(
+        &mut self,
+        s: Side,
+        f: impl FnOnce(&mut Endpoint, &mut FakeResources, Timestamp) -> R,
+    ) -> R {
+        let now = self.now;
+        let h = self.host_mut(s);
+        let r = f(&mut h.ep, &mut h.res, now);
+        self.flush();
+        r
+    }
+
+    /// Queue application bytes on `tcp` at side `s`.
+    pub fn app_send(&mut self, s: Side, tcp: TcpId, data: &[u8]) {
+        self.host_mut(s)
+            .tx
+            .entry(tcp)
+            .or_default()
+            .extend(data.iter().copied());
+        self.flush();
+    }
+
+    /// Inject raw TCP bytes to side `to` (as if the peer sent them).
+    pub fn inject_tcp(&mut self, to: Side, tcp: TcpId, bytes: Vec<u8>) {
+        let at = self.now + self.knobs.delay;
+        self.queue.push_back((at, Item::Tcp { to, tcp, bytes }));
+    }
+
+    /// Inject an LLC message to side `to`, as if it arrived on that side's link `link`.
+    pub fn inject_llc(&mut self, to: Side, link: LinkId, msg: LlcMessage) {
+        let now = self.now;
+        let h = self.host_mut(to);
+        h.ep.handle_message(link, &msg.to_bytes(), &mut h.res, now);
+        self.flush();
+    }
+
+    /// Collect every output of both endpoints and run the applications.
+    pub fn flush(&mut self) {
+        for _ in 0..64 {
+            let mut progress = false;
+            for s in [Side::A, Side::B] {
+                progress |= self.collect(s);
+                progress |= self.run_app(s);
+            }
+            if !progress {
+                break;
+            }
+        }
+    }
+
+    fn collect(&mut self, s: Side) -> bool {
+        let mut progress = false;
+        let now = self.now;
+        let delay = self.knobs.delay;
+        loop {
+            let h = self.host_mut(s);
+            let Some((tcp, bytes)) = h.ep.poll_tcp_transmit() else {
+                break;
+            };
+            progress = true;
+            let what = match ClcMessage::parse(&bytes) {
+                Ok((m, _)) => Traced::Clc(tcp, m),
+                Err(_) => Traced::TcpData(tcp, bytes.len()),
+            };
+            if self.record(s, what) {
+                self.queue.push_back((
+                    now + delay,
+                    Item::Tcp {
+                        to: s.other(),
+                        tcp,
+                        bytes,
+                    },
+                ));
+            }
+        }
+        loop {
+            let h = self.host_mut(s);
+            let Some(op) = h.ep.poll_fabric() else {
+                break;
+            };
+            progress = true;
+            self.fabric_op(s, op);
+        }
+        loop {
+            let h = self.host_mut(s);
+            let Some(e) = h.ep.poll_event() else {
+                break;
+            };
+            progress = true;
+            match &e {
+                EndpointEvent::Established { tcp, .. } => {
+                    h.established.insert(*tcp);
+                }
+                EndpointEvent::Reset { tcp, .. } => {
+                    h.established.remove(tcp);
+                    if self.knobs.deliver_tcp_rst {
+                        let tcp = *tcp;
+                        self.record(s, Traced::TcpRst(tcp));
+                        self.queue
+                            .push_back((now + delay, Item::Rst { to: s.other(), tcp }));
+                    }
+                }
+                EndpointEvent::Conn {
+                    tcp,
+                    event: crate::conn::Event::SendTcpReset,
+                } => {
+                    if self.knobs.deliver_tcp_rst {
+                        let tcp = *tcp;
+                        self.record(s, Traced::TcpRst(tcp));
+                        self.queue
+                            .push_back((now + delay, Item::Rst { to: s.other(), tcp }));
+                    }
+                }
+                EndpointEvent::Conn {
+                    tcp,
+                    event: crate::conn::Event::Closed,
+                } => {
+                    h.established.remove(tcp);
+                }
+                _ => {}
+            }
+            let h = self.host_mut(s);
+            h.events.push((now, e));
+        }
+        progress
+    }
+
+    /// Record a trace entry; returns false if the drop knob loses it.
+    fn record(&mut self, from: Side, what: Traced) -> bool {
+        let mut e = TraceEntry {
+            at: self.now,
+            from,
+            what,
+            lost: false,
+        };
+        if let Some(d) = self.knobs.drop.as_mut() {
+            e.lost = d(&e);
+        }
+        let keep = !e.lost;
+        self.trace.push(e);
+        keep
+    }
+
+    fn fabric_op(&mut self, s: Side, op: FabricOp) {
+        let at = self.now + self.knobs.delay;
+        match op {
+            FabricOp::ConnectQp { link, remote, .. } => {
+                let h = self.host_mut(s);
+                let qpn = h.res.qps.get(&link).map(|q| q.qpn).unwrap_or_default();
+                h.qps.insert(link, (qpn, Some(remote.qpn), true));
+            }
+            FabricOp::PostSend { link, wr, msg } => {
+                let what = match ControlMessage::parse(&msg) {
+                    Ok(ControlMessage::Cdc(c)) => Traced::Cdc(link, c),
+                    Ok(ControlMessage::Llc(m)) => Traced::Llc(link, m),
+                    Err(_) => Traced::Write(link, 0),
+                };
+                self.host_mut(s).outstanding.insert(wr, link);
+                if self.dead.contains(&(s, link)) || !self.record(s, what) {
+                    // Lost: the sender learns only by the completion error.
+                    self.queue.push_back((
+                        at,
+                        Item::Completion {
+                            side: s,
+                            wr,
+                            ok: false,
+                        },
+                    ));
+                    return;
+                }
+                self.queue.push_back((
+                    at,
+                    Item::Send {
+                        from: s,
+                        link,
+                        wr,
+                        msg,
+                    },
+                ));
+            }
+            FabricOp::RdmaWrite {
+                link,
+                wr,
+                rkey,
+                addr,
+                data,
+            } => {
+                self.host_mut(s).outstanding.insert(wr, link);
+                if self.dead.contains(&(s, link)) || !self.record(s, Traced::Write(link, data.len())) {
+                    self.queue.push_back((
+                        at,
+                        Item::Completion {
+                            side: s,
+                            wr,
+                            ok: false,
+                        },
+                    ));
+                    return;
+                }
+                self.queue.push_back((
+                    at,
+                    Item::Write {
+                        from: s,
+                        link,
+                        wr,
+                        rkey,
+                        addr,
+                        data,
+                    },
+                ));
+            }
+            FabricOp::DestroyQp { link } => {
+                let h = self.host_mut(s);
+                if let Some(q) = h.qps.get_mut(&link) {
+                    q.2 = false;
+                }
+            }
+            FabricOp::FreeRmb { lgr, rmb } => {
+                let h = self.host_mut(s);
+                h.res.memory.remove(&(lgr, rmb));
+                h.res.mrs.retain(|_, v| !(v.0 == lgr && v.1 == rmb));
+            }
+        }
+    }
+
+    /// The peer side's link connected to our `link`, if both QPs are alive and connected to
+    /// each other.
+    fn peer_link(&self, s: Side, link: LinkId) -> Option<LinkId> {
+        let (qpn, remote, alive) = *self.host(s).qps.get(&link)?;
+        if !alive || self.dead.contains(&(s, link)) {
+            return None;
+        }
+        let remote = remote?;
+        let peer = self.host(s.other());
+        peer.qps
+            .iter()
+            .find(|(_, (q, r, alive))| *q == remote && *r == Some(qpn) && *alive)
+            .map(|(l, _)| *l)
+            .filter(|l| !self.dead.contains(&(s.other(), *l)))
+    }
+
+    fn run_app(&mut self, s: Side) -> bool {
+        let now = self.now;
+        let mut progress = false;
+        let h = self.host_mut(s);
+        let conns: Vec<TcpId> = h.established.iter().copied().collect();
+        for tcp in conns {
+            let h = self.host_mut(s);
+            if let Some(q) = h.tx.get_mut(&tcp) {
+                if !q.is_empty() {
+                    let data: Vec<u8> = q.iter().copied().collect();
+                    if let Ok(n) = h.ep.send(tcp, &data, now) {
+                        if n > 0 {
+                            q.drain(..n);
+                            progress = true;
+                        }
+                    }
+                }
+            }
+            if h.auto_read {
+                if let Ok(t) = h.ep.read_target(tcp, now) {
+                    let total = t.regions.total();
+                    if total > 0 {
+                        let mut got = Vec::new();
+                        if let Some((_, mem)) = h.res.memory.get(&(t.lgr, t.rmb)) {
+                            for r in t.regions.iter() {
+                                let start = t.element_offset as usize + r.offset as usize;
+                                got.extend_from_slice(&mem[start..start + r.len as usize]);
+                            }
+                        }
+                        h.rx.entry(tcp).or_default().extend(got);
+                        let _ = h.ep.consumed(tcp, total, now);
+                        progress = true;
+                    }
+                }
+            }
+        }
+        progress
+    }
+
+    /// Deliver the next in-flight item (advancing the clock to it). Returns false when
+    /// nothing is in flight.
+    pub fn deliver_next(&mut self) -> bool {
+        let Some((at, item)) = self.queue.pop_front() else {
+            return false;
+        };
+        self.steps += 1;
+        assert!(
+            self.steps <= self.knobs.max_steps,
+            "livelock: more than {} steps",
+            self.knobs.max_steps
+        );
+        if at > self.now {
+            self.now = at;
+        }
+        let now = self.now;
+        let delay = self.knobs.delay;
+        match item {
+            Item::Tcp { to, tcp, bytes } => {
+                let h = self.host_mut(to);
+                h.ep.handle_tcp_data(tcp, &bytes, &mut h.res, now);
+            }
+            Item::Rst { to, tcp } => {
+                let h = self.host_mut(to);
+                h.ep.handle_tcp_reset(tcp, now);
+            }
+            Item::Send {
+                from,
+                link,
+                wr,
+                msg,
+            } => {
+                let ok = match self.peer_link(from, link) {
+                    Some(pl) => {
+                        let h = self.host_mut(from.other());
+                        h.ep.handle_message(pl, &msg, &mut h.res, now);
+                        true
+                    }
+                    None => false,
+                };
+                self.queue
+                    .push_back((now + delay, Item::Completion { side: from, wr, ok }));
+            }
+            Item::Write {
+                from,
+                link,
+                wr,
+                rkey,
+                addr,
+                data,
+            } => {
+                let ok = match self.peer_link(from, link) {
+                    Some(_) => {
+                        let h = self.host_mut(from.other());
+                        let (lgr, rmb, _) = *h.res.mrs.get(&rkey).expect("RDMA WRITE with an unknown rkey");
+                        let (vaddr, mem) = h.res.memory.get_mut(&(lgr, rmb)).expect("RMB memory");
+                        let off = addr.checked_sub(*vaddr).expect("address below the RMB") as usize;
+                        assert!(off + data.len() <= mem.len(), "RDMA WRITE past the RMB");
+                        mem[off..off + data.len()].copy_from_slice(&data);
+                        true
+                    }
+                    None => false,
+                };
+                self.queue
+                    .push_back((now + delay, Item::Completion { side: from, wr, ok }));
+            }
+            Item::Completion { side, wr, ok } => {
+                let h = self.host_mut(side);
+                if h.outstanding.remove(&wr).is_some() {
+                    h.ep.handle_completion(wr, ok, &mut h.res, now);
+                }
+            }
+            Item::LinkFailure { side, link } => {
+                let h = self.host_mut(side);
+                h.ep.handle_link_failure(link, &mut h.res, now);
+            }
+        }
+        self.flush();
+        true
+    }
+
+    /// Deliver everything in flight (no timers fire).
+    pub fn run(&mut self) {
+        self.flush();
+        while self.deliver_next() {}
+    }
+
+    /// The earliest timer deadline of both endpoints.
+    pub fn next_deadline(&self) -> Option<Timestamp> {
+        [self.a.ep.poll_timeout(), self.b.ep.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Deliver everything and fire timers up to `now + d`, jumping the clock from deadline
+    /// to deadline.
+    pub fn run_for(&mut self, d: Duration) {
+        let end = self.now + d;
+        loop {
+            self.run();
+            match self.next_deadline() {
+                Some(t) if t <= end => {
+                    self.steps += 1;
+                    assert!(self.steps <= self.knobs.max_steps, "livelock in timers");
+                    if t > self.now {
+                        self.now = t;
+                    }
+                    let now = self.now;
+                    for s in [Side::A, Side::B] {
+                        let h = self.host_mut(s);
+                        h.ep.handle_timeout(&mut h.res, now);
+                    }
+                    self.flush();
+                }
+                _ => break,
+            }
+        }
+        if end > self.now {
+            self.now = end;
+        }
+    }
+
+    /// Break the QP pair of side `s`'s link `link`: what is in flight on it is lost,
+    /// outstanding work requests complete in error, both sides see a link failure.
+    pub fn kill_link(&mut self, s: Side, link: LinkId) {
+        let peer = self.peer_link(s, link);
+        self.dead.insert((s, link));
+        if let Some(pl) = peer {
+            self.dead.insert((s.other(), pl));
+        }
+        let dead = self.dead.clone();
+        let now = self.now;
+        let mut lost = Vec::new();
+        self.queue.retain(|(_, item)| match item {
+            Item::Send { from, link, wr, .. } | Item::Write { from, link, wr, .. }
+                if dead.contains(&(*from, *link)) =>
+            {
+                lost.push((*from, *wr));
+                false
+            }
+            _ => true,
+        });
+        for (side, wr) in lost {
+            self.queue.push_back((
+                now,
+                Item::Completion {
+                    side,
+                    wr,
+                    ok: false,
+                },
+            ));
+        }
+        self.queue.push_back((now, Item::LinkFailure { side: s, link }));
+        if let Some(pl) = peer {
+            self.queue.push_back((
+                now,
+                Item::LinkFailure {
+                    side: s.other(),
+                    link: pl,
+                },
+            ));
+        }
+    }
+
+    /// The trace as text lines, optionally only LLC and CLC (no CDC or WRITE).
+    pub fn flow(&self, control_only: bool) -> Vec<String> {
+        self.trace
+            .iter()
+            .filter(|e| {
+                !control_only
+                    || matches!(
+                        e.what,
+                        Traced::Clc(..) | Traced::Llc(..) | Traced::TcpRst(_)
+                    )
+            })
+            .filter(|e| !matches!(e.what, Traced::Llc(_, LlcMessage::TestLink(_))) || !control_only)
+            .map(|e| e.to_string())
+            .collect()
+    }
+}
