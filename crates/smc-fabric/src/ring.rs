@@ -207,13 +207,11 @@ impl Consumer {
 }
 
 /// Slots in a mapped shared-memory region.
-#[cfg(not(loom))]
 pub(crate) struct RawSlots {
     base: *mut u8,
     capacity: usize,
 }
 
-#[cfg(not(loom))]
 impl RawSlots {
     /// # Safety
     /// `base` must point to `capacity * SLOT_SIZE` bytes that stay mapped (readable and
@@ -223,7 +221,6 @@ impl RawSlots {
     }
 }
 
-#[cfg(not(loom))]
 impl SlotMem for RawSlots {
     fn write_slot(&self, idx: usize, src: &[u8; SLOT_SIZE]) {
         if idx >= self.capacity {
@@ -377,7 +374,13 @@ mod loom_tests {
     /// pops them, sleeping when empty. Loom explores all interleavings: a lost doorbell shows up
     /// as a deadlock, a missing Release/Acquire as a data race on a slot cell or wrong payload.
     fn model(cap: u32, n: u8) {
-        loom::model(move || {
+        let mut builder = loom::model::Builder::new();
+        // Bounded preemption keeps the exhaustive search to seconds; lost wake-ups and missing
+        // fences need at most two preemptions to show up. `LOOM_MAX_PREEMPTIONS` overrides.
+        if builder.preemption_bound.is_none() {
+            builder.preemption_bound = Some(3);
+        }
+        builder.check(move || {
             let shared = Arc::new(Shared {
                 hdr: RingHeader::new(),
                 slots: LoomSlots {
