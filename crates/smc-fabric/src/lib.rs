@@ -86,6 +86,7 @@
 //! - Benchmarks: `cargo bench -p smc-fabric --bench fabric`.
 
 #![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
 pub mod config;
 mod error;

@@ -1,5 +1,5 @@
 //! Helpers shared by the integration tests.
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(dead_code, missing_docs, clippy::unwrap_used)]
 
 use smc_fabric::*;
 use std::path::PathBuf;
