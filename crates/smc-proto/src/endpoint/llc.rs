@@ -151,6 +151,39 @@ impl Endpoint {
         Ok(())
     }
 
+    /// A new RNIC became available. The server retries adding links to its groups at once
+    /// (App. C.8); the client tells each server with an ADD LINK request.
+    pub fn add_device(
+        &mut self,
+        device: crate::fabric::Device,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) -> DeviceId {
+        self.config.devices.push(device);
+        let id = DeviceId((self.config.devices.len() - 1) as u8);
+        let groups: Vec<(LgrId, Role)> = self.lgrs.values().map(|g| (g.id, g.role)).collect();
+        for (lgr, role) in groups {
+            match role {
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.8
+                //# A new RNIC becomes available to the server, on the same LAN as the SMC-R
+                //# link group.
+                Role::Server => {
+                    if let Some(g) = self.lgrs.get_mut(&lgr) {
+                        if g.symmetric_count() < usize::from(g.max_links) {
+                            g.timers.stop(LgrTimer::AddLinkRetry);
+                            g.pending.push_back(LocalRequest::AddLink);
+                        }
+                    }
+                    self.llc_kick(lgr, res, now);
+                }
+                Role::Client => {
+                    let _ = self.request_add_link(lgr, res, now);
+                }
+            }
+        }
+        id
+    }
+
     /// Delete link `num` of `lgr` (operator command): the server runs a DELETE LINK exchange;
     /// the client asks the server with a DELETE LINK request.
     pub fn request_delete_link(

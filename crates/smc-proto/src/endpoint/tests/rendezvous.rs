@@ -32,3 +32,243 @@ fn fig8_fig9_first_contact_with_second_link() {
         assert_eq!(g.active_count(), 2);
     }
 }
+
+/// Data flows both ways, byte-exact, once established.
+#[test]
+fn data_both_ways_after_first_contact() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let a: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let b: Vec<u8> = (0..70_000u32).map(|i| (i % 241) as u8).collect();
+    p.app_send(Side::A, T1, &a);
+    p.app_send(Side::B, T1, &b);
+    p.run();
+    assert_eq!(p.b.rx.get(&T1).map(Vec::len), Some(a.len()));
+    assert_eq!(p.b.rx[&T1], a);
+    assert_eq!(p.a.rx[&T1], b);
+}
+
+/// A single RNIC on each side: the server's ADD LINK is rejected (no alternate path) and the
+/// group continues with one link; the C.8 retry timer is armed.
+#[test]
+fn single_rnic_each_side_second_link_rejected() {
+    let mut p = EndpointPair::with_devices(1, 1);
+    p.connect(T1);
+    p.run();
+    assert_eq!(
+        p.flow(true)[5..],
+        [
+            "B->A ADD LINK link=2",
+            "A->B ADD LINK link=2 rejected(1) rsp",
+        ]
+    );
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    let g = p.b.ep.link_groups().next().expect("group");
+    assert_eq!(g.active_count(), 1);
+    assert!(g.timers.is_set(crate::link_group::LgrTimer::AddLinkRetry));
+}
+
+/// Client with two RNICs, server with one: the second link is asymmetric (Fig. 6).
+#[test]
+fn asymmetric_second_link_when_server_has_one_rnic() {
+    let mut p = EndpointPair::with_devices(2, 1);
+    p.connect(T1);
+    p.run();
+    let g = p.b.ep.link_groups().next().expect("group");
+    assert_eq!(g.active_count(), 2);
+    assert!(g.links.get(&2).is_some_and(|l| l.asymmetric));
+    let ga = p.a.ep.link_groups().next().expect("group");
+    assert!(ga.links.get(&2).is_some_and(|l| l.asymmetric));
+    // At most one asymmetric link: a retry does not add another.
+    p.run_for(std::time::Duration::from_secs(60));
+    let g = p.b.ep.link_groups().next().expect("group");
+    assert_eq!(g.links.len(), 2);
+}
+
+/// Server with two RNICs, client with one: asymmetric the other way.
+#[test]
+fn asymmetric_second_link_when_client_has_one_rnic() {
+    let mut p = EndpointPair::with_devices(1, 2);
+    p.connect(T1);
+    p.run();
+    let g = p.b.ep.link_groups().next().expect("group");
+    assert_eq!(g.active_count(), 2);
+    assert!(g.links.get(&2).is_some_and(|l| l.asymmetric));
+}
+
+/// Subsequent contact: the existing link group is reused; only the three CLC messages flow
+/// (§3.5.2.2), and data flows on both connections.
+#[test]
+fn subsequent_contact_reuses_link_group() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let before = p.trace.len();
+    p.connect(TcpId(2));
+    p.run();
+    let flow: Vec<String> = p.trace[before..]
+        .iter()
+        .filter(|e| matches!(e.what, crate::lgr_harness::Traced::Clc(..) | crate::lgr_harness::Traced::Llc(..)))
+        .map(|e| e.to_string())
+        .collect();
+    assert_eq!(flow, ["A->B SMC Proposal", "B->A SMC Accept", "A->B SMC Confirm"]);
+    assert!(established(&p, Side::A, TcpId(2)) && established(&p, Side::B, TcpId(2)));
+    assert_eq!(p.a.ep.link_groups().count(), 1);
+    assert_eq!(p.b.ep.link_groups().count(), 1);
+    // The two connections use different links on the server (spread, §2.3).
+    let l1 = p.b.ep.connection_link(T1).map(|x| x.1);
+    let l2 = p.b.ep.connection_link(TcpId(2)).map(|x| x.1);
+    assert_ne!(l1, l2);
+    p.app_send(Side::A, TcpId(2), b"second");
+    p.app_send(Side::B, T1, b"first");
+    p.run();
+    assert_eq!(p.b.rx[&TcpId(2)], b"second");
+    assert_eq!(p.a.rx[&T1], b"first");
+}
+
+/// Fig. 13: the client needs a new RMB on a subsequent contact: CONFIRM RKEY before Confirm.
+#[test]
+fn fig13_client_adds_rmb_during_setup() {
+    let mut a = crate::lgr_harness::config(Side::A, 2);
+    a.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let b = crate::lgr_harness::config(Side::B, 2);
+    let mut p = EndpointPair::new(a, b, 7);
+    p.connect(T1);
+    p.run();
+    let before = p.trace.len();
+    p.connect(TcpId(2));
+    p.run();
+    let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
+    assert_eq!(
+        flow,
+        [
+            "A->B SMC Proposal",
+            "B->A SMC Accept",
+            "A->B CONFIRM RKEY others=1",
+            "B->A CONFIRM RKEY others=1 rsp",
+            "A->B SMC Confirm",
+        ]
+    );
+    assert!(established(&p, Side::B, TcpId(2)));
+    p.app_send(Side::B, TcpId(2), b"into the new RMB");
+    p.run();
+    assert_eq!(p.a.rx[&TcpId(2)], b"into the new RMB");
+}
+
+/// Fig. 12: the server adds an RMB to the existing group (before its Accept).
+#[test]
+fn fig12_server_adds_rmb() {
+    let a = crate::lgr_harness::config(Side::A, 2);
+    let mut b = crate::lgr_harness::config(Side::B, 2);
+    b.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let mut p = EndpointPair::new(a, b, 7);
+    p.connect(T1);
+    p.run();
+    let before = p.trace.len();
+    p.connect(TcpId(2));
+    p.run();
+    let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
+    assert_eq!(
+        flow,
+        [
+            "A->B SMC Proposal",
+            "B->A CONFIRM RKEY others=1",
+            "A->B CONFIRM RKEY others=1 rsp",
+            "B->A SMC Accept",
+            "A->B SMC Confirm",
+        ]
+    );
+    p.app_send(Side::A, TcpId(2), b"into the server's new RMB");
+    p.run();
+    assert_eq!(p.b.rx[&TcpId(2)], b"into the server's new RMB");
+}
+
+/// Fig. 14: an RMB no connection uses is deleted with DELETE RKEY.
+#[test]
+fn fig14_delete_rmb() {
+    let mut a = crate::lgr_harness::config(Side::A, 2);
+    a.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let b = crate::lgr_harness::config(Side::B, 2);
+    let mut p = EndpointPair::new(a, b, 7);
+    p.connect(T1);
+    p.run();
+    p.connect(TcpId(2));
+    p.run();
+    p.act(Side::A, |ep, _, now| ep.close(TcpId(2), now)).expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(TcpId(2), now)).expect("close");
+    p.run();
+    assert!(p.a.ep.connection(TcpId(2)).is_none());
+    let before = p.trace.len();
+    let lgr = p.a.ep.link_groups().next().map(|g| g.id).expect("group");
+    let n = p.act(Side::A, |ep, res, now| ep.delete_unused_rmbs(lgr, res, now));
+    assert_eq!(n, 1);
+    p.run();
+    let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
+    assert_eq!(flow, ["A->B DELETE RKEY count=1", "B->A DELETE RKEY count=1 rsp"]);
+    assert_eq!(p.a.ep.link_group(lgr).map(|g| g.local_rmbs.len()), Some(1));
+    let gb = p.b.ep.link_groups().next().expect("group");
+    assert_eq!(gb.peer_rmbs.iter().filter(|r| !r.tokens.is_empty()).count(), 1);
+    // T1 still works.
+    p.app_send(Side::B, T1, b"still here");
+    p.run();
+    assert_eq!(p.a.rx[&T1], b"still here");
+}
+
+/// Fig. 15: a link is added to a group with several RMBs on each side (3 on the server, 4 on
+/// the client): the RToken pairs travel in ADD LINK CONTINUATIONs, two per message.
+#[test]
+fn fig15_rtoken_pairs_when_link_added() {
+    let mut a = crate::lgr_harness::config(Side::A, 1);
+    a.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let mut b = crate::lgr_harness::config(Side::B, 1);
+    b.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let mut p = EndpointPair::new(a, b, 9);
+    for t in 1..=4 {
+        p.connect(TcpId(t));
+        p.run();
+    }
+    // Free one server RMB: the server has 3 RMBs in use, the client 4.
+    p.act(Side::A, |ep, _, now| ep.close(TcpId(4), now)).expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(TcpId(4), now)).expect("close");
+    p.run();
+    let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
+    p.act(Side::B, |ep, res, now| ep.delete_unused_rmbs(lgr, res, now));
+    p.run();
+    assert_eq!(p.b.ep.link_group(lgr).map(|g| g.local_rmbs.len()), Some(3));
+    assert_eq!(p.a.ep.link_groups().next().map(|g| g.local_rmbs.len()), Some(4));
+    let before = p.trace.len();
+    // The client gets a second RNIC and tells the server (ADD LINK request, an "FYI"); the
+    // server, with one RNIC, adds an (asymmetric) link and exchanges RToken pairs.
+    p.act(Side::A, |ep, res, now| ep.add_device(crate::lgr_harness::device(Side::A, 1), res, now));
+    p.run();
+    let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
+    assert_eq!(
+        flow,
+        [
+            "A->B ADD LINK link=0",
+            // Link number 2 went to the rejected first attempt: not reused (§2.2.2).
+            "B->A ADD LINK link=3",
+            "A->B ADD LINK link=3 rsp",
+            "B->A ADD LINK CONTINUATION link=3 pairs=2",
+            "A->B ADD LINK CONTINUATION link=3 pairs=2 rsp",
+            "B->A ADD LINK CONTINUATION link=3 pairs=1",
+            "A->B ADD LINK CONTINUATION link=3 pairs=2 rsp",
+            "B->A CONFIRM LINK link=3",
+            "A->B CONFIRM LINK link=3 rsp",
+        ]
+    );
+    for s in [Side::A, Side::B] {
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!(g.active_count(), 2);
+        assert!(g.peer_rmbs.iter().filter(|r| !r.tokens.is_empty()).all(|r| r.tokens.contains_key(&3)));
+        assert!(g.local_rmbs.values().all(|r| r.tokens.contains_key(&3)));
+    }
+    // A new server RNIC: the server tries again, the client has no RNIC left and one
+    // asymmetric link already: rejected (no parallel link, one asymmetric at most).
+    let before = p.trace.len();
+    p.act(Side::B, |ep, res, now| ep.add_device(crate::lgr_harness::device(Side::B, 1), res, now));
+    p.run();
+    let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
+    assert_eq!(flow, ["B->A ADD LINK link=4", "A->B ADD LINK link=4 rejected(1) rsp"]);
+}
