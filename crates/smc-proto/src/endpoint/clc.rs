@@ -290,9 +290,7 @@ impl Endpoint {
     pub fn handle_tcp_reset(&mut self, tcp: TcpId, now: Timestamp) {
         match self.entries.get_mut(&tcp) {
             Some(Entry::Setup(_)) => {
-                if let Some(Entry::Setup(h)) = self.entries.remove(&tcp) {
-                    self.cleanup_setup(tcp, &h, now);
-                }
+                self.setup_reset(tcp, ResetReason::PeerReset, now);
             }
             Some(Entry::Smc(c)) => {
                 c.conn.handle_tcp_reset(now);
@@ -1093,20 +1091,6 @@ impl Endpoint {
     }
 
     fn peer_declined(&mut self, tcp: TcpId, d: &Decline, now: Timestamp) {
-        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-A.2.5
-        //# the receiver of this Decline message must perform cleanup of any link group
-        //# with the sender
-        if d.out_of_sync {
-            let groups: Vec<LgrId> = self
-                .lgrs
-                .values()
-                .filter(|g| g.peer_id == d.peer_id && g.first_contact != Some(tcp))
-                .map(|g| g.id)
-                .collect();
-            for g in groups {
-                self.terminate_group(g, smc_wire::llc::DeleteLinkReason::PROTOCOL_VIOLATION, false, now);
-            }
-        }
         self.fall_back(
             tcp,
             Fallback::PeerDeclined {
@@ -1115,6 +1099,25 @@ impl Endpoint {
             },
             now,
         );
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-A.2.5
+        //# Indicates that the link group is out of sync and the receiving peer must clean up
+        //# its representation of the link group.
+        if d.out_of_sync {
+            let groups: Vec<LgrId> = self
+                .lgrs
+                .values()
+                .filter(|g| g.peer_id == d.peer_id)
+                .map(|g| g.id)
+                .collect();
+            for g in groups {
+                self.terminate_group(
+                    g,
+                    smc_wire::llc::DeleteLinkReason::PROTOCOL_VIOLATION,
+                    false,
+                    now,
+                );
+            }
+        }
     }
 
     fn fall_back(&mut self, tcp: TcpId, reason: Fallback, now: Timestamp) {

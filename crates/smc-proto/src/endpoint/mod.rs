@@ -134,6 +134,9 @@ pub enum ResetReason {
     /// §4.4.2: the peer presented an RMBE that is in use.
     #[error("RMB element conflict")]
     RmbeConflict,
+    /// The peer reset the TCP connection during setup.
+    #[error("TCP connection reset by the peer")]
+    PeerReset,
     /// The established connection failed.
     #[error("connection failed: {0}")]
     Connection(ConnError),
