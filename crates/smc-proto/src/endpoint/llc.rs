@@ -62,6 +62,9 @@ impl Endpoint {
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
+        if let Some(ops) = self.deferred.remove(&wr) {
+            self.fabric_out.extend(ops);
+        }
         let Some(purpose) = self.wrs.remove(&wr) else {
             return;
         };
@@ -1197,7 +1200,12 @@ impl Endpoint {
                 //= https://www.rfc-editor.org/rfc/rfc7609#section-2.3
                 //# While the client can notify the server of an apparent link failure with the
                 //# DELETE LINK LLC command, the server performs the actual link deletion.
-                if g.links.contains_key(&d.link_num) || g.deleted.contains(&d.link_num) {
+                if g.deleted.contains(&d.link_num) {
+                    //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                    //# If the link is in the process of being cleaned up, assume timing window
+                    //# and ignore message.
+                    self.stats.llc_discarded += 1;
+                } else if g.links.contains_key(&d.link_num) {
                     g.pending.push_front(LocalRequest::DeleteLink {
                         link: d.link_num,
                         orderly: d.orderly,
@@ -1805,6 +1813,7 @@ impl Endpoint {
         };
         let via = g.active_links().next().map(|l| l.num);
         let orderly = g.conns.is_empty();
+        let mut notice = None;
         if notify {
             if let Some(via) = via {
                 //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.3
@@ -1818,7 +1827,7 @@ impl Endpoint {
                     link_num: 0,
                     reason,
                 });
-                self.post_llc(lgr, via, msg, None, now);
+                notice = self.post_llc(lgr, via, msg, None, now);
             }
         }
         let conns: Vec<_> = self
@@ -1836,7 +1845,15 @@ impl Endpoint {
                 None => {}
             }
         }
+        let queued = self.fabric_out.len();
         self.destroy_link_group(lgr, now);
+        if let Some(wr) = notice {
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+            //# LLC message: DELETE LINK from server (scope: entire link group) Timer waits
+            //# for: Confirmation from the adapter that the message was delivered.
+            let ops: Vec<FabricOp> = self.fabric_out.drain(queued..).collect();
+            self.deferred.insert(wr, ops);
+        }
         self.events
             .push_back(EndpointEvent::LinkGroupTerminated { lgr });
     }

@@ -354,6 +354,9 @@ pub struct Endpoint {
     /// Link id → (group, link number).
     links: BTreeMap<LinkId, (LgrId, u8)>,
     wrs: BTreeMap<WrId, WrPurpose>,
+    /// Fabric operations held until a work request completes (QPs of a terminated group are
+    /// destroyed once its DELETE LINK has been delivered, App. C.7).
+    deferred: BTreeMap<WrId, Vec<FabricOp>>,
     next_lgr: u32,
     next_link: u32,
     next_wr: u64,
@@ -394,6 +397,7 @@ impl Endpoint {
             alerts: BTreeMap::new(),
             links: BTreeMap::new(),
             wrs: BTreeMap::new(),
+            deferred: BTreeMap::new(),
             next_lgr: 1,
             next_link: 1,
             next_wr: 1,
@@ -546,10 +550,8 @@ impl Endpoint {
         msg: LlcMessage,
         confirm_for: Option<TcpId>,
         now: Timestamp,
-    ) {
-        let Some(link) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
-            return;
-        };
+    ) -> Option<WrId> {
+        let link = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num))?;
         link.last_activity = now;
         let id = link.id;
         tracing::trace!(?lgr, num, ?msg, "post LLC");
@@ -563,6 +565,7 @@ impl Endpoint {
             wr,
             msg: msg.to_bytes(),
         });
+        Some(wr)
     }
 
     fn send_clc(&mut self, tcp: TcpId, msg: &smc_wire::ClcMessage) {

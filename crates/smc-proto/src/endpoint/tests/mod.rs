@@ -1,5 +1,6 @@
 //! Endpoint tests, all in the deterministic two-endpoint harness ([`crate::lgr_harness`]).
 
+mod failover;
 mod fallback;
 mod rendezvous;
 

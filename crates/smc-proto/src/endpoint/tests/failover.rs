@@ -1,0 +1,272 @@
+//! Failover (§2.3, §4.6), DELETE LINK, keepalive (§4.5.3).
+
+use std::time::Duration;
+
+use super::*;
+use crate::conn::{AbortReason, ConnError};
+use crate::lgr_harness::{config, Rng, Traced};
+
+fn pattern(len: usize, salt: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt)).collect()
+}
+
+/// Two links, data both ways, link 1 killed after `kill_at` delivered items. Returns the pair.
+fn run_failover(seed: u64, kill_at: usize, bytes: usize) -> EndpointPair {
+    let mut p = EndpointPair::new(config(Side::A, 2), config(Side::B, 2), seed);
+    p.connect(T1);
+    p.run();
+    p.connect(TcpId(2));
+    p.run();
+    assert!(established(&p, Side::A, T1) && established(&p, Side::A, TcpId(2)));
+    let a = pattern(bytes, 1);
+    let b = pattern(bytes, 2);
+    for t in [T1, TcpId(2)] {
+        p.app_send(Side::A, t, &a);
+        p.app_send(Side::B, t, &b);
+    }
+    for _ in 0..kill_at {
+        if !p.deliver_next() {
+            break;
+        }
+    }
+    let victim = if seed % 2 == 0 { Side::A } else { Side::B };
+    if let Some(l1) = p.host(victim).link(1) {
+        p.kill_link(victim, l1);
+    }
+    p.run_for(Duration::from_secs(5));
+    for t in [T1, TcpId(2)] {
+        assert_eq!(p.b.rx.get(&t).map(Vec::len), Some(a.len()), "seed {seed} kill_at {kill_at} {t:?} A->B");
+        assert!(p.b.rx[&t] == a, "seed {seed} kill_at {kill_at}: A->B bytes differ");
+        assert_eq!(p.a.rx.get(&t).map(Vec::len), Some(b.len()), "seed {seed} kill_at {kill_at} {t:?} B->A");
+        assert!(p.a.rx[&t] == b, "seed {seed} kill_at {kill_at}: B->A bytes differ");
+    }
+    p
+}
+
+/// The flow of a failover: validation CDC with F flag on the surviving link, replay, DELETE
+/// LINK from the server, and data keeps flowing.
+#[test]
+fn failover_moves_connections_and_replays() {
+    let p = run_failover(3, 40, 60_000);
+    assert!(p.trace.iter().any(|e| matches!(&e.what, Traced::Cdc(_, c) if c.prod_flags.failover_validation)));
+    let flow = p.flow(true);
+    assert!(flow.iter().any(|l| l == "B->A DELETE LINK link=1"), "{flow:#?}");
+    for s in [Side::A, Side::B] {
+        assert!(p.host(s).ep.stats().failovers > 0 || p.host(s).ep.connection_link(T1).is_some());
+        assert!(p.host(s).saw(|e| matches!(e, EndpointEvent::LinkDown { num: 1, .. })));
+    }
+}
+
+/// 1000 seeded runs when `SMC_FAILOVER_RUNS` says so (default 60 in debug for time): link 1
+/// dies at a random point; every byte arrives exactly once and in order, both ways.
+#[test]
+fn failover_seeded_runs_deliver_exactly_once_in_order() {
+    let runs: u64 = std::env::var("SMC_FAILOVER_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
+    let mut rng = Rng::new(0xF00D);
+    for seed in 0..runs {
+        let kill_at = rng.below(400) as usize;
+        run_failover(seed, kill_at, 40_000);
+    }
+}
+
+/// One link only: when it dies every connection is reset with a clear error.
+#[test]
+fn last_link_failure_resets_connections() {
+    let mut p = EndpointPair::with_devices(1, 1);
+    p.connect(T1);
+    p.run();
+    p.app_send(Side::A, T1, &pattern(50_000, 3));
+    for _ in 0..10 {
+        p.deliver_next();
+    }
+    let l1 = p.a.link(1).expect("link");
+    p.kill_link(Side::A, l1);
+    p.run();
+    for s in [Side::A, Side::B] {
+        assert!(p.host(s).saw(|e| matches!(
+            e,
+            EndpointEvent::Conn {
+                event: crate::conn::Event::Failed(ConnError::Reset(AbortReason::LinkGroupLost)),
+                ..
+            }
+        )));
+        assert!(p.host(s).saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
+        assert_eq!(p.host(s).ep.link_groups().count(), 0);
+    }
+}
+
+/// §4.6.1: a validation CDC whose sequence number is above SR resets the connection.
+#[test]
+fn validation_above_sr_resets() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let c = p.b.ep.connection(T1).expect("conn");
+    let token = c.config().local_alert_token;
+    let sr = c.sequence_received().unwrap_or(0);
+    let forged = smc_wire::CdcMessage {
+        seqno: sr.wrapping_add(5),
+        alert_token: token,
+        producer: Default::default(),
+        consumer: Default::default(),
+        prod_flags: smc_wire::ProducerFlags {
+            failover_validation: true,
+            ..Default::default()
+        },
+        conn_flags: Default::default(),
+    };
+    let l2 = p.b.link(2).expect("link 2");
+    let now = p.now;
+    p.b.ep.handle_message(l2, &forged.to_bytes(), &mut p.b.res, now);
+    p.flush();
+    assert!(p.b.saw(|e| matches!(
+        e,
+        EndpointEvent::Conn {
+            event: crate::conn::Event::Failed(ConnError::Reset(AbortReason::FailoverDataLoss)),
+            ..
+        }
+    )));
+}
+
+/// Server-initiated DELETE LINK of one link (orderly): connections move, the link goes.
+#[test]
+fn server_deletes_one_link_orderly() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
+    let before = p.trace.len();
+    p.act(Side::B, |ep, res, now| ep.request_delete_link(lgr, 1, true, res, now))
+        .expect("delete");
+    p.run();
+    let flow: Vec<String> = p.trace[before..]
+        .iter()
+        .filter(|e| matches!(e.what, Traced::Llc(..)))
+        .map(|e| e.to_string())
+        .collect();
+    assert_eq!(flow, ["B->A DELETE LINK link=1", "A->B DELETE LINK link=1 rsp"]);
+    for s in [Side::A, Side::B] {
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!(g.links.keys().copied().collect::<Vec<_>>(), [2]);
+    }
+    p.app_send(Side::A, T1, b"after delete");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"after delete");
+}
+
+/// Client-initiated DELETE LINK (Fig. 11): the client asks, the server deletes.
+#[test]
+fn client_requests_delete_link() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let lgr = p.a.ep.link_groups().next().map(|g| g.id).expect("group");
+    let before = p.trace.len();
+    p.act(Side::A, |ep, res, now| ep.request_delete_link(lgr, 2, true, res, now))
+        .expect("delete");
+    p.run();
+    let flow: Vec<String> = p.trace[before..]
+        .iter()
+        .filter(|e| matches!(e.what, Traced::Llc(..)))
+        .map(|e| e.to_string())
+        .collect();
+    assert_eq!(
+        flow,
+        [
+            "A->B DELETE LINK link=2",
+            "B->A DELETE LINK link=2",
+            "A->B DELETE LINK link=2 rsp",
+        ]
+    );
+}
+
+/// DELETE LINK for the whole group (operator): every connection is reset on both sides.
+#[test]
+fn delete_all_links_terminates_group() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
+    p.act(Side::B, |ep, _, now| ep.terminate_link_group(lgr, now));
+    p.run();
+    assert_eq!(p.flow(true).iter().filter(|l| l.contains("DELETE LINK all")).count(), 1);
+    for s in [Side::A, Side::B] {
+        assert_eq!(p.host(s).ep.link_groups().count(), 0);
+        assert!(p.host(s).saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
+    }
+}
+
+/// Keepalive: an idle link gets a TEST LINK; the reply keeps it up.
+#[test]
+fn keepalive_test_link_on_idle_link() {
+    let mut a = config(Side::A, 1);
+    a.keepalive = Some(Duration::from_secs(5));
+    let mut p = EndpointPair::new(a, config(Side::B, 1), 1);
+    p.connect(T1);
+    p.run();
+    p.run_for(Duration::from_secs(6));
+    let flow = p.flow(false);
+    assert!(flow.contains(&"A->B TEST LINK".to_string()), "{flow:#?}");
+    assert!(flow.contains(&"B->A TEST LINK rsp".to_string()));
+    assert!(p.a.ep.link_groups().next().is_some_and(|g| g.active_count() == 1));
+}
+
+/// Keepalive: no TEST LINK reply → the link failed → failover to the other link.
+#[test]
+fn keepalive_no_reply_fails_over() {
+    let mut a = config(Side::A, 2);
+    a.keepalive = Some(Duration::from_secs(5));
+    let mut p = EndpointPair::new(a, config(Side::B, 2), 1);
+    p.connect(T1);
+    p.run();
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply)
+    }));
+    p.run_for(Duration::from_secs(8));
+    p.knobs.drop = None;
+    p.run();
+    assert!(p.a.saw(|e| matches!(e, EndpointEvent::LinkDown { .. })));
+    p.app_send(Side::A, T1, b"still alive");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"still alive");
+}
+
+/// Keepalive on the last link: no reply → every connection is reset.
+#[test]
+fn keepalive_no_reply_on_last_link_resets() {
+    let mut a = config(Side::A, 1);
+    a.keepalive = Some(Duration::from_secs(5));
+    let mut p = EndpointPair::new(a, config(Side::B, 1), 1);
+    p.knobs.deliver_tcp_rst = false;
+    p.connect(T1);
+    p.run();
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply)
+    }));
+    p.run_for(Duration::from_secs(8));
+    assert!(p.a.saw(|e| matches!(
+        e,
+        EndpointEvent::Conn {
+            event: crate::conn::Event::Failed(ConnError::Reset(AbortReason::LinkGroupLost)),
+            ..
+        }
+    )));
+}
+
+/// The server terminates a link group that stayed without connections for the idle time.
+#[test]
+fn idle_link_group_terminated_by_server() {
+    let mut p = EndpointPair::with_devices(1, 1);
+    p.connect(T1);
+    p.run();
+    p.act(Side::A, |ep, _, now| ep.close(T1, now)).expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(T1, now)).expect("close");
+    p.run();
+    p.run_for(Duration::from_secs(601));
+    assert!(p.flow(true).contains(&"B->A DELETE LINK all".to_string()));
+    assert_eq!(p.a.ep.link_groups().count(), 0);
+    assert_eq!(p.b.ep.link_groups().count(), 0);
+}
