@@ -321,10 +321,9 @@ impl Endpoint {
                 off += len;
             }
         }
-        let replay = !writes.is_empty();
-        if replay {
-            c.conn.failover_resend();
-        }
+        // Always one fresh CDC: besides the replayed bytes it re-announces our consumer
+        // cursor and flags, whose last CDC may have been lost with the link.
+        c.conn.failover_resend();
         let wr = self.new_wr(WrPurpose::Cdc {
             tcp,
             link,

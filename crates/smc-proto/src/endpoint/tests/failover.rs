@@ -57,18 +57,20 @@ fn failover_moves_connections_and_replays() {
     }
 }
 
-/// 1000 seeded runs when `SMC_FAILOVER_RUNS` says so (default 60 in debug for time): link 1
-/// dies at a random point; every byte arrives exactly once and in order, both ways.
+/// 1000 seeded runs (override with `SMC_FAILOVER_RUNS`): link 1 dies at a random point, seen
+/// first by a random side; every byte arrives exactly once and in order, both ways, on both
+/// connections.
 #[test]
 fn failover_seeded_runs_deliver_exactly_once_in_order() {
     let runs: u64 = std::env::var("SMC_FAILOVER_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(60);
+        .unwrap_or(1000);
     let mut rng = Rng::new(0xF00D);
     for seed in 0..runs {
-        let kill_at = rng.below(400) as usize;
-        run_failover(seed, kill_at, 40_000);
+        let kill_at = rng.below(600) as usize;
+        let bytes = 20_000 + rng.below(40_000) as usize;
+        run_failover(seed, kill_at, bytes);
     }
 }
 
