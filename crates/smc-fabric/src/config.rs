@@ -3,7 +3,9 @@
 //! Environment variables (read by [`FabricConfig::from_env`]):
 //! - `SMC_FABRIC_DIR`: fabric directory (default `$XDG_RUNTIME_DIR/smc-fabric`, else
 //!   `/tmp/smc-fabric-<uid>`);
-//! - `SMC_FABRIC_DEVICES`: comma-separated device names (default `shm0,shm1`);
+//! - `SMC_FABRIC_DEVICES`: comma-separated devices (default `shm0,shm1`), each a name optionally
+//!   followed by `=` and `+`-separated netdevs and IP addresses it serves, e.g.
+//!   `shm0=lo+127.0.0.1,shm1=eth1+10.0.0.2`;
 //! - `SMC_FABRIC_FAULTS`: comma-separated faults applied when a device is opened:
 //!   `shm1:down` (port starts down) or `shm0:fail=N` (the next N send-queue work requests
 //!   complete with [`crate::WcStatus::RetryExceeded`]).
@@ -87,12 +89,7 @@ impl FabricConfig {
             cfg.dir = PathBuf::from(dir);
         }
         if let Ok(devs) = std::env::var("SMC_FABRIC_DEVICES") {
-            cfg.devices = devs
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(DeviceConfig::named)
-                .collect();
+            cfg.devices = parse_devices(&devs)?;
         }
         if let Ok(faults) = std::env::var("SMC_FABRIC_FAULTS") {
             cfg.faults = parse_faults(&faults)?;
@@ -123,6 +120,26 @@ impl FabricConfig {
             .find(|(_, d)| d.name == name)
             .ok_or_else(|| FabricError::NoSuchDevice(name.to_owned()))
     }
+}
+
+/// Parse a `SMC_FABRIC_DEVICES` value such as `shm0=lo+127.0.0.1,shm1`.
+pub fn parse_devices(s: &str) -> Result<Vec<DeviceConfig>> {
+    let mut out = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, serves) = item.split_once('=').unwrap_or((item, ""));
+        if name.is_empty() || name.contains('/') || name.len() > 32 {
+            return Err(FabricError::InvalidArgument("device name"));
+        }
+        let mut dev = DeviceConfig::named(name);
+        for tok in serves.split('+').filter(|t| !t.is_empty()) {
+            match tok.parse::<IpAddr>() {
+                Ok(a) => dev.addresses.push(a),
+                Err(_) => dev.netdevs.push(tok.to_owned()),
+            }
+        }
+        out.push(dev);
+    }
+    Ok(out)
 }
 
 /// Parse a `SMC_FABRIC_FAULTS` value such as `shm1:down,shm0:fail=3`.
@@ -164,5 +181,18 @@ mod tests {
         assert!(parse_faults("shm0").is_err());
         assert!(parse_faults("shm0:fail=x").is_err());
         assert!(parse_faults("shm0:boom").is_err());
+    }
+
+    #[test]
+    fn devices_parse() {
+        let d = parse_devices("shm0=lo+127.0.0.1, shm1").expect("valid");
+        assert_eq!(d[0].name, "shm0");
+        assert_eq!(d[0].netdevs, vec!["lo".to_owned()]);
+        assert_eq!(
+            d[0].addresses,
+            vec!["127.0.0.1".parse::<IpAddr>().expect("ip")]
+        );
+        assert_eq!(d[1], DeviceConfig::named("shm1"));
+        assert!(parse_devices("../x").is_err());
     }
 }

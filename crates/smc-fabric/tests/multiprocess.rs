@@ -3,7 +3,7 @@
 //! runs over the child's stdin/stdout.
 //!
 //! Scenarios run sequentially in one test so that fd, mapping and thread counts are exact.
-//! `SMC_FABRIC_STRESS_MESSAGES` sets the WRITE-then-SEND stress count (default 20 000).
+//! `SMC_FABRIC_STRESS_MESSAGES` sets the WRITE-then-SEND stress count (default 100 000).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -183,12 +183,15 @@ fn stress(dir: &std::path::Path) {
     let count: u64 = std::env::var("SMC_FABRIC_STRESS_MESSAGES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20_000);
+        .unwrap_or(100_000);
     let cfg = FabricConfig::with_dir(dir, 1);
     let me = Side::new(&cfg, "shm0", 4096);
     me.post_all_rx();
     let mut peer = Peer::spawn("stress-recv", dir, count);
     let (rkey, addr) = peer.connect(&me);
+    // Our RMB, receive area, receive ring and the peer's ring are mapped (the leak check below
+    // would notice any left behind).
+    assert!(fabric_map_count() >= 4);
     let mut payload = vec![0u8; RMB_SLOT];
     let mut credits = 0u64;
     let mut wcs = [WorkCompletion::EMPTY; 32];
@@ -366,6 +369,8 @@ fn multiprocess() {
     violation(&dir, |rkey, addr| (rkey ^ 0x77, addr, 1));
     std::thread::sleep(Duration::from_millis(100));
     let (fds, maps, tasks) = (fd_count(), map_count(), task_count());
+    assert_eq!(fabric_map_count(), 0);
+    let maps_before = std::fs::read_to_string("/proc/self/maps").unwrap();
 
     stress(&dir);
     // rkey violation.
@@ -384,7 +389,13 @@ fn multiprocess() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(fd_count(), fds, "fd leak");
-    assert_eq!(map_count(), maps, "mapping leak");
+    let maps_after = std::fs::read_to_string("/proc/self/maps").unwrap();
+    assert_eq!(fabric_map_count(), 0, "fabric mapping leak");
+    assert_eq!(
+        map_count(),
+        maps,
+        "mapping leak:\nBEFORE\n{maps_before}\nAFTER\n{maps_after}"
+    );
     assert_eq!(task_count(), tasks, "thread leak");
     let leftover: Vec<_> = std::fs::read_dir(dir.join("shm0"))
         .unwrap()

@@ -214,7 +214,8 @@ fn handle_request(
             if fds.len() != 1 {
                 return Err(FabricError::PeerViolation("hello without doorbell fd"));
             }
-            let peer_bell = fds.pop().ok_or(FabricError::PeerViolation("hello fd"))?;
+            let peer_bell =
+                mem::make_peer_bell(fds.pop().ok_or(FabricError::PeerViolation("hello fd"))?)?;
             if !core.port_up.load(Ordering::Acquire) {
                 refuse(conn, wire::REFUSE_STATE)?;
                 return Err(FabricError::PortDown);

@@ -99,6 +99,16 @@ pub(crate) fn new_eventfd() -> Result<OwnedFd> {
         .map_err(|e| FabricError::os("eventfd", e))
 }
 
+/// Make a doorbell fd received from a peer non-blocking, so that ringing it can never stall
+/// our data path even if the peer passed a pipe or socket instead of an eventfd.
+pub(crate) fn make_peer_bell(fd: OwnedFd) -> Result<OwnedFd> {
+    let fl =
+        rustix::fs::fcntl_getfl(&fd).map_err(|_| FabricError::PeerViolation("bad doorbell fd"))?;
+    rustix::fs::fcntl_setfl(&fd, fl | rustix::fs::OFlags::NONBLOCK)
+        .map_err(|_| FabricError::PeerViolation("bad doorbell fd"))?;
+    Ok(fd)
+}
+
 /// Add one to an eventfd counter (a doorbell). Errors (counter saturated, fd gone) are ignored:
 /// a saturated counter is already readable.
 pub(crate) fn ring_eventfd(fd: BorrowedFd<'_>) {

@@ -19,3 +19,116 @@ pub(crate) use cq::CqShared;
 pub(crate) use device::DeviceHandle;
 pub(crate) use mr::MrInner;
 pub(crate) use qp::QpShared;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::FabricConfig;
+    use crate::types::{
+        AccessFlags, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, Sge, WcStatus, WorkCompletion,
+    };
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    struct End {
+        qp: Arc<QpShared>,
+        cq: Arc<CqShared>,
+        _rx: Arc<MrInner>,
+    }
+
+    fn end(dev: &Arc<DeviceHandle>) -> End {
+        let cq = CqShared::new(dev.clone()).expect("cq");
+        let pd = dev.core.alloc_pd();
+        let qp = QpShared::create(dev.clone(), pd, cq.clone(), cq.clone(), QpCaps::default())
+            .expect("qp");
+        let rx = MrInner::register(&dev.core, pd, 4096, AccessFlags::LOCAL_WRITE).expect("mr");
+        qp.to_init().expect("init");
+        for i in 0..8u64 {
+            let sge = Sge {
+                addr: rx.vaddr() + i * 64,
+                length: 64,
+                lkey: rx.key,
+            };
+            qp.post_recv(&RecvWr { wr_id: i, sge }).expect("recv");
+        }
+        End { qp, cq, _rx: rx }
+    }
+
+    fn remote(e: &End) -> RemoteQpInfo {
+        let l = e.qp.local_info();
+        RemoteQpInfo {
+            gid: l.gid,
+            qp_num: l.qp_num,
+            psn: l.psn,
+            mtu: l.mtu,
+        }
+    }
+
+    /// A peer that scribbles over our receive ring (indices, slot lengths) breaks only the QP:
+    /// it enters the error state and flushes, nothing panics or reads out of bounds.
+    #[test]
+    fn scribbled_ring_fails_the_qp_only() {
+        let dir = std::env::temp_dir().join(format!("smcf-unit-{}", std::process::id()));
+        let cfg = FabricConfig::with_dir(&dir, 1);
+        for scribble in 0..3 {
+            let dev = DeviceHandle::open(&cfg, "shm0").expect("open");
+            let (a, b) = (end(&dev), end(&dev));
+            a.qp.to_rtr(remote(&b)).expect("rtr");
+            b.qp.to_rtr(remote(&a)).expect("rtr");
+            a.qp.to_rts().expect("rts");
+            b.qp.to_rts().expect("rts");
+            a.qp.post_send(&SendWr::Send {
+                wr_id: 1,
+                data: b"hi",
+                signaled: false,
+            })
+            .expect("send");
+            let hdr = b.qp.inbound_header();
+            match scribble {
+                0 => hdr.tail.store(u64::MAX / 3, Ordering::Release),
+                1 => {
+                    // Slot 0 length field beyond the slot.
+                    // SAFETY: slot 0 lies inside b's ring mapping, which outlives this write.
+                    unsafe {
+                        let p = b.qp.inbound_ptr().add(crate::ring::HEADER_SIZE);
+                        std::ptr::write_unaligned(p.cast::<u32>(), 1000);
+                    }
+                }
+                _ => {
+                    // Let b consume "hi" first (its consumer publishes head), then scribble.
+                    let mut w = [WorkCompletion::EMPTY; 1];
+                    while b.cq.poll(&mut w) == 0 {
+                        std::thread::yield_now();
+                    }
+                    assert_eq!(w[0].status, WcStatus::Success);
+                    hdr.head.store(12345, Ordering::Release);
+                }
+            }
+            let mut wcs = [WorkCompletion::EMPTY; 16];
+            let mut seen = Vec::new();
+            for _ in 0..100 {
+                let n = b.cq.poll(&mut wcs);
+                seen.extend_from_slice(&wcs[..n]);
+                let n = a.cq.poll(&mut wcs);
+                seen.extend_from_slice(&wcs[..n]);
+                if scribble == 2 {
+                    // A scribbled head is noticed by the producer at its next SEND.
+                    let _ = a.qp.post_send(&SendWr::Send {
+                        wr_id: 2,
+                        data: b"x",
+                        signaled: true,
+                    });
+                }
+                if seen.iter().any(|w| w.status == WcStatus::WrFlushError) {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            let failed = if scribble == 2 { &a.qp } else { &b.qp };
+            assert_eq!(failed.state(), QpState::Error, "scribble {scribble}");
+            assert!(seen.iter().any(|w| w.status == WcStatus::WrFlushError));
+            a.qp.destroy();
+            b.qp.destroy();
+        }
+    }
+}

@@ -273,6 +273,12 @@ impl QpShared {
         unsafe { &*(self.inbound.ptr() as *const RingHeader) }
     }
 
+    /// Start of our receive-ring mapping (tests scribble over it like a hostile peer).
+    #[cfg(test)]
+    pub(crate) fn inbound_ptr(&self) -> *mut u8 {
+        self.inbound.ptr()
+    }
+
     fn inbound_slots(&self) -> RawSlots {
         // SAFETY: the slot area of our ring mapping, which lives as long as `self`.
         unsafe {
@@ -392,7 +398,8 @@ impl QpShared {
         if capacity == 0 || capacity > MAX_RING_CAP || fds.len() != 2 {
             return Err(FabricError::PeerViolation("bad hello reply"));
         }
-        let rx_bell = fds.pop().ok_or(FabricError::PeerViolation("hello fds"))?;
+        let rx_bell =
+            mem::make_peer_bell(fds.pop().ok_or(FabricError::PeerViolation("hello fds"))?)?;
         let ring_fd = fds.pop().ok_or(FabricError::PeerViolation("hello fds"))?;
         let len = ring_bytes(capacity);
         mem::validate_peer_memfd(ring_fd.as_fd(), len)?;
@@ -935,6 +942,9 @@ impl QpShared {
             return;
         }
         tracing::debug!(qp = self.qpn, reason, "QP entered error state");
+        // The event is queued before any flush completion becomes visible.
+        self.core()
+            .push_event(crate::types::DeviceEvent::QpFatal { qp_num: self.qpn });
         {
             let mut r = lock(&self.recv);
             let mut wcs = Vec::new();
@@ -966,8 +976,6 @@ impl QpShared {
             self.has_pending.store(false, Ordering::Release);
             self.send_cq.push_all(wcs);
         }
-        self.core()
-            .push_event(crate::types::DeviceEvent::QpFatal { qp_num: self.qpn });
         self.core().wake_control();
     }
 
