@@ -245,7 +245,10 @@ pub fn describe(t: &Traced) -> String {
             let kind = match m {
                 LlcMessage::ConfirmLink(c) => format!("CONFIRM LINK link={}", c.link_num),
                 LlcMessage::AddLink(a) if a.rejected => {
-                    format!("ADD LINK link={} rejected({})", a.link_num, a.reject_reason.0)
+                    format!(
+                        "ADD LINK link={} rejected({})",
+                        a.link_num, a.reject_reason.0
+                    )
                 }
                 LlcMessage::AddLink(a) => format!("ADD LINK link={}", a.link_num),
                 LlcMessage::AddLinkCont(c) => format!(
@@ -503,6 +506,7 @@ impl EndpointPair {
         let mut progress = false;
         let now = self.now;
         let delay = self.knobs.delay;
+        let deliver_rst = self.knobs.deliver_tcp_rst;
         loop {
             let h = self.host_mut(s);
             let Some((tcp, bytes)) = h.ep.poll_tcp_transmit() else {
@@ -542,25 +546,19 @@ impl EndpointPair {
                 EndpointEvent::Established { tcp, .. } => {
                     h.established.insert(*tcp);
                 }
-                EndpointEvent::Reset { tcp, .. } => {
-                    h.established.remove(tcp);
-                    if self.knobs.deliver_tcp_rst {
-                        let tcp = *tcp;
-                        self.record(s, Traced::TcpRst(tcp));
-                        self.queue
-                            .push_back((now + delay, Item::Rst { to: s.other(), tcp }));
-                    }
-                }
-                EndpointEvent::Conn {
+                EndpointEvent::Reset { tcp, .. }
+                | EndpointEvent::Conn {
                     tcp,
                     event: crate::conn::Event::SendTcpReset,
-                } => {
-                    if self.knobs.deliver_tcp_rst {
-                        let tcp = *tcp;
-                        self.record(s, Traced::TcpRst(tcp));
-                        self.queue
-                            .push_back((now + delay, Item::Rst { to: s.other(), tcp }));
-                    }
+                } if deliver_rst => {
+                    h.established.remove(tcp);
+                    let tcp = *tcp;
+                    self.record(s, Traced::TcpRst(tcp));
+                    self.queue
+                        .push_back((now + delay, Item::Rst { to: s.other(), tcp }));
+                }
+                EndpointEvent::Reset { tcp, .. } => {
+                    h.established.remove(tcp);
                 }
                 EndpointEvent::Conn {
                     tcp,
@@ -637,7 +635,9 @@ impl EndpointPair {
                 data,
             } => {
                 self.host_mut(s).outstanding.insert(wr, link);
-                if self.dead.contains(&(s, link)) || !self.record(s, Traced::Write(link, data.len())) {
+                if self.dead.contains(&(s, link))
+                    || !self.record(s, Traced::Write(link, data.len()))
+                {
                     self.queue.push_back((
                         at,
                         Item::Completion {
@@ -783,7 +783,11 @@ impl EndpointPair {
                 let ok = match self.peer_link(from, link) {
                     Some(_) => {
                         let h = self.host_mut(from.other());
-                        let (lgr, rmb, _) = *h.res.mrs.get(&rkey).expect("RDMA WRITE with an unknown rkey");
+                        let (lgr, rmb, _) = *h
+                            .res
+                            .mrs
+                            .get(&rkey)
+                            .expect("RDMA WRITE with an unknown rkey");
                         let (vaddr, mem) = h.res.memory.get_mut(&(lgr, rmb)).expect("RMB memory");
                         let off = addr.checked_sub(*vaddr).expect("address below the RMB") as usize;
                         assert!(off + data.len() <= mem.len(), "RDMA WRITE past the RMB");
@@ -882,7 +886,8 @@ impl EndpointPair {
                 },
             ));
         }
-        self.queue.push_back((now, Item::LinkFailure { side: s, link }));
+        self.queue
+            .push_back((now, Item::LinkFailure { side: s, link }));
         if let Some(pl) = peer {
             self.queue.push_back((
                 now,

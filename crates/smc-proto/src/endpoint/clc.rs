@@ -13,8 +13,8 @@ use std::net::Ipv4Addr;
 use smc_wire::clc::Ipv6Prefix;
 use smc_wire::llc::ConfirmLink;
 use smc_wire::{
-    AcceptConfirm, CdcMessage, ClcHeader, ClcMessage, Decline, DeclineCode, ErrorClass,
-    LlcMessage, Proposal, QpMtu,
+    AcceptConfirm, CdcMessage, ClcHeader, ClcMessage, Decline, DeclineCode, ErrorClass, LlcMessage,
+    Proposal, QpMtu,
 };
 
 use super::{
@@ -23,7 +23,7 @@ use super::{
 };
 use crate::conn::{Connection, ConnectionConfig};
 use crate::fabric::{DeviceId, FabricOp, LgrId, RemoteQp, Resources};
-use crate::link_group::{Link, LinkGroup, LinkState, LocalRmb, LocalRequest, PeerRmb, Role};
+use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, PeerRmb, Role};
 use crate::rmb_pool::{PeerRmbeKey, PeerRmbeRegistry, RmbPool};
 use crate::rmbe::RmbeLayout;
 use crate::time::Timestamp;
@@ -163,11 +163,7 @@ impl Handshake {
 /// length equal one of ours, or one of its IPv6 prefixes equals one of ours.
 //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
 //# The server verifies that the client's subnet (IPv4) or prefix (IPv6) matches
-pub fn subnet_matches(
-    proposal: &Proposal,
-    ipv4: &[(Ipv4Addr, u8)],
-    ipv6: &[Ipv6Prefix],
-) -> bool {
+pub fn subnet_matches(proposal: &Proposal, ipv4: &[(Ipv4Addr, u8)], ipv6: &[Ipv6Prefix]) -> bool {
     let v4 = proposal.ipv4_prefix_len > 0
         && ipv4.iter().any(|(net, len)| {
             *len == proposal.ipv4_prefix_len
@@ -567,7 +563,11 @@ impl Endpoint {
         let g = self.lgrs.get(&setup.lgr)?;
         let l = g.links.get(&link)?;
         let dev = self.device(l.device)?;
-        let token = g.local_rmbs.get(&setup.alloc.handle.rmb)?.tokens.get(&link)?;
+        let token = g
+            .local_rmbs
+            .get(&setup.alloc.handle.rmb)?
+            .tokens
+            .get(&link)?;
         Some(AcceptConfirm {
             version: 1,
             first_contact,
@@ -657,7 +657,10 @@ impl Endpoint {
         };
         let client_link = g
             .active_links()
-            .find(|l| l.remote.is_some_and(|r| r.qpn == c.qp_num && r.gid == c.gid))
+            .find(|l| {
+                l.remote
+                    .is_some_and(|r| r.qpn == c.qp_num && r.gid == c.gid)
+            })
             .map(|l| l.num);
         let Some(client_link) = client_link else {
             // No Decline after Accept (C.1): break the TCP connection.
@@ -849,7 +852,8 @@ impl Endpoint {
             .iter()
             .filter_map(|(t, e)| match e {
                 Entry::Setup(h) => match &h.state {
-                    HsState::ClientAwaitRkey { setup, .. } | HsState::ServerAwaitRkey { setup, .. }
+                    HsState::ClientAwaitRkey { setup, .. }
+                    | HsState::ServerAwaitRkey { setup, .. }
                         if setup.lgr == lgr && setup.alloc.handle.rmb == rmb =>
                     {
                         Some(*t)
@@ -971,10 +975,7 @@ impl Endpoint {
                 true
             }
             HsState::ExpectConfirmLinkReply {
-                setup,
-                peer,
-                link,
-                ..
+                setup, peer, link, ..
             } if m.reply && via == link => {
                 if m.sender_qp != peer.qp_num || m.sender_gid != peer.gid || m.link_num != link {
                     self.decline(tcp, DeclineCode::CNFERR, false, now);
@@ -1084,7 +1085,13 @@ impl Endpoint {
     // ----- Outcomes ------------------------------------------------------------------------
 
     /// Send a Decline (in lieu of the message we expect) and fall back to TCP.
-    pub(super) fn decline(&mut self, tcp: TcpId, code: DeclineCode, out_of_sync: bool, now: Timestamp) {
+    pub(super) fn decline(
+        &mut self,
+        tcp: TcpId,
+        code: DeclineCode,
+        out_of_sync: bool,
+        now: Timestamp,
+    ) {
         let d = Decline::new(self.config.peer_id, code, out_of_sync);
         self.send_clc(tcp, &ClcMessage::Decline(d));
         self.fall_back(tcp, Fallback::Declined(code), now);
@@ -1179,7 +1186,12 @@ impl Endpoint {
     }
 
     /// A handshake's timer fired.
-    pub(super) fn handshake_timeout(&mut self, tcp: TcpId, _res: &mut dyn Resources, now: Timestamp) {
+    pub(super) fn handshake_timeout(
+        &mut self,
+        tcp: TcpId,
+        _res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
         let Some(Entry::Setup(h)) = self.entries.get(&tcp) else {
             return;
         };
@@ -1363,7 +1375,8 @@ impl Endpoint {
                 return;
             }
         };
-        let first_contact = matches!(self.entries.get(&tcp), Some(Entry::Setup(h)) if h.is_first_contact());
+        let first_contact =
+            matches!(self.entries.get(&tcp), Some(Entry::Setup(h)) if h.is_first_contact());
         let unacked_from = conn.producer_cursor();
         self.entries.insert(
             tcp,
@@ -1428,10 +1441,7 @@ fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
 }
 
 /// The active link with the fewest established connections sending on it.
-pub(super) fn least_loaded_link(
-    g: &LinkGroup,
-    entries: &BTreeMap<TcpId, Entry>,
-) -> Option<u8> {
+pub(super) fn least_loaded_link(g: &LinkGroup, entries: &BTreeMap<TcpId, Entry>) -> Option<u8> {
     g.active_links()
         .map(|l| {
             let n = entries

@@ -97,7 +97,13 @@ impl Endpoint {
 
     /// A CDC's SEND completed: SS moves to its sequence number (§4.6.1) and the bytes it
     /// describes need no replay any more.
-    pub(super) fn cdc_completed(&mut self, tcp: TcpId, link: crate::fabric::LinkId, seq: u16, prod: Cursor) {
+    pub(super) fn cdc_completed(
+        &mut self,
+        tcp: TcpId,
+        link: crate::fabric::LinkId,
+        seq: u16,
+        prod: Cursor,
+    ) {
         let links = &self.links;
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
             return;
@@ -116,12 +122,19 @@ impl Endpoint {
 
     /// Send application bytes: as many as fit in the peer's RMBE now are RDMA-written (see
     /// [`FabricOp::RdmaWrite`]) and announced by a CDC. Returns how many were taken.
-    pub fn send(&mut self, tcp: TcpId, data: &[u8], now: Timestamp) -> Result<usize, EndpointError> {
+    pub fn send(
+        &mut self,
+        tcp: TcpId,
+        data: &[u8],
+        now: Timestamp,
+    ) -> Result<usize, EndpointError> {
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
             return Err(self.not_established(tcp));
         };
         let regions = c.conn.write_regions();
-        let n = regions.total().min(u32::try_from(data.len()).unwrap_or(u32::MAX));
+        let n = regions
+            .total()
+            .min(u32::try_from(data.len()).unwrap_or(u32::MAX));
         if n == 0 {
             c.conn.set_send_backlog(data.len() as u64, now);
             self.after_conn(tcp, now);

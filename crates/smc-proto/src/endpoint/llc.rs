@@ -12,8 +12,8 @@ use smc_wire::{ControlMessage, ErrorClass, LlcMessage, QpMtu};
 use super::{Endpoint, EndpointError, EndpointEvent, Entry, ResetReason, WrPurpose};
 use crate::fabric::{DeviceId, FabricOp, LgrId, LinkId, MrInfo, RemoteQp, Resources, WrId};
 use crate::link_group::{
-    ClientAddStep, LgrTimer, Link, LinkExchange, LinkState, LinkTimer, LocalRequest,
-    RkeyExchange, Role, ServerAddStep,
+    ClientAddStep, LgrTimer, Link, LinkExchange, LinkState, LinkTimer, LocalRequest, RkeyExchange,
+    Role, ServerAddStep,
 };
 use crate::rmb_pool::RmbId;
 use crate::time::Timestamp;
@@ -117,7 +117,10 @@ impl Endpoint {
         now: Timestamp,
     ) -> Result<(), EndpointError> {
         let devices = self.config.devices.clone();
-        let g = self.lgrs.get_mut(&lgr).ok_or(EndpointError::UnknownConnection)?;
+        let g = self
+            .lgrs
+            .get_mut(&lgr)
+            .ok_or(EndpointError::UnknownConnection)?;
         match g.role {
             Role::Server => {
                 g.pending.push_back(LocalRequest::AddLink);
@@ -197,7 +200,10 @@ impl Endpoint {
         res: &mut dyn Resources,
         now: Timestamp,
     ) -> Result<(), EndpointError> {
-        let g = self.lgrs.get_mut(&lgr).ok_or(EndpointError::UnknownConnection)?;
+        let g = self
+            .lgrs
+            .get_mut(&lgr)
+            .ok_or(EndpointError::UnknownConnection)?;
         let reason = DeleteLinkReason::OPERATOR_INITIATED;
         match g.role {
             Role::Server => {
@@ -371,11 +377,12 @@ impl Endpoint {
                 self.exchange_done(lgr, first_contact, res, now);
             }
             Some(LinkExchange::ClientAddLink {
-                new,
-                first_contact,
-                ..
+                new, first_contact, ..
             }) if !c.reply && via == new => {
-                let complete = g.peer_rmbs.iter().all(|r| r.tokens.is_empty() || r.tokens.contains_key(&new));
+                let complete = g
+                    .peer_rmbs
+                    .iter()
+                    .all(|r| r.tokens.is_empty() || r.tokens.contains_key(&new));
                 let ok = c.link_num == new
                     && complete
                     && g.links
@@ -470,7 +477,11 @@ impl Endpoint {
     }
 
     fn llc_timer(&self, lgr: LgrId) -> std::time::Duration {
-        if self.lgrs.get(&lgr).is_some_and(|g| g.first_contact.is_some()) {
+        if self
+            .lgrs
+            .get(&lgr)
+            .is_some_and(|g| g.first_contact.is_some())
+        {
             self.config.llc_timeout_first_contact
         } else {
             self.config.llc_timeout
@@ -665,7 +676,9 @@ impl Endpoint {
         //# DELETE LINK to the client over another link in the link group.
         if g.would_be_parallel(device, a.sender_gid)
             || (g.links.get(&new).is_some_and(|l| l.asymmetric)
-                && g.links.values().any(|l| l.num != new && l.remote.is_some_and(|r| r.gid == a.sender_gid)))
+                && g.links
+                    .values()
+                    .any(|l| l.num != new && l.remote.is_some_and(|r| r.gid == a.sender_gid)))
         {
             self.abandon_new_link(lgr, new, true, now);
             self.arm_add_link_retry(lgr, now);
@@ -792,7 +805,13 @@ impl Endpoint {
         //# What it indicates: Undefined enumerated MTU value.  Recovery action: Send a
         //# negative ADD LINK reply with reason code x'2'.
         if !a.mtu.is_known() {
-            self.post_llc(lgr, via, reject(AddLinkRejectReason::INVALID_MTU), None, now);
+            self.post_llc(
+                lgr,
+                via,
+                reject(AddLinkRejectReason::INVALID_MTU),
+                None,
+                now,
+            );
             self.exchange_done(lgr, first_contact, res, now);
             return;
         }
@@ -1059,7 +1078,9 @@ impl Endpoint {
                 g.link_exchange = Some(LinkExchange::ClientAddLink {
                     new,
                     via,
-                    step: ClientAddStep::SentCont { server_owes: peer_more },
+                    step: ClientAddStep::SentCont {
+                        server_owes: peer_more,
+                    },
                     first_contact,
                     ours_left,
                 });
@@ -1113,7 +1134,8 @@ impl Endpoint {
             r.tokens.remove(&num);
         }
         self.links.remove(&l.id);
-        self.fabric_out.push_back(FabricOp::DestroyQp { link: l.id });
+        self.fabric_out
+            .push_back(FabricOp::DestroyQp { link: l.id });
     }
 
     fn arm_add_link_retry(&mut self, lgr: LgrId, now: Timestamp) {
@@ -1269,7 +1291,11 @@ impl Endpoint {
                     },
                 });
                 if self.lgrs.contains_key(&lgr) {
-                    let via = if self.lgrs.get(&lgr).is_some_and(|g| g.links.contains_key(&via)) {
+                    let via = if self
+                        .lgrs
+                        .get(&lgr)
+                        .is_some_and(|g| g.links.contains_key(&via))
+                    {
                         via
                     } else {
                         match self.lgrs.get(&lgr).and_then(|g| g.active_links().next()) {
@@ -1280,7 +1306,10 @@ impl Endpoint {
                     self.post_llc(lgr, via, reply, None, now);
                 }
                 if waiting_fc {
-                    let fc = self.lgrs.get(&lgr).is_some_and(|g| g.first_contact.is_some());
+                    let fc = self
+                        .lgrs
+                        .get(&lgr)
+                        .is_some_and(|g| g.first_contact.is_some());
                     self.exchange_done(lgr, fc, res, now);
                 }
             }
@@ -1324,13 +1353,7 @@ impl Endpoint {
     }
 
     /// Exchanges that flowed on (or were adding) link `num`, which is gone.
-    fn abort_exchanges_on(
-        &mut self,
-        lgr: LgrId,
-        num: u8,
-        res: &mut dyn Resources,
-        now: Timestamp,
-    ) {
+    fn abort_exchanges_on(&mut self, lgr: LgrId, num: u8, res: &mut dyn Resources, now: Timestamp) {
         let Some(g) = self.lgrs.get_mut(&lgr) else {
             return;
         };
@@ -1406,7 +1429,11 @@ impl Endpoint {
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
-        if !self.lgrs.get(&lgr).is_some_and(|g| g.links.contains_key(&num)) {
+        if !self
+            .lgrs
+            .get(&lgr)
+            .is_some_and(|g| g.links.contains_key(&num))
+        {
             return;
         }
         self.stats.link_failures += 1;
@@ -1757,7 +1784,8 @@ impl Endpoint {
             //# It can then free the RMB once it receives a response from the peer.
             for id in rmbs {
                 g.local_rmbs.remove(&id);
-                self.fabric_out.push_back(FabricOp::FreeRmb { lgr, rmb: id });
+                self.fabric_out
+                    .push_back(FabricOp::FreeRmb { lgr, rmb: id });
             }
             self.exchange_done(lgr, false, res, now);
             return;
@@ -1865,10 +1893,12 @@ impl Endpoint {
         };
         for l in g.links.values() {
             self.links.remove(&l.id);
-            self.fabric_out.push_back(FabricOp::DestroyQp { link: l.id });
+            self.fabric_out
+                .push_back(FabricOp::DestroyQp { link: l.id });
         }
         for rmb in g.local_rmbs.keys() {
-            self.fabric_out.push_back(FabricOp::FreeRmb { lgr, rmb: *rmb });
+            self.fabric_out
+                .push_back(FabricOp::FreeRmb { lgr, rmb: *rmb });
         }
         let stale: Vec<u32> = self
             .alerts
@@ -1901,13 +1931,12 @@ impl Endpoint {
             .map(|g| g.links.keys().copied().collect())
             .unwrap_or_default();
         for num in links {
-            loop {
-                let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
-                    break;
-                };
-                let Some(kind) = l.timers.pop_expired(now) else {
-                    break;
-                };
+            while let Some(kind) = self
+                .lgrs
+                .get_mut(&lgr)
+                .and_then(|g| g.links.get_mut(&num))
+                .and_then(|l| l.timers.pop_expired(now))
+            {
                 match kind {
                     LinkTimer::Keepalive => self.keepalive_due(lgr, num, res, now),
                     //= https://www.rfc-editor.org/rfc/rfc7609#section-4.5.3
@@ -1947,12 +1976,7 @@ impl Endpoint {
                 }
                 LgrTimer::Idle => {
                     if g.conns.is_empty() && g.first_contact.is_none() {
-                        self.terminate_group(
-                            lgr,
-                            DeleteLinkReason::PROGRAM_INITIATED,
-                            true,
-                            now,
-                        );
+                        self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, true, now);
                         return;
                     }
                 }
@@ -1972,7 +1996,8 @@ impl Endpoint {
         //# longer than the keepalive timeout.  If both conditions are met, the local host then
         //# performs a TEST LINK LLC command to test the viability of the SMC-R link
         if now.saturating_duration_since(l.last_activity) < interval {
-            l.timers.set(LinkTimer::Keepalive, l.last_activity + interval);
+            l.timers
+                .set(LinkTimer::Keepalive, l.last_activity + interval);
             return;
         }
         let mut data = [0u8; 16];
@@ -2026,7 +2051,11 @@ impl Endpoint {
                 }
                 (ServerAddStep::SentCont, true) => {
                     if let Some(tcp) = g.first_contact {
-                        self.setup_reset(tcp, ResetReason::LlcTimeout("ADD LINK CONTINUATION reply"), now);
+                        self.setup_reset(
+                            tcp,
+                            ResetReason::LlcTimeout("ADD LINK CONTINUATION reply"),
+                            now,
+                        );
                     }
                     self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, false, now);
                 }
@@ -2069,7 +2098,11 @@ impl Endpoint {
                     //# Recovery action: Clean up the SMC-R link, and break the TCP connection
                     //# by sending a RST.  There is a problem with the server.
                     if let Some(tcp) = g.first_contact {
-                        self.setup_reset(tcp, ResetReason::LlcTimeout("ADD LINK CONTINUATION"), now);
+                        self.setup_reset(
+                            tcp,
+                            ResetReason::LlcTimeout("ADD LINK CONTINUATION"),
+                            now,
+                        );
                     }
                     self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, false, now);
                     return;

@@ -551,7 +551,10 @@ impl Endpoint {
         confirm_for: Option<TcpId>,
         now: Timestamp,
     ) -> Option<WrId> {
-        let link = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num))?;
+        let link = self
+            .lgrs
+            .get_mut(&lgr)
+            .and_then(|g| g.links.get_mut(&num))?;
         link.last_activity = now;
         let id = link.id;
         tracing::trace!(?lgr, num, ?msg, "post LLC");

@@ -7,7 +7,9 @@ use crate::conn::{AbortReason, ConnError};
 use crate::lgr_harness::{config, Rng, Traced};
 
 fn pattern(len: usize, salt: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt))
+        .collect()
 }
 
 /// Two links, data both ways, link 1 killed after `kill_at` delivered items. Returns the pair.
@@ -35,10 +37,24 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize) -> EndpointPair {
     }
     p.run_for(Duration::from_secs(5));
     for t in [T1, TcpId(2)] {
-        assert_eq!(p.b.rx.get(&t).map(Vec::len), Some(a.len()), "seed {seed} kill_at {kill_at} {t:?} A->B");
-        assert!(p.b.rx[&t] == a, "seed {seed} kill_at {kill_at}: A->B bytes differ");
-        assert_eq!(p.a.rx.get(&t).map(Vec::len), Some(b.len()), "seed {seed} kill_at {kill_at} {t:?} B->A");
-        assert!(p.a.rx[&t] == b, "seed {seed} kill_at {kill_at}: B->A bytes differ");
+        assert_eq!(
+            p.b.rx.get(&t).map(Vec::len),
+            Some(a.len()),
+            "seed {seed} kill_at {kill_at} {t:?} A->B"
+        );
+        assert!(
+            p.b.rx[&t] == a,
+            "seed {seed} kill_at {kill_at}: A->B bytes differ"
+        );
+        assert_eq!(
+            p.a.rx.get(&t).map(Vec::len),
+            Some(b.len()),
+            "seed {seed} kill_at {kill_at} {t:?} B->A"
+        );
+        assert!(
+            p.a.rx[&t] == b,
+            "seed {seed} kill_at {kill_at}: B->A bytes differ"
+        );
     }
     p
 }
@@ -48,12 +64,20 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize) -> EndpointPair {
 #[test]
 fn failover_moves_connections_and_replays() {
     let p = run_failover(3, 40, 60_000);
-    assert!(p.trace.iter().any(|e| matches!(&e.what, Traced::Cdc(_, c) if c.prod_flags.failover_validation)));
+    assert!(p
+        .trace
+        .iter()
+        .any(|e| matches!(&e.what, Traced::Cdc(_, c) if c.prod_flags.failover_validation)));
     let flow = p.flow(true);
-    assert!(flow.iter().any(|l| l == "B->A DELETE LINK link=1"), "{flow:#?}");
+    assert!(
+        flow.iter().any(|l| l == "B->A DELETE LINK link=1"),
+        "{flow:#?}"
+    );
     for s in [Side::A, Side::B] {
         assert!(p.host(s).ep.stats().failovers > 0 || p.host(s).ep.connection_link(T1).is_some());
-        assert!(p.host(s).saw(|e| matches!(e, EndpointEvent::LinkDown { num: 1, .. })));
+        assert!(p
+            .host(s)
+            .saw(|e| matches!(e, EndpointEvent::LinkDown { num: 1, .. })));
     }
 }
 
@@ -95,7 +119,9 @@ fn last_link_failure_resets_connections() {
                 ..
             }
         )));
-        assert!(p.host(s).saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
+        assert!(p
+            .host(s)
+            .saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
         assert_eq!(p.host(s).ep.link_groups().count(), 0);
     }
 }
@@ -122,7 +148,8 @@ fn validation_above_sr_resets() {
     };
     let l2 = p.b.link(2).expect("link 2");
     let now = p.now;
-    p.b.ep.handle_message(l2, &forged.to_bytes(), &mut p.b.res, now);
+    p.b.ep
+        .handle_message(l2, &forged.to_bytes(), &mut p.b.res, now);
     p.flush();
     assert!(p.b.saw(|e| matches!(
         e,
@@ -141,15 +168,20 @@ fn server_deletes_one_link_orderly() {
     p.run();
     let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
     let before = p.trace.len();
-    p.act(Side::B, |ep, res, now| ep.request_delete_link(lgr, 1, true, res, now))
-        .expect("delete");
+    p.act(Side::B, |ep, res, now| {
+        ep.request_delete_link(lgr, 1, true, res, now)
+    })
+    .expect("delete");
     p.run();
     let flow: Vec<String> = p.trace[before..]
         .iter()
         .filter(|e| matches!(e.what, Traced::Llc(..)))
         .map(|e| e.to_string())
         .collect();
-    assert_eq!(flow, ["B->A DELETE LINK link=1", "A->B DELETE LINK link=1 rsp"]);
+    assert_eq!(
+        flow,
+        ["B->A DELETE LINK link=1", "A->B DELETE LINK link=1 rsp"]
+    );
     for s in [Side::A, Side::B] {
         let g = p.host(s).ep.link_groups().next().expect("group");
         assert_eq!(g.links.keys().copied().collect::<Vec<_>>(), [2]);
@@ -167,8 +199,10 @@ fn client_requests_delete_link() {
     p.run();
     let lgr = p.a.ep.link_groups().next().map(|g| g.id).expect("group");
     let before = p.trace.len();
-    p.act(Side::A, |ep, res, now| ep.request_delete_link(lgr, 2, true, res, now))
-        .expect("delete");
+    p.act(Side::A, |ep, res, now| {
+        ep.request_delete_link(lgr, 2, true, res, now)
+    })
+    .expect("delete");
     p.run();
     let flow: Vec<String> = p.trace[before..]
         .iter()
@@ -194,10 +228,18 @@ fn delete_all_links_terminates_group() {
     let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
     p.act(Side::B, |ep, _, now| ep.terminate_link_group(lgr, now));
     p.run();
-    assert_eq!(p.flow(true).iter().filter(|l| l.contains("DELETE LINK all")).count(), 1);
+    assert_eq!(
+        p.flow(true)
+            .iter()
+            .filter(|l| l.contains("DELETE LINK all"))
+            .count(),
+        1
+    );
     for s in [Side::A, Side::B] {
         assert_eq!(p.host(s).ep.link_groups().count(), 0);
-        assert!(p.host(s).saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
+        assert!(p
+            .host(s)
+            .saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
     }
 }
 
@@ -213,7 +255,12 @@ fn keepalive_test_link_on_idle_link() {
     let flow = p.flow(false);
     assert!(flow.contains(&"A->B TEST LINK".to_string()), "{flow:#?}");
     assert!(flow.contains(&"B->A TEST LINK rsp".to_string()));
-    assert!(p.a.ep.link_groups().next().is_some_and(|g| g.active_count() == 1));
+    assert!(p
+        .a
+        .ep
+        .link_groups()
+        .next()
+        .is_some_and(|g| g.active_count() == 1));
 }
 
 /// Keepalive: no TEST LINK reply → the link failed → failover to the other link.
@@ -224,9 +271,9 @@ fn keepalive_no_reply_fails_over() {
     let mut p = EndpointPair::new(a, config(Side::B, 2), 1);
     p.connect(T1);
     p.run();
-    p.knobs.drop = Some(Box::new(|e| {
-        matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply)
-    }));
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply),
+    ));
     p.run_for(Duration::from_secs(8));
     p.knobs.drop = None;
     p.run();
@@ -245,9 +292,9 @@ fn keepalive_no_reply_on_last_link_resets() {
     p.knobs.deliver_tcp_rst = false;
     p.connect(T1);
     p.run();
-    p.knobs.drop = Some(Box::new(|e| {
-        matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply)
-    }));
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply),
+    ));
     p.run_for(Duration::from_secs(8));
     assert!(p.a.saw(|e| matches!(
         e,
@@ -264,8 +311,10 @@ fn idle_link_group_terminated_by_server() {
     let mut p = EndpointPair::with_devices(1, 1);
     p.connect(T1);
     p.run();
-    p.act(Side::A, |ep, _, now| ep.close(T1, now)).expect("close");
-    p.act(Side::B, |ep, _, now| ep.close(T1, now)).expect("close");
+    p.act(Side::A, |ep, _, now| ep.close(T1, now))
+        .expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(T1, now))
+        .expect("close");
     p.run();
     p.run_for(Duration::from_secs(601));
     assert!(p.flow(true).contains(&"B->A DELETE LINK all".to_string()));

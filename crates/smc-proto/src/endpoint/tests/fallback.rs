@@ -37,8 +37,14 @@ fn server_declines_on_subnet_mismatch() {
     let mut p = EndpointPair::new(config(Side::A, 1), b, 1);
     p.connect(T1);
     p.run();
-    assert_eq!(p.flow(true), ["A->B SMC Proposal", "B->A SMC Decline(0x03070000)"]);
-    assert_eq!(fell_back(&p, Side::B, T1), Some(Fallback::Declined(DeclineCode::DIFFPREFIX)));
+    assert_eq!(
+        p.flow(true),
+        ["A->B SMC Proposal", "B->A SMC Decline(0x03070000)"]
+    );
+    assert_eq!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::Declined(DeclineCode::DIFFPREFIX))
+    );
     assert_eq!(
         fell_back(&p, Side::A, T1),
         Some(Fallback::PeerDeclined {
@@ -76,7 +82,10 @@ fn subnet_check_needs_same_prefix_length() {
     let mut p = EndpointPair::new(config(Side::A, 1), b, 1);
     p.connect(T1);
     p.run();
-    assert_eq!(fell_back(&p, Side::B, T1), Some(Fallback::Declined(DeclineCode::DIFFPREFIX)));
+    assert_eq!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::Declined(DeclineCode::DIFFPREFIX))
+    );
 }
 
 /// Linux's version-2 Proposal (40-byte SMC-D area, SMC-R v1 offered) is accepted and
@@ -86,7 +95,8 @@ fn linux_v2_proposal_answered_with_v1() {
     let mut b = config(Side::B, 1);
     b.ipv4_subnets = vec![(std::net::Ipv4Addr::new(192, 168, 1, 0), 24)];
     let mut p = EndpointPair::new(config(Side::A, 1), b, 1);
-    p.act(Side::B, |ep, _, now| ep.accept(T1, now)).expect("accept");
+    p.act(Side::B, |ep, _, now| ep.accept(T1, now))
+        .expect("accept");
     let bytes = smc_wire::examples::bytes("clc_proposal_linux_v2_style").expect("vector");
     p.inject_tcp(Side::B, T1, bytes);
     p.run();
@@ -104,9 +114,9 @@ fn linux_v2_proposal_answered_with_v1() {
 #[test]
 fn fig42_decline_during_llc_negotiation() {
     let mut p = EndpointPair::with_devices(2, 2);
-    p.knobs.drop = Some(Box::new(|e| {
-        matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply)
-    }));
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply),
+    ));
     p.connect(T1);
     p.run();
     assert_eq!(
@@ -120,8 +130,14 @@ fn fig42_decline_during_llc_negotiation() {
             "A->B SMC Decline(0x02010000)",
         ]
     );
-    assert!(matches!(fell_back(&p, Side::A, T1), Some(Fallback::Declined(_))));
-    assert!(matches!(fell_back(&p, Side::B, T1), Some(Fallback::PeerDeclined { .. })));
+    assert!(matches!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(_))
+    ));
+    assert!(matches!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::PeerDeclined { .. })
+    ));
     assert!(no_rdma_data(&p));
     assert_eq!(p.a.ep.link_groups().count(), 0);
     assert_eq!(p.b.ep.link_groups().count(), 0);
@@ -131,14 +147,20 @@ fn fig42_decline_during_llc_negotiation() {
 #[test]
 fn server_confirm_link_send_failure_declines() {
     let mut p = EndpointPair::with_devices(1, 1);
-    p.knobs.drop = Some(Box::new(|e| {
-        matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if !c.reply)
-    }));
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if !c.reply),
+    ));
     p.connect(T1);
     p.run();
     assert_eq!(p.flow(true)[4], "B->A SMC Decline(0x02010000)");
-    assert!(matches!(fell_back(&p, Side::A, T1), Some(Fallback::PeerDeclined { .. })));
-    assert!(matches!(fell_back(&p, Side::B, T1), Some(Fallback::Declined(_))));
+    assert!(matches!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::PeerDeclined { .. })
+    ));
+    assert!(matches!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::Declined(_))
+    ));
     assert!(no_rdma_data(&p));
 }
 
@@ -147,16 +169,19 @@ fn server_confirm_link_send_failure_declines() {
 #[test]
 fn after_point_of_no_return_errors_reset() {
     let mut p = EndpointPair::with_devices(2, 2);
-    p.knobs.drop = Some(Box::new(|e| {
-        matches!(&e.what, Traced::Llc(_, LlcMessage::AddLink(a)) if a.reply)
-    }));
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::AddLink(a)) if a.reply),
+    ));
     p.connect(T1);
     p.run_for(Duration::from_secs(20));
     assert!(fell_back(&p, Side::A, T1).is_none());
     assert!(fell_back(&p, Side::B, T1).is_none());
     assert!(reset(&p, Side::A, T1).is_some());
     assert!(reset(&p, Side::B, T1).is_some());
-    assert!(!p.trace.iter().any(|e| matches!(&e.what, Traced::Clc(_, ClcMessage::Decline(_)))));
+    assert!(!p
+        .trace
+        .iter()
+        .any(|e| matches!(&e.what, Traced::Clc(_, ClcMessage::Decline(_)))));
 }
 
 /// C.4: the server believes it reuses a link group the client no longer has: the client
@@ -167,10 +192,14 @@ fn out_of_sync_first_contact_flag() {
     p.connect(T1);
     p.run();
     // The client loses its group silently (its DELETE LINK never arrives).
-    p.act(Side::A, |ep, _, now| ep.close(T1, now)).expect("close");
-    p.act(Side::B, |ep, _, now| ep.close(T1, now)).expect("close");
+    p.act(Side::A, |ep, _, now| ep.close(T1, now))
+        .expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(T1, now))
+        .expect("close");
     p.run();
-    p.knobs.drop = Some(Box::new(|e| matches!(e.what, Traced::Llc(_, LlcMessage::DeleteLink(_)))));
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(e.what, Traced::Llc(_, LlcMessage::DeleteLink(_)))
+    }));
     let lgr = p.a.ep.link_groups().next().map(|g| g.id).expect("group");
     p.act(Side::A, |ep, _, now| ep.terminate_link_group(lgr, now));
     p.run();
@@ -180,7 +209,9 @@ fn out_of_sync_first_contact_flag() {
     p.connect(TcpId(2));
     p.run();
     dump(&p);
-    assert!(p.flow(true).contains(&"A->B SMC Decline(0x04000000, S)".to_string()));
+    assert!(p
+        .flow(true)
+        .contains(&"A->B SMC Decline(0x04000000, S)".to_string()));
     assert_eq!(
         fell_back(&p, Side::B, TcpId(2)),
         Some(Fallback::PeerDeclined {
@@ -188,7 +219,11 @@ fn out_of_sync_first_contact_flag() {
             out_of_sync: true
         })
     );
-    assert_eq!(p.b.ep.link_groups().count(), 0, "the S flag tears down the group");
+    assert_eq!(
+        p.b.ep.link_groups().count(),
+        0,
+        "the S flag tears down the group"
+    );
     // The next connection is a clean first contact again.
     p.connect(TcpId(3));
     p.run();
@@ -200,7 +235,9 @@ fn out_of_sync_first_contact_flag() {
 #[test]
 fn clc_timeout_resets() {
     let mut p = EndpointPair::with_devices(1, 1);
-    p.knobs.drop = Some(Box::new(|e| matches!(&e.what, Traced::Clc(_, ClcMessage::Accept(_)))));
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Clc(_, ClcMessage::Accept(_)))
+    }));
     p.connect(T1);
     p.run_for(Duration::from_secs(31));
     assert_eq!(reset(&p, Side::A, T1), Some(ResetReason::ClcTimeout));
@@ -212,12 +249,16 @@ fn clc_timeout_resets() {
 #[test]
 fn malformed_clc_terminates() {
     let mut p = EndpointPair::with_devices(1, 1);
-    p.act(Side::B, |ep, _, now| ep.accept(T1, now)).expect("accept");
+    p.act(Side::B, |ep, _, now| ep.accept(T1, now))
+        .expect("accept");
     let mut bytes = smc_wire::examples::bytes("clc_proposal_v4").expect("vector");
     bytes[0] = 0;
     p.inject_tcp(Side::B, T1, bytes);
     p.run();
-    assert!(matches!(reset(&p, Side::B, T1), Some(ResetReason::ClcProtocolError(_))));
+    assert!(matches!(
+        reset(&p, Side::B, T1),
+        Some(ResetReason::ClcProtocolError(_))
+    ));
     assert!(fell_back(&p, Side::B, T1).is_none());
 }
 
@@ -225,7 +266,9 @@ fn malformed_clc_terminates() {
 #[test]
 fn bad_enumerated_value_declines() {
     let mut p = EndpointPair::with_devices(1, 1);
-    p.knobs.drop = Some(Box::new(|e| matches!(&e.what, Traced::Clc(_, ClcMessage::Accept(_)))));
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Clc(_, ClcMessage::Accept(_)))
+    }));
     p.connect(T1);
     p.run();
     let accept = p.trace.iter().find_map(|e| match &e.what {
@@ -237,14 +280,18 @@ fn bad_enumerated_value_declines() {
     bytes[50] = (bytes[50] & 0xF0) | 0x07;
     p.inject_tcp(Side::A, T1, bytes);
     p.run();
-    assert_eq!(fell_back(&p, Side::A, T1), Some(Fallback::Declined(DeclineCode::CNFERR)));
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(DeclineCode::CNFERR))
+    );
 }
 
 /// C.6: an unexpected (well-formed) CLC message is a protocol error.
 #[test]
 fn unexpected_clc_message_terminates() {
     let mut p = EndpointPair::with_devices(1, 1);
-    p.act(Side::B, |ep, _, now| ep.accept(T1, now)).expect("accept");
+    p.act(Side::B, |ep, _, now| ep.accept(T1, now))
+        .expect("accept");
     let d = smc_wire::Decline::new(smc_wire::PeerId::default(), DeclineCode::CNFERR, false);
     let mut accept_like = ClcMessage::Decline(d).to_vec();
     accept_like.clear();
@@ -266,7 +313,10 @@ fn unexpected_clc_message_terminates() {
     };
     p.inject_tcp(Side::B, T1, ClcMessage::Confirm(c).to_vec());
     p.run();
-    assert!(matches!(reset(&p, Side::B, T1), Some(ResetReason::ClcProtocolError(_))));
+    assert!(matches!(
+        reset(&p, Side::B, T1),
+        Some(ResetReason::ClcProtocolError(_))
+    ));
 }
 
 /// A Decline in lieu of Confirm (the client declines after the server's Accept).
@@ -284,7 +334,10 @@ fn client_declines_in_lieu_of_confirm() {
             "A->B SMC Decline(0x01010000)",
         ]
     );
-    assert!(matches!(fell_back(&p, Side::B, T1), Some(Fallback::PeerDeclined { .. })));
+    assert!(matches!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::PeerDeclined { .. })
+    ));
     assert_eq!(p.b.ep.link_groups().count(), 0);
 }
 
@@ -296,7 +349,9 @@ fn data_before_confirm_is_held() {
     p.connect(T1);
     p.run();
     // Lose the Confirm of the second connection, keep its bytes, deliver them after the data.
-    p.knobs.drop = Some(Box::new(|e| matches!(&e.what, Traced::Clc(_, ClcMessage::Confirm(_)))));
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Clc(_, ClcMessage::Confirm(_)))
+    }));
     p.connect(TcpId(2));
     p.run();
     p.knobs.drop = None;

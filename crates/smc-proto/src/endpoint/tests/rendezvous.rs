@@ -109,10 +109,18 @@ fn subsequent_contact_reuses_link_group() {
     p.run();
     let flow: Vec<String> = p.trace[before..]
         .iter()
-        .filter(|e| matches!(e.what, crate::lgr_harness::Traced::Clc(..) | crate::lgr_harness::Traced::Llc(..)))
+        .filter(|e| {
+            matches!(
+                e.what,
+                crate::lgr_harness::Traced::Clc(..) | crate::lgr_harness::Traced::Llc(..)
+            )
+        })
         .map(|e| e.to_string())
         .collect();
-    assert_eq!(flow, ["A->B SMC Proposal", "B->A SMC Accept", "A->B SMC Confirm"]);
+    assert_eq!(
+        flow,
+        ["A->B SMC Proposal", "B->A SMC Accept", "A->B SMC Confirm"]
+    );
     assert!(established(&p, Side::A, TcpId(2)) && established(&p, Side::B, TcpId(2)));
     assert_eq!(p.a.ep.link_groups().count(), 1);
     assert_eq!(p.b.ep.link_groups().count(), 1);
@@ -195,8 +203,10 @@ fn fig14_delete_rmb() {
     p.run();
     p.connect(TcpId(2));
     p.run();
-    p.act(Side::A, |ep, _, now| ep.close(TcpId(2), now)).expect("close");
-    p.act(Side::B, |ep, _, now| ep.close(TcpId(2), now)).expect("close");
+    p.act(Side::A, |ep, _, now| ep.close(TcpId(2), now))
+        .expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(TcpId(2), now))
+        .expect("close");
     p.run();
     assert!(p.a.ep.connection(TcpId(2)).is_none());
     let before = p.trace.len();
@@ -205,10 +215,16 @@ fn fig14_delete_rmb() {
     assert_eq!(n, 1);
     p.run();
     let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
-    assert_eq!(flow, ["A->B DELETE RKEY count=1", "B->A DELETE RKEY count=1 rsp"]);
+    assert_eq!(
+        flow,
+        ["A->B DELETE RKEY count=1", "B->A DELETE RKEY count=1 rsp"]
+    );
     assert_eq!(p.a.ep.link_group(lgr).map(|g| g.local_rmbs.len()), Some(1));
     let gb = p.b.ep.link_groups().next().expect("group");
-    assert_eq!(gb.peer_rmbs.iter().filter(|r| !r.tokens.is_empty()).count(), 1);
+    assert_eq!(
+        gb.peer_rmbs.iter().filter(|r| !r.tokens.is_empty()).count(),
+        1
+    );
     // T1 still works.
     p.app_send(Side::B, T1, b"still here");
     p.run();
@@ -229,18 +245,25 @@ fn fig15_rtoken_pairs_when_link_added() {
         p.run();
     }
     // Free one server RMB: the server has 3 RMBs in use, the client 4.
-    p.act(Side::A, |ep, _, now| ep.close(TcpId(4), now)).expect("close");
-    p.act(Side::B, |ep, _, now| ep.close(TcpId(4), now)).expect("close");
+    p.act(Side::A, |ep, _, now| ep.close(TcpId(4), now))
+        .expect("close");
+    p.act(Side::B, |ep, _, now| ep.close(TcpId(4), now))
+        .expect("close");
     p.run();
     let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
     p.act(Side::B, |ep, res, now| ep.delete_unused_rmbs(lgr, res, now));
     p.run();
     assert_eq!(p.b.ep.link_group(lgr).map(|g| g.local_rmbs.len()), Some(3));
-    assert_eq!(p.a.ep.link_groups().next().map(|g| g.local_rmbs.len()), Some(4));
+    assert_eq!(
+        p.a.ep.link_groups().next().map(|g| g.local_rmbs.len()),
+        Some(4)
+    );
     let before = p.trace.len();
     // The client gets a second RNIC and tells the server (ADD LINK request, an "FYI"); the
     // server, with one RNIC, adds an (asymmetric) link and exchanges RToken pairs.
-    p.act(Side::A, |ep, res, now| ep.add_device(crate::lgr_harness::device(Side::A, 1), res, now));
+    p.act(Side::A, |ep, res, now| {
+        ep.add_device(crate::lgr_harness::device(Side::A, 1), res, now)
+    });
     p.run();
     let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
     assert_eq!(
@@ -261,14 +284,26 @@ fn fig15_rtoken_pairs_when_link_added() {
     for s in [Side::A, Side::B] {
         let g = p.host(s).ep.link_groups().next().expect("group");
         assert_eq!(g.active_count(), 2);
-        assert!(g.peer_rmbs.iter().filter(|r| !r.tokens.is_empty()).all(|r| r.tokens.contains_key(&3)));
+        assert!(g
+            .peer_rmbs
+            .iter()
+            .filter(|r| !r.tokens.is_empty())
+            .all(|r| r.tokens.contains_key(&3)));
         assert!(g.local_rmbs.values().all(|r| r.tokens.contains_key(&3)));
     }
     // A new server RNIC: the server tries again, the client has no RNIC left and one
     // asymmetric link already: rejected (no parallel link, one asymmetric at most).
     let before = p.trace.len();
-    p.act(Side::B, |ep, res, now| ep.add_device(crate::lgr_harness::device(Side::B, 1), res, now));
+    p.act(Side::B, |ep, res, now| {
+        ep.add_device(crate::lgr_harness::device(Side::B, 1), res, now)
+    });
     p.run();
     let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
-    assert_eq!(flow, ["B->A ADD LINK link=4", "A->B ADD LINK link=4 rejected(1) rsp"]);
+    assert_eq!(
+        flow,
+        [
+            "B->A ADD LINK link=4",
+            "A->B ADD LINK link=4 rejected(1) rsp"
+        ]
+    );
 }
