@@ -444,10 +444,11 @@ impl CompletionQueue {
         }
     }
 
-    /// The completion channel (an eventfd), for epoll or tokio.
+    /// The completion channel (a pollable fd, readable when armed and a completion arrived),
+    /// for poll/epoll or tokio `AsyncFd`.
     pub fn fd(&self) -> BorrowedFd<'_> {
         match &self.inner {
-            CqImpl::Shm(c) => c.eventfd(),
+            CqImpl::Shm(c) => c.channel(),
         }
     }
 }

@@ -234,7 +234,7 @@ fn handle_request(
             wire::send(
                 conn.sock.as_fd(),
                 &reply,
-                &[qp.inbound_memfd(), qp.recv_cq.eventfd()],
+                &[qp.inbound_memfd(), qp.rx_bell()],
             )
         }
         (Msg::MrRequest { rkey }, Some(qpn)) => {

@@ -7,7 +7,7 @@ use super::qp::QpShared;
 use crate::error::{FabricError, Result};
 use crate::sync::fence;
 use crate::types::WorkCompletion;
-use rustix::event::{PollFd, PollFlags};
+use rustix::event::{epoll, PollFd, PollFlags};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,9 +15,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A completion queue.
+///
+/// The completion channel is an epoll instance holding edge-triggered eventfds: one for locally
+/// generated completions and one doorbell per attached QP direction (the only fds a peer ever
+/// gets). A peer can thus only ring, never drain, the doorbells of other connections.
 pub(crate) struct CqShared {
     pub(crate) dev: Arc<DeviceHandle>,
-    eventfd: OwnedFd,
+    epfd: OwnedFd,
+    local_bell: OwnedFd,
     armed: AtomicBool,
     local: Mutex<VecDeque<WorkCompletion>>,
     /// QPs whose send or receive queue completes here (detached when the QP is destroyed).
@@ -26,17 +31,46 @@ pub(crate) struct CqShared {
 
 impl CqShared {
     pub(crate) fn new(dev: Arc<DeviceHandle>) -> Result<Arc<CqShared>> {
+        let epfd = epoll::create(epoll::CreateFlags::CLOEXEC)
+            .map_err(|e| FabricError::os("epoll_create", e))?;
+        let local_bell = mem::new_eventfd()?;
+        epoll::add(
+            &epfd,
+            &local_bell,
+            epoll::EventData::new_u64(0),
+            epoll::EventFlags::IN | epoll::EventFlags::ET,
+        )
+        .map_err(|e| FabricError::os("epoll_ctl", e))?;
         Ok(Arc::new(CqShared {
             dev,
-            eventfd: mem::new_eventfd()?,
+            epfd,
+            local_bell,
             armed: AtomicBool::new(false),
             local: Mutex::new(VecDeque::new()),
             qps: Mutex::new(Vec::new()),
         }))
     }
 
-    pub(crate) fn eventfd(&self) -> BorrowedFd<'_> {
-        self.eventfd.as_fd()
+    /// The completion channel (pollable epoll fd).
+    pub(crate) fn channel(&self) -> BorrowedFd<'_> {
+        self.epfd.as_fd()
+    }
+
+    /// Add a per-QP doorbell eventfd to the channel.
+    pub(crate) fn add_bell(&self, bell: BorrowedFd<'_>) -> Result<()> {
+        epoll::add(
+            &self.epfd,
+            bell,
+            epoll::EventData::new_u64(1),
+            epoll::EventFlags::IN | epoll::EventFlags::ET,
+        )
+        .map_err(|e| FabricError::os("epoll_ctl", e))
+    }
+
+    /// Remove a doorbell (explicitly: the peer's copy of the fd keeps the registration alive
+    /// otherwise).
+    pub(crate) fn remove_bell(&self, bell: BorrowedFd<'_>) {
+        let _ = epoll::delete(&self.epfd, bell);
     }
 
     pub(crate) fn attach(&self, qp: &Arc<QpShared>) {
@@ -74,7 +108,7 @@ impl CqShared {
     pub(crate) fn notify_if_armed(&self) {
         fence(Ordering::SeqCst);
         if self.armed.load(Ordering::Relaxed) && self.armed.swap(false, Ordering::AcqRel) {
-            mem::ring_eventfd(self.eventfd.as_fd());
+            mem::ring_eventfd(self.local_bell.as_fd());
         }
     }
 
@@ -152,7 +186,20 @@ impl CqShared {
 
     /// Reset the channel counter after the eventfd was reported readable.
     pub(crate) fn ack_notify(&self) {
-        mem::drain_eventfd(&self.eventfd);
+        // Edge-triggered registrations: fetching the ready events resets the channel; the
+        // eventfd counters themselves are never read (a peer cannot drain them for us either).
+        let zero = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        loop {
+            let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 16];
+            match epoll::wait(&self.epfd, &mut buf[..], Some(&zero)) {
+                Ok((ready, _)) if ready.len() == 16 => continue,
+                Err(rustix::io::Errno::INTR) => continue,
+                _ => break,
+            }
+        }
     }
 
     /// Block until at least one completion is available or `timeout` elapses (`None`: forever).
@@ -186,7 +233,7 @@ impl CqShared {
                 None => None,
             };
             let ts = remaining.and_then(|r| rustix::event::Timespec::try_from(r).ok());
-            let mut fds = [PollFd::new(&self.eventfd, PollFlags::IN)];
+            let mut fds = [PollFd::new(&self.epfd, PollFlags::IN)];
             match rustix::event::poll(&mut fds, ts.as_ref()) {
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(FabricError::os("poll completion channel", e)),

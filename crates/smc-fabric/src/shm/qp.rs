@@ -167,6 +167,10 @@ pub(crate) struct QpShared {
     inbound_fd: OwnedFd,
     inbound: Mapping,
     inbound_cap: u32,
+    /// Doorbell the peer rings when it put a message into our ring (in the recv CQ's channel).
+    rx_bell: OwnedFd,
+    /// Doorbell the peer rings when it freed ring space we wait for (in the send CQ's channel).
+    tx_bell: OwnedFd,
     recv: Mutex<RecvSide>,
     send: Mutex<SendSide>,
     has_pending: AtomicBool,
@@ -210,6 +214,13 @@ impl QpShared {
         let inbound_fd = mem::sealed_memfd("smc-fabric-ring", ring_bytes(cap))?;
         let inbound = Mapping::map(inbound_fd.as_fd(), ring_bytes(cap))?;
         let core = &dev.core;
+        let rx_bell = mem::new_eventfd()?;
+        let tx_bell = mem::new_eventfd()?;
+        recv_cq.add_bell(rx_bell.as_fd())?;
+        if let Err(e) = send_cq.add_bell(tx_bell.as_fd()) {
+            recv_cq.remove_bell(rx_bell.as_fd());
+            return Err(e);
+        }
         let qpn = core.alloc_qpn();
         let psn = u32::from_le_bytes(mem::random_bytes()) & 0x00ff_ffff;
         let qp = Arc::new(QpShared {
@@ -228,6 +239,8 @@ impl QpShared {
             inbound_fd,
             inbound,
             inbound_cap: cap,
+            rx_bell,
+            tx_bell,
             recv: Mutex::new(RecvSide {
                 consumer: Consumer::new(cap),
                 posted: VecDeque::new(),
@@ -295,6 +308,11 @@ impl QpShared {
 
     pub(crate) fn inbound_memfd(&self) -> rustix::fd::BorrowedFd<'_> {
         self.inbound_fd.as_fd()
+    }
+
+    /// Our receive doorbell, handed to the peer.
+    pub(crate) fn rx_bell(&self) -> rustix::fd::BorrowedFd<'_> {
+        self.rx_bell.as_fd()
     }
 
     fn cas_state(&self, from: QpState, to: QpState) -> Result<()> {
@@ -382,7 +400,7 @@ impl QpShared {
             src_qpn: self.qpn,
             dst_qpn: remote.qp_num,
         };
-        wire::send(sock.as_fd(), &hello, &[self.send_cq.eventfd()])?;
+        wire::send(sock.as_fd(), &hello, &[self.tx_bell.as_fd()])?;
         let (capacity, mut fds) = match wire::recv(sock.as_fd())? {
             Received::Msg(Msg::HelloOk { capacity }, fds) => (capacity, fds),
             Received::Msg(Msg::Refused { reason }, _) => {
@@ -992,6 +1010,8 @@ impl QpShared {
             s.pending.clear();
             s.out = None;
         }
+        self.send_cq.remove_bell(self.tx_bell.as_fd());
+        self.recv_cq.remove_bell(self.rx_bell.as_fd());
         self.send_cq.detach(self);
         self.recv_cq.detach(self);
         lock(&self.core().qps).remove(&self.qpn);
