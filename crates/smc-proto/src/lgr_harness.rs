@@ -325,6 +325,9 @@ pub struct Knobs {
     pub delay: Duration,
     /// Lose the messages for which this returns true (TCP bytes, SENDs, WRITEs).
     pub drop: Option<DropFn>,
+    /// Messages lost by `drop` complete successfully on the sender (the RNIC acknowledged
+    /// them, App. C.7's "sender thinks the send succeeded") instead of in error.
+    pub silent_drop: bool,
     /// Carry a TCP RST to the peer when an endpoint resets a connection.
     pub deliver_tcp_rst: bool,
     /// Bound of the drive loop; exceeding it is a livelock and panics.
@@ -336,6 +339,7 @@ impl fmt::Debug for Knobs {
         f.debug_struct("Knobs")
             .field("delay", &self.delay)
             .field("drop", &self.drop.is_some())
+            .field("silent_drop", &self.silent_drop)
             .field("deliver_tcp_rst", &self.deliver_tcp_rst)
             .field("max_steps", &self.max_steps)
             .finish()
@@ -347,6 +351,7 @@ impl Default for Knobs {
         Knobs {
             delay: Duration::from_micros(10),
             drop: None,
+            silent_drop: false,
             deliver_tcp_rst: true,
             max_steps: 200_000,
         }
@@ -605,16 +610,13 @@ impl EndpointPair {
                     Err(_) => Traced::Write(link, 0),
                 };
                 self.host_mut(s).outstanding.insert(wr, link);
-                if self.dead.contains(&(s, link)) || !self.record(s, what) {
-                    // Lost: the sender learns only by the completion error.
-                    self.queue.push_back((
-                        at,
-                        Item::Completion {
-                            side: s,
-                            wr,
-                            ok: false,
-                        },
-                    ));
+                let dead = self.dead.contains(&(s, link));
+                if dead || !self.record(s, what) {
+                    // Lost: the sender learns only by the completion error (unless the loss
+                    // is silent).
+                    let ok = !dead && self.knobs.silent_drop;
+                    self.queue
+                        .push_back((at, Item::Completion { side: s, wr, ok }));
                     return;
                 }
                 self.queue.push_back((

@@ -223,6 +223,8 @@ pub enum LgrTimer {
     AddLinkRetry,
     /// The group has had no connection for the idle time: the server terminates it.
     Idle,
+    /// Client: the server's DELETE LINK for a link we asked to delete is due (App. C.7).
+    DeleteLinkWait,
 }
 
 impl TimerKind for LgrTimer {
@@ -231,6 +233,7 @@ impl TimerKind for LgrTimer {
         LgrTimer::RkeyExchange,
         LgrTimer::AddLinkRetry,
         LgrTimer::Idle,
+        LgrTimer::DeleteLinkWait,
     ];
     fn index(self) -> usize {
         self as usize
@@ -273,7 +276,7 @@ pub struct LinkGroup {
     /// The TCP connection of the first contact, while its setup is not complete.
     pub first_contact: Option<TcpId>,
     /// Timers.
-    pub timers: TimerTable<LgrTimer, 4>,
+    pub timers: TimerTable<LgrTimer, 5>,
     /// The path MTU of our links.
     pub mtu: QpMtu,
     /// Link numbers deleted (a late DELETE LINK for them is a timing window, not an error).
@@ -281,6 +284,8 @@ pub struct LinkGroup {
     /// A peer CONFIRM RKEY awaiting its CONTINUATION: (peer RMB index, tokens still to
     /// come, the first message).
     pub rkey_cont: Option<(usize, u8, smc_wire::llc::ConfirmRkey)>,
+    /// Client: links we asked the server to delete, with the link the request went over.
+    pub client_deleting: BTreeMap<u8, u8>,
 }
 
 impl LinkGroup {
@@ -383,6 +388,7 @@ mod tests {
             mtu: QpMtu::MTU_1024,
             deleted: BTreeSet::new(),
             rkey_cont: None,
+            client_deleting: BTreeMap::new(),
         }
     }
 

@@ -1278,6 +1278,7 @@ impl Endpoint {
                 mtu: dev.mtu,
                 deleted: BTreeSet::new(),
                 rkey_cont: None,
+                client_deleting: BTreeMap::new(),
             },
         );
         Ok(id)

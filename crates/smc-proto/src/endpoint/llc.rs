@@ -229,9 +229,22 @@ impl Endpoint {
                     reason,
                 });
                 self.post_llc(lgr, via, msg, None, now);
+                self.client_await_delete(lgr, num, via, now);
             }
         }
         Ok(())
+    }
+
+    /// Client: we asked the server to delete `link` over `via`; its DELETE LINK is due.
+    fn client_await_delete(&mut self, lgr: LgrId, link: u8, via: u8, now: Timestamp) {
+        let timeout = self.config.llc_timeout;
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.client_deleting.insert(link, via);
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+            //# LLC message: DELETE LINK from client Timer waits for: DELETE LINK request from
+            //# server.
+            g.timers.set(LgrTimer::DeleteLinkWait, now + timeout);
+        }
     }
 
     /// Terminate link group `lgr` (operator command): DELETE LINK for all links, every
@@ -255,6 +268,17 @@ impl Endpoint {
         };
         let role = g.role;
         tracing::trace!(?lgr, via, ?m, "LLC received");
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+        //# Any link group command from the server, except DELETE LINK for the entire link
+        //# group What it indicates: Client has sent a DELETE LINK for the link on which the
+        //# message was received.  Recovery action: Ignore the LLC message.
+        if role == Role::Client
+            && g.client_deleting.contains_key(&via)
+            && !matches!(m, LlcMessage::DeleteLink(_) | LlcMessage::TestLink(_))
+        {
+            self.stats.llc_discarded += 1;
+            return;
+        }
         match m {
             LlcMessage::TestLink(t) => self.on_test_link(lgr, via, t, res, now),
             LlcMessage::ConfirmLink(c) => {
@@ -1252,14 +1276,20 @@ impl Endpoint {
                     if link == d.link_num {
                         g.link_exchange = None;
                         g.timers.stop(LgrTimer::LinkExchange);
+                        // A first contact whose second link failed completes now (C.7).
+                        let fc = g.first_contact.is_some();
                         self.arm_add_link_retry(lgr, now);
-                        self.exchange_done(lgr, false, res, now);
+                        self.exchange_done(lgr, fc, res, now);
                         return;
                     }
                 }
                 self.stats.llc_discarded += 1;
             }
             (Role::Client, false) => {
+                g.client_deleting.remove(&d.link_num);
+                if g.client_deleting.is_empty() {
+                    g.timers.stop(LgrTimer::DeleteLinkWait);
+                }
                 let known = g.links.contains_key(&d.link_num);
                 let waiting_fc = match g.link_exchange {
                     Some(LinkExchange::ClientAwaitDelete { link })
@@ -1472,6 +1502,7 @@ impl Endpoint {
                         reason,
                     });
                     self.post_llc(lgr, via, msg, None, now);
+                    self.client_await_delete(lgr, num, via, now);
                 }
             }
             None => {}
@@ -1974,6 +2005,36 @@ impl Endpoint {
                     g.pending.push_back(LocalRequest::AddLink);
                     self.llc_kick(lgr, res, now);
                 }
+                LgrTimer::DeleteLinkWait => {
+                    let waiting: Vec<(u8, u8)> =
+                        g.client_deleting.iter().map(|(l, v)| (*l, *v)).collect();
+                    g.client_deleting.clear();
+                    for (link, via) in waiting {
+                        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                        //# If the scope of the request is to delete a single link, the
+                        //# surviving link over which the client sent the DELETE LINK is no
+                        //# longer usable either.
+                        self.fail_link(lgr, via, DeleteLinkReason::LOST_PATH, res, now);
+                        let Some(g) = self.lgrs.get(&lgr) else {
+                            return;
+                        };
+                        let survivor = g.active_links().find(|l| l.num != link).map(|l| l.num);
+                        if let Some(s) = survivor {
+                            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                            //# If there are other surviving links in the link group, resend
+                            //# over a surviving link.
+                            let msg = LlcMessage::DeleteLink(DeleteLink {
+                                reply: false,
+                                all: false,
+                                orderly: false,
+                                link_num: link,
+                                reason: DeleteLinkReason::LOST_PATH,
+                            });
+                            self.post_llc(lgr, s, msg, None, now);
+                            self.client_await_delete(lgr, link, s, now);
+                        }
+                    }
+                }
                 LgrTimer::Idle => {
                     if g.conns.is_empty() && g.first_contact.is_none() {
                         self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, true, now);
@@ -2092,7 +2153,14 @@ impl Endpoint {
                 first_contact,
                 ..
             } => {
-                let server_owes = matches!(step, ClientAddStep::SentCont { server_owes: true });
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                //# LLC message: ADD LINK reply from client (and there are more RKeys to be
+                //# communicated) Timer waits for: ADD LINK CONTINUATION from server.
+                //# Recovery action: Treat the same as ADD LINK timer failure.
+                let server_owes = matches!(
+                    step,
+                    ClientAddStep::SentReply | ClientAddStep::SentCont { server_owes: true }
+                );
                 if server_owes && first_contact {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                     //# Recovery action: Clean up the SMC-R link, and break the TCP connection
