@@ -30,6 +30,9 @@
 //!   state immediately (messages it already sent are still delivered first).
 //! - Work completions of receives report the message length; the bytes are in the posted
 //!   receive buffer, read them with [`MemoryRegion::read_at`].
+//! - The completion channel ([`CompletionQueue::fd`]) is an epoll fd over per-QP doorbell
+//!   eventfds: it becomes readable only after [`CompletionQueue::req_notify`], so busy pollers
+//!   never pay for doorbells.
 //!
 //! ## The shm backend
 //!
@@ -76,14 +79,27 @@
 //! }
 //! ```
 //!
+//! ## Limits of the shm backend
+//!
+//! - SEND payloads are at most [`MAX_INLINE`] (56) bytes (SMC-R's LLC and CDC messages are 44).
+//! - A QP in the error state stays there (no ERROR → RESET recycling); create a new QP.
+//! - QP state transitions of one QP must not be issued concurrently from several threads
+//!   (as with verbs `modify_qp`); posting and polling may run on any threads.
+//! - The first RDMA WRITE to a new rkey costs one control round trip (the region's memfd is
+//!   granted and mapped, then cached); later WRITEs are a bounds check and a memcpy.
+//!
 //! ## Tests
 //!
 //! - `cargo test -p smc-fabric` runs unit tests, in-process fabric tests and the multi-process
-//!   tests (`tests/multiprocess.rs` re-executes the test binary as the peer). Set
-//!   `SMC_FABRIC_STRESS_MESSAGES=1000000` for the million-message WRITE-then-SEND run.
-//! - The loom model of the ring and doorbell protocol:
-//!   `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=/work/target-fabric-loom cargo test -p smc-fabric --release --lib loom`
-//! - Benchmarks: `cargo bench -p smc-fabric --bench fabric`.
+//!   tests (`tests/multiprocess.rs` re-executes the test binary as the peer process). The
+//!   WRITE-then-SEND stress test checks 100 000 messages by default; set
+//!   `SMC_FABRIC_STRESS_MESSAGES=1000000` for the million-message run.
+//! - The loom model of the ring and the doorbell/sleep protocol (use a separate target
+//!   directory, the cfg change rebuilds everything):
+//!   `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p smc-fabric --release --lib loom`.
+//!   The search uses a preemption bound of 3 unless `LOOM_MAX_PREEMPTIONS` says otherwise.
+//! - Benchmarks (SEND ping-pong busy/blocking, 64 KiB WRITE bandwidth next to memcpy):
+//!   `cargo bench -p smc-fabric --bench fabric`.
 
 #![warn(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]

@@ -164,6 +164,9 @@ pub(crate) struct QpShared {
     pub(crate) send_cq: Arc<CqShared>,
     pub(crate) recv_cq: Arc<CqShared>,
     meta: Mutex<Meta>,
+    /// Serialises INIT → RTR (which connects without holding `meta`, so that two processes
+    /// connecting to each other at once cannot deadlock on each other's control threads).
+    transition: Mutex<()>,
     inbound_fd: OwnedFd,
     inbound: Mapping,
     inbound_cap: u32,
@@ -232,6 +235,7 @@ impl QpShared {
             state: AtomicU8::new(QpState::Reset.to_u8()),
             send_cq: send_cq.clone(),
             recv_cq: recv_cq.clone(),
+            transition: Mutex::new(()),
             meta: Mutex::new(Meta {
                 remote: None,
                 peer: None,
@@ -337,6 +341,7 @@ impl QpShared {
 
     /// INIT → RTR: record the remote QP and connect to its device.
     pub(crate) fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
+        let _transition = lock(&self.transition);
         let st = self.state();
         if st != QpState::Init {
             return Err(FabricError::InvalidTransition {
