@@ -816,6 +816,25 @@ impl EndpointPair {
         true
     }
 
+    /// Deliver items until `pred` holds (checked before each delivery); returns whether it
+    /// held.
+    pub fn run_until(&mut self, mut pred: impl FnMut(&EndpointPair) -> bool) -> bool {
+        self.flush();
+        loop {
+            if pred(self) {
+                return true;
+            }
+            if !self.deliver_next() {
+                return pred(self);
+            }
+        }
+    }
+
+    /// Whether a message whose description is `text` was sent (trace).
+    pub fn sent(&self, text: &str) -> bool {
+        self.trace.iter().any(|e| e.to_string() == text)
+    }
+
     /// Deliver everything in flight (no timers fire).
     pub fn run(&mut self) {
         self.flush();

@@ -45,6 +45,8 @@ pub struct Handshake {
     llc_deadline: Option<Timestamp>,
     /// Client, subsequent contact: the server's Accept, kept while our CONFIRM RKEY runs.
     peer_accept: Option<AcceptConfirm>,
+    /// Client, subsequent contact: index of the server's RMB in the group's table.
+    peer_rmb: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -257,6 +259,7 @@ impl Endpoint {
                 clc_deadline: now + self.config.clc_timeout,
                 llc_deadline: None,
                 peer_accept: None,
+                peer_rmb: None,
             })),
         );
         Ok(())
@@ -277,6 +280,7 @@ impl Endpoint {
                 clc_deadline: now + self.config.clc_timeout,
                 llc_deadline: None,
                 peer_accept: None,
+                peer_rmb: None,
             })),
         );
         Ok(())
@@ -535,6 +539,18 @@ impl Endpoint {
         first_contact: bool,
         now: Timestamp,
     ) {
+        // The link may have failed while our CONFIRM RKEY ran: any active link will do.
+        let link = match self.lgrs.get(&setup.lgr) {
+            Some(g)
+                if !g
+                    .links
+                    .get(&link)
+                    .is_some_and(|l| l.state == LinkState::Active) =>
+            {
+                g.active_links().next().map(|l| l.num).unwrap_or(link)
+            }
+            _ => link,
+        };
         let Some(msg) = self.local_accept_confirm(setup, link, first_contact) else {
             self.setup_reset(tcp, ResetReason::ClcProtocolError("no link"), now);
             return;
@@ -671,7 +687,7 @@ impl Endpoint {
             );
             return;
         };
-        self.establish(tcp, setup, link, client_link, &c, held, now);
+        self.establish(tcp, setup, None, client_link, &c, held, now);
     }
 
     // ----- Client --------------------------------------------------------------------------
@@ -724,6 +740,13 @@ impl Endpoint {
             self.alerts.insert(setup.alert, tcp);
             // Remember the server's RMB (a new RToken on this link means a new RMB).
             self.note_peer_rmb(lgr, link, a.rmb_rkey, a.rmb_vaddr);
+            let idx = self
+                .lgrs
+                .get(&lgr)
+                .and_then(|g| g.peer_rmb_index(link, a.rmb_rkey));
+            if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                h.peer_rmb = idx;
+            }
             if let Some(info) = setup.alloc.new_rmb {
                 //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
                 //# If the client allocates a new RMB for this TCP connection, it performs the
@@ -828,6 +851,25 @@ impl Endpoint {
         a: AcceptConfirm,
         now: Timestamp,
     ) {
+        // The Accept's link may have failed meanwhile: any active link will do (§3.5.2.3).
+        let hint = match self.entries.get(&tcp) {
+            Some(Entry::Setup(h)) => h.peer_rmb,
+            _ => None,
+        };
+        let link = match self.lgrs.get(&setup.lgr) {
+            Some(g)
+                if g.links
+                    .get(&link)
+                    .is_some_and(|l| l.state == LinkState::Active) =>
+            {
+                link
+            }
+            Some(g) => match g.active_links().next() {
+                Some(l) => l.num,
+                None => link,
+            },
+            None => link,
+        };
         let Some(confirm) = self.local_accept_confirm(setup, link, false) else {
             self.setup_reset(tcp, ResetReason::LinkGroupLost, now);
             return;
@@ -836,7 +878,7 @@ impl Endpoint {
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.1
         //# once the client sends an SMC Confirm on a TCP connection that isn't a first
         //# contact, it is committed to SMC-R for this TCP connection
-        self.establish(tcp, setup, link, link, &a, Vec::new(), now);
+        self.establish(tcp, setup, hint, link, &a, Vec::new(), now);
     }
 
     /// A CONFIRM RKEY we started for a handshake finished (`ok`) or failed.
@@ -1068,7 +1110,7 @@ impl Endpoint {
         let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
         match state {
             HsState::ExpectSecondLink { setup, peer, link } => {
-                self.establish(tcp, setup, link, link, &peer, Vec::new(), now);
+                self.establish(tcp, setup, None, link, &peer, Vec::new(), now);
             }
             other => {
                 h.state = other;
@@ -1334,19 +1376,23 @@ impl Endpoint {
         &mut self,
         tcp: TcpId,
         setup: LocalSetup,
-        _link: u8,
+        peer_rmb_hint: Option<usize>,
         peer_link: u8,
         peer: &AcceptConfirm,
         held: Vec<CdcMessage>,
         now: Timestamp,
     ) {
         let lgr = setup.lgr;
-        self.note_peer_rmb(lgr, peer_link, peer.rmb_rkey, peer.rmb_vaddr);
+        if peer_rmb_hint.is_none() {
+            self.note_peer_rmb(lgr, peer_link, peer.rmb_rkey, peer.rmb_vaddr);
+        }
         let Some(g) = self.lgrs.get_mut(&lgr) else {
             self.setup_reset(tcp, ResetReason::LinkGroupLost, now);
             return;
         };
-        let Some(peer_rmb) = g.peer_rmb_index(peer_link, peer.rmb_rkey) else {
+        let Some(peer_rmb) = peer_rmb_hint.or_else(|| g.peer_rmb_index(peer_link, peer.rmb_rkey))
+        else {
+            self.setup_reset(tcp, ResetReason::LinkGroupLost, now);
             return;
         };
         let peer_len = peer.rmbe_size.bytes();

@@ -1445,8 +1445,9 @@ impl Endpoint {
             }
             _ => {}
         }
-        if let Some(fc) = done_fc {
-            self.exchange_done(lgr, fc, res, now);
+        match done_fc {
+            Some(fc) => self.exchange_done(lgr, fc, res, now),
+            None => self.llc_kick(lgr, res, now),
         }
     }
 

@@ -9,20 +9,6 @@ use super::*;
 use crate::endpoint::{Fallback, ResetReason};
 use crate::lgr_harness::{config, Traced};
 
-fn fell_back(p: &EndpointPair, s: Side, tcp: TcpId) -> Option<Fallback> {
-    p.host(s).events.iter().find_map(|(_, e)| match e {
-        EndpointEvent::FellBack { tcp: t, reason, .. } if *t == tcp => Some(*reason),
-        _ => None,
-    })
-}
-
-fn reset(p: &EndpointPair, s: Side, tcp: TcpId) -> Option<ResetReason> {
-    p.host(s).events.iter().find_map(|(_, e)| match e {
-        EndpointEvent::Reset { tcp: t, reason } if *t == tcp => Some(*reason),
-        _ => None,
-    })
-}
-
 fn no_rdma_data(p: &EndpointPair) -> bool {
     !p.trace
         .iter()

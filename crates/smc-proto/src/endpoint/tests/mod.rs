@@ -1,10 +1,11 @@
 //! Endpoint tests, all in the deterministic two-endpoint harness ([`crate::lgr_harness`]).
 
+mod appendix_c7;
 mod failover;
 mod fallback;
 mod rendezvous;
 
-use crate::endpoint::{EndpointEvent, TcpId};
+use crate::endpoint::{EndpointEvent, Fallback, ResetReason, TcpId};
 use crate::harness::Side;
 use crate::lgr_harness::EndpointPair;
 
@@ -22,4 +23,20 @@ pub(super) fn dump(p: &EndpointPair) {
     for l in p.flow(false) {
         println!("{l}");
     }
+}
+
+/// The fallback reason reported on side `s` for `tcp`.
+pub(super) fn fell_back(p: &EndpointPair, s: Side, tcp: TcpId) -> Option<Fallback> {
+    p.host(s).events.iter().find_map(|(_, e)| match e {
+        EndpointEvent::FellBack { tcp: t, reason, .. } if *t == tcp => Some(*reason),
+        _ => None,
+    })
+}
+
+/// The reset reason reported on side `s` for `tcp`.
+pub(super) fn reset(p: &EndpointPair, s: Side, tcp: TcpId) -> Option<ResetReason> {
+    p.host(s).events.iter().find_map(|(_, e)| match e {
+        EndpointEvent::Reset { tcp: t, reason } if *t == tcp => Some(*reason),
+        _ => None,
+    })
 }
