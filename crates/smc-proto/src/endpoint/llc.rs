@@ -329,7 +329,10 @@ impl Endpoint {
         let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&via)) else {
             return;
         };
-        if l.test_link == Some(t.user_data) {
+        if l.test_link.is_none() {
+            // A reply to nothing we asked (a late duplicate): discard.
+            self.stats.llc_discarded += 1;
+        } else if l.test_link == Some(t.user_data) {
             l.test_link = None;
             l.timers.stop(LinkTimer::TestLinkReply);
         } else {
@@ -642,6 +645,11 @@ impl Endpoint {
                 .register_rmb(lgr, *rmb, info.len, id, device)
                 .map_err(|_| ())?;
             info.tokens.insert(num, mr);
+            // An RMB the peer does not know yet (its CONFIRM RKEY is pending) is announced by
+            // that CONFIRM RKEY, with the new link's RToken, not here.
+            if !info.confirmed {
+                continue;
+            }
             if let Some(r) = info.tokens.get(&via) {
                 pairs.push(RtokenPair {
                     reference_rkey: r.rkey,

@@ -747,16 +747,23 @@ fn c7_invalid_delete_rkey_unknown() {
 /// TEST LINK reply whose user data does not match: the link is treated as down.
 #[test]
 fn c7_invalid_test_link_reply() {
-    let mut p = EndpointPair::with_devices(2, 2);
+    let mut a = config(Side::A, 2);
+    a.keepalive = Some(Duration::from_secs(5));
+    let mut p = EndpointPair::new(a, config(Side::B, 2), 1);
     p.connect(T1);
     p.run();
+    p.knobs.silent_drop = true;
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(llc(e), Some(LlcMessage::TestLink(t)) if t.reply),
+    ));
+    p.run_for(Duration::from_secs(6));
+    assert!(p.sent("A->B TEST LINK"));
     let l1 = p.a.link(1).expect("link");
     let t = TestLink {
         reply: true,
         user_data: [7; 16],
     };
     p.inject_llc(Side::A, l1, LlcMessage::TestLink(t));
-    p.run();
     assert_eq!(links(&p, Side::A), [2]);
 }
 

@@ -1,6 +1,7 @@
 //! Endpoint tests, all in the deterministic two-endpoint harness ([`crate::lgr_harness`]).
 
 mod appendix_c7;
+mod collisions;
 mod failover;
 mod fallback;
 mod rendezvous;
