@@ -164,7 +164,10 @@ impl Handshake {
 /// The server's subnet check (RFC 7609 §3.5.1): the client's IPv4 network number and prefix
 /// length equal one of ours, or one of its IPv6 prefixes equals one of ours.
 //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
-//# The server verifies that the client's subnet (IPv4) or prefix (IPv6) matches
+//# For IPv4, the server does this by verifying that it has an interface with an IP subnet
+//# number that matches the subnet number sent by the client in the SMC Proposal.  For
+//# IPv6, it does this by verifying that it is directly attached to at least one IP prefix
+//# that was listed by the client in its SMC Proposal message.
 pub fn subnet_matches(proposal: &Proposal, ipv4: &[(Ipv4Addr, u8)], ipv6: &[Ipv6Prefix]) -> bool {
     let v4 = proposal.ipv4_prefix_len > 0
         && ipv4.iter().any(|(net, len)| {
@@ -235,7 +238,8 @@ impl Endpoint {
             .map(|(n, l)| (Ipv4Addr::from(mask4(*n, *l)), *l))
             .unwrap_or((Ipv4Addr::UNSPECIFIED, 0));
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
-        //# The client sends an SMC Proposal CLC message to the server.
+        //# If SMC-R is supported by both peers, the client sends an SMC Proposal CLC message
+        //# to the server.
         let proposal = Proposal {
             version: 1,
             smc_type_v1: 0,
@@ -443,8 +447,6 @@ impl Endpoint {
     // ----- Server --------------------------------------------------------------------------
 
     fn on_proposal(&mut self, tcp: TcpId, p: Proposal, res: &mut dyn Resources, now: Timestamp) {
-        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
-        //# The server must verify that it is on the same LAN (subnet) as the client
         // Linux (since 5.10) proposes in version 2 with SMC-R v1 offered: parsed, answered
         // with version 1 (wire-formats.md §1 item 4).
         if !p.offers_smcr_v1() {
@@ -481,7 +483,8 @@ impl Endpoint {
             .next();
         if let Some((lgr, Some(link))) = existing {
             //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.1
-            //# If the server finds that it already has an SMC-R link group with the client
+            //# Upon receiving the client's proposal, the server looks up the provided peer
+            //# ID to determine if it already has a usable SMC-R link group with this peer.
             let setup = match self.alloc_rmbe(lgr, res) {
                 Ok(s) => s,
                 Err(()) => {
@@ -819,7 +822,8 @@ impl Endpoint {
             return;
         };
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
-        //# the client sends an SMC Confirm CLC message to the server
+        //# sends an SMC Confirm CLC message to the server over the TCP connection with its
+        //# SMC-R link information included.
         self.send_clc(tcp, &ClcMessage::Confirm(confirm));
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7
         //# the client sets a timer to wait for a RoCE verification message from the server
@@ -949,7 +953,9 @@ impl Endpoint {
             sender_qp: l.local_qp.qpn,
             link_num: num,
             link_user_id: l.local_user_id,
-            max_links: self.config.max_links.clamp(2, 8),
+            // The server supplies its maximum; the client answers with the negotiated value,
+            // which cannot exceed the server's (§2.2.2).
+            max_links: g.max_links,
             max_conns: 0,
         }))
     }
@@ -1457,7 +1463,9 @@ impl Endpoint {
             self.after_conn(old, now);
         }
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.4
-        //# the server must queue this data until it has processed the SMC Confirm
+        //# the server must handle this race condition and not provide the arrived TCP data to
+        //# the socket application until the SMC Confirm CLC message has been received and
+        //# fully processed, opening the socket.
         for cdc in held {
             if let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) {
                 c.conn.handle_cdc(cdc, now);
@@ -1479,11 +1487,12 @@ impl Endpoint {
     }
 }
 
-/// The group's maximum links: the smaller announcement, clamped to 2..=8 (0 counts as 2).
+/// The group's maximum links: the smaller announcement, clamped to 2..=8 (0: no limit of its own).
 fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
     //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.2
-    //# the number of links in a link group is negotiated
-    let theirs = if theirs == 0 { 2 } else { theirs };
+    //# When the client does not supply a value, it indicates that the client accepts the
+    //# server-supplied maximum value.
+    let theirs = if theirs == 0 { ours } else { theirs };
     ours.min(theirs).clamp(2, 8)
 }
 

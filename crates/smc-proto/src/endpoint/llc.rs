@@ -531,7 +531,8 @@ impl Endpoint {
             return false;
         };
         //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.2
-        //# the maximum number of links in a link group
+        //# The SMC-R protocol defines a maximum of eight symmetric SMC-R links within a single
+        //# SMC-R link group.
         if g.symmetric_count() >= usize::from(g.max_links) {
             if first_contact {
                 self.first_contact_done(lgr, now);
@@ -1554,7 +1555,7 @@ impl Endpoint {
             *slot = *t;
         }
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.1
-        //# CONFIRM RKEY(request, Add, RToken set((Link 1,RToken X),(Link 2,RToken Z)))
+        //# CONFIRM RKEY(request, Add,
         let msg = LlcMessage::ConfirmRkey(ConfirmRkey {
             reply: false,
             negative: false,
