@@ -1488,7 +1488,7 @@ impl Endpoint {
 }
 
 /// The group's maximum links: the smaller announcement, clamped to 2..=8 (0: no limit of its own).
-fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
+pub(super) fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
     //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.2
     //# When the client does not supply a value, it indicates that the client accepts the
     //# server-supplied maximum value.

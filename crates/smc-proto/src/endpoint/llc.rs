@@ -400,6 +400,14 @@ impl Endpoint {
                 g.link_exchange = None;
                 g.timers.stop(LgrTimer::LinkExchange);
                 g.timers.stop(LgrTimer::AddLinkRetry);
+                // More links while the group is below its maximum and we have an RNIC no
+                // link uses.
+                let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
+                let free =
+                    (0..self.config.devices.len()).any(|d| !used.contains(&DeviceId(d as u8)));
+                if free && g.symmetric_count() < usize::from(g.max_links) {
+                    g.pending.push_back(LocalRequest::AddLink);
+                }
                 self.activate_link(lgr, new, c.link_user_id, now);
                 self.exchange_done(lgr, first_contact, res, now);
             }
@@ -1177,7 +1185,11 @@ impl Endpoint {
             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.8
             //# The server peer in the SMC-R link group must set a timer to drive it to retry
             //# setup of a failed additional SMC-R link.
-            if g.role == Role::Server && g.symmetric_count() < usize::from(g.max_links) {
+            // C.8 is about the second link: a group without redundancy keeps trying.
+            if g.role == Role::Server
+                && g.active_count() < 2
+                && g.symmetric_count() < usize::from(g.max_links)
+            {
                 g.timers.set(LgrTimer::AddLinkRetry, now + retry);
             }
         }
@@ -2011,10 +2023,15 @@ impl Endpoint {
                     };
                     self.fail_link(lgr, via, DeleteLinkReason::LOST_PATH, res, now);
                 }
-                LgrTimer::AddLinkRetry => {
-                    g.pending.push_back(LocalRequest::AddLink);
-                    self.llc_kick(lgr, res, now);
-                }
+                LgrTimer::AddLinkRetry => match g.role {
+                    Role::Server => {
+                        g.pending.push_back(LocalRequest::AddLink);
+                        self.llc_kick(lgr, res, now);
+                    }
+                    Role::Client => {
+                        let _ = self.request_add_link(lgr, res, now);
+                    }
+                },
                 LgrTimer::DeleteLinkWait => {
                     let waiting: Vec<(u8, u8)> =
                         g.client_deleting.iter().map(|(l, v)| (*l, *v)).collect();
@@ -2209,6 +2226,17 @@ impl Endpoint {
                     reason: DeleteLinkReason::PROGRAM_INITIATED,
                 });
                 self.post_llc(lgr, via, msg, None, now);
+                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+                //# Set a timer to send another ADD LINK to the server if there is still an
+                //# unused RNIC on the client side.
+                let retry = self.config.add_link_retry;
+                let devices = self.config.devices.len();
+                if let Some(g) = self.lgrs.get_mut(&lgr) {
+                    let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
+                    if (0..devices).any(|d| !used.contains(&DeviceId(d as u8))) {
+                        g.timers.set(LgrTimer::AddLinkRetry, now + retry);
+                    }
+                }
                 if first_contact {
                     let timeout = self.llc_timer(lgr);
                     if let Some(g) = self.lgrs.get_mut(&lgr) {

@@ -307,3 +307,135 @@ fn fig15_rtoken_pairs_when_link_added() {
         ]
     );
 }
+
+/// Maximum links: each side announces its own in CONFIRM LINK; the group uses the smaller,
+/// within 2..=8 (§2.2.2); a client's 0 accepts the server's.
+#[test]
+fn max_links_negotiated() {
+    use crate::endpoint::clc::negotiated_max_links;
+    assert_eq!(negotiated_max_links(8, 3), 3);
+    assert_eq!(negotiated_max_links(3, 8), 3);
+    assert_eq!(negotiated_max_links(4, 0), 4);
+    assert_eq!(negotiated_max_links(8, 1), 2);
+    assert_eq!(negotiated_max_links(9, 9), 8);
+    let mut a = crate::lgr_harness::config(Side::A, 4);
+    a.max_links = 3;
+    let mut b = crate::lgr_harness::config(Side::B, 4);
+    b.max_links = 4;
+    let mut p = EndpointPair::new(a, b, 1);
+    p.connect(T1);
+    p.run();
+    for s in [Side::A, Side::B] {
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!(g.max_links, 3);
+        // The server keeps adding links while it has a free RNIC, up to the maximum.
+        assert_eq!(g.active_count(), 3);
+    }
+}
+
+/// Four links: a new RMB's RTokens do not fit in one CONFIRM RKEY (this link + 2 others):
+/// the third other link's token follows in a CONFIRM RKEY CONTINUATION.
+#[test]
+fn confirm_rkey_continuation_with_four_links() {
+    let mut a = crate::lgr_harness::config(Side::A, 4);
+    a.max_links = 4;
+    a.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let mut b = crate::lgr_harness::config(Side::B, 4);
+    b.max_links = 4;
+    let mut p = EndpointPair::new(a, b, 1);
+    p.connect(T1);
+    p.run();
+    assert_eq!(
+        p.b.ep.link_groups().next().map(|g| g.active_count()),
+        Some(4)
+    );
+    let before = p.trace.len();
+    p.connect(TcpId(2));
+    p.run();
+    let flow: Vec<String> = p.trace[before..].iter().map(|e| e.to_string()).collect();
+    assert_eq!(
+        flow,
+        [
+            "A->B SMC Proposal",
+            "B->A SMC Accept",
+            "A->B CONFIRM RKEY others=3",
+            "A->B CONFIRM RKEY CONTINUATION",
+            "B->A CONFIRM RKEY others=3 rsp",
+            "A->B SMC Confirm",
+        ]
+    );
+    let g = p.b.ep.link_groups().next().expect("group");
+    let last = g.peer_rmbs.last().expect("peer rmb");
+    assert_eq!(
+        last.tokens.len(),
+        4,
+        "the server knows the RMB on every link"
+    );
+    assert_eq!(g.active_count(), 4);
+}
+
+/// A peer whose CONFIRM LINK lacks the 0x03 flags wants RMBE eye catchers (RFC layout): we
+/// follow Linux and decline with 0x03050000 (wire-formats.md §1 item 1).
+#[test]
+fn confirm_link_without_linux_flags_declined() {
+    use smc_wire::LlcMessage;
+    let mut p = EndpointPair::with_devices(1, 1);
+    p.knobs.silent_drop = true;
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, crate::lgr_harness::Traced::Llc(_, LlcMessage::ConfirmLink(c)) if !c.reply),
+    ));
+    p.connect(T1);
+    p.run();
+    let mut c = p
+        .trace
+        .iter()
+        .find_map(|e| match &e.what {
+            crate::lgr_harness::Traced::Llc(_, LlcMessage::ConfirmLink(c)) => Some(*c),
+            _ => None,
+        })
+        .expect("confirm link");
+    c.no_rmbe_eyecatcher = false;
+    p.knobs.drop = None;
+    let l1 = p.a.link(1).expect("link");
+    p.inject_llc(Side::A, l1, LlcMessage::ConfirmLink(c));
+    p.run();
+    assert!(p.sent("A->B SMC Decline(0x03050000)"));
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(smc_wire::DeclineCode::RMBE_EC))
+    );
+    assert!(matches!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::PeerDeclined { .. })
+    ));
+}
+
+/// A server whose group with the peer is full creates a parallel link group (first contact
+/// again, §3.5.3); the client follows the first-contact flag.
+#[test]
+fn parallel_link_group_created_by_server() {
+    let a = crate::lgr_harness::config(Side::A, 1);
+    let mut b = crate::lgr_harness::config(Side::B, 1);
+    b.max_conns_per_lgr = 1;
+    let mut p = EndpointPair::new(a, b, 1);
+    p.connect(T1);
+    p.run();
+    p.connect(TcpId(2));
+    p.run();
+    assert!(p.sent("B->A SMC Accept(first contact)"));
+    assert_eq!(
+        p.flow(true)
+            .iter()
+            .filter(|l| *l == "B->A SMC Accept(first contact)")
+            .count(),
+        2
+    );
+    assert_eq!(p.a.ep.link_groups().count(), 2);
+    assert_eq!(p.b.ep.link_groups().count(), 2);
+    assert!(established(&p, Side::A, TcpId(2)));
+    p.app_send(Side::A, TcpId(2), b"parallel");
+    p.app_send(Side::A, T1, b"first");
+    p.run();
+    assert_eq!(p.b.rx[&TcpId(2)], b"parallel");
+    assert_eq!(p.b.rx[&T1], b"first");
+}
