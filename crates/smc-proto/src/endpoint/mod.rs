@@ -205,8 +205,8 @@ pub enum EndpointEvent {
     },
 }
 
-/// Where the application's next bytes go in the peer's RMBE (for a zero-copy runtime that
-/// writes directly).
+/// Where the unread bytes of a connection are in our RMB: the runtime copies them out of
+/// the element and then reports them consumed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReadTarget {
     /// Link group of the RMB.

@@ -4,6 +4,7 @@ mod appendix_c7;
 mod collisions;
 mod failover;
 mod fallback;
+mod forged;
 mod rendezvous;
 
 use crate::endpoint::{EndpointEvent, Fallback, ResetReason, TcpId};

@@ -439,3 +439,51 @@ fn parallel_link_group_created_by_server() {
     assert_eq!(p.b.rx[&TcpId(2)], b"parallel");
     assert_eq!(p.b.rx[&T1], b"first");
 }
+
+/// §3.5.2.2 / §4.4.2: the server presents, for a new connection, the <rtoken, index> another
+/// connection still uses: the existing connection is aborted (reset), the new one proceeds.
+#[test]
+fn subsequent_contact_rmbe_in_use_aborts_old_connection() {
+    use crate::lgr_harness::Traced;
+    use smc_wire::ClcMessage;
+    let mut p = EndpointPair::with_devices(1, 1);
+    p.connect(T1);
+    p.run();
+    let first = p
+        .trace
+        .iter()
+        .find_map(|e| match &e.what {
+            Traced::Clc(_, ClcMessage::Accept(a)) => Some(*a),
+            _ => None,
+        })
+        .expect("first accept");
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Clc(TcpId(2), ClcMessage::Accept(_)))
+    }));
+    p.connect(TcpId(2));
+    p.run();
+    p.knobs.drop = None;
+    let mut second = p
+        .trace
+        .iter()
+        .rev()
+        .find_map(|e| match &e.what {
+            Traced::Clc(TcpId(2), ClcMessage::Accept(a)) => Some(*a),
+            _ => None,
+        })
+        .expect("second accept");
+    second.rmb_rkey = first.rmb_rkey;
+    second.rmbe_idx = first.rmbe_idx;
+    p.inject_tcp(Side::A, TcpId(2), ClcMessage::Accept(second).to_vec());
+    p.run();
+    assert!(established(&p, Side::A, TcpId(2)));
+    assert!(p.a.saw(|e| matches!(
+        e,
+        EndpointEvent::Conn {
+            tcp: T1,
+            event: crate::conn::Event::Failed(crate::conn::ConnError::Reset(
+                crate::conn::AbortReason::RmbeConflict
+            )),
+        }
+    )));
+}
