@@ -52,9 +52,12 @@ proptest! {
         p.run_for(std::time::Duration::from_secs(60));
         for s in [Side::A, Side::B] {
             for g in p.host(s).ep.link_groups() {
-                // Every connection of a group has an entry; no link is half-known.
-                for l in g.links.values() {
-                    prop_assert!(g.links.get(&l.num).is_some());
+                // Links are keyed by their number; an active link knows its peer QP.
+                for (num, l) in &g.links {
+                    prop_assert_eq!(*num, l.num);
+                    if l.state == crate::link_group::LinkState::Active {
+                        prop_assert!(l.remote.is_some());
+                    }
                 }
             }
         }
