@@ -442,6 +442,13 @@ impl Endpoint {
                 }
                 self.exchange_done(lgr, first_contact, res, now);
             }
+            _ if g.rkey_exchange.is_some() && !c.reply => {
+                //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.3.3
+                //# Colliding LLC message: CONFIRM LINK from the peer that did not start the
+                //# current CONFIRM LINK exchange Action to resolve: Queue the request, and
+                //# process it after the current exchange completes.
+                g.queued.push_back((via, LlcMessage::ConfirmLink(c)));
+            }
             _ => {
                 //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                 //# Any unambiguously incorrect or out-of-sync LLC message What it indicates:
@@ -465,7 +472,7 @@ impl Endpoint {
         }
         // Connections may spread onto a new link; a queued message may start an exchange.
         while let Some(g) = self.lgrs.get_mut(&lgr) {
-            if g.link_exchange.is_some() {
+            if g.link_exchange.is_some() || g.rkey_exchange.is_some() {
                 break;
             }
             let Some((via, m)) = g.queued.pop_front() else {

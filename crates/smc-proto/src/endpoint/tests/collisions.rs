@@ -340,3 +340,27 @@ fn concurrent_confirm_rkeys_both_processed() {
         assert!(established(&p, Side::A, t) && established(&p, Side::B, t));
     }
 }
+
+/// A CONFIRM LINK from the peer while our CONFIRM RKEY exchange runs is queued and processed
+/// after it (here it is out of sync, so processing it brings the link down).
+#[test]
+fn rkey_exchange_confirm_link_queued() {
+    let mut p = during_server_rkey(2);
+    let d = device(Side::A, 0);
+    let c = smc_wire::llc::ConfirmLink {
+        sender_mac: d.mac,
+        sender_gid: d.gid,
+        link_num: 1,
+        no_rmbe_eyecatcher: true,
+        ..Default::default()
+    };
+    inject_b(&mut p, LlcMessage::ConfirmLink(c));
+    assert!(!p
+        .flow(true)
+        .iter()
+        .any(|l| l.starts_with("B->A DELETE LINK")));
+    p.run();
+    let done = pos(&p, "A->B CONFIRM RKEY others=1 rsp").expect("exchange completes");
+    let del = pos(&p, "B->A DELETE LINK link=1").expect("queued CONFIRM LINK processed");
+    assert!(del > done);
+}

@@ -194,7 +194,6 @@ fn out_of_sync_first_contact_flag() {
     assert_eq!(p.b.ep.link_groups().count(), 1);
     p.connect(TcpId(2));
     p.run();
-    dump(&p);
     assert!(p
         .flow(true)
         .contains(&"A->B SMC Decline(0x04000000, S)".to_string()));
@@ -354,4 +353,41 @@ fn data_before_confirm_is_held() {
     p.run();
     assert!(established(&p, Side::B, TcpId(2)));
     assert_eq!(p.b.rx[&TcpId(2)], b"early bird");
+}
+
+/// No chase (C.1, C.3): on a subsequent contact the server cannot Decline after its Accept:
+/// when the only link fails while the Confirm is in flight, the connection is reset.
+#[test]
+fn no_decline_after_accept_on_subsequent_contact() {
+    let mut p = EndpointPair::with_devices(1, 1);
+    p.connect(T1);
+    p.run();
+    p.connect(TcpId(2));
+    assert!(p.run_until(|p| {
+        p.flow(true)
+            .iter()
+            .filter(|l| *l == "A->B SMC Confirm")
+            .count()
+            == 2
+    }));
+    let l1 = p.b.link(1).expect("link");
+    p.kill_link(Side::B, l1);
+    p.run();
+    assert!(fell_back(&p, Side::B, TcpId(2)).is_none());
+    assert!(fell_back(&p, Side::A, TcpId(2)).is_none());
+    // Reset during setup, or (when the Confirm got there first) the new connection fails.
+    assert!(
+        reset(&p, Side::B, TcpId(2)).is_some()
+            || p.b.saw(|e| matches!(
+                e,
+                EndpointEvent::Conn {
+                    tcp: TcpId(2),
+                    event: crate::conn::Event::Failed(_)
+                }
+            ))
+    );
+    assert!(!p
+        .trace
+        .iter()
+        .any(|e| matches!(&e.what, Traced::Clc(TcpId(2), ClcMessage::Decline(_)))));
 }
