@@ -12,8 +12,9 @@ fn pattern(len: usize, salt: u8) -> Vec<u8> {
         .collect()
 }
 
-/// Two links, data both ways, link 1 killed after `kill_at` delivered items. Returns the pair.
-fn run_failover(seed: u64, kill_at: usize, bytes: usize) -> EndpointPair {
+/// Two links, two connections, data both ways; link `link` killed after `kill_at` delivered
+/// items. Asserts exact delivery; returns the pair.
+fn run_failover(seed: u64, kill_at: usize, bytes: usize, link: u8) -> EndpointPair {
     let mut p = EndpointPair::new(config(Side::A, 2), config(Side::B, 2), seed);
     p.connect(T1);
     p.run();
@@ -32,8 +33,8 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize) -> EndpointPair {
         }
     }
     let victim = if seed % 2 == 0 { Side::A } else { Side::B };
-    if let Some(l1) = p.host(victim).link(1) {
-        p.kill_link(victim, l1);
+    if let Some(l) = p.host(victim).link(link) {
+        p.kill_link(victim, l);
     }
     p.run_for(Duration::from_secs(5));
     for t in [T1, TcpId(2)] {
@@ -63,7 +64,7 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize) -> EndpointPair {
 /// LINK from the server, and data keeps flowing.
 #[test]
 fn failover_moves_connections_and_replays() {
-    let p = run_failover(3, 40, 60_000);
+    let p = run_failover(3, 40, 60_000, 1);
     assert!(p
         .trace
         .iter()
@@ -81,8 +82,8 @@ fn failover_moves_connections_and_replays() {
     }
 }
 
-/// 1000 seeded runs (override with `SMC_FAILOVER_RUNS`): link 1 dies at a random point, seen
-/// first by a random side; every byte arrives exactly once and in order, both ways, on both
+/// 1000 seeded runs (override with `SMC_FAILOVER_RUNS`): link 1 or 2 dies at a random point,
+/// seen first by a random side; every byte arrives exactly once and in order, both ways, on both
 /// connections.
 #[test]
 fn failover_seeded_runs_deliver_exactly_once_in_order() {
@@ -94,7 +95,8 @@ fn failover_seeded_runs_deliver_exactly_once_in_order() {
     for seed in 0..runs {
         let kill_at = rng.below(600) as usize;
         let bytes = 20_000 + rng.below(40_000) as usize;
-        run_failover(seed, kill_at, bytes);
+        let link = 1 + rng.below(2) as u8;
+        run_failover(seed, kill_at, bytes, link);
     }
 }
 
@@ -320,4 +322,41 @@ fn idle_link_group_terminated_by_server() {
     assert!(p.flow(true).contains(&"B->A DELETE LINK all".to_string()));
     assert_eq!(p.a.ep.link_groups().count(), 0);
     assert_eq!(p.b.ep.link_groups().count(), 0);
+}
+
+/// Link 1 dies; the server re-adds a link after the C.8 retry time (RTokens exchanged for
+/// every RMB); then link 2 dies too: the connections survive on the new link.
+#[test]
+fn second_failure_after_link_readded() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let a = pattern(30_000, 5);
+    p.app_send(Side::A, T1, &a);
+    for _ in 0..20 {
+        p.deliver_next();
+    }
+    let l1 = p.b.link(1).expect("link 1");
+    p.kill_link(Side::B, l1);
+    p.run_for(Duration::from_secs(11));
+    let nums: Vec<u8> =
+        p.b.ep
+            .link_groups()
+            .next()
+            .map(|g| g.links.keys().copied().collect())
+            .unwrap_or_default();
+    assert_eq!(nums, [2, 3], "link 3 added by the retry timer");
+    let l2 = p.b.link(2).expect("link 2");
+    let b = pattern(30_000, 6);
+    p.app_send(Side::B, T1, &b);
+    for _ in 0..20 {
+        p.deliver_next();
+    }
+    p.kill_link(Side::B, l2);
+    p.run_for(Duration::from_secs(1));
+    assert_eq!(p.b.rx[&T1], a);
+    assert_eq!(p.a.rx[&T1], b);
+    for s in [Side::A, Side::B] {
+        assert_eq!(p.host(s).ep.connection_link(T1).map(|x| x.1), Some(3));
+    }
 }
