@@ -323,6 +323,8 @@ pub type DropFn = Box<dyn FnMut(&TraceEntry) -> bool>;
 pub struct Knobs {
     /// One-way delay of every TCP segment and fabric operation.
     pub delay: Duration,
+    /// Extra delay of work completions (after delivery), so that replies can overtake them.
+    pub completion_delay: Duration,
     /// Lose the messages for which this returns true (TCP bytes, SENDs, WRITEs).
     pub drop: Option<DropFn>,
     /// Messages lost by `drop` complete successfully on the sender (the RNIC acknowledged
@@ -338,6 +340,7 @@ impl fmt::Debug for Knobs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Knobs")
             .field("delay", &self.delay)
+            .field("completion_delay", &self.completion_delay)
             .field("drop", &self.drop.is_some())
             .field("silent_drop", &self.silent_drop)
             .field("deliver_tcp_rst", &self.deliver_tcp_rst)
@@ -350,6 +353,7 @@ impl Default for Knobs {
     fn default() -> Self {
         Knobs {
             delay: Duration::from_micros(10),
+            completion_delay: Duration::ZERO,
             drop: None,
             silent_drop: false,
             deliver_tcp_rst: true,
@@ -482,7 +486,7 @@ impl EndpointPair {
     /// Inject raw TCP bytes to side `to` (as if the peer sent them).
     pub fn inject_tcp(&mut self, to: Side, tcp: TcpId, bytes: Vec<u8>) {
         let at = self.now + self.knobs.delay;
-        self.queue.push_back((at, Item::Tcp { to, tcp, bytes }));
+        self.push((at, Item::Tcp { to, tcp, bytes }));
     }
 
     /// Inject an LLC message to side `to`, as if it arrived on that side's link `link`.
@@ -523,7 +527,7 @@ impl EndpointPair {
                 Err(_) => Traced::TcpData(tcp, bytes.len()),
             };
             if self.record(s, what) {
-                self.queue.push_back((
+                self.push((
                     now + delay,
                     Item::Tcp {
                         to: s.other(),
@@ -559,8 +563,7 @@ impl EndpointPair {
                     h.established.remove(tcp);
                     let tcp = *tcp;
                     self.record(s, Traced::TcpRst(tcp));
-                    self.queue
-                        .push_back((now + delay, Item::Rst { to: s.other(), tcp }));
+                    self.push((now + delay, Item::Rst { to: s.other(), tcp }));
                 }
                 EndpointEvent::Reset { tcp, .. } => {
                     h.established.remove(tcp);
@@ -615,11 +618,10 @@ impl EndpointPair {
                     // Lost: the sender learns only by the completion error (unless the loss
                     // is silent).
                     let ok = !dead && self.knobs.silent_drop;
-                    self.queue
-                        .push_back((at, Item::Completion { side: s, wr, ok }));
+                    self.push((at, Item::Completion { side: s, wr, ok }));
                     return;
                 }
-                self.queue.push_back((
+                self.push((
                     at,
                     Item::Send {
                         from: s,
@@ -640,7 +642,7 @@ impl EndpointPair {
                 if self.dead.contains(&(s, link))
                     || !self.record(s, Traced::Write(link, data.len()))
                 {
-                    self.queue.push_back((
+                    self.push((
                         at,
                         Item::Completion {
                             side: s,
@@ -650,7 +652,7 @@ impl EndpointPair {
                     ));
                     return;
                 }
-                self.queue.push_back((
+                self.push((
                     at,
                     Item::Write {
                         from: s,
@@ -674,6 +676,17 @@ impl EndpointPair {
                 h.res.mrs.retain(|_, v| !(v.0 == lgr && v.1 == rmb));
             }
         }
+    }
+
+    /// Queue an item in time order (FIFO among equal times).
+    fn push(&mut self, entry: (Timestamp, Item)) {
+        let at = entry.0;
+        let idx = self
+            .queue
+            .iter()
+            .position(|(t, _)| *t > at)
+            .unwrap_or(self.queue.len());
+        self.queue.insert(idx, entry);
     }
 
     /// The peer side's link connected to our `link`, if both QPs are alive and connected to
@@ -771,8 +784,8 @@ impl EndpointPair {
                     }
                     None => false,
                 };
-                self.queue
-                    .push_back((now + delay, Item::Completion { side: from, wr, ok }));
+                let cd = self.knobs.completion_delay;
+                self.push((now + delay + cd, Item::Completion { side: from, wr, ok }));
             }
             Item::Write {
                 from,
@@ -798,8 +811,8 @@ impl EndpointPair {
                     }
                     None => false,
                 };
-                self.queue
-                    .push_back((now + delay, Item::Completion { side: from, wr, ok }));
+                let cd = self.knobs.completion_delay;
+                self.push((now + delay + cd, Item::Completion { side: from, wr, ok }));
             }
             Item::Completion { side, wr, ok } => {
                 let h = self.host_mut(side);
@@ -898,7 +911,7 @@ impl EndpointPair {
             _ => true,
         });
         for (side, wr) in lost {
-            self.queue.push_back((
+            self.push((
                 now,
                 Item::Completion {
                     side,
@@ -907,10 +920,9 @@ impl EndpointPair {
                 },
             ));
         }
-        self.queue
-            .push_back((now, Item::LinkFailure { side: s, link }));
+        self.push((now, Item::LinkFailure { side: s, link }));
         if let Some(pl) = peer {
-            self.queue.push_back((
+            self.push((
                 now,
                 Item::LinkFailure {
                     side: s.other(),

@@ -1075,6 +1075,8 @@ impl Endpoint {
         }
         let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
         h.state = match state {
+            // A late completion after the second-link exchange started: nothing to do.
+            HsState::ExpectSecondLink { .. } => state,
             HsState::ConfirmLinkSending { setup, peer, link } => {
                 //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                 //# LLC message: CONFIRM LINK reply from client (first contact) Timer waits
@@ -1098,6 +1100,15 @@ impl Endpoint {
     /// (the exchange's timers take over).
     pub(super) fn handshake_second_link_started(&mut self, tcp: TcpId) {
         if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
+            h.state = match state {
+                // The server sends ADD LINK only after it got our CONFIRM LINK reply: the
+                // reply arrived even if its completion has not (yet) come back.
+                HsState::ConfirmLinkSending { setup, peer, link } => {
+                    HsState::ExpectSecondLink { setup, peer, link }
+                }
+                other => other,
+            };
             if matches!(h.state, HsState::ExpectSecondLink { .. }) {
                 h.llc_deadline = None;
             }

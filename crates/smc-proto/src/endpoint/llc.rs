@@ -80,7 +80,9 @@ impl Endpoint {
         {
             if matches!(self.entries.get(&tcp), Some(Entry::Setup(_))) {
                 self.handshake_confirm_completion(tcp, ok, now);
-                if !ok {
+                // Declined (fell back): the group is gone. Past the point of no return the
+                // failure is a link failure like any other.
+                if !ok && !matches!(self.entries.get(&tcp), Some(Entry::Setup(_))) {
                     return;
                 }
             }

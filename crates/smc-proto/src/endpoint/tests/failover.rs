@@ -16,6 +16,8 @@ fn pattern(len: usize, salt: u8) -> Vec<u8> {
 /// items. Asserts exact delivery; returns the pair.
 fn run_failover(seed: u64, kill_at: usize, bytes: usize, link: u8) -> EndpointPair {
     let mut p = EndpointPair::new(config(Side::A, 2), config(Side::B, 2), seed);
+    // Completions late or not: SS lags behind what the peer received by varying amounts.
+    p.knobs.completion_delay = Duration::from_micros([0, 25, 400][(seed % 3) as usize]);
     p.connect(T1);
     p.run();
     p.connect(TcpId(2));

@@ -487,3 +487,19 @@ fn subsequent_contact_rmbe_in_use_aborts_old_connection() {
         }
     )));
 }
+
+/// Work completions arrive late (after the peer's next messages): the first contact still
+/// completes — the server's ADD LINK proves our CONFIRM LINK reply arrived.
+#[test]
+fn late_completions_do_not_stall_first_contact() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.knobs.completion_delay = std::time::Duration::from_millis(5);
+    p.connect(T1);
+    p.run_for(std::time::Duration::from_secs(60));
+    assert!(established(&p, Side::A, T1), "{:#?}", p.flow(true));
+    assert!(established(&p, Side::B, T1));
+    assert!(reset(&p, Side::A, T1).is_none());
+    p.app_send(Side::A, T1, b"late but fine");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"late but fine");
+}
