@@ -165,6 +165,27 @@ fn child_main(role: &str) {
             assert_eq!(me.qp.state(), QpState::Error);
             println!("@@flushed");
         }
+        "stall" => {
+            // Do not poll until told to: messages pile up in our receive ring.
+            let mut go = String::new();
+            std::io::stdin().lock().read_line(&mut go).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut delivered = 0u64;
+            let mut wcs = [WorkCompletion::EMPTY; 16];
+            loop {
+                let n = me.cq.poll(&mut wcs);
+                for wc in &wcs[..n] {
+                    assert_eq!((wc.opcode, wc.status), (WcOpcode::Recv, WcStatus::Success));
+                    delivered += 1;
+                }
+                if n == 0 && me.qp.state() == QpState::Error {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "QP error within 10 s");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            println!("@@delivered {delivered}");
+        }
         "sleep" => loop {
             std::thread::sleep(Duration::from_secs(1));
         },
@@ -340,17 +361,39 @@ fn port_down(dir: &std::path::Path) {
     let cfg = FabricConfig::with_dir(dir, 1);
     let me = Side::new(&cfg, "shm0", 4096);
     me.post_all_rx();
-    let mut peer = Peer::spawn("idle", dir, 0);
+    let mut peer = Peer::spawn("stall", dir, 0);
     peer.connect(&me);
-    me.dev.set_port_state(PortState::Down);
-    let mut flushed = 0;
-    while flushed < RX_SLOTS {
-        let wc = me.next_wc();
-        assert_eq!(wc.status, WcStatus::WrFlushError);
-        flushed += 1;
+    // The stalled peer does not consume: its ring (64 slots) fills, the rest stays outstanding.
+    for i in 0..100u64 {
+        me.qp
+            .post_send(&SendWr::Send {
+                wr_id: i,
+                data: &i.to_le_bytes(),
+                signaled: true,
+            })
+            .unwrap();
     }
-    assert_eq!(peer.marker(), "@@flushed");
+    me.dev.set_port_state(PortState::Down);
+    assert_eq!(me.qp.state(), QpState::Error);
+    let (mut sent, mut flushed_send, mut flushed_recv) = (0u64, 0, 0);
+    while sent + flushed_send < 100 || flushed_recv < RX_SLOTS {
+        let wc = me.next_wc();
+        match (wc.opcode, wc.status) {
+            (WcOpcode::Send, WcStatus::Success) => sent += 1,
+            (WcOpcode::Send, WcStatus::WrFlushError) => flushed_send += 1,
+            (WcOpcode::Recv, WcStatus::WrFlushError) => flushed_recv += 1,
+            other => panic!("unexpected completion {other:?}"),
+        }
+    }
+    assert!(
+        flushed_send > 0,
+        "outstanding sends completed with flush errors"
+    );
+    // The peer's QP fails too, after delivering exactly the messages that completed here.
+    peer.send_line("go");
+    assert_eq!(peer.marker(), format!("@@delivered {sent}"));
     peer.wait_success();
+    me.dev.set_port_state(PortState::Active);
 }
 
 fn task_count() -> usize {
