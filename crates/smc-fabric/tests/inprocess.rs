@@ -544,3 +544,61 @@ fn completion_channel_fd_event_loop_pattern() {
     assert_eq!(b.cq.poll(&mut wcs), 1);
     assert_eq!(wcs[0].wr_id, 3);
 }
+
+/// A hostile local process speaking garbage to a device socket gets disconnected; the device
+/// keeps serving well-behaved peers.
+#[test]
+fn garbage_on_the_control_socket_is_survived() {
+    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketType};
+    let cfg = cfg("garbage");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let path = cfg
+        .dir
+        .join("shm0")
+        .join(format!("{}.sock", a.dev.gid().to_hex()));
+    let hello_no_fd = {
+        let mut m = vec![0u8; 32];
+        m[..4].copy_from_slice(&0x534d_4346u32.to_le_bytes());
+        m[4] = 1;
+        m[28..32].copy_from_slice(&a.qp.qp_num().to_le_bytes());
+        m
+    };
+    let mr_req_first = {
+        let mut m = vec![0u8; 12];
+        m[..4].copy_from_slice(&0x534d_4346u32.to_le_bytes());
+        m[4] = 3;
+        m
+    };
+    let junk: Vec<Vec<u8>> = vec![
+        vec![0xff; 64],
+        vec![],
+        vec![1, 2, 3],
+        hello_no_fd,
+        mr_req_first,
+    ];
+    for msg in junk {
+        let s = rustix::net::socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).unwrap();
+        rustix::net::connect(&s, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+        let _ = rustix::net::send(&s, &msg, SendFlags::NOSIGNAL);
+        if msg.is_empty() {
+            continue;
+        }
+        // The device hangs up on us (a zero-length read) instead of answering or crashing.
+        let mut buf = [0u8; 64];
+        let n = rustix::net::recv(&s, &mut buf, RecvFlags::empty())
+            .map(|(n, _)| n)
+            .unwrap_or(0);
+        assert_eq!(n, 0, "device answered garbage {msg:?}");
+    }
+    // A proper peer still connects and works.
+    let b = Side::new(&cfg, "shm0", 4096);
+    a.post_all_rx();
+    connect(&a, &b);
+    b.qp.post_send(&SendWr::Send {
+        wr_id: 1,
+        data: b"still here",
+        signaled: false,
+    })
+    .unwrap();
+    assert_eq!(a.rx_bytes(&a.next_wc()), b"still here");
+}
