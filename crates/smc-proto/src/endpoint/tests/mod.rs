@@ -1,6 +1,7 @@
 //! Endpoint tests, all in the deterministic two-endpoint harness ([`crate::lgr_harness`]).
 
 mod appendix_c7;
+mod chaos;
 mod collisions;
 mod failover;
 mod fallback;
