@@ -11,10 +11,14 @@ use crate::time::Timestamp;
 
 impl Endpoint {
     /// A CDC message arrived: route it by alert token.
-    pub(super) fn handle_cdc(&mut self, cdc: CdcMessage, now: Timestamp) {
+    pub(super) fn handle_cdc(&mut self, lgr: LgrId, cdc: CdcMessage, now: Timestamp) {
         let Some(&tcp) = self.alerts.get(&cdc.alert_token) else {
             return;
         };
+        // The alert token must name a connection of the group the CDC arrived on.
+        if !self.lgrs.get(&lgr).is_some_and(|g| g.conns.contains(&tcp)) {
+            return;
+        }
         match self.entries.get_mut(&tcp) {
             Some(Entry::Smc(c)) => {
                 c.conn.handle_cdc(cdc, now);

@@ -39,7 +39,7 @@ impl Endpoint {
             self.rearm_keepalive(lgr, num, now);
         }
         match ControlMessage::parse(bytes) {
-            Ok(ControlMessage::Cdc(cdc)) => self.handle_cdc(cdc, now),
+            Ok(ControlMessage::Cdc(cdc)) => self.handle_cdc(lgr, cdc, now),
             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
             //# Recovery action: Ignore (silently discard) the message.
             Ok(ControlMessage::Llc(LlcMessage::Optional { .. })) => self.stats.llc_discarded += 1,
