@@ -128,6 +128,39 @@ pub fn list_devices(config: &FabricConfig) -> Vec<String> {
     config.device_names()
 }
 
+/// GIDs of the ports currently open on device `name` by any process of this fabric (one per
+/// process that opened the device), e.g. for `smc device`. Sockets of dead processes are
+/// skipped.
+pub fn list_ports(config: &FabricConfig, name: &str) -> Result<Vec<Gid>> {
+    config.device(name)?;
+    let dir = config.dir.join(name);
+    let Ok(rd) = std::fs::read_dir(&dir) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for entry in rd.flatten() {
+        let file = entry.file_name();
+        let Some(hex) = file.to_str().and_then(|f| f.strip_suffix(".sock")) else {
+            continue;
+        };
+        if hex.len() != 32 || !hex.is_ascii() {
+            continue;
+        }
+        let mut gid = [0u8; 16];
+        let parsed = gid.iter_mut().enumerate().all(|(i, b)| {
+            u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+                .map(|v| *b = v)
+                .is_ok()
+        });
+        let pid = u32::from_be_bytes([gid[8], gid[9], gid[10], gid[11]]);
+        if parsed && std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            out.push(Gid(gid));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 #[derive(Clone)]
 enum DeviceImpl {
     Shm(Arc<shm::DeviceHandle>),

@@ -15,6 +15,12 @@ fn device_identity_and_state_machine() {
     let a = Side::new(&cfg, "shm0", 4096);
     let b = Side::new(&cfg, "shm0", 4096);
     assert_ne!(a.dev.gid(), b.dev.gid(), "each opening is its own port");
+    let ports = list_ports(&cfg, "shm0").unwrap();
+    assert!(ports.contains(&a.dev.gid()) && ports.contains(&b.dev.gid()));
+    assert_eq!(
+        list_devices(&cfg),
+        vec!["shm0".to_owned(), "shm1".to_owned()]
+    );
     assert_eq!(a.dev.name(), "shm0");
     assert_eq!(a.dev.port_state(), PortState::Active);
     assert!(matches!(
