@@ -47,7 +47,13 @@ pub struct Handshake {
     peer_accept: Option<AcceptConfirm>,
     /// Client, subsequent contact: index of the server's RMB in the group's table.
     peer_rmb: Option<usize>,
+    /// CDCs that overtook the end of a first contact's second-link exchange.
+    held: Vec<CdcMessage>,
 }
+
+/// Most CDCs held for a connection not yet open (a well-behaved peer sends few: it cannot
+/// write more than one RMBE's worth without our consumer cursor).
+const MAX_HELD_CDCS: usize = 256;
 
 #[derive(Debug)]
 enum HsState {
@@ -264,6 +270,7 @@ impl Endpoint {
                 llc_deadline: None,
                 peer_accept: None,
                 peer_rmb: None,
+                held: Vec::new(),
             })),
         );
         Ok(())
@@ -285,6 +292,7 @@ impl Endpoint {
                 llc_deadline: None,
                 peer_accept: None,
                 peer_rmb: None,
+                held: Vec::new(),
             })),
         );
         Ok(())
@@ -1439,8 +1447,15 @@ impl Endpoint {
                 return;
             }
         };
-        let first_contact =
-            matches!(self.entries.get(&tcp), Some(Entry::Setup(h)) if h.is_first_contact());
+        let (first_contact, mut held) = match self.entries.get_mut(&tcp) {
+            Some(Entry::Setup(h)) => {
+                let mut early = std::mem::take(&mut h.held);
+                early.extend(held);
+                (h.is_first_contact(), early)
+            }
+            _ => (false, held),
+        };
+        held.sort_by_key(|c| c.seqno);
         let unacked_from = conn.producer_cursor();
         self.entries.insert(
             tcp,
@@ -1487,10 +1502,17 @@ impl Endpoint {
 
     /// A CDC for an alert token whose connection still awaits Confirm: held (§3.5.2.4).
     /// Returns false if `tcp` is not in that state.
+    ///
+    /// On a first contact the peer may also finish its side of the second-link exchange (and
+    /// start sending) before we finish ours; those CDCs are held the same way.
     pub(super) fn hold_early_cdc(&mut self, tcp: TcpId, cdc: CdcMessage) -> bool {
         if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
             if let HsState::ExpectConfirm { held, .. } = &mut h.state {
                 held.push(cdc);
+                return true;
+            }
+            if matches!(h.state, HsState::ExpectSecondLink { .. }) && h.held.len() < MAX_HELD_CDCS {
+                h.held.push(cdc);
                 return true;
             }
         }

@@ -391,3 +391,36 @@ fn no_decline_after_accept_on_subsequent_contact() {
         .iter()
         .any(|e| matches!(&e.what, Traced::Clc(TcpId(2), ClcMessage::Decline(_)))));
 }
+
+/// First contact: the client finishes the second-link exchange (and sends data on link 1)
+/// before its CONFIRM LINK reply on link 2 reaches the server: the data is held until the
+/// server's side completes.
+#[test]
+fn data_overtaking_second_link_confirmation_is_held() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.knobs.silent_drop = true;
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2),
+    ));
+    p.connect(T1);
+    p.run();
+    p.knobs.drop = None;
+    assert!(established(&p, Side::A, T1));
+    assert!(!established(&p, Side::B, T1));
+    p.app_send(Side::A, T1, b"overtaking");
+    p.run();
+    assert_eq!(p.b.ep.handshake_state(T1), Some("ExpectSecondLink"));
+    let rsp = p
+        .trace
+        .iter()
+        .find_map(|e| match &e.what {
+            Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2 => Some(*c),
+            _ => None,
+        })
+        .expect("reply");
+    let l2 = p.b.link(2).expect("link 2");
+    p.inject_llc(Side::B, l2, LlcMessage::ConfirmLink(rsp));
+    p.run();
+    assert!(established(&p, Side::B, T1));
+    assert_eq!(p.b.rx[&T1], b"overtaking");
+}
