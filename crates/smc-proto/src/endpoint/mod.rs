@@ -225,6 +225,9 @@ pub enum EndpointError {
     /// No such TCP connection.
     #[error("unknown TCP connection")]
     UnknownConnection,
+    /// No such link group.
+    #[error("unknown link group")]
+    UnknownLinkGroup,
     /// The TCP connection id is already in use.
     #[error("TCP connection id in use")]
     DuplicateConnection,
