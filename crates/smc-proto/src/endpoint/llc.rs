@@ -122,7 +122,7 @@ impl Endpoint {
         let g = self
             .lgrs
             .get_mut(&lgr)
-            .ok_or(EndpointError::UnknownConnection)?;
+            .ok_or(EndpointError::UnknownLinkGroup)?;
         match g.role {
             Role::Server => {
                 g.pending.push_back(LocalRequest::AddLink);
@@ -205,7 +205,7 @@ impl Endpoint {
         let g = self
             .lgrs
             .get_mut(&lgr)
-            .ok_or(EndpointError::UnknownConnection)?;
+            .ok_or(EndpointError::UnknownLinkGroup)?;
         let reason = DeleteLinkReason::OPERATOR_INITIATED;
         match g.role {
             Role::Server => {
