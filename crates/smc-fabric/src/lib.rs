@@ -305,6 +305,26 @@ impl ProtectionDomain {
         }
     }
 
+    /// Register the memory of an existing region again in this protection domain (possibly of
+    /// another device), with its own keys and access: the same bytes become reachable through
+    /// QPs of both domains. SMC-R registers each RMB on every link of a link group this way, so
+    /// that WRITEs arriving over either link (before and after a failover) land in one buffer.
+    /// The region's address is the same in both registrations.
+    pub fn register_alias(
+        &self,
+        region: &MemoryRegion,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        match (&self.inner, &region.inner) {
+            (PdImpl::Shm { dev, id }, MrImpl::Shm { mr: src, .. }) => Ok(MemoryRegion {
+                inner: MrImpl::Shm {
+                    dev: dev.clone(),
+                    mr: shm::MrInner::register_alias(&dev.core, *id, src, access)?,
+                },
+            }),
+        }
+    }
+
     /// Create an RC queue pair in state RESET whose send and receive work completes on the given
     /// completion queues (which must belong to the same device).
     pub fn create_qp(

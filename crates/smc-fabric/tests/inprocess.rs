@@ -608,3 +608,49 @@ fn garbage_on_the_control_socket_is_survived() {
     .unwrap();
     assert_eq!(a.rx_bytes(&a.next_wc()), b"still here");
 }
+
+/// One RMB registered on two links (two devices): WRITEs over either link land in the same
+/// bytes, and killing one link leaves the other working (the failover shape of SMC-R).
+#[test]
+fn rmb_aliased_on_two_links_survives_one_link_failure() {
+    let cfg = cfg("alias");
+    let a0 = Side::new(&cfg, "shm0", 4096);
+    let b0 = Side::new(&cfg, "shm0", 4096);
+    let a1 = Side::new(&cfg, "shm1", 4096);
+    let b1 = Side::new(&cfg, "shm1", 4096);
+    connect(&a0, &b0);
+    connect(&a1, &b1);
+    let rmb = &b0.rmb;
+    let alias = b1
+        .pd
+        .register_alias(rmb, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    assert_eq!(alias.addr(), rmb.addr());
+    assert_ne!(alias.rkey(), rmb.rkey());
+    let w = |side: &Side, key: u32, off: u64, data: &[u8]| {
+        side.qp
+            .post_send(&SendWr::WriteInline {
+                wr_id: off,
+                data,
+                remote_addr: rmb.addr() + off,
+                rkey: key,
+                signaled: true,
+            })
+            .unwrap();
+        side.next_wc()
+    };
+    assert_eq!(w(&a0, rmb.rkey(), 0, b"link0").status, WcStatus::Success);
+    assert_eq!(w(&a1, alias.rkey(), 5, b"link1").status, WcStatus::Success);
+    let mut got = [0u8; 10];
+    rmb.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"link0link1");
+    // The alias is bound to its own PD: link 0 cannot use it.
+    assert_eq!(
+        w(&a0, alias.rkey(), 0, b"x").status,
+        WcStatus::RemoteAccessError
+    );
+    // Link 0 is dead now; link 1 still writes into the same RMB.
+    assert_eq!(w(&a1, alias.rkey(), 0, b"after").status, WcStatus::Success);
+    rmb.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"afterlink1");
+}

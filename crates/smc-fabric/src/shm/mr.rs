@@ -9,9 +9,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// A registered memory region.
+///
+/// The memory (memfd and mapping) may be shared by several registrations, in different
+/// protection domains and devices of this process (one RMB registered on every link of a link
+/// group, as SMC-R failover needs).
 pub(crate) struct MrInner {
-    pub(crate) mapping: Mapping,
-    pub(crate) memfd: OwnedFd,
+    pub(crate) mapping: Arc<Mapping>,
+    pub(crate) memfd: Arc<OwnedFd>,
     pub(crate) pd: u32,
     pub(crate) key: u32,
     pub(crate) access: AccessFlags,
@@ -31,8 +35,28 @@ impl MrInner {
         let mapping = Mapping::map(rustix::fd::AsFd::as_fd(&memfd), len)?;
         let key = core.alloc_key();
         let mr = Arc::new(MrInner {
-            mapping,
-            memfd,
+            mapping: Arc::new(mapping),
+            memfd: Arc::new(memfd),
+            pd,
+            key,
+            access,
+        });
+        lock(&core.mrs).insert(key, mr.clone());
+        Ok(mr)
+    }
+
+    /// Register the memory of `src` again, in protection domain `pd` of device `core` (which may
+    /// be another device of this process), with its own keys and access flags.
+    pub(crate) fn register_alias(
+        core: &DeviceCore,
+        pd: u32,
+        src: &MrInner,
+        access: AccessFlags,
+    ) -> Result<Arc<MrInner>> {
+        let key = core.alloc_key();
+        let mr = Arc::new(MrInner {
+            mapping: src.mapping.clone(),
+            memfd: src.memfd.clone(),
             pd,
             key,
             access,
