@@ -654,3 +654,15 @@ fn rmb_aliased_on_two_links_survives_one_link_failure() {
     rmb.read_at(0, &mut got).unwrap();
     assert_eq!(&got, b"afterlink1");
 }
+
+#[test]
+fn world_writable_fabric_directory_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = test_dir("perm");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let cfg = FabricConfig::with_dir(&dir, 1);
+    assert!(matches!(
+        Device::open(&cfg, "shm0"),
+        Err(FabricError::InvalidArgument(_))
+    ));
+}

@@ -225,15 +225,22 @@ impl Drop for DeviceHandle {
 }
 
 fn create_private_dir(dir: &std::path::Path) -> Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    match std::fs::DirBuilder::new()
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
         .mode(0o700)
         .recursive(true)
         .create(dir)
-    {
-        Ok(()) => Ok(()),
-        Err(e) => Err(FabricError::os("create fabric directory", e)),
+        .map_err(|e| FabricError::os("create fabric directory", e))?;
+    // The directory may have existed before (e.g. planted in /tmp by another user): only use
+    // it if we own it and nobody else can add sockets to it.
+    let md =
+        std::fs::symlink_metadata(dir).map_err(|e| FabricError::os("stat fabric directory", e))?;
+    if !md.is_dir() || md.uid() != rustix::process::getuid().as_raw() || md.mode() & 0o022 != 0 {
+        return Err(FabricError::InvalidArgument(
+            "fabric directory must be a directory owned by us and not writable by others",
+        ));
     }
+    Ok(())
 }
 
 /// Remove sockets left behind by processes that died without cleaning up (the GID embeds the
