@@ -446,4 +446,5 @@ fn multiprocess() {
         .map(|e| e.file_name())
         .collect();
     assert!(leftover.is_empty(), "socket files left: {leftover:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
