@@ -530,6 +530,7 @@ impl QpShared {
             }
         }
         let mut fatal = false;
+        let mut queued = Ok(());
         {
             let mut s = lock(&self.send);
             if !s.pending.is_empty() {
@@ -586,13 +587,14 @@ impl QpShared {
                     Exec::Full => self.enqueue(&mut s, wr, local_mr)?,
                 }
             } else {
-                self.enqueue(&mut s, wr, local_mr)?;
+                // Behind queued work (or behind a failure that is about to flush the queue).
+                queued = self.enqueue(&mut s, wr, local_mr);
             }
         }
         if fatal {
             self.enter_error("work request failed");
         }
-        Ok(())
+        queued
     }
 
     fn enqueue(
