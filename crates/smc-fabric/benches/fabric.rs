@@ -160,9 +160,43 @@ fn ping_pong(c: &mut Criterion, busy: bool) {
     echo.join().unwrap();
 }
 
+/// Floor of the blocking ping-pong: two threads waking each other through eventfds (poll +
+/// read + write per hop), no fabric involved. Wake-up latency of idle (v)CPUs dominates both.
+fn eventfd_baseline(c: &mut Criterion) {
+    use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
+    use rustix::fd::OwnedFd;
+    fn hop(wait_on: &OwnedFd) {
+        let mut fds = [PollFd::new(wait_on, PollFlags::IN)];
+        let _ = poll(&mut fds, None);
+        let mut b = [0u8; 8];
+        let _ = rustix::io::read(wait_on, &mut b);
+    }
+    let ping = Arc::new(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).unwrap());
+    let pong = Arc::new(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (p2, q2, s2) = (ping.clone(), pong.clone(), stop.clone());
+    let echo = std::thread::spawn(move || loop {
+        hop(&p2);
+        let _ = rustix::io::write(&*q2, &1u64.to_ne_bytes());
+        if s2.load(Ordering::Relaxed) {
+            break;
+        }
+    });
+    c.bench_function("eventfd_ping_pong_baseline", |bench| {
+        bench.iter(|| {
+            let _ = rustix::io::write(&*ping, &1u64.to_ne_bytes());
+            hop(&pong);
+        })
+    });
+    stop.store(true, Ordering::Relaxed);
+    let _ = rustix::io::write(&*ping, &1u64.to_ne_bytes());
+    echo.join().unwrap();
+}
+
 fn latency(c: &mut Criterion) {
     ping_pong(c, true);
     ping_pong(c, false);
+    eventfd_baseline(c);
 }
 
 fn bandwidth(c: &mut Criterion) {
