@@ -3,6 +3,7 @@
 # tshark, multi-process), and a short stable run of every fuzz target.
 # Installs missing tools first (scripts/install-deps.sh).
 set -euo pipefail
+shopt -s inherit_errexit 2>/dev/null || true
 cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh
@@ -12,7 +13,13 @@ cargo fmt --all -- --check
 echo "== clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== tests"
-cargo test --workspace --locked
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$log"
+
+echo "== loom model of the shm ring and doorbell (smc-fabric)"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test -p smc-fabric --release --locked --lib loom 2>&1 | tee -a "$log"
 
 echo "== fuzz (stable, no sanitizer, ${SMC_FUZZ_SECONDS:=10}s per target)"
 (
@@ -29,4 +36,6 @@ echo "== fuzz (stable, no sanitizer, ${SMC_FUZZ_SECONDS:=10}s per target)"
         rm -rf "$work" "$work.log"
     done
 )
+passed=$(grep -E '^test result: ok' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 echo "all tests passed"
+echo "tests: ${passed} passed, 0 failed"
