@@ -1,7 +1,21 @@
 //! smc: the SMC-R stack as applications see it.
 //!
-//! So far this crate holds capability discovery ([`discovery`]): the eBPF program that puts the
-//! SMC TCP option on the handshake of smc-rs sockets and tells whether the peer offered SMC.
-//! The runtime, `SmcStream` and `SmcListener` come with issue [runtime].
+//! - [`Stack`]: one SMC-R peer per process (peer ID, fabric devices, the protocol endpoint of
+//!   smc-proto, a runtime thread polling completions and firing timers), configured by code
+//!   or the environment ([`StackConfig`]).
+//! - [`SmcListener`] and [`SmcStream`]: blocking sockets shaped like `std::net`'s. Each
+//!   connection starts as TCP, discovers whether the peer speaks SMC-R ([`discovery`]: the
+//!   eBPF TCP option, or the explicit [`DiscoveryMode::AssertPeer`]), runs the CLC rendezvous
+//!   over the TCP socket and then moves its data over the fabric; or it falls back to the
+//!   plain TCP stream, and [`SmcStream::mode`] says why ([`FallbackReason`]).
 
+pub mod config;
 pub mod discovery;
+mod error;
+mod stack;
+mod stream;
+
+pub use config::{DiscoveryMode, StackConfig};
+pub use error::{FallbackReason, Mode, StackError};
+pub use stack::{LinkGroupInfo, LinkInfo, Stack, StackStats};
+pub use stream::{SmcListener, SmcStream};

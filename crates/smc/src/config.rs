@@ -1,0 +1,187 @@
+//! Configuration of a [`Stack`](crate::Stack): by code, or from the environment.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `SMC_DISCOVERY` | `auto`, `ebpf`, `assert-peer` or `off` (see [`DiscoveryMode`]) | `auto` |
+//! | `SMC_BUFFER_SIZE` | receive buffer (RMBE) size in bytes, rounded up to 16 KiB · 2ⁿ | 65536 |
+//! | `SMC_CLC_TIMEOUT_MS` | whole CLC handshake (App. C.5) | 30000 |
+//! | `SMC_LLC_TIMEOUT_MS` | LLC reply timer while maintaining a link group | 2000 |
+//! | `SMC_ASSERT_PEER_WAIT_MS` | assert-peer listener: how long to wait for a Proposal | 1000 |
+//! | `SMC_IPV4_SUBNETS` | comma-separated `a.b.c.d/len` subnets we share with peers | `127.0.0.0/8` |
+//!
+//! The fabric (directory, devices `shm0,shm1`, faults) comes from smc-fabric's own variables
+//! (`SMC_FABRIC_DIR`, `SMC_FABRIC_DEVICES`, `SMC_FABRIC_FAULTS`).
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use smc_fabric::FabricConfig;
+use smc_wire::RmbeSize;
+
+use crate::error::StackError;
+
+/// How a stack learns whether a TCP peer speaks SMC-R (RFC 7609 §3.1, §3.5.1.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiscoveryMode {
+    /// The eBPF TCP-option program when it loads (root or CAP_BPF), otherwise [`Off`](Self::Off).
+    Auto,
+    /// The eBPF TCP-option program; creating the stack fails if it cannot be loaded.
+    Ebpf,
+    /// Explicit mode without privileges: the application asserts that its peers speak SMC-R.
+    /// Clients send a CLC Proposal right after the TCP handshake; listeners wait a bounded
+    /// time ([`StackConfig::assert_peer_wait`]) for a Proposal and otherwise fall back, so a
+    /// plain TCP client still gets plain TCP.
+    AssertPeer,
+    /// Never try SMC-R: every connection is plain TCP.
+    Off,
+}
+
+impl std::str::FromStr for DiscoveryMode {
+    type Err = StackError;
+    fn from_str(s: &str) -> Result<Self, StackError> {
+        match s {
+            "auto" => Ok(DiscoveryMode::Auto),
+            "ebpf" => Ok(DiscoveryMode::Ebpf),
+            "assert-peer" => Ok(DiscoveryMode::AssertPeer),
+            "off" => Ok(DiscoveryMode::Off),
+            _ => Err(StackError::Config(format!(
+                "discovery mode {s:?} (expected auto, ebpf, assert-peer or off)"
+            ))),
+        }
+    }
+}
+
+/// Everything a [`Stack`](crate::Stack) is configured with.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    /// The fabric and its devices (default `shm0` and `shm1`: link groups get two links).
+    pub fabric: FabricConfig,
+    /// Capability discovery.
+    pub discovery: DiscoveryMode,
+    /// Receive buffer (RMBE) size in bytes asked for each connection.
+    pub buffer_size: u32,
+    /// App. C.5: the CLC handshake must complete within this time.
+    pub clc_timeout: Duration,
+    /// App. C.7: LLC reply timer while maintaining a link group.
+    pub llc_timeout: Duration,
+    /// Assert-peer listeners fall back to TCP when no Proposal arrives within this time.
+    pub assert_peer_wait: Duration,
+    /// IPv4 subnets shared with peers (the server's subnet check, RFC 7609 §3.5.1).
+    pub ipv4_subnets: Vec<(Ipv4Addr, u8)>,
+    /// §4.5.3 keepalive interval (`None`: no TEST LINK).
+    pub keepalive: Option<Duration>,
+}
+
+impl StackConfig {
+    /// Defaults over the given fabric: auto discovery, 64 KiB buffers, RFC-like timers.
+    pub fn new(fabric: FabricConfig) -> StackConfig {
+        StackConfig {
+            fabric,
+            discovery: DiscoveryMode::Auto,
+            buffer_size: 64 * 1024,
+            clc_timeout: Duration::from_secs(30),
+            llc_timeout: Duration::from_secs(2),
+            assert_peer_wait: Duration::from_secs(1),
+            ipv4_subnets: vec![(Ipv4Addr::new(127, 0, 0, 0), 8)],
+            keepalive: None,
+        }
+    }
+
+    /// Defaults overridden by the environment (see the module documentation).
+    pub fn from_env() -> Result<StackConfig, StackError> {
+        let fabric = FabricConfig::from_env().map_err(StackError::Fabric)?;
+        let mut c = StackConfig::new(fabric);
+        if let Ok(v) = std::env::var("SMC_DISCOVERY") {
+            c.discovery = v.parse()?;
+        }
+        let num = |name: &str| -> Result<Option<u64>, StackError> {
+            match std::env::var(name) {
+                Ok(v) => v
+                    .parse::<u64>()
+                    .map(Some)
+                    .map_err(|_| StackError::Config(format!("{name}={v:?} is not a number"))),
+                Err(_) => Ok(None),
+            }
+        };
+        if let Some(v) = num("SMC_BUFFER_SIZE")? {
+            c.buffer_size = u32::try_from(v)
+                .map_err(|_| StackError::Config(format!("SMC_BUFFER_SIZE={v} too large")))?;
+        }
+        if let Some(v) = num("SMC_CLC_TIMEOUT_MS")? {
+            c.clc_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = num("SMC_LLC_TIMEOUT_MS")? {
+            c.llc_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = num("SMC_ASSERT_PEER_WAIT_MS")? {
+            c.assert_peer_wait = Duration::from_millis(v);
+        }
+        if let Ok(v) = std::env::var("SMC_IPV4_SUBNETS") {
+            c.ipv4_subnets = parse_subnets(&v)?;
+        }
+        Ok(c)
+    }
+
+    /// The RMBE size code for [`buffer_size`](Self::buffer_size): the smallest 16 KiB · 2ⁿ
+    /// (n ≤ 6, 1 MiB) not below it.
+    pub fn rmbe_size(&self) -> RmbeSize {
+        let mut code = 0u8;
+        while code < 6 && ((16 * 1024u32) << code) < self.buffer_size {
+            code += 1;
+        }
+        RmbeSize(code)
+    }
+}
+
+/// Parse `a.b.c.d/len,...`.
+pub fn parse_subnets(s: &str) -> Result<Vec<(Ipv4Addr, u8)>, StackError> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let bad = || StackError::Config(format!("subnet {p:?} (expected a.b.c.d/len)"));
+            let (a, l) = p.trim().split_once('/').ok_or_else(bad)?;
+            let addr: Ipv4Addr = a.parse().map_err(|_| bad())?;
+            let len: u8 = l.parse().map_err(|_| bad())?;
+            if len > 32 {
+                return Err(bad());
+            }
+            Ok((addr, len))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rmbe_size_rounds_up() {
+        let mut c = StackConfig::new(FabricConfig::with_dir("/nonexistent", 1));
+        c.buffer_size = 1;
+        assert_eq!(c.rmbe_size(), RmbeSize(0));
+        c.buffer_size = 16 * 1024 + 1;
+        assert_eq!(c.rmbe_size(), RmbeSize(1));
+        c.buffer_size = 64 * 1024;
+        assert_eq!(c.rmbe_size(), RmbeSize(2));
+        c.buffer_size = u32::MAX;
+        assert_eq!(c.rmbe_size(), RmbeSize(6));
+    }
+
+    #[test]
+    fn subnets_parse_and_reject() {
+        assert_eq!(
+            parse_subnets("10.0.0.0/8, 127.0.0.0/8").expect("valid"),
+            vec![
+                (Ipv4Addr::new(10, 0, 0, 0), 8),
+                (Ipv4Addr::new(127, 0, 0, 0), 8)
+            ]
+        );
+        assert!(parse_subnets("10.0.0.0").is_err());
+        assert!(parse_subnets("10.0.0.0/33").is_err());
+        assert!("nope".parse::<DiscoveryMode>().is_err());
+        assert_eq!(
+            "assert-peer".parse::<DiscoveryMode>().expect("valid"),
+            DiscoveryMode::AssertPeer
+        );
+    }
+}

@@ -1,0 +1,848 @@
+//! The per-process SMC-R stack: the sans-IO [`Endpoint`] of smc-proto driven over the
+//! smc-fabric devices, with a runtime thread that polls completion queues and fires timers.
+//!
+//! Locking: one mutex guards the endpoint, the fabric objects and the connection table
+//! ([`Core`]). The runtime thread takes it for each batch of completions and timers; the data
+//! path (`SmcStream::read`/`write`) takes it in the calling thread, copies, posts, and
+//! releases it. One condition variable wakes every waiting reader, writer and handshake
+//! after any change.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::Write as _;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use smc_fabric::{
+    AccessFlags, CompletionQueue, Device, DeviceEvent, MemoryRegion, PortState, ProtectionDomain,
+    QpCaps, QueuePair, RecvWr, RemoteQpInfo, SendWr, WorkCompletion,
+};
+use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId};
+use smc_proto::fabric::{
+    DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
+};
+use smc_proto::rmb_pool::RmbId;
+use smc_proto::{ConnError, Endpoint, EndpointConfig, Timestamp};
+use smc_wire::{ControlMessage, Cursor, PeerId, QpMtu, U24};
+
+use crate::config::{DiscoveryMode, StackConfig};
+use crate::discovery::TcpOptionDiscovery;
+use crate::error::{FallbackReason, Mode, StackError};
+
+/// Receive buffers posted per QP.
+const RECV_SLOTS: u64 = 128;
+/// Bytes per receive slot (messages are 44 bytes).
+const RECV_SLOT_LEN: usize = 64;
+/// Work-request ids of receives carry this bit; the rest is `link << 8 | slot`.
+const RECV_FLAG: u64 = 1 << 63;
+/// The runtime thread sleeps at most this long (device events are polled, not signalled).
+const MAX_SLEEP: Duration = Duration::from_millis(20);
+
+/// Where a connection is in its life, as the stack tracks it.
+#[derive(Debug, Clone)]
+pub(crate) enum SlotState {
+    /// CLC handshake (and link setup) in progress.
+    Setup,
+    /// Running over SMC-R.
+    Smc,
+    /// Fell back to TCP; `leftover` are TCP bytes read during the handshake.
+    FellBack {
+        reason: FallbackReason,
+        leftover: Vec<u8>,
+    },
+    /// Reset during setup.
+    Reset(ResetReason),
+}
+
+/// One connection known to the stack.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) state: SlotState,
+    /// The TCP socket (CLC messages are written on it; reset on `SendTcpReset`).
+    pub(crate) sock: Option<TcpStream>,
+    /// The established connection failed.
+    pub(crate) error: Option<ConnError>,
+    /// The engine reached `Closed`.
+    pub(crate) closed: bool,
+    /// The application dropped its stream.
+    pub(crate) dropped: bool,
+    /// Our alert token (set when established).
+    pub(crate) token: Option<u32>,
+}
+
+/// A link's QP and its receive buffers.
+struct LinkQp {
+    qp: QueuePair,
+    device: usize,
+    rx: MemoryRegion,
+}
+
+/// The fabric objects of the stack: the [`Resources`] the endpoint allocates from.
+pub(crate) struct Fabric {
+    pub(crate) devices: Vec<Device>,
+    pds: Vec<ProtectionDomain>,
+    cqs: Vec<CompletionQueue>,
+    links: HashMap<LinkId, LinkQp>,
+    /// RMB memory per (group, RMB): one region per device (the shm fabric registers memory
+    /// per device, so the same RMB is a separate region on each device; see `segments`).
+    pub(crate) rmbs: HashMap<(LgrId, RmbId), Vec<Option<MemoryRegion>>>,
+    rng: u64,
+}
+
+impl Fabric {
+    fn next_random(&mut self) -> u64 {
+        // xorshift64*: identifiers only need to differ, not to be unpredictable.
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn post_recv(&self, link: LinkId, l: &LinkQp, slot: u64) -> smc_fabric::Result<()> {
+        let sge =
+            l.rx.sge(slot as usize * RECV_SLOT_LEN, RECV_SLOT_LEN as u32)?;
+        l.qp.post_recv(&RecvWr {
+            wr_id: RECV_FLAG | u64::from(link.0) << 8 | slot,
+            sge,
+        })
+    }
+}
+
+impl Resources for Fabric {
+    fn create_qp(&mut self, link: LinkId, device: DeviceId) -> Result<QpInfo, ResourceError> {
+        let d = usize::from(device.0);
+        let (pd, cq) = match (self.pds.get(d), self.cqs.get(d)) {
+            (Some(p), Some(c)) => (p, c),
+            _ => return Err(ResourceError("no such device")),
+        };
+        let caps = QpCaps {
+            max_send_wr: 4096,
+            max_recv_wr: RECV_SLOTS as u32,
+        };
+        let qp = pd
+            .create_qp(cq, cq, caps)
+            .map_err(|_| ResourceError("QP creation failed"))?;
+        qp.to_init().map_err(|_| ResourceError("QP init failed"))?;
+        let rx = pd
+            .register(
+                RECV_SLOTS as usize * RECV_SLOT_LEN,
+                AccessFlags::LOCAL_WRITE,
+            )
+            .map_err(|_| ResourceError("receive buffer registration failed"))?;
+        let info = qp.local_info();
+        let l = LinkQp { qp, device: d, rx };
+        for slot in 0..RECV_SLOTS {
+            self.post_recv(link, &l, slot)
+                .map_err(|_| ResourceError("posting receives failed"))?;
+        }
+        self.links.insert(link, l);
+        Ok(QpInfo {
+            qpn: U24::truncate(info.qp_num),
+            psn: U24::truncate(info.psn),
+        })
+    }
+
+    fn register_rmb(
+        &mut self,
+        lgr: LgrId,
+        rmb: RmbId,
+        len: u64,
+        _link: LinkId,
+        device: DeviceId,
+    ) -> Result<MrInfo, ResourceError> {
+        let d = usize::from(device.0);
+        let pd = self.pds.get(d).ok_or(ResourceError("no such device"))?;
+        let len = usize::try_from(len).map_err(|_| ResourceError("RMB too large"))?;
+        let slots = self
+            .rmbs
+            .entry((lgr, rmb))
+            .or_insert_with(|| (0..self.devices.len()).map(|_| None).collect());
+        if slots[d].is_none() {
+            let mr = pd
+                .register(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+                .map_err(|_| ResourceError("RMB registration failed"))?;
+            slots[d] = Some(mr);
+        }
+        let mr = slots[d].as_ref().ok_or(ResourceError("RMB missing"))?;
+        Ok(MrInfo {
+            rkey: mr.rkey(),
+            vaddr: mr.addr(),
+        })
+    }
+
+    fn random_u32(&mut self) -> u32 {
+        (self.next_random() >> 32) as u32
+    }
+}
+
+/// Which device's region holds the bytes a peer announced up to a producer cursor.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Segment {
+    pub(crate) upto: Cursor,
+    pub(crate) device: usize,
+}
+
+/// Counters of a stack.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StackStats {
+    /// Connections that run over SMC-R.
+    pub smc: u64,
+    /// Connections that fell back to TCP (by any reason).
+    pub fallbacks: u64,
+    /// Fallbacks because the peer did not offer SMC-R or discovery is off.
+    pub fallback_no_smc_peer: u64,
+    /// Fallbacks because a Decline was sent or received.
+    pub fallback_declined: u64,
+    /// Connections reset during setup.
+    pub setup_resets: u64,
+    /// Links that went down.
+    pub links_down: u64,
+    /// Links that came up.
+    pub links_up: u64,
+}
+
+/// Everything the mutex guards.
+pub(crate) struct Core {
+    pub(crate) ep: Endpoint,
+    pub(crate) fab: Fabric,
+    pub(crate) slots: HashMap<TcpId, Slot>,
+    /// Per local alert token: which device's region holds which announced bytes.
+    pub(crate) segments: HashMap<u32, VecDeque<Segment>>,
+    pub(crate) stats: StackStats,
+    start: Instant,
+}
+
+impl Core {
+    /// Current time on the endpoint's clock.
+    pub(crate) fn now(&self) -> Timestamp {
+        Timestamp::from_duration(self.start.elapsed())
+    }
+
+    /// Perform every output of the endpoint (TCP writes, fabric operations, events) until
+    /// nothing is left.
+    pub(crate) fn drain(&mut self) {
+        loop {
+            let mut progress = false;
+            while let Some((tcp, bytes)) = self.ep.poll_tcp_transmit() {
+                progress = true;
+                let failed = match self.slots.get_mut(&tcp).and_then(|s| s.sock.as_mut()) {
+                    Some(sock) => sock.write_all(&bytes).is_err(),
+                    None => true,
+                };
+                if failed {
+                    let now = self.now();
+                    self.ep.handle_tcp_reset(tcp, now);
+                }
+            }
+            while let Some(op) = self.ep.poll_fabric() {
+                progress = true;
+                self.fabric_op(op);
+            }
+            while let Some(ev) = self.ep.poll_event() {
+                progress = true;
+                self.event(ev);
+            }
+            if !progress {
+                return;
+            }
+        }
+    }
+
+    fn fabric_op(&mut self, op: FabricOp) {
+        tracing::trace!(?op, "fabric op");
+        let now = self.now();
+        match op {
+            FabricOp::ConnectQp {
+                link,
+                device: _,
+                remote,
+            } => {
+                let ok = match self.fab.links.get(&link) {
+                    Some(l) => {
+                        let mtu = smc_fabric::Mtu::from_code(remote.mtu.0)
+                            .unwrap_or(smc_fabric::Mtu::Mtu1024);
+                        l.qp.to_rtr(RemoteQpInfo {
+                            gid: smc_fabric::Gid(remote.gid.0),
+                            qp_num: remote.qpn.get(),
+                            psn: remote.psn.get(),
+                            mtu,
+                        })
+                        .and_then(|_| l.qp.to_rts())
+                        .is_ok()
+                    }
+                    None => false,
+                };
+                if !ok {
+                    tracing::debug!(%link, "connecting QP failed");
+                    self.ep.handle_link_failure(link, &mut self.fab, now);
+                }
+            }
+            FabricOp::PostSend { link, wr, msg } => {
+                let ok = self.fab.links.get(&link).is_some_and(|l| {
+                    l.qp.post_send(&SendWr::Send {
+                        wr_id: wr.0,
+                        data: &msg,
+                        signaled: true,
+                    })
+                    .is_ok()
+                });
+                if !ok {
+                    self.ep.handle_completion(wr, false, &mut self.fab, now);
+                }
+            }
+            FabricOp::RdmaWrite {
+                link,
+                wr,
+                rkey,
+                addr,
+                data,
+            } => {
+                let ok = self.fab.links.get(&link).is_some_and(|l| {
+                    l.qp.post_send(&SendWr::WriteInline {
+                        wr_id: wr.0,
+                        data: &data,
+                        remote_addr: addr,
+                        rkey,
+                        signaled: true,
+                    })
+                    .is_ok()
+                });
+                if !ok {
+                    self.ep.handle_completion(wr, false, &mut self.fab, now);
+                }
+            }
+            FabricOp::DestroyQp { link } => {
+                self.fab.links.remove(&link);
+            }
+            FabricOp::FreeRmb { lgr, rmb } => {
+                self.fab.rmbs.remove(&(lgr, rmb));
+            }
+        }
+    }
+
+    fn event(&mut self, ev: EndpointEvent) {
+        tracing::trace!(?ev, "endpoint event");
+        match ev {
+            EndpointEvent::Established { tcp, .. } => {
+                self.stats.smc += 1;
+                let token = self
+                    .ep
+                    .connection(tcp)
+                    .map(|c| c.config().local_alert_token);
+                if let Some(s) = self.slots.get_mut(&tcp) {
+                    s.state = SlotState::Smc;
+                    s.token = token;
+                }
+            }
+            EndpointEvent::FellBack {
+                tcp,
+                reason,
+                leftover,
+            } => {
+                // Counted when the stream is built (`SmcStream::fallback`).
+                if let Some(s) = self.slots.get_mut(&tcp) {
+                    s.state = SlotState::FellBack {
+                        reason: reason.into(),
+                        leftover,
+                    };
+                }
+            }
+            EndpointEvent::Reset { tcp, reason } => {
+                self.stats.setup_resets += 1;
+                if let Some(s) = self.slots.get_mut(&tcp) {
+                    if matches!(s.state, SlotState::Setup) {
+                        s.state = SlotState::Reset(reason);
+                    } else if let ResetReason::Connection(e) = reason {
+                        s.error.get_or_insert(e);
+                    }
+                    reset_socket(s.sock.take());
+                }
+            }
+            EndpointEvent::Conn { tcp, event } => match event {
+                smc_proto::Event::Failed(e) => {
+                    if let Some(s) = self.slots.get_mut(&tcp) {
+                        s.error.get_or_insert(e);
+                    }
+                }
+                smc_proto::Event::SendTcpReset => {
+                    if let Some(s) = self.slots.get_mut(&tcp) {
+                        reset_socket(s.sock.take());
+                    }
+                }
+                smc_proto::Event::Closed => {
+                    let remove = match self.slots.get_mut(&tcp) {
+                        Some(s) => {
+                            s.closed = true;
+                            if let Some(t) = s.token {
+                                self.segments.remove(&t);
+                            }
+                            s.dropped
+                        }
+                        None => false,
+                    };
+                    if remove {
+                        self.slots.remove(&tcp);
+                    }
+                }
+                _ => {}
+            },
+            EndpointEvent::LinkUp { .. } => self.stats.links_up += 1,
+            EndpointEvent::LinkDown { .. } => self.stats.links_down += 1,
+            EndpointEvent::LinkGroupTerminated { .. } => {}
+        }
+    }
+
+    /// One work completion from the completion queue of device `dev`.
+    fn completion(&mut self, dev: usize, wc: &WorkCompletion) {
+        let now = self.now();
+        if wc.wr_id & RECV_FLAG == 0 {
+            self.ep
+                .handle_completion(WrId(wc.wr_id), wc.is_ok(), &mut self.fab, now);
+            return;
+        }
+        let link = LinkId(((wc.wr_id & !RECV_FLAG) >> 8) as u32);
+        let slot = wc.wr_id & 0xff;
+        if !wc.is_ok() {
+            self.ep.handle_link_failure(link, &mut self.fab, now);
+            return;
+        }
+        let mut buf = [0u8; RECV_SLOT_LEN];
+        let len = (wc.byte_len as usize).min(RECV_SLOT_LEN);
+        let Some(l) = self.fab.links.get(&link) else {
+            return;
+        };
+        let read = l.rx.read_at(slot as usize * RECV_SLOT_LEN, &mut buf[..len]);
+        let reposted = self.fab.post_recv(link, l, slot);
+        if read.is_err() || reposted.is_err() {
+            self.ep.handle_link_failure(link, &mut self.fab, now);
+            return;
+        }
+        if let Ok(ControlMessage::Cdc(cdc)) = ControlMessage::parse(&buf[..len]) {
+            // The peer wrote the bytes this CDC announces over the same link (writes and
+            // the CDC share a QP), so they are in this device's copy of the RMB.
+            let segs = self.segments.entry(cdc.alert_token).or_default();
+            match segs.back_mut() {
+                Some(last) if last.device == dev => last.upto = cdc.producer,
+                _ => segs.push_back(Segment {
+                    upto: cdc.producer,
+                    device: dev,
+                }),
+            }
+        }
+        self.ep
+            .handle_message(link, &buf[..len], &mut self.fab, now);
+    }
+
+    fn device_event(&mut self, dev: usize, ev: DeviceEvent) {
+        let now = self.now();
+        let failed: Vec<LinkId> = match ev {
+            DeviceEvent::PortDown => self
+                .fab
+                .links
+                .iter()
+                .filter(|(_, l)| l.device == dev)
+                .map(|(id, _)| *id)
+                .collect(),
+            DeviceEvent::QpFatal { qp_num } => self
+                .fab
+                .links
+                .iter()
+                .filter(|(_, l)| l.device == dev && l.qp.qp_num() == qp_num)
+                .map(|(id, _)| *id)
+                .collect(),
+            DeviceEvent::PortActive => {
+                // A device came back: ask every group for its links again (App. C.8).
+                let groups: Vec<LgrId> = self.ep.link_groups().map(|g| g.id).collect();
+                for g in groups {
+                    let _ = self.ep.request_add_link(g, &mut self.fab, now);
+                }
+                Vec::new()
+            }
+        };
+        for link in failed {
+            self.ep.handle_link_failure(link, &mut self.fab, now);
+        }
+    }
+}
+
+/// Send a RST instead of a FIN when the socket closes.
+fn reset_socket(sock: Option<TcpStream>) {
+    if let Some(s) = sock {
+        let _ = rustix::net::sockopt::set_socket_linger(&s, Some(Duration::ZERO));
+    }
+}
+
+/// Shared state of a stack.
+pub(crate) struct Inner {
+    pub(crate) config: StackConfig,
+    pub(crate) core: Mutex<Core>,
+    pub(crate) cond: Condvar,
+    pub(crate) discovery: Option<TcpOptionDiscovery>,
+    pub(crate) peer_id: PeerId,
+    next_tcp: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl Inner {
+    /// Lock the core (a poisoned lock is still usable: every operation leaves it consistent
+    /// enough to continue, and panics are bugs that tests catch).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fresh connection id.
+    pub(crate) fn new_tcp_id(&self) -> TcpId {
+        TcpId(self.next_tcp.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Wait on the condition variable for at most `timeout`.
+    pub(crate) fn wait<'a>(
+        &self,
+        guard: MutexGuard<'a, Core>,
+        timeout: Duration,
+    ) -> MutexGuard<'a, Core> {
+        match self.cond.wait_timeout(guard, timeout) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        }
+    }
+}
+
+/// One SMC-R stack (one SMC-R peer with its own peer ID): the fabric devices, the protocol
+/// endpoint and the runtime thread. Cloning gives another handle to the same stack; the
+/// runtime thread ends when the last handle and the last socket are gone.
+#[derive(Clone)]
+pub struct Stack {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Stack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stack")
+            .field("peer_id", &self.inner.peer_id)
+            .field("discovery", &self.discovery_mode())
+            .finish()
+    }
+}
+
+/// A link of a link group, for display.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// Link number in the group.
+    pub num: u8,
+    /// Our device name.
+    pub device: String,
+    /// Whether the link is confirmed and carries traffic.
+    pub active: bool,
+}
+
+/// A link group, for display.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkGroupInfo {
+    /// Endpoint-local id.
+    pub id: u32,
+    /// Whether we are the server of the group.
+    pub server: bool,
+    /// The peer's ID.
+    pub peer: String,
+    /// Links.
+    pub links: Vec<LinkInfo>,
+    /// Connections on the group.
+    pub connections: usize,
+}
+
+impl Stack {
+    /// A stack configured from the environment (see [`StackConfig::from_env`]).
+    pub fn from_env() -> Result<Stack, StackError> {
+        Stack::new(StackConfig::from_env()?)
+    }
+
+    /// A stack with the given configuration: opens the devices, loads discovery, starts the
+    /// runtime thread, and draws a new peer ID.
+    pub fn new(config: StackConfig) -> Result<Stack, StackError> {
+        let names = smc_fabric::list_devices(&config.fabric);
+        if names.is_empty() {
+            return Err(StackError::Config("no fabric devices configured".into()));
+        }
+        let mut devices = Vec::new();
+        let mut pds = Vec::new();
+        let mut cqs = Vec::new();
+        for n in &names {
+            let d = Device::open(&config.fabric, n).map_err(StackError::Fabric)?;
+            pds.push(d.alloc_pd().map_err(StackError::Fabric)?);
+            cqs.push(d.create_cq().map_err(StackError::Fabric)?);
+            devices.push(d);
+        }
+        let discovery = match config.discovery {
+            DiscoveryMode::Ebpf => Some(TcpOptionDiscovery::load(None)?),
+            DiscoveryMode::Auto => match TcpOptionDiscovery::load(None) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::info!(%e, "eBPF discovery unavailable: connections stay TCP");
+                    None
+                }
+            },
+            DiscoveryMode::AssertPeer | DiscoveryMode::Off => None,
+        };
+        let mut seed = random_seed();
+        let instance = (seed & 0xffff) as u16;
+        seed |= 1;
+        let peer_id = PeerId {
+            instance,
+            mac: smc_wire::Mac(devices[0].mac().0),
+        };
+        let proto_devices = devices
+            .iter()
+            .map(|d| smc_proto::fabric::Device {
+                gid: smc_wire::Gid(d.gid().0),
+                mac: smc_wire::Mac(d.mac().0),
+                mtu: QpMtu::MTU_1024,
+            })
+            .collect();
+        let mut ec = EndpointConfig::new(peer_id, proto_devices);
+        ec.ipv4_subnets = config.ipv4_subnets.clone();
+        ec.rmbe_size = config.rmbe_size();
+        ec.clc_timeout = config.clc_timeout;
+        ec.llc_timeout = config.llc_timeout;
+        ec.keepalive = config.keepalive;
+        let fab = Fabric {
+            devices: devices.clone(),
+            pds,
+            cqs: cqs.clone(),
+            links: HashMap::new(),
+            rmbs: HashMap::new(),
+            rng: seed,
+        };
+        let core = Core {
+            ep: Endpoint::new(ec),
+            fab,
+            slots: HashMap::new(),
+            segments: HashMap::new(),
+            stats: StackStats::default(),
+            start: Instant::now(),
+        };
+        let inner = Arc::new(Inner {
+            config,
+            core: Mutex::new(core),
+            cond: Condvar::new(),
+            discovery,
+            peer_id,
+            next_tcp: AtomicU64::new(1),
+            stop: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("smc-runtime".into())
+            .spawn(move || runtime(weak, devices, cqs))
+            .map_err(StackError::Thread)?;
+        Ok(Stack { inner })
+    }
+
+    /// The process-wide stack used by [`SmcStream::connect`](crate::SmcStream::connect) and
+    /// [`SmcListener::bind`](crate::SmcListener::bind), created from the environment at first
+    /// use.
+    pub fn global() -> std::io::Result<Stack> {
+        static GLOBAL: std::sync::OnceLock<Stack> = std::sync::OnceLock::new();
+        if let Some(s) = GLOBAL.get() {
+            return Ok(s.clone());
+        }
+        let s = Stack::from_env()?;
+        Ok(GLOBAL.get_or_init(|| s).clone())
+    }
+
+    /// Our peer ID (random instance number + a MAC, RFC 7609 §2.2.4).
+    pub fn peer_id(&self) -> PeerId {
+        self.inner.peer_id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StackConfig {
+        &self.inner.config
+    }
+
+    /// The discovery mode in effect: `Ebpf` when the program is loaded, else the configured
+    /// mode (`Auto` without the program behaves as `Off`).
+    pub fn discovery_mode(&self) -> DiscoveryMode {
+        match (&self.inner.discovery, self.inner.config.discovery) {
+            (Some(_), _) => DiscoveryMode::Ebpf,
+            (None, DiscoveryMode::Auto) => DiscoveryMode::Off,
+            (None, m) => m,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> StackStats {
+        self.inner.lock().stats
+    }
+
+    /// Names of the stack's devices.
+    pub fn devices(&self) -> Vec<String> {
+        self.inner
+            .lock()
+            .fab
+            .devices
+            .iter()
+            .map(|d| d.name().to_string())
+            .collect()
+    }
+
+    /// Fault injection: bring device `name`'s port down or up (links on it fail over).
+    pub fn set_port_state(&self, name: &str, state: PortState) -> bool {
+        let core = self.inner.lock();
+        match core.fab.devices.iter().find(|d| d.name() == name) {
+            Some(d) => {
+                d.set_port_state(state);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The link groups with their links.
+    pub fn link_groups(&self) -> Vec<LinkGroupInfo> {
+        let core = self.inner.lock();
+        core.ep
+            .link_groups()
+            .map(|g| LinkGroupInfo {
+                id: g.id.0,
+                server: matches!(g.role, smc_proto::link_group::Role::Server),
+                peer: format!("{:04x}@{}", g.peer_id.instance, g.peer_id.mac),
+                links: g
+                    .links
+                    .values()
+                    .map(|l| LinkInfo {
+                        num: l.num,
+                        device: core
+                            .fab
+                            .devices
+                            .get(usize::from(l.device.0))
+                            .map(|d| d.name().to_string())
+                            .unwrap_or_default(),
+                        active: matches!(l.state, smc_proto::link_group::LinkState::Active),
+                    })
+                    .collect(),
+                connections: g.conns.len(),
+            })
+            .collect()
+    }
+
+    /// How the connection `tcp` runs (internal helper for streams).
+    pub(crate) fn slot_mode(&self, tcp: TcpId) -> Option<Mode> {
+        let core = self.inner.lock();
+        core.slots.get(&tcp).and_then(|s| match &s.state {
+            SlotState::Smc => Some(Mode::Smc),
+            SlotState::FellBack { reason, .. } => Some(Mode::Tcp(*reason)),
+            _ => None,
+        })
+    }
+}
+
+/// A per-process random seed without a dependency: std's hasher keys are random per process.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// The runtime thread: polls completions and device events, fires timers.
+fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
+    let mut wcs = [WorkCompletion::EMPTY; 64];
+    let mut batch: Vec<(usize, WorkCompletion)> = Vec::new();
+    let mut armed = false;
+    loop {
+        let Some(inner) = weak.upgrade() else {
+            return;
+        };
+        if inner.stop.load(Ordering::Acquire) {
+            return;
+        }
+        batch.clear();
+        for (i, cq) in cqs.iter().enumerate() {
+            let n = cq.poll(&mut wcs);
+            batch.extend(wcs[..n].iter().map(|w| (i, *w)));
+        }
+        let mut dev_events = Vec::new();
+        for (i, d) in devices.iter().enumerate() {
+            while let Some(e) = d.poll_event() {
+                dev_events.push((i, e));
+            }
+        }
+        let deadline = {
+            let mut core = inner.lock();
+            let now = core.now();
+            let mut did = !batch.is_empty() || !dev_events.is_empty();
+            for (dev, wc) in &batch {
+                core.completion(*dev, wc);
+            }
+            for (dev, e) in &dev_events {
+                core.device_event(*dev, *e);
+            }
+            if core.ep.poll_timeout().is_some_and(|t| t <= now) {
+                let Core { ep, fab, .. } = &mut *core;
+                ep.handle_timeout(fab, now);
+                did = true;
+            }
+            if did {
+                core.drain();
+                inner.cond.notify_all();
+            }
+            if did {
+                None
+            } else {
+                Some(
+                    core.ep
+                        .poll_timeout()
+                        .map(|t| t.saturating_duration_since(now))
+                        .unwrap_or(MAX_SLEEP)
+                        .min(MAX_SLEEP),
+                )
+            }
+        };
+        let Some(sleep) = deadline else {
+            armed = false;
+            continue;
+        };
+        if !armed {
+            // Arm, then look once more before sleeping (verbs arm-then-recheck).
+            for cq in &cqs {
+                cq.req_notify();
+            }
+            armed = true;
+            continue;
+        }
+        drop(inner);
+        let mut fds: Vec<rustix::event::PollFd<'_>> = cqs
+            .iter()
+            .map(|c| rustix::event::PollFd::from_borrowed_fd(c.fd(), rustix::event::PollFlags::IN))
+            .collect();
+        let ts = rustix::event::Timespec {
+            tv_sec: sleep.as_secs() as i64,
+            tv_nsec: i64::from(sleep.subsec_nanos()),
+        };
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+        let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+        drop(fds);
+        for (cq, r) in cqs.iter().zip(ready) {
+            if r {
+                cq.ack_notify();
+            }
+        }
+        armed = false;
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}

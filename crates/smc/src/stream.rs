@@ -1,0 +1,789 @@
+//! Blocking sockets: [`SmcListener`] and [`SmcStream`], shaped like `std::net`'s.
+//!
+//! A connection starts as TCP. When discovery says both sides offered SMC-R (or the
+//! application asserted it, [`DiscoveryMode::AssertPeer`]), the CLC handshake runs over the
+//! TCP socket, driven through the stack's endpoint; afterwards data moves over the fabric and
+//! the TCP socket only stays open. Otherwise, or when either side declines, the stream is the
+//! plain TCP stream, and [`SmcStream::mode`] says why.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::net::{AddressFamily, SocketType};
+use smc_proto::endpoint::TcpId;
+use smc_proto::rmbe::Regions;
+use smc_wire::Cursor;
+
+use crate::config::DiscoveryMode;
+use crate::discovery::Outcome;
+use crate::error::{conn_error, reset_error, FallbackReason, Mode};
+use crate::stack::{Core, Segment, Slot, SlotState, Stack};
+
+/// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
+const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
+/// How long a blocked call waits on the condition variable before looking again.
+const POLL_SLICE: Duration = Duration::from_millis(50);
+
+/// Signed distance in bytes from cursor `a` to cursor `b` in a ring of `len` bytes.
+fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
+    let wraps = i64::from(b.wrap.wrapping_sub(a.wrap) as i16);
+    wraps * i64::from(len) + i64::from(b.count) - i64::from(a.count)
+}
+
+/// A listening socket that accepts SMC-R connections (and plain TCP ones, by fallback).
+#[derive(Debug)]
+pub struct SmcListener {
+    stack: Stack,
+    tcp: TcpListener,
+    port: u16,
+}
+
+impl SmcListener {
+    /// Bind on the process-wide stack ([`Stack::global`]).
+    pub fn bind(addr: impl ToSocketAddrs) -> io::Result<SmcListener> {
+        SmcListener::bind_with(&Stack::global()?, addr)
+    }
+
+    /// Bind on `stack`.
+    pub fn bind_with(stack: &Stack, addr: impl ToSocketAddrs) -> io::Result<SmcListener> {
+        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to bind");
+        for a in addr.to_socket_addrs()? {
+            match listen(stack, a) {
+                Ok(l) => return Ok(l),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Accept a connection: the TCP handshake, then the SMC-R rendezvous or the fallback.
+    /// The rendezvous runs in the calling thread.
+    pub fn accept(&self) -> io::Result<(SmcStream, SocketAddr)> {
+        loop {
+            let (sock, peer) = self.tcp.accept()?;
+            let offered = match self.stack.discovery_mode() {
+                DiscoveryMode::Ebpf => match &self.stack.inner.discovery {
+                    Some(d) => {
+                        let local = sock.local_addr()?;
+                        matches!(d.server_outcome(local, peer), Ok(Outcome::BothOffered))
+                            .then_some(())
+                            .ok_or(FallbackReason::PeerWithoutOption)
+                    }
+                    None => Err(FallbackReason::DiscoveryOff),
+                },
+                DiscoveryMode::AssertPeer => {
+                    if starts_with_clc(&sock, self.stack.config().assert_peer_wait)? {
+                        Ok(())
+                    } else {
+                        Err(FallbackReason::NoProposal)
+                    }
+                }
+                DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
+            };
+            tracing::debug!(%peer, ?offered, "accepted");
+            let stream = match offered {
+                Ok(()) => match SmcStream::rendezvous(&self.stack, sock, false) {
+                    Ok(s) => s,
+                    // One client's failed rendezvous is not the listener's error.
+                    Err(e) => {
+                        tracing::debug!(%e, %peer, "rendezvous failed");
+                        continue;
+                    }
+                },
+                Err(reason) => SmcStream::fallback(&self.stack, sock, reason, Vec::new()),
+            };
+            return Ok((stream, peer));
+        }
+    }
+
+    /// An iterator over accepted connections.
+    pub fn incoming(&self) -> impl Iterator<Item = io::Result<SmcStream>> + '_ {
+        std::iter::from_fn(move || Some(self.accept().map(|(s, _)| s)))
+    }
+
+    /// The local address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
+
+    /// The stack this listener belongs to.
+    pub fn stack(&self) -> &Stack {
+        &self.stack
+    }
+}
+
+impl Drop for SmcListener {
+    fn drop(&mut self) {
+        if let Some(d) = &self.stack.inner.discovery {
+            d.unmark_listener(self.port);
+        }
+    }
+}
+
+fn family(a: &SocketAddr) -> AddressFamily {
+    if a.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    }
+}
+
+fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
+    let fd: OwnedFd = rustix::net::socket(family(&addr), SocketType::STREAM, None)?;
+    rustix::net::sockopt::set_socket_reuseaddr(&fd, true)?;
+    rustix::net::bind(&fd, &addr)?;
+    let local = SocketAddr::try_from(rustix::net::getsockname(&fd)?)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "not an inet socket"))?;
+    if let Some(d) = &stack.inner.discovery {
+        d.mark_listener(local.port()).map_err(io::Error::other)?;
+    }
+    rustix::net::listen(&fd, 1024)?;
+    Ok(SmcListener {
+        stack: stack.clone(),
+        tcp: TcpListener::from(fd),
+        port: local.port(),
+    })
+}
+
+/// Assert-peer listener: whether the first bytes from the client are a CLC message, waiting
+/// at most `wait` for them.
+fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
+    let deadline = Instant::now() + wait;
+    let mut buf = [0u8; 4];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        sock.set_read_timeout(Some(left))?;
+        let r = sock.peek(&mut buf);
+        sock.set_read_timeout(None)?;
+        match r {
+            Ok(0) => return Ok(false),
+            Ok(n) if buf[..n] != CLC_EYECATCHER[..n] => return Ok(false),
+            Ok(4) => return Ok(true),
+            // A partial eye catcher: wait for the rest.
+            Ok(_) => std::thread::sleep(Duration::from_millis(1)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(false)
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// How the stream carries data.
+#[derive(Debug)]
+enum Kind {
+    /// Over SMC-R: connection `id` of the stack.
+    Smc(Arc<SmcHandle>),
+    /// Plain TCP; `leftover` bytes were read during the rendezvous and come first.
+    Tcp {
+        reason: FallbackReason,
+        leftover: Vec<u8>,
+    },
+}
+
+/// A connected socket over SMC-R, or over TCP after a fallback.
+#[derive(Debug)]
+pub struct SmcStream {
+    stack: Stack,
+    sock: TcpStream,
+    kind: Kind,
+    read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
+    nonblocking: bool,
+    read_shut: bool,
+    nodelay: std::sync::atomic::AtomicBool,
+}
+
+impl SmcStream {
+    /// Connect on the process-wide stack ([`Stack::global`]).
+    pub fn connect(addr: impl ToSocketAddrs) -> io::Result<SmcStream> {
+        SmcStream::connect_with(&Stack::global()?, addr)
+    }
+
+    /// Connect on `stack`: TCP connect, discovery, then the CLC rendezvous or the fallback.
+    pub fn connect_with(stack: &Stack, addr: impl ToSocketAddrs) -> io::Result<SmcStream> {
+        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
+        for a in addr.to_socket_addrs()? {
+            match SmcStream::connect_addr(stack, a, None) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Connect with a timeout for the TCP handshake (the rendezvous has its own CLC timer).
+    pub fn connect_timeout(
+        stack: &Stack,
+        addr: &SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<SmcStream> {
+        SmcStream::connect_addr(stack, *addr, Some(timeout))
+    }
+
+    fn connect_addr(
+        stack: &Stack,
+        addr: SocketAddr,
+        timeout: Option<Duration>,
+    ) -> io::Result<SmcStream> {
+        let fd: OwnedFd = rustix::net::socket(family(&addr), SocketType::STREAM, None)?;
+        let mode = stack.discovery_mode();
+        let cookie = match (&stack.inner.discovery, mode) {
+            (Some(d), DiscoveryMode::Ebpf) => Some(d.mark_client(&fd).map_err(io::Error::other)?),
+            _ => None,
+        };
+        let sock = match tcp_connect(fd, addr, timeout) {
+            Ok(s) => s,
+            Err(e) => {
+                if let (Some(d), Some(c)) = (&stack.inner.discovery, cookie) {
+                    d.unmark_client(c);
+                }
+                return Err(e);
+            }
+        };
+        let offered = match mode {
+            DiscoveryMode::Ebpf => match (&stack.inner.discovery, cookie) {
+                (Some(d), Some(c)) => matches!(d.client_outcome(c), Ok(Outcome::BothOffered))
+                    .then_some(())
+                    .ok_or(FallbackReason::PeerWithoutOption),
+                _ => Err(FallbackReason::DiscoveryOff),
+            },
+            DiscoveryMode::AssertPeer => Ok(()),
+            DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
+        };
+        match offered {
+            Ok(()) => SmcStream::rendezvous(stack, sock, true),
+            Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new())),
+        }
+    }
+
+    fn fallback(
+        stack: &Stack,
+        sock: TcpStream,
+        reason: FallbackReason,
+        leftover: Vec<u8>,
+    ) -> SmcStream {
+        {
+            let mut core = stack.inner.lock();
+            core.stats.fallbacks += 1;
+            match reason {
+                FallbackReason::PeerDeclined { .. } | FallbackReason::Declined(_) => {
+                    core.stats.fallback_declined += 1
+                }
+                _ => core.stats.fallback_no_smc_peer += 1,
+            }
+        }
+        SmcStream {
+            stack: stack.clone(),
+            sock,
+            kind: Kind::Tcp { reason, leftover },
+            read_timeout: None,
+            write_timeout: None,
+            nonblocking: false,
+            read_shut: false,
+            nodelay: Default::default(),
+        }
+    }
+
+    /// Run the CLC handshake on `sock` (client or server) until the connection is
+    /// established over SMC-R, falls back, or fails.
+    fn rendezvous(stack: &Stack, sock: TcpStream, client: bool) -> io::Result<SmcStream> {
+        let inner = &stack.inner;
+        let id = inner.new_tcp_id();
+        let reader = sock.try_clone()?;
+        reader.set_read_timeout(Some(Duration::from_millis(10)))?;
+        {
+            let mut core = inner.lock();
+            core.slots.insert(
+                id,
+                Slot {
+                    state: SlotState::Setup,
+                    sock: Some(sock.try_clone()?),
+                    error: None,
+                    closed: false,
+                    dropped: false,
+                    token: None,
+                },
+            );
+            let now = core.now();
+            let started = if client {
+                core.ep.connect(id, now)
+            } else {
+                core.ep.accept(id, now)
+            };
+            if let Err(e) = started {
+                core.slots.remove(&id);
+                return Err(io::Error::other(e));
+            }
+            core.drain();
+        }
+        let mut buf = vec![0u8; 4096];
+        let result = loop {
+            {
+                let mut core = inner.lock();
+                let state = core.slots.get(&id).map(|s| s.state.clone());
+                match state {
+                    Some(SlotState::Setup) => {}
+                    Some(SlotState::Smc) => {
+                        drop(core);
+                        break Ok(SmcStream {
+                            stack: stack.clone(),
+                            sock,
+                            kind: Kind::Smc(Arc::new(SmcHandle {
+                                stack: stack.clone(),
+                                id,
+                            })),
+                            read_timeout: None,
+                            write_timeout: None,
+                            nonblocking: false,
+                            read_shut: false,
+                            nodelay: Default::default(),
+                        });
+                    }
+                    Some(SlotState::FellBack { reason, leftover }) => {
+                        core.slots.remove(&id);
+                        drop(core);
+                        break Ok(SmcStream::fallback(stack, sock, reason, leftover));
+                    }
+                    Some(SlotState::Reset(r)) => {
+                        core.slots.remove(&id);
+                        break Err(reset_error(r));
+                    }
+                    None => {
+                        break Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "connection vanished during setup",
+                        ))
+                    }
+                }
+            }
+            match (&reader).read(&mut buf) {
+                Ok(0) => {
+                    let mut core = inner.lock();
+                    let now = core.now();
+                    core.ep.handle_tcp_reset(id, now);
+                    core.drain();
+                    inner.cond.notify_all();
+                }
+                Ok(n) => {
+                    tracing::debug!(?id, n, client, "CLC bytes");
+                    let mut core = inner.lock();
+                    let now = core.now();
+                    let Core { ep, fab, .. } = &mut *core;
+                    ep.handle_tcp_data(id, &buf[..n], fab, now);
+                    core.drain();
+                    inner.cond.notify_all();
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock
+                            | io::ErrorKind::TimedOut
+                            | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => {
+                    let mut core = inner.lock();
+                    let now = core.now();
+                    core.ep.handle_tcp_reset(id, now);
+                    core.drain();
+                }
+            }
+        };
+        reader.set_read_timeout(None)?;
+        result
+    }
+
+    /// Another handle to the same connection (reads and writes may run in different threads).
+    /// The connection closes when the last handle is dropped. Bytes a fallen-back stream
+    /// received during the rendezvous stay with the original handle.
+    pub fn try_clone(&self) -> io::Result<SmcStream> {
+        let kind = match &self.kind {
+            Kind::Smc(h) => Kind::Smc(h.clone()),
+            Kind::Tcp { reason, .. } => Kind::Tcp {
+                reason: *reason,
+                leftover: Vec::new(),
+            },
+        };
+        Ok(SmcStream {
+            stack: self.stack.clone(),
+            sock: self.sock.try_clone()?,
+            kind,
+            read_timeout: self.read_timeout,
+            write_timeout: self.write_timeout,
+            nonblocking: self.nonblocking,
+            read_shut: self.read_shut,
+            nodelay: std::sync::atomic::AtomicBool::new(
+                self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        })
+    }
+
+    /// Whether this connection runs over SMC-R or fell back to TCP, and why.
+    pub fn mode(&self) -> Mode {
+        match &self.kind {
+            Kind::Smc(h) => self.stack.slot_mode(h.id).unwrap_or(Mode::Smc),
+            Kind::Tcp { reason, .. } => Mode::Tcp(*reason),
+        }
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.sock.peer_addr()
+    }
+
+    /// Our address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.sock.local_addr()
+    }
+
+    /// The stack the stream belongs to.
+    pub fn stack(&self) -> &Stack {
+        &self.stack
+    }
+
+    /// Timeout of blocking reads (`None`: block forever).
+    pub fn set_read_timeout(&mut self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
+        }
+        self.read_timeout = t;
+        self.sock.set_read_timeout(t)
+    }
+
+    /// Timeout of blocking writes (`None`: block forever).
+    pub fn set_write_timeout(&mut self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
+        }
+        self.write_timeout = t;
+        self.sock.set_write_timeout(t)
+    }
+
+    /// Nonblocking mode: reads and writes that would wait return `WouldBlock`.
+    pub fn set_nonblocking(&mut self, nonblocking: bool) -> io::Result<()> {
+        self.nonblocking = nonblocking;
+        self.sock.set_nonblocking(nonblocking)
+    }
+
+    /// TCP_NODELAY. Over SMC-R the engine never holds back a producer-cursor update unless
+    /// corking or coalescing is configured, and this stack configures neither, so the flag is
+    /// recorded and reported (the endpoint has no per-connection corking setter yet).
+    pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
+        match &self.kind {
+            Kind::Tcp { .. } => self.sock.set_nodelay(nodelay),
+            Kind::Smc { .. } => {
+                self.nodelay
+                    .store(nodelay, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    }
+
+    /// TCP_NODELAY as set.
+    pub fn nodelay(&self) -> io::Result<bool> {
+        match &self.kind {
+            Kind::Tcp { .. } => self.sock.nodelay(),
+            Kind::Smc { .. } => Ok(self.nodelay.load(std::sync::atomic::Ordering::Relaxed)),
+        }
+    }
+
+    /// Shut down reading, writing or both, as `TcpStream::shutdown` does.
+    pub fn shutdown(&mut self, how: Shutdown) -> io::Result<()> {
+        match &self.kind {
+            Kind::Tcp { .. } => self.sock.shutdown(how),
+            Kind::Smc(h) => {
+                let id = h.id;
+                if matches!(how, Shutdown::Read | Shutdown::Both) {
+                    self.read_shut = true;
+                }
+                if matches!(how, Shutdown::Write | Shutdown::Both) {
+                    let mut core = self.stack.inner.lock();
+                    let now = core.now();
+                    let r = core.ep.shutdown_write(id, now);
+                    core.drain();
+                    if let Err(e) = r {
+                        if let Some(err) = core.slots.get(&id).and_then(|s| s.error) {
+                            return Err(conn_error(err));
+                        }
+                        return Err(io::Error::new(io::ErrorKind::NotConnected, e));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn deadline(&self, t: Option<Duration>) -> Option<Instant> {
+        t.map(|t| Instant::now() + t)
+    }
+
+    fn smc_read(&mut self, id: TcpId, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() || self.read_shut {
+            return Ok(0);
+        }
+        let inner = self.stack.inner.clone();
+        let deadline = self.deadline(self.read_timeout);
+        let mut core = inner.lock();
+        loop {
+            let now = core.now();
+            if let Ok(target) = core.ep.read_target(id, now) {
+                let total = target.regions.total();
+                if total > 0 {
+                    let n = (total as usize).min(buf.len());
+                    copy_out(&mut core, id, &target, &mut buf[..n])?;
+                    let now = core.now();
+                    core.ep
+                        .consumed(id, n as u32, now)
+                        .map_err(io::Error::other)?;
+                    core.drain();
+                    return Ok(n);
+                }
+            }
+            if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
+                return Err(conn_error(e));
+            }
+            match core.ep.connection(id) {
+                Some(c) if c.is_read_closed() => return Ok(0),
+                Some(_) => {}
+                None => return Ok(0),
+            }
+            if self.nonblocking {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let wait = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                    left.min(POLL_SLICE)
+                }
+                None => POLL_SLICE,
+            };
+            core = inner.wait(core, wait);
+        }
+    }
+
+    fn smc_write(&mut self, id: TcpId, buf: &[u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let inner = self.stack.inner.clone();
+        let deadline = self.deadline(self.write_timeout);
+        let mut core = inner.lock();
+        loop {
+            if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
+                return Err(conn_error(e));
+            }
+            let now = core.now();
+            match core.ep.send(id, buf, now) {
+                Ok(0) => {}
+                Ok(n) => {
+                    core.drain();
+                    return Ok(n);
+                }
+                Err(e) => {
+                    core.drain();
+                    if let Some(err) = core.slots.get(&id).and_then(|s| s.error) {
+                        return Err(conn_error(err));
+                    }
+                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, e));
+                }
+            }
+            core.drain();
+            if self.nonblocking {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let wait = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                    left.min(POLL_SLICE)
+                }
+                None => POLL_SLICE,
+            };
+            core = inner.wait(core, wait);
+        }
+    }
+}
+
+/// Copy the first `out.len()` unread bytes of connection `id` out of our RMB. The bytes of
+/// one RMB may sit in the region of either device (the peer writes over the link it sends
+/// on, and the shm fabric registers memory per device), so the copy follows the segments
+/// recorded from the CDCs that announced them.
+fn copy_out(
+    core: &mut Core,
+    id: TcpId,
+    target: &smc_proto::endpoint::ReadTarget,
+    out: &mut [u8],
+) -> io::Result<()> {
+    let (token, len, consumer) = match core.ep.connection(id) {
+        Some(c) => (
+            c.config().local_alert_token,
+            c.config().local_rmbe_len,
+            c.consumer_cursor(),
+        ),
+        None => return Err(io::ErrorKind::NotConnected.into()),
+    };
+    // Device of each announced byte range, as distances from the consumer cursor.
+    let mut ranges: Vec<(i64, usize)> = Vec::new();
+    if let Some(segs) = core.segments.get_mut(&token) {
+        while segs
+            .front()
+            .is_some_and(|s| cursor_distance(consumer, s.upto, len) <= 0)
+        {
+            segs.pop_front();
+        }
+        ranges.extend(
+            segs.iter()
+                .map(|s: &Segment| (cursor_distance(consumer, s.upto, len), s.device)),
+        );
+    }
+    let regions: &Regions = &target.regions;
+    let rmb = core
+        .fab
+        .rmbs
+        .get(&(target.lgr, target.rmb))
+        .ok_or_else(|| io::Error::other("RMB missing"))?;
+    let mut done = 0usize;
+    for r in regions.iter() {
+        let mut off = 0usize;
+        while off < r.len as usize && done < out.len() {
+            // Which device holds byte `done` (distance from the consumer cursor)?
+            let pos = done as i64;
+            let (end, dev) = ranges
+                .iter()
+                .find(|(upto, _)| *upto > pos)
+                .copied()
+                .unwrap_or((i64::MAX, ranges.last().map(|r| r.1).unwrap_or(0)));
+            let take = (r.len as usize - off)
+                .min(out.len() - done)
+                .min(usize::try_from(end - pos).unwrap_or(usize::MAX));
+            let mr = rmb
+                .get(dev)
+                .and_then(|m| m.as_ref())
+                .or_else(|| rmb.iter().flatten().next())
+                .ok_or_else(|| io::Error::other("RMB region missing"))?;
+            let at = target.element_offset as usize + r.offset as usize + off;
+            mr.read_at(at, &mut out[done..done + take])
+                .map_err(io::Error::other)?;
+            off += take;
+            done += take;
+        }
+    }
+    Ok(())
+}
+
+fn tcp_connect(fd: OwnedFd, addr: SocketAddr, timeout: Option<Duration>) -> io::Result<TcpStream> {
+    let Some(t) = timeout else {
+        rustix::net::connect(&fd, &addr)?;
+        return Ok(TcpStream::from(fd));
+    };
+    let sock = TcpStream::from(fd);
+    sock.set_nonblocking(true)?;
+    match rustix::net::connect(&sock, &addr) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::INPROGRESS) => {
+            let mut fds = [rustix::event::PollFd::new(
+                &sock,
+                rustix::event::PollFlags::OUT,
+            )];
+            let ts = rustix::event::Timespec {
+                tv_sec: t.as_secs() as i64,
+                tv_nsec: i64::from(t.subsec_nanos()),
+            };
+            let n = rustix::event::poll(&mut fds, Some(&ts))?;
+            if n == 0 {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            if let Some(e) = sock.take_error()? {
+                return Err(e);
+            }
+        }
+        Err(e) => return Err(e.into()),
+    }
+    sock.set_nonblocking(false)?;
+    Ok(sock)
+}
+
+impl Read for SmcStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match &mut self.kind {
+            Kind::Tcp { leftover, .. } => {
+                if !leftover.is_empty() {
+                    let n = leftover.len().min(buf.len());
+                    buf[..n].copy_from_slice(&leftover[..n]);
+                    leftover.drain(..n);
+                    return Ok(n);
+                }
+                self.sock.read(buf)
+            }
+            Kind::Smc(h) => {
+                let id = h.id;
+                self.smc_read(id, buf)
+            }
+        }
+    }
+}
+
+impl Write for SmcStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match &self.kind {
+            Kind::Tcp { .. } => self.sock.write(buf),
+            Kind::Smc(h) => {
+                let id = h.id;
+                self.smc_write(id, buf)
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match &self.kind {
+            Kind::Tcp { .. } => self.sock.flush(),
+            Kind::Smc { .. } => Ok(()),
+        }
+    }
+}
+
+/// The SMC-R connection shared by a stream and its clones: closed when the last goes.
+#[derive(Debug)]
+struct SmcHandle {
+    stack: Stack,
+    id: TcpId,
+}
+
+impl Drop for SmcHandle {
+    fn drop(&mut self) {
+        let id = self.id;
+        let mut core = self.stack.inner.lock();
+        let now = core.now();
+        let _ = core.ep.close(id, now);
+        core.drain();
+        let gone = core.ep.connection(id).is_none();
+        let remove = match core.slots.get_mut(&id) {
+            Some(s) => {
+                s.dropped = true;
+                s.closed || gone
+            }
+            None => false,
+        };
+        if remove {
+            core.slots.remove(&id);
+        }
+        self.stack.inner.cond.notify_all();
+    }
+}

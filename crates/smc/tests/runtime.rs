@@ -1,0 +1,310 @@
+//! The runtime end to end: two processes (this test binary re-executes itself as the peer,
+//! `child_entry` with `SMC_RT_CHILD=<role>`) on a private shm fabric with two devices, talking
+//! over real TCP on loopback and the fabric.
+//!
+//! Discovery: the explicit assert-peer mode, so the tests need no privileges; the eBPF path
+//! has its own test (root only, like `ebpf_discovery.rs`).
+#![allow(missing_docs)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use smc::{DiscoveryMode, FallbackReason, Mode, SmcListener, SmcStream, Stack, StackConfig};
+use smc_fabric::FabricConfig;
+
+fn test_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "smc-rt-{}-{}-{}",
+        tag,
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+    ));
+    std::fs::create_dir_all(&d).expect("fabric dir");
+    d
+}
+
+fn stack(dir: &Path, discovery: DiscoveryMode) -> Stack {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("SMC_LOG"))
+        .with_writer(std::io::stderr)
+        .try_init();
+    let mut c = StackConfig::new(FabricConfig::with_dir(dir, 2));
+    c.discovery = discovery;
+    c.clc_timeout = Duration::from_secs(20);
+    Stack::new(c).expect("stack")
+}
+
+/// FNV-1a: a checksum that catches reordered, lost or duplicated bytes.
+fn checksum(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A peer process running `role`, with the port it listens on (if it prints one).
+struct Peer {
+    child: Child,
+    port: u16,
+}
+
+impl Peer {
+    fn spawn(role: &str, dir: &Path, arg: &str) -> Peer {
+        let mut child = Command::new(std::env::current_exe().expect("exe"))
+            .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+            .env("SMC_RT_CHILD", role)
+            .env("SMC_RT_DIR", dir)
+            .env("SMC_RT_ARG", arg)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn peer");
+        let out = child.stdout.take().expect("stdout");
+        let mut port = 0;
+        for line in BufReader::new(out).lines() {
+            let line = line.expect("peer output");
+            // libtest prints "test child_entry ... " on the same line first.
+            if let Some(i) = line.find("PORT ") {
+                port = line[i + 5..].trim().parse().expect("port");
+                break;
+            }
+        }
+        assert_ne!(port, 0, "peer did not report its port");
+        Peer { child, port }
+    }
+
+    fn finish(mut self) {
+        drop(self.child.stdin.take());
+        let status = self.child.wait().expect("wait peer");
+        assert!(status.success(), "peer failed: {status}");
+    }
+}
+
+/// Exit when the parent closes our stdin (or dies).
+fn exit_on_stdin_eof() {
+    std::thread::spawn(|| {
+        let mut buf = [0u8; 16];
+        while matches!(std::io::stdin().read(&mut buf), Ok(n) if n > 0) {}
+        std::process::exit(0);
+    });
+}
+
+fn echo(mut s: SmcStream) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if s.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
+    let _ = s.shutdown(Shutdown::Write);
+}
+
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var("SMC_RT_CHILD") else {
+        return;
+    };
+    let dir = PathBuf::from(std::env::var("SMC_RT_DIR").expect("dir"));
+    let arg = std::env::var("SMC_RT_ARG").unwrap_or_default();
+    let discovery: DiscoveryMode = if arg.is_empty() {
+        DiscoveryMode::AssertPeer
+    } else {
+        arg.parse().expect("discovery")
+    };
+    exit_on_stdin_eof();
+    match role.as_str() {
+        // An SMC echo server: every connection echoed in its own thread.
+        "echo-server" => {
+            let st = stack(&dir, discovery);
+            let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
+            println!("PORT {}", l.local_addr().expect("addr").port());
+            for s in l.incoming() {
+                let s = s.expect("accept");
+                std::thread::spawn(move || echo(s));
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Write `data` from a second handle while reading the echo; returns what came back.
+fn roundtrip(s: &mut SmcStream, data: &[u8]) -> Vec<u8> {
+    let mut w = s.try_clone().expect("clone");
+    let out = data.to_vec();
+    let t = std::thread::spawn(move || {
+        w.write_all(&out).expect("write");
+    });
+    let mut back = vec![0u8; data.len()];
+    s.read_exact(&mut back).expect("read echo");
+    t.join().expect("writer");
+    back
+}
+
+#[test]
+fn echo_many_sizes_across_processes() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("echo");
+    let peer = Peer::spawn("echo-server", &dir, "");
+    let st = stack(&dir, DiscoveryMode::AssertPeer);
+    let mut s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port)).expect("connect");
+    assert_eq!(s.mode(), Mode::Smc);
+    assert!(s.peer_addr().expect("peer").port() == peer.port);
+    assert!(s.local_addr().expect("local").ip().is_loopback());
+    let sizes = [
+        1usize, 2, 43, 44, 1000, 4096, 16383, 16384, 65535, 65536, 65537, 200_000, 1_000_003,
+    ];
+    for (i, &n) in sizes.iter().enumerate() {
+        let data = pattern(n, i as u64 + 7);
+        let back = roundtrip(&mut s, &data);
+        assert_eq!(back.len(), data.len());
+        assert_eq!(checksum(&back), checksum(&data), "size {n}");
+    }
+    // The link group has two links, one per device.
+    let groups = st.link_groups();
+    assert_eq!(groups.len(), 1);
+    assert_eq!(groups[0].links.len(), 2, "{groups:?}");
+    // Half close: our FIN reaches the echo server, which closes its side: we read EOF.
+    s.shutdown(Shutdown::Write).expect("shutdown");
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).expect("read to EOF");
+    assert!(rest.is_empty());
+    assert_eq!(st.stats().smc, 1);
+    drop(s);
+    peer.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plain_tcp_client_falls_back_against_smc_listener() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("plain-client");
+    let st = stack(&dir, DiscoveryMode::AssertPeer);
+    let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let client = std::thread::spawn(move || {
+        let mut c = TcpStream::connect(addr).expect("connect");
+        c.write_all(b"hello over plain TCP").expect("write");
+        let mut back = [0u8; 20];
+        c.read_exact(&mut back).expect("read");
+        assert_eq!(&back, b"hello over plain TCP");
+    });
+    let (mut s, _) = l.accept().expect("accept");
+    assert_eq!(s.mode(), Mode::Tcp(FallbackReason::NoProposal));
+    let mut buf = [0u8; 20];
+    s.read_exact(&mut buf).expect("read");
+    s.write_all(&buf).expect("write");
+    client.join().expect("client");
+    assert_eq!(st.stats().fallbacks, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plain_tcp_client_that_waits_falls_back_after_bounded_delay() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("silent-client");
+    let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.assert_peer_wait = Duration::from_millis(200);
+    let st = Stack::new(c).expect("stack");
+    let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    // A server-speaks-first client: it sends nothing until it hears from us.
+    let client = std::thread::spawn(move || {
+        let mut c = TcpStream::connect(addr).expect("connect");
+        let mut greet = [0u8; 5];
+        c.read_exact(&mut greet).expect("greeting");
+        assert_eq!(&greet, b"READY");
+    });
+    let (mut s, _) = l.accept().expect("accept");
+    assert_eq!(s.mode(), Mode::Tcp(FallbackReason::NoProposal));
+    s.write_all(b"READY").expect("write");
+    client.join().expect("client");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn smc_stream_against_plain_listener_falls_back_with_ebpf() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the eBPF path is not available, skipping");
+        return;
+    }
+    let dir = test_dir("plain-server");
+    let st = stack(&dir, DiscoveryMode::Ebpf);
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let server = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().expect("accept");
+        let mut buf = [0u8; 4];
+        c.read_exact(&mut buf).expect("read");
+        c.write_all(&buf).expect("write");
+    });
+    let mut s = SmcStream::connect_with(&st, addr).expect("connect");
+    assert_eq!(s.mode(), Mode::Tcp(FallbackReason::PeerWithoutOption));
+    s.write_all(b"ping").expect("write");
+    let mut back = [0u8; 4];
+    s.read_exact(&mut back).expect("read");
+    assert_eq!(&back, b"ping");
+    server.join().expect("server");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ebpf_discovery_runs_smc_across_processes() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the eBPF path is not available, skipping");
+        return;
+    }
+    let dir = test_dir("ebpf");
+    let peer = Peer::spawn("echo-server", &dir, "ebpf");
+    let st = stack(&dir, DiscoveryMode::Ebpf);
+    // An SMC client: both handshake segments carry the option, CLC runs.
+    let mut s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port)).expect("connect");
+    assert_eq!(s.mode(), Mode::Smc);
+    let data = pattern(300_000, 99);
+    assert_eq!(checksum(&roundtrip(&mut s, &data)), checksum(&data));
+    drop(s);
+    // A plain TCP client against the same SMC listener: no option, plain TCP.
+    let mut c = TcpStream::connect(("127.0.0.1", peer.port)).expect("plain connect");
+    c.write_all(b"plain").expect("write");
+    let mut back = [0u8; 5];
+    c.read_exact(&mut back).expect("read");
+    assert_eq!(&back, b"plain");
+    drop(c);
+    peer.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
