@@ -2,6 +2,7 @@
 //! keepalive (§2.3, §4.5.3).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use smc_wire::llc::{
     AddLink, AddLinkCont, AddLinkRejectReason, ConfirmRkey, ConfirmRkeyCont, DeleteLink,
@@ -629,19 +630,17 @@ impl Endpoint {
             initial_psn: qp.psn,
         });
         self.post_llc(lgr, via, msg, None, now);
-        if let Some(g) = self.lgrs.get_mut(&lgr) {
-            g.link_exchange = Some(LinkExchange::ServerAddLink {
-                new: num,
-                via,
-                step: ServerAddStep::SentAddLink,
-                first_contact,
-                ours_left: pairs,
-            });
-            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-            //# LLC message: ADD LINK from server (first contact) Timer waits for: ADD LINK
-            //# reply from client.
-            g.timers.set(LgrTimer::LinkExchange, now + timeout);
-        }
+        let ex = LinkExchange::ServerAddLink {
+            new: num,
+            via,
+            step: ServerAddStep::SentAddLink,
+            first_contact,
+            ours_left: pairs,
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+        //# LLC message: ADD LINK from server (first contact) Timer waits for: ADD LINK
+        //# reply from client.
+        self.await_link_exchange(lgr, ex, timeout, now);
         true
     }
 
@@ -696,7 +695,7 @@ impl Endpoint {
             via: ex_via,
             step: ServerAddStep::SentAddLink,
             first_contact,
-            mut ours_left,
+            ours_left,
         }) = g.link_exchange.clone()
         else {
             self.stats.llc_discarded += 1;
@@ -759,26 +758,17 @@ impl Endpoint {
             device,
             remote,
         });
-        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.3
-        //# ADD LINK CONTINUATION LLC messages are used to communicate these pairs
-        let take = ours_left.len().min(2);
-        let total = ours_left.len();
-        let sent: Vec<RtokenPair> = ours_left.drain(..take).collect();
-        let msg = add_link_cont(false, new, total, &sent);
-        self.post_llc(lgr, via, msg, None, now);
-        if let Some(g) = self.lgrs.get_mut(&lgr) {
-            g.link_exchange = Some(LinkExchange::ServerAddLink {
-                new,
-                via,
-                step: ServerAddStep::SentCont,
-                first_contact,
-                ours_left,
-            });
-            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-            //# LLC message: ADD LINK CONTINUATION from server Timer waits for: ADD LINK
-            //# CONTINUATION reply from client.
-            g.timers.set(LgrTimer::LinkExchange, now + timeout);
-        }
+        let ex = LinkExchange::ServerAddLink {
+            new,
+            via,
+            step: ServerAddStep::SentCont,
+            first_contact,
+            ours_left,
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+        //# LLC message: ADD LINK CONTINUATION from server Timer waits for: ADD LINK
+        //# CONTINUATION reply from client.
+        self.send_add_link_cont(lgr, ex, timeout, now);
     }
 
     fn server_on_client_add_link(
@@ -980,19 +970,17 @@ impl Endpoint {
             initial_psn: qp.psn,
         });
         self.post_llc(lgr, via, reply, None, now);
-        if let Some(g) = self.lgrs.get_mut(&lgr) {
-            g.link_exchange = Some(LinkExchange::ClientAddLink {
-                new: num,
-                via,
-                step: ClientAddStep::SentReply,
-                first_contact,
-                ours_left: pairs,
-            });
-            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-            //# LLC message: ADD LINK reply from client (and there are more RKeys to be
-            //# communicated) Timer waits for: ADD LINK CONTINUATION from server.
-            g.timers.set(LgrTimer::LinkExchange, now + timeout);
-        }
+        let ex = LinkExchange::ClientAddLink {
+            new: num,
+            via,
+            step: ClientAddStep::SentReply,
+            first_contact,
+            ours_left: pairs,
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+        //# LLC message: ADD LINK reply from client (and there are more RKeys to be
+        //# communicated) Timer waits for: ADD LINK CONTINUATION from server.
+        self.await_link_exchange(lgr, ex, timeout, now);
     }
 
     // ----- ADD LINK CONTINUATION -------------------------------------------------------------
@@ -1010,7 +998,7 @@ impl Endpoint {
             return;
         };
         let ex = g.link_exchange.clone();
-        let (new, ex_via, first_contact, mut ours_left, server) = match ex {
+        let (new, ex_via, first_contact, ours_left, server) = match ex {
             Some(LinkExchange::ServerAddLink {
                 new,
                 via,
@@ -1074,21 +1062,14 @@ impl Endpoint {
         g.timers.stop(LgrTimer::LinkExchange);
         if server {
             if !ours_left.is_empty() || peer_more {
-                let take = ours_left.len().min(2);
-                let total = ours_left.len();
-                let sent: Vec<RtokenPair> = ours_left.drain(..take).collect();
-                let msg = add_link_cont(false, new, total, &sent);
-                self.post_llc(lgr, via, msg, None, now);
-                if let Some(g) = self.lgrs.get_mut(&lgr) {
-                    g.link_exchange = Some(LinkExchange::ServerAddLink {
-                        new,
-                        via,
-                        step: ServerAddStep::SentCont,
-                        first_contact,
-                        ours_left,
-                    });
-                    g.timers.set(LgrTimer::LinkExchange, now + timeout);
-                }
+                let ex = LinkExchange::ServerAddLink {
+                    new,
+                    via,
+                    step: ServerAddStep::SentCont,
+                    first_contact,
+                    ours_left,
+                };
+                self.send_add_link_cont(lgr, ex, timeout, now);
                 return;
             }
             // Every RToken is exchanged: verify the new link with CONFIRM LINK over it.
@@ -1105,39 +1086,80 @@ impl Endpoint {
             if let Some(msg) = self.confirm_link_msg(lgr, new, false) {
                 self.post_llc(lgr, new, msg, None, now);
             }
-            if let Some(g) = self.lgrs.get_mut(&lgr) {
-                g.link_exchange = Some(LinkExchange::ServerAddLink {
-                    new,
-                    via,
-                    step: ServerAddStep::SentConfirmLink,
-                    first_contact,
-                    ours_left,
-                });
-                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-                //# LLC message: CONFIRM LINK from server (first contact, second link in the
-                //# link group) Timer waits for: CONFIRM LINK reply from client.
-                g.timers.set(LgrTimer::LinkExchange, now + timeout);
-            }
+            let ex = LinkExchange::ServerAddLink {
+                new,
+                via,
+                step: ServerAddStep::SentConfirmLink,
+                first_contact,
+                ours_left,
+            };
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+            //# LLC message: CONFIRM LINK from server (first contact, second link in the
+            //# link group) Timer waits for: CONFIRM LINK reply from client.
+            self.await_link_exchange(lgr, ex, timeout, now);
         } else {
-            let take = ours_left.len().min(2);
-            let total = ours_left.len();
-            let sent: Vec<RtokenPair> = ours_left.drain(..take).collect();
-            let msg = add_link_cont(true, new, total, &sent);
-            self.post_llc(lgr, via, msg, None, now);
-            if let Some(g) = self.lgrs.get_mut(&lgr) {
-                g.link_exchange = Some(LinkExchange::ClientAddLink {
-                    new,
-                    via,
-                    step: ClientAddStep::SentCont {
-                        server_owes: peer_more,
-                    },
-                    first_contact,
-                    ours_left,
-                });
-                //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-                //# Timer waits for: CONFIRM LINK from the server, over the new link.
-                g.timers.set(LgrTimer::LinkExchange, now + timeout);
-            }
+            let ex = LinkExchange::ClientAddLink {
+                new,
+                via,
+                step: ClientAddStep::SentCont {
+                    server_owes: peer_more,
+                },
+                first_contact,
+                ours_left,
+            };
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+            //# Timer waits for: CONFIRM LINK from the server, over the new link.
+            self.send_add_link_cont(lgr, ex, timeout, now);
+        }
+    }
+
+    /// Send our next ADD LINK CONTINUATION for the ADD LINK exchange `ex` over its link (at
+    /// most two of its `ours_left` pairs, which it no longer holds), then wait for the peer
+    /// in `ex`.
+    fn send_add_link_cont(
+        &mut self,
+        lgr: LgrId,
+        mut ex: LinkExchange,
+        timeout: Duration,
+        now: Timestamp,
+    ) {
+        let (reply, new, via, ours_left) = match &mut ex {
+            LinkExchange::ServerAddLink {
+                new,
+                via,
+                ours_left,
+                ..
+            } => (false, *new, *via, ours_left),
+            LinkExchange::ClientAddLink {
+                new,
+                via,
+                ours_left,
+                ..
+            } => (true, *new, *via, ours_left),
+            LinkExchange::DeleteLink { .. } | LinkExchange::ClientAwaitDelete { .. } => return,
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.3
+        //# ADD LINK CONTINUATION LLC messages are used to communicate these pairs
+        let take = ours_left.len().min(2);
+        let total = ours_left.len();
+        let sent: Vec<RtokenPair> = ours_left.drain(..take).collect();
+        let msg = add_link_cont(reply, new, total, &sent);
+        self.post_llc(lgr, via, msg, None, now);
+        self.await_link_exchange(lgr, ex, timeout, now);
+    }
+
+    /// The link exchange of `lgr` now stands at `ex`, waiting for the peer: its timer runs
+    /// (App. C.7).
+    fn await_link_exchange(
+        &mut self,
+        lgr: LgrId,
+        ex: LinkExchange,
+        timeout: Duration,
+        now: Timestamp,
+    ) {
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.link_exchange = Some(ex);
+            g.timers.set(LgrTimer::LinkExchange, now + timeout);
         }
     }
 
@@ -1235,13 +1257,10 @@ impl Endpoint {
             reason,
         });
         self.post_llc(lgr, via, msg, None, now);
-        if let Some(g) = self.lgrs.get_mut(&lgr) {
-            g.link_exchange = Some(LinkExchange::DeleteLink { link, via });
-            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-            //# LLC message: DELETE LINK from server (scope: single link) Timer waits for:
-            //# DELETE LINK reply from client.
-            g.timers.set(LgrTimer::LinkExchange, now + timeout);
-        }
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+        //# LLC message: DELETE LINK from server (scope: single link) Timer waits for:
+        //# DELETE LINK reply from client.
+        self.await_link_exchange(lgr, LinkExchange::DeleteLink { link, via }, timeout, now);
         true
     }
 
@@ -2173,10 +2192,8 @@ impl Endpoint {
                     });
                     self.post_llc(lgr, via, msg, None, now);
                     let timeout = self.llc_timer(lgr);
-                    if let Some(g) = self.lgrs.get_mut(&lgr) {
-                        g.link_exchange = Some(LinkExchange::DeleteLink { link: new, via });
-                        g.timers.set(LgrTimer::LinkExchange, now + timeout);
-                    }
+                    let ex = LinkExchange::DeleteLink { link: new, via };
+                    self.await_link_exchange(lgr, ex, timeout, now);
                     self.arm_add_link_retry(lgr, now);
                     // The first contact completes when the DELETE LINK reply arrives.
                     let _ = first_contact;
@@ -2248,10 +2265,8 @@ impl Endpoint {
                 }
                 if first_contact {
                     let timeout = self.llc_timer(lgr);
-                    if let Some(g) = self.lgrs.get_mut(&lgr) {
-                        g.link_exchange = Some(LinkExchange::ClientAwaitDelete { link: new });
-                        g.timers.set(LgrTimer::LinkExchange, now + timeout);
-                    }
+                    let ex = LinkExchange::ClientAwaitDelete { link: new };
+                    self.await_link_exchange(lgr, ex, timeout, now);
                 } else {
                     self.exchange_done(lgr, false, res, now);
                 }
