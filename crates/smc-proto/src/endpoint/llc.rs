@@ -224,22 +224,24 @@ impl Endpoint {
                     .or_else(|| g.active_links().next())
                     .map(|l| l.num)
                     .ok_or(EndpointError::NotEstablished)?;
-                let msg = LlcMessage::DeleteLink(DeleteLink {
-                    reply: false,
-                    all: false,
-                    orderly,
-                    link_num: num,
-                    reason,
-                });
-                self.post_llc(lgr, via, msg, None, now);
-                self.client_await_delete(lgr, num, via, now);
+                self.client_delete_link(lgr, via, num, orderly, reason, now);
             }
         }
         Ok(())
     }
 
-    /// Client: we asked the server to delete `link` over `via`; its DELETE LINK is due.
-    fn client_await_delete(&mut self, lgr: LgrId, link: u8, via: u8, now: Timestamp) {
+    /// Client: ask the server to delete `link` with a DELETE LINK over `via`; the server's
+    /// DELETE LINK is then due.
+    fn client_delete_link(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        link: u8,
+        orderly: bool,
+        reason: DeleteLinkReason,
+        now: Timestamp,
+    ) {
+        self.post_delete_link(lgr, via, link, orderly, reason, now);
         let timeout = self.config.llc_timeout;
         if let Some(g) = self.lgrs.get_mut(&lgr) {
             g.client_deleting.insert(link, via);
@@ -248,6 +250,26 @@ impl Endpoint {
             //# server.
             g.timers.set(LgrTimer::DeleteLinkWait, now + timeout);
         }
+    }
+
+    /// Post a DELETE LINK request for the single link `link` over link `via`.
+    fn post_delete_link(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        link: u8,
+        orderly: bool,
+        reason: DeleteLinkReason,
+        now: Timestamp,
+    ) {
+        let msg = LlcMessage::DeleteLink(DeleteLink {
+            reply: false,
+            all: false,
+            orderly,
+            link_num: link,
+            reason,
+        });
+        self.post_llc(lgr, via, msg, None, now);
     }
 
     /// Terminate link group `lgr` (operator command): DELETE LINK for all links, every
@@ -1178,14 +1200,8 @@ impl Endpoint {
         g.timers.stop(LgrTimer::LinkExchange);
         self.drop_link(lgr, new, now);
         if let (true, Some(via)) = (notify, via) {
-            let msg = LlcMessage::DeleteLink(DeleteLink {
-                reply: false,
-                all: false,
-                orderly: false,
-                link_num: new,
-                reason: DeleteLinkReason::PROTOCOL_VIOLATION,
-            });
-            self.post_llc(lgr, via, msg, None, now);
+            let reason = DeleteLinkReason::PROTOCOL_VIOLATION;
+            self.post_delete_link(lgr, via, new, false, reason, now);
         }
     }
 
@@ -1249,14 +1265,7 @@ impl Endpoint {
         if g.links.contains_key(&link) {
             self.remove_link(lgr, link, reason, res, now);
         }
-        let msg = LlcMessage::DeleteLink(DeleteLink {
-            reply: false,
-            all: false,
-            orderly,
-            link_num: link,
-            reason,
-        });
-        self.post_llc(lgr, via, msg, None, now);
+        self.post_delete_link(lgr, via, link, orderly, reason, now);
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
         //# LLC message: DELETE LINK from server (scope: single link) Timer waits for:
         //# DELETE LINK reply from client.
@@ -1544,15 +1553,7 @@ impl Endpoint {
             Some(Role::Client) => {
                 let via = g.active_links().next().map(|l| l.num);
                 if let Some(via) = via {
-                    let msg = LlcMessage::DeleteLink(DeleteLink {
-                        reply: false,
-                        all: false,
-                        orderly: false,
-                        link_num: num,
-                        reason,
-                    });
-                    self.post_llc(lgr, via, msg, None, now);
-                    self.client_await_delete(lgr, num, via, now);
+                    self.client_delete_link(lgr, via, num, false, reason, now);
                 }
             }
             None => {}
@@ -2078,15 +2079,8 @@ impl Endpoint {
                             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                             //# If there are other surviving links in the link group, resend
                             //# over a surviving link.
-                            let msg = LlcMessage::DeleteLink(DeleteLink {
-                                reply: false,
-                                all: false,
-                                orderly: false,
-                                link_num: link,
-                                reason: DeleteLinkReason::LOST_PATH,
-                            });
-                            self.post_llc(lgr, s, msg, None, now);
-                            self.client_await_delete(lgr, link, s, now);
+                            let reason = DeleteLinkReason::LOST_PATH;
+                            self.client_delete_link(lgr, s, link, false, reason, now);
                         }
                     }
                 }
@@ -2183,14 +2177,8 @@ impl Endpoint {
                     //# received
                     g.link_exchange = None;
                     self.drop_link(lgr, new, now);
-                    let msg = LlcMessage::DeleteLink(DeleteLink {
-                        reply: false,
-                        all: false,
-                        orderly: false,
-                        link_num: new,
-                        reason: DeleteLinkReason::PROGRAM_INITIATED,
-                    });
-                    self.post_llc(lgr, via, msg, None, now);
+                    let reason = DeleteLinkReason::PROGRAM_INITIATED;
+                    self.post_delete_link(lgr, via, new, false, reason, now);
                     let timeout = self.llc_timer(lgr);
                     let ex = LinkExchange::DeleteLink { link: new, via };
                     self.await_link_exchange(lgr, ex, timeout, now);
@@ -2244,14 +2232,8 @@ impl Endpoint {
                 //# request for this link and sending the reply
                 g.link_exchange = None;
                 self.drop_link(lgr, new, now);
-                let msg = LlcMessage::DeleteLink(DeleteLink {
-                    reply: false,
-                    all: false,
-                    orderly: false,
-                    link_num: new,
-                    reason: DeleteLinkReason::PROGRAM_INITIATED,
-                });
-                self.post_llc(lgr, via, msg, None, now);
+                let reason = DeleteLinkReason::PROGRAM_INITIATED;
+                self.post_delete_link(lgr, via, new, false, reason, now);
                 //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                 //# Set a timer to send another ADD LINK to the server if there is still an
                 //# unused RNIC on the client side.
