@@ -321,6 +321,18 @@ impl LinkGroup {
         None
     }
 
+    /// The first of our `devices` RNICs (by index) that no link of the group uses.
+    pub(crate) fn unused_device(&self, devices: usize) -> Option<DeviceId> {
+        (0..devices)
+            .map(|d| DeviceId(d as u8))
+            .find(|d| !self.links.values().any(|l| l.device == *d))
+    }
+
+    /// The RNIC of the lowest-numbered link.
+    pub(crate) fn first_device(&self) -> Option<DeviceId> {
+        self.links.values().next().map(|l| l.device)
+    }
+
     /// Whether a link between our `device` and the peer's `gid` would be parallel to an
     /// existing link (same RNIC pair).
     //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.1

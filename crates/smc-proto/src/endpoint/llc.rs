@@ -130,10 +130,7 @@ impl Endpoint {
                 self.llc_kick(lgr, res, now);
             }
             Role::Client => {
-                let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
-                let free = (0..self.config.devices.len())
-                    .map(|d| DeviceId(d as u8))
-                    .find(|d| !used.contains(d));
+                let free = g.unused_device(self.config.devices.len());
                 let Some(dev) = free.and_then(|d| devices.get(usize::from(d.0)).copied()) else {
                     return Err(EndpointError::NoDevice);
                 };
@@ -427,9 +424,7 @@ impl Endpoint {
                 g.timers.stop(LgrTimer::AddLinkRetry);
                 // More links while the group is below its maximum and we have an RNIC no
                 // link uses.
-                let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
-                let free =
-                    (0..self.config.devices.len()).any(|d| !used.contains(&DeviceId(d as u8)));
+                let free = g.unused_device(self.config.devices.len()).is_some();
                 if free && g.symmetric_count() < usize::from(g.max_links) {
                     g.pending.push_back(LocalRequest::AddLink);
                 }
@@ -579,16 +574,13 @@ impl Endpoint {
             }
             return false;
         }
-        let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
         let has_asym = g.links.values().any(|l| l.asymmetric);
-        let free = (0..self.config.devices.len())
-            .map(|d| DeviceId(d as u8))
-            .find(|d| !used.contains(d));
+        let free = g.unused_device(self.config.devices.len());
         // Without a free RNIC of our own, offer the same RNIC: the client may have a second
         // one (an asymmetric link, at most one per group).
         let device = match (free, has_asym) {
             (Some(d), _) => d,
-            (None, false) => used.first().copied().unwrap_or(DeviceId(0)),
+            (None, false) => g.first_device().unwrap_or(DeviceId(0)),
             (None, true) => {
                 if first_contact {
                     self.first_contact_done(lgr, now);
@@ -879,10 +871,7 @@ impl Endpoint {
         }
         // Pick our RNIC: one no link uses (symmetric); else, if the server offers a new RNIC
         // and no asymmetric link exists yet, reuse ours (asymmetric).
-        let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
-        let free = (0..self.config.devices.len())
-            .map(|d| DeviceId(d as u8))
-            .find(|d| !used.contains(d));
+        let free = g.unused_device(self.config.devices.len());
         let server_new_rnic = !g
             .links
             .values()
@@ -890,7 +879,7 @@ impl Endpoint {
         let has_asym = g.links.values().any(|l| l.asymmetric);
         let device = match free {
             Some(d) => Some(d),
-            None if server_new_rnic && !has_asym => used.first().copied(),
+            None if server_new_rnic && !has_asym => g.first_device(),
             None => None,
         };
         let full = g.symmetric_count() >= usize::from(g.max_links)
@@ -2143,10 +2132,7 @@ impl Endpoint {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                     //# Recovery action: Break the TCP connection with a RST, and clean up
                     //# RoCE resources.
-                    if let Some(tcp) = g.first_contact {
-                        self.setup_reset(tcp, ResetReason::LlcTimeout("ADD LINK reply"), now);
-                    }
-                    self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, false, now);
+                    self.first_contact_timed_out(lgr, "ADD LINK reply", false, now);
                 }
                 (ServerAddStep::SentAddLink, false) | (ServerAddStep::SentCont, false) => {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
@@ -2160,14 +2146,7 @@ impl Endpoint {
                     self.llc_kick(lgr, res, now);
                 }
                 (ServerAddStep::SentCont, true) => {
-                    if let Some(tcp) = g.first_contact {
-                        self.setup_reset(
-                            tcp,
-                            ResetReason::LlcTimeout("ADD LINK CONTINUATION reply"),
-                            now,
-                        );
-                    }
-                    self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, false, now);
+                    self.first_contact_timed_out(lgr, "ADD LINK CONTINUATION reply", false, now);
                 }
                 (ServerAddStep::SentConfirmLink, _) => {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
@@ -2206,14 +2185,7 @@ impl Endpoint {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                     //# Recovery action: Clean up the SMC-R link, and break the TCP connection
                     //# by sending a RST.  There is a problem with the server.
-                    if let Some(tcp) = g.first_contact {
-                        self.setup_reset(
-                            tcp,
-                            ResetReason::LlcTimeout("ADD LINK CONTINUATION"),
-                            now,
-                        );
-                    }
-                    self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, false, now);
+                    self.first_contact_timed_out(lgr, "ADD LINK CONTINUATION", false, now);
                     return;
                 }
                 if server_owes {
@@ -2240,8 +2212,7 @@ impl Endpoint {
                 let retry = self.config.add_link_retry;
                 let devices = self.config.devices.len();
                 if let Some(g) = self.lgrs.get_mut(&lgr) {
-                    let used: Vec<DeviceId> = g.links.values().map(|l| l.device).collect();
-                    if (0..devices).any(|d| !used.contains(&DeviceId(d as u8))) {
+                    if g.unused_device(devices).is_some() {
                         g.timers.set(LgrTimer::AddLinkRetry, now + retry);
                     }
                 }
@@ -2265,22 +2236,31 @@ impl Endpoint {
                 });
                 if g.first_contact.is_some() && g.active_count() <= 1 {
                     // C.7: the first contact cannot complete.
-                    if let Some(tcp) = g.first_contact {
-                        self.setup_reset(tcp, ResetReason::LlcTimeout("DELETE LINK reply"), now);
-                    }
-                    self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, false, now);
+                    self.first_contact_timed_out(lgr, "DELETE LINK reply", false, now);
                     return;
                 }
                 self.fail_link(lgr, via, DeleteLinkReason::LOST_PATH, res, now);
                 self.llc_kick(lgr, res, now);
             }
             LinkExchange::ClientAwaitDelete { .. } => {
-                if let Some(tcp) = g.first_contact {
-                    self.setup_reset(tcp, ResetReason::LlcTimeout("DELETE LINK request"), now);
-                }
-                self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, true, now);
+                self.first_contact_timed_out(lgr, "DELETE LINK request", true, now);
             }
         }
+    }
+
+    /// An LLC exchange of a first contact timed out waiting for `what`: reset the first
+    /// contact's TCP connection and end the group (telling the peer when `notify`).
+    fn first_contact_timed_out(
+        &mut self,
+        lgr: LgrId,
+        what: &'static str,
+        notify: bool,
+        now: Timestamp,
+    ) {
+        if let Some(tcp) = self.lgrs.get(&lgr).and_then(|g| g.first_contact) {
+            self.setup_reset(tcp, ResetReason::LlcTimeout(what), now);
+        }
+        self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, notify, now);
     }
 }
 
