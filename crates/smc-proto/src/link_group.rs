@@ -333,6 +333,21 @@ impl LinkGroup {
         self.links.values().next().map(|l| l.device)
     }
 
+    /// Link `num` is connected to the peer's QP `qpn` on its RNIC `gid`.
+    pub(crate) fn link_reaches(&self, num: u8, qpn: smc_wire::U24, gid: smc_wire::Gid) -> bool {
+        self.links
+            .get(&num)
+            .and_then(|l| l.remote)
+            .is_some_and(|r| r.qpn == qpn && r.gid == gid)
+    }
+
+    /// Every peer RMB in use has an RToken on link `num`.
+    pub(crate) fn peer_rmbs_known_on(&self, num: u8) -> bool {
+        self.peer_rmbs
+            .iter()
+            .all(|r| r.tokens.is_empty() || r.tokens.contains_key(&num))
+    }
+
     /// Whether a link between our `device` and the peer's `gid` would be parallel to an
     /// existing link (same RNIC pair).
     //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.1

@@ -11,7 +11,9 @@ use smc_wire::llc::{
 use smc_wire::{ControlMessage, ErrorClass, LlcMessage, QpMtu};
 
 use super::{Endpoint, EndpointError, EndpointEvent, Entry, ResetReason, WrPurpose};
-use crate::fabric::{DeviceId, FabricOp, LgrId, LinkId, MrInfo, RemoteQp, Resources, WrId};
+use crate::fabric::{
+    Device, DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, RemoteQp, Resources, WrId,
+};
 use crate::link_group::{
     ClientAddStep, LgrTimer, Link, LinkExchange, LinkState, LinkTimer, LocalRequest, RkeyExchange,
     Role, ServerAddStep,
@@ -140,17 +142,11 @@ impl Endpoint {
                 //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.3
                 //# This message is provided as an "FYI" to the server to let it know that the
                 //# client has an additional RNIC available.
-                let msg = LlcMessage::AddLink(AddLink {
-                    reply: false,
-                    rejected: false,
-                    reject_reason: AddLinkRejectReason(0),
-                    sender_mac: dev.mac,
-                    sender_gid: dev.gid,
-                    sender_qp: smc_wire::U24::truncate(0),
-                    link_num: 0,
-                    mtu: dev.mtu,
-                    initial_psn: smc_wire::U24::truncate(0),
-                });
+                let no_qp = QpInfo {
+                    qpn: smc_wire::U24::truncate(0),
+                    psn: smc_wire::U24::truncate(0),
+                };
+                let msg = add_link(false, dev, no_qp, 0, dev.mtu);
                 self.post_llc(lgr, via, msg, None, now);
             }
         }
@@ -410,11 +406,7 @@ impl Endpoint {
                 first_contact,
                 ..
             }) if c.reply && via == new => {
-                let ok = c.link_num == new
-                    && g.links
-                        .get(&new)
-                        .and_then(|l| l.remote)
-                        .is_some_and(|r| r.qpn == c.sender_qp && r.gid == c.sender_gid);
+                let ok = c.link_num == new && g.link_reaches(new, c.sender_qp, c.sender_gid);
                 if !ok {
                     self.abandon_new_link(lgr, new, true, now);
                     return;
@@ -434,16 +426,9 @@ impl Endpoint {
             Some(LinkExchange::ClientAddLink {
                 new, first_contact, ..
             }) if !c.reply && via == new => {
-                let complete = g
-                    .peer_rmbs
-                    .iter()
-                    .all(|r| r.tokens.is_empty() || r.tokens.contains_key(&new));
                 let ok = c.link_num == new
-                    && complete
-                    && g.links
-                        .get(&new)
-                        .and_then(|l| l.remote)
-                        .is_some_and(|r| r.qpn == c.sender_qp && r.gid == c.sender_gid);
+                    && g.peer_rmbs_known_on(new)
+                    && g.link_reaches(new, c.sender_qp, c.sender_gid);
                 if !ok {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                     //# Protocol error.  The link must be brought down by sending a DELETE LINK
@@ -632,17 +617,7 @@ impl Endpoint {
             }
         };
         let mtu = self.lgrs.get(&lgr).map_or(dev.mtu, |g| g.mtu);
-        let msg = LlcMessage::AddLink(AddLink {
-            reply: false,
-            rejected: false,
-            reject_reason: AddLinkRejectReason(0),
-            sender_mac: dev.mac,
-            sender_gid: dev.gid,
-            sender_qp: qp.qpn,
-            link_num: num,
-            mtu,
-            initial_psn: qp.psn,
-        });
+        let msg = add_link(false, dev, qp, num, mtu);
         self.post_llc(lgr, via, msg, None, now);
         let ex = LinkExchange::ServerAddLink {
             new: num,
@@ -733,19 +708,19 @@ impl Endpoint {
         let Some(device) = g.links.get(&new).map(|l| l.device) else {
             return;
         };
+        // The client reuses an RNIC of an existing link.
+        let client_reuses = g
+            .links
+            .values()
+            .any(|l| l.num != new && l.remote.is_some_and(|r| r.gid == a.sender_gid));
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
         //# Client-side link information that would result in a parallel link being set up.
         //# Recovery action: Parallel links are not permitted.  Delete the link by sending a
         //# DELETE LINK to the client over another link in the link group.
         if g.would_be_parallel(device, a.sender_gid)
-            || (g.links.get(&new).is_some_and(|l| l.asymmetric)
-                && g.links
-                    .values()
-                    .any(|l| l.num != new && l.remote.is_some_and(|r| r.gid == a.sender_gid)))
+            || (g.links.get(&new).is_some_and(|l| l.asymmetric) && client_reuses)
         {
-            self.abandon_new_link(lgr, new, true, now);
-            self.arm_add_link_retry(lgr, now);
-            self.exchange_done(lgr, first_contact, res, now);
+            self.server_abandon_add_link(lgr, new, first_contact, res, now);
             return;
         }
         let mtu = QpMtu(g.mtu.0.min(a.mtu.0));
@@ -757,10 +732,6 @@ impl Endpoint {
             mtu,
         };
         // The link is asymmetric when the client reuses an RNIC of an existing link.
-        let client_reuses = g
-            .links
-            .values()
-            .any(|l| l.num != new && l.remote.is_some_and(|r| r.gid == a.sender_gid));
         let Some(l) = g.links.get_mut(&new) else {
             return;
         };
@@ -846,27 +817,12 @@ impl Endpoint {
         let Some(g) = self.lgrs.get_mut(&lgr) else {
             return;
         };
-        let reject = |reason: AddLinkRejectReason| {
-            LlcMessage::AddLink(AddLink {
-                reply: true,
-                rejected: true,
-                reject_reason: reason,
-                link_num: a.link_num,
-                ..AddLink::default()
-            })
-        };
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
         //# What it indicates: Undefined enumerated MTU value.  Recovery action: Send a
         //# negative ADD LINK reply with reason code x'2'.
         if !a.mtu.is_known() {
-            self.post_llc(
-                lgr,
-                via,
-                reject(AddLinkRejectReason::INVALID_MTU),
-                None,
-                now,
-            );
-            self.exchange_done(lgr, first_contact, res, now);
+            let reason = AddLinkRejectReason::INVALID_MTU;
+            self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
             return;
         }
         // Pick our RNIC: one no link uses (symmetric); else, if the server offers a new RNIC
@@ -889,14 +845,8 @@ impl Endpoint {
             //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.4
             //# If it does not, the client rejects the ADD LINK request from the server,
             //# because the resulting link would be a parallel link
-            self.post_llc(
-                lgr,
-                via,
-                reject(AddLinkRejectReason::NO_ALTERNATE_PATH),
-                None,
-                now,
-            );
-            self.exchange_done(lgr, first_contact, res, now);
+            let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
+            self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
             return;
         };
         let Some(dev) = self.device(device) else {
@@ -905,14 +855,8 @@ impl Endpoint {
         let id = LinkId(self.next_link);
         self.next_link += 1;
         let Ok(qp) = res.create_qp(id, device) else {
-            self.post_llc(
-                lgr,
-                via,
-                reject(AddLinkRejectReason::NO_ALTERNATE_PATH),
-                None,
-                now,
-            );
-            self.exchange_done(lgr, first_contact, res, now);
+            let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
+            self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
             return;
         };
         let user_id = res.random_u32();
@@ -958,28 +902,12 @@ impl Endpoint {
             Ok(p) => p,
             Err(()) => {
                 self.drop_link(lgr, num, now);
-                self.post_llc(
-                    lgr,
-                    via,
-                    reject(AddLinkRejectReason::NO_ALTERNATE_PATH),
-                    None,
-                    now,
-                );
-                self.exchange_done(lgr, first_contact, res, now);
+                let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
+                self.client_reject_add_link(lgr, via, num, reason, res, now);
                 return;
             }
         };
-        let reply = LlcMessage::AddLink(AddLink {
-            reply: true,
-            rejected: false,
-            reject_reason: AddLinkRejectReason(0),
-            sender_mac: dev.mac,
-            sender_gid: dev.gid,
-            sender_qp: qp.qpn,
-            link_num: num,
-            mtu,
-            initial_psn: qp.psn,
-        });
+        let reply = add_link(true, dev, qp, num, mtu);
         self.post_llc(lgr, via, reply, None, now);
         let ex = LinkExchange::ClientAddLink {
             new: num,
@@ -992,6 +920,32 @@ impl Endpoint {
         //# LLC message: ADD LINK reply from client (and there are more RKeys to be
         //# communicated) Timer waits for: ADD LINK CONTINUATION from server.
         self.await_link_exchange(lgr, ex, timeout, now);
+    }
+
+    /// Client: refuse the server's ADD LINK for link `link_num` with a negative reply; the
+    /// exchange is over.
+    fn client_reject_add_link(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        link_num: u8,
+        reason: AddLinkRejectReason,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
+        let msg = LlcMessage::AddLink(AddLink {
+            reply: true,
+            rejected: true,
+            reject_reason: reason,
+            link_num,
+            ..AddLink::default()
+        });
+        self.post_llc(lgr, via, msg, None, now);
+        let first_contact = self
+            .lgrs
+            .get(&lgr)
+            .is_some_and(|g| g.first_contact.is_some());
+        self.exchange_done(lgr, first_contact, res, now);
     }
 
     // ----- ADD LINK CONTINUATION -------------------------------------------------------------
@@ -1084,14 +1038,8 @@ impl Endpoint {
                 return;
             }
             // Every RToken is exchanged: verify the new link with CONFIRM LINK over it.
-            let complete = g
-                .peer_rmbs
-                .iter()
-                .all(|r| r.tokens.is_empty() || r.tokens.contains_key(&new));
-            if !complete {
-                self.abandon_new_link(lgr, new, true, now);
-                self.arm_add_link_retry(lgr, now);
-                self.exchange_done(lgr, first_contact, res, now);
+            if !g.peer_rmbs_known_on(new) {
+                self.server_abandon_add_link(lgr, new, first_contact, res, now);
                 return;
             }
             if let Some(msg) = self.confirm_link_msg(lgr, new, false) {
@@ -1172,6 +1120,21 @@ impl Endpoint {
             g.link_exchange = Some(ex);
             g.timers.set(LgrTimer::LinkExchange, now + timeout);
         }
+    }
+
+    /// Server: the ADD LINK exchange for link `new` failed: give the link up (telling the
+    /// client), arm the retry, and end the exchange.
+    fn server_abandon_add_link(
+        &mut self,
+        lgr: LgrId,
+        new: u8,
+        first_contact: bool,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
+        self.abandon_new_link(lgr, new, true, now);
+        self.arm_add_link_retry(lgr, now);
+        self.exchange_done(lgr, first_contact, res, now);
     }
 
     /// Give up a link being added: destroy it, and tell the peer with a DELETE LINK over the
@@ -1453,31 +1416,27 @@ impl Endpoint {
         }
         let mut done_fc = None;
         match g.link_exchange.clone() {
-            Some(LinkExchange::ServerAddLink {
-                new,
-                via,
-                first_contact,
-                ..
-            }) if via == num || new == num => {
+            Some(
+                LinkExchange::ServerAddLink {
+                    new,
+                    via,
+                    first_contact,
+                    ..
+                }
+                | LinkExchange::ClientAddLink {
+                    new,
+                    via,
+                    first_contact,
+                    ..
+                },
+            ) if via == num || new == num => {
                 g.link_exchange = None;
                 g.timers.stop(LgrTimer::LinkExchange);
                 if new != num {
                     self.drop_link(lgr, new, now);
                 }
+                // The server's retry (nothing on the client).
                 self.arm_add_link_retry(lgr, now);
-                done_fc = Some(first_contact);
-            }
-            Some(LinkExchange::ClientAddLink {
-                new,
-                via,
-                first_contact,
-                ..
-            }) if via == num || new == num => {
-                g.link_exchange = None;
-                g.timers.stop(LgrTimer::LinkExchange);
-                if new != num {
-                    self.drop_link(lgr, new, now);
-                }
                 done_fc = Some(first_contact);
             }
             Some(LinkExchange::DeleteLink { link, via }) if via == num => {
@@ -2262,6 +2221,22 @@ impl Endpoint {
         }
         self.terminate_group(lgr, DeleteLinkReason::PROGRAM_INITIATED, notify, now);
     }
+}
+
+/// ADD LINK (request, or positive reply when `reply`) for link `link_num` offering our RNIC
+/// `dev` and QP `qp`.
+fn add_link(reply: bool, dev: Device, qp: QpInfo, link_num: u8, mtu: QpMtu) -> LlcMessage {
+    LlcMessage::AddLink(AddLink {
+        reply,
+        rejected: false,
+        reject_reason: AddLinkRejectReason(0),
+        sender_mac: dev.mac,
+        sender_gid: dev.gid,
+        sender_qp: qp.qpn,
+        link_num,
+        mtu,
+        initial_psn: qp.psn,
+    })
 }
 
 /// ADD LINK CONTINUATION carrying `pairs` (at most two); `total` counts this message's pairs
