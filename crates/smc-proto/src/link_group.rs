@@ -84,6 +84,34 @@ pub struct Link {
     pub timers: TimerTable<LinkTimer, 2>,
 }
 
+impl Link {
+    /// A link being set up (its CONFIRM LINK exchange to come) on our `device` with QP
+    /// `local_qp`; the peer's QP not known yet, symmetric.
+    pub(crate) fn activating(
+        id: LinkId,
+        num: u8,
+        device: DeviceId,
+        local_qp: QpInfo,
+        local_user_id: u32,
+        now: Timestamp,
+    ) -> Self {
+        Link {
+            id,
+            num,
+            device,
+            local_qp,
+            remote: None,
+            state: LinkState::Activating,
+            local_user_id,
+            peer_user_id: None,
+            asymmetric: false,
+            last_activity: now,
+            test_link: None,
+            timers: TimerTable::new(),
+        }
+    }
+}
+
 /// One of our RMBs: its size and its RToken on every link.
 #[derive(Debug, Clone)]
 pub struct LocalRmb {
@@ -289,6 +317,40 @@ pub struct LinkGroup {
 }
 
 impl LinkGroup {
+    /// A group with no link, no RMB, no connection and no exchange in progress.
+    pub(crate) fn new(
+        id: LgrId,
+        role: Role,
+        peer_id: PeerId,
+        max_links: u8,
+        pool: RmbPool,
+        mtu: QpMtu,
+    ) -> Self {
+        LinkGroup {
+            id,
+            role,
+            peer_id,
+            max_links,
+            links: BTreeMap::new(),
+            last_link_num: 0,
+            pool,
+            local_rmbs: BTreeMap::new(),
+            peer_rmbs: Vec::new(),
+            peer_rmbes: PeerRmbeRegistry::new(),
+            conns: BTreeSet::new(),
+            link_exchange: None,
+            rkey_exchange: None,
+            pending: VecDeque::new(),
+            queued: VecDeque::new(),
+            first_contact: None,
+            timers: TimerTable::new(),
+            mtu,
+            deleted: BTreeSet::new(),
+            rkey_cont: None,
+            client_deleting: BTreeMap::new(),
+        }
+    }
+
     /// Active links, in link-number order.
     pub fn active_links(&self) -> impl Iterator<Item = &Link> {
         self.links.values().filter(|l| l.state == LinkState::Active)
@@ -394,48 +456,26 @@ mod tests {
     use crate::rmb_pool::RmbPoolConfig;
 
     fn lgr() -> LinkGroup {
-        LinkGroup {
-            id: LgrId(1),
-            role: Role::Server,
-            peer_id: PeerId::default(),
-            max_links: 2,
-            links: BTreeMap::new(),
-            last_link_num: 0,
-            pool: RmbPool::new(RmbPoolConfig::default()).expect("pool"),
-            local_rmbs: BTreeMap::new(),
-            peer_rmbs: Vec::new(),
-            peer_rmbes: PeerRmbeRegistry::new(),
-            conns: BTreeSet::new(),
-            link_exchange: None,
-            rkey_exchange: None,
-            pending: VecDeque::new(),
-            queued: VecDeque::new(),
-            first_contact: None,
-            timers: TimerTable::new(),
-            mtu: QpMtu::MTU_1024,
-            deleted: BTreeSet::new(),
-            rkey_cont: None,
-            client_deleting: BTreeMap::new(),
-        }
+        let pool = RmbPool::new(RmbPoolConfig::default()).expect("pool");
+        LinkGroup::new(
+            LgrId(1),
+            Role::Server,
+            PeerId::default(),
+            2,
+            pool,
+            QpMtu::MTU_1024,
+        )
     }
 
     fn link(num: u8) -> Link {
+        let qp = QpInfo {
+            qpn: smc_wire::U24::truncate(1),
+            psn: smc_wire::U24::truncate(1),
+        };
+        let id = LinkId(u32::from(num));
         Link {
-            id: LinkId(u32::from(num)),
-            num,
-            device: DeviceId(0),
-            local_qp: QpInfo {
-                qpn: smc_wire::U24::truncate(1),
-                psn: smc_wire::U24::truncate(1),
-            },
-            remote: None,
             state: LinkState::Active,
-            local_user_id: 0,
-            peer_user_id: None,
-            asymmetric: false,
-            last_activity: Timestamp::ZERO,
-            test_link: None,
-            timers: TimerTable::new(),
+            ..Link::activating(id, num, DeviceId(0), qp, 0, Timestamp::ZERO)
         }
     }
 

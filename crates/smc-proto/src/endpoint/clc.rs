@@ -7,7 +7,7 @@
 //! goes `ExpectProposal` → (`ServerAwaitRkey` →) `ExpectConfirm` → established, or on a first
 //! contact `ExpectConfirm` → `ExpectConfirmLinkReply` → `ExpectSecondLink` → established.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::Ipv4Addr;
 
 use smc_wire::clc::Ipv6Prefix;
@@ -24,10 +24,9 @@ use super::{
 use crate::conn::{Connection, ConnectionConfig};
 use crate::fabric::{DeviceId, FabricOp, LgrId, RemoteQp, Resources};
 use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, PeerRmb, Role};
-use crate::rmb_pool::{PeerRmbeKey, PeerRmbeRegistry, RmbPool};
+use crate::rmb_pool::{PeerRmbeKey, RmbPool};
 use crate::rmbe::RmbeLayout;
 use crate::time::Timestamp;
-use crate::timer::TimerTable;
 
 /// Linux's flag bits in CONFIRM LINK: "no RMBE eye catcher" (wire-formats.md §1 item 1).
 const CONFIRM_LINK_NO_EYECATCHER: bool = true;
@@ -1303,51 +1302,15 @@ impl Endpoint {
         let link_id = self.new_link_id();
         let qp = res.create_qp(link_id, device).map_err(|_| ())?;
         let user_id = res.random_u32();
-        let mut links = BTreeMap::new();
-        links.insert(
+        let max_links = self.config.max_links.clamp(2, 8);
+        let mut g = LinkGroup::new(id, role, peer_id, max_links, pool, dev.mtu);
+        g.links.insert(
             num,
-            Link {
-                id: link_id,
-                num,
-                device,
-                local_qp: qp,
-                remote: None,
-                state: LinkState::Activating,
-                local_user_id: user_id,
-                peer_user_id: None,
-                asymmetric: false,
-                last_activity: now,
-                test_link: None,
-                timers: TimerTable::new(),
-            },
+            Link::activating(link_id, num, device, qp, user_id, now),
         );
+        g.last_link_num = num;
         self.links.insert(link_id, (id, num));
-        self.lgrs.insert(
-            id,
-            LinkGroup {
-                id,
-                role,
-                peer_id,
-                max_links: self.config.max_links.clamp(2, 8),
-                links,
-                last_link_num: num,
-                pool,
-                local_rmbs: BTreeMap::new(),
-                peer_rmbs: Vec::new(),
-                peer_rmbes: PeerRmbeRegistry::new(),
-                conns: BTreeSet::new(),
-                link_exchange: None,
-                rkey_exchange: None,
-                pending: VecDeque::new(),
-                queued: VecDeque::new(),
-                first_contact: None,
-                timers: TimerTable::new(),
-                mtu: dev.mtu,
-                deleted: BTreeSet::new(),
-                rkey_cont: None,
-                client_deleting: BTreeMap::new(),
-            },
-        );
+        self.lgrs.insert(id, g);
         Ok(id)
     }
 

@@ -20,7 +20,6 @@ use crate::link_group::{
 };
 use crate::rmb_pool::RmbId;
 use crate::time::Timestamp;
-use crate::timer::TimerTable;
 
 impl Endpoint {
     // ----- Fabric inputs -------------------------------------------------------------------
@@ -579,8 +578,7 @@ impl Endpoint {
         let Some(num) = g.next_link_num() else {
             return false;
         };
-        let id = LinkId(self.next_link);
-        self.next_link += 1;
+        let id = self.new_link_id();
         let Ok(qp) = res.create_qp(id, device) else {
             if first_contact {
                 self.first_contact_done(lgr, now);
@@ -591,23 +589,11 @@ impl Endpoint {
         let Some(g) = self.lgrs.get_mut(&lgr) else {
             return false;
         };
-        g.links.insert(
-            num,
-            Link {
-                id,
-                num,
-                device,
-                local_qp: qp,
-                remote: None,
-                state: LinkState::Activating,
-                local_user_id: user_id,
-                peer_user_id: None,
-                asymmetric: free.is_none(),
-                last_activity: now,
-                test_link: None,
-                timers: TimerTable::new(),
-            },
-        );
+        let link = Link {
+            asymmetric: free.is_none(),
+            ..Link::activating(id, num, device, qp, user_id, now)
+        };
+        g.links.insert(num, link);
         self.links.insert(id, (lgr, num));
         let pairs = match self.register_rmbs_on_link(lgr, num, via, res) {
             Ok(p) => p,
@@ -852,8 +838,7 @@ impl Endpoint {
         let Some(dev) = self.device(device) else {
             return;
         };
-        let id = LinkId(self.next_link);
-        self.next_link += 1;
+        let id = self.new_link_id();
         let Ok(qp) = res.create_qp(id, device) else {
             let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
             self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
@@ -872,23 +857,12 @@ impl Endpoint {
             mtu,
         };
         let num = a.link_num;
-        g.links.insert(
-            num,
-            Link {
-                id,
-                num,
-                device,
-                local_qp: qp,
-                remote: Some(remote),
-                state: LinkState::Activating,
-                local_user_id: user_id,
-                peer_user_id: None,
-                asymmetric: free.is_none() || !server_new_rnic,
-                last_activity: now,
-                test_link: None,
-                timers: TimerTable::new(),
-            },
-        );
+        let link = Link {
+            remote: Some(remote),
+            asymmetric: free.is_none() || !server_new_rnic,
+            ..Link::activating(id, num, device, qp, user_id, now)
+        };
+        g.links.insert(num, link);
         if num > g.last_link_num {
             g.last_link_num = num;
         }
