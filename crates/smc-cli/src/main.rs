@@ -2,6 +2,8 @@
 #![forbid(unsafe_code)]
 
 mod decode;
+mod demo;
+mod nc;
 
 use std::process::ExitCode;
 
@@ -19,12 +21,23 @@ struct Cli {
 enum Command {
     /// Decode SMC-R messages from hex, a pcap/pcapng file or the bundled reference vectors.
     Decode(decode::DecodeArgs),
+    /// Netcat over smc-rs: `smc nc -l PORT [--echo]` or `smc nc HOST PORT`.
+    Nc(nc::NcArgs),
+    /// Two processes on the shm fabric: link group, transfer with a link failure, checksum,
+    /// throughput next to TCP loopback.
+    Demo(demo::DemoArgs),
+    /// The server process of `smc demo`.
+    #[command(hide = true)]
+    DemoServer(demo::DemoServerArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Decode(args) => decode::run(&args),
+        Command::Nc(args) => nc::run(&args),
+        Command::Demo(args) => demo::run(&args),
+        Command::DemoServer(args) => demo::run_server(&args),
     };
     match result {
         Ok(code) => code,

@@ -17,5 +17,6 @@ mod stream;
 
 pub use config::{DiscoveryMode, StackConfig};
 pub use error::{FallbackReason, Mode, StackError};
+pub use smc_fabric::{FabricConfig, PortState};
 pub use stack::{LinkGroupInfo, LinkInfo, Stack, StackStats};
 pub use stream::{SmcListener, SmcStream};

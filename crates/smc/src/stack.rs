@@ -38,6 +38,8 @@ const RECV_SLOT_LEN: usize = 64;
 const RECV_FLAG: u64 = 1 << 63;
 /// The runtime thread sleeps at most this long (device events are polled, not signalled).
 const MAX_SLEEP: Duration = Duration::from_millis(20);
+/// A failed post is reported at the latest after this time (see `Core::failed_posts`).
+const FAILED_POST_GRACE: Duration = Duration::from_millis(100);
 
 /// Where a connection is in its life, as the stack tracks it.
 #[derive(Debug, Clone)]
@@ -74,7 +76,6 @@ pub(crate) struct Slot {
 /// A link's QP and its receive buffers.
 struct LinkQp {
     qp: QueuePair,
-    device: usize,
     rx: MemoryRegion,
 }
 
@@ -133,7 +134,7 @@ impl Resources for Fabric {
             )
             .map_err(|_| ResourceError("receive buffer registration failed"))?;
         let info = qp.local_info();
-        let l = LinkQp { qp, device: d, rx };
+        let l = LinkQp { qp, rx };
         for slot in 0..RECV_SLOTS {
             self.post_recv(link, &l, slot)
                 .map_err(|_| ResourceError("posting receives failed"))?;
@@ -213,6 +214,13 @@ pub(crate) struct Core {
     pub(crate) segments: HashMap<u32, VecDeque<Segment>>,
     pub(crate) stats: StackStats,
     start: Instant,
+    /// Work requests whose post failed synchronously (the QP is in error): reported to the
+    /// endpoint only after the QP's receive flush was seen, so that every message that
+    /// arrived before the failure is processed first (otherwise failover validation would
+    /// see a lost CDC), or after [`FAILED_POST_GRACE`].
+    failed_posts: Vec<(WrId, LinkId, Instant)>,
+    /// Links whose receive queue was flushed (their arrived messages are all processed).
+    flushed: std::collections::HashSet<LinkId>,
 }
 
 impl Core {
@@ -290,7 +298,7 @@ impl Core {
                     .is_ok()
                 });
                 if !ok {
-                    self.ep.handle_completion(wr, false, &mut self.fab, now);
+                    self.failed_posts.push((wr, link, Instant::now()));
                 }
             }
             FabricOp::RdmaWrite {
@@ -311,11 +319,12 @@ impl Core {
                     .is_ok()
                 });
                 if !ok {
-                    self.ep.handle_completion(wr, false, &mut self.fab, now);
+                    self.failed_posts.push((wr, link, Instant::now()));
                 }
             }
             FabricOp::DestroyQp { link } => {
                 self.fab.links.remove(&link);
+                self.flushed.remove(&link);
             }
             FabricOp::FreeRmb { lgr, rmb } => {
                 self.fab.rmbs.remove(&(lgr, rmb));
@@ -406,6 +415,7 @@ impl Core {
         let link = LinkId(((wc.wr_id & !RECV_FLAG) >> 8) as u32);
         let slot = wc.wr_id & 0xff;
         if !wc.is_ok() {
+            self.flushed.insert(link);
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
         }
@@ -436,35 +446,36 @@ impl Core {
             .handle_message(link, &buf[..len], &mut self.fab, now);
     }
 
-    fn device_event(&mut self, dev: usize, ev: DeviceEvent) {
+    /// A device event. Port-down and QP-fatal events are not turned into link failures here:
+    /// the QP's flushed receives report the failure in completion order, after the messages
+    /// that arrived before it (the event is queued before those completions).
+    fn device_event(&mut self, _dev: usize, ev: DeviceEvent) {
         let now = self.now();
-        let failed: Vec<LinkId> = match ev {
-            DeviceEvent::PortDown => self
-                .fab
-                .links
-                .iter()
-                .filter(|(_, l)| l.device == dev)
-                .map(|(id, _)| *id)
-                .collect(),
-            DeviceEvent::QpFatal { qp_num } => self
-                .fab
-                .links
-                .iter()
-                .filter(|(_, l)| l.device == dev && l.qp.qp_num() == qp_num)
-                .map(|(id, _)| *id)
-                .collect(),
-            DeviceEvent::PortActive => {
-                // A device came back: ask every group for its links again (App. C.8).
-                let groups: Vec<LgrId> = self.ep.link_groups().map(|g| g.id).collect();
-                for g in groups {
-                    let _ = self.ep.request_add_link(g, &mut self.fab, now);
-                }
-                Vec::new()
+        if ev == DeviceEvent::PortActive {
+            // A device came back: ask every group for its links again (App. C.8).
+            let groups: Vec<LgrId> = self.ep.link_groups().map(|g| g.id).collect();
+            for g in groups {
+                let _ = self.ep.request_add_link(g, &mut self.fab, now);
             }
-        };
-        for link in failed {
-            self.ep.handle_link_failure(link, &mut self.fab, now);
         }
+    }
+
+    /// Report failed posts whose link's receive flush was seen (or that waited long enough).
+    fn report_failed_posts(&mut self) -> bool {
+        if self.failed_posts.is_empty() {
+            return false;
+        }
+        let now = self.now();
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.failed_posts)
+            .into_iter()
+            .partition(|(_, link, at)| {
+                self.flushed.contains(link) || at.elapsed() >= FAILED_POST_GRACE
+            });
+        self.failed_posts = keep;
+        for (wr, _, _) in &due {
+            self.ep.handle_completion(*wr, false, &mut self.fab, now);
+        }
+        !due.is_empty()
     }
 }
 
@@ -623,6 +634,8 @@ impl Stack {
             segments: HashMap::new(),
             stats: StackStats::default(),
             start: Instant::now(),
+            failed_posts: Vec::new(),
+            flushed: Default::default(),
         };
         let inner = Arc::new(Inner {
             config,
@@ -787,6 +800,7 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
             for (dev, e) in &dev_events {
                 core.device_event(*dev, *e);
             }
+            did |= core.report_failed_posts();
             if core.ep.poll_timeout().is_some_and(|t| t <= now) {
                 let Core { ep, fab, .. } = &mut *core;
                 ep.handle_timeout(fab, now);

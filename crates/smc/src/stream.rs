@@ -438,6 +438,35 @@ impl SmcStream {
         }
     }
 
+    /// Over SMC-R: the link group and the name of our device of the link this connection
+    /// sends on (each side chooses its own, RFC 7609 §2.3); `None` over TCP.
+    pub fn send_link(&self) -> Option<(u32, String)> {
+        let Kind::Smc(h) = &self.kind else {
+            return None;
+        };
+        let core = self.stack.inner.lock();
+        let (lgr, num) = core.ep.connection_link(h.id)?;
+        let dev = core.ep.link_group(lgr)?.links.get(&num)?.device;
+        let name = core.fab.devices.get(usize::from(dev.0))?.name().to_string();
+        Some((lgr.0, name))
+    }
+
+    /// Over SMC-R: bytes we wrote that the peer has not consumed yet, as far as its last
+    /// consumer-cursor update tells (like Linux's SIOCOUTQ); `None` over TCP.
+    pub fn unconsumed_by_peer(&self) -> Option<u64> {
+        let Kind::Smc(h) = &self.kind else {
+            return None;
+        };
+        let core = self.stack.inner.lock();
+        let c = core.ep.connection(h.id)?;
+        let d = cursor_distance(
+            c.peer_consumer_cursor(),
+            c.producer_cursor(),
+            c.config().peer_rmbe_len,
+        );
+        Some(u64::try_from(d).unwrap_or(0))
+    }
+
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
         self.sock.peer_addr()

@@ -1,0 +1,132 @@
+//! `smc nc`: netcat over smc-rs. stdin → socket → stdout; at stdin EOF the write side is shut
+//! down (the peer reads EOF); the command ends when the peer's side ends.
+
+use std::io::{Read, Write};
+use std::net::Shutdown;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use smc::{SmcListener, SmcStream, Stack};
+
+/// Arguments of `smc nc`.
+#[derive(Args, Debug)]
+pub struct NcArgs {
+    /// Listen on PORT instead of connecting (`smc nc -l PORT`).
+    #[arg(short = 'l', long = "listen", value_name = "PORT")]
+    listen: Option<u16>,
+    /// Listener: echo every client back to itself, any number at once, until killed.
+    #[arg(long, requires = "listen")]
+    echo: bool,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: String,
+    /// Print the connection mode (SMC-R or TCP and why) and addresses on stderr.
+    #[arg(short, long)]
+    verbose: bool,
+    /// Host to connect to.
+    host: Option<String>,
+    /// Port to connect to.
+    port: Option<u16>,
+}
+
+/// Run `smc nc`.
+pub fn run(args: &NcArgs) -> Result<ExitCode> {
+    let stack = Stack::global().context("starting the SMC-R stack")?;
+    match (args.listen, &args.host, args.port) {
+        (Some(port), None, None) => listen(&stack, args, port),
+        (None, Some(host), Some(port)) => {
+            let s = SmcStream::connect_with(&stack, (host.as_str(), port))
+                .with_context(|| format!("connecting to {host}:{port}"))?;
+            report(args, &s);
+            pump(s)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => bail!("usage: smc nc -l PORT [--echo] | smc nc HOST PORT"),
+    }
+}
+
+fn report(args: &NcArgs, s: &SmcStream) {
+    if args.verbose {
+        let peer = s
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "?".into());
+        eprintln!("smc nc: connected to {peer} over {}", s.mode());
+    }
+}
+
+fn listen(stack: &Stack, args: &NcArgs, port: u16) -> Result<ExitCode> {
+    let l = SmcListener::bind_with(stack, (args.bind.as_str(), port))
+        .with_context(|| format!("binding {}:{port}", args.bind))?;
+    // Always said, so that scripts (and tests) can learn an ephemeral port.
+    eprintln!("smc nc: listening on {}", l.local_addr()?);
+    if args.echo {
+        for s in l.incoming() {
+            let s = match s {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("smc nc: accept: {e}");
+                    continue;
+                }
+            };
+            report(args, &s);
+            std::thread::spawn(move || echo(s));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let (s, _) = l.accept().context("accepting")?;
+    report(args, &s);
+    pump(s)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Echo one client until it shuts down its write side, then shut down ours.
+fn echo(mut s: SmcStream) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if s.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
+    let _ = s.shutdown(Shutdown::Write);
+}
+
+/// stdin → socket in a thread (shutdown(WR) at EOF), socket → stdout here until EOF; ends
+/// when both directions are done (or the connection fails).
+fn pump(mut s: SmcStream) -> Result<()> {
+    let mut w = s.try_clone()?;
+    let writer = std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if w.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        let _ = w.shutdown(Shutdown::Write);
+    });
+    let mut out = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = s.read(&mut buf).context("reading from the connection")?;
+        if n == 0 {
+            break;
+        }
+        out.write_all(&buf[..n])?;
+    }
+    out.flush()?;
+    let _ = writer.join();
+    Ok(())
+}
