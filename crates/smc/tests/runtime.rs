@@ -308,3 +308,42 @@ fn ebpf_discovery_runs_smc_across_processes() {
     peer.finish();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn thousand_concurrent_connections_across_rmbs_and_link_groups() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    const N: usize = 1000;
+    let dir = test_dir("scale");
+    let peer = Peer::spawn("echo-server", &dir, "");
+    let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.buffer_size = 16 * 1024;
+    let st = Stack::new(c).expect("stack");
+    let mut conns = Vec::with_capacity(N);
+    for i in 0..N {
+        let s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port))
+            .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        assert_eq!(s.mode(), Mode::Smc, "connection {i}");
+        conns.push(s);
+    }
+    // Every connection is open at once; each carries its own bytes.
+    for (i, s) in conns.iter_mut().enumerate() {
+        let msg = pattern(100, i as u64);
+        s.write_all(&msg).expect("write");
+    }
+    for (i, s) in conns.iter_mut().enumerate() {
+        let mut back = [0u8; 100];
+        s.read_exact(&mut back).expect("read");
+        assert_eq!(back.to_vec(), pattern(100, i as u64), "connection {i}");
+    }
+    assert_eq!(st.stats().smc, N as u64);
+    let groups = st.link_groups();
+    // At most 255 connections per link group: the server opened parallel groups.
+    assert!(groups.len() >= N.div_ceil(255), "{} groups", groups.len());
+    assert_eq!(groups.iter().map(|g| g.connections).sum::<usize>(), N);
+    drop(conns);
+    peer.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
