@@ -132,6 +132,15 @@ pub struct PeerRmb {
     pub tokens: BTreeMap<u8, MrInfo>,
 }
 
+impl PeerRmb {
+    /// A peer RMB known so far on link `num` only, by `token`.
+    pub(crate) fn on_link(num: u8, token: MrInfo) -> Self {
+        PeerRmb {
+            tokens: BTreeMap::from([(num, token)]),
+        }
+    }
+}
+
 /// A configuration change of the link (ADD LINK / DELETE LINK) in progress (RFC 7609
 /// §3.5.5.3, second group).
 #[derive(Debug, Clone)]

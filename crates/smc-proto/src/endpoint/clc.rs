@@ -22,7 +22,7 @@ use super::{
     TcpId,
 };
 use crate::conn::{Connection, ConnectionConfig};
-use crate::fabric::{DeviceId, FabricOp, LgrId, RemoteQp, Resources};
+use crate::fabric::{DeviceId, LgrId, MrInfo, RemoteQp, Resources};
 use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, PeerRmb, Role};
 use crate::rmb_pool::{PeerRmbeKey, RmbPool};
 use crate::rmbe::RmbeLayout;
@@ -630,32 +630,12 @@ impl Endpoint {
             };
             let mtu = QpMtu(g.mtu.0.min(c.qp_mtu.0));
             g.mtu = mtu;
-            let remote = RemoteQp {
-                gid: c.gid,
-                mac: c.mac,
-                qpn: c.qp_num,
-                psn: c.initial_psn,
-                mtu,
-            };
-            let Some(l) = g.links.get_mut(&link) else {
+            if !self.connect_link(lgr, link, clc_qp(&c, mtu)) {
                 return;
-            };
-            l.remote = Some(remote);
-            let (id, device) = (l.id, l.device);
-            let mut tokens = BTreeMap::new();
-            tokens.insert(
-                link,
-                crate::fabric::MrInfo {
-                    rkey: c.rmb_rkey,
-                    vaddr: c.rmb_vaddr,
-                },
-            );
-            g.peer_rmbs.push(PeerRmb { tokens });
-            self.fabric_out.push_back(FabricOp::ConnectQp {
-                link: id,
-                device,
-                remote,
-            });
+            }
+            if let Some(g) = self.lgrs.get_mut(&lgr) {
+                g.peer_rmbs.push(PeerRmb::on_link(link, clc_rmb_token(&c)));
+            }
             let msg = self.confirm_link_msg(lgr, link, false);
             if let Some(msg) = msg {
                 self.post_llc(lgr, link, msg, Some(tcp), now);
@@ -799,32 +779,10 @@ impl Endpoint {
         }
         let mtu = QpMtu(g.mtu.0.min(a.qp_mtu.0));
         g.mtu = mtu;
-        let mut tokens = BTreeMap::new();
-        tokens.insert(
-            1,
-            crate::fabric::MrInfo {
-                rkey: a.rmb_rkey,
-                vaddr: a.rmb_vaddr,
-            },
-        );
-        g.peer_rmbs.push(PeerRmb { tokens });
-        let remote = RemoteQp {
-            gid: a.gid,
-            mac: a.mac,
-            qpn: a.qp_num,
-            psn: a.initial_psn,
-            mtu,
-        };
-        let Some(l) = g.links.get_mut(&1) else {
+        g.peer_rmbs.push(PeerRmb::on_link(1, clc_rmb_token(&a)));
+        if !self.connect_link(lgr, 1, clc_qp(&a, mtu)) {
             return;
-        };
-        l.remote = Some(remote);
-        let (id, dev) = (l.id, l.device);
-        self.fabric_out.push_back(FabricOp::ConnectQp {
-            link: id,
-            device: dev,
-            remote,
-        });
+        }
         let Some(confirm) = self.local_accept_confirm(setup, 1, false) else {
             return;
         };
@@ -1351,9 +1309,8 @@ impl Endpoint {
     fn note_peer_rmb(&mut self, lgr: LgrId, link: u8, rkey: u32, vaddr: u64) {
         if let Some(g) = self.lgrs.get_mut(&lgr) {
             if g.peer_rmb_index(link, rkey).is_none() {
-                let mut tokens = BTreeMap::new();
-                tokens.insert(link, crate::fabric::MrInfo { rkey, vaddr });
-                g.peer_rmbs.push(PeerRmb { tokens });
+                let token = MrInfo { rkey, vaddr };
+                g.peer_rmbs.push(PeerRmb::on_link(link, token));
             }
         }
     }
@@ -1504,4 +1461,23 @@ pub(super) fn least_loaded_link(g: &LinkGroup, entries: &BTreeMap<TcpId, Entry>)
         })
         .min()
         .map(|(_, num)| num)
+}
+
+/// The peer's QP as its Accept or Confirm names it, on a path of MTU `mtu`.
+fn clc_qp(m: &AcceptConfirm, mtu: QpMtu) -> RemoteQp {
+    RemoteQp {
+        gid: m.gid,
+        mac: m.mac,
+        qpn: m.qp_num,
+        psn: m.initial_psn,
+        mtu,
+    }
+}
+
+/// The RToken of the peer's RMB as its Accept or Confirm names it.
+fn clc_rmb_token(m: &AcceptConfirm) -> MrInfo {
+    MrInfo {
+        rkey: m.rmb_rkey,
+        vaddr: m.rmb_vaddr,
+    }
 }

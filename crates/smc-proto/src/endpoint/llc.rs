@@ -710,25 +710,13 @@ impl Endpoint {
             return;
         }
         let mtu = QpMtu(g.mtu.0.min(a.mtu.0));
-        let remote = RemoteQp {
-            gid: a.sender_gid,
-            mac: a.sender_mac,
-            qpn: a.sender_qp,
-            psn: a.initial_psn,
-            mtu,
-        };
         // The link is asymmetric when the client reuses an RNIC of an existing link.
-        let Some(l) = g.links.get_mut(&new) else {
+        if let Some(l) = g.links.get_mut(&new) {
+            l.asymmetric = l.asymmetric || client_reuses;
+        }
+        if !self.connect_link(lgr, new, add_link_qp(&a, mtu)) {
             return;
-        };
-        l.remote = Some(remote);
-        l.asymmetric = l.asymmetric || client_reuses;
-        let (id, device) = (l.id, l.device);
-        self.fabric_out.push_back(FabricOp::ConnectQp {
-            link: id,
-            device,
-            remote,
-        });
+        }
         let ex = LinkExchange::ServerAddLink {
             new,
             via,
@@ -849,16 +837,8 @@ impl Endpoint {
             return;
         };
         let mtu = QpMtu(g.mtu.0.min(a.mtu.0));
-        let remote = RemoteQp {
-            gid: a.sender_gid,
-            mac: a.sender_mac,
-            qpn: a.sender_qp,
-            psn: a.initial_psn,
-            mtu,
-        };
         let num = a.link_num;
         let link = Link {
-            remote: Some(remote),
             asymmetric: free.is_none() || !server_new_rnic,
             ..Link::activating(id, num, device, qp, user_id, now)
         };
@@ -867,11 +847,7 @@ impl Endpoint {
             g.last_link_num = num;
         }
         self.links.insert(id, (lgr, num));
-        self.fabric_out.push_back(FabricOp::ConnectQp {
-            link: id,
-            device,
-            remote,
-        });
+        self.connect_link(lgr, num, add_link_qp(&a, mtu));
         let pairs = match self.register_rmbs_on_link(lgr, num, via, res) {
             Ok(p) => p,
             Err(()) => {
@@ -2211,6 +2187,17 @@ fn add_link(reply: bool, dev: Device, qp: QpInfo, link_num: u8, mtu: QpMtu) -> L
         mtu,
         initial_psn: qp.psn,
     })
+}
+
+/// The peer's QP as its ADD LINK (request or reply) offers it, on a path of MTU `mtu`.
+fn add_link_qp(a: &AddLink, mtu: QpMtu) -> RemoteQp {
+    RemoteQp {
+        gid: a.sender_gid,
+        mac: a.sender_mac,
+        qpn: a.sender_qp,
+        psn: a.initial_psn,
+        mtu,
+    }
 }
 
 /// ADD LINK CONTINUATION carrying `pairs` (at most two); `total` counts this message's pairs

@@ -19,7 +19,7 @@ use smc_wire::llc::DeleteLinkReason;
 use smc_wire::{Cursor, DeclineCode, LlcMessage, PeerId, RmbeSize};
 
 use crate::conn::{ConnError, Connection};
-use crate::fabric::{Device, DeviceId, FabricOp, LgrId, LinkId, Resources, WrId};
+use crate::fabric::{Device, DeviceId, FabricOp, LgrId, LinkId, RemoteQp, Resources, WrId};
 use crate::link_group::LinkGroup;
 use crate::rmb_pool::{PeerRmbeKey, RmbPoolConfig, RmbeAllocation, RmbeHandle};
 use crate::time::Timestamp;
@@ -572,6 +572,22 @@ impl Endpoint {
             msg: msg.to_bytes(),
         });
         Some(wr)
+    }
+
+    /// Connect our QP of link `num` of `lgr` to the peer's QP `remote`. False when there is no
+    /// such link.
+    fn connect_link(&mut self, lgr: LgrId, num: u8, remote: RemoteQp) -> bool {
+        let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
+            return false;
+        };
+        l.remote = Some(remote);
+        let (link, device) = (l.id, l.device);
+        self.fabric_out.push_back(FabricOp::ConnectQp {
+            link,
+            device,
+            remote,
+        });
+        true
     }
 
     fn send_clc(&mut self, tcp: TcpId, msg: &smc_wire::ClcMessage) {
