@@ -4,7 +4,7 @@
 use smc_wire::{CdcMessage, ConnStateFlags, Cursor, ProducerFlags};
 
 use super::{Endpoint, EndpointError, EndpointEvent, Entry, ReadTarget, TcpId, WrPurpose};
-use crate::conn::Event;
+use crate::conn::{ApiError, Connection, Event};
 use crate::fabric::{FabricOp, LgrId};
 use crate::rmbe::RmbeRing;
 use crate::time::Timestamp;
@@ -208,40 +208,39 @@ impl Endpoint {
 
     /// The application consumed `n` bytes.
     pub fn consumed(&mut self, tcp: TcpId, n: u32, now: Timestamp) -> Result<(), EndpointError> {
-        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
-            return Err(self.not_established(tcp));
-        };
-        c.conn.consumed(n, now)?;
-        self.after_conn(tcp, now);
-        Ok(())
+        self.conn_command(tcp, now, |conn| conn.consumed(n, now))
     }
 
     /// shutdown(SHUT_WR).
     pub fn shutdown_write(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
-        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
-            return Err(self.not_established(tcp));
-        };
-        c.conn.shutdown_write(now)?;
-        self.after_conn(tcp, now);
-        Ok(())
+        self.conn_command(tcp, now, |conn| conn.shutdown_write(now))
     }
 
     /// close().
     pub fn close(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
-        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
-            return Err(self.not_established(tcp));
-        };
-        c.conn.close(now)?;
-        self.after_conn(tcp, now);
-        Ok(())
+        self.conn_command(tcp, now, |conn| conn.close(now))
     }
 
     /// Abortive close.
     pub fn abort(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.abort(now);
+            Ok(())
+        })
+    }
+
+    /// Run an application command on the established connection `tcp`; unless it fails, act
+    /// on what it produced.
+    fn conn_command(
+        &mut self,
+        tcp: TcpId,
+        now: Timestamp,
+        command: impl FnOnce(&mut Connection) -> Result<(), ApiError>,
+    ) -> Result<(), EndpointError> {
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
             return Err(self.not_established(tcp));
         };
-        c.conn.abort(now);
+        command(&mut c.conn)?;
         self.after_conn(tcp, now);
         Ok(())
     }
