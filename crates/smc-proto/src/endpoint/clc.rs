@@ -259,19 +259,7 @@ impl Endpoint {
             v2_extensions: Vec::new(),
         };
         self.send_clc(tcp, &ClcMessage::Proposal(proposal));
-        self.entries.insert(
-            tcp,
-            Entry::Setup(Box::new(Handshake {
-                role: Role::Client,
-                state: HsState::ExpectAccept { device },
-                buf: Vec::new(),
-                clc_deadline: now + self.config.clc_timeout,
-                llc_deadline: None,
-                peer_accept: None,
-                peer_rmb: None,
-                held: Vec::new(),
-            })),
-        );
+        self.begin_handshake(tcp, Role::Client, HsState::ExpectAccept { device }, now);
         Ok(())
     }
 
@@ -281,11 +269,17 @@ impl Endpoint {
         if self.entries.contains_key(&tcp) {
             return Err(EndpointError::DuplicateConnection);
         }
+        self.begin_handshake(tcp, Role::Server, HsState::ExpectProposal, now);
+        Ok(())
+    }
+
+    /// Track `tcp` as a CLC handshake starting in `state`; the C.5 timer runs from `now`.
+    fn begin_handshake(&mut self, tcp: TcpId, role: Role, state: HsState, now: Timestamp) {
         self.entries.insert(
             tcp,
             Entry::Setup(Box::new(Handshake {
-                role: Role::Server,
-                state: HsState::ExpectProposal,
+                role,
+                state,
                 buf: Vec::new(),
                 clc_deadline: now + self.config.clc_timeout,
                 llc_deadline: None,
@@ -294,7 +288,6 @@ impl Endpoint {
                 held: Vec::new(),
             })),
         );
-        Ok(())
     }
 
     /// The TCP connection was reset by the peer during setup (or later): forget it.
