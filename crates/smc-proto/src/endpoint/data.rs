@@ -5,7 +5,7 @@ use smc_wire::{CdcMessage, ConnStateFlags, Cursor, ProducerFlags};
 
 use super::{Endpoint, EndpointError, EndpointEvent, Entry, ReadTarget, TcpId, WrPurpose};
 use crate::conn::{ApiError, Connection, Event};
-use crate::fabric::{FabricOp, LgrId};
+use crate::fabric::{FabricOp, LgrId, LinkId};
 use crate::rmbe::RmbeRing;
 use crate::time::Timestamp;
 
@@ -176,18 +176,24 @@ impl Endpoint {
         c.unacked.extend(&data[..n as usize]);
         c.conn
             .set_send_backlog((data.len() - n as usize) as u64, now);
-        for (addr, chunk) in writes {
+        self.post_writes(tcp, link, token.rkey, writes);
+        self.after_conn(tcp, now);
+        Ok(n as usize)
+    }
+
+    /// RDMA-write each (address, bytes) of `writes` into the peer's RMB `rkey` over `link`,
+    /// for connection `tcp`.
+    fn post_writes(&mut self, tcp: TcpId, link: LinkId, rkey: u32, writes: Vec<(u64, Vec<u8>)>) {
+        for (addr, data) in writes {
             let wr = self.new_wr(WrPurpose::Write { tcp, link });
             self.fabric_out.push_back(FabricOp::RdmaWrite {
                 link,
                 wr,
-                rkey: token.rkey,
+                rkey,
                 addr,
-                data: chunk,
+                data,
             });
         }
-        self.after_conn(tcp, now);
-        Ok(n as usize)
     }
 
     /// Where the unread bytes of a connection are in our RMB (the runtime copies them out and
@@ -357,16 +363,7 @@ impl Endpoint {
         //# the sender must replay any RDMA writes (and their associated CDC messages) that
         //# were in progress or failed when the previous SMC-R link failed, before sending new
         //# data on the new SMC-R link.
-        for (addr, data) in writes {
-            let wr = self.new_wr(WrPurpose::Write { tcp, link });
-            self.fabric_out.push_back(FabricOp::RdmaWrite {
-                link,
-                wr,
-                rkey: token.rkey,
-                addr,
-                data,
-            });
-        }
+        self.post_writes(tcp, link, token.rkey, writes);
         self.after_conn(tcp, now);
     }
 }
