@@ -510,28 +510,42 @@ impl Endpoint {
             return;
         }
         // First contact (or a parallel link group).
-        match self.new_link_group(Role::Server, p.peer_id, DeviceId(0), 1, res, now) {
-            Ok(lgr) => {
-                let setup = match self.alloc_rmbe(lgr, res) {
-                    Ok(s) => s,
-                    Err(()) => {
-                        self.destroy_link_group(lgr, now);
-                        self.decline(tcp, DeclineCode::MEM, false, now);
-                        return;
-                    }
-                };
-                self.alerts.insert(setup.alert, tcp);
-                if let Some(g) = self.lgrs.get_mut(&lgr) {
-                    g.conns.insert(tcp);
-                    g.first_contact = Some(tcp);
-                    for r in g.local_rmbs.values_mut() {
-                        r.confirmed = true;
-                    }
-                }
-                self.send_accept(tcp, setup, 1, true, now);
-            }
-            Err(()) => self.decline(tcp, DeclineCode::MEM, false, now),
+        let group = self.first_contact_group(tcp, Role::Server, p.peer_id, DeviceId(0), res, now);
+        if let Some((_, setup)) = group {
+            self.send_accept(tcp, setup, 1, true, now);
         }
+    }
+
+    /// First contact: a new link group for `tcp` (one link, number 1, on our `device`) with
+    /// the connection's RMBE, whose RMB the peer learns from the CLC exchange. Declines `tcp`
+    /// when resources are short.
+    fn first_contact_group(
+        &mut self,
+        tcp: TcpId,
+        role: Role,
+        peer_id: smc_wire::PeerId,
+        device: DeviceId,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) -> Option<(LgrId, LocalSetup)> {
+        let Ok(lgr) = self.new_link_group(role, peer_id, device, 1, res, now) else {
+            self.decline(tcp, DeclineCode::MEM, false, now);
+            return None;
+        };
+        let Ok(setup) = self.alloc_rmbe(lgr, res) else {
+            self.destroy_link_group(lgr, now);
+            self.decline(tcp, DeclineCode::MEM, false, now);
+            return None;
+        };
+        self.alerts.insert(setup.alert, tcp);
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.conns.insert(tcp);
+            g.first_contact = Some(tcp);
+            for r in g.local_rmbs.values_mut() {
+                r.confirmed = true;
+            }
+        }
+        Some((lgr, setup))
     }
 
     fn send_accept(
@@ -746,30 +760,13 @@ impl Endpoint {
             return;
         }
         // First contact (possibly a parallel link group the server chose to create).
-        let lgr = match self.new_link_group(Role::Client, a.peer_id, device, 1, res, now) {
-            Ok(l) => l,
-            Err(()) => {
-                self.decline(tcp, DeclineCode::MEM, false, now);
-                return;
-            }
+        let group = self.first_contact_group(tcp, Role::Client, a.peer_id, device, res, now);
+        let Some((lgr, setup)) = group else {
+            return;
         };
-        let setup = match self.alloc_rmbe(lgr, res) {
-            Ok(s) => s,
-            Err(()) => {
-                self.destroy_link_group(lgr, now);
-                self.decline(tcp, DeclineCode::MEM, false, now);
-                return;
-            }
-        };
-        self.alerts.insert(setup.alert, tcp);
         let Some(g) = self.lgrs.get_mut(&lgr) else {
             return;
         };
-        g.conns.insert(tcp);
-        g.first_contact = Some(tcp);
-        for r in g.local_rmbs.values_mut() {
-            r.confirmed = true;
-        }
         let mtu = QpMtu(g.mtu.0.min(a.qp_mtu.0));
         g.mtu = mtu;
         g.peer_rmbs.push(PeerRmb::on_link(1, clc_rmb_token(&a)));
