@@ -229,6 +229,23 @@ pub enum RkeyExchange {
     },
 }
 
+impl RkeyExchange {
+    /// The link the exchange flows on.
+    pub(crate) fn via(&self) -> u8 {
+        match self {
+            RkeyExchange::Confirm { via, .. } | RkeyExchange::Delete { via, .. } => *via,
+        }
+    }
+
+    /// The local request that starts this exchange again.
+    pub(crate) fn retry(self) -> LocalRequest {
+        match self {
+            RkeyExchange::Confirm { rmb, .. } => LocalRequest::ConfirmRkey(rmb),
+            RkeyExchange::Delete { rmbs, .. } => LocalRequest::DeleteRkey(rmbs),
+        }
+    }
+}
+
 /// A configuration change we want to start once none is in progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LocalRequest {
@@ -358,6 +375,18 @@ impl LinkGroup {
             rkey_cont: None,
             client_deleting: BTreeMap::new(),
         }
+    }
+
+    /// The link exchange in progress is over: forget it and stop its timer.
+    pub(crate) fn end_link_exchange(&mut self) {
+        self.link_exchange = None;
+        self.timers.stop(LgrTimer::LinkExchange);
+    }
+
+    /// Our RKey exchange in progress is over: forget it and stop its timer.
+    pub(crate) fn end_rkey_exchange(&mut self) {
+        self.rkey_exchange = None;
+        self.timers.stop(LgrTimer::RkeyExchange);
     }
 
     /// Active links, in link-number order.

@@ -410,8 +410,7 @@ impl Endpoint {
                     self.abandon_new_link(lgr, new, true, now);
                     return;
                 }
-                g.link_exchange = None;
-                g.timers.stop(LgrTimer::LinkExchange);
+                g.end_link_exchange();
                 g.timers.stop(LgrTimer::AddLinkRetry);
                 // More links while the group is below its maximum and we have an RNIC no
                 // link uses.
@@ -438,8 +437,7 @@ impl Endpoint {
                     }
                     return;
                 }
-                g.link_exchange = None;
-                g.timers.stop(LgrTimer::LinkExchange);
+                g.end_link_exchange();
                 self.activate_link(lgr, new, c.link_user_id, now);
                 if let Some(reply) = self.confirm_link_msg(lgr, new, true) {
                     self.post_llc(lgr, new, reply, None, now);
@@ -1098,8 +1096,7 @@ impl Endpoint {
             | Some(LinkExchange::ClientAddLink { via, .. }) => Some(*via),
             _ => None,
         };
-        g.link_exchange = None;
-        g.timers.stop(LgrTimer::LinkExchange);
+        g.end_link_exchange();
         self.drop_link(lgr, new, now);
         if let (true, Some(via)) = (notify, via) {
             let reason = DeleteLinkReason::PROTOCOL_VIOLATION;
@@ -1234,8 +1231,7 @@ impl Endpoint {
             (Role::Server, true) => {
                 if let Some(LinkExchange::DeleteLink { link, .. }) = g.link_exchange {
                     if link == d.link_num {
-                        g.link_exchange = None;
-                        g.timers.stop(LgrTimer::LinkExchange);
+                        g.end_link_exchange();
                         // A first contact whose second link failed completes now (C.7).
                         let fc = g.first_contact.is_some();
                         self.arm_add_link_retry(lgr, now);
@@ -1256,8 +1252,7 @@ impl Endpoint {
                     | Some(LinkExchange::ClientAddLink { new: link, .. })
                         if link == d.link_num =>
                     {
-                        g.link_exchange = None;
-                        g.timers.stop(LgrTimer::LinkExchange);
+                        g.end_link_exchange();
                         true
                     }
                     _ => false,
@@ -1350,19 +1345,9 @@ impl Endpoint {
         //= https://www.rfc-editor.org/rfc/rfc7609#section-2.3
         //# The initiator of an LLC message exchange that fails will be responsible for
         //# retrying once the link group configuration stabilizes.
-        if let Some(RkeyExchange::Confirm { rmb, via }) = g.rkey_exchange.clone() {
-            if via == num {
-                g.rkey_exchange = None;
-                g.timers.stop(LgrTimer::RkeyExchange);
-                g.pending.push_front(LocalRequest::ConfirmRkey(rmb));
-            }
-        }
-        if let Some(RkeyExchange::Delete { rmbs, via }) = g.rkey_exchange.clone() {
-            if via == num {
-                g.rkey_exchange = None;
-                g.timers.stop(LgrTimer::RkeyExchange);
-                g.pending.push_front(LocalRequest::DeleteRkey(rmbs));
-            }
+        if let Some(ex) = g.rkey_exchange.clone().filter(|ex| ex.via() == num) {
+            g.end_rkey_exchange();
+            g.pending.push_front(ex.retry());
         }
         let mut done_fc = None;
         match g.link_exchange.clone() {
@@ -1380,8 +1365,7 @@ impl Endpoint {
                     ..
                 },
             ) if via == num || new == num => {
-                g.link_exchange = None;
-                g.timers.stop(LgrTimer::LinkExchange);
+                g.end_link_exchange();
                 if new != num {
                     self.drop_link(lgr, new, now);
                 }
@@ -1390,8 +1374,7 @@ impl Endpoint {
                 done_fc = Some(first_contact);
             }
             Some(LinkExchange::DeleteLink { link, via }) if via == num => {
-                g.link_exchange = None;
-                g.timers.stop(LgrTimer::LinkExchange);
+                g.end_link_exchange();
                 g.pending.push_front(LocalRequest::DeleteLink {
                     link,
                     orderly: false,
@@ -1541,8 +1524,7 @@ impl Endpoint {
                 self.stats.llc_discarded += 1;
                 return;
             };
-            g.rkey_exchange = None;
-            g.timers.stop(LgrTimer::RkeyExchange);
+            g.end_rkey_exchange();
             if c.negative {
                 //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.3.1
                 //# Once the current exchange finishes, client will have to recompute its RKey
@@ -1758,8 +1740,7 @@ impl Endpoint {
                 self.stats.llc_discarded += 1;
                 return;
             };
-            g.rkey_exchange = None;
-            g.timers.stop(LgrTimer::RkeyExchange);
+            g.end_rkey_exchange();
             //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.2
             //# It can then free the RMB once it receives a response from the peer.
             for id in rmbs {
@@ -1943,10 +1924,8 @@ impl Endpoint {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                     //# Recovery action: Perform normal client procedures for detection of
                     //# failed link.  The link over which the message was sent has failed.
-                    let via = match g.rkey_exchange.clone() {
-                        Some(RkeyExchange::Confirm { via, .. })
-                        | Some(RkeyExchange::Delete { via, .. }) => via,
-                        None => continue,
+                    let Some(via) = g.rkey_exchange.as_ref().map(RkeyExchange::via) else {
+                        continue;
                     };
                     self.fail_link(lgr, via, DeleteLinkReason::LOST_PATH, res, now);
                 }
