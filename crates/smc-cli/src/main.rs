@@ -4,6 +4,7 @@
 mod decode;
 mod demo;
 mod nc;
+mod observe;
 
 use std::process::ExitCode;
 
@@ -26,6 +27,14 @@ enum Command {
     /// Two processes on the shm fabric: link group, transfer with a link failure, checksum,
     /// throughput next to TCP loopback.
     Demo(demo::DemoArgs),
+    /// Sockets of every running stack: mode (SMC-R or TCP and why), state, link, bytes.
+    Ss(observe::ObserveArgs),
+    /// Link groups and their links of every running stack.
+    Linkgroup(observe::ObserveArgs),
+    /// Devices (RNICs) of every running stack.
+    Device(observe::ObserveArgs),
+    /// Counters of every running stack, fallbacks by reason included.
+    Stats(observe::ObserveArgs),
     /// The server process of `smc demo`.
     #[command(hide = true)]
     DemoServer(demo::DemoServerArgs),
@@ -37,6 +46,10 @@ fn main() -> ExitCode {
         Command::Decode(args) => decode::run(&args),
         Command::Nc(args) => nc::run(&args),
         Command::Demo(args) => demo::run(&args),
+        Command::Ss(args) => observe::run(observe::Query::Ss, &args),
+        Command::Linkgroup(args) => observe::run(observe::Query::LinkGroup, &args),
+        Command::Device(args) => observe::run(observe::Query::Device, &args),
+        Command::Stats(args) => observe::run(observe::Query::Stats, &args),
         Command::DemoServer(args) => demo::run_server(&args),
     };
     match result {

@@ -163,3 +163,92 @@ fn nc_one_shot_listener_prints_what_the_client_sends() {
     assert!(status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn json_of(dir: &PathBuf, cmd: &str) -> serde_json::Value {
+    let out = smc(dir)
+        .args([cmd, "--json"])
+        .output()
+        .expect("run observability command");
+    assert!(out.status.success(), "smc {cmd} failed");
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+#[test]
+fn ss_linkgroup_device_stats_query_live_processes() {
+    let dir = test_dir("observe");
+    let l = nc_listen(&dir, &["--echo"]);
+    // An SMC client that stays connected while we look (its stdin stays open).
+    let mut client = smc(&dir)
+        .args(["nc", "127.0.0.1", &l.port.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn client");
+    let mut cin = client.stdin.take().expect("stdin");
+    cin.write_all(b"ping\n").expect("write");
+    let mut cout = BufReader::new(client.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    cout.read_line(&mut line).expect("echo");
+    assert_eq!(line, "ping\n");
+    // A plain TCP client: the listener falls back for it (it sends no Proposal).
+    let mut plain = std::net::TcpStream::connect(("127.0.0.1", l.port)).expect("plain");
+    plain.write_all(b"x").expect("plain write");
+    let mut one = [0u8; 1];
+    std::io::Read::read_exact(&mut plain, &mut one).expect("plain echo");
+
+    let ss = json_of(&dir, "ss");
+    let sockets: Vec<&serde_json::Value> = ss
+        .as_array()
+        .expect("array")
+        .iter()
+        .flat_map(|p| p["ss"].as_array().expect("ss").iter())
+        .collect();
+    let smc_count = sockets.iter().filter(|s| s["mode"] == "SMC-R").count();
+    assert_eq!(smc_count, 2, "{ss}");
+    assert!(
+        sockets
+            .iter()
+            .any(|s| s["mode"] == "TCP" && s["fallback_reason"] == "peer sent no CLC Proposal"),
+        "{ss}"
+    );
+    let lg = json_of(&dir, "linkgroup");
+    let groups: Vec<&serde_json::Value> = lg
+        .as_array()
+        .expect("array")
+        .iter()
+        .flat_map(|p| p["linkgroup"].as_array().expect("groups").iter())
+        .collect();
+    assert_eq!(groups.len(), 2, "one group in each process: {lg}");
+    for g in &groups {
+        assert_eq!(g["links"].as_array().expect("links").len(), 2, "{lg}");
+    }
+    let dev = json_of(&dir, "device");
+    assert_eq!(dev.as_array().expect("array").len(), 2);
+    for p in dev.as_array().expect("array") {
+        let names: Vec<&str> = p["device"]
+            .as_array()
+            .expect("devices")
+            .iter()
+            .filter_map(|d| d["name"].as_str())
+            .collect();
+        assert_eq!(names, ["shm0", "shm1"]);
+    }
+    let stats = json_of(&dir, "stats");
+    let listener_pid = l.child.id().to_string();
+    let server = stats
+        .as_array()
+        .expect("array")
+        .iter()
+        .find(|p| p["pid"].as_str() == Some(listener_pid.as_str()))
+        .expect("listener stats");
+    assert_eq!(server["stats"]["smc_connections"], 1, "{stats}");
+    assert_eq!(server["stats"]["fallbacks"], 1, "{stats}");
+    assert_eq!(
+        server["stats"]["fallbacks_by_reason"]["peer sent no CLC Proposal"], 1,
+        "{stats}"
+    );
+    drop(cin);
+    let _ = client.wait();
+    drop(l);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -10,6 +10,7 @@
 //!   plain TCP stream, and [`SmcStream::mode`] says why ([`FallbackReason`]).
 
 pub mod config;
+pub mod control;
 pub mod discovery;
 mod error;
 mod stack;

@@ -205,6 +205,18 @@ pub struct StackStats {
     pub links_up: u64,
 }
 
+/// A socket as `smc ss` shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct StreamEntry {
+    pub(crate) local: Option<std::net::SocketAddr>,
+    pub(crate) peer: Option<std::net::SocketAddr>,
+    /// The endpoint's connection, over SMC-R.
+    pub(crate) smc: Option<TcpId>,
+    /// Why the stream runs over TCP.
+    pub(crate) fallback: Option<FallbackReason>,
+    pub(crate) server: bool,
+}
+
 /// Everything the mutex guards.
 pub(crate) struct Core {
     pub(crate) ep: Endpoint,
@@ -221,6 +233,11 @@ pub(crate) struct Core {
     failed_posts: Vec<(WrId, LinkId, Instant)>,
     /// Links whose receive queue was flushed (their arrived messages are all processed).
     flushed: std::collections::HashSet<LinkId>,
+    /// Open streams by registration number (for `smc ss`).
+    pub(crate) streams: std::collections::BTreeMap<u64, StreamEntry>,
+    pub(crate) next_stream: u64,
+    /// Fallbacks counted by reason.
+    pub(crate) fallback_reasons: std::collections::BTreeMap<String, u64>,
 }
 
 impl Core {
@@ -495,6 +512,8 @@ pub(crate) struct Inner {
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
     stop: AtomicBool,
+    /// The control socket, removed when the stack goes.
+    control: Option<std::path::PathBuf>,
 }
 
 impl Inner {
@@ -636,7 +655,15 @@ impl Stack {
             start: Instant::now(),
             failed_posts: Vec::new(),
             flushed: Default::default(),
+            streams: Default::default(),
+            next_stream: 1,
+            fallback_reasons: Default::default(),
         };
+        let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(
+            "{}-{:04x}.sock",
+            std::process::id(),
+            peer_id.instance
+        ));
         let inner = Arc::new(Inner {
             config,
             core: Mutex::new(core),
@@ -645,7 +672,13 @@ impl Stack {
             peer_id,
             next_tcp: AtomicU64::new(1),
             stop: AtomicBool::new(false),
+            control: Some(control_path),
         });
+        if let Some(p) = &inner.control {
+            if let Err(e) = crate::control::start(Arc::downgrade(&inner), p.clone()) {
+                tracing::warn!(%e, path = %p.display(), "no control socket");
+            }
+        }
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
             .name("smc-runtime".into())
@@ -858,5 +891,131 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        if let Some(p) = &self.control {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn mode_text(e: &StreamEntry) -> (String, Option<String>, Option<u32>) {
+    match e.fallback {
+        Some(r) => (
+            "TCP".into(),
+            Some(r.to_string()),
+            r.decline_code().map(|c| c.0),
+        ),
+        None => ("SMC-R".into(), None, None),
+    }
+}
+
+impl Stack {
+    /// Register an open stream for `smc ss`; returns its registration number.
+    pub(crate) fn register_stream(&self, e: StreamEntry) -> u64 {
+        let mut core = self.inner.lock();
+        let id = core.next_stream;
+        core.next_stream += 1;
+        core.streams.insert(id, e);
+        id
+    }
+
+    /// Forget a stream registered with [`register_stream`](Self::register_stream).
+    pub(crate) fn unregister_stream(&self, id: u64) {
+        self.inner.lock().streams.remove(&id);
+    }
+
+    /// `ss`: every open socket with its mode, state and counters.
+    pub(crate) fn query_ss(&self) -> serde_json::Value {
+        let core = self.inner.lock();
+        let rows: Vec<serde_json::Value> = core
+            .streams
+            .values()
+            .map(|e| {
+                let (mode, reason, code) = mode_text(e);
+                let conn = e.smc.and_then(|t| core.ep.connection(t));
+                let link = e.smc.and_then(|t| core.ep.connection_link(t));
+                serde_json::json!({
+                    "local": e.local.map(|a| a.to_string()),
+                    "peer": e.peer.map(|a| a.to_string()),
+                    "role": if e.server { "server" } else { "client" },
+                    "mode": mode,
+                    "fallback_reason": reason,
+                    "decline_code": code,
+                    "state": conn.map(|c| c.state().to_string()),
+                    "link_group": link.map(|l| l.0 .0),
+                    "send_link": link.map(|l| l.1),
+                    "bytes_sent": conn.map(|c| c.stats().bytes_produced),
+                    "bytes_received": conn.map(|c| c.stats().bytes_received),
+                })
+            })
+            .collect();
+        serde_json::Value::Array(rows)
+    }
+
+    /// `linkgroup`: link groups and links.
+    pub(crate) fn query_linkgroups(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.link_groups()
+                .into_iter()
+                .map(|g| {
+                    serde_json::json!({
+                        "id": g.id,
+                        "role": if g.server { "server" } else { "client" },
+                        "peer": g.peer,
+                        "connections": g.connections,
+                        "links": g.links.iter().map(|l| serde_json::json!({
+                            "num": l.num,
+                            "device": l.device,
+                            "state": if l.active { "active" } else { "activating" },
+                        })).collect::<Vec<_>>(),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// `device`: the stack's RNICs.
+    pub(crate) fn query_devices(&self) -> serde_json::Value {
+        let core = self.inner.lock();
+        serde_json::Value::Array(
+            core.fab
+                .devices
+                .iter()
+                .map(|d| {
+                    serde_json::json!({
+                        "name": d.name(),
+                        "gid": d.gid().to_string(),
+                        "mac": d.mac().to_string(),
+                        "port": match d.port_state() {
+                            PortState::Active => "active",
+                            PortState::Down => "down",
+                        },
+                        "netdevs": d.config().netdevs,
+                        "addresses": d.config().addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// `stats`: the stack's and the endpoint's counters and fallbacks by reason.
+    pub(crate) fn query_stats(&self) -> serde_json::Value {
+        let core = self.inner.lock();
+        let s = core.stats;
+        let e = core.ep.stats();
+        serde_json::json!({
+            "peer_id": format!("{:04x}@{}", self.inner.peer_id.instance, self.inner.peer_id.mac),
+            "discovery": format!("{:?}", self.discovery_mode()),
+            "smc_connections": s.smc,
+            "fallbacks": s.fallbacks,
+            "fallbacks_by_reason": core.fallback_reasons,
+            "setup_resets": s.setup_resets,
+            "links_up": s.links_up,
+            "links_down": s.links_down,
+            "failovers": e.failovers,
+            "link_failures": e.link_failures,
+            "llc_discarded": e.llc_discarded,
+            "test_links_sent": e.test_links_sent,
+            "open_sockets": core.streams.len(),
+        })
     }
 }

@@ -20,7 +20,7 @@ use smc_wire::Cursor;
 use crate::config::DiscoveryMode;
 use crate::discovery::Outcome;
 use crate::error::{conn_error, reset_error, FallbackReason, Mode};
-use crate::stack::{Core, Segment, Slot, SlotState, Stack};
+use crate::stack::{Core, Segment, Slot, SlotState, Stack, StreamEntry};
 
 /// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
@@ -93,7 +93,7 @@ impl SmcListener {
                         continue;
                     }
                 },
-                Err(reason) => SmcStream::fallback(&self.stack, sock, reason, Vec::new()),
+                Err(reason) => SmcStream::fallback(&self.stack, sock, reason, Vec::new(), true),
             };
             return Ok((stream, peer));
         }
@@ -204,6 +204,43 @@ pub struct SmcStream {
     nonblocking: bool,
     read_shut: bool,
     nodelay: std::sync::atomic::AtomicBool,
+    /// The entry in the stack's socket table (shared by clones).
+    _reg: Arc<Registration>,
+}
+
+/// A stream's entry in the stack's socket table, removed when the last clone goes.
+#[derive(Debug)]
+struct Registration {
+    stack: Stack,
+    id: u64,
+}
+
+impl Registration {
+    fn new(
+        stack: &Stack,
+        sock: &TcpStream,
+        smc: Option<TcpId>,
+        fallback: Option<FallbackReason>,
+        server: bool,
+    ) -> Arc<Registration> {
+        let id = stack.register_stream(StreamEntry {
+            local: sock.local_addr().ok(),
+            peer: sock.peer_addr().ok(),
+            smc,
+            fallback,
+            server,
+        });
+        Arc::new(Registration {
+            stack: stack.clone(),
+            id,
+        })
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.stack.unregister_stream(self.id);
+    }
 }
 
 impl SmcStream {
@@ -265,7 +302,7 @@ impl SmcStream {
         };
         match offered {
             Ok(()) => SmcStream::rendezvous(stack, sock, true),
-            Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new())),
+            Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new(), false)),
         }
     }
 
@@ -274,10 +311,12 @@ impl SmcStream {
         sock: TcpStream,
         reason: FallbackReason,
         leftover: Vec<u8>,
+        server: bool,
     ) -> SmcStream {
         {
             let mut core = stack.inner.lock();
             core.stats.fallbacks += 1;
+            *core.fallback_reasons.entry(reason.to_string()).or_default() += 1;
             match reason {
                 FallbackReason::PeerDeclined { .. } | FallbackReason::Declined(_) => {
                     core.stats.fallback_declined += 1
@@ -285,7 +324,9 @@ impl SmcStream {
                 _ => core.stats.fallback_no_smc_peer += 1,
             }
         }
+        let reg = Registration::new(stack, &sock, None, Some(reason), server);
         SmcStream {
+            _reg: reg,
             stack: stack.clone(),
             sock,
             kind: Kind::Tcp { reason, leftover },
@@ -338,7 +379,9 @@ impl SmcStream {
                     Some(SlotState::Setup) => {}
                     Some(SlotState::Smc) => {
                         drop(core);
+                        let reg = Registration::new(stack, &sock, Some(id), None, !client);
                         break Ok(SmcStream {
+                            _reg: reg,
                             stack: stack.clone(),
                             sock,
                             kind: Kind::Smc(Arc::new(SmcHandle {
@@ -355,7 +398,7 @@ impl SmcStream {
                     Some(SlotState::FellBack { reason, leftover }) => {
                         core.slots.remove(&id);
                         drop(core);
-                        break Ok(SmcStream::fallback(stack, sock, reason, leftover));
+                        break Ok(SmcStream::fallback(stack, sock, reason, leftover, !client));
                     }
                     Some(SlotState::Reset(r)) => {
                         core.slots.remove(&id);
@@ -417,6 +460,7 @@ impl SmcStream {
             },
         };
         Ok(SmcStream {
+            _reg: self._reg.clone(),
             stack: self.stack.clone(),
             sock: self.sock.try_clone()?,
             kind,

@@ -1,0 +1,193 @@
+//! `smc ss`, `smc linkgroup`, `smc device`, `smc stats`: ask every running stack on the
+//! fabric directory through its control socket and show the answers.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use comfy_table::Table;
+use serde_json::{json, Value};
+
+/// Arguments shared by the observability commands.
+#[derive(Args, Debug)]
+pub struct ObserveArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Fabric directory (default: `SMC_FABRIC_DIR`, else the fabric's default).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+/// Which query.
+#[derive(Debug, Clone, Copy)]
+pub enum Query {
+    /// Sockets.
+    Ss,
+    /// Link groups.
+    LinkGroup,
+    /// Devices.
+    Device,
+    /// Counters.
+    Stats,
+}
+
+impl Query {
+    fn word(self) -> &'static str {
+        match self {
+            Query::Ss => "ss",
+            Query::LinkGroup => "linkgroup",
+            Query::Device => "device",
+            Query::Stats => "stats",
+        }
+    }
+}
+
+fn fabric_dir(args: &ObserveArgs) -> PathBuf {
+    args.dir
+        .clone()
+        .or_else(|| std::env::var_os("SMC_FABRIC_DIR").map(PathBuf::from))
+        .unwrap_or_else(smc::control::default_fabric_dir)
+}
+
+/// The stack's process id, from its socket name `<pid>-<instance>.sock`.
+fn pid_of(p: &std::path::Path) -> String {
+    p.file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.split('-').next())
+        .unwrap_or("?")
+        .to_string()
+}
+
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Run one observability command.
+pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
+    let dir = fabric_dir(args);
+    let mut answers = Vec::new();
+    for sock in smc::control::list_sockets(&dir) {
+        // A socket whose stack is gone does not answer: skip it.
+        if let Ok(v) = smc::control::query(&sock, q.word(), Duration::from_secs(2)) {
+            answers.push((pid_of(&sock), v));
+        }
+    }
+    if args.json {
+        let all: Vec<Value> = answers
+            .iter()
+            .map(|(pid, v)| json!({ "pid": pid, q.word(): v }))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut t = Table::new();
+    match q {
+        Query::Ss => {
+            t.set_header(vec![
+                "pid",
+                "local",
+                "peer",
+                "role",
+                "mode",
+                "state",
+                "lgr",
+                "link",
+                "sent",
+                "received",
+                "fallback reason",
+            ]);
+            for (pid, v) in &answers {
+                for s in v.as_array().into_iter().flatten() {
+                    t.add_row(vec![
+                        pid.clone(),
+                        cell(&s["local"]),
+                        cell(&s["peer"]),
+                        cell(&s["role"]),
+                        cell(&s["mode"]),
+                        cell(&s["state"]),
+                        cell(&s["link_group"]),
+                        cell(&s["send_link"]),
+                        cell(&s["bytes_sent"]),
+                        cell(&s["bytes_received"]),
+                        cell(&s["fallback_reason"]),
+                    ]);
+                }
+            }
+        }
+        Query::LinkGroup => {
+            t.set_header(vec![
+                "pid", "lgr", "role", "peer", "conns", "link", "device", "state",
+            ]);
+            for (pid, v) in &answers {
+                for g in v.as_array().into_iter().flatten() {
+                    for l in g["links"].as_array().into_iter().flatten() {
+                        t.add_row(vec![
+                            pid.clone(),
+                            cell(&g["id"]),
+                            cell(&g["role"]),
+                            cell(&g["peer"]),
+                            cell(&g["connections"]),
+                            cell(&l["num"]),
+                            cell(&l["device"]),
+                            cell(&l["state"]),
+                        ]);
+                    }
+                }
+            }
+        }
+        Query::Device => {
+            t.set_header(vec![
+                "pid",
+                "device",
+                "gid",
+                "mac",
+                "port",
+                "netdevs",
+                "addresses",
+            ]);
+            for (pid, v) in &answers {
+                for d in v.as_array().into_iter().flatten() {
+                    t.add_row(vec![
+                        pid.clone(),
+                        cell(&d["name"]),
+                        cell(&d["gid"]),
+                        cell(&d["mac"]),
+                        cell(&d["port"]),
+                        cell(&d["netdevs"]),
+                        cell(&d["addresses"]),
+                    ]);
+                }
+            }
+        }
+        Query::Stats => {
+            t.set_header(vec!["pid", "counter", "value"]);
+            for (pid, v) in &answers {
+                for (k, val) in v.as_object().into_iter().flatten() {
+                    match val {
+                        Value::Object(m) => {
+                            for (reason, n) in m {
+                                t.add_row(vec![pid.clone(), format!("{k}: {reason}"), cell(n)]);
+                            }
+                        }
+                        other => {
+                            t.add_row(vec![pid.clone(), k.clone(), cell(other)]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if answers.is_empty() {
+        println!("no running smc-rs stack found in {}", dir.display());
+    } else {
+        println!("{t}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
