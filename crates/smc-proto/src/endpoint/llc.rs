@@ -1472,10 +1472,7 @@ impl Endpoint {
         //# LLC message: CONFIRM RKEY from client Timer waits for: CONFIRM RKEY reply from
         //# server.
         g.timers.set(LgrTimer::RkeyExchange, now + timeout);
-        let mut first = [LinkRtoken::default(); 2];
-        for (slot, t) in first.iter_mut().zip(others.iter()) {
-            *slot = *t;
-        }
+        let first = padded(&others);
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.1
         //# CONFIRM RKEY(request, Add,
         let msg = LlcMessage::ConfirmRkey(ConfirmRkey {
@@ -1493,10 +1490,7 @@ impl Endpoint {
         while !rest.is_empty() {
             let left = rest.len() as u8;
             let chunk: Vec<LinkRtoken> = rest.drain(..rest.len().min(3)).collect();
-            let mut tokens = [LinkRtoken::default(); 3];
-            for (slot, t) in tokens.iter_mut().zip(chunk.iter()) {
-                *slot = *t;
-            }
+            let tokens = padded(&chunk);
             let msg = LlcMessage::ConfirmRkeyCont(ConfirmRkeyCont {
                 reply: false,
                 negative: false,
@@ -1568,15 +1562,8 @@ impl Endpoint {
                 vaddr: c.vaddr,
             },
         );
-        for t in c.others.iter().take(usize::from(c.num_tokens).min(2)) {
-            tokens.insert(
-                t.link_num,
-                MrInfo {
-                    rkey: t.rkey,
-                    vaddr: t.vaddr,
-                },
-            );
-        }
+        let others = c.others.iter().take(usize::from(c.num_tokens).min(2));
+        tokens.extend(others.map(link_token));
         g.peer_rmbs.push(crate::link_group::PeerRmb { tokens });
         let left = c.num_tokens.saturating_sub(2);
         if left > 0 {
@@ -1607,15 +1594,7 @@ impl Endpoint {
         };
         let n = usize::from(c.num_tokens_left.min(3));
         if let Some(r) = g.peer_rmbs.get_mut(idx) {
-            for t in c.tokens.iter().take(n) {
-                r.tokens.insert(
-                    t.link_num,
-                    MrInfo {
-                        rkey: t.rkey,
-                        vaddr: t.vaddr,
-                    },
-                );
-            }
+            r.tokens.extend(c.tokens.iter().take(n).map(link_token));
         }
         let left = left.saturating_sub(n as u8);
         if left > 0 {
@@ -2182,14 +2161,28 @@ fn add_link_qp(a: &AddLink, mtu: QpMtu) -> RemoteQp {
 /// ADD LINK CONTINUATION carrying `pairs` (at most two); `total` counts this message's pairs
 /// and those still to come.
 fn add_link_cont(reply: bool, link_num: u8, total: usize, pairs: &[RtokenPair]) -> LlcMessage {
-    let mut p = [RtokenPair::default(); 2];
-    for (slot, x) in p.iter_mut().zip(pairs.iter()) {
-        *slot = *x;
-    }
     LlcMessage::AddLinkCont(AddLinkCont {
         reply,
         link_num,
         num_rtokens: total.min(255) as u8,
-        pairs: p,
+        pairs: padded(pairs),
     })
+}
+
+/// The first `N` of `items`, padded with defaults (an LLC message's fixed slots).
+fn padded<T: Copy + Default, const N: usize>(items: &[T]) -> [T; N] {
+    let mut slots = [T::default(); N];
+    for (slot, x) in slots.iter_mut().zip(items) {
+        *slot = *x;
+    }
+    slots
+}
+
+/// A CONFIRM RKEY (CONTINUATION) token as (link number, RToken on that link).
+fn link_token(t: &LinkRtoken) -> (u8, MrInfo) {
+    let token = MrInfo {
+        rkey: t.rkey,
+        vaddr: t.vaddr,
+    };
+    (t.link_num, token)
 }
