@@ -715,6 +715,22 @@ impl Endpoint {
         if !self.connect_link(lgr, new, add_link_qp(&a, mtu)) {
             return;
         }
+        self.server_send_cont(lgr, new, via, first_contact, ours_left, timeout, now);
+    }
+
+    /// Server: send our next ADD LINK CONTINUATION for link `new` over `via`; the client's
+    /// continuation is then due.
+    #[allow(clippy::too_many_arguments)]
+    fn server_send_cont(
+        &mut self,
+        lgr: LgrId,
+        new: u8,
+        via: u8,
+        first_contact: bool,
+        ours_left: Vec<RtokenPair>,
+        timeout: Duration,
+        now: Timestamp,
+    ) {
         let ex = LinkExchange::ServerAddLink {
             new,
             via,
@@ -975,14 +991,7 @@ impl Endpoint {
         g.timers.stop(LgrTimer::LinkExchange);
         if server {
             if !ours_left.is_empty() || peer_more {
-                let ex = LinkExchange::ServerAddLink {
-                    new,
-                    via,
-                    step: ServerAddStep::SentCont,
-                    first_contact,
-                    ours_left,
-                };
-                self.send_add_link_cont(lgr, ex, timeout, now);
+                self.server_send_cont(lgr, new, via, first_contact, ours_left, timeout, now);
                 return;
             }
             // Every RToken is exchanged: verify the new link with CONFIRM LINK over it.
