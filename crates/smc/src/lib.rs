@@ -15,6 +15,8 @@ pub mod discovery;
 mod error;
 mod stack;
 mod stream;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 
 pub use config::{DiscoveryMode, StackConfig};
 pub use error::{FallbackReason, Mode, StackError};

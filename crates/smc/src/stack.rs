@@ -71,6 +71,39 @@ pub(crate) struct Slot {
     pub(crate) dropped: bool,
     /// Our alert token (set when established).
     pub(crate) token: Option<u32>,
+    /// Event loops waiting on this connection (tokio streams), if any.
+    pub(crate) notify: Option<Arc<Notifiers>>,
+}
+
+/// Two eventfds per connection, for event loops: one signalled when reading may progress
+/// (data, end of stream, failure), one when writing may (room in the peer's RMBE, failure).
+#[derive(Debug)]
+pub(crate) struct Notifiers {
+    pub(crate) read: rustix::fd::OwnedFd,
+    pub(crate) write: rustix::fd::OwnedFd,
+}
+
+impl Notifiers {
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn new() -> std::io::Result<Notifiers> {
+        let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
+        Ok(Notifiers {
+            read: rustix::event::eventfd(0, flags)?,
+            write: rustix::event::eventfd(0, flags)?,
+        })
+    }
+
+    fn signal(fd: &rustix::fd::OwnedFd) {
+        // A full counter (never in practice) or a closed reader needs no further signal.
+        let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+    }
+
+    /// Consume the pending signals of `fd`.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn drain(fd: &rustix::fd::OwnedFd) {
+        let mut b = [0u8; 8];
+        let _ = rustix::io::read(fd, &mut b);
+    }
 }
 
 /// A link's QP and its receive buffers.
@@ -349,8 +382,33 @@ impl Core {
         }
     }
 
+    /// Wake event loops waiting on connection `tcp`.
+    fn signal(&self, tcp: TcpId, read: bool, write: bool) {
+        if let Some(n) = self.slots.get(&tcp).and_then(|s| s.notify.as_ref()) {
+            if read {
+                Notifiers::signal(&n.read);
+            }
+            if write {
+                Notifiers::signal(&n.write);
+            }
+        }
+    }
+
     fn event(&mut self, ev: EndpointEvent) {
         tracing::trace!(?ev, "endpoint event");
+        match &ev {
+            EndpointEvent::Conn { tcp, event } => match event {
+                smc_proto::Event::Readable
+                | smc_proto::Event::ReadClosed
+                | smc_proto::Event::UrgentPending
+                | smc_proto::Event::UrgentData { .. } => self.signal(*tcp, true, false),
+                smc_proto::Event::Writable => self.signal(*tcp, false, true),
+                smc_proto::Event::StateChanged { .. } => {}
+                _ => self.signal(*tcp, true, true),
+            },
+            EndpointEvent::Reset { tcp, .. } => self.signal(*tcp, true, true),
+            _ => {}
+        }
         match ev {
             EndpointEvent::Established { tcp, .. } => {
                 self.stats.smc += 1;

@@ -356,6 +356,7 @@ impl SmcStream {
                     closed: false,
                     dropped: false,
                     token: None,
+                    notify: None,
                 },
             );
             let now = core.now();
@@ -493,6 +494,35 @@ impl SmcStream {
         let dev = core.ep.link_group(lgr)?.links.get(&num)?.device;
         let name = core.fab.devices.get(usize::from(dev.0))?.name().to_string();
         Some((lgr.0, name))
+    }
+
+    /// The eventfds that signal this connection's progress (created on first use); `None`
+    /// over TCP.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn notifiers(&self) -> io::Result<Option<Arc<crate::stack::Notifiers>>> {
+        let Kind::Smc(h) = &self.kind else {
+            return Ok(None);
+        };
+        let mut core = self.stack.inner.lock();
+        let Some(slot) = core.slots.get_mut(&h.id) else {
+            return Err(io::ErrorKind::NotConnected.into());
+        };
+        if slot.notify.is_none() {
+            slot.notify = Some(Arc::new(crate::stack::Notifiers::new()?));
+        }
+        Ok(slot.notify.clone())
+    }
+
+    /// Over TCP: the socket and the bytes read during the rendezvous, for event loops. The
+    /// returned guard keeps the socket listed by `smc ss`.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn into_tcp(
+        self,
+    ) -> Result<(TcpStream, Vec<u8>, impl Sized + Send + Sync), SmcStream> {
+        match self.kind {
+            Kind::Tcp { leftover, .. } => Ok((self.sock, leftover, self._reg)),
+            kind => Err(SmcStream { kind, ..self }),
+        }
     }
 
     /// Over SMC-R: bytes we wrote that the peer has not consumed yet, as far as its last
