@@ -347,3 +347,128 @@ fn thousand_concurrent_connections_across_rmbs_and_link_groups() {
     peer.finish();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two stacks in this process on one fabric, a connected SMC-R pair between them.
+fn local_pair(dir: &Path) -> (Stack, Stack, SmcStream, SmcStream) {
+    let a = stack(dir, DiscoveryMode::AssertPeer);
+    let b = stack(dir, DiscoveryMode::AssertPeer);
+    let l = SmcListener::bind_with(&a, "127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let bc = b.clone();
+    let t = std::thread::spawn(move || SmcStream::connect_with(&bc, addr).expect("connect"));
+    let (server, _) = l.accept().expect("accept");
+    let client = t.join().expect("client");
+    assert_eq!(server.mode(), Mode::Smc);
+    assert_eq!(client.mode(), Mode::Smc);
+    (a, b, server, client)
+}
+
+#[test]
+fn nonblocking_and_timeouts() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("nonblocking");
+    let (_a, _b, mut server, mut client) = local_pair(&dir);
+    client.set_nonblocking(true).expect("nonblocking");
+    let mut buf = [0u8; 16];
+    assert_eq!(
+        client.read(&mut buf).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::WouldBlock)
+    );
+    server.write_all(b"data").expect("write");
+    // The bytes arrive; poll for them within a generous bound.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let n = loop {
+        match client.read(&mut buf) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(std::time::Instant::now() < deadline, "data never arrived");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("read: {e}"),
+        }
+    };
+    assert_eq!(&buf[..n], b"data");
+    // A nonblocking writer fills the peer's RMBE (nobody reads) and then gets WouldBlock.
+    let chunk = vec![7u8; 64 * 1024];
+    let mut total = 0usize;
+    let would_block = loop {
+        match client.write(&chunk) {
+            Ok(n) => total += n,
+            Err(e) => break e.kind(),
+        }
+        assert!(total < 64 * 1024 * 1024, "the window never closed");
+    };
+    assert_eq!(would_block, std::io::ErrorKind::WouldBlock);
+    assert!(total > 0);
+    let mut sink = vec![0u8; total];
+    server.read_exact(&mut sink).expect("read what was written");
+    // A blocking read with a timeout on a silent connection times out.
+    server
+        .set_read_timeout(Some(Duration::from_millis(1)))
+        .expect("timeout");
+    assert_eq!(
+        server.read(&mut buf).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::WouldBlock)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn close_behaves_as_tcp() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("close");
+    let (_a, _b, mut server, mut client) = local_pair(&dir);
+    client.write_all(b"last words").expect("write");
+    drop(client);
+    // The bytes written before close are delivered, then end of stream.
+    let mut got = Vec::new();
+    server.read_to_end(&mut got).expect("read to EOF");
+    assert_eq!(got, b"last words");
+    // Writing to a closed peer fails (as with TCP, not necessarily at the first write).
+    let mut failed = None;
+    for _ in 0..1000 {
+        if let Err(e) = server.write(b"anyone?") {
+            failed = Some(e.kind());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let kind = failed.expect("writes to a closed peer kept succeeding");
+    assert!(
+        matches!(
+            kind,
+            std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::NotConnected
+        ),
+        "{kind:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn peer_process_death_resets_the_connection() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("death");
+    let mut peer = Peer::spawn("echo-server", &dir, "");
+    let st = stack(&dir, DiscoveryMode::AssertPeer);
+    let mut s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port)).expect("connect");
+    assert_eq!(s.mode(), Mode::Smc);
+    assert_eq!(roundtrip(&mut s, b"alive?"), b"alive?");
+    peer.child.kill().expect("kill peer");
+    let _ = peer.child.wait();
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut buf = [0u8; 8];
+    let r = s.read(&mut buf);
+    // Both links die with the process: the link group is lost and the connection reset.
+    let kind = r.expect_err("read after the peer died").kind();
+    assert_eq!(kind, std::io::ErrorKind::ConnectionReset);
+    let _ = std::fs::remove_dir_all(&dir);
+}
