@@ -34,6 +34,10 @@ pub struct DemoArgs {
     /// No progress bar (for scripts and tests).
     #[arg(long)]
     quiet: bool,
+    /// Write a pcap capture of the client's SMC-R connection (CLC as TCP, LLC/CDC as RoCEv2
+    /// SENDs; `smc decode FILE` or Wireshark read it).
+    #[arg(long, value_name = "FILE")]
+    pcap: Option<PathBuf>,
 }
 
 /// Arguments of the hidden `smc demo-server`.
@@ -232,6 +236,11 @@ fn demo(args: &DemoArgs, dir: &PathBuf) -> Result<ExitCode> {
         std::process::id(),
         dir.display()
     );
+    if let Some(p) = &args.pcap {
+        stack
+            .start_capture(p)
+            .with_context(|| format!("creating {}", p.display()))?;
+    }
     let mut s = SmcStream::connect_with(&stack, ("127.0.0.1", server.port))?;
     println!("connection: {}", s.mode());
     if s.mode() != smc::Mode::Smc {
@@ -307,6 +316,10 @@ fn demo(args: &DemoArgs, dir: &PathBuf) -> Result<ExitCode> {
         args.bytes
     );
     drop(s);
+    if let Some(p) = &args.pcap {
+        let frames = stack.stop_capture()?;
+        println!("capture: {frames} frames written to {}", p.display());
+    }
 
     let mut tcp = TcpStream::connect(("127.0.0.1", server.port))?;
     let (ours, theirs, tcp_time) =

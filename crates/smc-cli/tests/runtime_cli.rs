@@ -31,8 +31,10 @@ fn smc(dir: &PathBuf) -> Command {
 #[test]
 fn demo_fails_over_and_keeps_the_checksum() {
     let dir = test_dir("demo");
+    let pcap = dir.join("demo.pcap");
     let out = smc(&dir)
-        .args(["demo", "--bytes", "8M", "--quiet"])
+        .args(["demo", "--bytes", "8M", "--quiet", "--pcap"])
+        .arg(&pcap)
         .output()
         .expect("run smc demo");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -54,6 +56,31 @@ fn demo_fails_over_and_keeps_the_checksum() {
         "{text}"
     );
     assert!(text.contains("TCP loopback"), "{text}");
+    // The capture decodes: the rendezvous, the link group's LLC flows (the second link
+    // added, the failed one deleted) and CDCs.
+    let dec = smc(&dir)
+        .arg("decode")
+        .arg("-r")
+        .arg(&pcap)
+        .output()
+        .expect("run smc decode");
+    assert!(dec.status.success());
+    let decoded = String::from_utf8_lossy(&dec.stdout);
+    for what in [
+        "tcp.smc_option",
+        "clc.proposal",
+        "clc.accept",
+        "clc.confirm",
+        "llc.confirm_link",
+        "llc.add_link",
+        "llc.delete_link",
+        "cdc",
+    ] {
+        assert!(
+            decoded.lines().any(|l| l.starts_with(what)),
+            "{what} missing from the capture:\n{decoded}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -250,6 +250,17 @@ pub(crate) struct StreamEntry {
     pub(crate) server: bool,
 }
 
+/// A packet capture in progress (`Stack::start_capture`).
+pub(crate) struct Capture {
+    w: smc_wire::capture::CaptureWriter<std::io::BufWriter<std::fs::File>>,
+    start: Instant,
+}
+
+/// A synthetic IPv4 address for a GID in captures (its last four bytes).
+fn gid_ip(gid: &[u8; 16]) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(gid[12], gid[13], gid[14], gid[15])
+}
+
 /// Everything the mutex guards.
 pub(crate) struct Core {
     pub(crate) ep: Endpoint,
@@ -271,9 +282,86 @@ pub(crate) struct Core {
     pub(crate) next_stream: u64,
     /// Fallbacks counted by reason.
     pub(crate) fallback_reasons: std::collections::BTreeMap<String, u64>,
+    /// Packet capture of CLC (as TCP) and LLC/CDC (as RoCEv2 SENDs), if on.
+    pub(crate) capture: Option<Capture>,
 }
 
 impl Core {
+    /// The IPv4 addresses of connection `tcp` (local, peer), for captures.
+    fn tcp_addrs(&self, tcp: TcpId) -> Option<(std::net::SocketAddrV4, std::net::SocketAddrV4)> {
+        let sock = self.slots.get(&tcp)?.sock.as_ref()?;
+        match (sock.local_addr().ok()?, sock.peer_addr().ok()?) {
+            (std::net::SocketAddr::V4(l), std::net::SocketAddr::V4(p)) => Some((l, p)),
+            _ => None,
+        }
+    }
+
+    /// Capture the TCP handshake of connection `tcp` (both segments carried the option).
+    pub(crate) fn capture_handshake(&mut self, tcp: TcpId, client: bool) {
+        if self.capture.is_none() {
+            return;
+        }
+        let Some((l, p)) = self.tcp_addrs(tcp) else {
+            return;
+        };
+        if let Some(c) = self.capture.as_mut() {
+            let (cl, sv) = if client { (l, p) } else { (p, l) };
+            let _ = c.w.tcp_handshake(c.start.elapsed(), cl, sv, true);
+        }
+    }
+
+    /// Capture CLC bytes on connection `tcp`.
+    pub(crate) fn capture_tcp(&mut self, tcp: TcpId, outgoing: bool, bytes: &[u8]) {
+        if self.capture.is_none() {
+            return;
+        }
+        let Some((l, p)) = self.tcp_addrs(tcp) else {
+            return;
+        };
+        if let Some(c) = self.capture.as_mut() {
+            let (from, to) = if outgoing { (l, p) } else { (p, l) };
+            let _ = c.w.tcp_data(c.start.elapsed(), from, to, bytes);
+        }
+    }
+
+    /// Capture a 44-byte message sent or received on `link`.
+    fn capture_roce(&mut self, link: LinkId, outgoing: bool, msg: &[u8]) {
+        if self.capture.is_none() {
+            return;
+        }
+        let Some(l) = self
+            .ep
+            .link_groups()
+            .flat_map(|g| g.links.values())
+            .find(|l| l.id == link)
+        else {
+            return;
+        };
+        let Some(remote) = l.remote else {
+            return;
+        };
+        let Some(dev) = self.fab.devices.get(usize::from(l.device.0)) else {
+            return;
+        };
+        let ours = smc_wire::capture::RoceEndpoint {
+            mac: smc_wire::Mac(dev.mac().0),
+            ip: gid_ip(&dev.gid().0),
+        };
+        let theirs = smc_wire::capture::RoceEndpoint {
+            mac: remote.mac,
+            ip: gid_ip(&remote.gid.0),
+        };
+        let local_qpn = l.local_qp.qpn;
+        if let Some(c) = self.capture.as_mut() {
+            let ts = c.start.elapsed();
+            let _ = if outgoing {
+                c.w.roce_send(ts, ours, theirs, remote.qpn, msg)
+            } else {
+                c.w.roce_send(ts, theirs, ours, local_qpn, msg)
+            };
+        }
+    }
+
     /// Current time on the endpoint's clock.
     pub(crate) fn now(&self) -> Timestamp {
         Timestamp::from_duration(self.start.elapsed())
@@ -286,6 +374,7 @@ impl Core {
             let mut progress = false;
             while let Some((tcp, bytes)) = self.ep.poll_tcp_transmit() {
                 progress = true;
+                self.capture_tcp(tcp, true, &bytes);
                 let failed = match self.slots.get_mut(&tcp).and_then(|s| s.sock.as_mut()) {
                     Some(sock) => sock.write_all(&bytes).is_err(),
                     None => true,
@@ -339,6 +428,7 @@ impl Core {
                 }
             }
             FabricOp::PostSend { link, wr, msg } => {
+                self.capture_roce(link, true, &msg);
                 let ok = self.fab.links.get(&link).is_some_and(|l| {
                     l.qp.post_send(&SendWr::Send {
                         wr_id: wr.0,
@@ -716,6 +806,7 @@ impl Stack {
             streams: Default::default(),
             next_stream: 1,
             fallback_reasons: Default::default(),
+            capture: None,
         };
         let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(
             "{}-{:04x}.sock",
@@ -831,6 +922,31 @@ impl Stack {
                 connections: g.conns.len(),
             })
             .collect()
+    }
+
+    /// Start writing a pcap capture of this stack's SMC-R traffic to `path`: CLC messages as
+    /// TCP segments (with the handshake that carried the SMC option) and LLC/CDC messages as
+    /// RoCEv2 SEND frames, both as Wireshark decodes them. RDMA WRITE payloads are not
+    /// captured. Replaces a capture in progress.
+    pub fn start_capture(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let f = std::io::BufWriter::new(std::fs::File::create(path)?);
+        let w = smc_wire::capture::CaptureWriter::new(f).map_err(std::io::Error::other)?;
+        self.inner.lock().capture = Some(Capture {
+            w,
+            start: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// Stop the capture and flush it; returns the number of frames written.
+    pub fn stop_capture(&self) -> std::io::Result<usize> {
+        let Some(c) = self.inner.lock().capture.take() else {
+            return Ok(0);
+        };
+        let n = c.w.frames();
+        let mut f = c.w.into_inner();
+        std::io::Write::flush(&mut f)?;
+        Ok(n)
     }
 
     /// How the connection `tcp` runs (internal helper for streams).

@@ -369,6 +369,7 @@ impl SmcStream {
                 core.slots.remove(&id);
                 return Err(io::Error::other(e));
             }
+            core.capture_handshake(id, client);
             core.drain();
         }
         let mut buf = vec![0u8; 4096];
@@ -425,6 +426,7 @@ impl SmcStream {
                     tracing::debug!(?id, n, client, "CLC bytes");
                     let mut core = inner.lock();
                     let now = core.now();
+                    core.capture_tcp(id, false, &buf[..n]);
                     let Core { ep, fab, .. } = &mut *core;
                     ep.handle_tcp_data(id, &buf[..n], fab, now);
                     core.drain();
