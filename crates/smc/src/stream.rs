@@ -34,11 +34,17 @@ fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
 }
 
 /// A listening socket that accepts SMC-R connections (and plain TCP ones, by fallback).
+///
+/// A thread accepts TCP connections as they come and runs each one's discovery and
+/// rendezvous in a thread of its own, so a slow or silent client delays nobody else;
+/// [`accept`](Self::accept) hands out the connections that are ready.
 #[derive(Debug)]
 pub struct SmcListener {
     stack: Stack,
-    tcp: TcpListener,
+    tcp: Arc<TcpListener>,
     port: u16,
+    ready: std::sync::Mutex<std::sync::mpsc::Receiver<io::Result<(SmcStream, SocketAddr)>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl SmcListener {
@@ -59,44 +65,12 @@ impl SmcListener {
         Err(last)
     }
 
-    /// Accept a connection: the TCP handshake, then the SMC-R rendezvous or the fallback.
-    /// The rendezvous runs in the calling thread.
+    /// Accept a connection: the next one whose TCP handshake and SMC-R rendezvous (or
+    /// fallback) completed.
     pub fn accept(&self) -> io::Result<(SmcStream, SocketAddr)> {
-        loop {
-            let (sock, peer) = self.tcp.accept()?;
-            let offered = match self.stack.discovery_mode() {
-                DiscoveryMode::Ebpf => match &self.stack.inner.discovery {
-                    Some(d) => {
-                        let local = sock.local_addr()?;
-                        matches!(d.server_outcome(local, peer), Ok(Outcome::BothOffered))
-                            .then_some(())
-                            .ok_or(FallbackReason::PeerWithoutOption)
-                    }
-                    None => Err(FallbackReason::DiscoveryOff),
-                },
-                DiscoveryMode::AssertPeer => {
-                    if starts_with_clc(&sock, self.stack.config().assert_peer_wait)? {
-                        Ok(())
-                    } else {
-                        Err(FallbackReason::NoProposal)
-                    }
-                }
-                DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
-            };
-            tracing::debug!(%peer, ?offered, "accepted");
-            let stream = match offered {
-                Ok(()) => match SmcStream::rendezvous(&self.stack, sock, false) {
-                    Ok(s) => s,
-                    // One client's failed rendezvous is not the listener's error.
-                    Err(e) => {
-                        tracing::debug!(%e, %peer, "rendezvous failed");
-                        continue;
-                    }
-                },
-                Err(reason) => SmcStream::fallback(&self.stack, sock, reason, Vec::new(), true),
-            };
-            return Ok((stream, peer));
-        }
+        let rx = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        rx.recv()
+            .unwrap_or_else(|_| Err(io::Error::other("the accepting thread ended")))
     }
 
     /// An iterator over accepted connections.
@@ -117,6 +91,9 @@ impl SmcListener {
 
 impl Drop for SmcListener {
     fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        // Wakes the accepting thread (accept() fails on a shut-down listening socket).
+        let _ = rustix::net::shutdown(&*self.tcp, rustix::net::Shutdown::Both);
         if let Some(d) = &self.stack.inner.discovery {
             d.unmark_listener(self.port);
         }
@@ -141,11 +118,113 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
         d.mark_listener(local.port()).map_err(io::Error::other)?;
     }
     rustix::net::listen(&fd, 1024)?;
+    let tcp = Arc::new(TcpListener::from(fd));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let (stack, tcp, stop) = (stack.clone(), tcp.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("smc-accept".into())
+            .spawn(move || accept_loop(stack, tcp, tx, stop))?;
+    }
     Ok(SmcListener {
         stack: stack.clone(),
-        tcp: TcpListener::from(fd),
+        tcp,
         port: local.port(),
+        ready: std::sync::Mutex::new(rx),
+        stop,
     })
+}
+
+type Ready = std::sync::mpsc::Sender<io::Result<(SmcStream, SocketAddr)>>;
+
+/// Accept TCP connections and set each up in its own thread.
+fn accept_loop(
+    stack: Stack,
+    tcp: Arc<TcpListener>,
+    tx: Ready,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
+    loop {
+        let r = tcp.accept();
+        if stop.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        match r {
+            Ok((sock, peer)) => {
+                let (stack, setup_tx) = (stack.clone(), tx.clone());
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("smc-setup".into())
+                        .spawn(move || {
+                            if let Some(r) = setup_accepted(&stack, sock, peer) {
+                                let _ = setup_tx.send(r.map(|s| (s, peer)));
+                            }
+                        });
+                if let Err(e) = spawned {
+                    if tx.send(Err(e)).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                // Resource errors (EMFILE, ...) are the application's to see; pace retries.
+                if tx.send(Err(e)).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// Discovery, then the rendezvous or the fallback, for one accepted connection; `None` when
+/// the client's rendezvous failed (not the listener's error: the connection is reset).
+fn setup_accepted(
+    stack: &Stack,
+    sock: TcpStream,
+    peer: SocketAddr,
+) -> Option<io::Result<SmcStream>> {
+    let offered = match stack.discovery_mode() {
+        DiscoveryMode::Ebpf => match &stack.inner.discovery {
+            Some(d) => match sock.local_addr() {
+                Ok(local) => matches!(d.server_outcome(local, peer), Ok(Outcome::BothOffered))
+                    .then_some(())
+                    .ok_or(FallbackReason::PeerWithoutOption),
+                Err(e) => return Some(Err(e)),
+            },
+            None => Err(FallbackReason::DiscoveryOff),
+        },
+        DiscoveryMode::AssertPeer => {
+            match starts_with_clc(&sock, stack.config().assert_peer_wait) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(FallbackReason::NoProposal),
+                Err(e) => {
+                    tracing::debug!(%e, %peer, "accepted connection failed before the rendezvous");
+                    return None;
+                }
+            }
+        }
+        DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
+    };
+    tracing::debug!(%peer, ?offered, "accepted");
+    match offered {
+        Ok(()) => match SmcStream::rendezvous(stack, sock, false) {
+            Ok(s) => Some(Ok(s)),
+            Err(e) => {
+                tracing::debug!(%e, %peer, "rendezvous failed");
+                None
+            }
+        },
+        Err(reason) => Some(Ok(SmcStream::fallback(
+            stack,
+            sock,
+            reason,
+            Vec::new(),
+            true,
+        ))),
+    }
 }
 
 /// Assert-peer listener: whether the first bytes from the client are a CLC message, waiting

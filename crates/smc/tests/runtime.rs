@@ -472,3 +472,29 @@ fn peer_process_death_resets_the_connection() {
     assert_eq!(kind, std::io::ErrorKind::ConnectionReset);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_silent_client_does_not_delay_others() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("silent-first");
+    let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.assert_peer_wait = Duration::from_secs(60);
+    let server = Stack::new(c).expect("stack");
+    let client = stack(&dir, DiscoveryMode::AssertPeer);
+    let l = SmcListener::bind_with(&server, "127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    // A plain client that says nothing: its fallback waits for the (long) bound.
+    let silent = TcpStream::connect(addr).expect("silent connect");
+    let t = std::thread::spawn(move || SmcStream::connect_with(&client, addr).expect("connect"));
+    let (first, _) = l.accept().expect("accept");
+    assert_eq!(first.mode(), Mode::Smc);
+    let _c = t.join().expect("client");
+    // Once the silent client hangs up, it is handed out as a fallen-back connection.
+    drop(silent);
+    let (second, _) = l.accept().expect("accept");
+    assert_eq!(second.mode(), Mode::Tcp(FallbackReason::NoProposal));
+    let _ = std::fs::remove_dir_all(&dir);
+}
