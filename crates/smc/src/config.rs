@@ -8,6 +8,21 @@
 //! | `SMC_LLC_TIMEOUT_MS` | LLC reply timer while maintaining a link group | 2000 |
 //! | `SMC_ASSERT_PEER_WAIT_MS` | assert-peer listener: how long to wait for a Proposal | 1000 |
 //! | `SMC_IPV4_SUBNETS` | comma-separated `a.b.c.d/len` subnets we share with peers | `127.0.0.0/8` |
+//! | `SMC_KEEPALIVE_MS` | §4.5.3 TEST LINK after this idle time (0: off) | off |
+//! | `SMC_LGR_IDLE_MS` | a server ends a link group without connections after this time | 600000 |
+//! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
+//!
+//! The TOML file has the same settings, in lower case without the prefix (`discovery`,
+//! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
+//! `lgr_idle_ms`, `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
+//! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
+//!
+//! ```toml
+//! discovery = "assert-peer"
+//! buffer_size = 262144
+//! devices = ["shm0", "shm1"]
+//! ipv4_subnets = ["127.0.0.0/8"]
+//! ```
 //!
 //! The fabric (directory, devices `shm0,shm1`, faults) comes from smc-fabric's own variables
 //! (`SMC_FABRIC_DIR`, `SMC_FABRIC_DEVICES`, `SMC_FABRIC_FAULTS`).
@@ -70,6 +85,8 @@ pub struct StackConfig {
     pub ipv4_subnets: Vec<(Ipv4Addr, u8)>,
     /// §4.5.3 keepalive interval (`None`: no TEST LINK).
     pub keepalive: Option<Duration>,
+    /// A server terminates a link group without connections after this time.
+    pub lgr_idle_timeout: Duration,
 }
 
 impl StackConfig {
@@ -84,13 +101,110 @@ impl StackConfig {
             assert_peer_wait: Duration::from_secs(1),
             ipv4_subnets: vec![(Ipv4Addr::new(127, 0, 0, 0), 8)],
             keepalive: None,
+            lgr_idle_timeout: Duration::from_secs(600),
         }
+    }
+
+    /// Apply the settings of a TOML document (see the module documentation).
+    pub fn apply_toml(&mut self, text: &str) -> Result<(), StackError> {
+        let t: toml::Table = text
+            .parse()
+            .map_err(|e| StackError::Config(format!("TOML: {e}")))?;
+        let bad = |k: &str| StackError::Config(format!("TOML: bad value for {k}"));
+        let ms = |k: &str| -> Result<Option<Duration>, StackError> {
+            match t.get(k) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_integer()
+                    .and_then(|n| u64::try_from(n).ok())
+                    .map(|n| Some(Duration::from_millis(n)))
+                    .ok_or_else(|| bad(k)),
+            }
+        };
+        for k in t.keys() {
+            const KNOWN: &[&str] = &[
+                "discovery",
+                "buffer_size",
+                "clc_timeout_ms",
+                "llc_timeout_ms",
+                "assert_peer_wait_ms",
+                "keepalive_ms",
+                "lgr_idle_ms",
+                "ipv4_subnets",
+                "fabric_dir",
+                "devices",
+            ];
+            if !KNOWN.contains(&k.as_str()) {
+                return Err(StackError::Config(format!("TOML: unknown setting {k:?}")));
+            }
+        }
+        if let Some(v) = t.get("discovery") {
+            self.discovery = v.as_str().ok_or_else(|| bad("discovery"))?.parse()?;
+        }
+        if let Some(v) = t.get("buffer_size") {
+            self.buffer_size = v
+                .as_integer()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| bad("buffer_size"))?;
+        }
+        if let Some(d) = ms("clc_timeout_ms")? {
+            self.clc_timeout = d;
+        }
+        if let Some(d) = ms("llc_timeout_ms")? {
+            self.llc_timeout = d;
+        }
+        if let Some(d) = ms("assert_peer_wait_ms")? {
+            self.assert_peer_wait = d;
+        }
+        if let Some(d) = ms("keepalive_ms")? {
+            self.keepalive = (!d.is_zero()).then_some(d);
+        }
+        if let Some(d) = ms("lgr_idle_ms")? {
+            self.lgr_idle_timeout = d;
+        }
+        if let Some(v) = t.get("ipv4_subnets") {
+            let items = v.as_array().ok_or_else(|| bad("ipv4_subnets"))?;
+            let mut all = Vec::new();
+            for i in items {
+                all.extend(parse_subnets(
+                    i.as_str().ok_or_else(|| bad("ipv4_subnets"))?,
+                )?);
+            }
+            self.ipv4_subnets = all;
+        }
+        if let Some(v) = t.get("fabric_dir") {
+            self.fabric.dir = v.as_str().ok_or_else(|| bad("fabric_dir"))?.into();
+        }
+        if let Some(v) = t.get("devices") {
+            let items = v.as_array().ok_or_else(|| bad("devices"))?;
+            let spec: Vec<&str> = items
+                .iter()
+                .map(|i| i.as_str().ok_or_else(|| bad("devices")))
+                .collect::<Result<_, _>>()?;
+            self.fabric.devices =
+                smc_fabric::config::parse_devices(&spec.join(",")).map_err(StackError::Fabric)?;
+        }
+        Ok(())
     }
 
     /// Defaults overridden by the environment (see the module documentation).
     pub fn from_env() -> Result<StackConfig, StackError> {
         let fabric = FabricConfig::from_env().map_err(StackError::Fabric)?;
         let mut c = StackConfig::new(fabric);
+        if let Some(path) = std::env::var_os("SMC_CONFIG") {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                StackError::Config(format!("{}: {e}", std::path::Path::new(&path).display()))
+            })?;
+            c.apply_toml(&text)?;
+            // The fabric variables win over the file, as the others do.
+            if let Some(dir) = std::env::var_os("SMC_FABRIC_DIR") {
+                c.fabric.dir = dir.into();
+            }
+            if let Ok(devs) = std::env::var("SMC_FABRIC_DEVICES") {
+                c.fabric.devices =
+                    smc_fabric::config::parse_devices(&devs).map_err(StackError::Fabric)?;
+            }
+        }
         if let Ok(v) = std::env::var("SMC_DISCOVERY") {
             c.discovery = v.parse()?;
         }
@@ -118,6 +232,12 @@ impl StackConfig {
         }
         if let Ok(v) = std::env::var("SMC_IPV4_SUBNETS") {
             c.ipv4_subnets = parse_subnets(&v)?;
+        }
+        if let Some(v) = num("SMC_KEEPALIVE_MS")? {
+            c.keepalive = (v > 0).then(|| Duration::from_millis(v));
+        }
+        if let Some(v) = num("SMC_LGR_IDLE_MS")? {
+            c.lgr_idle_timeout = Duration::from_millis(v);
         }
         Ok(c)
     }
@@ -165,6 +285,37 @@ mod tests {
         assert_eq!(c.rmbe_size(), RmbeSize(2));
         c.buffer_size = u32::MAX;
         assert_eq!(c.rmbe_size(), RmbeSize(6));
+    }
+
+    #[test]
+    fn toml_settings_apply_and_unknown_ones_are_rejected() {
+        let mut c = StackConfig::new(FabricConfig::with_dir("/nonexistent", 1));
+        c.apply_toml(
+            r#"
+            discovery = "assert-peer"
+            buffer_size = 262144
+            clc_timeout_ms = 5000
+            keepalive_ms = 0
+            lgr_idle_ms = 1000
+            ipv4_subnets = ["10.1.0.0/16"]
+            fabric_dir = "/run/x"
+            devices = ["shm0=lo+127.0.0.1", "shm7"]
+            "#,
+        )
+        .expect("valid TOML");
+        assert_eq!(c.discovery, DiscoveryMode::AssertPeer);
+        assert_eq!(c.rmbe_size(), RmbeSize(4));
+        assert_eq!(c.clc_timeout, Duration::from_secs(5));
+        assert_eq!(c.keepalive, None);
+        assert_eq!(c.lgr_idle_timeout, Duration::from_secs(1));
+        assert_eq!(c.ipv4_subnets, vec![(Ipv4Addr::new(10, 1, 0, 0), 16)]);
+        assert_eq!(c.fabric.dir, std::path::PathBuf::from("/run/x"));
+        assert_eq!(c.fabric.device_names(), vec!["shm0", "shm7"]);
+        assert_eq!(c.fabric.devices[0].netdevs, vec!["lo".to_string()]);
+        assert!(c.apply_toml("bufer_size = 1").is_err());
+        assert!(c.apply_toml("buffer_size = -1").is_err());
+        assert!(c.apply_toml("discovery = 3").is_err());
+        assert!(c.apply_toml("not toml").is_err());
     }
 
     #[test]

@@ -786,6 +786,7 @@ impl Stack {
         ec.clc_timeout = config.clc_timeout;
         ec.llc_timeout = config.llc_timeout;
         ec.keepalive = config.keepalive;
+        ec.lgr_idle_timeout = config.lgr_idle_timeout;
         let fab = Fabric {
             devices: devices.clone(),
             pds,
