@@ -498,3 +498,39 @@ fn a_silent_client_does_not_delay_others() {
     assert_eq!(second.mode(), Mode::Tcp(FallbackReason::NoProposal));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn many_threads_many_sockets_concurrent_echo() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("threads");
+    let peer = Peer::spawn("echo-server", &dir, "");
+    let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.buffer_size = 16 * 1024;
+    let st = Stack::new(c).expect("stack");
+    let port = peer.port;
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let st = st.clone();
+            std::thread::spawn(move || {
+                let mut conns: Vec<SmcStream> = (0..4)
+                    .map(|_| SmcStream::connect_with(&st, ("127.0.0.1", port)).expect("connect"))
+                    .collect();
+                for round in 0..3u64 {
+                    for (i, s) in conns.iter_mut().enumerate() {
+                        let data = pattern(50_000 + i * 1000, t * 100 + round * 10 + i as u64);
+                        assert_eq!(checksum(&roundtrip(s, &data)), checksum(&data));
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread");
+    }
+    assert_eq!(st.stats().smc, 32);
+    peer.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
