@@ -31,6 +31,10 @@ pub struct DemoArgs {
     /// Receive buffer (RMBE) size per connection (suffixes K, M).
     #[arg(long, default_value = "256K", value_parser = parse_size)]
     buffer: u64,
+    /// Busy polling in both processes: blocked reads and writes spin this many microseconds
+    /// on the completion queues before sleeping (0: off).
+    #[arg(long, default_value_t = 0)]
+    busy_poll_us: u64,
     /// No progress bar (for scripts and tests).
     #[arg(long)]
     quiet: bool,
@@ -115,9 +119,10 @@ impl Drop for Server {
     }
 }
 
-fn spawn_server(dir: &PathBuf, buffer: u64) -> Result<Server> {
+fn spawn_server(dir: &PathBuf, buffer: u64, busy_poll_us: u64) -> Result<Server> {
     let mut child = Command::new(std::env::current_exe()?)
         .arg("demo-server")
+        .env("SMC_BUSY_POLL_US", busy_poll_us.to_string())
         .env("SMC_FABRIC_DIR", dir)
         .env("SMC_DISCOVERY", "assert-peer")
         .env("SMC_BUFFER_SIZE", buffer.to_string())
@@ -225,10 +230,11 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
 }
 
 fn demo(args: &DemoArgs, dir: &PathBuf) -> Result<ExitCode> {
-    let server = spawn_server(dir, args.buffer)?;
+    let server = spawn_server(dir, args.buffer, args.busy_poll_us)?;
     let mut cfg = StackConfig::new(smc_fabric_config(dir));
     cfg.discovery = DiscoveryMode::AssertPeer;
     cfg.buffer_size = u32::try_from(args.buffer).context("buffer size")?;
+    cfg.busy_poll = (args.busy_poll_us > 0).then(|| Duration::from_micros(args.busy_poll_us));
     let stack = Stack::new(cfg)?;
     println!(
         "server process {} and client process {} on the shm fabric in {}",

@@ -10,11 +10,12 @@
 //! | `SMC_IPV4_SUBNETS` | comma-separated `a.b.c.d/len` subnets we share with peers | `127.0.0.0/8` |
 //! | `SMC_KEEPALIVE_MS` | §4.5.3 TEST LINK after this idle time (0: off) | off |
 //! | `SMC_LGR_IDLE_MS` | a server ends a link group without connections after this time | 600000 |
+//! | `SMC_BUSY_POLL_US` | blocked reads and writes spin on the completion queues this long first | off |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
 //! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
-//! `lgr_idle_ms`, `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
+//! `lgr_idle_ms`, `busy_poll_us`, `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
 //! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
 //!
 //! ```toml
@@ -87,6 +88,8 @@ pub struct StackConfig {
     pub keepalive: Option<Duration>,
     /// A server terminates a link group without connections after this time.
     pub lgr_idle_timeout: Duration,
+    /// Busy polling of new sockets (see `SmcStream::set_busy_poll`); `None`: off.
+    pub busy_poll: Option<Duration>,
 }
 
 impl StackConfig {
@@ -102,6 +105,7 @@ impl StackConfig {
             ipv4_subnets: vec![(Ipv4Addr::new(127, 0, 0, 0), 8)],
             keepalive: None,
             lgr_idle_timeout: Duration::from_secs(600),
+            busy_poll: None,
         }
     }
 
@@ -130,6 +134,7 @@ impl StackConfig {
                 "assert_peer_wait_ms",
                 "keepalive_ms",
                 "lgr_idle_ms",
+                "busy_poll_us",
                 "ipv4_subnets",
                 "fabric_dir",
                 "devices",
@@ -161,6 +166,13 @@ impl StackConfig {
         }
         if let Some(d) = ms("lgr_idle_ms")? {
             self.lgr_idle_timeout = d;
+        }
+        if let Some(v) = t.get("busy_poll_us") {
+            let us = v
+                .as_integer()
+                .and_then(|n| u64::try_from(n).ok())
+                .ok_or_else(|| bad("busy_poll_us"))?;
+            self.busy_poll = (us > 0).then(|| Duration::from_micros(us));
         }
         if let Some(v) = t.get("ipv4_subnets") {
             let items = v.as_array().ok_or_else(|| bad("ipv4_subnets"))?;
@@ -238,6 +250,9 @@ impl StackConfig {
         }
         if let Some(v) = num("SMC_LGR_IDLE_MS")? {
             c.lgr_idle_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = num("SMC_BUSY_POLL_US")? {
+            c.busy_poll = (v > 0).then(|| Duration::from_micros(v));
         }
         Ok(c)
     }

@@ -569,6 +569,19 @@ impl Core {
         }
     }
 
+    /// Poll every completion queue once and process what came; returns whether anything did.
+    pub(crate) fn poll_completions(&mut self, wcs: &mut [WorkCompletion]) -> bool {
+        let mut any = false;
+        for dev in 0..self.fab.cqs.len() {
+            let n = self.fab.cqs[dev].poll(wcs);
+            for wc in &wcs[..n] {
+                self.completion(dev, wc);
+            }
+            any |= n > 0;
+        }
+        any
+    }
+
     /// One work completion from the completion queue of device `dev`.
     fn completion(&mut self, dev: usize, wc: &WorkCompletion) {
         let now = self.now();
@@ -978,7 +991,6 @@ fn random_seed() -> u64 {
 /// The runtime thread: polls completions and device events, fires timers.
 fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
     let mut wcs = [WorkCompletion::EMPTY; 64];
-    let mut batch: Vec<(usize, WorkCompletion)> = Vec::new();
     let mut armed = false;
     loop {
         let Some(inner) = weak.upgrade() else {
@@ -986,11 +998,6 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
         };
         if inner.stop.load(Ordering::Acquire) {
             return;
-        }
-        batch.clear();
-        for (i, cq) in cqs.iter().enumerate() {
-            let n = cq.poll(&mut wcs);
-            batch.extend(wcs[..n].iter().map(|w| (i, *w)));
         }
         let mut dev_events = Vec::new();
         for (i, d) in devices.iter().enumerate() {
@@ -1001,10 +1008,9 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
         let deadline = {
             let mut core = inner.lock();
             let now = core.now();
-            let mut did = !batch.is_empty() || !dev_events.is_empty();
-            for (dev, wc) in &batch {
-                core.completion(*dev, wc);
-            }
+            // Completions are polled under the lock, so that busy-polling application
+            // threads and this thread process them in order.
+            let mut did = core.poll_completions(&mut wcs) || !dev_events.is_empty();
             for (dev, e) in &dev_events {
                 core.device_event(*dev, *e);
             }

@@ -282,6 +282,8 @@ pub struct SmcStream {
     write_timeout: Option<Duration>,
     nonblocking: bool,
     read_shut: bool,
+    /// Spin on the completion queues this long before sleeping.
+    busy_poll: Option<Duration>,
     nodelay: std::sync::atomic::AtomicBool,
     /// The entry in the stack's socket table (shared by clones).
     _reg: Arc<Registration>,
@@ -413,6 +415,7 @@ impl SmcStream {
             write_timeout: None,
             nonblocking: false,
             read_shut: false,
+            busy_poll: stack.config().busy_poll,
             nodelay: Default::default(),
         }
     }
@@ -473,6 +476,7 @@ impl SmcStream {
                             write_timeout: None,
                             nonblocking: false,
                             read_shut: false,
+                            busy_poll: stack.config().busy_poll,
                             nodelay: Default::default(),
                         });
                     }
@@ -550,6 +554,7 @@ impl SmcStream {
             write_timeout: self.write_timeout,
             nonblocking: self.nonblocking,
             read_shut: self.read_shut,
+            busy_poll: self.busy_poll,
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
@@ -709,6 +714,41 @@ impl SmcStream {
         }
     }
 
+    /// Busy polling: before a blocked read or write sleeps, the calling thread polls the
+    /// completion queues itself for up to this long (no system call and no thread switch
+    /// while the peer is active). `None` (the default unless configured): sleep at once.
+    pub fn set_busy_poll(&mut self, spin: Option<Duration>) {
+        self.busy_poll = spin;
+    }
+
+    /// Wait until the stack made progress (or `wait` passed): spin on the completion queues
+    /// first when busy polling is on, then sleep on the stack's condition variable.
+    fn wait_progress<'a>(
+        &self,
+        inner: &'a crate::stack::Inner,
+        mut core: std::sync::MutexGuard<'a, Core>,
+        wait: Duration,
+    ) -> std::sync::MutexGuard<'a, Core> {
+        if let Some(spin) = self.busy_poll {
+            let until = Instant::now() + spin.min(wait);
+            let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 16];
+            loop {
+                if core.poll_completions(&mut wcs) {
+                    core.drain();
+                    inner.cond.notify_all();
+                    return core;
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                drop(core);
+                std::hint::spin_loop();
+                core = inner.lock();
+            }
+        }
+        inner.wait(core, wait)
+    }
+
     fn deadline(&self, t: Option<Duration>) -> Option<Instant> {
         t.map(|t| Instant::now() + t)
     }
@@ -756,7 +796,7 @@ impl SmcStream {
                 }
                 None => POLL_SLICE,
             };
-            core = inner.wait(core, wait);
+            core = self.wait_progress(&inner, core, wait);
         }
     }
 
@@ -800,7 +840,7 @@ impl SmcStream {
                 }
                 None => POLL_SLICE,
             };
-            core = inner.wait(core, wait);
+            core = self.wait_progress(&inner, core, wait);
         }
     }
 }

@@ -534,3 +534,24 @@ fn many_threads_many_sockets_concurrent_echo() {
     peer.finish();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn busy_polling_streams_echo() {
+    if std::env::var_os("SMC_RT_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("busy");
+    let (_a, _b, server, mut client) = local_pair(&dir);
+    let mut server = server;
+    server.set_busy_poll(Some(Duration::from_micros(200)));
+    client.set_busy_poll(Some(Duration::from_micros(200)));
+    let t = std::thread::spawn(move || echo(server));
+    let data = pattern(700_000, 5);
+    assert_eq!(checksum(&roundtrip(&mut client, &data)), checksum(&data));
+    client.shutdown(Shutdown::Write).expect("shutdown");
+    let mut rest = Vec::new();
+    client.read_to_end(&mut rest).expect("EOF");
+    assert!(rest.is_empty());
+    t.join().expect("echo thread");
+    let _ = std::fs::remove_dir_all(&dir);
+}
