@@ -290,11 +290,11 @@ fn demo(args: &DemoArgs, dir: &PathBuf) -> Result<ExitCode> {
             // down while no CDC is in flight: once the server has consumed (and said it
             // consumed) everything sent so far.
             // (The peer may also hold back its last small update, RFC 7609 §4.5.1, so
-            // "quiet" means: nothing changed for 50 ms; at most 2 s.)
-            let deadline = Instant::now() + Duration::from_secs(2);
+            // "quiet" means: nothing changed for 200 ms; at most 3 s.)
+            let deadline = Instant::now() + Duration::from_secs(3);
             let mut last = s.unconsumed_by_peer();
             let mut stable = 0;
-            while stable < 5 && last.is_some_and(|n| n > 0) && Instant::now() < deadline {
+            while stable < 20 && last.is_some_and(|n| n > 0) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(10));
                 let now = s.unconsumed_by_peer();
                 stable = if now == last { stable + 1 } else { 0 };
