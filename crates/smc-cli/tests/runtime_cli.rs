@@ -139,7 +139,11 @@ fn nc_client(dir: &PathBuf, port: u16, input: Vec<u8>) -> (Vec<u8>, String) {
     });
     let out = c.wait_with_output().expect("client output");
     w.join().expect("stdin writer");
-    assert!(out.status.success(), "client failed");
+    assert!(
+        out.status.success(),
+        "client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     (
         out.stdout,
         String::from_utf8_lossy(&out.stderr).into_owned(),

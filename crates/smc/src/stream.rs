@@ -775,13 +775,16 @@ impl SmcStream {
                     return Ok(n);
                 }
             }
+            // The end of stream the peer sent comes before a later failure (the peer said
+            // it was done; a reset after that loses nothing).
+            if core.ep.connection(id).is_some_and(|c| c.is_read_closed()) {
+                return Ok(0);
+            }
             if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
                 return Err(conn_error(e));
             }
-            match core.ep.connection(id) {
-                Some(c) if c.is_read_closed() => return Ok(0),
-                Some(_) => {}
-                None => return Ok(0),
+            if core.ep.connection(id).is_none() {
+                return Ok(0);
             }
             if self.nonblocking {
                 return Err(io::ErrorKind::WouldBlock.into());
