@@ -24,8 +24,25 @@
 //! - A remote-access violation completes with [`WcStatus::RemoteAccessError`] and moves the QP to
 //!   [`QpState::Error`]; in the error state every outstanding and newly posted work request
 //!   completes with [`WcStatus::WrFlushError`]. Synchronous misuse returns a [`FabricError`].
-//! - SENDs that find the peer's ring full wait in the send queue (RC "RNR retry forever"); the
-//!   queue advances whenever the QP posts or its send CQ is polled.
+//! - A SEND completes successfully only once a receive WR of the peer is waiting for it (as in
+//!   RC, where the receiver takes a receive WR on arrival): the peer publishes how many receive
+//!   WRs it ever posted ("credits") in its ring, and a SEND placed into the ring without one is
+//!   RNR-waiting: it completes (in order, and so does every later work request of the QP) when
+//!   the peer posts a receive for it. SENDs that find the peer's ring full wait in the send
+//!   queue (RC "RNR retry forever"); the queue advances whenever the QP posts or its send CQ is
+//!   polled. A WRITE behind an RNR-waiting SEND is already visible at the peer, only its
+//!   completion waits.
+//! - When a QP enters the error state (port down, [`QueuePair::force_error`], a failed work
+//!   request, or its peer's error reaching it), it first revokes its credits, then delivers the
+//!   messages already in its receive ring as successful receive completions into the posted
+//!   receive WRs (in order), and only then flushes the remaining receive WRs. The sender
+//!   completes a SEND successfully iff the receiver consumed it or had a receive WR posted for
+//!   it before revoking; every other SEND (RNR-waiting or queued) completes with
+//!   [`WcStatus::WrFlushError`] when the error reaches the sender. Hence a SEND that completed
+//!   successfully was delivered, and one that was flushed was not, except in two cases where
+//!   real RC is ambiguous too: a peer *process* that dies cannot revoke, so SENDs it had
+//!   credited complete successfully although it never polled them; and SENDs whose sender's QP
+//!   failed first may still be delivered by the receiver (like an RC ACK that is lost).
 //! - A peer process dying closes its control sockets: our QPs connected to it enter the error
 //!   state immediately (messages it already sent are still delivered first).
 //! - Work completions of receives report the message length; the bytes are in the posted

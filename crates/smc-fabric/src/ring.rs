@@ -10,6 +10,7 @@
 //! | 64 | `head: u64` (messages consumed) | consumer |
 //! | 72 | `tx_waiting: u32` (producer waits for space) | producer sets, consumer clears |
 //! | 128 | `epoch: u64` (memory-region revocation epoch) | ring owner (consumer) |
+//! | 136 | `credits: u64` (receive WRs ever posted; [`CREDITS_REVOKED`] once in error) | consumer |
 //! | 256 | `capacity` slots of [`SLOT_SIZE`] bytes: `len: u32`, 4 reserved bytes, payload | producer |
 //!
 //! The peer process may scribble over every byte of the region at any time. Both sides therefore
@@ -53,8 +54,11 @@ pub(crate) struct RingHeader {
     #[cfg(not(loom))]
     _pad1: [AtomicU32; 13],
     pub(crate) epoch: AtomicU64,
+    /// Receive work requests the consumer ever posted (a SEND numbered `n`, counting from 1,
+    /// has a receive WR waiting for it iff `n <= credits`), or [`CREDITS_REVOKED`].
+    pub(crate) credits: AtomicU64,
     #[cfg(not(loom))]
-    _pad2: [AtomicU64; 15],
+    _pad2: [AtomicU64; 14],
 }
 
 #[cfg(not(loom))]
@@ -70,9 +74,13 @@ impl RingHeader {
             head: AtomicU64::new(0),
             tx_waiting: AtomicU32::new(0),
             epoch: AtomicU64::new(0),
+            credits: AtomicU64::new(0),
         }
     }
 }
+
+/// `credits` value of a consumer that entered the error state: it accepts no further message.
+pub(crate) const CREDITS_REVOKED: u64 = u64::MAX;
 
 /// Bytes needed for a ring of `capacity` slots.
 pub const fn ring_bytes(capacity: u32) -> usize {
@@ -138,6 +146,17 @@ impl Producer {
         hdr.rx_armed.load(Relaxed) != 0 && hdr.rx_armed.swap(0, AcqRel) != 0
     }
 
+    /// The consumer's receive credits, read after a push (the SeqCst fence pairs with the one in
+    /// [`Consumer::revoke_credits`]: either the consumer sees the pushed message when it drains
+    /// at its error, or we see the revocation). `None` once revoked.
+    pub(crate) fn credits(hdr: &RingHeader) -> Option<u64> {
+        fence(SeqCst);
+        match hdr.credits.load(Acquire) {
+            CREDITS_REVOKED => None,
+            c => Some(c),
+        }
+    }
+
     /// Announce that the producer waits for space; returns `true` if space appeared meanwhile
     /// (then the caller retries at once instead of sleeping).
     pub(crate) fn arm_wait_for_space(&self, hdr: &RingHeader) -> bool {
@@ -195,6 +214,21 @@ impl Consumer {
         hdr.head.store(self.head, Release);
         fence(SeqCst);
         hdr.tx_waiting.load(Relaxed) != 0 && hdr.tx_waiting.swap(0, AcqRel) != 0
+    }
+
+    /// Publish the number of receive WRs ever posted. Returns whether the producer waits (for
+    /// space or credits) and must get a doorbell.
+    pub(crate) fn grant_credits(hdr: &RingHeader, total: u64) -> bool {
+        hdr.credits.store(total, Release);
+        fence(SeqCst);
+        hdr.tx_waiting.load(Relaxed) != 0 && hdr.tx_waiting.swap(0, AcqRel) != 0
+    }
+
+    /// Revoke all credits (the consumer entered the error state); the caller drains the ring
+    /// afterwards.
+    pub(crate) fn revoke_credits(hdr: &RingHeader) {
+        hdr.credits.store(CREDITS_REVOKED, Release);
+        fence(SeqCst);
     }
 
     /// Announce that the consumer is about to sleep. Returns `true` if messages arrived

@@ -666,3 +666,78 @@ fn world_writable_fabric_directory_is_refused() {
         Err(FabricError::InvalidArgument(_))
     ));
 }
+
+/// Every SEND the sender saw complete with success was received (RC semantics), even when the
+/// receiver's QP enters the error state before it polls; nothing the sender saw fail was.
+fn sends_acknowledged_then_receiver_error(posted: usize, sends: u64, port_down: bool) {
+    let cfg = cfg(if port_down {
+        "errdrain-port"
+    } else {
+        "errdrain"
+    });
+    let a = Side::new(&cfg, "shm0", 4096);
+    // Each Side opens its own port: only the receiver's port goes down.
+    let b = Side::new(&cfg, "shm0", 4096);
+    for slot in 0..posted {
+        b.post_rx(slot);
+    }
+    connect(&a, &b);
+    for i in 0..sends {
+        a.qp.post_send(&SendWr::Send {
+            wr_id: 100 + i,
+            data: &i.to_le_bytes(),
+            signaled: true,
+        })
+        .unwrap();
+    }
+    if port_down {
+        b.dev.set_port_state(PortState::Down);
+    } else {
+        b.qp.force_error();
+    }
+    // Receiver: successful receives in order, then flushes.
+    let mut received = Vec::new();
+    let mut flushed = 0;
+    while received.len() + flushed < posted {
+        let wc = b.next_wc();
+        if wc.opcode != WcOpcode::Recv {
+            continue;
+        }
+        match wc.status {
+            WcStatus::Success => {
+                assert_eq!(flushed, 0, "success after a flush");
+                received.push(u64::from_le_bytes(b.rx_bytes(&wc)[..8].try_into().unwrap()));
+            }
+            WcStatus::WrFlushError => flushed += 1,
+            s => panic!("unexpected receive status {s:?}"),
+        }
+    }
+    // Sender: every SEND completes, successfully or not.
+    let mut ok = Vec::new();
+    let mut failed = Vec::new();
+    while ok.len() + failed.len() < sends as usize {
+        let wc = a.next_wc();
+        if wc.opcode != WcOpcode::Send {
+            continue;
+        }
+        if wc.status == WcStatus::Success {
+            ok.push(wc.wr_id - 100);
+        } else {
+            failed.push(wc.wr_id - 100);
+        }
+    }
+    assert_eq!(
+        ok, received,
+        "sender successes = receiver deliveries (failed: {failed:?})"
+    );
+}
+
+#[test]
+fn receiver_error_delivers_every_acknowledged_send() {
+    // Enough receives posted for every SEND.
+    sends_acknowledged_then_receiver_error(8, 5, false);
+    // Fewer receives than SENDs (the rest would be RNR-waiting in RC).
+    sends_acknowledged_then_receiver_error(2, 5, false);
+    // Port down instead of a forced error.
+    sends_acknowledged_then_receiver_error(2, 5, true);
+}

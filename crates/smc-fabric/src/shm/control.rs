@@ -94,11 +94,15 @@ pub(crate) fn run(core: Arc<DeviceCore>, listener: OwnedFd) {
             }
             fds.iter().map(|f| f.revents()).collect()
         };
+        // Drain the wake-up before checking for shutdown: a wake-up drained after the check
+        // could be the shutdown's own, and the next poll would then sleep forever.
+        if !revents[0].is_empty() {
+            mem::drain_eventfd(&core.wake);
+        }
         if core.shutdown.load(Ordering::Acquire) {
             break;
         }
         if !revents[0].is_empty() {
-            mem::drain_eventfd(&core.wake);
             watches.append(&mut lock(&core.inbox));
         }
         // Hang-ups of outgoing connections.

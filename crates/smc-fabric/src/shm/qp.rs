@@ -36,6 +36,8 @@ struct PostedRecv {
 struct RecvSide {
     consumer: Consumer,
     posted: VecDeque<PostedRecv>,
+    /// Receive WRs ever posted (published to the peer as ring credits).
+    posted_total: u64,
     /// Doorbell of the peer's send CQ (rung when it waits for ring space).
     peer_tx_bell: Option<OwnedFd>,
 }
@@ -54,6 +56,23 @@ struct Outbound {
     rx_bell: OwnedFd,
     mrs: HashMap<u32, RemoteMr>,
     epoch: u64,
+    /// SENDs placed into the peer's ring.
+    sent: u64,
+    /// SENDs known to have a receive WR at the peer (consumed, or covered by its credits).
+    acked: u64,
+    /// Executed work requests whose completion waits for `acked` (in order).
+    inflight: VecDeque<Inflight>,
+}
+
+/// An executed work request whose completion waits until the SENDs up to `seq` were accepted
+/// by a receive WR of the peer (RC: a SEND completes once the receiver took it; a work request
+/// completes only after those before it).
+struct Inflight {
+    wr_id: u64,
+    opcode: WcOpcode,
+    len: u32,
+    signaled: bool,
+    seq: u64,
 }
 
 impl Outbound {
@@ -248,6 +267,7 @@ impl QpShared {
             recv: Mutex::new(RecvSide {
                 consumer: Consumer::new(cap),
                 posted: VecDeque::new(),
+                posted_total: 0,
                 peer_tx_bell: None,
             }),
             send: Mutex::new(SendSide {
@@ -435,6 +455,9 @@ impl QpShared {
             rx_bell,
             mrs: HashMap::new(),
             epoch: 0,
+            sent: 0,
+            acked: 0,
+            inflight: VecDeque::new(),
         };
         out.epoch = out.header().epoch.load(Ordering::Acquire);
         Ok(out)
@@ -529,13 +552,11 @@ impl QpShared {
                 }
             }
         }
-        let mut fatal = false;
         let mut queued = Ok(());
+        let mut fatal;
         {
             let mut s = lock(&self.send);
-            if !s.pending.is_empty() {
-                fatal = self.drain_pending(&mut s);
-            }
+            fatal = self.drain_pending(&mut s);
             if s.pending.is_empty() && !fatal {
                 let (op, signaled, opcode) = match (*wr, &local_mr) {
                     (SendWr::Send { data, signaled, .. }, _) => {
@@ -581,15 +602,22 @@ impl QpShared {
                     Exec::Done(Some(c)) => self.send_cq.push(c),
                     Exec::Done(None) => {}
                     Exec::Fatal(c) => {
+                        self.flush_inflight(&mut s.out);
                         self.send_cq.push(c);
                         fatal = true;
                     }
-                    Exec::Full => self.enqueue(&mut s, wr, local_mr)?,
+                    Exec::Full => {
+                        if let Err(e) = self.enqueue(&mut s, wr, local_mr) {
+                            self.update_has_pending(&s);
+                            return Err(e);
+                        }
+                    }
                 }
             } else {
                 // Behind queued work (or behind a failure that is about to flush the queue).
                 queued = self.enqueue(&mut s, wr, local_mr);
             }
+            self.update_has_pending(&s);
         }
         if fatal {
             self.enter_error("work request failed");
@@ -667,6 +695,9 @@ impl QpShared {
     /// fatally (the caller moves the QP to the error state after releasing the lock).
     fn drain_pending(&self, s: &mut SendSide) -> bool {
         let mut fatal = false;
+        if let Some(o) = s.out.as_mut() {
+            self.reap(o);
+        }
         let SendSide { out, pending } = s;
         while let Some(p) = pending.front() {
             let wr_id = p.wr_id();
@@ -725,16 +756,60 @@ impl QpShared {
                 }
                 Exec::Fatal(c) => {
                     pending.pop_front();
+                    self.flush_inflight(out);
                     self.send_cq.push(c);
                     fatal = true;
                     break;
                 }
             }
         }
-        if pending.is_empty() {
-            self.has_pending.store(false, Ordering::Release);
-        }
+        self.update_has_pending(s);
         fatal
+    }
+
+    fn update_has_pending(&self, s: &SendSide) {
+        let busy = !s.pending.is_empty() || s.out.as_ref().is_some_and(|o| !o.inflight.is_empty());
+        self.has_pending.store(busy, Ordering::Release);
+    }
+
+    /// Complete in-flight work requests whose SENDs the peer accepted: consumed from the ring
+    /// (its `head`) or covered by a receive WR it posted (its credits, unless revoked).
+    fn reap(&self, o: &mut Outbound) {
+        if o.inflight.is_empty() {
+            return;
+        }
+        let hdr = o.header();
+        let mut level = o.acked;
+        // The peer may scribble: only values between what we know and what we sent count.
+        let head = hdr.head.load(Ordering::Acquire);
+        if head <= o.sent {
+            level = level.max(head);
+        }
+        if let Some(credits) = Producer::credits(hdr) {
+            level = level.max(credits.min(o.sent));
+        }
+        o.acked = level;
+        while o.inflight.front().is_some_and(|f| f.seq <= level) {
+            if let Some(f) = o.inflight.pop_front() {
+                if f.signaled {
+                    self.send_cq
+                        .push(wc(f.wr_id, WcStatus::Success, f.opcode, f.len, self.qpn));
+                }
+            }
+        }
+    }
+
+    /// Before a failure completes: complete what the peer accepted, flush the rest.
+    fn flush_inflight(&self, out: &mut Option<Outbound>) {
+        if let Some(o) = out.as_mut() {
+            self.reap(o);
+            let wcs: Vec<_> = o
+                .inflight
+                .drain(..)
+                .map(|f| wc(f.wr_id, WcStatus::WrFlushError, f.opcode, 0, self.qpn))
+                .collect();
+            self.send_cq.push_all(wcs);
+        }
     }
 
     /// Execute one work request against the peer.
@@ -762,15 +837,16 @@ impl QpShared {
                         if Producer::consumer_needs_doorbell(o.header()) {
                             mem::ring_eventfd(o.rx_bell.as_fd());
                         }
-                        Exec::Done(signaled.then(|| {
-                            wc(
-                                wr_id,
-                                WcStatus::Success,
-                                opcode,
-                                data.len() as u32,
-                                self.qpn,
-                            )
-                        }))
+                        o.sent += 1;
+                        o.inflight.push_back(Inflight {
+                            wr_id,
+                            opcode,
+                            len: data.len() as u32,
+                            signaled,
+                            seq: o.sent,
+                        });
+                        self.reap(o);
+                        Exec::Done(None)
                     }
                     Ok(false) => Exec::Full,
                     Err(_) => fail(WcStatus::RemoteInvalidRequest),
@@ -816,6 +892,17 @@ impl QpShared {
                 // mappings), except for a loopback QP writing a region onto itself, where the
                 // caller asked for it; `copy` tolerates overlap.
                 unsafe { std::ptr::copy(src, m.mapping.ptr().add(off as usize), len) };
+                if !o.inflight.is_empty() {
+                    // Completes after the SENDs before it.
+                    o.inflight.push_back(Inflight {
+                        wr_id,
+                        opcode,
+                        len: len as u32,
+                        signaled,
+                        seq: o.sent,
+                    });
+                    return Exec::Done(None);
+                }
                 Exec::Done(
                     signaled.then(|| wc(wr_id, WcStatus::Success, opcode, len as u32, self.qpn)),
                 )
@@ -837,7 +924,7 @@ impl QpShared {
     /// Arm the "waiting for space" doorbell if sends are queued.
     pub(crate) fn arm_send_space(&self) {
         let s = lock(&self.send);
-        if !s.pending.is_empty() {
+        if !s.pending.is_empty() || s.out.as_ref().is_some_and(|o| !o.inflight.is_empty()) {
             if let Some(o) = &s.out {
                 let _ = o.producer.arm_wait_for_space(o.header());
             }
@@ -872,6 +959,17 @@ impl QpShared {
         let (mr, off) = resolve_local(self.core(), self.pd, s.lkey, s.addr, s.length, true)?;
         let data_waiting = {
             let mut r = lock(&self.recv);
+            if self.state() == QpState::Error {
+                // Entered the error state meanwhile (which revoked the credits under this lock).
+                self.recv_cq.push(wc(
+                    wr.wr_id,
+                    WcStatus::WrFlushError,
+                    WcOpcode::Recv,
+                    0,
+                    self.qpn,
+                ));
+                return Ok(());
+            }
             if r.posted.len() >= self.caps.max_recv_wr as usize {
                 return Err(FabricError::QueueFull);
             }
@@ -881,6 +979,12 @@ impl QpShared {
                 off,
                 len: s.length,
             });
+            r.posted_total += 1;
+            if Consumer::grant_credits(self.inbound_header(), r.posted_total) {
+                if let Some(bell) = &r.peer_tx_bell {
+                    mem::ring_eventfd(bell.as_fd());
+                }
+            }
             matches!(st, QpState::Rtr | QpState::Rts)
                 && r.consumer
                     .available(self.inbound_header())
@@ -973,7 +1077,12 @@ impl QpShared {
         {
             let mut r = lock(&self.recv);
             let mut wcs = Vec::new();
-            if matches!(prev, QpState::Rtr | QpState::Rts) {
+            // Revoke the credits first: a SEND the peer places after our drain below sees the
+            // revocation and does not complete successfully. Every SEND the peer completed
+            // successfully is in the ring with a receive WR posted for it: deliver them (in
+            // any state the peer could connect in), then flush the remaining receives.
+            Consumer::revoke_credits(self.inbound_header());
+            if prev != QpState::Reset {
                 while let Ok(Some(c)) = self.consume_one(&mut r) {
                     wcs.push(c);
                 }
@@ -992,6 +1101,9 @@ impl QpShared {
         }
         {
             let mut s = lock(&self.send);
+            // SENDs the peer accepted (consumed before it closed the connection, or covered by
+            // its credits) complete successfully; the rest flush.
+            self.flush_inflight(&mut s.out);
             let wcs: Vec<_> = s
                 .pending
                 .drain(..)
@@ -1009,6 +1121,7 @@ impl QpShared {
         self.state.store(QpState::Error.to_u8(), Ordering::Release);
         {
             let mut r = lock(&self.recv);
+            Consumer::revoke_credits(self.inbound_header());
             r.posted.clear();
             r.peer_tx_bell = None;
         }
