@@ -19,6 +19,56 @@ use crate::rmb_pool::RmbId;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DeviceId(pub u8);
 
+/// A set of the endpoint's RNICs: those on the physical network (PNET) of one connection.
+///
+/// A link group uses only RNICs of its set, so all its links stay on the physical network
+/// its connections' TCP traffic uses. [`DeviceSet::ALL`] (the default) puts no restriction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceSet {
+    bits: [u64; 4],
+}
+
+impl DeviceSet {
+    /// Every RNIC, also those added later.
+    pub const ALL: DeviceSet = DeviceSet {
+        bits: [u64::MAX; 4],
+    };
+    /// No RNIC.
+    pub const EMPTY: DeviceSet = DeviceSet { bits: [0; 4] };
+
+    /// The set of the given RNICs.
+    pub fn from_ids(ids: impl IntoIterator<Item = DeviceId>) -> DeviceSet {
+        let mut s = DeviceSet::EMPTY;
+        for d in ids {
+            s.insert(d);
+        }
+        s
+    }
+
+    /// Add `d`.
+    pub fn insert(&mut self, d: DeviceId) {
+        self.bits[usize::from(d.0 >> 6)] |= 1u64 << (d.0 & 63);
+    }
+
+    /// Whether `d` is in the set.
+    pub fn contains(&self, d: DeviceId) -> bool {
+        self.bits[usize::from(d.0 >> 6)] & (1u64 << (d.0 & 63)) != 0
+    }
+
+    /// The lowest-numbered member below `devices`.
+    pub fn first(&self, devices: usize) -> Option<DeviceId> {
+        (0..devices.min(256))
+            .map(|d| DeviceId(d as u8))
+            .find(|d| self.contains(*d))
+    }
+}
+
+impl Default for DeviceSet {
+    fn default() -> Self {
+        DeviceSet::ALL
+    }
+}
+
 /// One RNIC (RoCE port) the endpoint may use: its addresses on the RoCE LAN and path MTU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Device {

@@ -460,6 +460,19 @@ impl EndpointPair {
         self.flush();
     }
 
+    /// [`connect`](Self::connect) with per-connection options on each side.
+    pub fn connect_with(
+        &mut self,
+        tcp: TcpId,
+        client: crate::endpoint::ConnectOptions,
+        server: crate::endpoint::ConnectOptions,
+    ) {
+        let now = self.now;
+        self.b.ep.accept_with(tcp, server, now).expect("accept");
+        self.a.ep.connect_with(tcp, client, now).expect("connect");
+        self.flush();
+    }
+
     /// Run `f` on one endpoint with its resources, then collect its outputs.
     pub fn act<R>(
         &mut self,

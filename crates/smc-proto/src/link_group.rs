@@ -14,7 +14,7 @@ use smc_wire::llc::RtokenPair;
 use smc_wire::{LlcMessage, PeerId, QpMtu};
 
 use crate::endpoint::TcpId;
-use crate::fabric::{DeviceId, LgrId, LinkId, MrInfo, QpInfo, RemoteQp};
+use crate::fabric::{DeviceId, DeviceSet, LgrId, LinkId, MrInfo, QpInfo, RemoteQp};
 use crate::rmb_pool::{PeerRmbeRegistry, RmbId, RmbPool};
 use crate::time::Timestamp;
 use crate::timer::{TimerKind, TimerTable};
@@ -340,6 +340,8 @@ pub struct LinkGroup {
     pub rkey_cont: Option<(usize, u8, smc_wire::llc::ConfirmRkey)>,
     /// Client: links we asked the server to delete, with the link the request went over.
     pub client_deleting: BTreeMap<u8, u8>,
+    /// The RNICs this group may use: those of its connections' physical network (PNET).
+    pub pnet: DeviceSet,
 }
 
 impl LinkGroup {
@@ -374,6 +376,7 @@ impl LinkGroup {
             deleted: BTreeSet::new(),
             rkey_cont: None,
             client_deleting: BTreeMap::new(),
+            pnet: DeviceSet::ALL,
         }
     }
 
@@ -421,10 +424,12 @@ impl LinkGroup {
         None
     }
 
-    /// The first of our `devices` RNICs (by index) that no link of the group uses.
+    /// The first of our `devices` RNICs (by index) of the group's physical network that no
+    /// link of the group uses.
     pub(crate) fn unused_device(&self, devices: usize) -> Option<DeviceId> {
-        (0..devices)
+        (0..devices.min(256))
             .map(|d| DeviceId(d as u8))
+            .filter(|d| self.pnet.contains(*d))
             .find(|d| !self.links.values().any(|l| l.device == *d))
     }
 

@@ -22,7 +22,7 @@ use super::{
     TcpId,
 };
 use crate::conn::{Connection, ConnectionConfig};
-use crate::fabric::{DeviceId, LgrId, MrInfo, RemoteQp, Resources};
+use crate::fabric::{DeviceId, DeviceSet, LgrId, MrInfo, RemoteQp, Resources};
 use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, PeerRmb, Role};
 use crate::rmb_pool::{PeerRmbeKey, RmbPool};
 use crate::rmbe::RmbeLayout;
@@ -48,6 +48,20 @@ pub struct Handshake {
     peer_rmb: Option<usize>,
     /// CDCs that overtook the end of a first contact's second-link exchange.
     held: Vec<CdcMessage>,
+    /// What the application chose for this connection.
+    opts: ConnectOptions,
+}
+
+/// Per-connection choices the application makes before the CLC handshake.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// The RNICs on the physical network (PNET) the connection's TCP traffic uses. A link
+    /// group serving the connection uses only these; with none, the connection falls back
+    /// (Decline "no SMC-R device found").
+    pub pnet: DeviceSet,
+    /// Size of the connection's RMBE (its receive buffer); `None`: the endpoint's default
+    /// ([`EndpointConfig::rmbe_size`](super::EndpointConfig::rmbe_size)).
+    pub rmbe_size: Option<smc_wire::RmbeSize>,
 }
 
 /// Most CDCs held for a connection not yet open (a well-behaved peer sends few: it cannot
@@ -231,10 +245,29 @@ impl Endpoint {
     /// Start the client side of the CLC handshake on a TCP connection whose SYN/SYN-ACK both
     /// carried the SMC-R option: sends the Proposal.
     pub fn connect(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        self.connect_with(tcp, ConnectOptions::default(), now)
+    }
+
+    /// [`connect`](Self::connect) with per-connection options (physical network, RMBE size).
+    pub fn connect_with(
+        &mut self,
+        tcp: TcpId,
+        opts: ConnectOptions,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
         if self.entries.contains_key(&tcp) {
             return Err(EndpointError::DuplicateConnection);
         }
-        let device = DeviceId(0);
+        let Some(device) = opts.pnet.first(self.config.devices.len()) else {
+            if self.config.devices.is_empty() {
+                return Err(EndpointError::NoDevice);
+            }
+            // No RNIC on the connection's physical network: the Decline takes the place of
+            // the Proposal, so the server falls back at once instead of waiting.
+            self.begin_handshake(tcp, Role::Client, HsState::ExpectProposal, opts, now);
+            self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
+            return Ok(());
+        };
         let dev = self.device(device).ok_or(EndpointError::NoDevice)?;
         let (ipv4_subnet, ipv4_prefix_len) = self
             .config
@@ -259,22 +292,45 @@ impl Endpoint {
             v2_extensions: Vec::new(),
         };
         self.send_clc(tcp, &ClcMessage::Proposal(proposal));
-        self.begin_handshake(tcp, Role::Client, HsState::ExpectAccept { device }, now);
+        self.begin_handshake(
+            tcp,
+            Role::Client,
+            HsState::ExpectAccept { device },
+            opts,
+            now,
+        );
         Ok(())
     }
 
     /// Start the server side of the CLC handshake on an accepted TCP connection whose SYN and
     /// SYN-ACK both carried the SMC-R option: waits for the Proposal.
     pub fn accept(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        self.accept_with(tcp, ConnectOptions::default(), now)
+    }
+
+    /// [`accept`](Self::accept) with per-connection options (physical network, RMBE size).
+    pub fn accept_with(
+        &mut self,
+        tcp: TcpId,
+        opts: ConnectOptions,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
         if self.entries.contains_key(&tcp) {
             return Err(EndpointError::DuplicateConnection);
         }
-        self.begin_handshake(tcp, Role::Server, HsState::ExpectProposal, now);
+        self.begin_handshake(tcp, Role::Server, HsState::ExpectProposal, opts, now);
         Ok(())
     }
 
     /// Track `tcp` as a CLC handshake starting in `state`; the C.5 timer runs from `now`.
-    fn begin_handshake(&mut self, tcp: TcpId, role: Role, state: HsState, now: Timestamp) {
+    fn begin_handshake(
+        &mut self,
+        tcp: TcpId,
+        role: Role,
+        state: HsState,
+        opts: ConnectOptions,
+        now: Timestamp,
+    ) {
         self.entries.insert(
             tcp,
             Entry::Setup(Box::new(Handshake {
@@ -286,6 +342,7 @@ impl Endpoint {
                 peer_accept: None,
                 peer_rmb: None,
                 held: Vec::new(),
+                opts,
             })),
         );
     }
@@ -457,10 +514,11 @@ impl Endpoint {
             self.decline(tcp, DeclineCode::DIFFPREFIX, false, now);
             return;
         }
-        if self.config.devices.is_empty() {
+        let opts = self.setup_options(tcp);
+        let Some(first_device) = opts.pnet.first(self.config.devices.len()) else {
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return;
-        }
+        };
         // Subsequent contact: an existing group with this peer, usable and not full.
         let existing = self
             .lgrs
@@ -468,6 +526,7 @@ impl Endpoint {
             .filter(|g| {
                 g.role == Role::Server
                     && g.peer_id == p.peer_id
+                    && g.pnet == opts.pnet
                     && g.first_contact.is_none()
                     && g.conns.len() < self.config.max_conns_per_lgr
                     && g.active_count() > 0
@@ -485,7 +544,7 @@ impl Endpoint {
             //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.1
             //# Upon receiving the client's proposal, the server looks up the provided peer
             //# ID to determine if it already has a usable SMC-R link group with this peer.
-            let setup = match self.alloc_rmbe(lgr, res) {
+            let setup = match self.alloc_rmbe(lgr, opts.rmbe_size, res) {
                 Ok(s) => s,
                 Err(()) => {
                     self.decline(tcp, DeclineCode::MEM, false, now);
@@ -510,7 +569,7 @@ impl Endpoint {
             return;
         }
         // First contact (or a parallel link group).
-        let group = self.first_contact_group(tcp, Role::Server, p.peer_id, DeviceId(0), res, now);
+        let group = self.first_contact_group(tcp, Role::Server, p.peer_id, first_device, res, now);
         if let Some((_, setup)) = group {
             self.send_accept(tcp, setup, 1, true, now);
         }
@@ -528,11 +587,15 @@ impl Endpoint {
         res: &mut dyn Resources,
         now: Timestamp,
     ) -> Option<(LgrId, LocalSetup)> {
+        let opts = self.setup_options(tcp);
         let Ok(lgr) = self.new_link_group(role, peer_id, device, 1, res, now) else {
             self.decline(tcp, DeclineCode::MEM, false, now);
             return None;
         };
-        let Ok(setup) = self.alloc_rmbe(lgr, res) else {
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.pnet = opts.pnet;
+        }
+        let Ok(setup) = self.alloc_rmbe(lgr, opts.rmbe_size, res) else {
             self.destroy_link_group(lgr, now);
             self.decline(tcp, DeclineCode::MEM, false, now);
             return None;
@@ -697,6 +760,7 @@ impl Endpoint {
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
+        let opts = self.setup_options(tcp);
         // Subsequent contact: the server's peer ID, GID, MAC and QP match a known link.
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
         //# It is a subsequent contact if the server-side peer ID, GID, MAC, and QP number
@@ -705,7 +769,7 @@ impl Endpoint {
         let known = self
             .lgrs
             .values()
-            .filter(|g| g.role == Role::Client && g.peer_id == a.peer_id)
+            .filter(|g| g.role == Role::Client && g.peer_id == a.peer_id && g.pnet == opts.pnet)
             .find_map(|g| {
                 g.active_links()
                     .find(|l| {
@@ -723,7 +787,7 @@ impl Endpoint {
                 self.decline(tcp, DeclineCode::SYNCERR, true, now);
                 return;
             };
-            let setup = match self.alloc_rmbe(lgr, res) {
+            let setup = match self.alloc_rmbe(lgr, opts.rmbe_size, res) {
                 Ok(s) => s,
                 Err(()) => {
                     self.decline(tcp, DeclineCode::MEM, false, now);
@@ -1141,6 +1205,14 @@ impl Endpoint {
         }
     }
 
+    /// The options the application gave for the connection being set up on `tcp`.
+    fn setup_options(&self, tcp: TcpId) -> ConnectOptions {
+        match self.entries.get(&tcp) {
+            Some(Entry::Setup(h)) => h.opts,
+            _ => ConnectOptions::default(),
+        }
+    }
+
     fn fall_back(&mut self, tcp: TcpId, reason: Fallback, now: Timestamp) {
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.1
         //# when an SMC Decline is sent in lieu of an expected CLC message, no confirmation
@@ -1264,8 +1336,13 @@ impl Endpoint {
 
     /// Allocate an RMBE (registering a new RMB on every link if one is needed) and an alert
     /// token.
-    fn alloc_rmbe(&mut self, lgr: LgrId, res: &mut dyn Resources) -> Result<LocalSetup, ()> {
-        let size = self.config.rmbe_size;
+    fn alloc_rmbe(
+        &mut self,
+        lgr: LgrId,
+        size: Option<smc_wire::RmbeSize>,
+        res: &mut dyn Resources,
+    ) -> Result<LocalSetup, ()> {
+        let size = size.unwrap_or(self.config.rmbe_size);
         let alert = self.new_alert_token(res);
         let g = self.lgrs.get_mut(&lgr).ok_or(())?;
         let alloc = g.pool.allocate(size).map_err(|_| ())?;

@@ -24,7 +24,7 @@ use crate::link_group::LinkGroup;
 use crate::rmb_pool::{PeerRmbeKey, RmbPoolConfig, RmbeAllocation, RmbeHandle};
 use crate::time::Timestamp;
 
-pub use clc::{subnet_matches, Handshake};
+pub use clc::{subnet_matches, ConnectOptions, Handshake};
 
 /// The runtime's handle for one TCP connection (a socket); chosen by the caller, unique while
 /// the connection exists in the endpoint.
