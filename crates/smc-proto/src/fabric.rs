@@ -143,6 +143,13 @@ pub trait Resources {
     ) -> Result<MrInfo, ResourceError>;
     /// A random 32-bit number.
     fn random_u32(&mut self) -> u32;
+
+    /// Whether our RNIC `device` reaches the RoCE port `gid` (is on the same LAN). A server
+    /// prefers such an RNIC for a first contact; the default says yes to every pair.
+    fn reaches(&self, device: DeviceId, gid: Gid) -> bool {
+        let _ = (device, gid);
+        true
+    }
 }
 
 /// The peer side of a QP, to move our QP to ready-to-send.

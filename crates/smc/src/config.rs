@@ -260,12 +260,18 @@ impl StackConfig {
     /// The RMBE size code for [`buffer_size`](Self::buffer_size): the smallest 16 KiB · 2ⁿ
     /// (n ≤ 6, 1 MiB) not below it.
     pub fn rmbe_size(&self) -> RmbeSize {
-        let mut code = 0u8;
-        while code < 6 && ((16 * 1024u32) << code) < self.buffer_size {
-            code += 1;
-        }
-        RmbeSize(code)
+        rmbe_size_for(self.buffer_size)
     }
+}
+
+/// The RMBE size code for a buffer of `bytes`: the smallest 16 KiB · 2ⁿ (n ≤ 6, 1 MiB) not
+/// below it.
+pub fn rmbe_size_for(bytes: u32) -> RmbeSize {
+    let mut code = 0u8;
+    while code < 6 && ((16 * 1024u32) << code) < bytes {
+        code += 1;
+    }
+    RmbeSize(code)
 }
 
 /// Parse `a.b.c.d/len,...`.

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use crate::stack::{Inner, Stack};
 
 /// The queries a stack answers.
-pub const QUERIES: &[&str] = &["ss", "linkgroup", "device", "stats"];
+pub const QUERIES: &[&str] = &["ss", "linkgroup", "device", "stats", "pnet"];
 
 /// The fabric directory a stack uses when nothing overrides it (`SMC_FABRIC_DIR` or
 /// [`FabricConfig::dir`](smc_fabric::FabricConfig::dir)).
@@ -98,6 +98,7 @@ fn answer(stack: &Stack, s: UnixStream) -> std::io::Result<()> {
         "linkgroup" => stack.query_linkgroups(),
         "device" => stack.query_devices(),
         "stats" => stack.query_stats(),
+        "pnet" => stack.query_pnet(),
         other => json!({ "error": format!("unknown query {other:?}") }),
     };
     let mut s = s;

@@ -13,6 +13,7 @@ pub mod config;
 pub mod control;
 pub mod discovery;
 mod error;
+pub mod pnet;
 mod stack;
 mod stream;
 #[cfg(feature = "tokio")]
@@ -22,4 +23,4 @@ pub use config::{DiscoveryMode, StackConfig};
 pub use error::{FallbackReason, Mode, StackError};
 pub use smc_fabric::{FabricConfig, PortState};
 pub use stack::{LinkGroupInfo, LinkInfo, Stack, StackStats};
-pub use stream::{SmcListener, SmcStream};
+pub use stream::{ConnectOptions, SmcListener, SmcStream};

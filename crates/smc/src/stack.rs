@@ -122,6 +122,8 @@ pub(crate) struct Fabric {
     /// per device, so the same RMB is a separate region on each device; see `segments`).
     pub(crate) rmbs: HashMap<(LgrId, RmbId), Vec<Option<MemoryRegion>>>,
     rng: u64,
+    /// The fabric's directory, where each open port has a socket `<device>/<gid>.sock`.
+    dir: std::path::PathBuf,
 }
 
 impl Fabric {
@@ -205,6 +207,16 @@ impl Resources for Fabric {
             rkey: mr.rkey(),
             vaddr: mr.addr(),
         })
+    }
+
+    fn reaches(&self, device: smc_proto::fabric::DeviceId, gid: smc_wire::Gid) -> bool {
+        // On the shm fabric a device is one LAN: the port is reachable when it is open on the
+        // same device name.
+        let Some(d) = self.devices.get(usize::from(device.0)) else {
+            return false;
+        };
+        let hex: String = gid.0.iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(d.name()).join(format!("{hex}.sock")).exists()
     }
 
     fn random_u32(&mut self) -> u32 {
@@ -807,6 +819,7 @@ impl Stack {
             links: HashMap::new(),
             rmbs: HashMap::new(),
             rng: seed,
+            dir: config.fabric.dir.clone(),
         };
         let core = Core {
             ep: Endpoint::new(ec),
@@ -1126,6 +1139,14 @@ impl Stack {
                     "send_link": link.map(|l| l.1),
                     "bytes_sent": conn.map(|c| c.stats().bytes_produced),
                     "bytes_received": conn.map(|c| c.stats().bytes_received),
+                    "rmbe_size": conn.map(|c| c.config().local_rmbe_len),
+                    "peer_rmbe_size": conn.map(|c| c.config().peer_rmbe_len),
+                    "producer_cursor": conn.map(|c| c.producer_cursor().to_string()),
+                    "consumer_cursor": conn.map(|c| c.consumer_cursor().to_string()),
+                    "peer_producer_cursor": conn.map(|c| c.peer_producer_cursor().to_string()),
+                    "peer_consumer_cursor": conn.map(|c| c.peer_consumer_cursor().to_string()),
+                    "send_window": conn.map(|c| c.window()),
+                    "readable": conn.map(|c| c.readable()),
                 })
             })
             .collect();

@@ -45,6 +45,8 @@ pub struct SmcListener {
     port: u16,
     ready: std::sync::Mutex<std::sync::mpsc::Receiver<io::Result<(SmcStream, SocketAddr)>>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Receive buffer (RMBE) size for connections accepted from now on; 0: the stack's.
+    recv_buffer: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl SmcListener {
@@ -87,6 +89,16 @@ impl SmcListener {
     pub fn stack(&self) -> &Stack {
         &self.stack
     }
+
+    /// SO_RCVBUF for connections accepted from now on: over SMC-R the size of each
+    /// connection's RMBE, rounded up to 16 KiB · 2ⁿ (at most 1 MiB); 0 restores the stack's
+    /// [`buffer_size`](crate::StackConfig::buffer_size). Fallen-back connections get it as
+    /// their TCP receive buffer.
+    pub fn set_recv_buffer_size(&self, bytes: usize) {
+        let b = u32::try_from(bytes).unwrap_or(u32::MAX);
+        self.recv_buffer
+            .store(b, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Drop for SmcListener {
@@ -121,11 +133,17 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
     let tcp = Arc::new(TcpListener::from(fd));
     let (tx, rx) = std::sync::mpsc::channel();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let recv_buffer = Arc::new(std::sync::atomic::AtomicU32::new(0));
     {
-        let (stack, tcp, stop) = (stack.clone(), tcp.clone(), stop.clone());
+        let (stack, tcp, stop, buf) = (
+            stack.clone(),
+            tcp.clone(),
+            stop.clone(),
+            recv_buffer.clone(),
+        );
         std::thread::Builder::new()
             .name("smc-accept".into())
-            .spawn(move || accept_loop(stack, tcp, tx, stop))?;
+            .spawn(move || accept_loop(stack, tcp, tx, stop, buf))?;
     }
     Ok(SmcListener {
         stack: stack.clone(),
@@ -133,6 +151,7 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
         port: local.port(),
         ready: std::sync::Mutex::new(rx),
         stop,
+        recv_buffer,
     })
 }
 
@@ -144,6 +163,7 @@ fn accept_loop(
     tcp: Arc<TcpListener>,
     tx: Ready,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    recv_buffer: Arc<std::sync::atomic::AtomicU32>,
 ) {
     loop {
         let r = tcp.accept();
@@ -153,11 +173,15 @@ fn accept_loop(
         match r {
             Ok((sock, peer)) => {
                 let (stack, setup_tx) = (stack.clone(), tx.clone());
+                let buffer = match recv_buffer.load(std::sync::atomic::Ordering::Relaxed) {
+                    0 => None,
+                    b => Some(b),
+                };
                 let spawned =
                     std::thread::Builder::new()
                         .name("smc-setup".into())
                         .spawn(move || {
-                            if let Some(r) = setup_accepted(&stack, sock, peer) {
+                            if let Some(r) = setup_accepted(&stack, sock, peer, buffer) {
                                 let _ = setup_tx.send(r.map(|s| (s, peer)));
                             }
                         });
@@ -185,7 +209,12 @@ fn setup_accepted(
     stack: &Stack,
     sock: TcpStream,
     peer: SocketAddr,
+    recv_buffer: Option<u32>,
 ) -> Option<io::Result<SmcStream>> {
+    if let Some(b) = recv_buffer {
+        // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, b as usize);
+    }
     let offered = match stack.discovery_mode() {
         DiscoveryMode::Ebpf => match &stack.inner.discovery {
             Some(d) => match sock.local_addr() {
@@ -210,7 +239,7 @@ fn setup_accepted(
     };
     tracing::debug!(%peer, ?offered, "accepted");
     match offered {
-        Ok(()) => match SmcStream::rendezvous(stack, sock, false) {
+        Ok(()) => match SmcStream::rendezvous(stack, sock, false, recv_buffer) {
             Ok(s) => Some(Ok(s)),
             Err(e) => {
                 tracing::debug!(%e, %peer, "rendezvous failed");
@@ -257,6 +286,36 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// Choices for [`SmcStream::connect_with_options`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectOptions {
+    /// SO_RCVBUF: over SMC-R the size of the connection's RMBE, rounded up to 16 KiB · 2ⁿ
+    /// (at most 1 MiB); `None`: the stack's [`buffer_size`](crate::StackConfig::buffer_size).
+    pub recv_buffer_size: Option<usize>,
+    /// Timeout of the TCP handshake (the rendezvous has its own CLC timer).
+    pub connect_timeout: Option<Duration>,
+}
+
+impl ConnectOptions {
+    /// No choice made: the stack's defaults.
+    pub fn new() -> ConnectOptions {
+        ConnectOptions::default()
+    }
+
+    /// Set [`recv_buffer_size`](Self::recv_buffer_size).
+    pub fn recv_buffer_size(mut self, bytes: usize) -> ConnectOptions {
+        self.recv_buffer_size = Some(bytes);
+        self
+    }
+
+    /// Set [`connect_timeout`](Self::connect_timeout).
+    pub fn connect_timeout(mut self, t: Duration) -> ConnectOptions {
+        self.connect_timeout = Some(t);
+        self
     }
 }
 
@@ -334,7 +393,7 @@ impl SmcStream {
     pub fn connect_with(stack: &Stack, addr: impl ToSocketAddrs) -> io::Result<SmcStream> {
         let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
         for a in addr.to_socket_addrs()? {
-            match SmcStream::connect_addr(stack, a, None) {
+            match SmcStream::connect_addr(stack, a, None, None) {
                 Ok(s) => return Ok(s),
                 Err(e) => last = e,
             }
@@ -348,15 +407,40 @@ impl SmcStream {
         addr: &SocketAddr,
         timeout: Duration,
     ) -> io::Result<SmcStream> {
-        SmcStream::connect_addr(stack, *addr, Some(timeout))
+        SmcStream::connect_addr(stack, *addr, Some(timeout), None)
+    }
+
+    /// Connect with options chosen before the connection exists (receive buffer size,
+    /// TCP connect timeout).
+    pub fn connect_with_options(
+        stack: &Stack,
+        addr: impl ToSocketAddrs,
+        options: &ConnectOptions,
+    ) -> io::Result<SmcStream> {
+        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
+        for a in addr.to_socket_addrs()? {
+            let buffer = options
+                .recv_buffer_size
+                .map(|b| u32::try_from(b).unwrap_or(u32::MAX));
+            match SmcStream::connect_addr(stack, a, options.connect_timeout, buffer) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
     }
 
     fn connect_addr(
         stack: &Stack,
         addr: SocketAddr,
         timeout: Option<Duration>,
+        recv_buffer: Option<u32>,
     ) -> io::Result<SmcStream> {
         let fd: OwnedFd = rustix::net::socket(family(&addr), SocketType::STREAM, None)?;
+        if let Some(b) = recv_buffer {
+            // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
+            let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&fd, b as usize);
+        }
         let mode = stack.discovery_mode();
         let cookie = match (&stack.inner.discovery, mode) {
             (Some(d), DiscoveryMode::Ebpf) => Some(d.mark_client(&fd).map_err(io::Error::other)?),
@@ -382,7 +466,7 @@ impl SmcStream {
             DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
         };
         match offered {
-            Ok(()) => SmcStream::rendezvous(stack, sock, true),
+            Ok(()) => SmcStream::rendezvous(stack, sock, true, recv_buffer),
             Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new(), false)),
         }
     }
@@ -422,8 +506,20 @@ impl SmcStream {
 
     /// Run the CLC handshake on `sock` (client or server) until the connection is
     /// established over SMC-R, falls back, or fails.
-    fn rendezvous(stack: &Stack, sock: TcpStream, client: bool) -> io::Result<SmcStream> {
+    fn rendezvous(
+        stack: &Stack,
+        sock: TcpStream,
+        client: bool,
+        recv_buffer: Option<u32>,
+    ) -> io::Result<SmcStream> {
         let inner = &stack.inner;
+        let opts = smc_proto::endpoint::ConnectOptions {
+            pnet: match sock.local_addr() {
+                Ok(a) => stack.pnet_devices(a.ip()),
+                Err(_) => smc_proto::fabric::DeviceSet::ALL,
+            },
+            rmbe_size: recv_buffer.map(crate::config::rmbe_size_for),
+        };
         let id = inner.new_tcp_id();
         let reader = sock.try_clone()?;
         reader.set_read_timeout(Some(Duration::from_millis(10)))?;
@@ -443,9 +539,9 @@ impl SmcStream {
             );
             let now = core.now();
             let started = if client {
-                core.ep.connect(id, now)
+                core.ep.connect_with(id, opts, now)
             } else {
-                core.ep.accept(id, now)
+                core.ep.accept_with(id, opts, now)
             };
             if let Err(e) = started {
                 core.slots.remove(&id);
@@ -625,6 +721,38 @@ impl SmcStream {
             c.config().peer_rmbe_len,
         );
         Some(u64::try_from(d).unwrap_or(0))
+    }
+
+    /// SO_RCVBUF: over SMC-R the size of our RMBE (the peer writes into it; at most this
+    /// many bytes are in flight towards us), over TCP the socket's receive buffer.
+    pub fn recv_buffer_size(&self) -> io::Result<usize> {
+        match &self.kind {
+            Kind::Tcp { .. } => Ok(rustix::net::sockopt::socket_recv_buffer_size(&self.sock)?),
+            Kind::Smc(h) => {
+                let core = self.stack.inner.lock();
+                let c = core
+                    .ep
+                    .connection(h.id)
+                    .ok_or(io::ErrorKind::NotConnected)?;
+                Ok(c.config().local_rmbe_len as usize)
+            }
+        }
+    }
+
+    /// SO_SNDBUF: over SMC-R the size of the peer's RMBE (writes go straight into it, so it
+    /// bounds the bytes in flight from us), over TCP the socket's send buffer.
+    pub fn send_buffer_size(&self) -> io::Result<usize> {
+        match &self.kind {
+            Kind::Tcp { .. } => Ok(rustix::net::sockopt::socket_send_buffer_size(&self.sock)?),
+            Kind::Smc(h) => {
+                let core = self.stack.inner.lock();
+                let c = core
+                    .ep
+                    .connection(h.id)
+                    .ok_or(io::ErrorKind::NotConnected)?;
+                Ok(c.config().peer_rmbe_len as usize)
+            }
+        }
     }
 
     /// The peer's address.

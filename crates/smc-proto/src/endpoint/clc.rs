@@ -519,6 +519,13 @@ impl Endpoint {
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return;
         };
+        // Of the RNICs on the connection's network, one on the LAN of the client's preferred
+        // RoCE port if there is one.
+        let first_device = (0..self.config.devices.len().min(256))
+            .map(|d| DeviceId(d as u8))
+            .filter(|d| opts.pnet.contains(*d))
+            .find(|d| res.reaches(*d, p.preferred_gid))
+            .unwrap_or(first_device);
         // Subsequent contact: an existing group with this peer, usable and not full.
         let existing = self
             .lgrs

@@ -1,0 +1,170 @@
+//! The PNET table: which fabric devices (RNICs) serve which network interfaces.
+//!
+//! RFC 7609 requires the RoCE path of a connection to be on the same physical network as its
+//! TCP path: a link group is built only from RNICs that reach the peer on the LAN the TCP
+//! connection uses. As in Linux, smc-rs names that relation a PNET table: each fabric device
+//! lists the network interfaces (netdevs) and IP addresses it serves, in the device
+//! configuration (`SMC_FABRIC_DEVICES=shm0=lo+127.0.0.1,shm1=eth1`, or `devices` in the TOML
+//! file). A device that lists neither serves every interface (the default `shm0`, `shm1`).
+//!
+//! For every connection the stack looks up the interface holding the TCP socket's local
+//! address; the devices serving that interface or address form the connection's device set.
+//! With none, the connection falls back to TCP with Decline "no SMC-R device found"
+//! (0x03030002), sent by whichever side found no device.
+
+use std::net::IpAddr;
+
+use smc_fabric::config::DeviceConfig;
+use smc_proto::fabric::{DeviceId, DeviceSet};
+
+/// One row of the PNET table as `smc pnet` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PnetEntry {
+    /// Fabric device name.
+    pub device: String,
+    /// Network interfaces it serves (empty with `addresses` empty: every interface).
+    pub netdevs: Vec<String>,
+    /// IP addresses it serves.
+    pub addresses: Vec<IpAddr>,
+}
+
+impl PnetEntry {
+    /// Whether the device serves a connection whose local address is `local` on interface
+    /// `netdev`.
+    pub fn serves(&self, netdev: Option<&str>, local: IpAddr) -> bool {
+        (self.netdevs.is_empty() && self.addresses.is_empty())
+            || self.addresses.contains(&local)
+            || netdev.is_some_and(|n| self.netdevs.iter().any(|d| d == n))
+    }
+}
+
+/// The PNET table of a device list, in the order the stack opened the devices (the order of
+/// the endpoint's device indexes).
+pub fn table(names: &[String], configs: &[DeviceConfig]) -> Vec<PnetEntry> {
+    names
+        .iter()
+        .map(|n| {
+            let c = configs.iter().find(|c| &c.name == n);
+            PnetEntry {
+                device: n.clone(),
+                netdevs: c.map(|c| c.netdevs.clone()).unwrap_or_default(),
+                addresses: c.map(|c| c.addresses.clone()).unwrap_or_default(),
+            }
+        })
+        .collect()
+}
+
+/// The devices of `table` serving a connection with local address `local` on `netdev`.
+pub fn device_set(table: &[PnetEntry], netdev: Option<&str>, local: IpAddr) -> DeviceSet {
+    DeviceSet::from_ids(
+        table
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.serves(netdev, local))
+            .filter_map(|(i, _)| u8::try_from(i).ok().map(DeviceId)),
+    )
+}
+
+/// The network interface holding address `local` (`None` when no interface has it).
+pub fn interface_of(local: IpAddr) -> Option<String> {
+    let local = match local {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(local),
+        v4 => v4,
+    };
+    if_addrs::get_if_addrs()
+        .ok()?
+        .into_iter()
+        .find(|i| i.ip() == local)
+        .map(|i| i.name)
+}
+
+impl crate::Stack {
+    /// The stack's PNET table: every fabric device it opened, with the interfaces and
+    /// addresses it serves.
+    pub fn pnet_table(&self) -> Vec<PnetEntry> {
+        let fabric = &self.config().fabric;
+        table(&smc_fabric::list_devices(fabric), &fabric.devices)
+    }
+
+    /// The devices a connection whose TCP socket has local address `local` may use.
+    pub(crate) fn pnet_devices(&self, local: IpAddr) -> DeviceSet {
+        let netdev = interface_of(local);
+        device_set(&self.pnet_table(), netdev.as_deref(), local)
+    }
+
+    /// `pnet`: the PNET table.
+    pub(crate) fn query_pnet(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.pnet_table()
+                .into_iter()
+                .map(|e| {
+                    serde_json::json!({
+                        "device": e.device,
+                        "netdevs": e.netdevs,
+                        "addresses": e.addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+                        "serves_all": e.netdevs.is_empty() && e.addresses.is_empty(),
+                    })
+                })
+                .collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(device: &str, netdevs: &[&str], addresses: &[&str]) -> PnetEntry {
+        PnetEntry {
+            device: device.into(),
+            netdevs: netdevs.iter().map(|s| s.to_string()).collect(),
+            addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+        }
+    }
+
+    #[test]
+    fn devices_are_chosen_by_interface_or_address() {
+        let t = vec![
+            entry("shm0", &["lo"], &[]),
+            entry("shm1", &["eth1"], &["10.0.0.2"]),
+            entry("shm2", &[], &[]),
+        ];
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let ten: IpAddr = "10.0.0.2".parse().unwrap();
+        let s = device_set(&t, Some("lo"), lo);
+        assert!(s.contains(DeviceId(0)) && !s.contains(DeviceId(1)) && s.contains(DeviceId(2)));
+        let s = device_set(&t, None, ten);
+        assert!(!s.contains(DeviceId(0)) && s.contains(DeviceId(1)) && s.contains(DeviceId(2)));
+        let s = device_set(&t[..2], Some("eth9"), "192.168.1.1".parse().unwrap());
+        assert_eq!(s.first(2), None);
+    }
+
+    #[test]
+    fn table_follows_the_opened_order() {
+        let configs = vec![
+            DeviceConfig {
+                name: "shm1".into(),
+                netdevs: vec!["eth1".into()],
+                addresses: vec![],
+            },
+            DeviceConfig::named("shm0"),
+        ];
+        let t = table(&["shm0".into(), "shm1".into()], &configs);
+        assert_eq!(t[0].device, "shm0");
+        assert!(t[0].netdevs.is_empty());
+        assert_eq!(t[1].netdevs, vec!["eth1".to_string()]);
+    }
+
+    #[test]
+    fn loopback_address_is_on_lo() {
+        assert_eq!(
+            interface_of("127.0.0.1".parse().unwrap()).as_deref(),
+            Some("lo")
+        );
+        assert_eq!(
+            interface_of("::ffff:127.0.0.1".parse().unwrap()).as_deref(),
+            Some("lo")
+        );
+        assert_eq!(interface_of("192.0.2.77".parse().unwrap()), None);
+    }
+}

@@ -1,0 +1,150 @@
+//! Per-connection options and the PNET table, end to end: two stacks on a private shm fabric
+//! talking over loopback TCP (assert-peer discovery, no privileges needed).
+#![allow(missing_docs)]
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use smc::{
+    ConnectOptions, DiscoveryMode, FallbackReason, Mode, SmcListener, SmcStream, Stack, StackConfig,
+};
+use smc_fabric::FabricConfig;
+use smc_wire::DeclineCode;
+
+fn test_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "smc-opt-{}-{}-{}",
+        tag,
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+    ));
+    std::fs::create_dir_all(&d).expect("fabric dir");
+    d
+}
+
+/// A stack whose devices `shm0`, `shm1` serve the given netdevs (empty: every interface).
+fn stack(dir: &Path, netdevs: [&[&str]; 2]) -> Stack {
+    let mut f = FabricConfig::with_dir(dir, 2);
+    for (d, n) in f.devices.iter_mut().zip(netdevs) {
+        d.netdevs = n.iter().map(|s| s.to_string()).collect();
+    }
+    let mut c = StackConfig::new(f);
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.clc_timeout = Duration::from_secs(20);
+    Stack::new(c).expect("stack")
+}
+
+fn connect(
+    server: &Stack,
+    client: &Stack,
+    listener_buf: Option<usize>,
+    opts: ConnectOptions,
+) -> (SmcStream, SmcStream) {
+    let l = SmcListener::bind_with(server, "127.0.0.1:0").expect("bind");
+    if let Some(b) = listener_buf {
+        l.set_recv_buffer_size(b);
+    }
+    let addr = l.local_addr().expect("addr");
+    let c = client.clone();
+    let t = std::thread::spawn(move || {
+        SmcStream::connect_with_options(&c, addr, &opts).expect("connect")
+    });
+    let (s, _) = l.accept().expect("accept");
+    (s, t.join().expect("client"))
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 % 251) as u8).collect()
+}
+
+/// Send `data` both ways at once and check what arrives.
+fn exchange(a: &mut SmcStream, b: &mut SmcStream, data: &[u8]) {
+    let mut aw = a.try_clone().expect("clone");
+    let mut bw = b.try_clone().expect("clone");
+    let (d1, d2) = (data.to_vec(), data.to_vec());
+    let t1 = std::thread::spawn(move || aw.write_all(&d1).expect("write a"));
+    let t2 = std::thread::spawn(move || bw.write_all(&d2).expect("write b"));
+    let mut got = vec![0u8; data.len()];
+    b.read_exact(&mut got).expect("read b");
+    assert!(got == data, "a->b bytes differ");
+    a.read_exact(&mut got).expect("read a");
+    assert!(got == data, "b->a bytes differ");
+    t1.join().expect("t1");
+    t2.join().expect("t2");
+}
+
+#[test]
+fn receive_buffer_sizes_become_rmbe_sizes() {
+    let dir = test_dir("buf");
+    let (a, b) = (stack(&dir, [&[], &[]]), stack(&dir, [&[], &[]]));
+    let opts = ConnectOptions::new().recv_buffer_size(20_000);
+    let (mut server, mut client) = connect(&a, &b, Some(256 * 1024), opts);
+    assert_eq!(server.mode(), Mode::Smc);
+    assert_eq!(client.mode(), Mode::Smc);
+    // 20 000 rounds up to 32 KiB; the listener's 256 KiB is exact.
+    assert_eq!(client.recv_buffer_size().expect("rcvbuf"), 32 * 1024);
+    assert_eq!(server.send_buffer_size().expect("sndbuf"), 32 * 1024);
+    assert_eq!(server.recv_buffer_size().expect("rcvbuf"), 256 * 1024);
+    assert_eq!(client.send_buffer_size().expect("sndbuf"), 256 * 1024);
+    exchange(&mut server, &mut client, &pattern(1_000_003));
+    // Without options: the stack's default (64 KiB).
+    let (s2, c2) = connect(&a, &b, None, ConnectOptions::new());
+    assert_eq!(s2.recv_buffer_size().expect("rcvbuf"), 64 * 1024);
+    assert_eq!(c2.recv_buffer_size().expect("rcvbuf"), 64 * 1024);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pnet_without_a_device_for_the_interface_falls_back_with_the_reason() {
+    let dir = test_dir("pnet-none");
+    let server = stack(&dir, [&[], &[]]);
+    // The client's devices serve only an interface loopback traffic never uses.
+    let client = stack(&dir, [&["smc-test-none0"], &["smc-test-none1"]]);
+    let (mut s, mut c) = connect(&server, &client, None, ConnectOptions::new());
+    assert_eq!(
+        c.mode(),
+        Mode::Tcp(FallbackReason::Declined(DeclineCode::NOSMCRDEV))
+    );
+    assert_eq!(
+        s.mode(),
+        Mode::Tcp(FallbackReason::PeerDeclined {
+            code: DeclineCode::NOSMCRDEV,
+            out_of_sync: false
+        })
+    );
+    assert!(client.link_groups().is_empty());
+    exchange(&mut s, &mut c, &pattern(100_000));
+    // The same on the server side.
+    let (s2, c2) = connect(&client, &server, None, ConnectOptions::new());
+    assert_eq!(
+        s2.mode(),
+        Mode::Tcp(FallbackReason::Declined(DeclineCode::NOSMCRDEV))
+    );
+    drop((s2, c2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pnet_keeps_the_link_group_on_the_devices_of_the_interface() {
+    let dir = test_dir("pnet-lo");
+    let server = stack(&dir, [&[], &[]]);
+    // Only shm1 serves `lo` on the client.
+    let client = stack(&dir, [&["smc-test-other"], &["lo"]]);
+    let table = client.pnet_table();
+    assert_eq!(table.len(), 2);
+    assert_eq!(table[1].netdevs, vec!["lo".to_string()]);
+    let (mut s, mut c) = connect(&server, &client, None, ConnectOptions::new());
+    assert_eq!(c.mode(), Mode::Smc);
+    exchange(&mut s, &mut c, &pattern(300_000));
+    let groups = client.link_groups();
+    assert_eq!(groups.len(), 1);
+    assert!(!groups[0].links.is_empty());
+    for l in &groups[0].links {
+        assert_eq!(l.device, "shm1", "client link on {}", l.device);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
