@@ -35,6 +35,8 @@ enum Command {
     Device(observe::ObserveArgs),
     /// Counters of every running stack, fallbacks by reason included.
     Stats(observe::ObserveArgs),
+    /// The PNET table of every running stack: which devices serve which interfaces.
+    Pnet(observe::ObserveArgs),
     /// The server process of `smc demo`.
     #[command(hide = true)]
     DemoServer(demo::DemoServerArgs),
@@ -50,6 +52,7 @@ fn main() -> ExitCode {
         Command::Linkgroup(args) => observe::run(observe::Query::LinkGroup, &args),
         Command::Device(args) => observe::run(observe::Query::Device, &args),
         Command::Stats(args) => observe::run(observe::Query::Stats, &args),
+        Command::Pnet(args) => observe::run(observe::Query::Pnet, &args),
         Command::DemoServer(args) => demo::run_server(&args),
     };
     match result {

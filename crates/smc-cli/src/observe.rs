@@ -19,6 +19,9 @@ pub struct ObserveArgs {
     /// Fabric directory (default: `SMC_FABRIC_DIR`, else the fabric's default).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Details (`smc ss`: cursors, buffer sizes and the send window of SMC-R sockets).
+    #[arg(short = 'd', long)]
+    details: bool,
 }
 
 /// Which query.
@@ -32,6 +35,8 @@ pub enum Query {
     Device,
     /// Counters.
     Stats,
+    /// The PNET table.
+    Pnet,
 }
 
 impl Query {
@@ -41,6 +46,7 @@ impl Query {
             Query::LinkGroup => "linkgroup",
             Query::Device => "device",
             Query::Stats => "stats",
+            Query::Pnet => "pnet",
         }
     }
 }
@@ -90,7 +96,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
     let mut t = Table::new();
     match q {
         Query::Ss => {
-            t.set_header(vec![
+            let mut header = vec![
                 "pid",
                 "local",
                 "peer",
@@ -102,10 +108,24 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                 "sent",
                 "received",
                 "fallback reason",
-            ]);
+            ];
+            const DETAILS: [(&str, &str); 8] = [
+                ("rmbe", "rmbe_size"),
+                ("peer rmbe", "peer_rmbe_size"),
+                ("prod", "producer_cursor"),
+                ("cons", "consumer_cursor"),
+                ("peer prod", "peer_producer_cursor"),
+                ("peer cons", "peer_consumer_cursor"),
+                ("window", "send_window"),
+                ("readable", "readable"),
+            ];
+            if args.details {
+                header.extend(DETAILS.iter().map(|(h, _)| *h));
+            }
+            t.set_header(header);
             for (pid, v) in &answers {
                 for s in v.as_array().into_iter().flatten() {
-                    t.add_row(vec![
+                    let mut row = vec![
                         pid.clone(),
                         cell(&s["local"]),
                         cell(&s["peer"]),
@@ -117,7 +137,11 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                         cell(&s["bytes_sent"]),
                         cell(&s["bytes_received"]),
                         cell(&s["fallback_reason"]),
-                    ]);
+                    ];
+                    if args.details {
+                        row.extend(DETAILS.iter().map(|(_, k)| cell(&s[*k])));
+                    }
+                    t.add_row(row);
                 }
             }
         }
@@ -162,6 +186,29 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                         cell(&d["port"]),
                         cell(&d["netdevs"]),
                         cell(&d["addresses"]),
+                    ]);
+                }
+            }
+        }
+        Query::Pnet => {
+            t.set_header(vec!["pid", "device", "netdevs", "addresses"]);
+            for (pid, v) in &answers {
+                for d in v.as_array().into_iter().flatten() {
+                    let list = |k: &str| {
+                        let items: Vec<String> =
+                            d[k].as_array().into_iter().flatten().map(cell).collect();
+                        items.join(",")
+                    };
+                    let any = d["serves_all"].as_bool() == Some(true);
+                    t.add_row(vec![
+                        pid.clone(),
+                        cell(&d["device"]),
+                        if any { "(any)".into() } else { list("netdevs") },
+                        if any {
+                            "(any)".into()
+                        } else {
+                            list("addresses")
+                        },
                     ]);
                 }
             }

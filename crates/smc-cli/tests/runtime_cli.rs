@@ -205,7 +205,7 @@ fn json_of(dir: &PathBuf, cmd: &str) -> serde_json::Value {
 }
 
 #[test]
-fn ss_linkgroup_device_stats_query_live_processes() {
+fn ss_linkgroup_device_pnet_stats_query_live_processes() {
     let dir = test_dir("observe");
     let l = nc_listen(&dir, &["--echo"]);
     // An SMC client that stays connected while we look (its stdin stays open).
@@ -263,6 +263,23 @@ fn ss_linkgroup_device_stats_query_live_processes() {
             .filter_map(|d| d["name"].as_str())
             .collect();
         assert_eq!(names, ["shm0", "shm1"]);
+    }
+    // `-d`: cursors and buffer sizes of the SMC-R sockets.
+    for s in sockets.iter().filter(|s| s["mode"] == "SMC-R") {
+        assert_eq!(s["rmbe_size"], 65536, "{s}");
+        assert_eq!(s["peer_rmbe_size"], 65536, "{s}");
+        assert!(s["producer_cursor"].is_string(), "{s}");
+    }
+    let out = smc(&dir).args(["ss", "-d"]).output().expect("smc ss -d");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("peer cons"), "{text}");
+    assert!(text.contains("65536"), "{text}");
+    let pnet = json_of(&dir, "pnet");
+    for p in pnet.as_array().expect("array") {
+        let rows = p["pnet"].as_array().expect("pnet rows");
+        let names: Vec<&str> = rows.iter().filter_map(|d| d["device"].as_str()).collect();
+        assert_eq!(names, ["shm0", "shm1"], "{pnet}");
+        assert!(rows.iter().all(|d| d["serves_all"] == true), "{pnet}");
     }
     let stats = json_of(&dir, "stats");
     let listener_pid = l.child.id().to_string();
