@@ -26,7 +26,9 @@
 //! ```
 //!
 //! The fabric (directory, devices `shm0,shm1`, faults) comes from smc-fabric's own variables
-//! (`SMC_FABRIC_DIR`, `SMC_FABRIC_DEVICES`, `SMC_FABRIC_FAULTS`).
+//! (`SMC_FABRIC_DIR`, `SMC_FABRIC_DEVICES`, `SMC_FABRIC_FAULTS`). The netdevs and addresses
+//! listed with each device form the PNET table (see [`crate::pnet`]): a connection uses only
+//! devices serving the interface of its TCP socket's local address.
 
 use std::net::Ipv4Addr;
 use std::time::Duration;
