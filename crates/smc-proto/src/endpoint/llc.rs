@@ -817,15 +817,12 @@ impl Endpoint {
         // and no asymmetric link exists yet, reuse ours (asymmetric). Only RNICs that reach
         // the server's offered port count: a link between two LANs could never work.
         let sender = a.sender_gid;
-        let free = g
-            .unused_device(self.config.devices.len())
-            .filter(|d| res.reaches(*d, sender))
-            .or_else(|| {
-                (0..self.config.devices.len().min(256))
-                    .map(|d| DeviceId(d as u8))
-                    .filter(|d| g.pnet.contains(*d) && res.reaches(*d, sender))
-                    .find(|d| !g.links.values().any(|l| l.device == *d))
-            });
+        let free = g.unused_device(self.config.devices.len()).or_else(|| {
+            (0..self.config.devices.len().min(256))
+                .map(|d| DeviceId(d as u8))
+                .filter(|d| g.pnet.contains(*d) && res.reaches(*d, sender))
+                .find(|d| !g.links.values().any(|l| l.device == *d))
+        });
         let server_new_rnic = !g
             .links
             .values()
@@ -833,9 +830,7 @@ impl Endpoint {
         let has_asym = g.links.values().any(|l| l.asymmetric);
         let device = match free {
             Some(d) => Some(d),
-            None if server_new_rnic && !has_asym => {
-                g.first_device().filter(|d| res.reaches(*d, sender))
-            }
+            None if server_new_rnic && !has_asym => g.first_device(),
             None => None,
         };
         let full = g.symmetric_count() >= usize::from(g.max_links)
@@ -954,6 +949,17 @@ impl Endpoint {
                 ours_left,
                 ..
             }) if !c.reply => (new, via, first_contact, ours_left, false),
+            // The exchange for this link ended on our side because the new link failed (and
+            // we sent DELETE LINK for it) while the peer's continuation was on its way: a
+            // timing window, not a protocol error.
+            _ if g.deleted.contains(&c.link_num) => {
+                tracing::debug!(
+                    ?lgr,
+                    link = c.link_num,
+                    "late ADD LINK CONTINUATION ignored"
+                );
+                return;
+            }
             _ => {
                 self.fail_link(lgr, via, DeleteLinkReason::PROTOCOL_VIOLATION, res, now);
                 return;
@@ -1213,6 +1219,33 @@ impl Endpoint {
         }
         match (g.role, d.reply) {
             (Role::Server, false) => {
+                if let Some(LinkExchange::ServerAddLink {
+                    new,
+                    via: ex_via,
+                    first_contact,
+                    ..
+                }) = g.link_exchange
+                {
+                    if new == d.link_num {
+                        // The client reports the very link we are adding as failed (its end
+                        // could not reach ours): the exchange cannot complete. End it and
+                        // delete the link, which answers the client's request (App. C.7.1:
+                        // a timing window, not an error).
+                        g.end_link_exchange();
+                        self.drop_link(lgr, new, now);
+                        if let Some(g) = self.lgrs.get_mut(&lgr) {
+                            g.deleted.insert(new);
+                        }
+                        self.post_delete_link(lgr, ex_via, new, false, d.reason, now);
+                        if first_contact {
+                            self.first_contact_done(lgr, now);
+                        } else {
+                            self.arm_add_link_retry(lgr, now);
+                        }
+                        self.llc_kick(lgr, res, now);
+                        return;
+                    }
+                }
                 if g.link_exchange.is_some() || g.rkey_exchange.is_some() {
                     //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.3.1
                     //# Colliding LLC message: DELETE LINK from client to server, specific link

@@ -161,3 +161,42 @@ fn per_connection_rmbe_size() {
     assert_eq!(p.b.rx[&T1], x);
     assert_eq!(p.a.rx[&T1], x);
 }
+
+/// The client's new link fails locally (its RNIC cannot reach the server's: two LANs) right
+/// after its ADD LINK reply; the server's ADD LINK CONTINUATION for it arrives after the
+/// client deleted it. That is a timing window, not a protocol error: the group keeps its
+/// first link and the connection its data.
+#[test]
+fn late_add_link_continuation_for_a_failed_link_is_ignored() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    assert!(p.run_until(|p| p.sent("A->B ADD LINK link=2 rsp")));
+    let new = p.a.link(2).expect("client's new link");
+    p.act(Side::A, |ep, res, now| {
+        ep.handle_link_failure(new, res, now)
+    });
+    // The server's exchange ends by its LLC timer at the latest.
+    p.run_for(std::time::Duration::from_secs(10));
+    // The server ends its exchange on the client's report and deletes the link itself.
+    assert_eq!(
+        p.flow(true)[6..],
+        [
+            "A->B ADD LINK link=2 rsp",
+            "A->B DELETE LINK link=2",
+            "B->A ADD LINK CONTINUATION link=2 pairs=1",
+            "B->A DELETE LINK link=2",
+            "A->B DELETE LINK link=2 rsp",
+        ]
+    );
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    for s in [Side::A, Side::B] {
+        let g = p.host(s).ep.link_groups().next().expect("group survives");
+        assert!(g.links.contains_key(&1), "{s:?} keeps link 1");
+    }
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+    p.app_send(Side::A, T1, &data);
+    p.app_send(Side::B, T1, &data);
+    p.run();
+    assert_eq!(p.b.rx[&T1], data);
+    assert_eq!(p.a.rx[&T1], data);
+}
