@@ -817,12 +817,10 @@ impl Endpoint {
         // and no asymmetric link exists yet, reuse ours (asymmetric). Only RNICs that reach
         // the server's offered port count: a link between two LANs could never work.
         let sender = a.sender_gid;
-        let free = g.unused_device(self.config.devices.len()).or_else(|| {
-            (0..self.config.devices.len().min(256))
-                .map(|d| DeviceId(d as u8))
-                .filter(|d| g.pnet.contains(*d) && res.reaches(*d, sender))
-                .find(|d| !g.links.values().any(|l| l.device == *d))
-        });
+        let free = (0..self.config.devices.len().min(256))
+            .map(|d| DeviceId(d as u8))
+            .filter(|d| g.pnet.contains(*d) && res.reaches(*d, sender))
+            .find(|d| !g.links.values().any(|l| l.device == *d));
         let server_new_rnic = !g
             .links
             .values()
@@ -830,7 +828,9 @@ impl Endpoint {
         let has_asym = g.links.values().any(|l| l.asymmetric);
         let device = match free {
             Some(d) => Some(d),
-            None if server_new_rnic && !has_asym => g.first_device(),
+            None if server_new_rnic && !has_asym => {
+                g.first_device().filter(|d| res.reaches(*d, sender))
+            }
             None => None,
         };
         let full = g.symmetric_count() >= usize::from(g.max_links)
