@@ -16,6 +16,7 @@ mod error;
 pub mod pnet;
 mod stack;
 mod stream;
+mod tcpwatch;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 

@@ -248,6 +248,8 @@ pub struct StackStats {
     pub links_down: u64,
     /// Links that came up.
     pub links_up: u64,
+    /// SMC-R connections aborted because their TCP connection was reset (§4.8.2).
+    pub tcp_resets: u64,
 }
 
 /// A socket as `smc ss` shows it.
@@ -687,6 +689,8 @@ pub(crate) struct Inner {
     stop: AtomicBool,
     /// The control socket, removed when the stack goes.
     control: Option<std::path::PathBuf>,
+    /// The TCP sockets of SMC-R connections, watched for resets.
+    pub(crate) tcp_watch: crate::tcpwatch::TcpWatch,
 }
 
 impl Inner {
@@ -849,7 +853,12 @@ impl Stack {
             next_tcp: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             control: Some(control_path),
+            tcp_watch: crate::tcpwatch::TcpWatch::new().map_err(StackError::Thread)?,
         });
+        inner
+            .tcp_watch
+            .spawn(Arc::downgrade(&inner))
+            .map_err(StackError::Thread)?;
         if let Some(p) = &inner.control {
             if let Err(e) = crate::control::start(Arc::downgrade(&inner), p.clone()) {
                 tracing::warn!(%e, path = %p.display(), "no control socket");
@@ -1212,6 +1221,7 @@ impl Stack {
             "fallbacks_by_reason": core.fallback_reasons,
             "setup_resets": s.setup_resets,
             "links_up": s.links_up,
+            "tcp_resets": s.tcp_resets,
             "links_down": s.links_down,
             "failovers": e.failovers,
             "link_failures": e.link_failures,

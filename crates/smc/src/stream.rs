@@ -559,6 +559,9 @@ impl SmcStream {
                     Some(SlotState::Setup) => {}
                     Some(SlotState::Smc) => {
                         drop(core);
+                        if let Err(e) = inner.tcp_watch.watch(&sock, id) {
+                            tracing::debug!(%e, ?id, "TCP socket not watched for resets");
+                        }
                         let reg = Registration::new(stack, &sock, Some(id), None, !client);
                         break Ok(SmcStream {
                             _reg: reg,
@@ -753,6 +756,20 @@ impl SmcStream {
                 Ok(c.config().peer_rmbe_len as usize)
             }
         }
+    }
+
+    /// TCP keepalive on the connection's TCP socket (SO_KEEPALIVE, first probe after `idle`;
+    /// `None`: off). Over SMC-R too: the kernel probes the idle TCP path and a failed probe
+    /// ends the SMC-R connection as a TCP reset does (RFC 7609 §4.5.3, §4.8.2).
+    pub fn set_tcp_keepalive(&self, idle: Option<Duration>) -> io::Result<()> {
+        match idle {
+            Some(d) => {
+                rustix::net::sockopt::set_tcp_keepidle(&self.sock, d.max(Duration::from_secs(1)))?;
+                rustix::net::sockopt::set_socket_keepalive(&self.sock, true)?;
+            }
+            None => rustix::net::sockopt::set_socket_keepalive(&self.sock, false)?,
+        }
+        Ok(())
     }
 
     /// The peer's address.

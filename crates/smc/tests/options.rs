@@ -148,3 +148,62 @@ fn pnet_keeps_the_link_group_on_the_devices_of_the_interface() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A TCP reset under an SMC-R connection ends it on both sides (RFC 7609 §4.8.2). The reset
+/// is made with `ss -K` (root; skipped otherwise), which aborts our client's TCP socket and
+/// sends the server a RST.
+#[test]
+fn tcp_reset_under_an_smc_connection_resets_it() {
+    if !rustix::process::geteuid().is_root()
+        || std::process::Command::new("ss").arg("-V").output().is_err()
+    {
+        eprintln!("skipped: needs root and ss (iproute2)");
+        return;
+    }
+    let dir = test_dir("rst");
+    let (a, b) = (stack(&dir, [&[], &[]]), stack(&dir, [&[], &[]]));
+    let (mut server, mut client) = connect(&a, &b, None, ConnectOptions::new());
+    assert_eq!(client.mode(), Mode::Smc);
+    client
+        .set_tcp_keepalive(Some(Duration::from_secs(30)))
+        .expect("keepalive");
+    exchange(&mut server, &mut client, &pattern(10_000));
+    let (cp, sp) = (
+        client.local_addr().expect("local").port(),
+        server.local_addr().expect("local").port(),
+    );
+    let out = std::process::Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "src",
+            "127.0.0.1",
+            "sport",
+            "=",
+            &format!(":{cp}"),
+        ])
+        .args(["dst", "127.0.0.1", "dport", "=", &format!(":{sp}")])
+        .output()
+        .expect("ss -K");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (name, s) in [("server", &mut server), ("client", &mut client)] {
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut buf = [0u8; 16];
+        let r = s.read(&mut buf);
+        let kind = r.as_ref().map_err(|e| e.kind()).err();
+        assert!(
+            matches!(
+                kind,
+                Some(std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted)
+            ),
+            "{name}: {r:?}"
+        );
+    }
+    assert!(a.stats().tcp_resets + b.stats().tcp_resets >= 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

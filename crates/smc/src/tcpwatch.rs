@@ -1,0 +1,109 @@
+//! Watching the TCP connection under each SMC-R connection.
+//!
+//! Once a connection runs over SMC-R its TCP connection carries nothing but, at the end, the
+//! FIN or RST of its termination, and TCP keepalives that the kernel answers by itself (RFC
+//! 7609 §4.5.3). A reset, or a keepalive timeout, on that TCP connection ends the SMC-R
+//! connection too:
+//!
+//! > If an SMC-R peer receives a TCP RST for a given SMC-R connection, it also initiates
+//! > SMC-R abnormal connection termination processing if it has not already been notified
+//! > (via the PeerConnAbort indicator) that the partner is severing the connection. (§4.8.2)
+//!
+//! One thread per stack waits (epoll, edge-triggered) for error and hang-up events on those
+//! sockets and hands a pending socket error to the endpoint as a TCP reset. A FIN alone is
+//! left to the SMC-R close protocol.
+
+use std::io;
+use std::net::TcpStream;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use rustix::event::epoll;
+use rustix::fd::OwnedFd;
+use smc_proto::TcpId;
+
+use crate::stack::Inner;
+
+/// How long the watcher sleeps at most before checking whether its stack still exists.
+const TICK: Duration = Duration::from_millis(500);
+
+/// The epoll set of one stack's SMC-R TCP sockets.
+#[derive(Debug)]
+pub(crate) struct TcpWatch {
+    epoll: Arc<OwnedFd>,
+}
+
+impl TcpWatch {
+    pub(crate) fn new() -> io::Result<TcpWatch> {
+        Ok(TcpWatch {
+            epoll: Arc::new(epoll::create(epoll::CreateFlags::CLOEXEC)?),
+        })
+    }
+
+    /// Watch `sock`, the TCP connection of SMC-R connection `id`. (Closing the socket's last
+    /// descriptor removes it from the set.)
+    pub(crate) fn watch(&self, sock: &TcpStream, id: TcpId) -> io::Result<()> {
+        let flags = epoll::EventFlags::RDHUP
+            | epoll::EventFlags::HUP
+            | epoll::EventFlags::ERR
+            | epoll::EventFlags::ET;
+        epoll::add(&*self.epoll, sock, epoll::EventData::new_u64(id.0), flags)?;
+        Ok(())
+    }
+
+    /// Start the watcher thread of the stack `weak`.
+    pub(crate) fn spawn(&self, weak: Weak<Inner>) -> io::Result<()> {
+        let epoll = self.epoll.clone();
+        std::thread::Builder::new()
+            .name("smc-tcpwatch".into())
+            .spawn(move || run(weak, &epoll))?;
+        Ok(())
+    }
+}
+
+/// The watcher thread of a stack; ends when the stack goes.
+fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
+    let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
+    let tick = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: i64::from(TICK.subsec_nanos()),
+    };
+    loop {
+        events.clear();
+        match epoll::wait(
+            epoll_fd,
+            rustix::buffer::spare_capacity(&mut events),
+            Some(&tick),
+        ) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return,
+        }
+        let Some(inner) = weak.upgrade() else {
+            return;
+        };
+        if events.is_empty() {
+            continue;
+        }
+        let mut core = inner.lock();
+        let mut reset = false;
+        for ev in &events {
+            let id = TcpId(ev.data.u64());
+            let Some(sock) = core.slots.get(&id).and_then(|s| s.sock.as_ref()) else {
+                continue;
+            };
+            // RST, or keepalive timeout: the socket holds the error.
+            if let Ok(Err(errno)) = rustix::net::sockopt::socket_error(sock) {
+                tracing::debug!(?id, %errno, "TCP connection of an SMC-R connection failed");
+                let now = core.now();
+                core.ep.handle_tcp_reset(id, now);
+                core.stats.tcp_resets += 1;
+                reset = true;
+            }
+        }
+        if reset {
+            core.drain();
+            drop(core);
+            inner.cond.notify_all();
+        }
+    }
+}
