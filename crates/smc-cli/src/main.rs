@@ -1,6 +1,10 @@
 //! `smc`: the smc-rs command line.
 #![forbid(unsafe_code)]
 
+mod bench;
+mod bench_plot;
+mod bench_report;
+mod bench_server;
 mod decode;
 mod demo;
 mod nc;
@@ -35,6 +39,12 @@ enum Command {
     Device(observe::ObserveArgs),
     /// Counters of every running stack, fallbacks by reason included.
     Stats(observe::ObserveArgs),
+    /// SMC-R against TCP loopback and Unix sockets: throughput, latency, setup rate, many
+    /// streams, CPU per GB, memory per idle connection, fallback; table, JSON lines, plot.
+    Bench(bench::BenchArgs),
+    /// The server process of `smc bench`.
+    #[command(hide = true)]
+    BenchServer(bench::BenchServerArgs),
     /// The server process of `smc demo`.
     #[command(hide = true)]
     DemoServer(demo::DemoServerArgs),
@@ -51,6 +61,8 @@ fn main() -> ExitCode {
         Command::Device(args) => observe::run(observe::Query::Device, &args),
         Command::Stats(args) => observe::run(observe::Query::Stats, &args),
         Command::DemoServer(args) => demo::run_server(&args),
+        Command::Bench(args) => bench::run(&args),
+        Command::BenchServer(args) => bench_server::run_server(&args),
     };
     match result {
         Ok(code) => code,
