@@ -490,6 +490,14 @@ impl Bench {
     }
 }
 
+/// The 1-minute load average (the machine may be shared; busy polling suffers most).
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".to_string())
+}
+
 /// Run `smc bench`.
 pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     let dir = std::env::temp_dir().join(format!("smc-bench-{}", std::process::id()));
@@ -554,6 +562,7 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
         ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} {elapsed} {msg}")
             .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
+    let load_before = loadavg();
     let started = Instant::now();
     let mut raw = Vec::new();
     for job in jobs {
@@ -580,12 +589,16 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
     } else {
         writeln!(
             out,
-            "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes; fallback client discovery: {}; {:.0} s",
+            "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes; fallback client \
+             discovery: {}; {:.0} s; load average {} before, {} after",
             b.plan.rounds,
             args.buffer,
             b.fallback_discovery,
-            started.elapsed().as_secs_f64()
+            started.elapsed().as_secs_f64(),
+            load_before,
+            loadavg(),
         )?;
+        writeln!(out)?;
         writeln!(out, "{}", bench_report::table(&results))?;
     }
     if let Some(p) = &args.plot {

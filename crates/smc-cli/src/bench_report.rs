@@ -168,6 +168,8 @@ fn goal(
 /// ratios SMC-R/TCP and SMC-R/UDS, and the goal where the issue sets one.
 pub fn table(results: &[Sample]) -> Table {
     let mut t = Table::new();
+    // Markdown-shaped, so a run's table can go into docs as it is.
+    t.load_preset(comfy_table::presets::ASCII_MARKDOWN);
     t.set_header(vec![
         "test", "size", "mode", "streams", "metric", "smc", "tcp", "uds", "smc/tcp", "smc/uds",
         "goal",

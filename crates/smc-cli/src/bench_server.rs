@@ -112,7 +112,8 @@ pub enum Conn {
 
 impl Conn {
     /// Busy polling on or off. SMC-R spins on its completion queues ([`SPIN`]); TCP and Unix
-    /// sockets become nonblocking and the bench's own loops spin on `WouldBlock`.
+    /// sockets become nonblocking and the bench's own loops retry on `WouldBlock`, yielding
+    /// the CPU between tries (the machine may have fewer cores than spinning threads).
     pub fn set_busy(&mut self, busy: bool) -> io::Result<()> {
         match self {
             Conn::Smc(s) => {
@@ -133,7 +134,7 @@ impl Conn {
         }
     }
 
-    /// `read_exact` that spins on `WouldBlock` (busy mode). `Ok(false)`: the stream ended
+    /// `read_exact` that retries on `WouldBlock` (busy mode). `Ok(false)`: the stream ended
     /// before the first byte.
     pub fn read_full(&mut self, buf: &mut [u8]) -> io::Result<bool> {
         let mut got = 0;
@@ -142,7 +143,7 @@ impl Conn {
                 Ok(0) if got == 0 => return Ok(false),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -150,13 +151,13 @@ impl Conn {
         Ok(true)
     }
 
-    /// `write_all` that spins on `WouldBlock` (busy mode).
+    /// `write_all` that retries on `WouldBlock` (busy mode).
     pub fn write_full(&mut self, mut buf: &[u8]) -> io::Result<()> {
         while !buf.is_empty() {
             match self.write(buf) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => buf = &buf[n..],
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
