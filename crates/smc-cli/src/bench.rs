@@ -37,7 +37,7 @@ pub struct BenchArgs {
     /// Write an SVG plot of throughput and latency against message size.
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
-    /// Rounds per measurement point (the median is reported); default 3, 1 with --quick.
+    /// Rounds per measurement point (the median is reported); default 5, 1 with --quick.
     #[arg(long)]
     rounds: Option<usize>,
     /// Receive buffer (RMBE) size of every SMC-R connection, bytes.
@@ -91,7 +91,7 @@ impl Plan {
             }
         } else {
             Plan {
-                rounds: rounds.unwrap_or(3),
+                rounds: rounds.unwrap_or(5),
                 stream_sizes,
                 stream_time: ms(400),
                 pingpong_sizes,
