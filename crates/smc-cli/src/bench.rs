@@ -565,10 +565,29 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
     let load_before = loadavg();
     let started = Instant::now();
     let mut raw = Vec::new();
+    // A failed measurement (a connection reset, say) is reported and tried again on a new
+    // connection, up to three attempts; the run goes on either way and fails at the end if a
+    // point is missing.
+    let mut failures: Vec<String> = Vec::new();
+    let mut missing = 0usize;
     for job in jobs {
         pb.set_message(format!("{job:?}"));
-        let samples = b.run(job).with_context(|| format!("measuring {job:?}"))?;
-        raw.extend(samples);
+        for attempt in 1..=3 {
+            match b.run(job) {
+                Ok(samples) => {
+                    raw.extend(samples);
+                    break;
+                }
+                Err(e) => {
+                    let msg = format!("{job:?} (attempt {attempt}): {e:#}");
+                    pb.suspend(|| eprintln!("smc bench: measurement failed: {msg}"));
+                    failures.push(msg);
+                    if attempt == 3 {
+                        missing += 1;
+                    }
+                }
+            }
+        }
         pb.inc(1);
     }
     pb.finish_and_clear();
@@ -600,10 +619,26 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
         )?;
         writeln!(out)?;
         writeln!(out, "{}", bench_report::table(&results))?;
+        if !failures.is_empty() {
+            writeln!(out)?;
+            writeln!(
+                out,
+                "{} measurement attempts failed ({missing} points missing):",
+                failures.len()
+            )?;
+            writeln!(out)?;
+            for f in &failures {
+                writeln!(out, "- {f}")?;
+            }
+        }
     }
     if let Some(p) = &args.plot {
         crate::bench_plot::plot(&results, p)
             .with_context(|| format!("writing the plot {}", p.display()))?;
+    }
+    if missing > 0 {
+        eprintln!("smc bench: {missing} measurement points failed three times and are missing");
+        return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
 }
