@@ -40,6 +40,10 @@ pub struct BenchArgs {
     /// Rounds per measurement point (the median is reported); default 5, 1 with --quick.
     #[arg(long)]
     rounds: Option<usize>,
+    /// Measure nothing: read the results from a JSON lines file of an earlier run (for the
+    /// table and the plot).
+    #[arg(long, value_name = "FILE")]
+    from: Option<PathBuf>,
     /// Receive buffer (RMBE) size of every SMC-R connection, bytes.
     #[arg(long, default_value_t = 65536)]
     buffer: u32,
@@ -500,6 +504,23 @@ fn loadavg() -> String {
 
 /// Run `smc bench`.
 pub fn run(args: &BenchArgs) -> Result<ExitCode> {
+    if let Some(from) = &args.from {
+        let text =
+            std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
+        let results = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(bench_report::Sample::from_json_line)
+            .collect::<Result<Vec<_>>>()
+            .with_context(|| format!("reading {}", from.display()))?;
+        report(
+            args,
+            &results,
+            &format!("smc bench: results of {}", from.display()),
+            &[],
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let dir = std::env::temp_dir().join(format!("smc-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let result = bench(args, &dir);
@@ -592,6 +613,27 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
     }
     pb.finish_and_clear();
     let results = bench_report::medians(raw);
+    let summary = format!(
+        "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes; fallback client \
+         discovery: {}; {:.0} s; load average {} before, {} after",
+        b.plan.rounds,
+        args.buffer,
+        b.fallback_discovery,
+        started.elapsed().as_secs_f64(),
+        load_before,
+        loadavg(),
+    );
+    drop(b);
+    report(args, &results, &summary, &failures)?;
+    if missing > 0 {
+        eprintln!("smc bench: {missing} measurements failed three times and are missing");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Print (table or JSON lines) and write (JSON lines file, plot) the results.
+fn report(args: &BenchArgs, results: &[Sample], summary: &str, failures: &[String]) -> Result<()> {
     let lines: Vec<String> = results.iter().map(Sample::json_line).collect();
     if let Some(p) = &args.json_out {
         let mut f =
@@ -606,39 +648,21 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
             writeln!(out, "{l}")?;
         }
     } else {
-        writeln!(
-            out,
-            "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes; fallback client \
-             discovery: {}; {:.0} s; load average {} before, {} after",
-            b.plan.rounds,
-            args.buffer,
-            b.fallback_discovery,
-            started.elapsed().as_secs_f64(),
-            load_before,
-            loadavg(),
-        )?;
+        writeln!(out, "{summary}")?;
         writeln!(out)?;
-        writeln!(out, "{}", bench_report::table(&results))?;
+        writeln!(out, "{}", bench_report::table(results))?;
         if !failures.is_empty() {
             writeln!(out)?;
-            writeln!(
-                out,
-                "{} measurement attempts failed ({missing} points missing):",
-                failures.len()
-            )?;
+            writeln!(out, "{} measurement attempts failed:", failures.len())?;
             writeln!(out)?;
-            for f in &failures {
+            for f in failures {
                 writeln!(out, "- {f}")?;
             }
         }
     }
     if let Some(p) = &args.plot {
-        crate::bench_plot::plot(&results, p)
+        crate::bench_plot::plot(results, p)
             .with_context(|| format!("writing the plot {}", p.display()))?;
     }
-    if missing > 0 {
-        eprintln!("smc bench: {missing} measurement points failed three times and are missing");
-        return Ok(ExitCode::FAILURE);
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

@@ -41,8 +41,10 @@ fn draw(area: &Area<'_>, p: &Panel<'_>, results: &[Sample]) -> Result<()> {
     if pts.is_empty() {
         return Ok(());
     }
-    let xmax = pts.iter().map(|s| (p.x)(s)).max().unwrap_or(1).max(1) as f64;
-    let xmin = pts.iter().map(|s| (p.x)(s)).min().unwrap_or(1).max(1) as f64;
+    // x on a log2 axis (sizes and stream counts are powers of 4), labelled with the value.
+    let lx = |s: &Sample| ((p.x)(s).max(1) as f64).log2();
+    let xmax = pts.iter().map(|s| lx(s)).fold(0.0, f64::max);
+    let xmin = pts.iter().map(|s| lx(s)).fold(f64::INFINITY, f64::min);
     let ymin = pts.iter().map(|s| s.value).fold(f64::INFINITY, f64::min);
     let ymax = pts.iter().map(|s| s.value).fold(0.0, f64::max);
     let mut chart = ChartBuilder::on(area)
@@ -51,16 +53,28 @@ fn draw(area: &Area<'_>, p: &Panel<'_>, results: &[Sample]) -> Result<()> {
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d(
-            (xmin * 0.7..xmax * 1.4).log_scale(),
-            (ymin * 0.5..ymax * 2.0).log_scale(),
+            (xmin - 0.5)..(xmax + 0.5),
+            // Headroom above the data for the legend.
+            (ymin * 0.5..ymax * 8.0).log_scale(),
         )
         .map_err(|e| err(&e))?;
     let xl = p.x_label;
+    let label = move |x: &f64| {
+        let n = x.round();
+        if (x - n).abs() < 0.01 && n >= 0.0 && n < 63.0 && (n as u32) % 2 == 0 {
+            xl(1usize << (n as u32))
+        } else {
+            String::new()
+        }
+    };
     chart
         .configure_mesh()
         .x_desc(p.x_desc)
         .y_desc(p.y_desc)
-        .x_label_formatter(&|x| xl(x.round() as usize))
+        .x_labels(((xmax - xmin) as usize + 2).max(2))
+        .x_label_formatter(&label)
+        .y_labels(8)
+        .light_line_style(WHITE)
         .draw()
         .map_err(|e| err(&e))?;
     for transport in ["smc", "tcp", "uds"] {
@@ -68,7 +82,7 @@ fn draw(area: &Area<'_>, p: &Panel<'_>, results: &[Sample]) -> Result<()> {
             let mut series: Vec<(f64, f64)> = pts
                 .iter()
                 .filter(|s| s.transport == transport && s.mode == mode)
-                .map(|s| ((p.x)(s) as f64, s.value))
+                .map(|s| (lx(s), s.value))
                 .collect();
             if series.is_empty() {
                 continue;

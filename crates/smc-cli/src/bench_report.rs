@@ -71,6 +71,31 @@ impl Sample {
         )
     }
 
+    /// A sample from its JSON line (`smc bench --from`).
+    pub fn from_json_line(line: &str) -> anyhow::Result<Sample> {
+        use anyhow::Context;
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        // The names live as long as the command: leaking them is the simple way to get the
+        // `&'static str` the live measurements use.
+        let text = |k: &str| -> anyhow::Result<&'static str> {
+            let s = v[k].as_str().with_context(|| format!("{k} in {line}"))?;
+            Ok(Box::leak(s.to_string().into_boxed_str()))
+        };
+        let int = |k: &str| -> anyhow::Result<usize> {
+            let n = v[k].as_u64().with_context(|| format!("{k} in {line}"))?;
+            Ok(usize::try_from(n)?)
+        };
+        Ok(Sample {
+            transport: text("transport")?,
+            test: text("test")?,
+            size: int("size")?,
+            mode: text("mode")?,
+            streams: int("streams")?,
+            metric: text("metric")?,
+            value: v["value"].as_f64().unwrap_or(f64::NAN),
+        })
+    }
+
     /// The JSON line.
     pub fn json_line(&self) -> String {
         serde_json::json!({
@@ -259,6 +284,13 @@ mod tests {
             Some(("<= 0.5x tcp, <= uds", false))
         );
         assert_eq!(goal("stream", 16, "blocking", "gbps", 1.0, 1.0, 1.0), None);
+    }
+
+    #[test]
+    fn json_lines_read_back() {
+        let s = Sample::new("uds", "multistream", 65536, "blocking", 16).with("gbps", 1.5);
+        assert_eq!(Sample::from_json_line(&s.json_line()).unwrap(), s);
+        assert!(Sample::from_json_line(r#"{"transport":"smc"}"#).is_err());
     }
 
     #[test]
