@@ -410,15 +410,20 @@ impl Bench {
         }
         let barrier = Barrier::new(n + 1);
         let time = self.plan.multistream_time;
+        // One deadline for all streams, set by the first that starts. The rate is taken over
+        // the streams' own first start to last end: the main thread may run late on a
+        // machine with fewer cores than streams.
+        let deadline = std::sync::OnceLock::new();
         let (secs, cpu, total) = std::thread::scope(|scope| -> Result<(f64, f64, u64)> {
             let handles: Vec<_> = conns
                 .into_iter()
                 .map(|mut c| {
-                    let barrier = &barrier;
-                    scope.spawn(move || -> Result<u64> {
+                    let (barrier, deadline) = (&barrier, &deadline);
+                    scope.spawn(move || -> Result<(u64, Instant, Instant)> {
                         let buf = vec![0xa5u8; BULK];
                         barrier.wait();
-                        let deadline = Instant::now() + time;
+                        let start = Instant::now();
+                        let deadline = *deadline.get_or_init(|| start + time);
                         let mut sent = 0u64;
                         while Instant::now() < deadline {
                             c.write_full(&buf)?;
@@ -433,20 +438,27 @@ impl Bench {
                         if got != sent {
                             bail!("sent {sent} bytes, the server counted {got}");
                         }
-                        Ok(sent)
+                        Ok((sent, start, Instant::now()))
                     })
                 })
                 .collect();
             let cpu0 = self.cpu(t)?;
             barrier.wait();
-            let start = Instant::now();
             let mut total = 0u64;
+            let mut first: Option<Instant> = None;
+            let mut last: Option<Instant> = None;
             for h in handles {
-                total += h
+                let (sent, start, end) = h
                     .join()
                     .map_err(|_| anyhow::anyhow!("a stream thread panicked"))??;
+                total += sent;
+                first = Some(first.map_or(start, |f| f.min(start)));
+                last = Some(last.map_or(end, |l| l.max(end)));
             }
-            let secs = start.elapsed().as_secs_f64();
+            let secs = match (first, last) {
+                (Some(f), Some(l)) => l.duration_since(f).as_secs_f64(),
+                _ => f64::NAN,
+            };
             Ok((secs, self.cpu(t)? - cpu0, total))
         })?;
         let gb = total as f64 / 1e9;
