@@ -60,8 +60,21 @@ fn serve<S: Read + Write>(mut s: S, peer: Peer, busy: impl FnOnce(&mut S)) {
     }
 }
 
-/// An SMC-R connection to a peer thread; the stacks stay alive as long as the stream.
-fn smc_pair(peer: Peer, busy: Option<Duration>) -> (SmcStream, Stack, Stack) {
+/// An SMC-R connection to a peer thread, with both stacks and the fabric directory.
+struct SmcPair {
+    s: SmcStream,
+    _server: Stack,
+    _client: Stack,
+    dir: PathBuf,
+}
+
+impl Drop for SmcPair {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn smc_pair(peer: Peer, busy: Option<Duration>) -> SmcPair {
     let dir = fabric_dir();
     let server = stack(&dir);
     let client = stack(&dir);
@@ -74,7 +87,12 @@ fn smc_pair(peer: Peer, busy: Option<Duration>) -> (SmcStream, Stack, Stack) {
     let mut s = SmcStream::connect_with(&client, ("127.0.0.1", port)).unwrap();
     assert_eq!(s.mode(), Mode::Smc);
     s.set_busy_poll(busy);
-    (s, server, client)
+    SmcPair {
+        s,
+        _server: server,
+        _client: client,
+        dir,
+    }
 }
 
 fn tcp_pair(peer: Peer) -> TcpStream {
@@ -99,12 +117,12 @@ fn round_trip<S: Read + Write>(s: &mut S) {
 fn pingpong(c: &mut Criterion) {
     let mut g = c.benchmark_group("pingpong_1b");
     {
-        let (mut s, _a, _b) = smc_pair(Peer::Echo, None);
-        g.bench_function("smc_blocking", |b| b.iter(|| round_trip(&mut s)));
+        let mut p = smc_pair(Peer::Echo, None);
+        g.bench_function("smc_blocking", |b| b.iter(|| round_trip(&mut p.s)));
     }
     {
-        let (mut s, _a, _b) = smc_pair(Peer::Echo, Some(Duration::from_millis(1)));
-        g.bench_function("smc_busy_poll", |b| b.iter(|| round_trip(&mut s)));
+        let mut p = smc_pair(Peer::Echo, Some(Duration::from_millis(1)));
+        g.bench_function("smc_busy_poll", |b| b.iter(|| round_trip(&mut p.s)));
     }
     {
         let mut s = tcp_pair(Peer::Echo);
@@ -118,8 +136,8 @@ fn stream(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(BULK as u64));
     let buf = vec![0xa5u8; BULK];
     {
-        let (mut s, _a, _b) = smc_pair(Peer::Drain, None);
-        g.bench_function("smc", |b| b.iter(|| s.write_all(&buf).unwrap()));
+        let mut p = smc_pair(Peer::Drain, None);
+        g.bench_function("smc", |b| b.iter(|| p.s.write_all(&buf).unwrap()));
     }
     {
         let mut s = tcp_pair(Peer::Drain);
