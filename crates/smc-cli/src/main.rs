@@ -1,6 +1,10 @@
 //! `smc`: the smc-rs command line.
 #![forbid(unsafe_code)]
 
+mod bench;
+mod bench_plot;
+mod bench_report;
+mod bench_server;
 mod decode;
 mod demo;
 mod nc;
@@ -37,6 +41,12 @@ enum Command {
     Stats(observe::ObserveArgs),
     /// The PNET table of every running stack: which devices serve which interfaces.
     Pnet(observe::ObserveArgs),
+    /// SMC-R against TCP loopback and Unix sockets: throughput, latency, setup rate, many
+    /// streams, CPU per GB, memory per idle connection, fallback; table, JSON lines, plot.
+    Bench(bench::BenchArgs),
+    /// The server process of `smc bench`.
+    #[command(hide = true)]
+    BenchServer(bench::BenchServerArgs),
     /// The server process of `smc demo`.
     #[command(hide = true)]
     DemoServer(demo::DemoServerArgs),
@@ -54,6 +64,8 @@ fn main() -> ExitCode {
         Command::Stats(args) => observe::run(observe::Query::Stats, &args),
         Command::Pnet(args) => observe::run(observe::Query::Pnet, &args),
         Command::DemoServer(args) => demo::run_server(&args),
+        Command::Bench(args) => bench::run(&args),
+        Command::BenchServer(args) => bench_server::run_server(&args),
     };
     match result {
         Ok(code) => code,

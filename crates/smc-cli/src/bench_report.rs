@@ -1,0 +1,303 @@
+//! `smc bench` results: the measurement record, medians over rounds, JSON lines, and the
+//! table with ratios against TCP and Unix sockets and the issue's goals as pass/miss.
+
+use comfy_table::Table;
+
+/// One measured value (the JSON line of `smc bench --json`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// `smc`, `tcp` or `uds`.
+    pub transport: &'static str,
+    /// `stream`, `pingpong`, `connect`, `multistream`, `idle` or `fallback`.
+    pub test: &'static str,
+    /// Message size in bytes (0 where the test has none).
+    pub size: usize,
+    /// `blocking` or `busy`.
+    pub mode: &'static str,
+    /// Concurrent streams (idle: connections held).
+    pub streams: usize,
+    /// What `value` is: `gbps`, `rtt_p50_us`, `conn_per_s`, `cpu_s_per_gb`, ….
+    pub metric: &'static str,
+    /// The value.
+    pub value: f64,
+}
+
+impl Sample {
+    /// A sample without metric and value yet.
+    pub fn new(
+        transport: &'static str,
+        test: &'static str,
+        size: usize,
+        mode: &'static str,
+        streams: usize,
+    ) -> Sample {
+        Sample {
+            transport,
+            test,
+            size,
+            mode,
+            streams,
+            metric: "",
+            value: f64::NAN,
+        }
+    }
+
+    /// This sample with a metric and its value.
+    pub fn with(&self, metric: &'static str, value: f64) -> Sample {
+        Sample {
+            metric,
+            value,
+            ..self.clone()
+        }
+    }
+
+    fn key(
+        &self,
+    ) -> (
+        &'static str,
+        &'static str,
+        usize,
+        &'static str,
+        usize,
+        &'static str,
+    ) {
+        (
+            self.transport,
+            self.test,
+            self.size,
+            self.mode,
+            self.streams,
+            self.metric,
+        )
+    }
+
+    /// A sample from its JSON line (`smc bench --from`).
+    pub fn from_json_line(line: &str) -> anyhow::Result<Sample> {
+        use anyhow::Context;
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        // The names live as long as the command: leaking them is the simple way to get the
+        // `&'static str` the live measurements use.
+        let text = |k: &str| -> anyhow::Result<&'static str> {
+            let s = v[k].as_str().with_context(|| format!("{k} in {line}"))?;
+            Ok(Box::leak(s.to_string().into_boxed_str()))
+        };
+        let int = |k: &str| -> anyhow::Result<usize> {
+            let n = v[k].as_u64().with_context(|| format!("{k} in {line}"))?;
+            Ok(usize::try_from(n)?)
+        };
+        Ok(Sample {
+            transport: text("transport")?,
+            test: text("test")?,
+            size: int("size")?,
+            mode: text("mode")?,
+            streams: int("streams")?,
+            metric: text("metric")?,
+            value: v["value"].as_f64().unwrap_or(f64::NAN),
+        })
+    }
+
+    /// The JSON line.
+    pub fn json_line(&self) -> String {
+        serde_json::json!({
+            "transport": self.transport,
+            "test": self.test,
+            "size": self.size,
+            "mode": self.mode,
+            "streams": self.streams,
+            "metric": self.metric,
+            "value": self.value,
+        })
+        .to_string()
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The median of every measured quantity over the rounds, in the order first measured.
+pub fn medians(raw: Vec<Sample>) -> Vec<Sample> {
+    let mut groups: Vec<(Sample, Vec<f64>)> = Vec::new();
+    for s in raw {
+        match groups.iter_mut().find(|(g, _)| g.key() == s.key()) {
+            Some((_, vals)) => vals.push(s.value),
+            None => {
+                let v = s.value;
+                groups.push((s, vec![v]));
+            }
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(s, mut vals)| Sample {
+            value: median(&mut vals),
+            ..s
+        })
+        .collect()
+}
+
+/// `1 B`, `64 KiB`, `1 MiB`; `-` for 0.
+pub fn size_text(n: usize) -> String {
+    match n {
+        0 => "-".to_string(),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+fn num(v: f64) -> String {
+    if !v.is_finite() {
+        "-".to_string()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// The issue's goal for a row, if it has one: (rule, met).
+fn goal(
+    test: &str,
+    size: usize,
+    mode: &str,
+    metric: &str,
+    smc: f64,
+    tcp: f64,
+    uds: f64,
+) -> Option<(&'static str, bool)> {
+    match (test, size, mode, metric) {
+        ("pingpong", 1, "busy", "rtt_p50_us") => Some(("<= 0.10x tcp", smc <= 0.10 * tcp)),
+        ("pingpong", 1, "blocking", "rtt_p50_us") => {
+            Some(("<= 0.5x tcp, <= uds", smc <= 0.5 * tcp && smc <= uds))
+        }
+        ("stream", 65536, _, "gbps") => Some((">= 4x tcp", smc >= 4.0 * tcp)),
+        ("stream", 64, _, "gbps") => Some((">= 3x tcp", smc >= 3.0 * tcp)),
+        ("connect", _, _, "conn_per_s") => Some((">= 1.0x tcp", smc >= tcp)),
+        ("idle", _, _, "kib_per_idle_conn") => Some(("<= 160 KiB", smc <= 160.0)),
+        ("fallback", _, _, "gbps") => Some((">= 0.98x tcp", smc >= 0.98 * tcp)),
+        _ => None,
+    }
+}
+
+/// The results as a table: one row per quantity, the three transports side by side, the
+/// ratios SMC-R/TCP and SMC-R/UDS, and the goal where the issue sets one.
+pub fn table(results: &[Sample]) -> Table {
+    let mut t = Table::new();
+    // Markdown-shaped, so a run's table can go into docs as it is.
+    t.load_preset(comfy_table::presets::ASCII_MARKDOWN);
+    t.set_header(vec![
+        "test", "size", "mode", "streams", "metric", "smc", "tcp", "uds", "smc/tcp", "smc/uds",
+        "goal",
+    ]);
+    let mut rows: Vec<&Sample> = Vec::new();
+    for s in results {
+        let same = |r: &&Sample| {
+            r.test == s.test
+                && r.size == s.size
+                && r.mode == s.mode
+                && r.streams == s.streams
+                && r.metric == s.metric
+        };
+        if !rows.iter().any(same) {
+            rows.push(s);
+        }
+    }
+    for r in rows {
+        let of = |tr: &str| {
+            results
+                .iter()
+                .find(|s| {
+                    s.transport == tr
+                        && s.test == r.test
+                        && s.size == r.size
+                        && s.mode == r.mode
+                        && s.streams == r.streams
+                        && s.metric == r.metric
+                })
+                .map_or(f64::NAN, |s| s.value)
+        };
+        let (smc, tcp, uds) = (of("smc"), of("tcp"), of("uds"));
+        let ratio = |a: f64, b: f64| {
+            if a.is_finite() && b.is_finite() && b != 0.0 {
+                format!("{:.2}x", a / b)
+            } else {
+                "-".to_string()
+            }
+        };
+        let g = goal(r.test, r.size, r.mode, r.metric, smc, tcp, uds)
+            .map(|(rule, ok)| format!("{} {rule}", if ok { "pass" } else { "MISS" }))
+            .unwrap_or_default();
+        t.add_row(vec![
+            r.test.to_string(),
+            size_text(r.size),
+            r.mode.to_string(),
+            r.streams.to_string(),
+            r.metric.to_string(),
+            num(smc),
+            num(tcp),
+            num(uds),
+            ratio(smc, tcp),
+            ratio(smc, uds),
+            g,
+        ]);
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_group_by_everything_but_the_value() {
+        let s = Sample::new("smc", "stream", 64, "blocking", 1);
+        let raw = vec![
+            s.with("gbps", 3.0),
+            s.with("gbps", 1.0),
+            Sample::new("tcp", "stream", 64, "blocking", 1).with("gbps", 7.0),
+            s.with("gbps", 2.0),
+        ];
+        let m = medians(raw);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].value, 2.0);
+        assert_eq!(m[1].value, 7.0);
+    }
+
+    #[test]
+    fn goals_compare_against_tcp() {
+        assert_eq!(
+            goal("stream", 65536, "blocking", "gbps", 4.0, 1.0, 1.0),
+            Some((">= 4x tcp", true))
+        );
+        assert_eq!(
+            goal("pingpong", 1, "blocking", "rtt_p50_us", 5.0, 10.0, 4.0),
+            Some(("<= 0.5x tcp, <= uds", false))
+        );
+        assert_eq!(goal("stream", 16, "blocking", "gbps", 1.0, 1.0, 1.0), None);
+    }
+
+    #[test]
+    fn json_lines_read_back() {
+        let s = Sample::new("uds", "multistream", 65536, "blocking", 16).with("gbps", 1.5);
+        assert_eq!(Sample::from_json_line(&s.json_line()).unwrap(), s);
+        assert!(Sample::from_json_line(r#"{"transport":"smc"}"#).is_err());
+    }
+
+    #[test]
+    fn sizes_read_as_powers_of_two() {
+        assert_eq!(size_text(1), "1 B");
+        assert_eq!(size_text(65536), "64 KiB");
+        assert_eq!(size_text(1 << 20), "1 MiB");
+        assert_eq!(size_text(0), "-");
+    }
+}
