@@ -1424,7 +1424,7 @@ impl Endpoint {
         //# with this RMBE.
         let conflict = g.peer_rmbes.claim(peer_key, tcp);
         // Spread connections over the links: each side chooses its own (§2.3).
-        let send_link = least_loaded_link(g, &self.entries).unwrap_or(peer_link);
+        let send_link = least_loaded_link(g, &self.entries, peer_rmb).unwrap_or(peer_link);
         let mut config = ConnectionConfig::new(
             RmbeLayout::Linux,
             setup.alloc.element_len,
@@ -1523,9 +1523,20 @@ pub(super) fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
     ours.min(theirs).clamp(2, 8)
 }
 
-/// The active link with the fewest established connections sending on it.
-pub(super) fn least_loaded_link(g: &LinkGroup, entries: &BTreeMap<TcpId, Entry>) -> Option<u8> {
+/// The active link with the fewest established connections sending on it, among those on
+/// which the peer's RMB `peer_rmb` is known (a link added while that RMB was being confirmed
+/// may lack its RToken: nothing could be written over it).
+pub(super) fn least_loaded_link(
+    g: &LinkGroup,
+    entries: &BTreeMap<TcpId, Entry>,
+    peer_rmb: usize,
+) -> Option<u8> {
     g.active_links()
+        .filter(|l| {
+            g.peer_rmbs
+                .get(peer_rmb)
+                .is_some_and(|r| r.tokens.contains_key(&l.num))
+        })
         .map(|l| {
             let n = entries
                 .values()

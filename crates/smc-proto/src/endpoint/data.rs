@@ -274,8 +274,19 @@ impl Endpoint {
             let Some(g) = self.lgrs.get(&lgr) else {
                 return;
             };
-            let Some(new) = super::clc::least_loaded_link(g, &self.entries) else {
+            if g.active_count() == 0 {
                 return;
+            }
+            let Some(Entry::Smc(c)) = self.entries.get(&tcp) else {
+                continue;
+            };
+            let Some(new) = super::clc::least_loaded_link(g, &self.entries, c.peer_rmb) else {
+                // No surviving link knows the peer's RMB: nothing can be written any more.
+                if let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) {
+                    c.conn.handle_link_group_lost(now);
+                }
+                self.after_conn(tcp, now);
+                continue;
             };
             self.failover_conn(tcp, new, now);
         }
