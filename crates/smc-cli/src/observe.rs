@@ -1,6 +1,7 @@
 //! `smc ss`, `smc linkgroup`, `smc device`, `smc stats`: ask every running stack on the
 //! fabric directory through its control socket and show the answers.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -90,7 +91,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
             .iter()
             .map(|(pid, v)| json!({ "pid": pid, q.word(): v }))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&all)?);
+        writeln!(std::io::stdout(), "{}", serde_json::to_string_pretty(&all)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = Table::new();
@@ -232,9 +233,14 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
         }
     }
     if answers.is_empty() {
-        println!("no running smc-rs stack found in {}", dir.display());
+        writeln!(
+            std::io::stdout(),
+            "no running smc-rs stack found in {}",
+            dir.display()
+        )?;
     } else {
-        println!("{t}");
+        // A closed pipe (`smc ss | head`) is an error main() ends quietly on, not a panic.
+        writeln!(std::io::stdout(), "{t}")?;
     }
     Ok(ExitCode::SUCCESS)
 }
