@@ -7,7 +7,7 @@
 //! releases it. One condition variable wakes every waiting reader, writer and handshake
 //! after any change.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,16 +15,16 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use smc_fabric::{
-    AccessFlags, CompletionQueue, Device, DeviceEvent, MemoryRegion, PortState, ProtectionDomain,
-    QpCaps, QueuePair, RecvWr, RemoteQpInfo, SendWr, WorkCompletion,
+    AccessFlags, CompletionQueue, Device, DeviceEvent, MemoryRegion, PortState, PostStatus,
+    ProtectionDomain, QpCaps, QueuePair, RecvWr, RemoteQpInfo, SendWr, WorkCompletion,
 };
-use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId};
+use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId, WriteOutcome};
 use smc_proto::fabric::{
     DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
 };
 use smc_proto::rmb_pool::RmbId;
 use smc_proto::{ConnError, Endpoint, EndpointConfig, Timestamp};
-use smc_wire::{ControlMessage, Cursor, PeerId, QpMtu, U24};
+use smc_wire::{PeerId, QpMtu, U24};
 
 use crate::config::{DiscoveryMode, StackConfig};
 use crate::discovery::TcpOptionDiscovery;
@@ -118,8 +118,9 @@ pub(crate) struct Fabric {
     pds: Vec<ProtectionDomain>,
     cqs: Vec<CompletionQueue>,
     links: HashMap<LinkId, LinkQp>,
-    /// RMB memory per (group, RMB): one region per device (the shm fabric registers memory
-    /// per device, so the same RMB is a separate region on each device; see `segments`).
+    /// RMB memory per (group, RMB): one registration per device, all of the same memory
+    /// (the first is registered, the others are aliases of it), so WRITEs that arrive over
+    /// either link land in one buffer.
     pub(crate) rmbs: HashMap<(LgrId, RmbId), Vec<Option<MemoryRegion>>>,
     rng: u64,
 }
@@ -195,9 +196,12 @@ impl Resources for Fabric {
             .entry((lgr, rmb))
             .or_insert_with(|| (0..self.devices.len()).map(|_| None).collect());
         if slots[d].is_none() {
-            let mr = pd
-                .register(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
-                .map_err(|_| ResourceError("RMB registration failed"))?;
+            let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+            let mr = match slots.iter().flatten().next() {
+                Some(first) => pd.register_alias(first, access),
+                None => pd.register(len, access),
+            }
+            .map_err(|_| ResourceError("RMB registration failed"))?;
             slots[d] = Some(mr);
         }
         let mr = slots[d].as_ref().ok_or(ResourceError("RMB missing"))?;
@@ -210,13 +214,6 @@ impl Resources for Fabric {
     fn random_u32(&mut self) -> u32 {
         (self.next_random() >> 32) as u32
     }
-}
-
-/// Which device's region holds the bytes a peer announced up to a producer cursor.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Segment {
-    pub(crate) upto: Cursor,
-    pub(crate) device: usize,
 }
 
 /// Counters of a stack.
@@ -266,8 +263,6 @@ pub(crate) struct Core {
     pub(crate) ep: Endpoint,
     pub(crate) fab: Fabric,
     pub(crate) slots: HashMap<TcpId, Slot>,
-    /// Per local alert token: which device's region holds which announced bytes.
-    pub(crate) segments: HashMap<u32, VecDeque<Segment>>,
     pub(crate) stats: StackStats,
     start: Instant,
     /// Work requests whose post failed synchronously (the QP is in error): reported to the
@@ -472,6 +467,43 @@ impl Core {
         }
     }
 
+    /// Send `buf` on connection `id` with one copy: each RDMA WRITE is posted straight from
+    /// the application's slice (see [`Endpoint::send_with`]).
+    pub(crate) fn send_direct(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        let Core {
+            ep,
+            fab,
+            failed_posts,
+            ..
+        } = self;
+        ep.send_with(id, buf, now, |t, piece| {
+            let Some(l) = fab.links.get(&t.link) else {
+                failed_posts.push((t.wr, t.link, Instant::now()));
+                return WriteOutcome::Failed;
+            };
+            let posted = l.qp.post_send_status(&SendWr::WriteInline {
+                wr_id: t.wr.0,
+                data: piece,
+                remote_addr: t.addr,
+                rkey: t.rkey,
+                signaled: true,
+            });
+            match posted {
+                Ok(PostStatus::Executed) => WriteOutcome::Placed,
+                Ok(PostStatus::Queued) => WriteOutcome::Posted,
+                Err(_) => {
+                    failed_posts.push((t.wr, t.link, Instant::now()));
+                    WriteOutcome::Failed
+                }
+            }
+        })
+    }
+
     /// Wake event loops waiting on connection `tcp`.
     fn signal(&self, tcp: TcpId, read: bool, write: bool) {
         if let Some(n) = self.slots.get(&tcp).and_then(|s| s.notify.as_ref()) {
@@ -550,9 +582,6 @@ impl Core {
                     let remove = match self.slots.get_mut(&tcp) {
                         Some(s) => {
                             s.closed = true;
-                            if let Some(t) = s.token {
-                                self.segments.remove(&t);
-                            }
                             s.dropped
                         }
                         None => false,
@@ -583,7 +612,7 @@ impl Core {
     }
 
     /// One work completion from the completion queue of device `dev`.
-    fn completion(&mut self, dev: usize, wc: &WorkCompletion) {
+    fn completion(&mut self, _dev: usize, wc: &WorkCompletion) {
         let now = self.now();
         if wc.wr_id & RECV_FLAG == 0 {
             self.ep
@@ -607,18 +636,6 @@ impl Core {
         if read.is_err() || reposted.is_err() {
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
-        }
-        if let Ok(ControlMessage::Cdc(cdc)) = ControlMessage::parse(&buf[..len]) {
-            // The peer wrote the bytes this CDC announces over the same link (writes and
-            // the CDC share a QP), so they are in this device's copy of the RMB.
-            let segs = self.segments.entry(cdc.alert_token).or_default();
-            match segs.back_mut() {
-                Some(last) if last.device == dev => last.upto = cdc.producer,
-                _ => segs.push_back(Segment {
-                    upto: cdc.producer,
-                    device: dev,
-                }),
-            }
         }
         self.ep
             .handle_message(link, &buf[..len], &mut self.fab, now);
@@ -812,7 +829,6 @@ impl Stack {
             ep: Endpoint::new(ec),
             fab,
             slots: HashMap::new(),
-            segments: HashMap::new(),
             stats: StackStats::default(),
             start: Instant::now(),
             failed_posts: Vec::new(),

@@ -20,7 +20,7 @@ use smc_wire::Cursor;
 use crate::config::DiscoveryMode;
 use crate::discovery::Outcome;
 use crate::error::{conn_error, reset_error, FallbackReason, Mode};
-use crate::stack::{Core, Segment, Slot, SlotState, Stack, StreamEntry};
+use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
 
 /// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
@@ -766,7 +766,7 @@ impl SmcStream {
                 let total = target.regions.total();
                 if total > 0 {
                     let n = (total as usize).min(buf.len());
-                    copy_out(&mut core, id, &target, &mut buf[..n])?;
+                    copy_out(&mut core, &target, &mut buf[..n])?;
                     let now = core.now();
                     core.ep
                         .consumed(id, n as u32, now)
@@ -815,7 +815,7 @@ impl SmcStream {
                 return Err(conn_error(e));
             }
             let now = core.now();
-            match core.ep.send(id, buf, now) {
+            match core.send_direct(id, buf, now) {
                 Ok(0) => {}
                 Ok(n) => {
                     core.drain();
@@ -848,69 +848,31 @@ impl SmcStream {
     }
 }
 
-/// Copy the first `out.len()` unread bytes of connection `id` out of our RMB. The bytes of
-/// one RMB may sit in the region of either device (the peer writes over the link it sends
-/// on, and the shm fabric registers memory per device), so the copy follows the segments
-/// recorded from the CDCs that announced them.
+/// Copy the first `out.len()` unread bytes of connection `id` out of our RMB (one copy,
+/// straight into the application's buffer). Every device's registration of the RMB is the
+/// same memory, so any of them serves.
 fn copy_out(
     core: &mut Core,
-    id: TcpId,
     target: &smc_proto::endpoint::ReadTarget,
     out: &mut [u8],
 ) -> io::Result<()> {
-    let (token, len, consumer) = match core.ep.connection(id) {
-        Some(c) => (
-            c.config().local_alert_token,
-            c.config().local_rmbe_len,
-            c.consumer_cursor(),
-        ),
-        None => return Err(io::ErrorKind::NotConnected.into()),
-    };
-    // Device of each announced byte range, as distances from the consumer cursor.
-    let mut ranges: Vec<(i64, usize)> = Vec::new();
-    if let Some(segs) = core.segments.get_mut(&token) {
-        while segs
-            .front()
-            .is_some_and(|s| cursor_distance(consumer, s.upto, len) <= 0)
-        {
-            segs.pop_front();
-        }
-        ranges.extend(
-            segs.iter()
-                .map(|s: &Segment| (cursor_distance(consumer, s.upto, len), s.device)),
-        );
-    }
     let regions: &Regions = &target.regions;
-    let rmb = core
+    let mr = core
         .fab
         .rmbs
         .get(&(target.lgr, target.rmb))
+        .and_then(|r| r.iter().flatten().next())
         .ok_or_else(|| io::Error::other("RMB missing"))?;
     let mut done = 0usize;
     for r in regions.iter() {
-        let mut off = 0usize;
-        while off < r.len as usize && done < out.len() {
-            // Which device holds byte `done` (distance from the consumer cursor)?
-            let pos = done as i64;
-            let (end, dev) = ranges
-                .iter()
-                .find(|(upto, _)| *upto > pos)
-                .copied()
-                .unwrap_or((i64::MAX, ranges.last().map(|r| r.1).unwrap_or(0)));
-            let take = (r.len as usize - off)
-                .min(out.len() - done)
-                .min(usize::try_from(end - pos).unwrap_or(usize::MAX));
-            let mr = rmb
-                .get(dev)
-                .and_then(|m| m.as_ref())
-                .or_else(|| rmb.iter().flatten().next())
-                .ok_or_else(|| io::Error::other("RMB region missing"))?;
-            let at = target.element_offset as usize + r.offset as usize + off;
-            mr.read_at(at, &mut out[done..done + take])
-                .map_err(io::Error::other)?;
-            off += take;
-            done += take;
+        if done == out.len() {
+            break;
         }
+        let take = (r.len as usize).min(out.len() - done);
+        let at = target.element_offset as usize + r.offset as usize;
+        mr.read_at(at, &mut out[done..done + take])
+            .map_err(io::Error::other)?;
+        done += take;
     }
     Ok(())
 }

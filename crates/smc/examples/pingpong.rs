@@ -1,0 +1,227 @@
+//! Latency and throughput of SMC-R (shm fabric) next to TCP loopback and Unix sockets, measured
+//! in one run.
+//!
+//! ```text
+//! cargo run --release -p smc --example pingpong -- [ROUNDS] [BYTES]
+//! ```
+//!
+//! The SMC-R server is a second process (this binary re-executed with `PINGPONG_SERVER=1`);
+//! the TCP and Unix-socket servers are threads. Every test connects afresh and sends one
+//! byte naming the test first:
+//! - `p`: 1-byte ping-pong, ROUNDS round trips, in batches; prints the median batch's
+//!   mean round-trip time. SMC-R runs it blocking and busy polling (50 µs, both sides).
+//! - `s`: streaming BYTES in 64 KiB writes, then one byte back; throughput.
+//! - `t`: streaming BYTES/16 in 64-byte writes (no TCP_NODELAY); throughput.
+#![allow(missing_docs)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use smc::{DiscoveryMode, SmcListener, SmcStream, Stack, StackConfig};
+use smc_fabric::FabricConfig;
+
+const BATCHES: usize = 7;
+const BUSY_POLL: Duration = Duration::from_micros(50);
+
+fn stack(dir: &Path) -> Stack {
+    let mut c = StackConfig::new(FabricConfig::with_dir(dir, 2));
+    c.discovery = DiscoveryMode::AssertPeer;
+    Stack::new(c).expect("stack")
+}
+
+/// Serve one connection: the first byte names the test.
+fn serve<S: Read + Write>(mut s: S, set_busy: impl FnOnce(&mut S, bool)) -> std::io::Result<()> {
+    let mut kind = [0u8; 1];
+    s.read_exact(&mut kind)?;
+    set_busy(&mut s, kind[0] == b'P');
+    match kind[0] {
+        b'p' | b'P' => {
+            let mut b = [0u8; 1];
+            loop {
+                if s.read(&mut b)? == 0 {
+                    return Ok(());
+                }
+                s.write_all(&b)?;
+            }
+        }
+        _ => {
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut len = [0u8; 8];
+            s.read_exact(&mut len)?;
+            let mut left = u64::from_be_bytes(len);
+            while left > 0 {
+                let want = left.min(buf.len() as u64) as usize;
+                let n = s.read(&mut buf[..want])?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                left -= n as u64;
+            }
+            s.write_all(b"k")
+        }
+    }
+}
+
+fn server_main(dir: PathBuf) {
+    let stack = stack(&dir);
+    let l = SmcListener::bind_with(&stack, "127.0.0.1:0").expect("bind");
+    println!("PORT {}", l.local_addr().expect("addr").port());
+    std::io::stdout().flush().expect("stdout");
+    std::thread::spawn(|| {
+        let mut b = [0u8; 16];
+        while matches!(std::io::stdin().read(&mut b), Ok(n) if n > 0) {}
+        std::process::exit(0);
+    });
+    for s in l.incoming() {
+        let s = s.expect("accept");
+        std::thread::spawn(move || {
+            let _ = serve(s, |s, busy| s.set_busy_poll(busy.then_some(BUSY_POLL)));
+        });
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median over batches of the mean round-trip time in µs.
+fn pingpong<S: Read + Write>(mut s: S, kind: u8, rounds: usize) -> f64 {
+    s.write_all(&[kind]).expect("kind");
+    let mut b = [7u8; 1];
+    let per = rounds / BATCHES;
+    // Warm up.
+    for _ in 0..per / 4 {
+        s.write_all(&b).expect("ping");
+        s.read_exact(&mut b).expect("pong");
+    }
+    let mut means = Vec::new();
+    for _ in 0..BATCHES {
+        let t = Instant::now();
+        for _ in 0..per {
+            s.write_all(&b).expect("ping");
+            s.read_exact(&mut b).expect("pong");
+        }
+        means.push(t.elapsed().as_secs_f64() * 1e6 / per as f64);
+    }
+    median(means)
+}
+
+/// MB/s streaming `bytes` in `chunk`-byte writes.
+fn stream<S: Read + Write>(mut s: S, kind: u8, bytes: u64, chunk: usize) -> f64 {
+    s.write_all(&[kind]).expect("kind");
+    let data: Vec<u8> = (0..chunk).map(|i| i as u8).collect();
+    let t = Instant::now();
+    s.write_all(&bytes.to_be_bytes()).expect("len");
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk as u64) as usize;
+        s.write_all(&data[..n]).expect("write");
+        left -= n as u64;
+    }
+    let mut k = [0u8; 1];
+    s.read_exact(&mut k).expect("ack");
+    bytes as f64 / t.elapsed().as_secs_f64() / 1e6
+}
+
+fn main() {
+    if let Ok(dir) = std::env::var("PINGPONG_SERVER") {
+        server_main(PathBuf::from(dir));
+        return;
+    }
+    let mut args = std::env::args().skip(1);
+    let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(70_000);
+    let bytes: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(1 << 30);
+    let dir = std::env::temp_dir().join(format!("smc-pingpong-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let mut child = Command::new(std::env::current_exe().expect("exe"))
+        .env("PINGPONG_SERVER", &dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("server");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("port");
+    let port: u16 = line
+        .trim()
+        .strip_prefix("PORT ")
+        .and_then(|p| p.parse().ok())
+        .expect("PORT line");
+    let st = stack(&dir);
+    let smc = |busy: bool| {
+        let mut s = SmcStream::connect_with(&st, ("127.0.0.1", port)).expect("connect");
+        assert_eq!(s.mode(), smc::Mode::Smc, "the connection fell back");
+        s.set_busy_poll(busy.then_some(BUSY_POLL));
+        s
+    };
+
+    let tcp_l = TcpListener::bind("127.0.0.1:0").expect("tcp bind");
+    let tcp_addr = tcp_l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in tcp_l.incoming().flatten() {
+            std::thread::spawn(move || serve(s, |_, _| {}));
+        }
+    });
+    let uds_path = dir.join("uds.sock");
+    let uds_l = UnixListener::bind(&uds_path).expect("uds bind");
+    std::thread::spawn(move || {
+        for s in uds_l.incoming().flatten() {
+            std::thread::spawn(move || serve(s, |_, _| {}));
+        }
+    });
+    let tcp = || {
+        let s = TcpStream::connect(tcp_addr).expect("tcp");
+        s.set_nodelay(true).expect("nodelay");
+        s
+    };
+    let tcp_nagle = || TcpStream::connect(tcp_addr).expect("tcp");
+    let uds = || UnixStream::connect(&uds_path).expect("uds");
+
+    println!("1-byte ping-pong, median of {BATCHES} batches, {rounds} round trips in all:");
+    let t_tcp = pingpong(tcp(), b'p', rounds);
+    let t_uds = pingpong(uds(), b'p', rounds);
+    let t_smc = pingpong(smc(false), b'p', rounds);
+    let t_smc_busy = pingpong(smc(true), b'P', rounds);
+    println!("  TCP loopback          {t_tcp:8.2} µs");
+    println!("  Unix socket           {t_uds:8.2} µs");
+    println!(
+        "  SMC-R blocking        {t_smc:8.2} µs  ({:.2}× TCP, {:.2}× UDS)",
+        t_smc / t_tcp,
+        t_smc / t_uds
+    );
+    println!(
+        "  SMC-R busy poll 50µs  {t_smc_busy:8.2} µs  ({:.3}× TCP)",
+        t_smc_busy / t_tcp
+    );
+
+    println!("streaming {bytes} bytes in 64 KiB writes:");
+    let s_tcp = stream(tcp(), b's', bytes, 64 * 1024);
+    let s_uds = stream(uds(), b's', bytes, 64 * 1024);
+    let s_smc = stream(smc(false), b's', bytes, 64 * 1024);
+    println!("  TCP loopback          {s_tcp:8.1} MB/s");
+    println!("  Unix socket           {s_uds:8.1} MB/s");
+    println!(
+        "  SMC-R                 {s_smc:8.1} MB/s  ({:.2}× TCP)",
+        s_smc / s_tcp
+    );
+
+    let small = bytes / 16;
+    println!("streaming {small} bytes in 64-byte writes (TCP without TCP_NODELAY):");
+    let m_tcp = stream(tcp_nagle(), b't', small, 64);
+    let m_smc = stream(smc(false), b't', small, 64);
+    println!("  TCP loopback          {m_tcp:8.1} MB/s");
+    println!(
+        "  SMC-R                 {m_smc:8.1} MB/s  ({:.2}× TCP)",
+        m_smc / m_tcp
+    );
+
+    drop(child.stdin.take());
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
