@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,9 @@ const RECV_SLOT_LEN: usize = 64;
 const RECV_FLAG: u64 = 1 << 63;
 /// The runtime thread sleeps at most this long (device events are polled, not signalled).
 const MAX_SLEEP: Duration = Duration::from_millis(20);
+/// While an application thread polls the completion queues, the runtime thread looks again
+/// after at most this long (in case that thread stops polling).
+const PARK_SLICE: Duration = Duration::from_millis(2);
 /// A failed post is reported at the latest after this time (see `Core::failed_posts`).
 const FAILED_POST_GRACE: Duration = Duration::from_millis(100);
 
@@ -73,6 +76,28 @@ pub(crate) struct Slot {
     pub(crate) token: Option<u32>,
     /// Event loops waiting on this connection (tokio streams), if any.
     pub(crate) notify: Option<Arc<Notifiers>>,
+    /// Blocked readers and writers of this connection that do not poll the completion
+    /// queues themselves wait here (with the core mutex).
+    pub(crate) cond: Arc<Condvar>,
+    /// How many threads wait on `cond` (it is signalled only then: no system call otherwise).
+    pub(crate) waiters: u32,
+}
+
+impl Slot {
+    /// A new slot in state `Setup` for socket `sock`.
+    pub(crate) fn new(sock: TcpStream) -> Slot {
+        Slot {
+            state: SlotState::Setup,
+            sock: Some(sock),
+            error: None,
+            closed: false,
+            dropped: false,
+            token: None,
+            notify: None,
+            cond: Arc::new(Condvar::new()),
+            waiters: 0,
+        }
+    }
 }
 
 /// Two eventfds per connection, for event loops: one signalled when reading may progress
@@ -504,8 +529,36 @@ impl Core {
         })
     }
 
-    /// Wake event loops waiting on connection `tcp`.
+    /// Wake the threads blocked on connection `tcp`.
+    pub(crate) fn wake(&self, tcp: TcpId) {
+        if let Some(s) = self.slots.get(&tcp) {
+            if s.waiters > 0 {
+                s.cond.notify_all();
+            }
+        }
+    }
+
+    /// Wake every blocked thread (after changes not tied to one connection).
+    pub(crate) fn wake_all(&self) {
+        for s in self.slots.values() {
+            if s.waiters > 0 {
+                s.cond.notify_all();
+            }
+        }
+    }
+
+    /// Whether the runtime thread must keep polling the completion queues even while an
+    /// application thread does: a rendezvous in progress (its LLC exchanges must not wait for
+    /// an application thread) or an event loop waiting on eventfds.
+    fn needs_runtime_polling(&self) -> bool {
+        self.slots
+            .values()
+            .any(|s| matches!(s.state, SlotState::Setup) || s.notify.is_some())
+    }
+
+    /// Wake event loops and threads waiting on connection `tcp`.
     fn signal(&self, tcp: TcpId, read: bool, write: bool) {
+        self.wake(tcp);
         if let Some(n) = self.slots.get(&tcp).and_then(|s| s.notify.as_ref()) {
             if read {
                 Notifiers::signal(&n.read);
@@ -685,7 +738,13 @@ fn reset_socket(sock: Option<TcpStream>) {
 pub(crate) struct Inner {
     pub(crate) config: StackConfig,
     pub(crate) core: Mutex<Core>,
-    pub(crate) cond: Condvar,
+    /// The completion queues (one per device), polled by whichever thread needs progress.
+    pub(crate) cqs: Vec<CompletionQueue>,
+    /// An application thread sleeps on the completion channels (the "poller"): it handles
+    /// what arrives itself, without a hop through the runtime thread.
+    pub(crate) poller: AtomicBool,
+    /// Application threads blocked on a connection's condition variable (not polling).
+    pub(crate) followers: AtomicUsize,
     pub(crate) discovery: Option<TcpOptionDiscovery>,
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
@@ -704,18 +763,6 @@ impl Inner {
     /// A fresh connection id.
     pub(crate) fn new_tcp_id(&self) -> TcpId {
         TcpId(self.next_tcp.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Wait on the condition variable for at most `timeout`.
-    pub(crate) fn wait<'a>(
-        &self,
-        guard: MutexGuard<'a, Core>,
-        timeout: Duration,
-    ) -> MutexGuard<'a, Core> {
-        match self.cond.wait_timeout(guard, timeout) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        }
     }
 }
 
@@ -846,7 +893,9 @@ impl Stack {
         let inner = Arc::new(Inner {
             config,
             core: Mutex::new(core),
-            cond: Condvar::new(),
+            cqs: cqs.clone(),
+            poller: AtomicBool::new(false),
+            followers: AtomicUsize::new(0),
             discovery,
             peer_id,
             next_tcp: AtomicU64::new(1),
@@ -1038,24 +1087,37 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
             }
             if did {
                 core.drain();
-                inner.cond.notify_all();
+                if !dev_events.is_empty() {
+                    core.wake_all();
+                }
             }
             if did {
                 None
             } else {
-                Some(
-                    core.ep
-                        .poll_timeout()
-                        .map(|t| t.saturating_duration_since(now))
-                        .unwrap_or(MAX_SLEEP)
-                        .min(MAX_SLEEP),
-                )
+                let sleep = core
+                    .ep
+                    .poll_timeout()
+                    .map(|t| t.saturating_duration_since(now))
+                    .unwrap_or(MAX_SLEEP)
+                    .min(MAX_SLEEP);
+                // An application thread polls the completion queues and nobody else waits:
+                // stay off them (both would wake for every message) and only keep time.
+                let park = inner.poller.load(Ordering::Acquire)
+                    && inner.followers.load(Ordering::Acquire) == 0
+                    && !core.needs_runtime_polling();
+                Some((sleep, park))
             }
         };
-        let Some(sleep) = deadline else {
+        let Some((sleep, park)) = deadline else {
             armed = false;
             continue;
         };
+        if park {
+            drop(inner);
+            armed = false;
+            std::thread::sleep(sleep.min(PARK_SLICE));
+            continue;
+        }
         if !armed {
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
             for cq in &cqs {
@@ -1076,10 +1138,22 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
         let _ = rustix::event::poll(&mut fds, Some(&ts));
         let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
         drop(fds);
-        for (cq, r) in cqs.iter().zip(ready) {
-            if r {
-                cq.ack_notify();
+        if ready.iter().any(|r| *r) {
+            let Some(inner) = weak.upgrade() else {
+                return;
+            };
+            // Consuming the channel's readiness while an application thread sleeps on it
+            // would leave that thread asleep: it consumes it itself. (The flag changes only
+            // under the core lock.)
+            let core = inner.lock();
+            if !inner.poller.load(Ordering::Acquire) {
+                for (cq, r) in cqs.iter().zip(ready) {
+                    if r {
+                        cq.ack_notify();
+                    }
+                }
             }
+            drop(core);
         }
         armed = false;
     }

@@ -9,6 +9,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -429,18 +430,7 @@ impl SmcStream {
         reader.set_read_timeout(Some(Duration::from_millis(10)))?;
         {
             let mut core = inner.lock();
-            core.slots.insert(
-                id,
-                Slot {
-                    state: SlotState::Setup,
-                    sock: Some(sock.try_clone()?),
-                    error: None,
-                    closed: false,
-                    dropped: false,
-                    token: None,
-                    notify: None,
-                },
-            );
+            core.slots.insert(id, Slot::new(sock.try_clone()?));
             let now = core.now();
             let started = if client {
                 core.ep.connect(id, now)
@@ -503,7 +493,6 @@ impl SmcStream {
                     let now = core.now();
                     core.ep.handle_tcp_reset(id, now);
                     core.drain();
-                    inner.cond.notify_all();
                 }
                 Ok(n) => {
                     tracing::debug!(?id, n, client, "CLC bytes");
@@ -513,7 +502,6 @@ impl SmcStream {
                     let Core { ep, fab, .. } = &mut *core;
                     ep.handle_tcp_data(id, &buf[..n], fab, now);
                     core.drain();
-                    inner.cond.notify_all();
                 }
                 Err(e)
                     if matches!(
@@ -721,21 +709,31 @@ impl SmcStream {
         self.busy_poll = spin;
     }
 
-    /// Wait until the stack made progress (or `wait` passed): spin on the completion queues
-    /// first when busy polling is on, then sleep on the stack's condition variable.
+    /// Wait until the stack made progress on connection `id` (or `wait` passed): spin on the
+    /// completion queues first when busy polling is on; then, unless another application
+    /// thread does already, sleep on the completion channels and handle what arrives in this
+    /// thread (no hop through the runtime thread); otherwise sleep on the connection's
+    /// condition variable.
     fn wait_progress<'a>(
         &self,
         inner: &'a crate::stack::Inner,
+        id: TcpId,
         mut core: std::sync::MutexGuard<'a, Core>,
         wait: Duration,
     ) -> std::sync::MutexGuard<'a, Core> {
+        let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+        // Whether this thread is the poller (the flag changes only under the core lock).
+        let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
         if let Some(spin) = self.busy_poll {
+            // Spinning as the poller keeps the runtime thread off the completion channels,
+            // so the peer rings no doorbell (no system call on either side).
             let until = Instant::now() + spin.min(wait);
-            let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 16];
             loop {
                 if core.poll_completions(&mut wcs) {
                     core.drain();
-                    inner.cond.notify_all();
+                    if polling {
+                        inner.poller.store(false, Ordering::Release);
+                    }
                     return core;
                 }
                 if Instant::now() >= until {
@@ -744,9 +742,63 @@ impl SmcStream {
                 drop(core);
                 std::hint::spin_loop();
                 core = inner.lock();
+                if !polling {
+                    polling = !inner.poller.swap(true, Ordering::AcqRel);
+                }
             }
         }
-        inner.wait(core, wait)
+        if polling {
+            // Arm, then look once more before sleeping (verbs arm-then-recheck).
+            for cq in &inner.cqs {
+                cq.req_notify();
+            }
+            if !core.poll_completions(&mut wcs) {
+                drop(core);
+                let mut fds: Vec<rustix::event::PollFd<'_>> = inner
+                    .cqs
+                    .iter()
+                    .map(|c| {
+                        rustix::event::PollFd::from_borrowed_fd(
+                            c.fd(),
+                            rustix::event::PollFlags::IN,
+                        )
+                    })
+                    .collect();
+                let ts = rustix::event::Timespec {
+                    tv_sec: wait.as_secs() as i64,
+                    tv_nsec: i64::from(wait.subsec_nanos()),
+                };
+                let _ = rustix::event::poll(&mut fds, Some(&ts));
+                let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+                drop(fds);
+                for (cq, r) in inner.cqs.iter().zip(ready) {
+                    if r {
+                        cq.ack_notify();
+                    }
+                }
+                core = inner.lock();
+                core.poll_completions(&mut wcs);
+            }
+            core.drain();
+            inner.poller.store(false, Ordering::Release);
+            return core;
+        }
+        let Some(cond) = core.slots.get_mut(&id).map(|s| {
+            s.waiters += 1;
+            s.cond.clone()
+        }) else {
+            return core;
+        };
+        inner.followers.fetch_add(1, Ordering::AcqRel);
+        let mut core = match cond.wait_timeout(core, wait) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        inner.followers.fetch_sub(1, Ordering::AcqRel);
+        if let Some(s) = core.slots.get_mut(&id) {
+            s.waiters = s.waiters.saturating_sub(1);
+        }
+        core
     }
 
     fn deadline(&self, t: Option<Duration>) -> Option<Instant> {
@@ -799,7 +851,7 @@ impl SmcStream {
                 }
                 None => POLL_SLICE,
             };
-            core = self.wait_progress(&inner, core, wait);
+            core = self.wait_progress(&inner, id, core, wait);
         }
     }
 
@@ -843,7 +895,7 @@ impl SmcStream {
                 }
                 None => POLL_SLICE,
             };
-            core = self.wait_progress(&inner, core, wait);
+            core = self.wait_progress(&inner, id, core, wait);
         }
     }
 }
@@ -973,6 +1025,5 @@ impl Drop for SmcHandle {
         if remove {
             core.slots.remove(&id);
         }
-        self.stack.inner.cond.notify_all();
     }
 }
