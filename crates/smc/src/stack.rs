@@ -41,6 +41,9 @@ const MAX_SLEEP: Duration = Duration::from_millis(20);
 /// While an application thread polls the completion queues, the runtime thread looks again
 /// after at most this long (in case that thread stops polling).
 const PARK_SLICE: Duration = Duration::from_millis(2);
+/// Longest time a small send's producer-cursor update is held back without TCP_NODELAY
+/// (RFC 7609 §4.5.2: coalescing needs a timer that ensures the data is eventually sent).
+const COALESCING_DELAY: Duration = Duration::from_micros(500);
 /// A failed post is reported at the latest after this time (see `Core::failed_posts`).
 const FAILED_POST_GRACE: Duration = Duration::from_millis(100);
 
@@ -587,6 +590,21 @@ impl Core {
         match ev {
             EndpointEvent::Established { tcp, .. } => {
                 self.stats.smc += 1;
+                // TCP_NODELAY is off until the application sets it: small sends are
+                // coalesced while earlier bytes are unconsumed, as TCP's Nagle does.
+                let peer_len = self.ep.connection(tcp).map(|c| c.config().peer_rmbe_len);
+                if let Some(len) = peer_len {
+                    let now = self.now();
+                    let _ = self.ep.set_coalescing(
+                        tcp,
+                        Some(smc_proto::conn::Coalescing {
+                            delay: COALESCING_DELAY,
+                            min_bytes: (len / 4).max(1),
+                            while_unconsumed: true,
+                        }),
+                        now,
+                    );
+                }
                 let token = self
                     .ep
                     .connection(tcp)

@@ -654,13 +654,20 @@ impl SmcStream {
         self.sock.set_nonblocking(nonblocking)
     }
 
-    /// TCP_NODELAY. Over SMC-R the engine never holds back a producer-cursor update unless
-    /// corking or coalescing is configured, and this stack configures neither, so the flag is
-    /// recorded and reported (the endpoint has no per-connection corking setter yet).
+    /// TCP_NODELAY. Over SMC-R, with it off (the default, as in TCP) a small write's
+    /// producer-cursor update (its CDC) is held back while bytes written before are not
+    /// consumed by the peer, until a quarter of the peer's RMBE is unsignalled, the writer
+    /// blocks or reads, or a short timer fires (RFC 7609 §4.5.2 coalescing); with it on
+    /// every write is announced at once.
     pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
         match &self.kind {
             Kind::Tcp { .. } => self.sock.set_nodelay(nodelay),
-            Kind::Smc { .. } => {
+            Kind::Smc(h) => {
+                let mut core = self.stack.inner.lock();
+                let now = core.now();
+                let r = core.ep.set_nodelay(h.id, nodelay, now);
+                core.drain();
+                r.map_err(|e| io::Error::new(io::ErrorKind::NotConnected, e))?;
                 self.nodelay
                     .store(nodelay, std::sync::atomic::Ordering::Relaxed);
                 Ok(())
@@ -837,6 +844,12 @@ impl SmcStream {
             }
             if core.ep.connection(id).is_none() {
                 return Ok(0);
+            }
+            // A reader that waits for the peer gains nothing from holding back the update
+            // of what it wrote (the peer may be waiting for those bytes).
+            let now = core.now();
+            if core.ep.flush(id, now).is_ok() {
+                core.drain();
             }
             if self.nonblocking {
                 return Err(io::ErrorKind::WouldBlock.into());

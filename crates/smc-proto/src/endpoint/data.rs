@@ -7,7 +7,7 @@ use super::{
     Endpoint, EndpointError, EndpointEvent, Entry, RdmaWriteTarget, ReadTarget, TcpId, WrPurpose,
     WriteOutcome,
 };
-use crate::conn::{ApiError, Connection, Event};
+use crate::conn::{ApiError, Coalescing, Connection, Event};
 use crate::fabric::{FabricOp, LgrId, LinkId};
 use crate::rmbe::RmbeRing;
 use crate::time::Timestamp;
@@ -323,6 +323,40 @@ impl Endpoint {
     /// The application consumed `n` bytes.
     pub fn consumed(&mut self, tcp: TcpId, n: u32, now: Timestamp) -> Result<(), EndpointError> {
         self.conn_command(tcp, now, |conn| conn.consumed(n, now))
+    }
+
+    /// TCP_NODELAY of connection `tcp`: off lets coalescing hold small updates (§4.5.2).
+    pub fn set_nodelay(
+        &mut self,
+        tcp: TcpId,
+        nodelay: bool,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.set_nodelay(nodelay, now);
+            Ok(())
+        })
+    }
+
+    /// Coalescing of small sends of connection `tcp` (§4.5.2), or none.
+    pub fn set_coalescing(
+        &mut self,
+        tcp: TcpId,
+        coalescing: Option<Coalescing>,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.set_coalescing(coalescing, now);
+            Ok(())
+        })
+    }
+
+    /// Send a producer-cursor update of `tcp` held back by coalescing now.
+    pub fn flush(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.flush(now);
+            Ok(())
+        })
     }
 
     /// shutdown(SHUT_WR).
