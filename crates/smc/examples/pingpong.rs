@@ -5,6 +5,9 @@
 //! cargo run --release -p smc --example pingpong -- [ROUNDS] [BYTES]
 //! ```
 //!
+//! `PINGPONG_BUFFER=<bytes>` sets the SMC-R receive buffer (RMBE) of both sides (default:
+//! the stack's, 64 KiB).
+//!
 //! The SMC-R server is a second process (this binary re-executed with `PINGPONG_SERVER=1`);
 //! the TCP and Unix-socket servers are threads. Every test connects afresh and sends one
 //! byte naming the test first:
@@ -30,6 +33,12 @@ const BUSY_POLL: Duration = Duration::from_micros(50);
 fn stack(dir: &Path) -> Stack {
     let mut c = StackConfig::new(FabricConfig::with_dir(dir, 2));
     c.discovery = DiscoveryMode::AssertPeer;
+    if let Some(b) = std::env::var("PINGPONG_BUFFER")
+        .ok()
+        .and_then(|b| b.parse().ok())
+    {
+        c.buffer_size = b;
+    }
     Stack::new(c).expect("stack")
 }
 
@@ -82,6 +91,18 @@ fn server_main(dir: PathBuf) {
             let _ = serve(s, |s, busy| s.set_busy_poll(busy.then_some(BUSY_POLL)));
         });
     }
+}
+
+/// Resident set size (VmRSS) from a `/proc/<pid>/status` file, in KiB.
+fn rss_kib(status: &str) -> u64 {
+    std::fs::read_to_string(status)
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -182,13 +203,76 @@ fn main() {
     };
     let tcp_nagle = || TcpStream::connect(tcp_addr).expect("tcp");
     let uds = || UnixStream::connect(&uds_path).expect("uds");
+    // A stack with discovery off: its streams fall back to TCP at once.
+    let fb_stack = {
+        let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
+        c.discovery = DiscoveryMode::Off;
+        Stack::new(c).expect("stack")
+    };
+    let fallback = || {
+        let s = SmcStream::connect_with(&fb_stack, tcp_addr).expect("fallback connect");
+        assert!(matches!(s.mode(), smc::Mode::Tcp(_)));
+        s.set_nodelay(true).expect("nodelay");
+        s
+    };
 
+    // PINGPONG_ONLY=memory: resident memory per idle SMC-R connection (client side).
+    if std::env::var("PINGPONG_ONLY").is_ok_and(|o| o == "memory") {
+        const N: usize = 1000;
+        // One connection first: the link group and its links exist before the baseline.
+        let first = smc(false);
+        let server = format!("/proc/{}/status", child.id());
+        let (before, sbefore) = (rss_kib("/proc/self/status"), rss_kib(&server));
+        let mut conns: Vec<SmcStream> = (0..N).map(|_| smc(false)).collect();
+        let (after, safter) = (rss_kib("/proc/self/status"), rss_kib(&server));
+        let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / N as f64;
+        println!(
+            "{N} idle SMC-R connections: client RSS {before} -> {after} KiB ({:.1} KiB each), \
+             server RSS {sbefore} -> {safter} KiB ({:.1} KiB each, a thread per connection)",
+            per(after, before),
+            per(safter, sbefore),
+        );
+        // Each connection carries a few bytes both ways (its RMBEs get touched).
+        for s in &mut conns {
+            s.write_all(b"p!").expect("ping");
+        }
+        for s in &mut conns {
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b).expect("pong");
+        }
+        let (used, sused) = (rss_kib("/proc/self/status"), rss_kib(&server));
+        println!(
+            "after 1 byte each way: client RSS {used} KiB ({:.1} KiB each), server {sused} KiB \
+             ({:.1} KiB each)",
+            per(used, before),
+            per(sused, sbefore),
+        );
+        drop((first, conns));
+        drop(child.stdin.take());
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    // PINGPONG_ONLY=smc-stream: only SMC-R's 64 KiB streaming (for profiling).
+    if std::env::var("PINGPONG_ONLY").is_ok_and(|o| o == "smc-stream") {
+        let s_smc = stream(smc(false), b's', bytes, 64 * 1024);
+        println!("SMC-R streaming in 64 KiB writes: {s_smc:.1} MB/s");
+        drop(child.stdin.take());
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     println!("1-byte ping-pong, median of {BATCHES} batches, {rounds} round trips in all:");
     let t_tcp = pingpong(tcp(), b'p', rounds);
     let t_uds = pingpong(uds(), b'p', rounds);
     let t_smc = pingpong(smc(false), b'p', rounds);
     let t_smc_busy = pingpong(smc(true), b'P', rounds);
+    let t_fb = pingpong(fallback(), b'p', rounds);
     println!("  TCP loopback          {t_tcp:8.2} µs");
+    println!(
+        "  SmcStream fallen back {t_fb:8.2} µs  ({:.3}× TCP)",
+        t_fb / t_tcp
+    );
     println!("  Unix socket           {t_uds:8.2} µs");
     println!(
         "  SMC-R blocking        {t_smc:8.2} µs  ({:.2}× TCP, {:.2}× UDS)",
@@ -204,7 +288,12 @@ fn main() {
     let s_tcp = stream(tcp(), b's', bytes, 64 * 1024);
     let s_uds = stream(uds(), b's', bytes, 64 * 1024);
     let s_smc = stream(smc(false), b's', bytes, 64 * 1024);
+    let s_fb = stream(fallback(), b's', bytes, 64 * 1024);
     println!("  TCP loopback          {s_tcp:8.1} MB/s");
+    println!(
+        "  SmcStream fallen back {s_fb:8.1} MB/s  ({:.3}× TCP)",
+        s_fb / s_tcp
+    );
     println!("  Unix socket           {s_uds:8.1} MB/s");
     println!(
         "  SMC-R                 {s_smc:8.1} MB/s  ({:.2}× TCP)",

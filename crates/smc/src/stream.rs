@@ -1005,10 +1005,21 @@ impl Write for SmcStream {
         }
     }
 
+    /// Over SMC-R: announce bytes whose producer-cursor update coalescing holds back (see
+    /// [`set_nodelay`](SmcStream::set_nodelay)) now.
     fn flush(&mut self) -> io::Result<()> {
         match &self.kind {
             Kind::Tcp { .. } => self.sock.flush(),
-            Kind::Smc { .. } => Ok(()),
+            Kind::Smc(h) => {
+                let mut core = self.stack.inner.lock();
+                let now = core.now();
+                // A connection that is gone or failed has nothing left to announce; its
+                // error shows at the next read or write.
+                if core.ep.flush(h.id, now).is_ok() {
+                    core.drain();
+                }
+                Ok(())
+            }
         }
     }
 }
