@@ -523,7 +523,10 @@ impl CompletionQueue {
         }
     }
 
-    /// Consume the channel's readiness after [`fd`](Self::fd) was reported readable.
+    /// Consume the channel's readiness after [`fd`](Self::fd) was reported readable. As with a
+    /// verbs CQ, this also disarms the channel (completions and peer SENDs that arrive while
+    /// the consumer is awake ring no doorbell): call [`req_notify`](Self::req_notify) and poll
+    /// once more before waiting again.
     pub fn ack_notify(&self) {
         match &self.inner {
             CqImpl::Shm(c) => c.ack_notify(),

@@ -253,6 +253,53 @@ fn main() {
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }
+    // PINGPONG_ONLY=failover: stream BYTES, take the sending link's device down at 40%,
+    // and report the longest a single write took (the failover's stall).
+    if std::env::var("PINGPONG_ONLY").is_ok_and(|o| o == "failover") {
+        let mut s = smc(false);
+        s.write_all(b"s").expect("kind");
+        s.write_all(&bytes.to_be_bytes()).expect("len");
+        let data = vec![5u8; 64 * 1024];
+        let (mut left, mut worst, mut at) = (bytes, Duration::ZERO, 0u64);
+        let t = Instant::now();
+        let mut failed = false;
+        while left > 0 {
+            let n = left.min(data.len() as u64) as usize;
+            let w = Instant::now();
+            s.write_all(&data[..n]).expect("write");
+            let took = w.elapsed();
+            if took > worst {
+                worst = took;
+                at = bytes - left;
+            }
+            left -= n as u64;
+            if !failed && left < bytes * 6 / 10 {
+                failed = true;
+                let (_, dev) = s.send_link().expect("link");
+                st.set_port_state(&dev, smc_fabric::PortState::Down);
+            }
+        }
+        let mut k = [0u8; 1];
+        s.read_exact(&mut k).expect("ack");
+        println!(
+            "{:.1} MB/s; longest write {worst:?} at byte {at} (failure at {})",
+            bytes as f64 / t.elapsed().as_secs_f64() / 1e6,
+            bytes * 4 / 10
+        );
+        drop(child.stdin.take());
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    // PINGPONG_ONLY=smc-pingpong: only SMC-R's blocking ping-pong (for profiling).
+    if std::env::var("PINGPONG_ONLY").is_ok_and(|o| o == "smc-pingpong") {
+        let t = pingpong(smc(false), b'p', rounds);
+        println!("SMC-R blocking ping-pong: {t:.2} µs");
+        drop(child.stdin.take());
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     // PINGPONG_ONLY=smc-stream: only SMC-R's 64 KiB streaming (for profiling).
     if std::env::var("PINGPONG_ONLY").is_ok_and(|o| o == "smc-stream") {
         let s_smc = stream(smc(false), b's', bytes, 64 * 1024);

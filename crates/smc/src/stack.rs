@@ -2,10 +2,17 @@
 //! smc-fabric devices, with a runtime thread that polls completion queues and fires timers.
 //!
 //! Locking: one mutex guards the endpoint, the fabric objects and the connection table
-//! ([`Core`]). The runtime thread takes it for each batch of completions and timers; the data
-//! path (`SmcStream::read`/`write`) takes it in the calling thread, copies, posts, and
-//! releases it. One condition variable wakes every waiting reader, writer and handshake
-//! after any change.
+//! ([`Core`]). The data path (`SmcStream::read`/`write`) takes it in the calling thread and
+//! copies once: a write posts RDMA WRITEs straight from the application's slice (the shm
+//! fabric executes them at post), a read copies out of our RMB into the application's buffer.
+//!
+//! Progress: a reader or writer that must wait becomes the *poller* unless another thread is:
+//! it sleeps on the completion channels itself and handles what arrives (no hop through the
+//! runtime thread); with busy polling it first spins on the completion queues. Other waiting
+//! threads sleep on their connection's condition variable, signalled by the events of that
+//! connection. The runtime thread fires timers, polls device events, and watches the
+//! completion channels only while no application thread polls (or others wait, a rendezvous
+//! runs, or an event loop waits on a connection's eventfds).
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -41,6 +48,9 @@ const MAX_SLEEP: Duration = Duration::from_millis(20);
 /// While an application thread polls the completion queues, the runtime thread looks again
 /// after at most this long (in case that thread stops polling).
 const PARK_SLICE: Duration = Duration::from_millis(2);
+/// An application thread that became the poller this recently counts as polling (it is
+/// likely between two waits).
+const POLLER_RECENT: Duration = Duration::from_millis(20);
 /// Longest time a small send's producer-cursor update is held back without TCP_NODELAY
 /// (RFC 7609 §4.5.2: coalescing needs a timer that ensures the data is eventually sent).
 const COALESCING_DELAY: Duration = Duration::from_micros(500);
@@ -383,6 +393,11 @@ impl Core {
                 c.w.roce_send(ts, theirs, ours, local_qpn, msg)
             };
         }
+    }
+
+    /// Current time on the endpoint's clock in µs (for atomics).
+    pub(crate) fn now_micros(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Current time on the endpoint's clock.
@@ -763,6 +778,10 @@ pub(crate) struct Inner {
     pub(crate) poller: AtomicBool,
     /// Application threads blocked on a connection's condition variable (not polling).
     pub(crate) followers: AtomicUsize,
+    /// When an application thread last became the poller (µs on the core's clock): an
+    /// application that waits again and again keeps the runtime thread off the channels
+    /// also between its waits.
+    pub(crate) poller_at: AtomicU64,
     pub(crate) discovery: Option<TcpOptionDiscovery>,
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
@@ -914,6 +933,7 @@ impl Stack {
             cqs: cqs.clone(),
             poller: AtomicBool::new(false),
             followers: AtomicUsize::new(0),
+            poller_at: AtomicU64::new(0),
             discovery,
             peer_id,
             next_tcp: AtomicU64::new(1),
@@ -1120,7 +1140,10 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                     .min(MAX_SLEEP);
                 // An application thread polls the completion queues and nobody else waits:
                 // stay off them (both would wake for every message) and only keep time.
-                let park = inner.poller.load(Ordering::Acquire)
+                let recent = now.saturating_duration_since(Timestamp::from_duration(
+                    Duration::from_micros(inner.poller_at.load(Ordering::Acquire)),
+                )) < POLLER_RECENT;
+                let park = (inner.poller.load(Ordering::Acquire) || recent)
                     && inner.followers.load(Ordering::Acquire) == 0
                     && !core.needs_runtime_polling();
                 Some((sleep, park))

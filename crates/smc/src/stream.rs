@@ -755,6 +755,7 @@ impl SmcStream {
             }
         }
         if polling {
+            inner.poller_at.store(core.now_micros(), Ordering::Release);
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
             for cq in &inner.cqs {
                 cq.req_notify();

@@ -948,6 +948,14 @@ impl QpShared {
         let _ = r.consumer.arm_sleep(self.inbound_header());
     }
 
+    /// Withdraw the "receiver sleeps" flag of our receive ring: we are awake, the peer need
+    /// not ring (we arm again, and look once more, before the next sleep).
+    pub(crate) fn disarm_recv_doorbell(&self) {
+        self.inbound_header()
+            .rx_armed
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Post a receive work request.
     pub(crate) fn post_recv(&self, wr: &RecvWr) -> Result<()> {
         let st = self.state();
