@@ -291,10 +291,13 @@ fn main() {
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }
-    // PINGPONG_ONLY=smc-pingpong: only SMC-R's blocking ping-pong (for profiling).
-    if std::env::var("PINGPONG_ONLY").is_ok_and(|o| o == "smc-pingpong") {
-        let t = pingpong(smc(false), b'p', rounds);
-        println!("SMC-R blocking ping-pong: {t:.2} µs");
+    // PINGPONG_ONLY=smc-pingpong / smc-busy: only SMC-R's blocking / busy-polling ping-pong
+    // (for profiling).
+    let only = std::env::var("PINGPONG_ONLY").unwrap_or_default();
+    if only == "smc-pingpong" || only == "smc-busy" {
+        let busy = only == "smc-busy";
+        let t = pingpong(smc(busy), if busy { b'P' } else { b'p' }, rounds);
+        println!("SMC-R ping-pong (busy poll {busy}): {t:.2} µs");
         drop(child.stdin.take());
         let _ = child.wait();
         let _ = std::fs::remove_dir_all(&dir);

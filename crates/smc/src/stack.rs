@@ -1138,14 +1138,17 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                     .map(|t| t.saturating_duration_since(now))
                     .unwrap_or(MAX_SLEEP)
                     .min(MAX_SLEEP);
-                // An application thread polls the completion queues and nobody else waits:
-                // stay off them (both would wake for every message) and only keep time.
+                // An application thread polls the completion queues: stay off them (both
+                // would wake for every message) and only keep time.
                 let recent = now.saturating_duration_since(Timestamp::from_duration(
                     Duration::from_micros(inner.poller_at.load(Ordering::Acquire)),
                 )) < POLLER_RECENT;
-                let park = (inner.poller.load(Ordering::Acquire) || recent)
-                    && inner.followers.load(Ordering::Acquire) == 0
-                    && !core.needs_runtime_polling();
+                // A poller handles every completion (and wakes whoever waits for it); one
+                // that polled recently will likely poll again soon, unless others wait.
+                let park = inner.poller.load(Ordering::Acquire)
+                    || (recent
+                        && inner.followers.load(Ordering::Acquire) == 0
+                        && !core.needs_runtime_polling());
                 Some((sleep, park))
             }
         };
