@@ -336,8 +336,9 @@ pub struct Knobs {
     pub max_steps: usize,
     /// The application sends with [`Endpoint::send_with`] and the fabric executes each RDMA
     /// WRITE at post, as the shm fabric does: a WRITE on a live link lands in the peer's
-    /// memory at once (no replay copy is kept), one on a dead link fails, and one the `drop`
-    /// knob loses is only posted (kept for replay, completes in error).
+    /// memory at once (no replay copy is kept, no completion), every fifth only queues (lands
+    /// one delay later, like the classic path, and is kept for replay), and one on a dead
+    /// link or lost by the `drop` knob fails (not taken, completes in error).
     pub direct_writes: bool,
 }
 
@@ -729,13 +730,14 @@ impl EndpointPair {
             .collect();
         let mut drop = self.knobs.drop.take();
         let mut traced = Vec::new();
-        // (link, wr, rkey, addr, bytes) executed at post; (wr, ok) completions of the rest.
+        // (rkey, addr, bytes) executed at post; work requests that failed.
         let mut placed = Vec::new();
         let mut failed = Vec::new();
+        let mut posted = Vec::new();
         let h = self.host_mut(s);
         let r = h.ep.send_with(tcp, &data, now, |t, piece| {
-            h.outstanding.insert(t.wr, t.link);
             if !alive.get(&t.link).copied().unwrap_or(false) {
+                h.outstanding.insert(t.wr, t.link);
                 traced.push(TraceEntry {
                     at: now,
                     from: s,
@@ -757,17 +759,24 @@ impl EndpointPair {
             let lost = e.lost;
             traced.push(e);
             if lost {
+                // The WRITE failed (on shm a WRITE is executed at post or fails its QP).
+                h.outstanding.insert(t.wr, t.link);
                 failed.push(t.wr);
+                WriteOutcome::Failed
+            } else if t.wr.0 % 5 == 0 {
+                // Now and then a WRITE queues behind earlier work (as on shm when the peer's
+                // ring is full): only posted, it lands later and its bytes are kept for replay.
+                posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
                 WriteOutcome::Posted
             } else {
-                placed.push((t.wr, t.rkey, t.addr, piece.to_vec()));
+                placed.push((t.rkey, t.addr, piece.to_vec()));
                 WriteOutcome::Placed
             }
         });
         self.knobs.drop = drop;
         self.trace.extend(traced);
         let peer = self.host_mut(s.other());
-        for (_, rkey, addr, bytes) in &placed {
+        for (rkey, addr, bytes) in &placed {
             let (lgr, rmb, _) = *peer
                 .res
                 .mrs
@@ -778,17 +787,20 @@ impl EndpointPair {
             assert!(off + bytes.len() <= mem.len(), "RDMA WRITE past the RMB");
             mem[off..off + bytes.len()].copy_from_slice(bytes);
         }
-        let cd = self.knobs.completion_delay;
-        for (wr, ..) in placed {
+        for (link, wr, rkey, addr, data) in posted {
             self.push((
-                at + cd,
-                Item::Completion {
-                    side: s,
+                at,
+                Item::Write {
+                    from: s,
+                    link,
                     wr,
-                    ok: true,
+                    rkey,
+                    addr,
+                    data,
                 },
             ));
         }
+        // Executed WRITEs are unsignaled: no completion.
         for wr in failed {
             self.push((
                 at,

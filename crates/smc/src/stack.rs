@@ -534,7 +534,9 @@ impl Core {
                 data: piece,
                 remote_addr: t.addr,
                 rkey: t.rkey,
-                signaled: true,
+                // Only a failure is of interest (see `Endpoint::send_with`): no completion
+                // to queue and process per WRITE.
+                signaled: false,
             });
             match posted {
                 Ok(PostStatus::Executed) => WriteOutcome::Placed,

@@ -185,9 +185,11 @@ impl Endpoint {
     }
 
     /// Send application bytes with one copy: the caller's `write` posts each RDMA WRITE of
-    /// `data`'s pieces straight from the slice (with the work-request id of the target; its
-    /// completion goes to [`handle_completion`](Self::handle_completion) as usual) and says
-    /// what the fabric did with it ([`WriteOutcome`]). Taken bytes are produced and announced
+    /// `data`'s pieces straight from the slice, unsignaled, and says what the fabric did with
+    /// it ([`WriteOutcome`]). Only a WRITE that [`failed`](WriteOutcome::Failed) keeps its
+    /// work-request id: report it to [`handle_completion`](Self::handle_completion) as failed
+    /// (a WRITE only posted that fails later fails its QP, whose flushed receives report the
+    /// link's failure). Taken bytes are produced and announced
     /// by a CDC; the first WRITE that [`failed`](WriteOutcome::Failed) ends the send (its
     /// bytes and the rest are not taken). Returns how many bytes were taken.
     ///
@@ -232,15 +234,16 @@ impl Endpoint {
         let base = token.vaddr + c.peer_element_offset;
         let keep_all = !c.unacked.is_empty();
         // At most two pieces (the free space may wrap around the end of the RMBE).
-        let pieces: Vec<(u64, u32)> = regions
-            .truncate(n)
-            .iter()
-            .map(|r| (base + u64::from(r.offset), r.len))
-            .collect();
+        let mut pieces = [(0u64, 0u32); 2];
+        let mut count = 0;
+        for (slot, r) in pieces.iter_mut().zip(regions.truncate(n).iter()) {
+            *slot = (base + u64::from(r.offset), r.len);
+            count += 1;
+        }
         let mut done = 0u32;
         // Offset in `data` of the first byte that must be kept for replay.
         let mut keep_from: Option<u32> = keep_all.then_some(0);
-        for (addr, len) in pieces {
+        for &(addr, len) in &pieces[..count] {
             let Some(piece) = data.get(done as usize..(done + len) as usize) else {
                 break;
             };
@@ -252,8 +255,11 @@ impl Endpoint {
                 addr,
             };
             match write(target, piece) {
-                WriteOutcome::Placed => {}
+                WriteOutcome::Placed => {
+                    self.wrs.remove(&wr);
+                }
                 WriteOutcome::Posted => {
+                    self.wrs.remove(&wr);
                     keep_from.get_or_insert(done);
                 }
                 WriteOutcome::Failed => break,

@@ -225,7 +225,7 @@ pub struct ReadTarget {
 pub struct RdmaWriteTarget {
     /// The link (QP) to post the WRITE on.
     pub link: LinkId,
-    /// The work-request id to post it with.
+    /// The work-request id to post it with (unsignaled: see [`Endpoint::send_with`]).
     pub wr: WrId,
     /// The peer's rkey of its RMB on that link.
     pub rkey: u32,
