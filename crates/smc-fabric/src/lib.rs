@@ -132,8 +132,8 @@ pub use config::{DeviceConfig, FabricConfig, Fault};
 pub use error::{FabricError, Result};
 pub use ring::MAX_INLINE;
 pub use types::{
-    AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, QpCaps, QpState, RecvWr,
-    RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, PostStatus, QpCaps, QpState,
+    RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use rustix::fd::BorrowedFd;
@@ -523,7 +523,10 @@ impl CompletionQueue {
         }
     }
 
-    /// Consume the channel's readiness after [`fd`](Self::fd) was reported readable.
+    /// Consume the channel's readiness after [`fd`](Self::fd) was reported readable. As with a
+    /// verbs CQ, this also disarms the channel (completions and peer SENDs that arrive while
+    /// the consumer is awake ring no doorbell): call [`req_notify`](Self::req_notify) and poll
+    /// once more before waiting again.
     pub fn ack_notify(&self) {
         match &self.inner {
             CqImpl::Shm(c) => c.ack_notify(),
@@ -601,6 +604,13 @@ impl QueuePair {
     }
     /// Post a send-queue work request (SEND, RDMA WRITE).
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+        self.post_send_status(wr).map(|_| ())
+    }
+    /// Post a send-queue work request and say whether it was executed at once: an RDMA WRITE
+    /// that reports [`PostStatus::Executed`] has placed its bytes in the peer's memory before
+    /// this returns (the shm backend executes WRITEs at post unless SENDs before them wait for
+    /// room in the peer's ring), so the caller need not keep a copy for a retransmission.
+    pub fn post_send_status(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
         match &self.inner {
             QpImpl::Shm(q) => q.post_send(wr),
         }

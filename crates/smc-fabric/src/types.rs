@@ -384,3 +384,16 @@ impl WorkCompletion {
         self.status == WcStatus::Success
     }
 }
+
+/// What posting a send-queue work request did at once ([`QueuePair::post_send_status`]).
+///
+/// [`QueuePair::post_send_status`]: crate::QueuePair::post_send_status
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostStatus {
+    /// An RDMA WRITE was executed during the post: its bytes are in the peer's memory now
+    /// (its completion, when signaled, still follows the SENDs posted before it).
+    Executed,
+    /// Queued (or flushed, on a QP in the error state): the outcome is reported only by the
+    /// completion. Every SEND reports this.
+    Queued,
+}

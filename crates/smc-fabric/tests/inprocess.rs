@@ -741,3 +741,45 @@ fn receiver_error_delivers_every_acknowledged_send() {
     // Port down instead of a forced error.
     sends_acknowledged_then_receiver_error(2, 5, true);
 }
+
+#[test]
+fn post_status_says_whether_a_write_was_executed() {
+    let cfg = cfg("status");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    let write = |wr_id, at: u64| SendWr::WriteInline {
+        wr_id,
+        data: b"placed",
+        remote_addr: b.rmb.addr() + at,
+        rkey: b.rmb.rkey(),
+        signaled: true,
+    };
+    // Executed at post: the bytes are at the peer before the call returns.
+    assert_eq!(
+        a.qp.post_send_status(&write(1, 64)).unwrap(),
+        PostStatus::Executed
+    );
+    let mut got = [0u8; 6];
+    b.rmb.read_at(64, &mut got).unwrap();
+    assert_eq!(&got, b"placed");
+    assert_eq!(a.next_wc().status, WcStatus::Success);
+    // A SEND is never "executed" in that sense.
+    assert_eq!(
+        a.qp.post_send_status(&SendWr::Send {
+            wr_id: 2,
+            data: b"x",
+            signaled: false
+        })
+        .unwrap(),
+        PostStatus::Queued
+    );
+    // On a QP in the error state a WRITE is flushed, not executed.
+    a.qp.force_error();
+    assert_eq!(
+        a.qp.post_send_status(&write(3, 128)).unwrap(),
+        PostStatus::Queued
+    );
+    b.rmb.read_at(128, &mut got).unwrap();
+    assert_eq!(got, [0u8; 6]);
+}

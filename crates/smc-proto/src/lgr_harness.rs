@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use smc_wire::{ClcMessage, ControlMessage, Gid, LlcMessage, Mac, PeerId, QpMtu, U24};
 
-use crate::endpoint::{Endpoint, EndpointConfig, EndpointEvent, TcpId};
+use crate::endpoint::{Endpoint, EndpointConfig, EndpointEvent, TcpId, WriteOutcome};
 use crate::fabric::{
     Device, DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
 };
@@ -334,6 +334,12 @@ pub struct Knobs {
     pub deliver_tcp_rst: bool,
     /// Bound of the drive loop; exceeding it is a livelock and panics.
     pub max_steps: usize,
+    /// The application sends with [`Endpoint::send_with`] and the fabric executes each RDMA
+    /// WRITE at post, as the shm fabric does: a WRITE on a live link lands in the peer's
+    /// memory at once (no replay copy is kept, no completion), every fifth only queues (lands
+    /// one delay later, like the classic path, and is kept for replay), and one on a dead
+    /// link or lost by the `drop` knob fails (not taken, completes in error).
+    pub direct_writes: bool,
 }
 
 impl fmt::Debug for Knobs {
@@ -345,6 +351,7 @@ impl fmt::Debug for Knobs {
             .field("silent_drop", &self.silent_drop)
             .field("deliver_tcp_rst", &self.deliver_tcp_rst)
             .field("max_steps", &self.max_steps)
+            .field("direct_writes", &self.direct_writes)
             .finish()
     }
 }
@@ -358,6 +365,7 @@ impl Default for Knobs {
             silent_drop: false,
             deliver_tcp_rst: true,
             max_steps: 200_000,
+            direct_writes: false,
         }
     }
 }
@@ -718,24 +726,138 @@ impl EndpointPair {
             .filter(|l| !self.dead.contains(&(s.other(), *l)))
     }
 
+    /// Send side `s`'s queued bytes of `tcp` with [`Endpoint::send_with`], executing WRITEs
+    /// at post (see [`Knobs::direct_writes`]). Returns whether bytes were taken.
+    fn send_direct(&mut self, s: Side, tcp: TcpId) -> bool {
+        let now = self.now;
+        let at = now + self.knobs.delay;
+        let data: Vec<u8> = match self.host(s).tx.get(&tcp) {
+            Some(q) if !q.is_empty() => q.iter().copied().collect(),
+            _ => return false,
+        };
+        let alive: BTreeMap<LinkId, bool> = self
+            .host(s)
+            .qps
+            .keys()
+            .map(|l| (*l, self.peer_link(s, *l).is_some()))
+            .collect();
+        let mut drop = self.knobs.drop.take();
+        let mut traced = Vec::new();
+        // (rkey, addr, bytes) executed at post; work requests that failed.
+        let mut placed = Vec::new();
+        let mut failed = Vec::new();
+        let mut posted = Vec::new();
+        let h = self.host_mut(s);
+        let r = h.ep.send_with(tcp, &data, now, |t, piece| {
+            if !alive.get(&t.link).copied().unwrap_or(false) {
+                h.outstanding.insert(t.wr, t.link);
+                traced.push(TraceEntry {
+                    at: now,
+                    from: s,
+                    what: Traced::Write(t.link, piece.len()),
+                    lost: true,
+                });
+                failed.push(t.wr);
+                return WriteOutcome::Failed;
+            }
+            let mut e = TraceEntry {
+                at: now,
+                from: s,
+                what: Traced::Write(t.link, piece.len()),
+                lost: false,
+            };
+            if let Some(d) = drop.as_mut() {
+                e.lost = d(&e);
+            }
+            let lost = e.lost;
+            traced.push(e);
+            if lost {
+                // The WRITE failed (on shm a WRITE is executed at post or fails its QP).
+                h.outstanding.insert(t.wr, t.link);
+                failed.push(t.wr);
+                WriteOutcome::Failed
+            } else if t.wr.0 % 5 == 0 {
+                // Now and then a WRITE queues behind earlier work (as on shm when the peer's
+                // ring is full): only posted, it lands later and its bytes are kept for replay.
+                posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
+                WriteOutcome::Posted
+            } else {
+                placed.push((t.rkey, t.addr, piece.to_vec()));
+                WriteOutcome::Placed
+            }
+        });
+        self.knobs.drop = drop;
+        self.trace.extend(traced);
+        let peer = self.host_mut(s.other());
+        for (rkey, addr, bytes) in &placed {
+            let (lgr, rmb, _) = *peer
+                .res
+                .mrs
+                .get(rkey)
+                .expect("RDMA WRITE with an unknown rkey");
+            let (vaddr, mem) = peer.res.memory.get_mut(&(lgr, rmb)).expect("RMB memory");
+            let off = addr.checked_sub(*vaddr).expect("address below the RMB") as usize;
+            assert!(off + bytes.len() <= mem.len(), "RDMA WRITE past the RMB");
+            mem[off..off + bytes.len()].copy_from_slice(bytes);
+        }
+        for (link, wr, rkey, addr, data) in posted {
+            self.push((
+                at,
+                Item::Write {
+                    from: s,
+                    link,
+                    wr,
+                    rkey,
+                    addr,
+                    data,
+                },
+            ));
+        }
+        // Executed WRITEs are unsignaled: no completion.
+        for wr in failed {
+            self.push((
+                at,
+                Item::Completion {
+                    side: s,
+                    wr,
+                    ok: false,
+                },
+            ));
+        }
+        match r {
+            Ok(n) if n > 0 => {
+                if let Some(q) = self.host_mut(s).tx.get_mut(&tcp) {
+                    q.drain(..n);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn run_app(&mut self, s: Side) -> bool {
         let now = self.now;
         let mut progress = false;
         let h = self.host_mut(s);
         let conns: Vec<TcpId> = h.established.iter().copied().collect();
         for tcp in conns {
-            let h = self.host_mut(s);
-            if let Some(q) = h.tx.get_mut(&tcp) {
-                if !q.is_empty() {
-                    let data: Vec<u8> = q.iter().copied().collect();
-                    if let Ok(n) = h.ep.send(tcp, &data, now) {
-                        if n > 0 {
-                            q.drain(..n);
-                            progress = true;
+            if self.knobs.direct_writes {
+                progress |= self.send_direct(s, tcp);
+            } else {
+                let h = self.host_mut(s);
+                if let Some(q) = h.tx.get_mut(&tcp) {
+                    if !q.is_empty() {
+                        let data: Vec<u8> = q.iter().copied().collect();
+                        if let Ok(n) = h.ep.send(tcp, &data, now) {
+                            if n > 0 {
+                                q.drain(..n);
+                                progress = true;
+                            }
                         }
                     }
                 }
             }
+            let h = self.host_mut(s);
             if h.auto_read {
                 if let Ok(t) = h.ep.read_target(tcp, now) {
                     let total = t.regions.total();

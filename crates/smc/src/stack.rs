@@ -2,29 +2,36 @@
 //! smc-fabric devices, with a runtime thread that polls completion queues and fires timers.
 //!
 //! Locking: one mutex guards the endpoint, the fabric objects and the connection table
-//! ([`Core`]). The runtime thread takes it for each batch of completions and timers; the data
-//! path (`SmcStream::read`/`write`) takes it in the calling thread, copies, posts, and
-//! releases it. One condition variable wakes every waiting reader, writer and handshake
-//! after any change.
+//! ([`Core`]). The data path (`SmcStream::read`/`write`) takes it in the calling thread and
+//! copies once: a write posts RDMA WRITEs straight from the application's slice (the shm
+//! fabric executes them at post), a read copies out of our RMB into the application's buffer.
+//!
+//! Progress: a reader or writer that must wait becomes the *poller* unless another thread is:
+//! it sleeps on the completion channels itself and handles what arrives (no hop through the
+//! runtime thread); with busy polling it first spins on the completion queues. Other waiting
+//! threads sleep on their connection's condition variable, signalled by the events of that
+//! connection. The runtime thread fires timers, polls device events, and watches the
+//! completion channels only while no application thread polls (or others wait, a rendezvous
+//! runs, or an event loop waits on a connection's eventfds).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use smc_fabric::{
-    AccessFlags, CompletionQueue, Device, DeviceEvent, MemoryRegion, PortState, ProtectionDomain,
-    QpCaps, QueuePair, RecvWr, RemoteQpInfo, SendWr, WorkCompletion,
+    AccessFlags, CompletionQueue, Device, DeviceEvent, MemoryRegion, PortState, PostStatus,
+    ProtectionDomain, QpCaps, QueuePair, RecvWr, RemoteQpInfo, SendWr, WorkCompletion,
 };
-use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId};
+use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId, WriteOutcome};
 use smc_proto::fabric::{
     DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
 };
 use smc_proto::rmb_pool::RmbId;
 use smc_proto::{ConnError, Endpoint, EndpointConfig, Timestamp};
-use smc_wire::{ControlMessage, Cursor, PeerId, QpMtu, U24};
+use smc_wire::{PeerId, QpMtu, U24};
 
 use crate::config::{DiscoveryMode, StackConfig};
 use crate::discovery::TcpOptionDiscovery;
@@ -38,6 +45,15 @@ const RECV_SLOT_LEN: usize = 64;
 const RECV_FLAG: u64 = 1 << 63;
 /// The runtime thread sleeps at most this long (device events are polled, not signalled).
 const MAX_SLEEP: Duration = Duration::from_millis(20);
+/// While an application thread polls the completion queues, the runtime thread looks again
+/// after at most this long (in case that thread stops polling).
+const PARK_SLICE: Duration = Duration::from_millis(2);
+/// An application thread that became the poller this recently counts as polling (it is
+/// likely between two waits).
+const POLLER_RECENT: Duration = Duration::from_millis(20);
+/// Longest time a small send's producer-cursor update is held back without TCP_NODELAY
+/// (RFC 7609 §4.5.2: coalescing needs a timer that ensures the data is eventually sent).
+const COALESCING_DELAY: Duration = Duration::from_micros(500);
 /// A failed post is reported at the latest after this time (see `Core::failed_posts`).
 const FAILED_POST_GRACE: Duration = Duration::from_millis(100);
 
@@ -73,6 +89,28 @@ pub(crate) struct Slot {
     pub(crate) token: Option<u32>,
     /// Event loops waiting on this connection (tokio streams), if any.
     pub(crate) notify: Option<Arc<Notifiers>>,
+    /// Blocked readers and writers of this connection that do not poll the completion
+    /// queues themselves wait here (with the core mutex).
+    pub(crate) cond: Arc<Condvar>,
+    /// How many threads wait on `cond` (it is signalled only then: no system call otherwise).
+    pub(crate) waiters: u32,
+}
+
+impl Slot {
+    /// A new slot in state `Setup` for socket `sock`.
+    pub(crate) fn new(sock: TcpStream) -> Slot {
+        Slot {
+            state: SlotState::Setup,
+            sock: Some(sock),
+            error: None,
+            closed: false,
+            dropped: false,
+            token: None,
+            notify: None,
+            cond: Arc::new(Condvar::new()),
+            waiters: 0,
+        }
+    }
 }
 
 /// Two eventfds per connection, for event loops: one signalled when reading may progress
@@ -118,8 +156,9 @@ pub(crate) struct Fabric {
     pds: Vec<ProtectionDomain>,
     cqs: Vec<CompletionQueue>,
     links: HashMap<LinkId, LinkQp>,
-    /// RMB memory per (group, RMB): one region per device (the shm fabric registers memory
-    /// per device, so the same RMB is a separate region on each device; see `segments`).
+    /// RMB memory per (group, RMB): one registration per device, all of the same memory
+    /// (the first is registered, the others are aliases of it), so WRITEs that arrive over
+    /// either link land in one buffer.
     pub(crate) rmbs: HashMap<(LgrId, RmbId), Vec<Option<MemoryRegion>>>,
     rng: u64,
     /// The fabric's directory, where each open port has a socket `<device>/<gid>.sock`.
@@ -197,9 +236,12 @@ impl Resources for Fabric {
             .entry((lgr, rmb))
             .or_insert_with(|| (0..self.devices.len()).map(|_| None).collect());
         if slots[d].is_none() {
-            let mr = pd
-                .register(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
-                .map_err(|_| ResourceError("RMB registration failed"))?;
+            let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+            let mr = match slots.iter().flatten().next() {
+                Some(first) => pd.register_alias(first, access),
+                None => pd.register(len, access),
+            }
+            .map_err(|_| ResourceError("RMB registration failed"))?;
             slots[d] = Some(mr);
         }
         let mr = slots[d].as_ref().ok_or(ResourceError("RMB missing"))?;
@@ -222,13 +264,6 @@ impl Resources for Fabric {
     fn random_u32(&mut self) -> u32 {
         (self.next_random() >> 32) as u32
     }
-}
-
-/// Which device's region holds the bytes a peer announced up to a producer cursor.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Segment {
-    pub(crate) upto: Cursor,
-    pub(crate) device: usize,
 }
 
 /// Counters of a stack.
@@ -280,8 +315,6 @@ pub(crate) struct Core {
     pub(crate) ep: Endpoint,
     pub(crate) fab: Fabric,
     pub(crate) slots: HashMap<TcpId, Slot>,
-    /// Per local alert token: which device's region holds which announced bytes.
-    pub(crate) segments: HashMap<u32, VecDeque<Segment>>,
     pub(crate) stats: StackStats,
     start: Instant,
     /// Work requests whose post failed synchronously (the QP is in error): reported to the
@@ -374,6 +407,11 @@ impl Core {
                 c.w.roce_send(ts, theirs, ours, local_qpn, msg)
             };
         }
+    }
+
+    /// Current time on the endpoint's clock in µs (for atomics).
+    pub(crate) fn now_micros(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Current time on the endpoint's clock.
@@ -486,8 +524,75 @@ impl Core {
         }
     }
 
-    /// Wake event loops waiting on connection `tcp`.
+    /// Send `buf` on connection `id` with one copy: each RDMA WRITE is posted straight from
+    /// the application's slice (see [`Endpoint::send_with`]).
+    pub(crate) fn send_direct(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        let Core {
+            ep,
+            fab,
+            failed_posts,
+            ..
+        } = self;
+        ep.send_with(id, buf, now, |t, piece| {
+            let Some(l) = fab.links.get(&t.link) else {
+                failed_posts.push((t.wr, t.link, Instant::now()));
+                return WriteOutcome::Failed;
+            };
+            let posted = l.qp.post_send_status(&SendWr::WriteInline {
+                wr_id: t.wr.0,
+                data: piece,
+                remote_addr: t.addr,
+                rkey: t.rkey,
+                // Only a failure is of interest (see `Endpoint::send_with`): no completion
+                // to queue and process per WRITE.
+                signaled: false,
+            });
+            match posted {
+                Ok(PostStatus::Executed) => WriteOutcome::Placed,
+                Ok(PostStatus::Queued) => WriteOutcome::Posted,
+                Err(_) => {
+                    failed_posts.push((t.wr, t.link, Instant::now()));
+                    WriteOutcome::Failed
+                }
+            }
+        })
+    }
+
+    /// Wake the threads blocked on connection `tcp`.
+    pub(crate) fn wake(&self, tcp: TcpId) {
+        if let Some(s) = self.slots.get(&tcp) {
+            if s.waiters > 0 {
+                s.cond.notify_all();
+            }
+        }
+    }
+
+    /// Wake every blocked thread (after changes not tied to one connection).
+    pub(crate) fn wake_all(&self) {
+        for s in self.slots.values() {
+            if s.waiters > 0 {
+                s.cond.notify_all();
+            }
+        }
+    }
+
+    /// Whether the runtime thread must keep polling the completion queues even while an
+    /// application thread does: a rendezvous in progress (its LLC exchanges must not wait for
+    /// an application thread) or an event loop waiting on eventfds.
+    fn needs_runtime_polling(&self) -> bool {
+        self.slots
+            .values()
+            .any(|s| matches!(s.state, SlotState::Setup) || s.notify.is_some())
+    }
+
+    /// Wake event loops and threads waiting on connection `tcp`.
     fn signal(&self, tcp: TcpId, read: bool, write: bool) {
+        self.wake(tcp);
         if let Some(n) = self.slots.get(&tcp).and_then(|s| s.notify.as_ref()) {
             if read {
                 Notifiers::signal(&n.read);
@@ -516,6 +621,21 @@ impl Core {
         match ev {
             EndpointEvent::Established { tcp, .. } => {
                 self.stats.smc += 1;
+                // TCP_NODELAY is off until the application sets it: small sends are
+                // coalesced while earlier bytes are unconsumed, as TCP's Nagle does.
+                let peer_len = self.ep.connection(tcp).map(|c| c.config().peer_rmbe_len);
+                if let Some(len) = peer_len {
+                    let now = self.now();
+                    let _ = self.ep.set_coalescing(
+                        tcp,
+                        Some(smc_proto::conn::Coalescing {
+                            delay: COALESCING_DELAY,
+                            min_bytes: (len / 4).max(1),
+                            while_unconsumed: true,
+                        }),
+                        now,
+                    );
+                }
                 let token = self
                     .ep
                     .connection(tcp)
@@ -564,9 +684,6 @@ impl Core {
                     let remove = match self.slots.get_mut(&tcp) {
                         Some(s) => {
                             s.closed = true;
-                            if let Some(t) = s.token {
-                                self.segments.remove(&t);
-                            }
                             s.dropped
                         }
                         None => false,
@@ -597,7 +714,7 @@ impl Core {
     }
 
     /// One work completion from the completion queue of device `dev`.
-    fn completion(&mut self, dev: usize, wc: &WorkCompletion) {
+    fn completion(&mut self, _dev: usize, wc: &WorkCompletion) {
         let now = self.now();
         if wc.wr_id & RECV_FLAG == 0 {
             self.ep
@@ -621,18 +738,6 @@ impl Core {
         if read.is_err() || reposted.is_err() {
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
-        }
-        if let Ok(ControlMessage::Cdc(cdc)) = ControlMessage::parse(&buf[..len]) {
-            // The peer wrote the bytes this CDC announces over the same link (writes and
-            // the CDC share a QP), so they are in this device's copy of the RMB.
-            let segs = self.segments.entry(cdc.alert_token).or_default();
-            match segs.back_mut() {
-                Some(last) if last.device == dev => last.upto = cdc.producer,
-                _ => segs.push_back(Segment {
-                    upto: cdc.producer,
-                    device: dev,
-                }),
-            }
         }
         self.ep
             .handle_message(link, &buf[..len], &mut self.fab, now);
@@ -682,7 +787,17 @@ fn reset_socket(sock: Option<TcpStream>) {
 pub(crate) struct Inner {
     pub(crate) config: StackConfig,
     pub(crate) core: Mutex<Core>,
-    pub(crate) cond: Condvar,
+    /// The completion queues (one per device), polled by whichever thread needs progress.
+    pub(crate) cqs: Vec<CompletionQueue>,
+    /// An application thread sleeps on the completion channels (the "poller"): it handles
+    /// what arrives itself, without a hop through the runtime thread.
+    pub(crate) poller: AtomicBool,
+    /// Application threads blocked on a connection's condition variable (not polling).
+    pub(crate) followers: AtomicUsize,
+    /// When an application thread last became the poller (µs on the core's clock): an
+    /// application that waits again and again keeps the runtime thread off the channels
+    /// also between its waits.
+    pub(crate) poller_at: AtomicU64,
     pub(crate) discovery: Option<TcpOptionDiscovery>,
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
@@ -703,18 +818,6 @@ impl Inner {
     /// A fresh connection id.
     pub(crate) fn new_tcp_id(&self) -> TcpId {
         TcpId(self.next_tcp.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Wait on the condition variable for at most `timeout`.
-    pub(crate) fn wait<'a>(
-        &self,
-        guard: MutexGuard<'a, Core>,
-        timeout: Duration,
-    ) -> MutexGuard<'a, Core> {
-        match self.cond.wait_timeout(guard, timeout) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        }
     }
 }
 
@@ -829,7 +932,6 @@ impl Stack {
             ep: Endpoint::new(ec),
             fab,
             slots: HashMap::new(),
-            segments: HashMap::new(),
             stats: StackStats::default(),
             start: Instant::now(),
             failed_posts: Vec::new(),
@@ -847,7 +949,10 @@ impl Stack {
         let inner = Arc::new(Inner {
             config,
             core: Mutex::new(core),
-            cond: Condvar::new(),
+            cqs: cqs.clone(),
+            poller: AtomicBool::new(false),
+            followers: AtomicUsize::new(0),
+            poller_at: AtomicU64::new(0),
             discovery,
             peer_id,
             next_tcp: AtomicU64::new(1),
@@ -1044,24 +1149,43 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
             }
             if did {
                 core.drain();
-                inner.cond.notify_all();
+                if !dev_events.is_empty() {
+                    core.wake_all();
+                }
             }
             if did {
                 None
             } else {
-                Some(
-                    core.ep
-                        .poll_timeout()
-                        .map(|t| t.saturating_duration_since(now))
-                        .unwrap_or(MAX_SLEEP)
-                        .min(MAX_SLEEP),
-                )
+                let sleep = core
+                    .ep
+                    .poll_timeout()
+                    .map(|t| t.saturating_duration_since(now))
+                    .unwrap_or(MAX_SLEEP)
+                    .min(MAX_SLEEP);
+                // An application thread polls the completion queues: stay off them (both
+                // would wake for every message) and only keep time.
+                let recent = now.saturating_duration_since(Timestamp::from_duration(
+                    Duration::from_micros(inner.poller_at.load(Ordering::Acquire)),
+                )) < POLLER_RECENT;
+                // A poller handles every completion (and wakes whoever waits for it); one
+                // that polled recently will likely poll again soon, unless others wait.
+                let park = inner.poller.load(Ordering::Acquire)
+                    || (recent
+                        && inner.followers.load(Ordering::Acquire) == 0
+                        && !core.needs_runtime_polling());
+                Some((sleep, park))
             }
         };
-        let Some(sleep) = deadline else {
+        let Some((sleep, park)) = deadline else {
             armed = false;
             continue;
         };
+        if park {
+            drop(inner);
+            armed = false;
+            std::thread::sleep(sleep.min(PARK_SLICE));
+            continue;
+        }
         if !armed {
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
             for cq in &cqs {
@@ -1082,10 +1206,22 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
         let _ = rustix::event::poll(&mut fds, Some(&ts));
         let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
         drop(fds);
-        for (cq, r) in cqs.iter().zip(ready) {
-            if r {
-                cq.ack_notify();
+        if ready.iter().any(|r| *r) {
+            let Some(inner) = weak.upgrade() else {
+                return;
+            };
+            // Consuming the channel's readiness while an application thread sleeps on it
+            // would leave that thread asleep: it consumes it itself. (The flag changes only
+            // under the core lock.)
+            let core = inner.lock();
+            if !inner.poller.load(Ordering::Acquire) {
+                for (cq, r) in cqs.iter().zip(ready) {
+                    if r {
+                        cq.ack_notify();
+                    }
+                }
             }
+            drop(core);
         }
         armed = false;
     }

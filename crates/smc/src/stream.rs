@@ -9,6 +9,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,7 @@ use smc_wire::Cursor;
 use crate::config::DiscoveryMode;
 use crate::discovery::Outcome;
 use crate::error::{conn_error, reset_error, FallbackReason, Mode};
-use crate::stack::{Core, Segment, Slot, SlotState, Stack, StreamEntry};
+use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
 
 /// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
@@ -525,18 +526,7 @@ impl SmcStream {
         reader.set_read_timeout(Some(Duration::from_millis(10)))?;
         {
             let mut core = inner.lock();
-            core.slots.insert(
-                id,
-                Slot {
-                    state: SlotState::Setup,
-                    sock: Some(sock.try_clone()?),
-                    error: None,
-                    closed: false,
-                    dropped: false,
-                    token: None,
-                    notify: None,
-                },
-            );
+            core.slots.insert(id, Slot::new(sock.try_clone()?));
             let now = core.now();
             let started = if client {
                 core.ep.connect_with(id, opts, now)
@@ -602,7 +592,6 @@ impl SmcStream {
                     let now = core.now();
                     core.ep.handle_tcp_reset(id, now);
                     core.drain();
-                    inner.cond.notify_all();
                 }
                 Ok(n) => {
                     tracing::debug!(?id, n, client, "CLC bytes");
@@ -612,7 +601,6 @@ impl SmcStream {
                     let Core { ep, fab, .. } = &mut *core;
                     ep.handle_tcp_data(id, &buf[..n], fab, now);
                     core.drain();
-                    inner.cond.notify_all();
                 }
                 Err(e)
                     if matches!(
@@ -811,13 +799,20 @@ impl SmcStream {
         self.sock.set_nonblocking(nonblocking)
     }
 
-    /// TCP_NODELAY. Over SMC-R the engine never holds back a producer-cursor update unless
-    /// corking or coalescing is configured, and this stack configures neither, so the flag is
-    /// recorded and reported (the endpoint has no per-connection corking setter yet).
+    /// TCP_NODELAY. Over SMC-R, with it off (the default, as in TCP) a small write's
+    /// producer-cursor update (its CDC) is held back while bytes written before are not
+    /// consumed by the peer, until a quarter of the peer's RMBE is unsignalled, the writer
+    /// blocks or reads, or a short timer fires (RFC 7609 §4.5.2 coalescing); with it on
+    /// every write is announced at once.
     pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
         match &self.kind {
             Kind::Tcp { .. } => self.sock.set_nodelay(nodelay),
-            Kind::Smc { .. } => {
+            Kind::Smc(h) => {
+                let mut core = self.stack.inner.lock();
+                let now = core.now();
+                let r = core.ep.set_nodelay(h.id, nodelay, now);
+                core.drain();
+                r.map_err(|e| io::Error::new(io::ErrorKind::NotConnected, e))?;
                 self.nodelay
                     .store(nodelay, std::sync::atomic::Ordering::Relaxed);
                 Ok(())
@@ -866,21 +861,31 @@ impl SmcStream {
         self.busy_poll = spin;
     }
 
-    /// Wait until the stack made progress (or `wait` passed): spin on the completion queues
-    /// first when busy polling is on, then sleep on the stack's condition variable.
+    /// Wait until the stack made progress on connection `id` (or `wait` passed): spin on the
+    /// completion queues first when busy polling is on; then, unless another application
+    /// thread does already, sleep on the completion channels and handle what arrives in this
+    /// thread (no hop through the runtime thread); otherwise sleep on the connection's
+    /// condition variable.
     fn wait_progress<'a>(
         &self,
         inner: &'a crate::stack::Inner,
+        id: TcpId,
         mut core: std::sync::MutexGuard<'a, Core>,
         wait: Duration,
     ) -> std::sync::MutexGuard<'a, Core> {
+        let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+        // Whether this thread is the poller (the flag changes only under the core lock).
+        let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
         if let Some(spin) = self.busy_poll {
+            // Spinning as the poller keeps the runtime thread off the completion channels,
+            // so the peer rings no doorbell (no system call on either side).
             let until = Instant::now() + spin.min(wait);
-            let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 16];
             loop {
                 if core.poll_completions(&mut wcs) {
                     core.drain();
-                    inner.cond.notify_all();
+                    if polling {
+                        inner.poller.store(false, Ordering::Release);
+                    }
                     return core;
                 }
                 if Instant::now() >= until {
@@ -889,9 +894,64 @@ impl SmcStream {
                 drop(core);
                 std::hint::spin_loop();
                 core = inner.lock();
+                if !polling {
+                    polling = !inner.poller.swap(true, Ordering::AcqRel);
+                }
             }
         }
-        inner.wait(core, wait)
+        if polling {
+            inner.poller_at.store(core.now_micros(), Ordering::Release);
+            // Arm, then look once more before sleeping (verbs arm-then-recheck).
+            for cq in &inner.cqs {
+                cq.req_notify();
+            }
+            if !core.poll_completions(&mut wcs) {
+                drop(core);
+                let mut fds: Vec<rustix::event::PollFd<'_>> = inner
+                    .cqs
+                    .iter()
+                    .map(|c| {
+                        rustix::event::PollFd::from_borrowed_fd(
+                            c.fd(),
+                            rustix::event::PollFlags::IN,
+                        )
+                    })
+                    .collect();
+                let ts = rustix::event::Timespec {
+                    tv_sec: wait.as_secs() as i64,
+                    tv_nsec: i64::from(wait.subsec_nanos()),
+                };
+                let _ = rustix::event::poll(&mut fds, Some(&ts));
+                let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+                drop(fds);
+                for (cq, r) in inner.cqs.iter().zip(ready) {
+                    if r {
+                        cq.ack_notify();
+                    }
+                }
+                core = inner.lock();
+                core.poll_completions(&mut wcs);
+            }
+            core.drain();
+            inner.poller.store(false, Ordering::Release);
+            return core;
+        }
+        let Some(cond) = core.slots.get_mut(&id).map(|s| {
+            s.waiters += 1;
+            s.cond.clone()
+        }) else {
+            return core;
+        };
+        inner.followers.fetch_add(1, Ordering::AcqRel);
+        let mut core = match cond.wait_timeout(core, wait) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        inner.followers.fetch_sub(1, Ordering::AcqRel);
+        if let Some(s) = core.slots.get_mut(&id) {
+            s.waiters = s.waiters.saturating_sub(1);
+        }
+        core
     }
 
     fn deadline(&self, t: Option<Duration>) -> Option<Instant> {
@@ -911,7 +971,7 @@ impl SmcStream {
                 let total = target.regions.total();
                 if total > 0 {
                     let n = (total as usize).min(buf.len());
-                    copy_out(&mut core, id, &target, &mut buf[..n])?;
+                    copy_out(&mut core, &target, &mut buf[..n])?;
                     let now = core.now();
                     core.ep
                         .consumed(id, n as u32, now)
@@ -931,6 +991,12 @@ impl SmcStream {
             if core.ep.connection(id).is_none() {
                 return Ok(0);
             }
+            // A reader that waits for the peer gains nothing from holding back the update
+            // of what it wrote (the peer may be waiting for those bytes).
+            let now = core.now();
+            if core.ep.flush(id, now).is_ok() {
+                core.drain();
+            }
             if self.nonblocking {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
@@ -944,7 +1010,7 @@ impl SmcStream {
                 }
                 None => POLL_SLICE,
             };
-            core = self.wait_progress(&inner, core, wait);
+            core = self.wait_progress(&inner, id, core, wait);
         }
     }
 
@@ -960,7 +1026,7 @@ impl SmcStream {
                 return Err(conn_error(e));
             }
             let now = core.now();
-            match core.ep.send(id, buf, now) {
+            match core.send_direct(id, buf, now) {
                 Ok(0) => {}
                 Ok(n) => {
                     core.drain();
@@ -988,74 +1054,36 @@ impl SmcStream {
                 }
                 None => POLL_SLICE,
             };
-            core = self.wait_progress(&inner, core, wait);
+            core = self.wait_progress(&inner, id, core, wait);
         }
     }
 }
 
-/// Copy the first `out.len()` unread bytes of connection `id` out of our RMB. The bytes of
-/// one RMB may sit in the region of either device (the peer writes over the link it sends
-/// on, and the shm fabric registers memory per device), so the copy follows the segments
-/// recorded from the CDCs that announced them.
+/// Copy the first `out.len()` unread bytes of connection `id` out of our RMB (one copy,
+/// straight into the application's buffer). Every device's registration of the RMB is the
+/// same memory, so any of them serves.
 fn copy_out(
     core: &mut Core,
-    id: TcpId,
     target: &smc_proto::endpoint::ReadTarget,
     out: &mut [u8],
 ) -> io::Result<()> {
-    let (token, len, consumer) = match core.ep.connection(id) {
-        Some(c) => (
-            c.config().local_alert_token,
-            c.config().local_rmbe_len,
-            c.consumer_cursor(),
-        ),
-        None => return Err(io::ErrorKind::NotConnected.into()),
-    };
-    // Device of each announced byte range, as distances from the consumer cursor.
-    let mut ranges: Vec<(i64, usize)> = Vec::new();
-    if let Some(segs) = core.segments.get_mut(&token) {
-        while segs
-            .front()
-            .is_some_and(|s| cursor_distance(consumer, s.upto, len) <= 0)
-        {
-            segs.pop_front();
-        }
-        ranges.extend(
-            segs.iter()
-                .map(|s: &Segment| (cursor_distance(consumer, s.upto, len), s.device)),
-        );
-    }
     let regions: &Regions = &target.regions;
-    let rmb = core
+    let mr = core
         .fab
         .rmbs
         .get(&(target.lgr, target.rmb))
+        .and_then(|r| r.iter().flatten().next())
         .ok_or_else(|| io::Error::other("RMB missing"))?;
     let mut done = 0usize;
     for r in regions.iter() {
-        let mut off = 0usize;
-        while off < r.len as usize && done < out.len() {
-            // Which device holds byte `done` (distance from the consumer cursor)?
-            let pos = done as i64;
-            let (end, dev) = ranges
-                .iter()
-                .find(|(upto, _)| *upto > pos)
-                .copied()
-                .unwrap_or((i64::MAX, ranges.last().map(|r| r.1).unwrap_or(0)));
-            let take = (r.len as usize - off)
-                .min(out.len() - done)
-                .min(usize::try_from(end - pos).unwrap_or(usize::MAX));
-            let mr = rmb
-                .get(dev)
-                .and_then(|m| m.as_ref())
-                .or_else(|| rmb.iter().flatten().next())
-                .ok_or_else(|| io::Error::other("RMB region missing"))?;
-            let at = target.element_offset as usize + r.offset as usize + off;
-            mr.read_at(at, &mut out[done..done + take])
-                .map_err(io::Error::other)?;
-            off += take;
-            done += take;
+        if done == out.len() {
+            break;
         }
+        let take = (r.len as usize).min(out.len() - done);
+        let at = target.element_offset as usize + r.offset as usize;
+        mr.read_at(at, &mut out[done..done + take])
+            .map_err(io::Error::other)?;
+        done += take;
     }
     Ok(())
 }
@@ -1123,10 +1151,21 @@ impl Write for SmcStream {
         }
     }
 
+    /// Over SMC-R: announce bytes whose producer-cursor update coalescing holds back (see
+    /// [`set_nodelay`](SmcStream::set_nodelay)) now.
     fn flush(&mut self) -> io::Result<()> {
         match &self.kind {
             Kind::Tcp { .. } => self.sock.flush(),
-            Kind::Smc { .. } => Ok(()),
+            Kind::Smc(h) => {
+                let mut core = self.stack.inner.lock();
+                let now = core.now();
+                // A connection that is gone or failed has nothing left to announce; its
+                // error shows at the next read or write.
+                if core.ep.flush(h.id, now).is_ok() {
+                    core.drain();
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -1156,6 +1195,5 @@ impl Drop for SmcHandle {
         if remove {
             core.slots.remove(&id);
         }
-        self.stack.inner.cond.notify_all();
     }
 }

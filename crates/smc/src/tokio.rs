@@ -204,7 +204,7 @@ impl AsyncWrite for SmcStream {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match &mut self.get_mut().inner {
-            Inner::Smc { .. } => Poll::Ready(Ok(())),
+            Inner::Smc { s, .. } => Poll::Ready(io::Write::flush(s)),
             Inner::Tcp { tcp, .. } => Pin::new(tcp).poll_flush(cx),
         }
     }

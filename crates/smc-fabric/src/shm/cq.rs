@@ -186,6 +186,14 @@ impl CqShared {
 
     /// Reset the channel counter after the eventfd was reported readable.
     pub(crate) fn ack_notify(&self) {
+        // The channel fired: like a verbs CQ it is disarmed until the next `req_notify`, so
+        // completions that arrive while the consumer is awake ring no doorbell.
+        self.armed.store(false, Ordering::Relaxed);
+        for qp in lock(&self.qps).iter() {
+            if std::ptr::eq(Arc::as_ptr(&qp.recv_cq), self) {
+                qp.disarm_recv_doorbell();
+            }
+        }
         // Edge-triggered registrations: fetching the ready events resets the channel; the
         // eventfd counters themselves are never read (a peer cannot drain them for us either).
         let zero = rustix::event::Timespec {

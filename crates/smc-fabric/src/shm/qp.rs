@@ -9,8 +9,8 @@ use super::wire::{self, Msg, Received};
 use crate::error::{FabricError, Result};
 use crate::ring::{ring_bytes, Consumer, Producer, RawSlots, RingHeader, HEADER_SIZE, MAX_INLINE};
 use crate::types::{
-    Gid, LocalQpInfo, Mtu, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode, WcStatus,
-    WorkCompletion,
+    Gid, LocalQpInfo, Mtu, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 use rustix::fd::{AsFd, OwnedFd};
 use std::collections::{HashMap, VecDeque};
@@ -161,6 +161,9 @@ impl Op<'_> {
 enum Exec {
     /// Executed (or flushed); completion if one is due.
     Done(Option<WorkCompletion>),
+    /// An RDMA WRITE was executed: its bytes are in the peer's memory (the completion, if one
+    /// is due now, is returned; otherwise it follows the SENDs before it).
+    Written(Option<WorkCompletion>),
     /// The peer's receive ring is full; retry later.
     Full,
     /// Failed: the completion carries the error and the QP must enter the error state.
@@ -508,7 +511,8 @@ impl QpShared {
     }
 
     /// Post a send-queue work request.
-    pub(crate) fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
+    pub(crate) fn post_send(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
+        let mut status = PostStatus::Queued;
         let st = self.state();
         match st {
             QpState::Rts => {}
@@ -519,7 +523,7 @@ impl QpShared {
                 };
                 self.send_cq
                     .push(wc(wr.wr_id(), WcStatus::WrFlushError, op, 0, self.qpn));
-                return Ok(());
+                return Ok(PostStatus::Queued);
             }
             s => return Err(FabricError::InvalidState(s)),
         }
@@ -601,6 +605,12 @@ impl QpShared {
                 match self.exec(&mut s.out, wr.wr_id(), op, opcode, signaled) {
                     Exec::Done(Some(c)) => self.send_cq.push(c),
                     Exec::Done(None) => {}
+                    Exec::Written(c) => {
+                        status = PostStatus::Executed;
+                        if let Some(c) = c {
+                            self.send_cq.push(c);
+                        }
+                    }
                     Exec::Fatal(c) => {
                         self.flush_inflight(&mut s.out);
                         self.send_cq.push(c);
@@ -622,7 +632,7 @@ impl QpShared {
         if fatal {
             self.enter_error("work request failed");
         }
-        queued
+        queued.map(|()| status)
     }
 
     fn enqueue(
@@ -748,7 +758,7 @@ impl QpShared {
             };
             match res {
                 Exec::Full => break,
-                Exec::Done(c) => {
+                Exec::Done(c) | Exec::Written(c) => {
                     pending.pop_front();
                     if let Some(c) = c {
                         self.send_cq.push(c);
@@ -901,9 +911,9 @@ impl QpShared {
                         signaled,
                         seq: o.sent,
                     });
-                    return Exec::Done(None);
+                    return Exec::Written(None);
                 }
-                Exec::Done(
+                Exec::Written(
                     signaled.then(|| wc(wr_id, WcStatus::Success, opcode, len as u32, self.qpn)),
                 )
             }
@@ -936,6 +946,14 @@ impl QpShared {
         let r = lock(&self.recv);
         // Data that is already waiting is picked up by the caller's re-poll.
         let _ = r.consumer.arm_sleep(self.inbound_header());
+    }
+
+    /// Withdraw the "receiver sleeps" flag of our receive ring: we are awake, the peer need
+    /// not ring (we arm again, and look once more, before the next sleep).
+    pub(crate) fn disarm_recv_doorbell(&self) {
+        self.inbound_header()
+            .rx_armed
+            .store(0, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Post a receive work request.

@@ -27,6 +27,10 @@ pub struct Coalescing {
     pub delay: Duration,
     /// Unsignalled bytes at or above which the update is sent at once.
     pub min_bytes: u32,
+    /// Hold an update only while bytes we announced before are not consumed by the peer
+    /// (as far as its consumer cursor tells), as Nagle's algorithm holds small segments only
+    /// while data is unacknowledged: a send after the peer caught up goes out at once.
+    pub while_unconsumed: bool,
 }
 
 /// Parameters of one connection, fixed at rendezvous.
@@ -509,6 +513,21 @@ impl Connection {
         self.sync_timers(now);
     }
 
+    /// Coalescing of small sends (§4.5.2), or none.
+    pub fn set_coalescing(&mut self, coalescing: Option<Coalescing>, now: Timestamp) {
+        self.config.coalescing = coalescing;
+        self.sync_timers(now);
+    }
+
+    /// Send a producer-cursor update held back by coalescing now (the application waits for
+    /// the peer, so holding it back gains nothing). TCP_CORK still holds.
+    pub fn flush(&mut self, now: Timestamp) {
+        if !self.cork && self.prod != self.prod_sent {
+            self.flush_due = true;
+        }
+        self.sync_timers(now);
+    }
+
     /// TCP_NODELAY: disables coalescing of small sends (TCP_CORK still applies, as in TCP).
     pub fn set_nodelay(&mut self, nodelay: bool, now: Timestamp) {
         self.nodelay = nodelay;
@@ -601,7 +620,8 @@ impl Connection {
                     .peer_ring
                     .distance(self.prod_sent, self.prod)
                     .unwrap_or(u32::MAX);
-                unsignalled < c.min_bytes
+                let outstanding = self.peer_cons != self.prod_sent;
+                unsignalled < c.min_bytes && (outstanding || !c.while_unconsumed)
             }
             _ => false,
         }

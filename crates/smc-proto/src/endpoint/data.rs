@@ -3,8 +3,11 @@
 
 use smc_wire::{CdcMessage, ConnStateFlags, Cursor, ProducerFlags};
 
-use super::{Endpoint, EndpointError, EndpointEvent, Entry, ReadTarget, TcpId, WrPurpose};
-use crate::conn::{ApiError, Connection, Event};
+use super::{
+    Endpoint, EndpointError, EndpointEvent, Entry, RdmaWriteTarget, ReadTarget, TcpId, WrPurpose,
+    WriteOutcome,
+};
+use crate::conn::{ApiError, Coalescing, Connection, Event};
 use crate::fabric::{FabricOp, LgrId, LinkId};
 use crate::rmbe::RmbeRing;
 use crate::time::Timestamp;
@@ -181,6 +184,117 @@ impl Endpoint {
         Ok(n as usize)
     }
 
+    /// Send application bytes with one copy: the caller's `write` posts each RDMA WRITE of
+    /// `data`'s pieces straight from the slice, unsignaled, and says what the fabric did with
+    /// it ([`WriteOutcome`]). Only a WRITE that [`failed`](WriteOutcome::Failed) keeps its
+    /// work-request id: report it to [`handle_completion`](Self::handle_completion) as failed
+    /// (a WRITE only posted that fails later fails its QP, whose flushed receives report the
+    /// link's failure). Taken bytes are produced and announced
+    /// by a CDC; the first WRITE that [`failed`](WriteOutcome::Failed) ends the send (its
+    /// bytes and the rest are not taken). Returns how many bytes were taken.
+    ///
+    /// Bytes [`placed`](WriteOutcome::Placed) need no replay copy: they are in the peer's
+    /// RMBE before the CDC that announces them is posted, so after a failover only a CDC is
+    /// sent again (the fresh CDC of the failover re-announces the producer cursor). Bytes
+    /// only [`posted`](WriteOutcome::Posted) are kept for replay until known received, as
+    /// with [`send`](Self::send).
+    pub fn send_with(
+        &mut self,
+        tcp: TcpId,
+        data: &[u8],
+        now: Timestamp,
+        mut write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
+    ) -> Result<usize, EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        let regions = c.conn.write_regions();
+        let n = regions
+            .total()
+            .min(u32::try_from(data.len()).unwrap_or(u32::MAX));
+        if n == 0 {
+            c.conn.set_send_backlog(data.len() as u64, now);
+            self.after_conn(tcp, now);
+            return Ok(0);
+        }
+        let Some(g) = self.lgrs.get(&c.lgr) else {
+            return Err(EndpointError::NotEstablished);
+        };
+        let Some(token) = g
+            .peer_rmbs
+            .get(c.peer_rmb)
+            .and_then(|r| r.tokens.get(&c.send_link))
+            .copied()
+        else {
+            return Err(EndpointError::NotEstablished);
+        };
+        let Some(link) = g.links.get(&c.send_link).map(|l| l.id) else {
+            return Err(EndpointError::NotEstablished);
+        };
+        let base = token.vaddr + c.peer_element_offset;
+        let keep_all = !c.unacked.is_empty();
+        // At most two pieces (the free space may wrap around the end of the RMBE).
+        let mut pieces = [(0u64, 0u32); 2];
+        let mut count = 0;
+        for (slot, r) in pieces.iter_mut().zip(regions.truncate(n).iter()) {
+            *slot = (base + u64::from(r.offset), r.len);
+            count += 1;
+        }
+        let mut done = 0u32;
+        // Offset in `data` of the first byte that must be kept for replay.
+        let mut keep_from: Option<u32> = keep_all.then_some(0);
+        for &(addr, len) in &pieces[..count] {
+            let Some(piece) = data.get(done as usize..(done + len) as usize) else {
+                break;
+            };
+            let wr = self.new_wr(WrPurpose::Write { tcp, link });
+            let target = RdmaWriteTarget {
+                link,
+                wr,
+                rkey: token.rkey,
+                addr,
+            };
+            match write(target, piece) {
+                WriteOutcome::Placed => {
+                    self.wrs.remove(&wr);
+                }
+                WriteOutcome::Posted => {
+                    self.wrs.remove(&wr);
+                    keep_from.get_or_insert(done);
+                }
+                WriteOutcome::Failed => break,
+            }
+            done += len;
+        }
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(EndpointError::NotEstablished);
+        };
+        if done == 0 {
+            // The link refused the WRITE (its failure is on its way): nothing was taken.
+            return Ok(0);
+        }
+        let before = c.conn.producer_cursor();
+        c.conn.produced(done, now)?;
+        match keep_from {
+            // Nothing awaits replay: the replay window starts after these bytes.
+            None => c.unacked_from = c.conn.producer_cursor(),
+            Some(k) => {
+                if c.unacked.is_empty() {
+                    if let Ok(ring) =
+                        RmbeRing::new(c.conn.config().layout, c.conn.config().peer_rmbe_len)
+                    {
+                        c.unacked_from = ring.advance(before, k);
+                    }
+                }
+                c.unacked.extend(&data[k as usize..done as usize]);
+            }
+        }
+        c.conn
+            .set_send_backlog((data.len() - done as usize) as u64, now);
+        self.after_conn(tcp, now);
+        Ok(done as usize)
+    }
+
     /// RDMA-write each (address, bytes) of `writes` into the peer's RMB `rkey` over `link`,
     /// for connection `tcp`.
     fn post_writes(&mut self, tcp: TcpId, link: LinkId, rkey: u32, writes: Vec<(u64, Vec<u8>)>) {
@@ -215,6 +329,40 @@ impl Endpoint {
     /// The application consumed `n` bytes.
     pub fn consumed(&mut self, tcp: TcpId, n: u32, now: Timestamp) -> Result<(), EndpointError> {
         self.conn_command(tcp, now, |conn| conn.consumed(n, now))
+    }
+
+    /// TCP_NODELAY of connection `tcp`: off lets coalescing hold small updates (§4.5.2).
+    pub fn set_nodelay(
+        &mut self,
+        tcp: TcpId,
+        nodelay: bool,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.set_nodelay(nodelay, now);
+            Ok(())
+        })
+    }
+
+    /// Coalescing of small sends of connection `tcp` (§4.5.2), or none.
+    pub fn set_coalescing(
+        &mut self,
+        tcp: TcpId,
+        coalescing: Option<Coalescing>,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.set_coalescing(coalescing, now);
+            Ok(())
+        })
+    }
+
+    /// Send a producer-cursor update of `tcp` held back by coalescing now.
+    pub fn flush(&mut self, tcp: TcpId, now: Timestamp) -> Result<(), EndpointError> {
+        self.conn_command(tcp, now, |conn| {
+            conn.flush(now);
+            Ok(())
+        })
     }
 
     /// shutdown(SHUT_WR).

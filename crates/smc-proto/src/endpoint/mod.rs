@@ -219,6 +219,31 @@ pub struct ReadTarget {
     pub regions: crate::rmbe::Regions,
 }
 
+/// Where one RDMA WRITE of [`Endpoint::send_with`] goes: the peer's RMB on the link the
+/// connection sends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RdmaWriteTarget {
+    /// The link (QP) to post the WRITE on.
+    pub link: LinkId,
+    /// The work-request id to post it with (unsignaled: see [`Endpoint::send_with`]).
+    pub wr: WrId,
+    /// The peer's rkey of its RMB on that link.
+    pub rkey: u32,
+    /// Remote address of the first byte.
+    pub addr: u64,
+}
+
+/// What the fabric did with one RDMA WRITE of [`Endpoint::send_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WriteOutcome {
+    /// Executed during the post: the bytes are in the peer's memory.
+    Placed,
+    /// Posted; the bytes reach the peer by the time the WRITE completes successfully.
+    Posted,
+    /// Not posted (the link failed): the bytes were not taken.
+    Failed,
+}
+
 /// Misuse of the endpoint API (never the peer's fault).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum EndpointError {

@@ -183,6 +183,7 @@ fn cfg(coalescing: Option<Coalescing>, nodelay: bool) -> Pair {
 const COALESCE: Coalescing = Coalescing {
     delay: Duration::from_millis(1),
     min_bytes: 1000,
+    while_unconsumed: false,
 };
 
 #[test]
@@ -203,6 +204,43 @@ fn coalescing_holds_small_sends_until_threshold() {
     assert_eq!(m.producer, Cursor::new(0, 1100));
     assert_eq!(p.a.conn.stats().cdc_sent, 1);
     assert_eq!(p.a.conn.timer(ConnTimer::Flush), None);
+}
+
+/// The Nagle-like mode: an update is held only while bytes announced earlier are not
+/// consumed; the peer's consumer cursor catching up releases it, and so does `flush`.
+#[test]
+fn coalescing_while_unconsumed_holds_only_behind_unconsumed_bytes() {
+    let nagle = Coalescing {
+        while_unconsumed: true,
+        ..COALESCE
+    };
+    let mut p = cfg(Some(nagle), false);
+    // Nothing outstanding: the first small send goes out at once.
+    p.app_send(Side::A, &[1; 10]);
+    p.pump(Side::A);
+    assert_eq!(deliver_cdc(&mut p, Side::B).producer, Cursor::new(0, 10));
+    // Behind 10 unconsumed bytes: held, with the flush timer armed.
+    p.app_send(Side::A, &[2; 10]);
+    p.pump(Side::A);
+    assert!(p.wire.is_empty());
+    assert!(p.a.conn.timer(ConnTimer::Flush).is_some());
+    // B consumes and answers with data: its CDC carries consumer cursor 10, A caught up.
+    assert_eq!(p.read(Side::B, 100), 10);
+    p.app_send(Side::B, &[3; 1]);
+    p.pump(Side::B);
+    let m = deliver_cdc(&mut p, Side::A);
+    assert_eq!(m.consumer, Cursor::new(0, 10));
+    p.flush(Side::A);
+    assert_eq!(deliver_cdc(&mut p, Side::B).producer, Cursor::new(0, 20));
+    assert_eq!(p.a.conn.timer(ConnTimer::Flush), None);
+    // Held again behind the unconsumed 10: an explicit flush releases it.
+    p.app_send(Side::A, &[4; 10]);
+    p.pump(Side::A);
+    assert!(p.wire.is_empty());
+    let now = p.now;
+    p.a.conn.flush(now);
+    p.flush(Side::A);
+    assert_eq!(deliver_cdc(&mut p, Side::B).producer, Cursor::new(0, 30));
 }
 
 #[test]

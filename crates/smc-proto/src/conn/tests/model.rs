@@ -52,6 +52,7 @@ proptest! {
         len_a in 8u32..3000,
         len_b in 8u32..3000,
         coalesce in any::<bool>(),
+        coalesce_nagle in any::<bool>(),
         ops in proptest::collection::vec(op(), 1..150),
     ) {
         let layout = if rfc { RmbeLayout::Rfc } else { RmbeLayout::Linux };
@@ -59,7 +60,7 @@ proptest! {
         ca.peer_rmbe_len = len_b;
         cb.local_rmbe_len = len_b;
         if coalesce {
-            let c = Coalescing { delay: Duration::from_millis(1), min_bytes: 512 };
+            let c = Coalescing { delay: Duration::from_millis(1), min_bytes: 512, while_unconsumed: coalesce_nagle };
             ca.coalescing = Some(c);
             cb.coalescing = Some(c);
         }

@@ -32,6 +32,8 @@ fn chaos_run(seed: u64) {
     );
     p.knobs.completion_delay = Duration::from_micros(rng.below(300));
     p.knobs.silent_drop = rng.below(2) == 0;
+    // Half the runs send as the runtime does: WRITEs executed at post, no replay copy.
+    p.knobs.direct_writes = seed % 2 == 1;
     let loss = rng.below(40);
     let mut drop_rng = Rng::new(seed ^ 0xABCD);
     p.knobs.drop = Some(Box::new(move |e| {

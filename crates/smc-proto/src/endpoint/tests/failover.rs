@@ -18,6 +18,8 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize, link: u8) -> EndpointPa
     let mut p = EndpointPair::new(config(Side::A, 2), config(Side::B, 2), seed);
     // Completions late or not: SS lags behind what the peer received by varying amounts.
     p.knobs.completion_delay = Duration::from_micros([0, 25, 400][(seed % 3) as usize]);
+    // Half the runs send as the runtime does: WRITEs executed at post, no replay copy.
+    p.knobs.direct_writes = seed % 4 >= 2;
     p.connect(T1);
     p.run();
     p.connect(TcpId(2));
