@@ -85,7 +85,7 @@ fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
             continue;
         }
         let mut core = inner.lock();
-        let mut reset = false;
+        let mut reset = Vec::new();
         for ev in &events {
             let id = TcpId(ev.data.u64());
             let Some(sock) = core.slots.get(&id).and_then(|s| s.sock.as_ref()) else {
@@ -97,13 +97,14 @@ fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
                 let now = core.now();
                 core.ep.handle_tcp_reset(id, now);
                 core.stats.tcp_resets += 1;
-                reset = true;
+                reset.push(id);
             }
         }
-        if reset {
+        if !reset.is_empty() {
             core.drain();
-            drop(core);
-            inner.cond.notify_all();
+            for id in reset {
+                core.wake(id);
+            }
         }
     }
 }
