@@ -322,6 +322,9 @@ pub(crate) struct Core {
     /// arrived before the failure is processed first (otherwise failover validation would
     /// see a lost CDC), or after [`FAILED_POST_GRACE`].
     failed_posts: Vec<(WrId, LinkId, Instant)>,
+    /// Work requests that found their link's send queue full, in posting order: posted as
+    /// completions make room (back-pressure, as an RNIC's bounded send queue gives).
+    deferred: HashMap<LinkId, std::collections::VecDeque<Deferred>>,
     /// Links whose receive queue was flushed (their arrived messages are all processed).
     flushed: std::collections::HashSet<LinkId>,
     /// Open streams by registration number (for `smc ss`).
@@ -481,17 +484,7 @@ impl Core {
             }
             FabricOp::PostSend { link, wr, msg } => {
                 self.capture_roce(link, true, &msg);
-                let ok = self.fab.links.get(&link).is_some_and(|l| {
-                    l.qp.post_send(&SendWr::Send {
-                        wr_id: wr.0,
-                        data: &msg,
-                        signaled: true,
-                    })
-                    .is_ok()
-                });
-                if !ok {
-                    self.failed_posts.push((wr, link, Instant::now()));
-                }
+                self.post_or_defer(link, Deferred::Send { wr, msg });
             }
             FabricOp::RdmaWrite {
                 link,
@@ -500,23 +493,22 @@ impl Core {
                 addr,
                 data,
             } => {
-                let ok = self.fab.links.get(&link).is_some_and(|l| {
-                    l.qp.post_send(&SendWr::WriteInline {
-                        wr_id: wr.0,
-                        data: &data,
-                        remote_addr: addr,
-                        rkey,
-                        signaled: true,
-                    })
-                    .is_ok()
-                });
-                if !ok {
-                    self.failed_posts.push((wr, link, Instant::now()));
-                }
+                let op = Deferred::Write {
+                    wr,
+                    rkey,
+                    addr,
+                    data: data.to_vec(),
+                    signaled: true,
+                };
+                self.post_or_defer(link, op);
             }
             FabricOp::DestroyQp { link } => {
                 self.fab.links.remove(&link);
                 self.flushed.remove(&link);
+                // What never reached the queue fails like the rest of the link's work.
+                for op in self.deferred.remove(&link).into_iter().flatten() {
+                    self.failed_posts.push((op.wr(), link, Instant::now()));
+                }
             }
             FabricOp::FreeRmb { lgr, rmb } => {
                 self.fab.rmbs.remove(&(lgr, rmb));
@@ -536,6 +528,7 @@ impl Core {
             ep,
             fab,
             failed_posts,
+            deferred,
             ..
         } = self;
         ep.send_with(id, buf, now, |t, piece| {
@@ -543,6 +536,25 @@ impl Core {
                 failed_posts.push((t.wr, t.link, Instant::now()));
                 return WriteOutcome::Failed;
             };
+            let defer = |deferred: &mut HashMap<LinkId, std::collections::VecDeque<Deferred>>| {
+                deferred
+                    .entry(t.link)
+                    .or_default()
+                    .push_back(Deferred::Write {
+                        wr: t.wr,
+                        rkey: t.rkey,
+                        addr: t.addr,
+                        data: piece.to_vec(),
+                        signaled: false,
+                    });
+                // Queued in software: the engine keeps its replay copy until the CDC after it
+                // completes.
+                WriteOutcome::Posted
+            };
+            if deferred.get(&t.link).is_some_and(|q| !q.is_empty()) {
+                // Behind work already waiting for room: keep the order.
+                return defer(deferred);
+            }
             let posted = l.qp.post_send_status(&SendWr::WriteInline {
                 wr_id: t.wr.0,
                 data: piece,
@@ -555,6 +567,7 @@ impl Core {
             match posted {
                 Ok(PostStatus::Executed) => WriteOutcome::Placed,
                 Ok(PostStatus::Queued) => WriteOutcome::Posted,
+                Err(smc_fabric::FabricError::QueueFull) => defer(deferred),
                 Err(_) => {
                     failed_posts.push((t.wr, t.link, Instant::now()));
                     WriteOutcome::Failed
@@ -710,7 +723,55 @@ impl Core {
             }
             any |= n > 0;
         }
+        if !self.deferred.is_empty() {
+            any |= self.post_deferred();
+        }
         any
+    }
+
+    /// Post `op` on `link`, or queue it when the link's send queue is full (or work is
+    /// already waiting there, to keep the order); any other error fails it.
+    fn post_or_defer(&mut self, link: LinkId, op: Deferred) {
+        if self.deferred.get(&link).is_some_and(|q| !q.is_empty()) {
+            self.deferred.entry(link).or_default().push_back(op);
+            return;
+        }
+        match self.fab.links.get(&link).map(|l| op.post(&l.qp)) {
+            Some(Ok(())) => {}
+            Some(Err(smc_fabric::FabricError::QueueFull)) => {
+                self.deferred.entry(link).or_default().push_back(op);
+            }
+            _ => self.failed_posts.push((op.wr(), link, Instant::now())),
+        }
+    }
+
+    /// Post the deferred work requests for which the send queues now have room. Returns
+    /// whether any was posted or failed.
+    fn post_deferred(&mut self) -> bool {
+        let mut progress = false;
+        let links: Vec<LinkId> = self.deferred.keys().copied().collect();
+        for link in links {
+            let Some(mut q) = self.deferred.remove(&link) else {
+                continue;
+            };
+            while let Some(op) = q.pop_front() {
+                match self.fab.links.get(&link).map(|l| op.post(&l.qp)) {
+                    Some(Ok(())) => progress = true,
+                    Some(Err(smc_fabric::FabricError::QueueFull)) => {
+                        q.push_front(op);
+                        break;
+                    }
+                    _ => {
+                        self.failed_posts.push((op.wr(), link, Instant::now()));
+                        progress = true;
+                    }
+                }
+            }
+            if !q.is_empty() {
+                self.deferred.insert(link, q);
+            }
+        }
+        progress
     }
 
     /// One work completion from the completion queue of device `dev`.
@@ -773,6 +834,53 @@ impl Core {
             self.ep.handle_completion(*wr, false, &mut self.fab, now);
         }
         !due.is_empty()
+    }
+}
+
+/// A work request waiting for room in its link's send queue.
+#[derive(Debug)]
+enum Deferred {
+    /// An LLC or CDC message.
+    Send { wr: WrId, msg: [u8; 44] },
+    /// An RDMA WRITE of application bytes (copied: the application's slice is gone).
+    Write {
+        wr: WrId,
+        rkey: u32,
+        addr: u64,
+        data: Vec<u8>,
+        /// Whether a success completes too (the direct send path wants only failures).
+        signaled: bool,
+    },
+}
+
+impl Deferred {
+    fn wr(&self) -> WrId {
+        match self {
+            Deferred::Send { wr, .. } | Deferred::Write { wr, .. } => *wr,
+        }
+    }
+
+    fn post(&self, qp: &smc_fabric::QueuePair) -> smc_fabric::Result<()> {
+        match self {
+            Deferred::Send { wr, msg } => qp.post_send(&SendWr::Send {
+                wr_id: wr.0,
+                data: msg,
+                signaled: true,
+            }),
+            Deferred::Write {
+                wr,
+                rkey,
+                addr,
+                data,
+                signaled,
+            } => qp.post_send(&SendWr::WriteInline {
+                wr_id: wr.0,
+                data,
+                remote_addr: *addr,
+                rkey: *rkey,
+                signaled: *signaled,
+            }),
+        }
     }
 }
 
@@ -935,6 +1043,7 @@ impl Stack {
             stats: StackStats::default(),
             start: Instant::now(),
             failed_posts: Vec::new(),
+            deferred: HashMap::new(),
             flushed: Default::default(),
             streams: Default::default(),
             next_stream: 1,

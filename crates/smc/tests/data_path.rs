@@ -139,3 +139,30 @@ fn stream_survives_link_failure() {
     assert_ne!(now_on, dev, "the connection moved off the failed device");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// With TCP_NODELAY every 1-byte write is announced by its own CDC; a reader that stops for
+/// a while lets thousands of them pile up. The send queue filling up is back-pressure, not a
+/// link failure: every byte arrives, in order, and the connection stays on its link group.
+#[test]
+fn nodelay_one_byte_writes_against_a_paused_reader() {
+    let dir = test_dir("nodelay1");
+    let (a, b, mut server, client) = pair(&dir, 64 * 1024);
+    client.set_nodelay(true).expect("nodelay");
+    let n = 20_000usize;
+    let data = pattern(n, 9);
+    let expect = data.clone();
+    let writer = std::thread::spawn(move || {
+        let mut client = client;
+        for byte in data.chunks(1) {
+            client.write_all(byte).expect("write");
+        }
+        client
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let mut got = vec![0u8; n];
+    server.read_exact(&mut got).expect("read");
+    assert!(got == expect, "bytes differ");
+    let _client = writer.join().expect("writer");
+    assert_eq!(a.stats().links_down + b.stats().links_down, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
