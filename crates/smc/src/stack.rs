@@ -516,12 +516,33 @@ impl Core {
         }
     }
 
+    /// [`send_direct`](Self::send_direct) for urgent data: all of `buf` or nothing, its last
+    /// byte urgent (see [`Endpoint::send_urgent_with`]).
+    pub(crate) fn send_urgent_direct(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        self.send_direct_inner(id, buf, true, now)
+    }
+
     /// Send `buf` on connection `id` with one copy: each RDMA WRITE is posted straight from
     /// the application's slice (see [`Endpoint::send_with`]).
     pub(crate) fn send_direct(
         &mut self,
         id: TcpId,
         buf: &[u8],
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        self.send_direct_inner(id, buf, false, now)
+    }
+
+    fn send_direct_inner(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        urgent: bool,
         now: Timestamp,
     ) -> Result<usize, smc_proto::endpoint::EndpointError> {
         let Core {
@@ -531,7 +552,7 @@ impl Core {
             deferred,
             ..
         } = self;
-        ep.send_with(id, buf, now, |t, piece| {
+        let write = |t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]| {
             let Some(l) = fab.links.get(&t.link) else {
                 failed_posts.push((t.wr, t.link, Instant::now()));
                 return WriteOutcome::Failed;
@@ -573,7 +594,12 @@ impl Core {
                     WriteOutcome::Failed
                 }
             }
-        })
+        };
+        if urgent {
+            ep.send_urgent_with(id, buf, now, write)
+        } else {
+            ep.send_with(id, buf, now, write)
+        }
     }
 
     /// Wake the threads blocked on connection `tcp`.

@@ -490,6 +490,8 @@ impl SmcStream {
                 _ => core.stats.fallback_no_smc_peer += 1,
             }
         }
+        // Urgent data in line, as over SMC-R (`send_urgent`, `at_mark`).
+        let _ = rustix::net::sockopt::set_socket_oobinline(&sock, true);
         let reg = Registration::new(stack, &sock, None, Some(reason), server);
         SmcStream {
             _reg: reg,
@@ -746,6 +748,97 @@ impl SmcStream {
         }
     }
 
+    /// Send `data` as urgent data (MSG_OOB): its last byte is the urgent byte, delivered in
+    /// line (SO_OOBINLINE); the peer's [`at_mark`](Self::at_mark) says when its next read
+    /// starts with it. Over SMC-R all of `data` is written at once (RFC 7609 §4.7.5), so it
+    /// must fit in the peer's RMBE ([`send_buffer_size`](Self::send_buffer_size)); blocks
+    /// (within the write timeout) until it does, the peer knowing meanwhile that urgent
+    /// data is pending. Until the peer has read the urgent byte no further byte is written
+    /// (§4.7.5: no RDMA write before the urgent data is acknowledged; smc-rs has no send
+    /// buffer to park them in), so a following write blocks meanwhile. Over TCP:
+    /// `send(MSG_OOB)`.
+    pub fn send_urgent(&mut self, data: &[u8]) -> io::Result<()> {
+        if data.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "no urgent byte",
+            ));
+        }
+        let id = match &self.kind {
+            Kind::Tcp { .. } => {
+                let mut off = 0;
+                while off < data.len() {
+                    off +=
+                        rustix::net::send(&self.sock, &data[off..], rustix::net::SendFlags::OOB)?;
+                }
+                return Ok(());
+            }
+            Kind::Smc(h) => h.id,
+        };
+        if data.len() > self.send_buffer_size()? {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "urgent data larger than the peer's receive buffer",
+            ));
+        }
+        let inner = self.stack.inner.clone();
+        let deadline = self.deadline(self.write_timeout);
+        let mut core = inner.lock();
+        loop {
+            if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
+                return Err(conn_error(e));
+            }
+            let now = core.now();
+            match core.send_urgent_direct(id, data, now) {
+                Ok(0) => {}
+                Ok(n) if n == data.len() => {
+                    core.drain();
+                    return Ok(());
+                }
+                Ok(n) => {
+                    // A WRITE failed part way (a link failure): the rest goes as urgent
+                    // data again.
+                    core.drain();
+                    drop(core);
+                    return self.send_urgent(&data[n..]);
+                }
+                Err(e) => {
+                    core.drain();
+                    if let Some(err) = core.slots.get(&id).and_then(|s| s.error) {
+                        return Err(conn_error(err));
+                    }
+                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, e));
+                }
+            }
+            core.drain();
+            if self.nonblocking {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let wait = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                    left.min(POLL_SLICE)
+                }
+                None => POLL_SLICE,
+            };
+            core = self.wait_progress(&inner, id, core, wait);
+        }
+    }
+
+    /// SIOCATMARK: whether the next byte read is the urgent byte the peer sent last.
+    pub fn at_mark(&self) -> io::Result<bool> {
+        match &self.kind {
+            Kind::Tcp { .. } => tcp_at_mark(&self.sock),
+            Kind::Smc(h) => {
+                let core = self.stack.inner.lock();
+                Ok(core.ep.urgent_offset(h.id) == Some(0))
+            }
+        }
+    }
+
     /// TCP keepalive on the connection's TCP socket (SO_KEEPALIVE, first probe after `idle`;
     /// `None`: off). Over SMC-R too: the kernel probes the idle TCP path and a failed probe
     /// ends the SMC-R connection as a TCP reset does (RFC 7609 §4.5.3, §4.8.2).
@@ -970,7 +1063,12 @@ impl SmcStream {
             if let Ok(target) = core.ep.read_target(id, now) {
                 let total = target.regions.total();
                 if total > 0 {
-                    let n = (total as usize).min(buf.len());
+                    let mut n = (total as usize).min(buf.len());
+                    // As TCP does, a read stops in front of the urgent byte, so that
+                    // `at_mark` can tell the next read starts with it.
+                    if let Some(before) = core.ep.urgent_offset(id).filter(|d| *d > 0) {
+                        n = n.min(before as usize);
+                    }
                     copy_out(&mut core, &target, &mut buf[..n])?;
                     let now = core.now();
                     core.ep
@@ -1057,6 +1155,20 @@ impl SmcStream {
             core = self.wait_progress(&inner, id, core, wait);
         }
     }
+}
+
+/// SIOCATMARK on a TCP socket.
+fn tcp_at_mark(sock: &TcpStream) -> io::Result<bool> {
+    const SIOCATMARK: rustix::ioctl::Opcode = 0x8905;
+    // SAFETY: SIOCATMARK takes a pointer to an int the kernel fills in, which is what
+    // `Getter<_, c_int>` passes.
+    let at = unsafe {
+        rustix::ioctl::ioctl(
+            sock,
+            rustix::ioctl::Getter::<SIOCATMARK, std::ffi::c_int>::new(),
+        )
+    }?;
+    Ok(at != 0)
 }
 
 /// Copy the first `out.len()` unread bytes of connection `id` out of our RMB (one copy,

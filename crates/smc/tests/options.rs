@@ -207,3 +207,53 @@ fn tcp_reset_under_an_smc_connection_resets_it() {
     assert!(a.stats().tcp_resets + b.stats().tcp_resets >= 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `hello`, urgent `U`, `world`: the reader's first read stops in front of the urgent byte,
+/// `at_mark` is then true, and the urgent byte comes in line with what follows. (Over SMC-R
+/// the write after urgent data waits until the reader has taken the urgent byte, RFC 7609
+/// §4.7.5, so the writer runs in its own thread.)
+fn urgent_in_line(server: &mut SmcStream, client: SmcStream) -> SmcStream {
+    let writer = std::thread::spawn(move || {
+        let mut client = client;
+        client.write_all(b"hello").expect("write");
+        client.send_urgent(b"U").expect("urgent");
+        client.write_all(b"world").expect("write");
+        client.flush().expect("flush");
+        client
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut buf = [0u8; 64];
+    let n = server.read(&mut buf).expect("read");
+    assert_eq!(&buf[..n], b"hello");
+    assert!(server.at_mark().expect("at_mark"));
+    let mut rest = Vec::new();
+    while rest.len() < 6 {
+        let n = server.read(&mut buf).expect("read");
+        assert!(n > 0);
+        rest.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(rest, b"Uworld");
+    assert!(!server.at_mark().expect("at_mark"));
+    writer.join().expect("writer")
+}
+
+#[test]
+fn urgent_data_over_smc_and_after_fallback() {
+    let dir = test_dir("urg");
+    let (a, b) = (stack(&dir, [&[], &[]]), stack(&dir, [&[], &[]]));
+    let (mut s, mut c) = connect(&a, &b, None, ConnectOptions::new());
+    assert_eq!(c.mode(), Mode::Smc);
+    let mut c = urgent_in_line(&mut s, c);
+    // Urgent data larger than the peer's buffer cannot be written at once.
+    let big = vec![1u8; s.recv_buffer_size().expect("rcvbuf") + 1];
+    assert_eq!(
+        c.send_urgent(&big).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::InvalidInput)
+    );
+    // The same on a fallen-back connection (no device for the client's interface).
+    let fb = stack(&dir, [&["smc-test-none0"], &["smc-test-none1"]]);
+    let (mut s, c) = connect(&a, &fb, None, ConnectOptions::new());
+    assert!(matches!(c.mode(), Mode::Tcp(_)));
+    urgent_in_line(&mut s, c);
+    let _ = std::fs::remove_dir_all(&dir);
+}

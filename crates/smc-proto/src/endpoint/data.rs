@@ -203,6 +203,44 @@ impl Endpoint {
         tcp: TcpId,
         data: &[u8],
         now: Timestamp,
+        write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
+    ) -> Result<usize, EndpointError> {
+        self.send_inner(tcp, data, false, now, write)
+    }
+
+    /// [`send_with`](Self::send_with) for urgent data (MSG_OOB): the last byte of `data` is
+    /// the urgent byte. All of `data` is written at once or nothing is: when it does not fit
+    /// in the peer's RMBE now, the peer is told that urgent data is pending (the P flag) and
+    /// 0 is returned; try again when writable.
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-4.7.5
+    //# the producer cursor points 1 byte beyond the last byte of urgent data
+    pub fn send_urgent_with(
+        &mut self,
+        tcp: TcpId,
+        data: &[u8],
+        now: Timestamp,
+        write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
+    ) -> Result<usize, EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        if data.is_empty() {
+            return Err(crate::conn::ApiError::EmptyUrgent.into());
+        }
+        if (c.conn.write_regions().total() as usize) < data.len() {
+            c.conn.urgent_pending(now)?;
+            self.after_conn(tcp, now);
+            return Ok(0);
+        }
+        self.send_inner(tcp, data, true, now, write)
+    }
+
+    fn send_inner(
+        &mut self,
+        tcp: TcpId,
+        data: &[u8],
+        urgent: bool,
+        now: Timestamp,
         mut write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
     ) -> Result<usize, EndpointError> {
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
@@ -274,7 +312,11 @@ impl Endpoint {
             return Ok(0);
         }
         let before = c.conn.producer_cursor();
-        c.conn.produced(done, now)?;
+        if urgent && done as usize == data.len() {
+            c.conn.produced_urgent(done, now)?;
+        } else {
+            c.conn.produced(done, now)?;
+        }
         match keep_from {
             // Nothing awaits replay: the replay window starts after these bytes.
             None => c.unacked_from = c.conn.producer_cursor(),
@@ -324,6 +366,17 @@ impl Endpoint {
             element_offset: c.local_element_offset,
             regions,
         })
+    }
+
+    /// Over SMC-R, how many unread bytes precede the peer's urgent byte (0: the next byte read
+    /// is the urgent byte, SIOCATMARK); `None` without urgent data.
+    pub fn urgent_offset(&self, tcp: TcpId) -> Option<u32> {
+        let Some(Entry::Smc(c)) = self.entries.get(&tcp) else {
+            return None;
+        };
+        let mark = c.conn.urgent_mark()?;
+        let ring = RmbeRing::new(c.conn.config().layout, c.conn.config().local_rmbe_len).ok()?;
+        ring.distance(c.conn.consumer_cursor(), mark).ok()
     }
 
     /// The application consumed `n` bytes.
