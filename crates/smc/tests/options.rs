@@ -241,7 +241,7 @@ fn urgent_in_line(server: &mut SmcStream, client: SmcStream) -> SmcStream {
 fn urgent_data_over_smc_and_after_fallback() {
     let dir = test_dir("urg");
     let (a, b) = (stack(&dir, [&[], &[]]), stack(&dir, [&[], &[]]));
-    let (mut s, mut c) = connect(&a, &b, None, ConnectOptions::new());
+    let (mut s, c) = connect(&a, &b, None, ConnectOptions::new());
     assert_eq!(c.mode(), Mode::Smc);
     let mut c = urgent_in_line(&mut s, c);
     // Urgent data larger than the peer's buffer cannot be written at once.
