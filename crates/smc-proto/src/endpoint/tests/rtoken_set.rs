@@ -8,14 +8,14 @@
 use std::collections::BTreeSet;
 
 use super::*;
-use crate::lgr_harness::{config, Rng};
+use crate::lgr_harness::{config, device, Rng};
 
-/// A pair with two RNICs per side whose RMBs hold `a_elems` (client) and `b_elems` (server)
+/// A pair with `devs` RNICs per side whose RMBs hold `a_elems` (client) and `b_elems` (server)
 /// 16 KiB elements, so that a few connections need new RMBs.
-fn pair(a_elems: u32, b_elems: u32, seed: u64) -> EndpointPair {
-    let mut a = config(Side::A, 2);
+fn pair(devs: u8, a_elems: u32, b_elems: u32, seed: u64) -> EndpointPair {
+    let mut a = config(Side::A, devs);
     a.rmb_pool.rmb_target_bytes = 16 * 1024 * a_elems;
-    let mut b = config(Side::B, 2);
+    let mut b = config(Side::B, devs);
     b.rmb_pool.rmb_target_bytes = 16 * 1024 * b_elems;
     EndpointPair::new(a, b, seed)
 }
@@ -103,7 +103,7 @@ fn all_connections_work(p: &mut EndpointPair, tcps: &[TcpId]) -> Result<(), Stri
 /// large first gap lets the first contact's ADD LINK exchange finish); a check of
 /// everything once it settles.
 fn overlap(a_elems: u32, b_elems: u32, gaps: &[u64], seed: u64) -> Result<(), String> {
-    let mut p = pair(a_elems, b_elems, seed);
+    let mut p = pair(2, a_elems, b_elems, seed);
     p.connect(T1);
     let mut tcps = vec![T1];
     for (i, gap) in gaps.iter().enumerate() {
@@ -143,6 +143,56 @@ fn both_sides_share_rmbs_being_confirmed() {
     assert_eq!(overlap(2, 2, &[1000, 0, 0, 0, 0, 0], 1), Ok(()));
 }
 
+/// One RNIC per side: the group has one link until both get a second RNIC (App. C.8) after
+/// `late` deliveries, and the server's ADD LINK exchange for it overlaps connections joining
+/// `gaps[i]` deliveries apart (and their CONFIRM RKEY exchanges, which collide with it).
+fn late_second_link(
+    a_elems: u32,
+    b_elems: u32,
+    late: u64,
+    gaps: &[u64],
+    seed: u64,
+) -> Result<(), String> {
+    let mut p = pair(1, a_elems, b_elems, seed);
+    p.connect(T1);
+    p.run();
+    let mut tcps = vec![T1];
+    let mut step = 0;
+    for (i, gap) in gaps.iter().enumerate() {
+        for _ in 0..*gap {
+            if step == late {
+                p.act(Side::A, |ep, res, now| {
+                    ep.add_device(device(Side::A, 1), res, now)
+                });
+                p.act(Side::B, |ep, res, now| {
+                    ep.add_device(device(Side::B, 1), res, now)
+                });
+            }
+            step += 1;
+            p.deliver_next();
+        }
+        let tcp = TcpId(i as u64 + 2);
+        p.connect(tcp);
+        tcps.push(tcp);
+    }
+    if step <= late {
+        p.act(Side::A, |ep, res, now| {
+            ep.add_device(device(Side::A, 1), res, now)
+        });
+        p.act(Side::B, |ep, res, now| {
+            ep.add_device(device(Side::B, 1), res, now)
+        });
+    }
+    p.run();
+    let links = |s| p.host(s).ep.link_groups().map(|g| g.active_count()).min();
+    if links(Side::A) != Some(2) || links(Side::B) != Some(2) {
+        return Err(format!("no second link: {:?}", p.flow(true)));
+    }
+    rtoken_sets_in_sync(&p)?;
+    all_connections_work(&mut p, &tcps)?;
+    rtoken_sets_in_sync(&p)
+}
+
 /// Seeded interleavings: small RMBs on either side or both, connections joining before,
 /// during and after the first contact's ADD LINK exchange.
 #[test]
@@ -163,6 +213,35 @@ fn rtoken_sets_stay_in_sync_over_interleavings() {
         gaps.extend((0..6).map(|_| rng.below(4).saturating_sub(1)));
         if let Err(e) = overlap(a_elems, b_elems, &gaps, seed) {
             failures.push(format!("seed {seed} ({a_elems},{b_elems},{gaps:?}): {e}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures: {:#?}",
+        failures.len(),
+        failures
+    );
+}
+
+/// Seeded interleavings of a later ADD LINK exchange (second RNICs) with subsequent contacts.
+#[test]
+fn rtoken_sets_stay_in_sync_when_a_link_is_added_later() {
+    let runs: u64 = std::env::var("SMC_RTOKEN_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let mut failures = Vec::new();
+    for seed in 0..runs {
+        let mut rng = Rng::new(seed ^ 0x1A7E);
+        let elems = [1, 2, 3, 8];
+        let a_elems = elems[rng.below(4) as usize];
+        let b_elems = elems[rng.below(4) as usize];
+        let gaps: Vec<u64> = (0..7).map(|_| rng.below(5)).collect();
+        let late = rng.below(gaps.iter().sum::<u64>() + 1);
+        if let Err(e) = late_second_link(a_elems, b_elems, late, &gaps, seed) {
+            failures.push(format!(
+                "seed {seed} ({a_elems},{b_elems},{late},{gaps:?}): {e}"
+            ));
         }
     }
     assert!(
