@@ -251,3 +251,37 @@ fn rtoken_sets_stay_in_sync_when_a_link_is_added_later() {
         failures
     );
 }
+
+/// A peer that names an RMB in CLC before confirming it: its CONFIRM RKEY completes the
+/// record the connections already use instead of adding a second one.
+#[test]
+fn confirm_rkey_for_an_rmb_known_on_its_link_completes_that_record() {
+    use smc_wire::llc::{ConfirmRkey, LinkRtoken};
+    let mut p = pair(2, 8, 8, 1);
+    p.connect(T1);
+    p.run();
+    let g = p.a.ep.link_groups().next().expect("group");
+    assert_eq!(g.peer_rmbs.len(), 1);
+    let known = g.peer_rmbs[0].tokens[&1];
+    let mut others = [LinkRtoken::default(); 2];
+    others[0] = LinkRtoken {
+        link_num: 2,
+        rkey: 0x4242,
+        vaddr: 0x9000,
+    };
+    let msg = smc_wire::LlcMessage::ConfirmRkey(ConfirmRkey {
+        num_tokens: 1,
+        rkey: known.rkey,
+        vaddr: known.vaddr,
+        others,
+        ..ConfirmRkey::default()
+    });
+    let l1 = p.a.link(1).expect("link 1");
+    p.inject_llc(Side::A, l1, msg);
+    p.run();
+    assert!(p.sent("A->B CONFIRM RKEY others=1 rsp"));
+    let g = p.a.ep.link_groups().next().expect("group");
+    assert_eq!(g.peer_rmbs.len(), 1, "{:?}", g.peer_rmbs);
+    assert_eq!(g.peer_rmbs[0].tokens[&2].rkey, 0x4242);
+    assert_eq!(g.active_count(), 2);
+}
