@@ -446,6 +446,28 @@ impl LinkGroup {
             .is_some_and(|r| r.qpn == qpn && r.gid == gid)
     }
 
+    /// Whether a connection given an element of our RMB `rmb` must wait before it goes
+    /// active: the RMB's RTokens have not yet been confirmed to the peer on every link. A
+    /// CONFIRM RKEY for it is then queued unless one is already pending or in progress (the
+    /// connection that created the RMB queued it; a later one sharing the RMB waits for the
+    /// same exchange).
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.1
+    //# To preserve failover capability, any TCP connection that uses a newly added RMB
+    //# cannot go active until all RTokens for the RMB have been communicated for all of the
+    //# links in the link group.
+    pub(crate) fn rmb_awaits_confirm(&mut self, rmb: RmbId) -> bool {
+        if self.local_rmbs.get(&rmb).is_none_or(|r| r.confirmed) {
+            return false;
+        }
+        let request = LocalRequest::ConfirmRkey(rmb);
+        let running =
+            matches!(self.rkey_exchange, Some(RkeyExchange::Confirm { rmb: r, .. }) if r == rmb);
+        if !running && !self.pending.contains(&request) {
+            self.pending.push_back(request);
+        }
+        true
+    }
+
     /// Every peer RMB in use has an RToken on link `num`.
     pub(crate) fn peer_rmbs_known_on(&self, num: u8) -> bool {
         self.peer_rmbs

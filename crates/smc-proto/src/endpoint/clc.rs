@@ -563,11 +563,15 @@ impl Endpoint {
                 g.conns.insert(tcp);
                 g.timers.stop(crate::link_group::LgrTimer::Idle);
             }
-            if let Some(info) = setup.alloc.new_rmb {
-                // Fig. 12: the new RMB is confirmed on every link before it is used.
-                if let Some(g) = self.lgrs.get_mut(&lgr) {
-                    g.pending.push_back(LocalRequest::ConfirmRkey(info.id));
-                }
+            // Fig. 12: a new RMB is confirmed on every link before it is used, by the
+            // connection that created it and by any other that takes one of its elements
+            // meanwhile (the client would otherwise learn it from our Accept, on one link).
+            let rmb = setup.alloc.handle.rmb;
+            let awaits = self
+                .lgrs
+                .get_mut(&lgr)
+                .is_some_and(|g| g.rmb_awaits_confirm(rmb));
+            if awaits {
                 self.set_state(tcp, HsState::ServerAwaitRkey { setup, link });
                 self.llc_kick(lgr, res, now);
             } else {
@@ -815,13 +819,16 @@ impl Endpoint {
             if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
                 h.peer_rmb = idx;
             }
-            if let Some(info) = setup.alloc.new_rmb {
-                //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
-                //# If the client allocates a new RMB for this TCP connection, it performs the
-                //# processing described in Section 3.5.5.2.1
-                if let Some(g) = self.lgrs.get_mut(&lgr) {
-                    g.pending.push_back(LocalRequest::ConfirmRkey(info.id));
-                }
+            //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
+            //# If the client allocates a new RMB for this TCP connection, it performs the
+            //# processing described in Section 3.5.5.2.1
+            // So does a connection given an element of an RMB still being confirmed.
+            let rmb = setup.alloc.handle.rmb;
+            let awaits = self
+                .lgrs
+                .get_mut(&lgr)
+                .is_some_and(|g| g.rmb_awaits_confirm(rmb));
+            if awaits {
                 self.set_state(tcp, HsState::ClientAwaitRkey { setup, link });
                 self.set_peer_accept(tcp, a);
                 self.llc_kick(lgr, res, now);
@@ -1524,8 +1531,9 @@ pub(super) fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
 }
 
 /// The active link with the fewest established connections sending on it, among those on
-/// which the peer's RMB `peer_rmb` is known (a link added while that RMB was being confirmed
-/// may lack its RToken: nothing could be written over it).
+/// which the peer's RMB `peer_rmb` is known. With both peers following §3.5.5.2.1 that is
+/// every active link; the filter only guards against a peer that names an RMB in CLC before
+/// confirming it on every link (nothing could be written over a link lacking its RToken).
 pub(super) fn least_loaded_link(
     g: &LinkGroup,
     entries: &BTreeMap<TcpId, Entry>,

@@ -1618,14 +1618,28 @@ impl Endpoint {
         );
         let others = c.others.iter().take(usize::from(c.num_tokens).min(2));
         tokens.extend(others.map(link_token));
-        g.peer_rmbs.push(crate::link_group::PeerRmb { tokens });
+        // An RMB already known on `via` (a peer that named it in CLC before confirming it)
+        // gets the RTokens added to its record rather than a second record: the connections
+        // using it hold the first one's index.
+        let idx = match g.peer_rmb_index(via, c.rkey) {
+            Some(i) => {
+                if let Some(r) = g.peer_rmbs.get_mut(i) {
+                    r.tokens.extend(tokens);
+                }
+                i
+            }
+            None => {
+                g.peer_rmbs.push(crate::link_group::PeerRmb { tokens });
+                g.peer_rmbs.len() - 1
+            }
+        };
         let left = c.num_tokens.saturating_sub(2);
         if left > 0 {
             // The rest comes in CONFIRM RKEY CONTINUATION; reply after it.
-            g.rkey_cont = Some((g.peer_rmbs.len() - 1, left, c));
+            g.rkey_cont = Some((idx, left, c));
             return;
         }
-        self.finish_peer_rkey(lgr, via, c, res, now);
+        self.finish_peer_rkey(lgr, via, idx, c, res, now);
     }
 
     fn on_confirm_rkey_cont(
@@ -1656,15 +1670,16 @@ impl Endpoint {
             return;
         }
         g.rkey_cont = None;
-        self.finish_peer_rkey(lgr, via, first, res, now);
+        self.finish_peer_rkey(lgr, via, idx, first, res, now);
     }
 
-    /// The peer's new RMB is known on every link it named: reply, and treat the links it did
-    /// not name as failed (C.7).
+    /// The peer's new RMB (record `idx`) is known on every link it named: reply, and treat
+    /// the links it did not name as failed (C.7).
     fn finish_peer_rkey(
         &mut self,
         lgr: LgrId,
         via: u8,
+        idx: usize,
         c: ConfirmRkey,
         res: &mut dyn Resources,
         now: Timestamp,
@@ -1672,7 +1687,7 @@ impl Endpoint {
         let Some(g) = self.lgrs.get(&lgr) else {
             return;
         };
-        let Some(last) = g.peer_rmbs.last() else {
+        let Some(last) = g.peer_rmbs.get(idx) else {
             return;
         };
         let missing: Vec<u8> = g

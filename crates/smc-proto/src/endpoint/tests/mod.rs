@@ -8,6 +8,7 @@ mod fallback;
 mod forged;
 mod pnet;
 mod rendezvous;
+mod rtoken_set;
 
 use crate::endpoint::{EndpointEvent, Fallback, ResetReason, TcpId};
 use crate::harness::Side;
