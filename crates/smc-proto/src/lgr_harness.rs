@@ -334,6 +334,10 @@ pub struct Knobs {
     pub deliver_tcp_rst: bool,
     /// Bound of the drive loop; exceeding it is a livelock and panics.
     pub max_steps: usize,
+    /// An RDMA WRITE with an unknown rkey or outside the registered RMB panics (an engine
+    /// bug when both peers are honest). When false it completes in error instead, as a real
+    /// RNIC reports a remote access error: for tests and fuzzing that forge peer input.
+    pub strict_writes: bool,
 }
 
 impl fmt::Debug for Knobs {
@@ -345,6 +349,7 @@ impl fmt::Debug for Knobs {
             .field("silent_drop", &self.silent_drop)
             .field("deliver_tcp_rst", &self.deliver_tcp_rst)
             .field("max_steps", &self.max_steps)
+            .field("strict_writes", &self.strict_writes)
             .finish()
     }
 }
@@ -358,6 +363,7 @@ impl Default for Knobs {
             silent_drop: false,
             deliver_tcp_rst: true,
             max_steps: 200_000,
+            strict_writes: true,
         }
     }
 }
@@ -795,19 +801,31 @@ impl EndpointPair {
                 addr,
                 data,
             } => {
+                let strict = self.knobs.strict_writes;
                 let ok = match self.peer_link(from, link) {
                     Some(_) => {
                         let h = self.host_mut(from.other());
-                        let (lgr, rmb, _) = *h
-                            .res
-                            .mrs
-                            .get(&rkey)
-                            .expect("RDMA WRITE with an unknown rkey");
-                        let (vaddr, mem) = h.res.memory.get_mut(&(lgr, rmb)).expect("RMB memory");
-                        let off = addr.checked_sub(*vaddr).expect("address below the RMB") as usize;
-                        assert!(off + data.len() <= mem.len(), "RDMA WRITE past the RMB");
-                        mem[off..off + data.len()].copy_from_slice(&data);
-                        true
+                        let target = h.res.mrs.get(&rkey).and_then(|&(lgr, rmb, _)| {
+                            let (vaddr, mem) = h.res.memory.get_mut(&(lgr, rmb))?;
+                            let off = usize::try_from(addr.checked_sub(*vaddr)?).ok()?;
+                            let end = off.checked_add(data.len())?;
+                            mem.get_mut(off..end)
+                        });
+                        match target {
+                            Some(t) => {
+                                t.copy_from_slice(&data);
+                                true
+                            }
+                            None => {
+                                assert!(
+                                    !strict,
+                                    "RDMA WRITE with an unknown rkey {rkey:#x} or outside its RMB \
+                                     (address {addr:#x}, {} bytes)",
+                                    data.len()
+                                );
+                                false
+                            }
+                        }
                     }
                     None => false,
                 };
