@@ -831,6 +831,11 @@ impl EndpointPair {
                 };
                 let cd = self.knobs.completion_delay;
                 self.push((now + delay + cd, Item::Completion { side: from, wr, ok }));
+                if !ok && !strict && !self.dead.contains(&(from, link)) {
+                    // A remote access error puts both QPs of the pair in the error state:
+                    // nothing posted after the WRITE (its CDC) is delivered.
+                    self.kill_link(from, link);
+                }
             }
             Item::Completion { side, wr, ok } => {
                 let h = self.host_mut(side);

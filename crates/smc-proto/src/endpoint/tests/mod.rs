@@ -6,6 +6,7 @@ mod collisions;
 mod failover;
 mod fallback;
 mod forged;
+mod malicious;
 mod rendezvous;
 
 use crate::endpoint::{EndpointEvent, Fallback, ResetReason, TcpId};
