@@ -155,7 +155,28 @@ impl Peer {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Peer::start(cmd, true)
+    }
+
+    /// Start a peer that prints no port (it connects to us).
+    pub fn spawn_connector(entry: &str, role: &str, dir: &Path, env: &[(&str, String)]) -> Peer {
+        let mut cmd = Command::new(std::env::current_exe().expect("exe"));
+        cmd.args([entry, "--exact", "--nocapture", "--test-threads=1"])
+            .env("SMC_REL_CHILD", role)
+            .env("SMC_REL_DIR", dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Peer::start(cmd, false)
+    }
+
+    fn start(mut cmd: Command, wait_port: bool) -> Peer {
         let mut child = cmd.spawn().expect("spawn peer");
+        if !wait_port {
+            return Peer { child, port: 0 };
+        }
         let out = child.stdout.take().expect("stdout");
         let mut port = 0;
         for line in BufReader::new(out).lines() {
@@ -191,15 +212,21 @@ pub fn exit_on_stdin_eof() {
 /// In a peer: echo every byte of `s` back until end of stream or an error.
 pub fn echo(mut s: SmcStream) {
     let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0u64;
     loop {
         match s.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
-                if s.write_all(&buf[..n]).is_err() {
+                if let Err(e) = s.write_all(&buf[..n]) {
+                    eprintln!("echo: write failed after {total} bytes: {e}");
                     return;
                 }
+                total += n as u64;
             }
-            Err(_) => return,
+            Err(e) => {
+                eprintln!("echo: read failed after {total} bytes: {e}");
+                return;
+            }
         }
     }
     let _ = s.shutdown(Shutdown::Write);
@@ -288,5 +315,28 @@ pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
             return false;
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Seeded xorshift: the tests' only randomness, reproducible from `SMC_REL_SEED`.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
     }
 }
