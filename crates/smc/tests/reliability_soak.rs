@@ -42,9 +42,10 @@ impl Counters {
 /// One long stream: write the pattern of `seed` forever, read it back and compare.
 fn long_stream(st: &Stack, port: u16, seed: u64, c: &Counters) -> std::io::Result<()> {
     let mut r = SmcStream::connect_with(st, ("127.0.0.1", port))?;
-    r.set_read_timeout(Some(Duration::from_secs(120)))?;
+    // A stalled stream fails after 30 s and is replaced (counted).
+    r.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut w = r.try_clone()?;
-    w.set_write_timeout(Some(Duration::from_secs(120)))?;
+    w.set_write_timeout(Some(Duration::from_secs(30)))?;
     c.streams_started.fetch_add(1, Ordering::Relaxed);
     let writer = std::thread::spawn(move || -> std::io::Result<()> {
         let mut p = Pattern::new(seed);
@@ -86,6 +87,7 @@ fn churn_once(st: &Stack, port: u16, rng: &mut Rng, c: &Counters) -> std::io::Re
     let mut data = vec![0u8; n];
     Pattern::new(rng.next_u64()).fill(&mut data);
     let mut w = s.try_clone()?;
+    w.set_write_timeout(Some(Duration::from_secs(30)))?;
     let out = data.clone();
     let t = std::thread::spawn(move || w.write_all(&out));
     let mut back = vec![0u8; n];
