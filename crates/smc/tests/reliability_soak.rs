@@ -5,8 +5,8 @@
 //! `SMC_REL_SOAK_STREAMS` long streams (written and read back continuously, compared with the
 //! regenerated pattern) and a churn of short connections (connect, echo a random size, close).
 //! Every 10 s a `SOAK` line reports both processes' RSS, fds and the counters. A stream that
-//! fails is counted by error and replaced; a byte that differs is corruption and fails the
-//! soak at once.
+//! fails is counted by error and replaced; a byte that differs is corruption: counted, and the
+//! soak fails at the end (it runs its full time so that the report shows everything).
 #![allow(missing_docs)]
 
 mod reliability_common;
@@ -257,7 +257,6 @@ fn soak_mixed_workload_with_failovers() {
                 field(&s, "churn_errors"),
                 field(&s, "corrupt"),
             );
-            assert_eq!(field(&s, "corrupt"), 0, "corruption: {s}");
             next_report = now + Duration::from_secs(10);
         }
         std::thread::sleep(Duration::from_millis(50));
