@@ -39,6 +39,20 @@ impl Counters {
     }
 }
 
+/// Describe a corruption on stderr: where the first differing byte is, how many differ, and
+/// whether the received bytes are zeros (never written) or bytes from elsewhere.
+fn report_corruption(what: &str, want: &[u8], got: &[u8]) {
+    let first = want.iter().zip(got).position(|(a, b)| a != b).unwrap_or(0);
+    let differ = want.iter().zip(got).filter(|(a, b)| a != b).count();
+    let zeros = got[first..].iter().take(64).all(|&b| b == 0);
+    eprintln!(
+        "CORRUPTION in a {what} of {} bytes: first difference at {first}, {differ} bytes \
+         differ, received bytes there are {}",
+        want.len(),
+        if zeros { "zeros" } else { "not zeros" }
+    );
+}
+
 /// One long stream: write the pattern of `seed` forever, read it back and compare.
 fn long_stream(st: &Stack, port: u16, seed: u64, c: &Counters) -> std::io::Result<()> {
     let mut r = SmcStream::connect_with(st, ("127.0.0.1", port))?;
@@ -69,6 +83,7 @@ fn long_stream(st: &Stack, port: u16, seed: u64, c: &Counters) -> std::io::Resul
         expect.fill(&mut want);
         if got != want {
             c.corrupt.fetch_add(1, Ordering::Relaxed);
+            report_corruption("long stream chunk", &want, &got);
             break Err(std::io::Error::other("CORRUPTION"));
         }
         c.verified.fetch_add(got.len() as u64, Ordering::Relaxed);
@@ -99,6 +114,7 @@ fn churn_once(st: &Stack, port: u16, rng: &mut Rng, c: &Counters) -> std::io::Re
     wr?;
     if back != data {
         c.corrupt.fetch_add(1, Ordering::Relaxed);
+        report_corruption("short connection", &data, &back);
         return Err(std::io::Error::other("CORRUPTION"));
     }
     c.verified.fetch_add(n as u64, Ordering::Relaxed);
