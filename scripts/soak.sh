@@ -18,9 +18,11 @@ stamp=$(date -u +%Y-%m-%dT%H%M)
 log="$out/soak-$stamp.log"
 report="$out/soak-$stamp.md"
 echo "soak: ${secs}s, a port down/up every ${every_ms} ms, $streams long streams; log $log"
+set +e
 SMC_REL_SOAK_SECS=$secs SMC_REL_SOAK_FAILOVER_MS=$every_ms SMC_REL_SOAK_STREAMS=$streams \
     cargo test --locked -p smc --test reliability_soak -- --ignored --nocapture 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+set -e
 {
     echo "# Soak $stamp"
     echo
