@@ -340,6 +340,10 @@ pub struct Knobs {
     /// one delay later, like the classic path, and is kept for replay), and one on a dead
     /// link or lost by the `drop` knob fails (not taken, completes in error).
     pub direct_writes: bool,
+    /// An RDMA WRITE with an unknown rkey or outside the registered RMB panics (an engine
+    /// bug when both peers are honest). When false it completes in error instead, as a real
+    /// RNIC reports a remote access error: for tests and fuzzing that forge peer input.
+    pub strict_writes: bool,
 }
 
 impl fmt::Debug for Knobs {
@@ -352,6 +356,7 @@ impl fmt::Debug for Knobs {
             .field("deliver_tcp_rst", &self.deliver_tcp_rst)
             .field("max_steps", &self.max_steps)
             .field("direct_writes", &self.direct_writes)
+            .field("strict_writes", &self.strict_writes)
             .finish()
     }
 }
@@ -366,6 +371,7 @@ impl Default for Knobs {
             deliver_tcp_rst: true,
             max_steps: 200_000,
             direct_writes: false,
+            strict_writes: true,
         }
     }
 }
@@ -930,24 +936,41 @@ impl EndpointPair {
                 addr,
                 data,
             } => {
+                let strict = self.knobs.strict_writes;
                 let ok = match self.peer_link(from, link) {
                     Some(_) => {
                         let h = self.host_mut(from.other());
-                        let (lgr, rmb, _) = *h
-                            .res
-                            .mrs
-                            .get(&rkey)
-                            .expect("RDMA WRITE with an unknown rkey");
-                        let (vaddr, mem) = h.res.memory.get_mut(&(lgr, rmb)).expect("RMB memory");
-                        let off = addr.checked_sub(*vaddr).expect("address below the RMB") as usize;
-                        assert!(off + data.len() <= mem.len(), "RDMA WRITE past the RMB");
-                        mem[off..off + data.len()].copy_from_slice(&data);
-                        true
+                        let target = h.res.mrs.get(&rkey).and_then(|&(lgr, rmb, _)| {
+                            let (vaddr, mem) = h.res.memory.get_mut(&(lgr, rmb))?;
+                            let off = usize::try_from(addr.checked_sub(*vaddr)?).ok()?;
+                            let end = off.checked_add(data.len())?;
+                            mem.get_mut(off..end)
+                        });
+                        match target {
+                            Some(t) => {
+                                t.copy_from_slice(&data);
+                                true
+                            }
+                            None => {
+                                assert!(
+                                    !strict,
+                                    "RDMA WRITE with an unknown rkey {rkey:#x} or outside its RMB \
+                                     (address {addr:#x}, {} bytes)",
+                                    data.len()
+                                );
+                                false
+                            }
+                        }
                     }
                     None => false,
                 };
                 let cd = self.knobs.completion_delay;
                 self.push((now + delay + cd, Item::Completion { side: from, wr, ok }));
+                if !ok && !strict && !self.dead.contains(&(from, link)) {
+                    // A remote access error puts both QPs of the pair in the error state:
+                    // nothing posted after the WRITE (its CDC) is delivered.
+                    self.kill_link(from, link);
+                }
             }
             Item::Completion { side, wr, ok } => {
                 let h = self.host_mut(side);

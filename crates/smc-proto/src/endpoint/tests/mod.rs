@@ -6,6 +6,7 @@ mod collisions;
 mod failover;
 mod fallback;
 mod forged;
+mod malicious;
 mod pnet;
 mod rendezvous;
 mod rtoken_set;
