@@ -11,11 +11,12 @@
 //! | `SMC_KEEPALIVE_MS` | §4.5.3 TEST LINK after this idle time (0: off) | off |
 //! | `SMC_LGR_IDLE_MS` | a server ends a link group without connections after this time | 600000 |
 //! | `SMC_BUSY_POLL_US` | blocked reads and writes spin on the completion queues this long first | off |
+//! | `SMC_NODELAY` | `1`: new streams start with TCP_NODELAY (no corking of small writes) | `0` |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
 //! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
-//! `lgr_idle_ms`, `busy_poll_us`, `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
+//! `lgr_idle_ms`, `busy_poll_us`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
 //! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
 //!
 //! ```toml
@@ -92,6 +93,9 @@ pub struct StackConfig {
     pub lgr_idle_timeout: Duration,
     /// Busy polling of new sockets (see `SmcStream::set_busy_poll`); `None`: off.
     pub busy_poll: Option<Duration>,
+    /// New streams start with TCP_NODELAY: small writes are announced at once instead of
+    /// corked (RFC 7609 §4.5.2; see `SmcStream::set_nodelay`).
+    pub nodelay: bool,
 }
 
 impl StackConfig {
@@ -108,6 +112,7 @@ impl StackConfig {
             keepalive: None,
             lgr_idle_timeout: Duration::from_secs(600),
             busy_poll: None,
+            nodelay: false,
         }
     }
 
@@ -137,6 +142,7 @@ impl StackConfig {
                 "keepalive_ms",
                 "lgr_idle_ms",
                 "busy_poll_us",
+                "nodelay",
                 "ipv4_subnets",
                 "fabric_dir",
                 "devices",
@@ -175,6 +181,9 @@ impl StackConfig {
                 .and_then(|n| u64::try_from(n).ok())
                 .ok_or_else(|| bad("busy_poll_us"))?;
             self.busy_poll = (us > 0).then(|| Duration::from_micros(us));
+        }
+        if let Some(v) = t.get("nodelay") {
+            self.nodelay = v.as_bool().ok_or_else(|| bad("nodelay"))?;
         }
         if let Some(v) = t.get("ipv4_subnets") {
             let items = v.as_array().ok_or_else(|| bad("ipv4_subnets"))?;
@@ -253,6 +262,9 @@ impl StackConfig {
         if let Some(v) = num("SMC_LGR_IDLE_MS")? {
             c.lgr_idle_timeout = Duration::from_millis(v);
         }
+        if let Some(v) = num("SMC_NODELAY")? {
+            c.nodelay = v != 0;
+        }
         if let Some(v) = num("SMC_BUSY_POLL_US")? {
             c.busy_poll = (v > 0).then(|| Duration::from_micros(v));
         }
@@ -319,6 +331,7 @@ mod tests {
             buffer_size = 262144
             clc_timeout_ms = 5000
             keepalive_ms = 0
+            nodelay = true
             lgr_idle_ms = 1000
             ipv4_subnets = ["10.1.0.0/16"]
             fabric_dir = "/run/x"
@@ -330,6 +343,7 @@ mod tests {
         assert_eq!(c.rmbe_size(), RmbeSize(4));
         assert_eq!(c.clc_timeout, Duration::from_secs(5));
         assert_eq!(c.keepalive, None);
+        assert!(c.nodelay);
         assert_eq!(c.lgr_idle_timeout, Duration::from_secs(1));
         assert_eq!(c.ipv4_subnets, vec![(Ipv4Addr::new(10, 1, 0, 0), 16)]);
         assert_eq!(c.fabric.dir, std::path::PathBuf::from("/run/x"));
@@ -338,6 +352,7 @@ mod tests {
         assert!(c.apply_toml("bufer_size = 1").is_err());
         assert!(c.apply_toml("buffer_size = -1").is_err());
         assert!(c.apply_toml("discovery = 3").is_err());
+        assert!(c.apply_toml("nodelay = 1").is_err());
         assert!(c.apply_toml("not toml").is_err());
     }
 

@@ -492,6 +492,9 @@ impl SmcStream {
         }
         // Urgent data in line, as over SMC-R (`send_urgent`, `at_mark`).
         let _ = rustix::net::sockopt::set_socket_oobinline(&sock, true);
+        if stack.config().nodelay {
+            let _ = sock.set_nodelay(true);
+        }
         let reg = Registration::new(stack, &sock, None, Some(reason), server);
         SmcStream {
             _reg: reg,
@@ -620,7 +623,11 @@ impl SmcStream {
             }
         };
         reader.set_read_timeout(None)?;
-        result
+        let stream = result?;
+        if stack.config().nodelay {
+            stream.set_nodelay(true)?;
+        }
+        Ok(stream)
     }
 
     /// Another handle to the same connection (reads and writes may run in different threads).

@@ -257,3 +257,22 @@ fn urgent_data_over_smc_and_after_fallback() {
     urgent_in_line(&mut s, c);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `StackConfig::nodelay`: new streams start with TCP_NODELAY (no corking); the default is
+/// corking.
+#[test]
+fn stack_nodelay_setting_applies_to_new_streams() {
+    let dir = test_dir("nodelay");
+    let a = stack(&dir, [&[], &[]]);
+    let mut f = FabricConfig::with_dir(&dir, 2);
+    f.devices.truncate(2);
+    let mut c = StackConfig::new(f);
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.nodelay = true;
+    let b = Stack::new(c).expect("stack");
+    let (s, cl) = connect(&a, &b, None, ConnectOptions::new());
+    assert_eq!(cl.mode(), Mode::Smc);
+    assert!(cl.nodelay().expect("nodelay"));
+    assert!(!s.nodelay().expect("nodelay"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
