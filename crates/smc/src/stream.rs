@@ -788,51 +788,13 @@ impl SmcStream {
                 "urgent data larger than the peer's receive buffer",
             ));
         }
-        let inner = self.stack.inner.clone();
-        let deadline = self.deadline(self.write_timeout);
-        let mut core = inner.lock();
-        loop {
-            if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
-                return Err(conn_error(e));
-            }
-            let now = core.now();
-            match core.send_urgent_direct(id, data, now) {
-                Ok(0) => {}
-                Ok(n) if n == data.len() => {
-                    core.drain();
-                    return Ok(());
-                }
-                Ok(n) => {
-                    // A WRITE failed part way (a link failure): the rest goes as urgent
-                    // data again.
-                    core.drain();
-                    drop(core);
-                    return self.send_urgent(&data[n..]);
-                }
-                Err(e) => {
-                    core.drain();
-                    if let Some(err) = core.slots.get(&id).and_then(|s| s.error) {
-                        return Err(conn_error(err));
-                    }
-                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, e));
-                }
-            }
-            core.drain();
-            if self.nonblocking {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            let wait = match deadline {
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(io::ErrorKind::WouldBlock.into());
-                    }
-                    left.min(POLL_SLICE)
-                }
-                None => POLL_SLICE,
-            };
-            core = self.wait_progress(&inner, id, core, wait);
+        // A WRITE that fails part way (a link failure) takes only a part: the rest goes as
+        // urgent data again.
+        let mut off = 0;
+        while off < data.len() {
+            off += self.smc_write_inner(id, &data[off..], true)?;
         }
+        Ok(())
     }
 
     /// SIOCATMARK: whether the next byte read is the urgent byte the peer sent last.
@@ -1120,6 +1082,12 @@ impl SmcStream {
     }
 
     fn smc_write(&mut self, id: TcpId, buf: &[u8]) -> io::Result<usize> {
+        self.smc_write_inner(id, buf, false)
+    }
+
+    /// Write (or, `urgent`, write as urgent data, all or nothing) as much of `buf` as the
+    /// peer's RMBE takes, blocking within the write timeout until some fits.
+    fn smc_write_inner(&mut self, id: TcpId, buf: &[u8], urgent: bool) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -1131,7 +1099,12 @@ impl SmcStream {
                 return Err(conn_error(e));
             }
             let now = core.now();
-            match core.send_direct(id, buf, now) {
+            let sent = if urgent {
+                core.send_urgent_direct(id, buf, now)
+            } else {
+                core.send_direct(id, buf, now)
+            };
+            match sent {
                 Ok(0) => {}
                 Ok(n) => {
                     core.drain();
