@@ -1064,20 +1064,26 @@ impl SmcStream {
             if core.ep.flush(id, now).is_ok() {
                 core.drain();
             }
-            if self.nonblocking {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            let wait = match deadline {
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(io::ErrorKind::WouldBlock.into());
-                    }
-                    left.min(POLL_SLICE)
-                }
-                None => POLL_SLICE,
-            };
+            let wait = self.wait_slice(deadline)?;
             core = self.wait_progress(&inner, id, core, wait);
+        }
+    }
+
+    /// How long a blocked read or write may wait for progress now: `WouldBlock` in
+    /// nonblocking mode or once the timeout's `deadline` passed, else up to one poll slice.
+    fn wait_slice(&self, deadline: Option<Instant>) -> io::Result<Duration> {
+        if self.nonblocking {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                Ok(left.min(POLL_SLICE))
+            }
+            None => Ok(POLL_SLICE),
         }
     }
 
@@ -1119,19 +1125,7 @@ impl SmcStream {
                 }
             }
             core.drain();
-            if self.nonblocking {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            let wait = match deadline {
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(io::ErrorKind::WouldBlock.into());
-                    }
-                    left.min(POLL_SLICE)
-                }
-                None => POLL_SLICE,
-            };
+            let wait = self.wait_slice(deadline)?;
             core = self.wait_progress(&inner, id, core, wait);
         }
     }
