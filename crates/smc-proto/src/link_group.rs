@@ -335,6 +335,10 @@ pub struct LinkGroup {
     pub mtu: QpMtu,
     /// Link numbers deleted (a late DELETE LINK for them is a timing window, not an error).
     pub deleted: BTreeSet<u8>,
+    /// The peer QPs of the last links removed (newest last, at most [`GONE_REMOTES`]): an
+    /// Accept naming one of them raced with the link's failure and is no sign of a link
+    /// group out of sync.
+    pub gone_remotes: VecDeque<RemoteQp>,
     /// A peer CONFIRM RKEY awaiting its CONTINUATION: (peer RMB index, tokens still to
     /// come, the first message).
     pub rkey_cont: Option<(usize, u8, smc_wire::llc::ConfirmRkey)>,
@@ -343,6 +347,9 @@ pub struct LinkGroup {
     /// The RNICs this group may use: those of its connections' physical network (PNET).
     pub pnet: DeviceSet,
 }
+
+/// How many removed links' peer QPs a group remembers ([`LinkGroup::gone_remotes`]).
+pub const GONE_REMOTES: usize = 8;
 
 impl LinkGroup {
     /// A group with no link, no RMB, no connection and no exchange in progress.
@@ -374,6 +381,7 @@ impl LinkGroup {
             timers: TimerTable::new(),
             mtu,
             deleted: BTreeSet::new(),
+            gone_remotes: VecDeque::new(),
             rkey_cont: None,
             client_deleting: BTreeMap::new(),
             pnet: DeviceSet::ALL,

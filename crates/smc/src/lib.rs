@@ -11,6 +11,7 @@
 
 pub mod config;
 pub mod control;
+mod crossing;
 pub mod discovery;
 mod error;
 pub mod pnet;

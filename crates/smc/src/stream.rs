@@ -19,6 +19,7 @@ use smc_proto::rmbe::Regions;
 use smc_wire::Cursor;
 
 use crate::config::DiscoveryMode;
+use crate::crossing::Stripper;
 use crate::discovery::Outcome;
 use crate::error::{conn_error, reset_error, FallbackReason, Mode};
 use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
@@ -325,10 +326,12 @@ impl ConnectOptions {
 enum Kind {
     /// Over SMC-R: connection `id` of the stack.
     Smc(Arc<SmcHandle>),
-    /// Plain TCP; `leftover` bytes were read during the rendezvous and come first.
+    /// Plain TCP; `leftover` bytes were read during the rendezvous and come first; `strip`
+    /// drops CLC messages that crossed our Decline (see [`crate::crossing`]).
     Tcp {
         reason: FallbackReason,
         leftover: Vec<u8>,
+        strip: Stripper,
     },
 }
 
@@ -500,7 +503,12 @@ impl SmcStream {
             _reg: reg,
             stack: stack.clone(),
             sock,
-            kind: Kind::Tcp { reason, leftover },
+            kind: Kind::Tcp {
+                reason,
+                leftover,
+                // Only after our own Decline can a message of the peer cross it.
+                strip: Stripper::new(matches!(reason, FallbackReason::Declined(_))),
+            },
             read_timeout: None,
             write_timeout: None,
             nonblocking: false,
@@ -632,13 +640,15 @@ impl SmcStream {
 
     /// Another handle to the same connection (reads and writes may run in different threads).
     /// The connection closes when the last handle is dropped. Bytes a fallen-back stream
-    /// received during the rendezvous stay with the original handle.
+    /// received during the rendezvous stay with the original handle, and so does the
+    /// dropping of a CLC message that crossed our Decline (read with the original first).
     pub fn try_clone(&self) -> io::Result<SmcStream> {
         let kind = match &self.kind {
             Kind::Smc(h) => Kind::Smc(h.clone()),
             Kind::Tcp { reason, .. } => Kind::Tcp {
                 reason: *reason,
                 leftover: Vec::new(),
+                strip: Stripper::new(false),
             },
         };
         Ok(SmcStream {
@@ -700,9 +710,11 @@ impl SmcStream {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn into_tcp(
         self,
-    ) -> Result<(TcpStream, Vec<u8>, impl Sized + Send + Sync), SmcStream> {
+    ) -> Result<(TcpStream, Vec<u8>, Stripper, impl Sized + Send + Sync), SmcStream> {
         match self.kind {
-            Kind::Tcp { leftover, .. } => Ok((self.sock, leftover, self._reg)),
+            Kind::Tcp {
+                leftover, strip, ..
+            } => Ok((self.sock, leftover, strip, self._reg)),
             kind => Err(SmcStream { kind, ..self }),
         }
     }
@@ -1209,7 +1221,17 @@ fn tcp_connect(fd: OwnedFd, addr: SocketAddr, timeout: Option<Duration>) -> io::
 impl Read for SmcStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match &mut self.kind {
-            Kind::Tcp { leftover, .. } => {
+            Kind::Tcp {
+                leftover, strip, ..
+            } => {
+                while strip.active() && !strip.strip(leftover) {
+                    let mut more = [0u8; 1024];
+                    let n = (&self.sock).read(&mut more)?;
+                    if n == 0 {
+                        strip.finish();
+                    }
+                    leftover.extend_from_slice(&more[..n]);
+                }
                 if !leftover.is_empty() {
                     let n = leftover.len().min(buf.len());
                     buf[..n].copy_from_slice(&leftover[..n]);

@@ -56,6 +56,7 @@ enum Inner {
     Tcp {
         tcp: ::tokio::net::TcpStream,
         leftover: Vec<u8>,
+        strip: crate::crossing::Stripper,
         mode: Mode,
         _reg: Box<dyn Send + Sync>,
     },
@@ -88,12 +89,13 @@ impl SmcStream {
     pub fn from_std(s: crate::SmcStream) -> io::Result<SmcStream> {
         let mode = s.mode();
         match s.into_tcp() {
-            Ok((sock, leftover, reg)) => {
+            Ok((sock, leftover, strip, reg)) => {
                 sock.set_nonblocking(true)?;
                 Ok(SmcStream {
                     inner: Inner::Tcp {
                         tcp: ::tokio::net::TcpStream::from_std(sock)?,
                         leftover,
+                        strip,
                         mode,
                         _reg: Box::new(reg),
                     },
@@ -177,7 +179,22 @@ impl AsyncRead for SmcStream {
                 buf.advance(n);
                 Poll::Ready(Ok(()))
             }
-            Inner::Tcp { tcp, leftover, .. } => {
+            Inner::Tcp {
+                tcp,
+                leftover,
+                strip,
+                ..
+            } => {
+                // CLC messages that crossed our Decline are not data (see `crate::crossing`).
+                while strip.active() && !strip.strip(leftover) {
+                    let mut more = [0u8; 1024];
+                    let mut rb = ReadBuf::new(&mut more);
+                    ready!(Pin::new(&mut *tcp).poll_read(cx, &mut rb))?;
+                    if rb.filled().is_empty() {
+                        strip.finish();
+                    }
+                    leftover.extend_from_slice(rb.filled());
+                }
                 if !leftover.is_empty() {
                     let n = leftover.len().min(buf.remaining());
                     buf.put_slice(&leftover[..n]);

@@ -286,3 +286,86 @@ fn forged_replies_from_a_server_end_the_connect_cleanly() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Both peers decline at once (RFC 7609 App. C.2 allows it during a first contact's LLC
+/// negotiation; each falls back as soon as its Decline is out, App. C.1): the peer's Decline
+/// arrives in front of its application bytes and must not reach the application as data —
+/// in one piece, in pieces, or not at all (then the data is untouched). Found by the soak:
+/// a fallen-back long stream read the peer's 28-byte Decline as its first data.
+#[test]
+fn a_decline_crossing_ours_is_not_data() {
+    let dir = test_dir("crossing-decline");
+    let st = server_stack(&dir);
+    // (what the fake server sends after our Decline, in pieces)
+    let decline = vector("clc_decline");
+    let cases: Vec<(&str, Vec<Vec<u8>>)> = vec![
+        (
+            "crossed Decline then data",
+            vec![[&decline[..], b"hello"].concat()],
+        ),
+        (
+            "crossed Decline in three pieces, then data",
+            vec![
+                decline[..3].to_vec(),
+                decline[3..10].to_vec(),
+                [&decline[10..], b"hello"].concat(),
+            ],
+        ),
+        ("no crossing: data only", vec![b"hello".to_vec()]),
+        (
+            "data that starts like an eye catcher",
+            vec![[&decline[..2], b"hel"].concat()],
+        ),
+    ];
+    for (name, pieces) in cases {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let send = pieces.clone();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().expect("accept");
+            read_clc(&mut s).expect("our Proposal");
+            // A first-contact Accept for a QP that never answers: the client confirms, and
+            // its LLC negotiation (CONFIRM LINK) fails, so it declines (C.2).
+            s.write_all(&vector("clc_accept_first_contact"))
+                .expect("accept");
+            let mut seen = Vec::new();
+            let ours = loop {
+                let m = read_clc(&mut s).expect("the client's Decline");
+                let t = ClcMessage::parse(&m).map(|(m, _)| m.msg_type()).ok();
+                seen.push(t);
+                if t == Some(smc_wire::ClcType::DECLINE) || seen.len() > 3 {
+                    break m;
+                }
+            };
+            // As if sent just before the client's Decline arrived: it crosses it.
+            for p in send {
+                s.write_all(&p).expect("write");
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            s.shutdown(Shutdown::Write).expect("shutdown");
+            ClcMessage::parse(&ours).map(|(m, _)| m.msg_type()).ok()
+        });
+        let mut c = SmcStream::connect_with(&st, addr).expect("connect");
+        assert!(
+            matches!(c.mode(), Mode::Tcp(FallbackReason::Declined(_))),
+            "{name}: {:?}",
+            c.mode()
+        );
+        c.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).expect("read");
+        let want: Vec<u8> = if name == "data that starts like an eye catcher" {
+            pieces.concat()
+        } else {
+            b"hello".to_vec()
+        };
+        assert_eq!(got, want, "{name}");
+        assert_eq!(
+            server.join().expect("server"),
+            Some(smc_wire::ClcType::DECLINE),
+            "{name}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

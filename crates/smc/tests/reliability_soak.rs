@@ -39,17 +39,52 @@ impl Counters {
     }
 }
 
-/// Describe a corruption on stderr: where the first differing byte is, how many differ, and
-/// whether the received bytes are zeros (never written) or bytes from elsewhere.
-fn report_corruption(what: &str, want: &[u8], got: &[u8]) {
+/// Describe a corruption on stderr: when (UTC, to match the logs), where the first differing
+/// byte is, how many differ, whether the received bytes are zeros (never written) and, for a
+/// stream of pattern `seed` read up to `pos`, whether they are this stream's own bytes from
+/// another offset (stale or replayed bytes) or bytes from elsewhere.
+fn report_corruption(what: &str, mode: &str, want: &[u8], got: &[u8], own: Option<(u64, u64)>) {
     let first = want.iter().zip(got).position(|(a, b)| a != b).unwrap_or(0);
     let differ = want.iter().zip(got).filter(|(a, b)| a != b).count();
     let zeros = got[first..].iter().take(64).all(|&b| b == 0);
+    let mut origin = String::new();
+    if let Some((seed, pos)) = own {
+        // Look for the 16 received bytes at the first difference in the 64 MiB of the
+        // stream before and 16 MiB after it.
+        let at = (pos + first as u64) & !7;
+        let word = got.get(first..first + 16);
+        let from = at.saturating_sub(64 << 20);
+        let mut p = Pattern::new(seed);
+        let mut skip = vec![0u8; 1 << 20];
+        let mut done = 0u64;
+        while done + (1 << 20) <= from {
+            p.fill(&mut skip);
+            done += 1 << 20;
+        }
+        let mut window = vec![0u8; (at + (16 << 20) - done) as usize];
+        p.fill(&mut window);
+        let found = word.and_then(|w| window.windows(w.len()).position(|c| c == w));
+        let want_at = pos + first as u64;
+        origin = match found {
+            Some(i) => format!(
+                ", the stream's own bytes from offset {} ({:+} bytes)",
+                done + i as u64,
+                (done + i as u64) as i64 - want_at as i64
+            ),
+            None => ", not this stream's bytes near there".to_string(),
+        };
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
     eprintln!(
-        "CORRUPTION in a {what} of {} bytes: first difference at {first}, {differ} bytes \
-         differ, received bytes there are {}",
+        "CORRUPTION at unix {t:.6} in a {what} of {} bytes: first difference at {first}, {differ} \
+         bytes differ, received bytes there are {}{origin}; mode {mode}; want {:02x?} got {:02x?}",
         want.len(),
-        if zeros { "zeros" } else { "not zeros" }
+        if zeros { "zeros" } else { "not zeros" },
+        &want[first..want.len().min(first + 24)],
+        &got[first..got.len().min(first + 24)],
     );
 }
 
@@ -76,6 +111,7 @@ fn long_stream(st: &Stack, port: u16, seed: u64, c: &Counters) -> std::io::Resul
     let mut expect = Pattern::new(seed);
     let mut want = vec![0u8; 64 * 1024];
     let mut got = vec![0u8; 64 * 1024];
+    let mut pos = 0u64;
     let res = loop {
         if let Err(e) = r.read_exact(&mut got) {
             break Err(e);
@@ -83,10 +119,17 @@ fn long_stream(st: &Stack, port: u16, seed: u64, c: &Counters) -> std::io::Resul
         expect.fill(&mut want);
         if got != want {
             c.corrupt.fetch_add(1, Ordering::Relaxed);
-            report_corruption("long stream chunk", &want, &got);
+            report_corruption(
+                "long stream chunk",
+                &format!("{:?}", r.mode()),
+                &want,
+                &got,
+                Some((seed, pos)),
+            );
             break Err(std::io::Error::other("CORRUPTION"));
         }
         c.verified.fetch_add(got.len() as u64, Ordering::Relaxed);
+        pos += got.len() as u64;
     };
     drop(r);
     let _ = writer.join();
@@ -100,7 +143,8 @@ fn churn_once(st: &Stack, port: u16, rng: &mut Rng, c: &Counters) -> std::io::Re
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let n = 1 + rng.below(256 * 1024) as usize;
     let mut data = vec![0u8; n];
-    Pattern::new(rng.next_u64()).fill(&mut data);
+    let seed = rng.next_u64();
+    Pattern::new(seed).fill(&mut data);
     let mut w = s.try_clone()?;
     w.set_write_timeout(Some(Duration::from_secs(30)))?;
     let out = data.clone();
@@ -114,7 +158,13 @@ fn churn_once(st: &Stack, port: u16, rng: &mut Rng, c: &Counters) -> std::io::Re
     wr?;
     if back != data {
         c.corrupt.fetch_add(1, Ordering::Relaxed);
-        report_corruption("short connection", &data, &back);
+        report_corruption(
+            "short connection",
+            &format!("{:?}", s.mode()),
+            &data,
+            &back,
+            Some((seed, 0)),
+        );
         return Err(std::io::Error::other("CORRUPTION"));
     }
     c.verified.fetch_add(n as u64, Ordering::Relaxed);

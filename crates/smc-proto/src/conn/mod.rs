@@ -904,6 +904,7 @@ impl Connection {
         // Before any CDC arrived SR is the number before the first one (sequence numbers start
         // at 1, §4.3), so SR = 0.
         let sr = self.last_rx_seq.unwrap_or(0);
+        tracing::info!(sr, ss, "failover validation received");
         if (sr.wrapping_sub(ss) as i16) < 0 {
             //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
             //# If SR is less than the sequence number value in the validation message, data

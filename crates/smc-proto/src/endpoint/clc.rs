@@ -791,6 +791,20 @@ impl Endpoint {
             });
         if !a.first_contact {
             let Some((lgr, link)) = known else {
+                // The server chose a link of a group we share that has just failed here (the
+                // server has not seen the failure yet): the groups are in sync, only this
+                // connection cannot use the link. It stays on TCP; the group lives on.
+                let raced = self.lgrs.values().any(|g| {
+                    g.role == Role::Client
+                        && g.peer_id == a.peer_id
+                        && g.gone_remotes
+                            .iter()
+                            .any(|r| r.qpn == a.qp_num && r.gid == a.gid && r.mac == a.mac)
+                });
+                if raced {
+                    self.decline(tcp, DeclineCode::NOSRVLINK, false, now);
+                    return;
+                }
                 //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.4
                 //# Because the first contact flag is off, the client realizes it is out of
                 //# sync with the server and sends an SMC Decline to cause the connection to
@@ -1235,6 +1249,7 @@ impl Endpoint {
         let Some(Entry::Setup(h)) = self.entries.remove(&tcp) else {
             return;
         };
+        tracing::info!(?tcp, ?reason, leftover = h.buf.len(), "fell back to TCP");
         self.cleanup_setup(tcp, &h, now);
         self.stats.fallbacks += 1;
         self.events.push_back(EndpointEvent::FellBack {
@@ -1249,6 +1264,7 @@ impl Endpoint {
         let Some(Entry::Setup(h)) = self.entries.remove(&tcp) else {
             return;
         };
+        tracing::info!(?tcp, ?reason, "setup reset");
         self.cleanup_setup(tcp, &h, now);
         self.stats.setup_resets += 1;
         self.events.push_back(EndpointEvent::Reset { tcp, reason });
@@ -1458,6 +1474,14 @@ impl Endpoint {
         };
         held.sort_by_key(|c| c.seqno);
         let unacked_from = conn.producer_cursor();
+        tracing::info!(
+            ?tcp,
+            ?lgr,
+            local = ?setup.alloc.handle,
+            ?peer_key,
+            send_link,
+            "connection active"
+        );
         self.entries.insert(
             tcp,
             Entry::Smc(Box::new(SmcConn {

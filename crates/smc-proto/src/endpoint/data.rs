@@ -94,6 +94,14 @@ impl Endpoint {
             return;
         };
         self.alerts.remove(&c.local_alert);
+        tracing::info!(
+            ?tcp,
+            lgr = ?c.lgr,
+            local = ?c.local,
+            peer = ?c.peer_key,
+            error = ?c.conn.error(),
+            "connection released, RMBE back to the pool"
+        );
         if let Some(g) = self.lgrs.get_mut(&c.lgr) {
             let _ = g.pool.release(c.local);
             g.peer_rmbes.release(c.peer_key, tcp);
@@ -518,6 +526,15 @@ impl Endpoint {
             return;
         };
         self.stats.failovers += 1;
+        tracing::info!(
+            ?tcp,
+            ?lgr,
+            from = c.send_link,
+            to = new,
+            ss = c.ss,
+            replay = c.unacked.len(),
+            "failover"
+        );
         c.send_link = new;
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
         //# When an RNIC fails and the sender changes SMC-R links, the sender must first send

@@ -379,6 +379,7 @@ impl Endpoint {
             return;
         };
         l.state = LinkState::Active;
+        tracing::info!(?lgr, num, "link active");
         l.peer_user_id = Some(peer_user_id);
         l.last_activity = now;
         let id = l.id;
@@ -1141,6 +1142,12 @@ impl Endpoint {
         let Some(l) = g.links.remove(&num) else {
             return;
         };
+        if let Some(r) = l.remote {
+            if g.gone_remotes.len() == crate::link_group::GONE_REMOTES {
+                g.gone_remotes.pop_front();
+            }
+            g.gone_remotes.push_back(r);
+        }
         for r in g.local_rmbs.values_mut() {
             r.tokens.remove(&num);
         }
@@ -1375,6 +1382,7 @@ impl Endpoint {
         let id = l.id;
         g.deleted.insert(num);
         let survivors = g.active_links().filter(|l| l.num != num).count();
+        tracing::info!(?lgr, num, ?reason, survivors, "link removed");
         self.drop_link(lgr, num, now);
         self.events.push_back(EndpointEvent::LinkDown {
             lgr,
@@ -1850,6 +1858,13 @@ impl Endpoint {
         };
         let via = g.active_links().next().map(|l| l.num);
         let orderly = g.conns.is_empty();
+        tracing::info!(
+            ?lgr,
+            ?reason,
+            notify,
+            conns = g.conns.len(),
+            "link group terminated"
+        );
         let mut notice = None;
         if notify {
             if let Some(via) = via {

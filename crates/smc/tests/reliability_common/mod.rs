@@ -40,9 +40,24 @@ pub fn test_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// Tracing to stderr filtered by `SMC_LOG`; with `SMC_LOG_DIR` set, to a file per process
+/// there instead (`<pid>.log`), so that the logs of both sides of a test stay apart.
 pub fn init_log() {
+    let filter = tracing_subscriber::EnvFilter::from_env("SMC_LOG");
+    if let Ok(dir) = std::env::var("SMC_LOG_DIR") {
+        let path = PathBuf::from(dir).join(format!("{}.log", std::process::id()));
+        if let Ok(f) = std::fs::File::create(path) {
+            let f = std::sync::Arc::new(f);
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_ansi(false)
+                .with_writer(move || f.clone())
+                .try_init();
+            return;
+        }
+    }
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("SMC_LOG"))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
 }
