@@ -885,6 +885,28 @@ impl EndpointPair {
         progress
     }
 
+    /// Deliver in-flight items in order up to the next CDC that side `from` sent, and take
+    /// that one out of flight (never delivered, never completed): for tests that hand it to
+    /// the peer themselves, late or on another link.
+    pub fn take_cdc_from(&mut self, from: Side) -> Option<[u8; smc_wire::MSG44_LEN]> {
+        loop {
+            let next_is_cdc = matches!(
+                self.queue.front(),
+                Some((_, Item::Send { from: f, msg, .. }))
+                    if *f == from && msg[0] == smc_wire::cdc::CDC_TYPE
+            );
+            if next_is_cdc {
+                return match self.queue.pop_front() {
+                    Some((_, Item::Send { msg, .. })) => Some(msg),
+                    _ => None,
+                };
+            }
+            if !self.deliver_next() {
+                return None;
+            }
+        }
+    }
+
     /// Deliver the next in-flight item (advancing the clock to it). Returns false when
     /// nothing is in flight.
     pub fn deliver_next(&mut self) -> bool {

@@ -56,6 +56,9 @@ pub struct ConnectionConfig {
     pub close_timeout: Duration,
     /// PeerAbortWait timeout (§4.8.2).
     pub abort_timeout: Duration,
+    /// How long a failover validation that found SR behind SS waits for SR to catch up
+    /// before the connection is reset (see `handle_failover_validation`).
+    pub validation_wait: Duration,
 }
 
 impl ConnectionConfig {
@@ -78,6 +81,7 @@ impl ConnectionConfig {
             cork_ceiling: Duration::from_millis(200),
             close_timeout: Duration::from_secs(30),
             abort_timeout: Duration::from_secs(30),
+            validation_wait: Duration::from_secs(1),
         }
     }
 }
@@ -94,6 +98,8 @@ pub enum ConnTimer {
     PeerFinCloseWait,
     /// PeerAbortWait timer.
     PeerAbortWait,
+    /// A failover validation waits for SR to reach SS.
+    FailoverValidation,
 }
 
 impl TimerKind for ConnTimer {
@@ -102,6 +108,7 @@ impl TimerKind for ConnTimer {
         ConnTimer::PeerCloseWait,
         ConnTimer::PeerFinCloseWait,
         ConnTimer::PeerAbortWait,
+        ConnTimer::FailoverValidation,
     ];
     fn index(self) -> usize {
         self as usize
@@ -262,7 +269,9 @@ pub struct Connection {
     peer_closed: bool,
     abort_pending: bool,
     error: Option<ConnError>,
-    timers: TimerTable<ConnTimer, 4>,
+    timers: TimerTable<ConnTimer, 5>,
+    /// A failover validation's SS that SR has not reached yet.
+    validation_pending: Option<u16>,
     events: VecDeque<Event>,
     stats: ConnStats,
 }
@@ -310,6 +319,7 @@ impl Connection {
             abort_pending: false,
             error: None,
             timers: TimerTable::new(),
+            validation_pending: None,
             events: VecDeque::new(),
             stats: ConnStats::default(),
         };
@@ -781,6 +791,12 @@ impl Connection {
             }
         }
         self.last_rx_seq = Some(msg.seqno);
+        if let Some(ss) = self.validation_pending {
+            if (msg.seqno.wrapping_sub(ss) as i16) >= 0 {
+                self.validation_pending = None;
+                self.timers.stop(ConnTimer::FailoverValidation);
+            }
+        }
         match self.state {
             State::Closed | State::ProcessAbort => {
                 self.stats.cdc_ignored += 1;
@@ -895,6 +911,15 @@ impl Connection {
     /// The failover data validation message (F flag) carries the sender's SS: the sequence
     /// number of the last CDC whose write it knows was received. We compare it with SR, the
     /// sequence number of the last CDC we received.
+    ///
+    /// SR may lag for a while without anything being lost: the CDCs the peer sent on the
+    /// failed link did reach our receive queue of that link, but that queue's completions
+    /// may be handled after the validation that came on the new link (two completion queues,
+    /// no order between them). So a validation that finds SR behind SS is held for
+    /// `validation_wait`: SR catches up when the late CDC is handled, or when the peer's
+    /// next CDC arrives (it follows the validation at once, §4.6.2, and carries the
+    /// cumulative cursors and flags of every CDC before it). Only an SR still behind SS
+    /// when the wait ends means data was lost.
     //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
     //# Upon receipt of the failover validation message, the receiver must verify that its SR
     //# value for the TCP connection is equal to or greater than the sequence number in the
@@ -904,13 +929,22 @@ impl Connection {
         // Before any CDC arrived SR is the number before the first one (sequence numbers start
         // at 1, §4.3), so SR = 0.
         let sr = self.last_rx_seq.unwrap_or(0);
-        tracing::info!(sr, ss, "failover validation received");
-        if (sr.wrapping_sub(ss) as i16) < 0 {
-            //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
-            //# If SR is less than the sequence number value in the validation message, data
-            //# has been lost, and the receiver must immediately reset the TCP connection.
-            tracing::debug!(sr, ss, "failover validation: data lost; resetting");
-            self.abort_with(AbortReason::FailoverDataLoss, now, true);
+        if (sr.wrapping_sub(ss) as i16) >= 0 || !self.state_sends_cdcs() {
+            return;
+        }
+        tracing::debug!(sr, ss, "failover validation: SR behind SS; waiting for it");
+        self.stats.failover_validations_held += 1;
+        let later = self
+            .validation_pending
+            .is_some_and(|p| (p.wrapping_sub(ss) as i16) > 0);
+        if !later {
+            self.validation_pending = Some(ss);
+        }
+        if !self.timers.is_set(ConnTimer::FailoverValidation) {
+            self.timers.set(
+                ConnTimer::FailoverValidation,
+                now + self.config.validation_wait,
+            );
         }
     }
 
@@ -1204,6 +1238,16 @@ impl Connection {
                 ConnTimer::PeerAbortWait => {
                     self.transition(Input::AbortTimerExpired);
                 }
+                ConnTimer::FailoverValidation => {
+                    if self.validation_pending.take().is_some() {
+                        //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
+                        //# If SR is less than the sequence number value in the validation
+                        //# message, data has been lost, and the receiver must immediately
+                        //# reset the TCP connection.
+                        tracing::debug!("failover validation: SR never reached SS; resetting");
+                        self.abort_with(AbortReason::FailoverDataLoss, now, true);
+                    }
+                }
             }
         }
         self.sync_timers(now);
@@ -1359,7 +1403,7 @@ impl Connection {
     }
 
     fn sync_timers(&mut self, now: Timestamp) {
-        let want = |t: &TimerTable<ConnTimer, 4>, k: ConnTimer, on: bool, after: Duration| {
+        let want = |t: &TimerTable<ConnTimer, 5>, k: ConnTimer, on: bool, after: Duration| {
             let mut t = *t;
             match (on, t.is_set(k)) {
                 (true, false) => t.set(k, now + after),

@@ -54,6 +54,9 @@ pub struct ConnStats {
     pub cdc_received: u64,
     /// Failover data validation CDCs (F flag) received (RFC 7609 §4.6.1).
     pub failover_validations: u64,
+    /// Failover validations that found SR behind SS and waited for the missing CDC (still
+    /// queued on the failed link) instead of resetting at once.
+    pub failover_validations_held: u64,
     /// Received CDCs ignored because their sequence number was not newer than the last one.
     pub cdc_stale: u64,
     /// Received CDCs ignored because they carried another connection's alert token.

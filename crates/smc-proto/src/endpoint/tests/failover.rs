@@ -132,18 +132,12 @@ fn last_link_failure_resets_connections() {
     }
 }
 
-/// §4.6.1: a validation CDC whose sequence number is above SR resets the connection.
-#[test]
-fn validation_above_sr_resets() {
-    let mut p = EndpointPair::with_devices(2, 2);
-    p.connect(T1);
-    p.run();
+/// A failover validation CDC (F flag) with sequence number `ss`, for connection T1 of side B.
+fn validation(p: &EndpointPair, ss: u16) -> smc_wire::CdcMessage {
     let c = p.b.ep.connection(T1).expect("conn");
-    let token = c.config().local_alert_token;
-    let sr = c.sequence_received().unwrap_or(0);
-    let forged = smc_wire::CdcMessage {
-        seqno: sr.wrapping_add(5),
-        alert_token: token,
+    smc_wire::CdcMessage {
+        seqno: ss,
+        alert_token: c.config().local_alert_token,
         producer: Default::default(),
         consumer: Default::default(),
         prod_flags: smc_wire::ProducerFlags {
@@ -151,19 +145,73 @@ fn validation_above_sr_resets() {
             ..Default::default()
         },
         conn_flags: Default::default(),
-    };
+    }
+}
+
+fn data_loss_reset(p: &EndpointPair) -> bool {
+    p.b.saw(|e| {
+        matches!(
+            e,
+            EndpointEvent::Conn {
+                event: crate::conn::Event::Failed(ConnError::Reset(AbortReason::FailoverDataLoss)),
+                ..
+            }
+        )
+    })
+}
+
+/// §4.6.1: a validation CDC whose sequence number stays above SR resets the connection —
+/// once the wait for the CDCs still queued on the failed link is over.
+#[test]
+fn validation_above_sr_resets() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    let sr =
+        p.b.ep
+            .connection(T1)
+            .and_then(|c| c.sequence_received())
+            .unwrap_or(0);
+    let forged = validation(&p, sr.wrapping_add(5));
     let l2 = p.b.link(2).expect("link 2");
     let now = p.now;
     p.b.ep
         .handle_message(l2, &forged.to_bytes(), &mut p.b.res, now);
     p.flush();
-    assert!(p.b.saw(|e| matches!(
-        e,
-        EndpointEvent::Conn {
-            event: crate::conn::Event::Failed(ConnError::Reset(AbortReason::FailoverDataLoss)),
-            ..
-        }
-    )));
+    assert!(!data_loss_reset(&p), "reset before the wait ended");
+    let c = p.b.ep.connection(T1).expect("conn");
+    assert_eq!(c.stats().failover_validations_held, 1);
+    p.run_for(c.config().validation_wait + Duration::from_millis(10));
+    assert!(data_loss_reset(&p));
+}
+
+/// The CDC the validation counts on arrives after it (it sat in the failed link's receive
+/// queue, handled after the new link's): SR reaches SS, nothing is reset.
+#[test]
+fn validation_ahead_of_a_late_cdc_waits_for_it() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    // A sends a little; its CDC is held back from B (still queued on the "failed" link).
+    p.app_send(Side::A, T1, b"late but not lost");
+    let late = p.take_cdc_from(Side::A).expect("A's CDC");
+    let seq = smc_wire::CdcMessage::parse(&late).expect("cdc").seqno;
+    let forged = validation(&p, seq);
+    let l1 = p.b.link(1).expect("link 1");
+    let l2 = p.b.link(2).expect("link 2");
+    let now = p.now;
+    p.b.ep
+        .handle_message(l2, &forged.to_bytes(), &mut p.b.res, now);
+    p.b.ep.handle_message(l1, &late, &mut p.b.res, now);
+    p.flush();
+    let c = p.b.ep.connection(T1).expect("conn");
+    assert_eq!(c.stats().failover_validations_held, 1);
+    p.run_for(c.config().validation_wait * 2);
+    assert!(!data_loss_reset(&p));
+    assert_eq!(
+        p.b.ep.connection(T1).map(|c| c.stats().bytes_received),
+        Some(b"late but not lost".len() as u64)
+    );
 }
 
 /// Server-initiated DELETE LINK of one link (orderly): connections move, the link goes.
