@@ -57,6 +57,9 @@ const COALESCING_DELAY: Duration = Duration::from_micros(500);
 /// A failed post is reported at the latest after this time (see `Core::failed_posts`).
 const FAILED_POST_GRACE: Duration = Duration::from_millis(100);
 
+/// Longest time a removed link's QP is kept for the messages still queued on it.
+const RETIRED_GRACE: Duration = Duration::from_secs(2);
+
 /// Where a connection is in its life, as the stack tracks it.
 #[derive(Debug, Clone)]
 pub(crate) enum SlotState {
@@ -327,6 +330,10 @@ pub(crate) struct Core {
     deferred: HashMap<LinkId, std::collections::VecDeque<Deferred>>,
     /// Links whose receive queue was flushed (their arrived messages are all processed).
     flushed: std::collections::HashSet<LinkId>,
+    /// Links the endpoint removed, kept (QP and receive buffers) until their receive queue
+    /// flushes or [`RETIRED_GRACE`] passes: messages that arrived before the failure are
+    /// still read and handed over (a CDC there counts, see `Endpoint::handle_message`).
+    retired: HashMap<LinkId, (LinkQp, Instant)>,
     /// Open streams by registration number (for `smc ss`).
     pub(crate) streams: std::collections::BTreeMap<u64, StreamEntry>,
     pub(crate) next_stream: u64,
@@ -503,7 +510,14 @@ impl Core {
                 self.post_or_defer(link, op);
             }
             FabricOp::DestroyQp { link } => {
-                self.fab.links.remove(&link);
+                // Not destroyed yet: what arrived before the failure is still to be read.
+                if let Some(l) = self.fab.links.remove(&link) {
+                    if !self.flushed.contains(&link) {
+                        self.retired.insert(link, (l, Instant::now()));
+                    }
+                }
+                self.retired
+                    .retain(|_, (_, at)| at.elapsed() < RETIRED_GRACE);
                 self.flushed.remove(&link);
                 // What never reached the queue fails like the rest of the link's work.
                 for op in self.deferred.remove(&link).into_iter().flatten() {
@@ -812,12 +826,24 @@ impl Core {
         let slot = wc.wr_id & 0xff;
         if !wc.is_ok() {
             self.flushed.insert(link);
+            // A retired link's queue is drained: the QP can go.
+            self.retired.remove(&link);
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
         }
         let mut buf = [0u8; RECV_SLOT_LEN];
         let len = (wc.byte_len as usize).min(RECV_SLOT_LEN);
         let Some(l) = self.fab.links.get(&link) else {
+            // A message that arrived on a link before its removal.
+            if let Some((l, _)) = self.retired.get(&link) {
+                if l.rx
+                    .read_at(slot as usize * RECV_SLOT_LEN, &mut buf[..len])
+                    .is_ok()
+                {
+                    self.ep
+                        .handle_message(link, &buf[..len], &mut self.fab, now);
+                }
+            }
             return;
         };
         let read = l.rx.read_at(slot as usize * RECV_SLOT_LEN, &mut buf[..len]);
@@ -1071,6 +1097,7 @@ impl Stack {
             failed_posts: Vec::new(),
             deferred: HashMap::new(),
             flushed: Default::default(),
+            retired: HashMap::new(),
             streams: Default::default(),
             next_stream: 1,
             fallback_reasons: Default::default(),
@@ -1277,6 +1304,10 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                 core.device_event(*dev, *e);
             }
             did |= core.report_failed_posts();
+            if !core.retired.is_empty() {
+                core.retired
+                    .retain(|_, (_, at)| at.elapsed() < RETIRED_GRACE);
+            }
             if core.ep.poll_timeout().is_some_and(|t| t <= now) {
                 let Core { ep, fab, .. } = &mut *core;
                 ep.handle_timeout(fab, now);

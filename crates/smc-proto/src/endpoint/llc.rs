@@ -33,7 +33,22 @@ impl Endpoint {
         now: Timestamp,
     ) {
         let Some(&(lgr, num)) = self.links.get(&link) else {
-            self.stats.llc_discarded += 1;
+            // A CDC that arrived on a link before it failed still describes data that is in
+            // our RMBE (its write came first on that link): handle it (its sequence number
+            // tells whether a later CDC already covered it). LLC messages of a removed link
+            // are over.
+            let retired = self
+                .retired_links
+                .iter()
+                .find(|(l, _)| *l == link)
+                .map(|(_, g)| *g);
+            match (retired, ControlMessage::parse(bytes)) {
+                (Some(lgr), Ok(ControlMessage::Cdc(cdc))) => {
+                    self.stats.cdc_on_retired_link += 1;
+                    self.handle_cdc(lgr, cdc, now);
+                }
+                _ => self.stats.llc_discarded += 1,
+            }
             return;
         };
         if let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) {
@@ -1155,6 +1170,10 @@ impl Endpoint {
             r.tokens.remove(&num);
         }
         self.links.remove(&l.id);
+        if self.retired_links.len() == super::RETIRED_LINKS {
+            self.retired_links.pop_front();
+        }
+        self.retired_links.push_back((l.id, lgr));
         self.fabric_out
             .push_back(FabricOp::DestroyQp { link: l.id });
     }

@@ -327,6 +327,9 @@ struct LocalSetup {
     alert: u32,
 }
 
+/// How many removed links an endpoint remembers for the CDCs still queued on them.
+pub const RETIRED_LINKS: usize = 64;
+
 /// The SMC-R peer of one process: owns link groups, links, RMB pools, connection engines and
 /// the CLC handshakes in progress.
 ///
@@ -381,6 +384,10 @@ pub struct Endpoint {
     alerts: BTreeMap<u32, TcpId>,
     /// Link id → (group, link number).
     links: BTreeMap<LinkId, (LgrId, u8)>,
+    /// Links removed lately (newest last, at most [`RETIRED_LINKS`]) and their groups: CDCs
+    /// that arrived on a link before it failed may be handled after its removal (its receive
+    /// queue drains after the new link's), and still count.
+    retired_links: VecDeque<(LinkId, LgrId)>,
     wrs: BTreeMap<WrId, WrPurpose>,
     /// Fabric operations held until a work request completes (QPs of a terminated group are
     /// destroyed once its DELETE LINK has been delivered, App. C.7).
@@ -407,6 +414,8 @@ pub struct EndpointStats {
     pub failovers: u64,
     /// LLC messages received and discarded (optional types, stale links).
     pub llc_discarded: u64,
+    /// CDCs handled after their link was removed (they arrived before it failed).
+    pub cdc_on_retired_link: u64,
     /// Links that failed.
     pub link_failures: u64,
     /// Negative CONFIRM RKEY replies we sent because of a collision.
@@ -424,6 +433,7 @@ impl Endpoint {
             entries: BTreeMap::new(),
             alerts: BTreeMap::new(),
             links: BTreeMap::new(),
+            retired_links: VecDeque::new(),
             wrs: BTreeMap::new(),
             deferred: BTreeMap::new(),
             next_lgr: 1,
