@@ -66,6 +66,9 @@ pub struct FakeResources {
     pub mrs: BTreeMap<u32, (LgrId, RmbId, LinkId)>,
     /// Fail the next QP creations (resource exhaustion knob).
     pub fail_create_qp: usize,
+    /// Fail one RMB registration after this many more succeed (resource exhaustion knob;
+    /// `Some(1)`: an RMB of a two-link group is registered on the first link only).
+    pub fail_register_rmb: Option<usize>,
 }
 
 impl FakeResources {
@@ -81,6 +84,7 @@ impl FakeResources {
             memory: BTreeMap::new(),
             mrs: BTreeMap::new(),
             fail_create_qp: 0,
+            fail_register_rmb: None,
         }
     }
 }
@@ -108,6 +112,14 @@ impl Resources for FakeResources {
         link: LinkId,
         _device: DeviceId,
     ) -> Result<MrInfo, ResourceError> {
+        match self.fail_register_rmb {
+            Some(0) => {
+                self.fail_register_rmb = None;
+                return Err(ResourceError("no memory"));
+            }
+            Some(n) => self.fail_register_rmb = Some(n - 1),
+            None => {}
+        }
         let next_vaddr = &mut self.next_vaddr;
         let (vaddr, _) = self.memory.entry((lgr, rmb)).or_insert_with(|| {
             let v = *next_vaddr;

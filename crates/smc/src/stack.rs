@@ -80,8 +80,11 @@ pub(crate) enum SlotState {
 #[derive(Debug)]
 pub(crate) struct Slot {
     pub(crate) state: SlotState,
-    /// The TCP socket (CLC messages are written on it; reset on `SendTcpReset`).
-    pub(crate) sock: Option<TcpStream>,
+    /// The TCP socket (CLC messages are written on it; reset on `SendTcpReset`): the same
+    /// descriptor as the stream's, shared, not a duplicate (one fd per connection). Dropped
+    /// (and taken out of the reset watch) on reset or when the slot goes; the descriptor
+    /// closes when the stream has gone too.
+    pub(crate) sock: Option<crate::tcpwatch::SlotSock>,
     /// The established connection failed.
     pub(crate) error: Option<ConnError>,
     /// The engine reached `Closed`.
@@ -101,10 +104,10 @@ pub(crate) struct Slot {
 
 impl Slot {
     /// A new slot in state `Setup` for socket `sock`.
-    pub(crate) fn new(sock: TcpStream) -> Slot {
+    pub(crate) fn new(sock: Arc<TcpStream>) -> Slot {
         Slot {
             state: SlotState::Setup,
-            sock: Some(sock),
+            sock: Some(crate::tcpwatch::SlotSock::new(sock)),
             error: None,
             closed: false,
             dropped: false,
@@ -346,7 +349,7 @@ pub(crate) struct Core {
 impl Core {
     /// The IPv4 addresses of connection `tcp` (local, peer), for captures.
     fn tcp_addrs(&self, tcp: TcpId) -> Option<(std::net::SocketAddrV4, std::net::SocketAddrV4)> {
-        let sock = self.slots.get(&tcp)?.sock.as_ref()?;
+        let sock = self.slots.get(&tcp)?.sock.as_ref()?.tcp();
         match (sock.local_addr().ok()?, sock.peer_addr().ok()?) {
             (std::net::SocketAddr::V4(l), std::net::SocketAddr::V4(p)) => Some((l, p)),
             _ => None,
@@ -437,8 +440,8 @@ impl Core {
             while let Some((tcp, bytes)) = self.ep.poll_tcp_transmit() {
                 progress = true;
                 self.capture_tcp(tcp, true, &bytes);
-                let failed = match self.slots.get_mut(&tcp).and_then(|s| s.sock.as_mut()) {
-                    Some(sock) => sock.write_all(&bytes).is_err(),
+                let failed = match self.slots.get(&tcp).and_then(|s| s.sock.as_ref()) {
+                    Some(sock) => sock.tcp().write_all(&bytes).is_err(),
                     None => true,
                 };
                 if failed {
@@ -936,10 +939,11 @@ impl Deferred {
     }
 }
 
-/// Send a RST instead of a FIN when the socket closes.
-fn reset_socket(sock: Option<TcpStream>) {
+/// Send a RST instead of a FIN when the socket closes (when the stream, which shares the
+/// descriptor, has gone too); the slot lets go of the socket and stops watching it.
+fn reset_socket(sock: Option<crate::tcpwatch::SlotSock>) {
     if let Some(s) = sock {
-        let _ = rustix::net::sockopt::set_socket_linger(&s, Some(Duration::ZERO));
+        let _ = rustix::net::sockopt::set_socket_linger(s.tcp(), Some(Duration::ZERO));
     }
 }
 

@@ -241,7 +241,7 @@ fn setup_accepted(
     };
     tracing::debug!(%peer, ?offered, "accepted");
     match offered {
-        Ok(()) => match SmcStream::rendezvous(stack, sock, false, recv_buffer) {
+        Ok(()) => match SmcStream::rendezvous(stack, Arc::new(sock), false, recv_buffer) {
             Ok(s) => Some(Ok(s)),
             Err(e) => {
                 tracing::debug!(%e, %peer, "rendezvous failed");
@@ -250,7 +250,7 @@ fn setup_accepted(
         },
         Err(reason) => Some(Ok(SmcStream::fallback(
             stack,
-            sock,
+            Arc::new(sock),
             reason,
             Vec::new(),
             true,
@@ -339,7 +339,9 @@ enum Kind {
 #[derive(Debug)]
 pub struct SmcStream {
     stack: Stack,
-    sock: TcpStream,
+    /// The TCP socket. Over SMC-R shared with the stack's slot of the connection and with
+    /// this stream's clones (one descriptor per connection); over TCP this handle's own.
+    sock: Arc<TcpStream>,
     kind: Kind,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
@@ -451,7 +453,7 @@ impl SmcStream {
             _ => None,
         };
         let sock = match tcp_connect(fd, addr, timeout) {
-            Ok(s) => s,
+            Ok(s) => Arc::new(s),
             Err(e) => {
                 if let (Some(d), Some(c)) = (&stack.inner.discovery, cookie) {
                     d.unmark_client(c);
@@ -477,7 +479,7 @@ impl SmcStream {
 
     fn fallback(
         stack: &Stack,
-        sock: TcpStream,
+        sock: Arc<TcpStream>,
         reason: FallbackReason,
         leftover: Vec<u8>,
         server: bool,
@@ -522,7 +524,7 @@ impl SmcStream {
     /// established over SMC-R, falls back, or fails.
     fn rendezvous(
         stack: &Stack,
-        sock: TcpStream,
+        sock: Arc<TcpStream>,
         client: bool,
         recv_buffer: Option<u32>,
     ) -> io::Result<SmcStream> {
@@ -535,11 +537,12 @@ impl SmcStream {
             rmbe_size: recv_buffer.map(crate::config::rmbe_size_for),
         };
         let id = inner.new_tcp_id();
-        let reader = sock.try_clone()?;
-        reader.set_read_timeout(Some(Duration::from_millis(10)))?;
+        // CLC bytes are read here with a short timeout (the stack writes its CLC messages on
+        // the same socket, through the slot's reference to it).
+        sock.set_read_timeout(Some(Duration::from_millis(10)))?;
         {
             let mut core = inner.lock();
-            core.slots.insert(id, Slot::new(sock.try_clone()?));
+            core.slots.insert(id, Slot::new(sock.clone()));
             let now = core.now();
             let started = if client {
                 core.ep.connect_with(id, opts, now)
@@ -561,10 +564,15 @@ impl SmcStream {
                 match state {
                     Some(SlotState::Setup) => {}
                     Some(SlotState::Smc) => {
-                        drop(core);
-                        if let Err(e) = inner.tcp_watch.watch(&sock, id) {
-                            tracing::debug!(%e, ?id, "TCP socket not watched for resets");
+                        // Watched while the slot surely holds the socket (core lock).
+                        if let Some(slot_sock) =
+                            core.slots.get_mut(&id).and_then(|s| s.sock.as_mut())
+                        {
+                            if let Err(e) = inner.tcp_watch.watch(slot_sock, id) {
+                                tracing::debug!(%e, ?id, "TCP socket not watched for resets");
+                            }
                         }
+                        drop(core);
                         let reg = Registration::new(stack, &sock, Some(id), None, !client);
                         break Ok(SmcStream {
                             _reg: reg,
@@ -599,7 +607,7 @@ impl SmcStream {
                     }
                 }
             }
-            match (&reader).read(&mut buf) {
+            match (&*sock).read(&mut buf) {
                 Ok(0) => {
                     let mut core = inner.lock();
                     let now = core.now();
@@ -630,8 +638,8 @@ impl SmcStream {
                 }
             }
         };
-        reader.set_read_timeout(None)?;
         let stream = result?;
+        stream.sock.set_read_timeout(None)?;
         if stack.config().nodelay {
             stream.set_nodelay(true)?;
         }
@@ -643,18 +651,23 @@ impl SmcStream {
     /// received during the rendezvous stay with the original handle, and so does the
     /// dropping of a CLC message that crossed our Decline (read with the original first).
     pub fn try_clone(&self) -> io::Result<SmcStream> {
-        let kind = match &self.kind {
-            Kind::Smc(h) => Kind::Smc(h.clone()),
-            Kind::Tcp { reason, .. } => Kind::Tcp {
-                reason: *reason,
-                leftover: Vec::new(),
-                strip: Stripper::new(false),
-            },
+        // Over SMC-R the clone shares the socket (no new descriptor); over TCP it gets its
+        // own duplicate, so that each handle can become a tokio stream (`into_tcp`).
+        let (kind, sock) = match &self.kind {
+            Kind::Smc(h) => (Kind::Smc(h.clone()), self.sock.clone()),
+            Kind::Tcp { reason, .. } => (
+                Kind::Tcp {
+                    reason: *reason,
+                    leftover: Vec::new(),
+                    strip: Stripper::new(false),
+                },
+                Arc::new(self.sock.try_clone()?),
+            ),
         };
         Ok(SmcStream {
             _reg: self._reg.clone(),
             stack: self.stack.clone(),
-            sock: self.sock.try_clone()?,
+            sock,
             kind,
             read_timeout: self.read_timeout,
             write_timeout: self.write_timeout,
@@ -713,8 +726,31 @@ impl SmcStream {
     ) -> Result<(TcpStream, Vec<u8>, Stripper, impl Sized + Send + Sync), SmcStream> {
         match self.kind {
             Kind::Tcp {
-                leftover, strip, ..
-            } => Ok((self.sock, leftover, strip, self._reg)),
+                leftover,
+                reason,
+                strip,
+            } => {
+                // A fallen-back stream's socket is its own (clones duplicate it); should it
+                // be shared after all, a duplicate serves.
+                let sock = match Arc::try_unwrap(self.sock) {
+                    Ok(s) => s,
+                    Err(shared) => match shared.try_clone() {
+                        Ok(s) => s,
+                        Err(_) => {
+                            return Err(SmcStream {
+                                sock: shared,
+                                kind: Kind::Tcp {
+                                    leftover,
+                                    reason,
+                                    strip,
+                                },
+                                ..self
+                            })
+                        }
+                    },
+                };
+                Ok((sock, leftover, strip, self._reg))
+            }
             kind => Err(SmcStream { kind, ..self }),
         }
     }
@@ -1226,7 +1262,7 @@ impl Read for SmcStream {
             } => {
                 while strip.active() && !strip.strip(leftover) {
                     let mut more = [0u8; 1024];
-                    let n = (&self.sock).read(&mut more)?;
+                    let n = (&*self.sock).read(&mut more)?;
                     if n == 0 {
                         strip.finish();
                     }
@@ -1238,7 +1274,7 @@ impl Read for SmcStream {
                     leftover.drain(..n);
                     return Ok(n);
                 }
-                self.sock.read(buf)
+                (&*self.sock).read(buf)
             }
             Kind::Smc(h) => {
                 let id = h.id;
@@ -1251,7 +1287,7 @@ impl Read for SmcStream {
 impl Write for SmcStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match &self.kind {
-            Kind::Tcp { .. } => self.sock.write(buf),
+            Kind::Tcp { .. } => (&*self.sock).write(buf),
             Kind::Smc(h) => {
                 let id = h.id;
                 self.smc_write(id, buf)
@@ -1263,7 +1299,7 @@ impl Write for SmcStream {
     /// [`set_nodelay`](SmcStream::set_nodelay)) now.
     fn flush(&mut self) -> io::Result<()> {
         match &self.kind {
-            Kind::Tcp { .. } => self.sock.flush(),
+            Kind::Tcp { .. } => (&*self.sock).flush(),
             Kind::Smc(h) => {
                 let mut core = self.stack.inner.lock();
                 let now = core.now();

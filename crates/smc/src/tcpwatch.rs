@@ -27,6 +27,43 @@ use crate::stack::Inner;
 /// How long the watcher sleeps at most before checking whether its stack still exists.
 const TICK: Duration = Duration::from_millis(500);
 
+/// The TCP socket of a connection as the stack's slot holds it: the stream's own socket,
+/// shared (one descriptor per connection, no `dup`), and the epoll set it is in once the
+/// connection runs over SMC-R.
+///
+/// The descriptor stays open as long as this value lives (it holds a reference), so its
+/// number cannot be closed and reused by another file while it is watched; dropping it takes
+/// the socket out of the epoll set first, by a number that still names this socket. (Closing
+/// the last descriptor would remove it too, but only if no other descriptor of the same open
+/// file exists, e.g. one inherited by a forked child.)
+#[derive(Debug)]
+pub(crate) struct SlotSock {
+    sock: Arc<TcpStream>,
+    watched: Option<Arc<OwnedFd>>,
+}
+
+impl SlotSock {
+    pub(crate) fn new(sock: Arc<TcpStream>) -> SlotSock {
+        SlotSock {
+            sock,
+            watched: None,
+        }
+    }
+
+    /// The socket.
+    pub(crate) fn tcp(&self) -> &TcpStream {
+        &self.sock
+    }
+}
+
+impl Drop for SlotSock {
+    fn drop(&mut self) {
+        if let Some(ep) = self.watched.take() {
+            let _ = epoll::delete(&*ep, &*self.sock);
+        }
+    }
+}
+
 /// The epoll set of one stack's SMC-R TCP sockets.
 #[derive(Debug)]
 pub(crate) struct TcpWatch {
@@ -40,14 +77,25 @@ impl TcpWatch {
         })
     }
 
-    /// Watch `sock`, the TCP connection of SMC-R connection `id`. (Closing the socket's last
-    /// descriptor removes it from the set.)
-    pub(crate) fn watch(&self, sock: &TcpStream, id: TcpId) -> io::Result<()> {
+    /// Watch `sock`, the TCP connection of SMC-R connection `id` (with the core lock held:
+    /// the slot cannot let go of the socket meanwhile). The event carries `id`, never the
+    /// descriptor number: identifiers are not reused, so an event of an old registration
+    /// finds no slot (or a slot without a socket) and is ignored.
+    pub(crate) fn watch(&self, sock: &mut SlotSock, id: TcpId) -> io::Result<()> {
+        if sock.watched.is_some() {
+            return Ok(());
+        }
         let flags = epoll::EventFlags::RDHUP
             | epoll::EventFlags::HUP
             | epoll::EventFlags::ERR
             | epoll::EventFlags::ET;
-        epoll::add(&*self.epoll, sock, epoll::EventData::new_u64(id.0), flags)?;
+        epoll::add(
+            &*self.epoll,
+            &*sock.sock,
+            epoll::EventData::new_u64(id.0),
+            flags,
+        )?;
+        sock.watched = Some(self.epoll.clone());
         Ok(())
     }
 
@@ -92,7 +140,7 @@ fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
                 continue;
             };
             // RST, or keepalive timeout: the socket holds the error.
-            if let Ok(Err(errno)) = rustix::net::sockopt::socket_error(sock) {
+            if let Ok(Err(errno)) = rustix::net::sockopt::socket_error(sock.tcp()) {
                 tracing::debug!(?id, %errno, "TCP connection of an SMC-R connection failed");
                 let now = core.now();
                 core.ep.handle_tcp_reset(id, now);

@@ -168,6 +168,14 @@ fn tcp_reset_under_an_smc_connection_resets_it() {
         .set_tcp_keepalive(Some(Duration::from_secs(30)))
         .expect("keepalive");
     exchange(&mut server, &mut client, &pattern(10_000));
+    kill_tcp_and_expect_resets(&mut server, &mut client);
+    assert!(a.stats().tcp_resets + b.stats().tcp_resets >= 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Abort the client's TCP socket with `ss -K` (which sends the server a RST) and check both
+/// streams end with a reset.
+fn kill_tcp_and_expect_resets(server: &mut SmcStream, client: &mut SmcStream) {
     let (cp, sp) = (
         client.local_addr().expect("local").port(),
         server.local_addr().expect("local").port(),
@@ -190,7 +198,7 @@ fn tcp_reset_under_an_smc_connection_resets_it() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for (name, s) in [("server", &mut server), ("client", &mut client)] {
+    for (name, s) in [("server", server), ("client", client)] {
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
         let mut buf = [0u8; 16];
@@ -204,8 +212,85 @@ fn tcp_reset_under_an_smc_connection_resets_it() {
             "{name}: {r:?}"
         );
     }
-    assert!(a.stats().tcp_resets + b.stats().tcp_resets >= 1);
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The descriptor numbers of the TCP sockets of connection `server`–`client` (both in this
+/// process): their inodes from `/proc/net/tcp` (by port pair), then the descriptor naming each.
+fn conn_fds(server: &SmcStream, client: &SmcStream) -> Vec<u32> {
+    let (cp, sp) = (
+        client.local_addr().expect("local").port(),
+        server.local_addr().expect("local").port(),
+    );
+    let port = |a: &str| {
+        a.rsplit_once(':')
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+    };
+    let inodes: Vec<String> = std::fs::read_to_string("/proc/net/tcp")
+        .expect("/proc/net/tcp")
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (lp, rp) = (port(f.get(1)?)?, port(f.get(2)?)?);
+            let inode = f.get(9)?;
+            ((lp, rp) == (cp, sp) || (lp, rp) == (sp, cp)).then(|| format!("socket:[{inode}]"))
+        })
+        .collect();
+    std::fs::read_dir("/proc/self/fd")
+        .expect("fd dir")
+        .flatten()
+        .filter_map(|e| {
+            let t = std::fs::read_link(e.path()).ok()?;
+            if !inodes.contains(&t.to_string_lossy().into_owned()) {
+                return None;
+            }
+            e.file_name().to_str()?.parse().ok()
+        })
+        .collect()
+}
+
+/// The reset watch when descriptor numbers are reused: an SMC-R connection closes (the slot
+/// lets go of its TCP socket and takes it out of the watch; the numbers become free), a later
+/// connection gets one of the same numbers, and a TCP reset under it must still end it on
+/// both sides (a registration removed by number after the number was reused would lose it).
+/// Needs root for `ss -K`, as above.
+#[test]
+fn tcp_reset_detected_after_descriptor_numbers_are_reused() {
+    if !rustix::process::geteuid().is_root()
+        || std::process::Command::new("ss").arg("-V").output().is_err()
+    {
+        eprintln!("skipped: needs root and ss (iproute2)");
+        return;
+    }
+    let dir = test_dir("fd-reuse");
+    let (a, b) = (stack(&dir, [&[], &[]]), stack(&dir, [&[], &[]]));
+    // Numbers our closed connections' sockets had. Other tests of this binary open and close
+    // descriptors meanwhile, so a number comes back after a few connections at most.
+    let mut freed = std::collections::BTreeSet::new();
+    for round in 0..50 {
+        let (mut s, mut c) = connect(&a, &b, None, ConnectOptions::new());
+        assert_eq!(c.mode(), Mode::Smc);
+        exchange(&mut s, &mut c, &pattern(10_000));
+        let fds = conn_fds(&s, &c);
+        assert_eq!(fds.len(), 2, "one descriptor per side: {fds:?}");
+        if fds.iter().any(|n| freed.contains(n)) {
+            println!("round {round}: descriptors {fds:?} reused (freed before: {freed:?})");
+            let resets = a.stats().tcp_resets + b.stats().tcp_resets;
+            kill_tcp_and_expect_resets(&mut s, &mut c);
+            assert!(a.stats().tcp_resets + b.stats().tcp_resets > resets);
+            let _ = std::fs::remove_dir_all(&dir);
+            return;
+        }
+        drop((s, c));
+        // The SMC-R close completes, then the slots let go of the sockets.
+        let gone = |a: &Stack| a.link_groups().iter().all(|g| g.connections == 0);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !(gone(&a) && gone(&b)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        freed.extend(fds);
+    }
+    panic!("no descriptor number came back in 50 connections: {freed:?}");
 }
 
 /// `hello`, urgent `U`, `world`: the reader's first read stops in front of the urgent byte,

@@ -94,3 +94,63 @@ async fn plain_tokio_client_falls_back() {
     assert_eq!(&client.await.expect("client"), b"plain tcp");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Descriptors of this process by kind: (all, sockets, eventfds).
+fn fd_kinds() -> (usize, usize, usize) {
+    let (mut all, mut sockets, mut eventfds) = (0, 0, 0);
+    for e in std::fs::read_dir("/proc/self/fd")
+        .expect("fd dir")
+        .flatten()
+    {
+        all += 1;
+        let t = std::fs::read_link(e.path())
+            .map(|t| t.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        sockets += usize::from(t.starts_with("socket:"));
+        eventfds += usize::from(t == "anon_inode:[eventfd]");
+    }
+    (all, sockets, eventfds)
+}
+
+/// What an SMC-R tokio stream holds: its TCP socket (shared with the stack, not duplicated)
+/// and the two eventfds that wake its reader and its writer; the link group adds a few.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptors_per_tokio_stream() {
+    const N: usize = 32;
+    let dir = test_dir("fds");
+    let server_stack = stack(&dir);
+    let client_stack = stack(&dir);
+    let l = SmcListener::bind(&server_stack, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let before = fd_kinds();
+    let mut streams = Vec::new();
+    for _ in 0..N {
+        let c = SmcStream::connect(&client_stack, addr)
+            .await
+            .expect("connect");
+        let (s, _) = l.accept().await.expect("accept");
+        assert_eq!((c.mode(), s.mode()), (Mode::Smc, Mode::Smc));
+        streams.push((c, s));
+    }
+    let after = fd_kinds();
+    let (all, sockets, eventfds) = (after.0 - before.0, after.1 - before.1, after.2 - before.2);
+    println!(
+        "{} tokio streams (both ends in this process): +{all} fds = {:.2} per stream \
+         (+{sockets} sockets, +{eventfds} eventfds)",
+        2 * N,
+        all as f64 / (2 * N) as f64
+    );
+    // Per stream one socket and two eventfds; per link group (one on each side here) a few
+    // sockets, eventfds and memfds (the other test of this binary may add some meanwhile).
+    assert!(sockets <= 2 * N + 16, "{sockets} sockets");
+    assert!(eventfds <= 4 * N + 32, "{eventfds} eventfds");
+    // Every stream still works.
+    for (c, s) in streams.iter_mut() {
+        c.write_all(b"ping").await.expect("write");
+        let mut b = [0u8; 4];
+        s.read_exact(&mut b).await.expect("read");
+        assert_eq!(&b, b"ping");
+    }
+    drop(streams);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1384,7 +1384,14 @@ impl Endpoint {
                         tokens.insert(l.num, mr);
                     }
                     Err(_) => {
+                        // The new RMB is in the pool but not registered on every link: no
+                        // element of it may be handed out again (the next connection would
+                        // get an RMBE without an rkey and be reset instead of declined), and
+                        // what was registered is freed.
                         let _ = g.pool.release(alloc.handle);
+                        g.pool.retire(info.id);
+                        self.fabric_out
+                            .push_back(crate::fabric::FabricOp::FreeRmb { lgr, rmb: info.id });
                         return Err(());
                     }
                 }

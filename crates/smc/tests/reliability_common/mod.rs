@@ -267,6 +267,10 @@ pub fn run_echo_server(stack: &Stack) -> ! {
 pub struct ProcResources {
     /// Open file descriptors (`/proc/self/fd`).
     pub fds: usize,
+    /// Of which sockets (TCP, and the fabric's Unix sockets).
+    pub sockets: usize,
+    /// Of which eventfds (tokio streams' notifiers).
+    pub eventfds: usize,
     /// Of which memfds.
     pub memfds: usize,
     /// Mappings (`/proc/self/maps` lines).
@@ -278,28 +282,38 @@ pub struct ProcResources {
 }
 
 pub fn proc_resources() -> ProcResources {
-    let mut fds = 0;
-    let mut memfds = 0;
-    for e in std::fs::read_dir("/proc/self/fd")
+    proc_resources_of("self")
+}
+
+/// [`proc_resources`] of process `pid` (`"self"` or a number; another process of ours).
+pub fn proc_resources_of(pid: &str) -> ProcResources {
+    let (mut fds, mut sockets, mut eventfds, mut memfds) = (0, 0, 0, 0);
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
         .expect("fd dir")
         .flatten()
     {
         fds += 1;
-        if std::fs::read_link(e.path())
-            .map(|t| t.to_string_lossy().starts_with("/memfd:"))
-            .unwrap_or(false)
-        {
+        let target = std::fs::read_link(e.path())
+            .map(|t| t.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if target.starts_with("socket:") {
+            sockets += 1;
+        } else if target == "anon_inode:[eventfd]" {
+            eventfds += 1;
+        } else if target.starts_with("/memfd:") {
             memfds += 1;
         }
     }
-    let maps_text = std::fs::read_to_string("/proc/self/maps").expect("maps");
+    let maps_text = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
     let maps = maps_text.lines().count();
     let memfd_maps = maps_text.lines().filter(|l| l.contains("/memfd:")).count();
-    let threads = std::fs::read_dir("/proc/self/task")
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
         .expect("task dir")
         .count();
     ProcResources {
         fds,
+        sockets,
+        eventfds,
         memfds,
         maps,
         memfd_maps,
@@ -309,7 +323,12 @@ pub fn proc_resources() -> ProcResources {
 
 /// Resident set size of this process, in KiB.
 pub fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    rss_kib_of("self")
+}
+
+/// Resident set size of process `pid` (`"self"` or a number), in KiB.
+pub fn rss_kib_of(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

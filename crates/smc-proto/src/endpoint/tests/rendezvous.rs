@@ -192,6 +192,51 @@ fn fig12_server_adds_rmb() {
     assert_eq!(p.b.rx[&TcpId(2)], b"into the server's new RMB");
 }
 
+/// A new RMB that cannot be registered: the connection that needed it is declined
+/// ("insufficient memory resources") and falls back; the half-made RMB is never handed out
+/// again (the next connection gets a new one, registered, not an element without an rkey)
+/// and nothing of it stays registered.
+#[test]
+fn rmb_registration_failure_declines_and_the_next_connection_gets_a_new_rmb() {
+    let a = crate::lgr_harness::config(Side::A, 2);
+    let mut b = crate::lgr_harness::config(Side::B, 2);
+    // One element per RMB: every connection needs a new RMB.
+    b.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let mut p = EndpointPair::new(a, b, 7);
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::B, T1));
+    let lgr = p.b.ep.link_groups().next().map(|g| g.id).expect("group");
+    let rmbs = |p: &EndpointPair| p.b.res.memory.keys().filter(|k| k.0 == lgr).count();
+    let before = rmbs(&p);
+    // Registered on link 1, not on link 2.
+    p.b.res.fail_register_rmb = Some(1);
+    p.connect(TcpId(2));
+    p.run();
+    assert_eq!(
+        fell_back(&p, Side::B, TcpId(2)),
+        Some(Fallback::Declined(smc_wire::DeclineCode::MEM))
+    );
+    assert_eq!(
+        fell_back(&p, Side::A, TcpId(2)),
+        Some(Fallback::PeerDeclined {
+            code: smc_wire::DeclineCode::MEM,
+            out_of_sync: false
+        })
+    );
+    assert_eq!(rmbs(&p), before, "nothing of the failed RMB stays");
+    p.connect(TcpId(3));
+    p.run();
+    dump(&p);
+    assert_eq!(reset(&p, Side::B, TcpId(3)), None);
+    assert!(established(&p, Side::A, TcpId(3)));
+    assert!(established(&p, Side::B, TcpId(3)));
+    assert_eq!(rmbs(&p), before + 1);
+    p.app_send(Side::A, TcpId(3), b"into a registered RMB");
+    p.run();
+    assert_eq!(p.b.rx[&TcpId(3)], b"into a registered RMB");
+}
+
 /// Fig. 14: an RMB no connection uses is deleted with DELETE RKEY.
 #[test]
 fn fig14_delete_rmb() {
