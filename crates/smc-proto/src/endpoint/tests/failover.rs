@@ -412,3 +412,37 @@ fn second_failure_after_link_readded() {
         assert_eq!(p.host(s).ep.connection_link(T1).map(|x| x.1), Some(3));
     }
 }
+
+/// A CDC that arrived on a link before it failed is handled after the link's removal (the
+/// failed link's receive queue drains after the surviving one's): its bytes count, nothing
+/// is reset.
+#[test]
+fn cdc_queued_on_a_removed_link_still_counts() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    // A sends on link 1; B knows that link under its own id.
+    let on = p.b.link(1).expect("link 1 at B");
+    p.app_send(Side::A, T1, b"sent before the failure");
+    let late = p.take_cdc_from(Side::A).expect("A's CDC");
+    let seq = smc_wire::CdcMessage::parse(&late).expect("cdc").seqno;
+    // B loses link 1 (and fails over) before it handles the CDC that came on it.
+    let l1_a = p.a.link(1).expect("link 1 at A");
+    p.kill_link(Side::A, l1_a);
+    p.run();
+    assert!(p.b.link(1).is_none(), "link 1 still known at B");
+    let now = p.now;
+    p.b.ep.handle_message(on, &late, &mut p.b.res, now);
+    p.flush();
+    p.run_for(Duration::from_secs(3));
+    assert!(!data_loss_reset(&p));
+    assert_eq!(p.b.ep.stats().cdc_on_retired_link, 1);
+    let c = p.b.ep.connection(T1).expect("conn");
+    assert!(c
+        .sequence_received()
+        .is_some_and(|sr| sr.wrapping_sub(seq) as i16 >= 0));
+    assert_eq!(
+        c.stats().bytes_received,
+        b"sent before the failure".len() as u64
+    );
+}
