@@ -897,6 +897,22 @@ impl EndpointPair {
         progress
     }
 
+    /// Deliver in-flight items in order until the next one is TCP bytes to side `to` that
+    /// start with a CLC message of type `ty`; that one stays in flight (returned: its bytes).
+    pub fn hold_clc_to(&mut self, to: Side, ty: smc_wire::ClcType) -> Option<Vec<u8>> {
+        loop {
+            if let Some((_, Item::Tcp { to: t, bytes, .. })) = self.queue.front() {
+                let is = smc_wire::clc::ClcHeader::parse(bytes).is_ok_and(|h| h.msg_type == ty);
+                if *t == to && is {
+                    return Some(bytes.clone());
+                }
+            }
+            if !self.deliver_next() {
+                return None;
+            }
+        }
+    }
+
     /// Deliver in-flight items in order up to the next CDC that side `from` sent, and take
     /// that one out of flight (never delivered, never completed): for tests that hand it to
     /// the peer themselves, late or on another link.

@@ -130,6 +130,9 @@ pub struct LocalRmb {
 pub struct PeerRmb {
     /// (rkey, address) per link number.
     pub tokens: BTreeMap<u8, MrInfo>,
+    /// Its tokens on links removed lately (newest last, at most [`GONE_REMOTES`]): a CLC
+    /// Confirm sent before the client saw a link fail may still name the RMB by one.
+    pub gone: Vec<MrInfo>,
 }
 
 impl PeerRmb {
@@ -137,6 +140,7 @@ impl PeerRmb {
     pub(crate) fn on_link(num: u8, token: MrInfo) -> Self {
         PeerRmb {
             tokens: BTreeMap::from([(num, token)]),
+            gone: Vec::new(),
         }
     }
 }

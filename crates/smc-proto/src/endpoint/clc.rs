@@ -750,6 +750,13 @@ impl Endpoint {
             })
             .map(|l| l.num);
         let Some(client_link) = client_link else {
+            // The client named a link that failed here after it sent the Confirm (it had not
+            // seen the failure yet): if the RMB it names is one we know on a surviving link,
+            // the connection runs there; the group is fine.
+            if let Some((rmb, link)) = raced_confirm(g, &c) {
+                self.establish(tcp, setup, Some(rmb), link, &c, held, now);
+                return;
+            }
             // No Decline after Accept (C.1): break the TCP connection.
             self.setup_reset(
                 tcp,
@@ -790,18 +797,27 @@ impl Endpoint {
                     .map(|l| (g.id, l.num))
             });
         if !a.first_contact {
-            let Some((lgr, link)) = known else {
-                // The server chose a link of a group we share that has just failed here (the
-                // server has not seen the failure yet): the groups are in sync, only this
-                // connection cannot use the link. It stays on TCP; the group lives on.
-                let raced = self.lgrs.values().any(|g| {
-                    g.role == Role::Client
+            // The server may name a link of a group we share that has just failed here (it
+            // has not seen the failure yet): the groups are in sync. When its RMB is known on
+            // a surviving link, the connection runs there; else it stays on TCP.
+            let raced = match known {
+                Some(_) => None,
+                None => self.lgrs.values().find_map(|g| {
+                    let ours = g.role == Role::Client
                         && g.peer_id == a.peer_id
+                        && g.pnet == opts.pnet
                         && g.gone_remotes
                             .iter()
-                            .any(|r| r.qpn == a.qp_num && r.gid == a.gid && r.mac == a.mac)
-                });
-                if raced {
+                            .any(|r| r.qpn == a.qp_num && r.gid == a.gid && r.mac == a.mac);
+                    ours.then(|| (g.id, raced_rmb(g, a.rmb_rkey, a.rmb_vaddr)))
+                }),
+            };
+            let known = known.or(match raced {
+                Some((lgr, Some((_, link)))) => Some((lgr, link)),
+                _ => None,
+            });
+            let Some((lgr, link)) = known else {
+                if raced.is_some() {
                     self.decline(tcp, DeclineCode::NOSRVLINK, false, now);
                     return;
                 }
@@ -824,12 +840,16 @@ impl Endpoint {
                 g.timers.stop(crate::link_group::LgrTimer::Idle);
             }
             self.alerts.insert(setup.alert, tcp);
-            // Remember the server's RMB (a new RToken on this link means a new RMB).
-            self.note_peer_rmb(lgr, link, a.rmb_rkey, a.rmb_vaddr);
-            let idx = self
-                .lgrs
-                .get(&lgr)
-                .and_then(|g| g.peer_rmb_index(link, a.rmb_rkey));
+            let idx = match raced {
+                Some((_, Some((idx, _)))) => Some(idx),
+                _ => {
+                    // Remember the server's RMB (a new RToken on this link means a new RMB).
+                    self.note_peer_rmb(lgr, link, a.rmb_rkey, a.rmb_vaddr);
+                    self.lgrs
+                        .get(&lgr)
+                        .and_then(|g| g.peer_rmb_index(link, a.rmb_rkey))
+                }
+            };
             if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
                 h.peer_rmb = idx;
             }
@@ -1604,4 +1624,33 @@ fn clc_rmb_token(m: &AcceptConfirm) -> MrInfo {
         rkey: m.rmb_rkey,
         vaddr: m.rmb_vaddr,
     }
+}
+
+/// A Confirm that names a link of group `g` removed meanwhile, for an RMB of the client that
+/// `g` knows on a surviving link: (the RMB's index, that link).
+fn raced_confirm(g: &LinkGroup, c: &AcceptConfirm) -> Option<(usize, u8)> {
+    let gone = g
+        .gone_remotes
+        .iter()
+        .any(|r| r.qpn == c.qp_num && r.gid == c.gid);
+    if !gone {
+        return None;
+    }
+    raced_rmb(g, c.rmb_rkey, c.rmb_vaddr)
+}
+
+/// The peer RMB of group `g` whose token on a removed link was (`rkey`, `vaddr`), and an
+/// active link that knows it: (its index, that link).
+fn raced_rmb(g: &LinkGroup, rkey: u32, vaddr: u64) -> Option<(usize, u8)> {
+    let named = MrInfo { rkey, vaddr };
+    let rmb = g.peer_rmbs.iter().position(|r| r.gone.contains(&named))?;
+    let link = g
+        .active_links()
+        .find(|l| {
+            g.peer_rmbs
+                .get(rmb)
+                .is_some_and(|r| r.tokens.contains_key(&l.num))
+        })?
+        .num;
+    Some((rmb, link))
 }

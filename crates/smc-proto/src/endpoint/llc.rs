@@ -1167,7 +1167,12 @@ impl Endpoint {
             r.tokens.remove(&num);
         }
         for r in g.peer_rmbs.iter_mut() {
-            r.tokens.remove(&num);
+            if let Some(t) = r.tokens.remove(&num) {
+                if r.gone.len() == crate::link_group::GONE_REMOTES {
+                    r.gone.remove(0);
+                }
+                r.gone.push(t);
+            }
         }
         self.links.remove(&l.id);
         if self.retired_links.len() == super::RETIRED_LINKS {
@@ -1656,7 +1661,10 @@ impl Endpoint {
                 i
             }
             None => {
-                g.peer_rmbs.push(crate::link_group::PeerRmb { tokens });
+                g.peer_rmbs.push(crate::link_group::PeerRmb {
+                    tokens,
+                    gone: Vec::new(),
+                });
                 g.peer_rmbs.len() - 1
             }
         };

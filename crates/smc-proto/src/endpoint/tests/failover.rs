@@ -446,3 +446,82 @@ fn cdc_queued_on_a_removed_link_still_counts() {
         b"sent before the failure".len() as u64
     );
 }
+
+/// A subsequent contact's Confirm names the client's link that fails at the server while the
+/// Confirm is in flight: the server runs the connection on the surviving link (the client's
+/// RMB is known there) instead of resetting it.
+#[test]
+fn confirm_naming_a_link_that_just_failed_uses_the_surviving_one() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    assert_eq!(p.b.ep.link_groups().next().map(|g| g.links.len()), Some(2));
+    p.connect(T2);
+    let confirm = p
+        .hold_clc_to(Side::B, smc_wire::ClcType::CONFIRM)
+        .expect("the client's Confirm");
+    let (msg, _) = smc_wire::ClcMessage::parse(&confirm).expect("parse");
+    let smc_wire::ClcMessage::Confirm(c) = msg else {
+        panic!("not a Confirm");
+    };
+    // The server's link whose peer QP the Confirm names fails now.
+    let g = p.b.ep.link_groups().next().expect("group");
+    let named = g
+        .links
+        .values()
+        .find(|l| l.remote.is_some_and(|r| r.qpn == c.qp_num))
+        .map(|l| l.num)
+        .expect("named link");
+    let id = p.b.link(named).expect("id");
+    p.kill_link(Side::B, id);
+    p.run();
+    assert!(
+        p.b.ep.connection(T2).is_some(),
+        "the server reset the connection"
+    );
+    p.app_send(Side::A, T2, b"over the other link");
+    p.run();
+    assert_eq!(
+        p.b.ep.connection(T2).map(|c| c.stats().bytes_received),
+        Some(b"over the other link".len() as u64)
+    );
+}
+
+/// A subsequent contact's Accept names the server's link that fails at the client while the
+/// Accept is in flight: the client uses the surviving link (the server's RMB is known there)
+/// instead of declining; no Decline with the out-of-sync flag ends the group.
+#[test]
+fn accept_naming_a_link_that_just_failed_uses_the_surviving_one() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.connect(T1);
+    p.run();
+    p.connect(T2);
+    let accept = p
+        .hold_clc_to(Side::A, smc_wire::ClcType::ACCEPT)
+        .expect("the server's Accept");
+    let (msg, _) = smc_wire::ClcMessage::parse(&accept).expect("parse");
+    let smc_wire::ClcMessage::Accept(a) = msg else {
+        panic!("not an Accept");
+    };
+    let g = p.a.ep.link_groups().next().expect("group");
+    let named = g
+        .links
+        .values()
+        .find(|l| l.remote.is_some_and(|r| r.qpn == a.qp_num))
+        .map(|l| l.num)
+        .expect("named link");
+    let id = p.a.link(named).expect("id");
+    p.kill_link(Side::A, id);
+    p.run();
+    assert!(p.a.ep.connection(T2).is_some(), "the client fell back");
+    assert!(
+        p.b.ep.connection(T1).is_some(),
+        "the first connection is gone"
+    );
+    p.app_send(Side::A, T2, b"over the other link");
+    p.run();
+    assert_eq!(
+        p.b.ep.connection(T2).map(|c| c.stats().bytes_received),
+        Some(b"over the other link".len() as u64)
+    );
+}

@@ -12,8 +12,6 @@ use super::*;
 use crate::conn::{AbortReason, ConnError, Event};
 use crate::lgr_harness::Rng;
 
-const T2: TcpId = TcpId(2);
-
 /// A link group with two links and two connections, A client, B server.
 fn two_conns() -> EndpointPair {
     let mut p = EndpointPair::with_devices(2, 2);

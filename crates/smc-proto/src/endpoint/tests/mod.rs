@@ -17,6 +17,7 @@ use crate::lgr_harness::EndpointPair;
 
 /// The first TCP connection of the tests.
 pub(super) const T1: TcpId = TcpId(1);
+pub(super) const T2: TcpId = TcpId(2);
 
 /// Whether side `s` established `tcp` over SMC-R.
 pub(super) fn established(p: &EndpointPair, s: Side, tcp: TcpId) -> bool {
