@@ -1269,7 +1269,7 @@ impl Endpoint {
         let Some(Entry::Setup(h)) = self.entries.remove(&tcp) else {
             return;
         };
-        tracing::info!(?tcp, ?reason, leftover = h.buf.len(), "fell back to TCP");
+        tracing::debug!(?tcp, ?reason, leftover = h.buf.len(), "fell back to TCP");
         self.cleanup_setup(tcp, &h, now);
         self.stats.fallbacks += 1;
         self.events.push_back(EndpointEvent::FellBack {
@@ -1501,7 +1501,7 @@ impl Endpoint {
         };
         held.sort_by_key(|c| c.seqno);
         let unacked_from = conn.producer_cursor();
-        tracing::info!(
+        tracing::debug!(
             ?tcp,
             ?lgr,
             local = ?setup.alloc.handle,

@@ -94,7 +94,7 @@ impl Endpoint {
             return;
         };
         self.alerts.remove(&c.local_alert);
-        tracing::info!(
+        tracing::debug!(
             ?tcp,
             lgr = ?c.lgr,
             local = ?c.local,
@@ -526,7 +526,7 @@ impl Endpoint {
             return;
         };
         self.stats.failovers += 1;
-        tracing::info!(
+        tracing::debug!(
             ?tcp,
             ?lgr,
             from = c.send_link,
