@@ -12,11 +12,12 @@
 //! | `SMC_LGR_IDLE_MS` | a server ends a link group without connections after this time | 600000 |
 //! | `SMC_BUSY_POLL_US` | blocked reads and writes spin on the completion queues this long first | off |
 //! | `SMC_NODELAY` | `1`: new streams start with TCP_NODELAY (no corking of small writes) | `0` |
+//! | `SMC_ADD_LINK_RETRY_MS` | a server retries adding a lost link this often (App. C.8) | 10000 |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
 //! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
-//! `lgr_idle_ms`, `busy_poll_us`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
+//! `lgr_idle_ms`, `busy_poll_us`, `add_link_retry_ms`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
 //! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
 //!
 //! ```toml
@@ -96,6 +97,8 @@ pub struct StackConfig {
     /// New streams start with TCP_NODELAY: small writes are announced at once instead of
     /// corked (RFC 7609 §4.5.2; see `SmcStream::set_nodelay`).
     pub nodelay: bool,
+    /// App. C.8: a server whose link group lost a link retries adding one this often.
+    pub add_link_retry: Duration,
 }
 
 impl StackConfig {
@@ -113,6 +116,7 @@ impl StackConfig {
             lgr_idle_timeout: Duration::from_secs(600),
             busy_poll: None,
             nodelay: false,
+            add_link_retry: Duration::from_secs(10),
         }
     }
 
@@ -143,6 +147,7 @@ impl StackConfig {
                 "lgr_idle_ms",
                 "busy_poll_us",
                 "nodelay",
+                "add_link_retry_ms",
                 "ipv4_subnets",
                 "fabric_dir",
                 "devices",
@@ -165,6 +170,9 @@ impl StackConfig {
         }
         if let Some(d) = ms("llc_timeout_ms")? {
             self.llc_timeout = d;
+        }
+        if let Some(d) = ms("add_link_retry_ms")? {
+            self.add_link_retry = d;
         }
         if let Some(d) = ms("assert_peer_wait_ms")? {
             self.assert_peer_wait = d;
@@ -249,6 +257,9 @@ impl StackConfig {
         }
         if let Some(v) = num("SMC_LLC_TIMEOUT_MS")? {
             c.llc_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = num("SMC_ADD_LINK_RETRY_MS")? {
+            c.add_link_retry = Duration::from_millis(v);
         }
         if let Some(v) = num("SMC_ASSERT_PEER_WAIT_MS")? {
             c.assert_peer_wait = Duration::from_millis(v);

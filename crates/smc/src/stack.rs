@@ -1081,6 +1081,7 @@ impl Stack {
         ec.rmbe_size = config.rmbe_size();
         ec.clc_timeout = config.clc_timeout;
         ec.llc_timeout = config.llc_timeout;
+        ec.add_link_retry = config.add_link_retry;
         ec.keepalive = config.keepalive;
         ec.lgr_idle_timeout = config.lgr_idle_timeout;
         let fab = Fabric {
@@ -1197,6 +1198,27 @@ impl Stack {
         match core.fab.devices.iter().find(|d| d.name() == name) {
             Some(d) => {
                 d.set_port_state(state);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Fault injection: move the QP of link `link` of link group `group` (ids as
+    /// [`link_groups`](Self::link_groups) shows them) to the error state, as an RNIC does on a
+    /// fatal QP error: its connections fail over, the peer's QP fails too. Returns whether
+    /// such a link exists.
+    pub fn fail_link(&self, group: u32, link: u8) -> bool {
+        let core = self.inner.lock();
+        let id = core
+            .ep
+            .link_groups()
+            .find(|g| g.id.0 == group)
+            .and_then(|g| g.links.get(&link))
+            .map(|l| l.id);
+        match id.and_then(|id| core.fab.links.get(&id)) {
+            Some(l) => {
+                l.qp.force_error();
                 true
             }
             None => false,

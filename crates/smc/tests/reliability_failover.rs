@@ -1,10 +1,11 @@
 //! Failover under load, two real processes on the shm fabric with two devices each: this
 //! process is the server of a link group with two links and accepts `STREAMS` connections
 //! from the peer process, which echoes every byte. Each connection carries a stream in both
-//! directions (our bytes out, the echo back), checked by length and SHA-256. Meanwhile one of
-//! our ports goes down at random moments (every QP on it enters the error state and flushes),
-//! the connections fail over to the other link, the port comes back and the server adds the
-//! link again (ADD LINK). After `SMC_REL_FAILOVERS` failovers (default 100 here; the full run
+//! directions (our bytes out, the echo back), checked by length and SHA-256. Meanwhile, at
+//! random moments, one of our ports goes down (every QP on it enters the error state and
+//! flushes) or one link's QP is moved to the error state (`Stack::fail_link`); the connections
+//! fail over to the other link, the port comes back and the server adds the link again (ADD
+//! LINK). After `SMC_REL_FAILOVERS` failovers (default 100 here; the full run
 //! is 1000) not a byte is lost or corrupted and no application call saw an error. Finally
 //! both ports go down: every connection is reset with `ConnectionReset`.
 //!
@@ -128,6 +129,8 @@ fn failover_under_load_loses_nothing() {
     let dir = test_dir("failover");
     let mut c = config(&dir);
     c.buffer_size = 64 * 1024;
+    // A link lost to a QP error (its port stays up) is added back after this (App. C.8).
+    c.add_link_retry = Duration::from_millis(20);
     let st = Stack::new(c).expect("stack");
     let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
     let port = l.local_addr().expect("addr").port();
@@ -162,27 +165,41 @@ fn failover_under_load_loses_nothing() {
     let mut down_to_failover = Duration::ZERO;
     let mut up_to_readded = Duration::ZERO;
     let links_down0 = st.stats().links_down;
+    let mut qp_errors = 0u64;
     for i in 0..failovers {
         // A random moment: 0-50 ms of traffic on both links.
         std::thread::sleep(Duration::from_micros(rng.below(50_000)));
+        // Half of the faults take a port down (every QP on it fails), half move one QP to
+        // the error state (an RNIC's fatal QP error; the port stays up).
         let dev = &devices[rng.below(devices.len() as u64) as usize];
+        let qp_error = rng.below(2) == 0;
         let before = st.stats().links_down;
         let t0 = Instant::now();
-        assert!(st.set_port_state(dev, PortState::Down));
+        if qp_error {
+            let groups = st.link_groups();
+            let g = &groups[rng.below(groups.len() as u64) as usize];
+            let l = &g.links[rng.below(g.links.len() as u64) as usize];
+            assert!(st.fail_link(g.id, l.num), "failover {i}: no link {}", l.num);
+            qp_errors += 1;
+        } else {
+            assert!(st.set_port_state(dev, PortState::Down));
+        }
         assert!(
             wait_until(Duration::from_secs(30), || st.stats().links_down > before
-                && st.link_groups().iter().all(|g| g.links.len() == 1)),
-            "failover {i}: the link on {dev} never went down: {:?}",
+                && st.link_groups().iter().any(|g| g.links.len() == 1)),
+            "failover {i}: the link never went down: {:?}",
             st.link_groups()
         );
         down_to_failover += t0.elapsed();
         // Traffic on the one remaining link for a moment, then the port comes back.
         std::thread::sleep(Duration::from_micros(rng.below(20_000)));
         let t1 = Instant::now();
-        assert!(st.set_port_state(dev, PortState::Active));
+        if !qp_error {
+            assert!(st.set_port_state(dev, PortState::Active));
+        }
         assert!(
             wait_until(Duration::from_secs(60), || both_links_active(&st)),
-            "failover {i}: the link on {dev} was never added back: {:?}",
+            "failover {i}: the link was never added back: {:?}",
             st.link_groups()
         );
         up_to_readded += t1.elapsed();
@@ -216,7 +233,8 @@ fn failover_under_load_loses_nothing() {
     }
     let n = failovers.max(1) as u32;
     println!(
-        "{failovers} failovers ({} link-down events) in {elapsed:?} with {streams} streams: \
+        "{failovers} failovers ({qp_errors} QP errors, the rest port down; {} link-down events) \
+         in {elapsed:?} with {streams} streams: \
          {} MiB each way, intact (SHA-256); mean port down -> failed over {:?}, \
          mean port up -> link added back {:?}",
         st.stats().links_down - links_down0,
