@@ -1148,6 +1148,20 @@ impl Connection {
         if self.state == State::Closed {
             return;
         }
+        // The common case is no error at all: we closed, the peer consumed every byte we
+        // wrote, and its closing CDC is still on its way (over RDMA) while its next
+        // rendezvous (over TCP) already reuses the RMBE. A peer that reassigns the RMBE is done
+        // with the connection: it ends as a normal close, without a reset.
+        if matches!(self.state, State::PeerCloseWait1 | State::PeerCloseWait2)
+            && self.local_closed
+            && self.peer_consumer_cursor() == self.producer_cursor()
+        {
+            self.stats.closed_by_rmbe_reuse += 1;
+            self.purge();
+            self.transition(Input::RmbeConflict);
+            self.sync_timers(now);
+            return;
+        }
         self.stats.aborts.add(AbortReason::RmbeConflict);
         self.fail(AbortReason::RmbeConflict.app_error());
         self.events.push_back(Event::SendTcpReset);

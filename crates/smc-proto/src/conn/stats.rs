@@ -57,6 +57,9 @@ pub struct ConnStats {
     /// Failover validations that found SR behind SS and waited for the missing CDC (still
     /// queued on the failed link) instead of resetting at once.
     pub failover_validations_held: u64,
+    /// Closes completed by the peer reusing the RMBE (§4.4.2) after we had closed and it had
+    /// consumed everything: its closing CDC was still on the way. Not an abort.
+    pub closed_by_rmbe_reuse: u64,
     /// Received CDCs ignored because their sequence number was not newer than the last one.
     pub cdc_stale: u64,
     /// Received CDCs ignored because they carried another connection's alert token.
