@@ -34,6 +34,65 @@ fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
     wraps * i64::from(len) + i64::from(b.count) - i64::from(a.count)
 }
 
+/// The adaptive spin budget starts here after a short sleep.
+const SPIN_GROW_START: Duration = Duration::from_micros(5);
+
+/// Adaptive spinning of a blocked read or write before it sleeps, for streams without busy
+/// polling, in the manner of a hypervisor's halt polling. A sleep costs two system calls here
+/// and a wake-up (and a doorbell system call) at the peer; when the peer answers within a few
+/// tens of microseconds, polling the completion queues for that long instead saves all three.
+/// The budget doubles (from [`SPIN_GROW_START`], up to `max`) after a sleep that ended within
+/// `max` (a spin that long would have caught it), stays after a wait that spinning satisfied,
+/// and halves after a longer sleep, down to nothing: a connection whose peer is slow or idle
+/// soon sleeps at once again and costs no CPU.
+#[derive(Debug)]
+struct AdaptiveSpin {
+    /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
+    max: Option<Duration>,
+    /// Current budget in nanoseconds.
+    budget_ns: std::sync::atomic::AtomicU64,
+}
+
+impl AdaptiveSpin {
+    fn new(max: Option<Duration>) -> AdaptiveSpin {
+        AdaptiveSpin {
+            max: max.filter(|m| !m.is_zero()),
+            budget_ns: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// How long to spin now; `None`: sleep at once.
+    fn budget(&self) -> Option<Duration> {
+        self.max?;
+        match self.budget_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    /// A blocked call slept for `d` after its spin (if any) found nothing.
+    fn slept(&self, d: Duration) {
+        let Some(max) = self.max else {
+            return;
+        };
+        let max_ns = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        let cur = self.budget_ns.load(Ordering::Relaxed);
+        let next = if d <= max {
+            let start = u64::try_from(SPIN_GROW_START.as_nanos()).unwrap_or(u64::MAX);
+            cur.saturating_mul(2).max(start).min(max_ns)
+        } else {
+            // Below a microsecond a spin catches nothing: stop.
+            let half = cur / 2;
+            if half < 1_000 {
+                0
+            } else {
+                half
+            }
+        };
+        self.budget_ns.store(next, Ordering::Relaxed);
+    }
+}
+
 /// A listening socket that accepts SMC-R connections (and plain TCP ones, by fallback).
 ///
 /// A thread accepts TCP connections as they come and runs each one's discovery and
@@ -344,6 +403,8 @@ pub struct SmcStream {
     read_shut: bool,
     /// Spin on the completion queues this long before sleeping.
     busy_poll: Option<Duration>,
+    /// Adaptive spin of blocked calls without busy polling (see [`AdaptiveSpin`]).
+    spin: AdaptiveSpin,
     nodelay: std::sync::atomic::AtomicBool,
     /// The entry in the stack's socket table (shared by clones).
     _reg: Arc<Registration>,
@@ -506,6 +567,7 @@ impl SmcStream {
             nonblocking: false,
             read_shut: false,
             busy_poll: stack.config().busy_poll,
+            spin: AdaptiveSpin::new(stack.config().adaptive_spin),
             nodelay: Default::default(),
         }
     }
@@ -571,6 +633,7 @@ impl SmcStream {
                             nonblocking: false,
                             read_shut: false,
                             busy_poll: stack.config().busy_poll,
+                            spin: AdaptiveSpin::new(stack.config().adaptive_spin),
                             nodelay: Default::default(),
                         });
                     }
@@ -651,6 +714,7 @@ impl SmcStream {
             nonblocking: self.nonblocking,
             read_shut: self.read_shut,
             busy_poll: self.busy_poll,
+            spin: AdaptiveSpin::new(self.spin.max),
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
@@ -924,10 +988,10 @@ impl SmcStream {
     }
 
     /// Wait until the stack made progress on connection `id` (or `wait` passed): spin on the
-    /// completion queues first when busy polling is on; then, unless another application
-    /// thread does already, sleep on the completion channels and handle what arrives in this
-    /// thread (no hop through the runtime thread); otherwise sleep on the connection's
-    /// condition variable.
+    /// completion queues first when busy polling is on (or, without it, for the adaptive spin
+    /// budget, see [`AdaptiveSpin`]); then, unless another application thread does already,
+    /// sleep on the completion channels and handle what arrives in this thread (no hop
+    /// through the runtime thread); otherwise sleep on the connection's condition variable.
     fn wait_progress<'a>(
         &self,
         inner: &'a crate::stack::Inner,
@@ -938,7 +1002,8 @@ impl SmcStream {
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
         // Whether this thread is the poller (the flag changes only under the core lock).
         let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
-        if let Some(spin) = self.busy_poll {
+        let adaptive = self.busy_poll.is_none();
+        if let Some(spin) = self.busy_poll.or_else(|| self.spin.budget()) {
             // Spinning as the poller keeps the runtime thread off the completion channels,
             // so the peer rings no doorbell (no system call on either side).
             let until = Instant::now() + spin.min(wait);
@@ -961,6 +1026,7 @@ impl SmcStream {
                 }
             }
         }
+        let slept = Instant::now();
         if polling {
             inner.poller_at.store(core.now_micros(), Ordering::Release);
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
@@ -991,6 +1057,9 @@ impl SmcStream {
                         cq.ack_notify();
                     }
                 }
+                if adaptive {
+                    self.spin.slept(slept.elapsed());
+                }
                 core = inner.lock();
                 core.poll_completions(&mut wcs);
             }
@@ -1009,6 +1078,9 @@ impl SmcStream {
             Ok((g, _)) => g,
             Err(p) => p.into_inner().0,
         };
+        if adaptive {
+            self.spin.slept(slept.elapsed());
+        }
         inner.followers.fetch_sub(1, Ordering::AcqRel);
         if let Some(s) = core.slots.get_mut(&id) {
             s.waiters = s.waiters.saturating_sub(1);
