@@ -37,8 +37,9 @@ fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
 /// The adaptive spin budget starts here after a short sleep.
 const SPIN_GROW_START: Duration = Duration::from_micros(5);
 
-/// Adaptive spinning of a blocked read or write before it sleeps, for streams without busy
-/// polling, in the manner of a hypervisor's halt polling. A sleep costs two system calls here
+/// Adaptive spinning of a blocked read that follows a write of the stream (it likely waits
+/// for a reply) before it sleeps, for streams without busy polling, in the manner of a
+/// hypervisor's halt polling. A sleep costs two system calls here
 /// and a wake-up (and a doorbell system call) at the peer; when the peer answers within a few
 /// tens of microseconds, polling the completion queues for that long instead saves all three.
 /// The budget doubles (from [`SPIN_GROW_START`], up to `max`) after a sleep that ended within
@@ -51,6 +52,9 @@ struct AdaptiveSpin {
     max: Option<Duration>,
     /// Current budget in nanoseconds.
     budget_ns: std::sync::atomic::AtomicU64,
+    /// The stream wrote since its last read returned data: a read now likely waits for a
+    /// reply, which spinning catches.
+    after_write: std::sync::atomic::AtomicBool,
 }
 
 impl AdaptiveSpin {
@@ -58,6 +62,7 @@ impl AdaptiveSpin {
         AdaptiveSpin {
             max: max.filter(|m| !m.is_zero()),
             budget_ns: std::sync::atomic::AtomicU64::new(0),
+            after_write: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -998,17 +1003,29 @@ impl SmcStream {
         id: TcpId,
         mut core: std::sync::MutexGuard<'a, Core>,
         wait: Duration,
+        want: Want,
     ) -> std::sync::MutexGuard<'a, Core> {
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
         // Whether this thread is the poller (the flag changes only under the core lock).
         let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
-        let adaptive = self.busy_poll.is_none();
-        if let Some(spin) = self.busy_poll.or_else(|| self.spin.budget()) {
+        // Adaptive spinning only for a read that follows a write of this stream (a reply
+        // expected soon after a request); a streaming reader or a writer waiting for room
+        // sleeps at once (on a loaded machine their spinning delays the peer that would end
+        // the wait).
+        let adaptive = self.busy_poll.is_none()
+            && matches!(want, Want::Read)
+            && self.spin.after_write.load(Ordering::Relaxed);
+        if let Some(spin) = self
+            .busy_poll
+            .or_else(|| adaptive.then(|| self.spin.budget()).flatten())
+        {
             // Spinning as the poller keeps the runtime thread off the completion channels,
-            // so the peer rings no doorbell (no system call on either side).
+            // so the peer rings no doorbell (no system call on either side). Only the poller
+            // polls: a completion another spinning thread took could be the one the poller
+            // sleeps for, and nothing would wake it.
             let until = Instant::now() + spin.min(wait);
             loop {
-                if core.poll_completions(&mut wcs) {
+                if polling && core.poll_completions(&mut wcs) {
                     core.drain();
                     if polling {
                         inner.poller.store(false, Ordering::Release);
@@ -1024,6 +1041,14 @@ impl SmcStream {
                 if !polling {
                     polling = !inner.poller.swap(true, Ordering::AcqRel);
                 }
+                // Another thread (the runtime thread, or another stream's) may have handled
+                // the completion this call waits for while the lock was free.
+                if progressed(&core, id, want) {
+                    if polling {
+                        inner.poller.store(false, Ordering::Release);
+                    }
+                    return core;
+                }
             }
         }
         let slept = Instant::now();
@@ -1033,7 +1058,7 @@ impl SmcStream {
             for cq in &inner.cqs {
                 cq.req_notify();
             }
-            if !core.poll_completions(&mut wcs) {
+            if !core.poll_completions(&mut wcs) && !progressed(&core, id, want) {
                 drop(core);
                 let mut fds: Vec<rustix::event::PollFd<'_>> = inner
                     .cqs
@@ -1116,6 +1141,7 @@ impl SmcStream {
                         .consumed(id, n as u32, now)
                         .map_err(io::Error::other)?;
                     core.drain();
+                    self.spin.after_write.store(false, Ordering::Relaxed);
                     return Ok(n);
                 }
             }
@@ -1137,7 +1163,7 @@ impl SmcStream {
                 core.drain();
             }
             let wait = self.wait_slice(deadline)?;
-            core = self.wait_progress(&inner, id, core, wait);
+            core = self.wait_progress(&inner, id, core, wait, Want::Read);
         }
     }
 
@@ -1186,6 +1212,7 @@ impl SmcStream {
                 Ok(0) => {}
                 Ok(n) => {
                     core.drain();
+                    self.spin.after_write.store(true, Ordering::Relaxed);
                     return Ok(n);
                 }
                 Err(e) => {
@@ -1198,9 +1225,38 @@ impl SmcStream {
             }
             core.drain();
             let wait = self.wait_slice(deadline)?;
-            core = self.wait_progress(&inner, id, core, wait);
+            let want = if urgent {
+                Want::Write(u32::try_from(buf.len()).unwrap_or(u32::MAX))
+            } else {
+                Want::Write(1)
+            };
+            core = self.wait_progress(&inner, id, core, wait, want);
         }
     }
+}
+
+/// Whether a blocked read or write (`want`) of connection `id` can go on: data, end of
+/// stream or room in the peer's RMBE, or a failure. A waiting thread looks at this whenever
+/// it held the core lock anew, since whoever handles a completion (not necessarily the
+/// waiting thread) changes it.
+fn progressed(core: &Core, id: TcpId, want: Want) -> bool {
+    if core.slots.get(&id).is_some_and(|s| s.error.is_some()) {
+        return true;
+    }
+    match (core.ep.connection(id), want) {
+        (None, _) => true,
+        (Some(c), Want::Read) => c.readable() > 0 || c.is_read_closed(),
+        (Some(c), Want::Write(n)) => c.window() >= n.max(1),
+    }
+}
+
+/// What a blocked call waits for.
+#[derive(Debug, Clone, Copy)]
+enum Want {
+    /// Something to read (or the end of the stream).
+    Read,
+    /// This much room in the peer's RMBE (urgent data is written all at once).
+    Write(u32),
 }
 
 /// SIOCATMARK on a TCP socket.
