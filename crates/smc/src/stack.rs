@@ -1271,12 +1271,8 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
             let mut core = inner.lock();
             let now = core.now();
             // Completions are polled under the lock, so that busy-polling application
-            // threads and this thread process them in order; not while an application thread
-            // is the poller: it may sleep on the completion channels for a completion that
-            // this thread would take without waking it.
-            let mut did = (!inner.poller.load(Ordering::Acquire)
-                && core.poll_completions(&mut wcs))
-                || !dev_events.is_empty();
+            // threads and this thread process them in order.
+            let mut did = core.poll_completions(&mut wcs) || !dev_events.is_empty();
             for (dev, e) in &dev_events {
                 core.device_event(*dev, *e);
             }

@@ -34,6 +34,9 @@ fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
     wraps * i64::from(len) + i64::from(b.count) - i64::from(a.count)
 }
 
+/// A sleep up to this many times the longest spin counts as short (see [`AdaptiveSpin`]).
+const SPIN_GROW_WINDOW: u32 = 4;
+
 /// The adaptive spin budget starts here after a short sleep.
 const SPIN_GROW_START: Duration = Duration::from_micros(5);
 
@@ -42,10 +45,12 @@ const SPIN_GROW_START: Duration = Duration::from_micros(5);
 /// hypervisor's halt polling. A sleep costs two system calls here
 /// and a wake-up (and a doorbell system call) at the peer; when the peer answers within a few
 /// tens of microseconds, polling the completion queues for that long instead saves all three.
-/// The budget doubles (from [`SPIN_GROW_START`], up to `max`) after a sleep that ended within
-/// `max` (a spin that long would have caught it), stays after a wait that spinning satisfied,
-/// and halves after a longer sleep, down to nothing: a connection whose peer is slow or idle
-/// soon sleeps at once again and costs no CPU.
+/// A short sleep without a spin (within [`SPIN_GROW_WINDOW`] × `max`) starts a spin of
+/// [`SPIN_GROW_START`]; a spin that found nothing doubles (up to `max`) when the sleep after
+/// it was shorter than the spin, and halves otherwise, down to nothing; a spin that caught
+/// the answer stays. A connection whose peer is slow or idle soon sleeps at once again and
+/// costs no CPU, and so does one whose peer cannot answer while this thread spins (a loaded
+/// machine: the spin takes the CPU the peer needs).
 #[derive(Debug)]
 struct AdaptiveSpin {
     /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
@@ -75,17 +80,26 @@ impl AdaptiveSpin {
         }
     }
 
-    /// A blocked call slept for `d` after its spin (if any) found nothing.
-    fn slept(&self, d: Duration) {
+    /// A blocked call slept for `d` after its spin of `spun` (zero: none) found nothing.
+    fn slept(&self, spun: Duration, d: Duration) {
         let Some(max) = self.max else {
             return;
         };
-        let max_ns = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let cur = self.budget_ns.load(Ordering::Relaxed);
-        let next = if d <= max {
-            let start = u64::try_from(SPIN_GROW_START.as_nanos()).unwrap_or(u64::MAX);
-            cur.saturating_mul(2).max(start).min(max_ns)
+        let next = if spun.is_zero() {
+            // No spin: start one when the sleep was short. A sleep includes this thread's
+            // own wake-up, which a loaded machine stretches well beyond the spin.
+            if d <= max.saturating_mul(SPIN_GROW_WINDOW) {
+                ns(SPIN_GROW_START).min(ns(max))
+            } else {
+                cur
+            }
+        } else if d <= spun {
+            // The answer came within one more spin: spin longer.
+            cur.saturating_mul(2).min(ns(max))
         } else {
+            // The spin did not help (the peer is slow, or needed this CPU to answer).
             // Below a microsecond a spin catches nothing: stop.
             let half = cur / 2;
             if half < 1_000 {
@@ -1015,24 +1029,23 @@ impl SmcStream {
         let adaptive = self.busy_poll.is_none()
             && matches!(want, Want::Read)
             && self.spin.after_write.load(Ordering::Relaxed);
-        if let Some(spin) = self
+        let spin = self
             .busy_poll
-            .or_else(|| adaptive.then(|| self.spin.budget()).flatten())
-        {
+            .or_else(|| adaptive.then(|| self.spin.budget()).flatten());
+        if let Some(spin) = spin {
             // Spinning as the poller keeps the runtime thread off the completion channels,
-            // so the peer rings no doorbell (no system call on either side). Only the poller
-            // polls: a completion another spinning thread took could be the one the poller
-            // sleeps for, and nothing would wake it.
+            // so the peer rings no doorbell (no system call on either side).
             let until = Instant::now() + spin.min(wait);
             loop {
-                if polling && core.poll_completions(&mut wcs) {
+                if core.poll_completions(&mut wcs) {
                     core.drain();
                     if polling {
                         inner.poller.store(false, Ordering::Release);
                     }
                     return core;
                 }
-                if Instant::now() >= until {
+                let t = Instant::now();
+                if t >= until {
                     break;
                 }
                 drop(core);
@@ -1083,7 +1096,8 @@ impl SmcStream {
                     }
                 }
                 if adaptive {
-                    self.spin.slept(slept.elapsed());
+                    self.spin
+                        .slept(spin.unwrap_or_default().min(wait), slept.elapsed());
                 }
                 core = inner.lock();
                 core.poll_completions(&mut wcs);
@@ -1104,7 +1118,8 @@ impl SmcStream {
             Err(p) => p.into_inner().0,
         };
         if adaptive {
-            self.spin.slept(slept.elapsed());
+            self.spin
+                .slept(spin.unwrap_or_default().min(wait), slept.elapsed());
         }
         inner.followers.fetch_sub(1, Ordering::AcqRel);
         if let Some(s) = core.slots.get_mut(&id) {
@@ -1409,5 +1424,41 @@ impl Drop for SmcHandle {
         if remove {
             core.slots.remove(&id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adaptive_spin_grows_while_it_nearly_catches_and_stops_when_it_does_not() {
+        let us = Duration::from_micros;
+        let s = AdaptiveSpin::new(Some(us(50)));
+        assert_eq!(s.budget(), None, "no spin before the first short sleep");
+        s.slept(Duration::ZERO, us(900));
+        assert_eq!(s.budget(), None, "a long sleep starts no spin");
+        s.slept(Duration::ZERO, us(150));
+        assert_eq!(s.budget(), Some(SPIN_GROW_START));
+        for _ in 0..10 {
+            let b = s.budget().unwrap_or_default();
+            s.slept(b, b / 2);
+        }
+        assert_eq!(s.budget(), Some(us(50)), "capped at the maximum");
+        s.slept(us(50), us(80));
+        assert_eq!(
+            s.budget(),
+            Some(us(25)),
+            "halved after a spin that did not help"
+        );
+        for _ in 0..10 {
+            let b = s.budget().unwrap_or_default();
+            s.slept(b, Duration::from_millis(5));
+        }
+        assert_eq!(s.budget(), None, "a slow peer ends the spinning");
+        let off = AdaptiveSpin::new(None);
+        off.slept(Duration::ZERO, us(1));
+        assert_eq!(off.budget(), None);
+        assert_eq!(AdaptiveSpin::new(Some(Duration::ZERO)).budget(), None);
     }
 }
