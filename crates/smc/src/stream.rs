@@ -422,8 +422,9 @@ pub struct SmcStream {
     read_shut: bool,
     /// Spin on the completion queues this long before sleeping.
     busy_poll: Option<Duration>,
-    /// Adaptive spin of blocked calls without busy polling (see [`AdaptiveSpin`]).
-    spin: AdaptiveSpin,
+    /// Adaptive spin of blocked calls without busy polling (see [`AdaptiveSpin`]); boxed to
+    /// keep the stream small.
+    spin: Box<AdaptiveSpin>,
     nodelay: std::sync::atomic::AtomicBool,
     /// The entry in the stack's socket table (shared by clones).
     _reg: Arc<Registration>,
@@ -586,7 +587,7 @@ impl SmcStream {
             nonblocking: false,
             read_shut: false,
             busy_poll: stack.config().busy_poll,
-            spin: AdaptiveSpin::new(stack.config().adaptive_spin),
+            spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
             nodelay: Default::default(),
         }
     }
@@ -652,7 +653,7 @@ impl SmcStream {
                             nonblocking: false,
                             read_shut: false,
                             busy_poll: stack.config().busy_poll,
-                            spin: AdaptiveSpin::new(stack.config().adaptive_spin),
+                            spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
                             nodelay: Default::default(),
                         });
                     }
@@ -733,7 +734,7 @@ impl SmcStream {
             nonblocking: self.nonblocking,
             read_shut: self.read_shut,
             busy_poll: self.busy_poll,
-            spin: AdaptiveSpin::new(self.spin.max),
+            spin: Box::new(AdaptiveSpin::new(self.spin.max)),
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
