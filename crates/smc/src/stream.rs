@@ -1068,11 +1068,20 @@ impl SmcStream {
         let slept = Instant::now();
         if polling {
             inner.poller_at.store(core.now_micros(), Ordering::Release);
+            // Another thread may have handled what this call waits for (see above). Looked at
+            // before arming, since an armed channel makes the peer ring a doorbell for every
+            // message until someone sleeps on it; from here until the sleep this thread holds
+            // the lock, so nobody else handles a completion meanwhile.
+            if progressed(&core, id, want) {
+                core.drain();
+                inner.poller.store(false, Ordering::Release);
+                return core;
+            }
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
             for cq in &inner.cqs {
                 cq.req_notify();
             }
-            if !core.poll_completions(&mut wcs) && !progressed(&core, id, want) {
+            if !core.poll_completions(&mut wcs) {
                 drop(core);
                 let mut fds: Vec<rustix::event::PollFd<'_>> = inner
                     .cqs
@@ -1262,7 +1271,9 @@ fn progressed(core: &Core, id: TcpId, want: Want) -> bool {
     match (core.ep.connection(id), want) {
         (None, _) => true,
         (Some(c), Want::Read) => c.readable() > 0 || c.is_read_closed(),
-        (Some(c), Want::Write(n)) => c.window() >= n.max(1),
+        // What the send path can take (not `window()`: after urgent data no write is taken
+        // until the peer read the urgent byte, whatever the window).
+        (Some(c), Want::Write(n)) => c.write_regions().total() >= n.max(1),
     }
 }
 
