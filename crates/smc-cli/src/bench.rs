@@ -44,9 +44,13 @@ pub struct BenchArgs {
     /// table and the plot).
     #[arg(long, value_name = "FILE")]
     from: Option<PathBuf>,
-    /// Receive buffer (RMBE) size of every SMC-R connection, bytes.
-    #[arg(long, default_value_t = 65536)]
-    buffer: u32,
+    /// Receive buffer (RMBE) size of every SMC-R connection, bytes; default: the stack's.
+    #[arg(long)]
+    buffer: Option<u32>,
+    /// Longest adaptive spin of blocked SMC-R reads and writes without busy polling, µs, on
+    /// both ends (0: off); default: the stack's.
+    #[arg(long, value_name = "US")]
+    adaptive_spin_us: Option<u64>,
     /// Only these tests (comma-separated: stream, pingpong, connect, multistream, idle,
     /// fallback); default all.
     #[arg(long, value_delimiter = ',')]
@@ -558,11 +562,18 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
     let plan = Plan::new(args.quick, args.rounds);
     let mut client_cfg = StackConfig::new(smc::FabricConfig::with_dir(dir, 2));
     client_cfg.discovery = DiscoveryMode::AssertPeer;
-    client_cfg.buffer_size = args.buffer;
+    if let Some(b) = args.buffer {
+        client_cfg.buffer_size = b;
+    }
+    let buffer = client_cfg.buffer_size;
     client_cfg.busy_poll = None;
-    let smc = Server::spawn(Transport::Smc, dir, args.buffer)?;
-    let tcp = Server::spawn(Transport::Tcp, dir, args.buffer)?;
-    let uds = Server::spawn(Transport::Uds, dir, args.buffer)?;
+    if let Some(us) = args.adaptive_spin_us {
+        client_cfg.adaptive_spin = (us > 0).then(|| Duration::from_micros(us));
+    }
+    let spin = client_cfg.adaptive_spin.map_or(0, |d| d.as_micros());
+    let smc = Server::spawn(Transport::Smc, dir, buffer, spin)?;
+    let tcp = Server::spawn(Transport::Tcp, dir, buffer, spin)?;
+    let uds = Server::spawn(Transport::Uds, dir, buffer, spin)?;
     let stack = Stack::new(client_cfg.clone())?;
     // The fallback client: the eBPF TCP option when it loads (the plain server does not
     // echo it: fallback "peer without option"), otherwise discovery off.
@@ -626,10 +637,11 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
     pb.finish_and_clear();
     let results = bench_report::medians(raw);
     let summary = format!(
-        "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes; fallback client \
-         discovery: {}; {:.0} s; load average {} before, {} after",
+        "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes, adaptive spin {} µs; \
+         fallback client discovery: {}; {:.0} s; load average {} before, {} after",
         b.plan.rounds,
-        args.buffer,
+        b.client_cfg.buffer_size,
+        spin,
         b.fallback_discovery,
         started.elapsed().as_secs_f64(),
         load_before,

@@ -329,8 +329,9 @@ pub struct Server {
 }
 
 impl Server {
-    /// Start `smc bench-server` for `transport`; SMC-R servers use the fabric in `dir`.
-    pub fn spawn(transport: Transport, dir: &Path, buffer: u32) -> Result<Server> {
+    /// Start `smc bench-server` for `transport`; SMC-R servers use the fabric in `dir`, RMBEs
+    /// of `buffer` bytes and an adaptive spin of at most `spin_us` µs (0: off).
+    pub fn spawn(transport: Transport, dir: &Path, buffer: u32, spin_us: u128) -> Result<Server> {
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("bench-server").arg(transport.name());
         let path = (transport == Transport::Uds).then(|| dir.join("bench.sock"));
@@ -341,6 +342,7 @@ impl Server {
             .env("SMC_FABRIC_DIR", dir)
             .env("SMC_DISCOVERY", "assert-peer")
             .env("SMC_BUFFER_SIZE", buffer.to_string())
+            .env("SMC_ADAPTIVE_SPIN_US", spin_us.to_string())
             .env_remove("SMC_BUSY_POLL_US")
             .env_remove("SMC_CONFIG")
             .stdin(Stdio::piped())

@@ -3,7 +3,7 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `SMC_DISCOVERY` | `auto`, `ebpf`, `assert-peer` or `off` (see [`DiscoveryMode`]) | `auto` |
-//! | `SMC_BUFFER_SIZE` | receive buffer (RMBE) size in bytes, rounded up to 16 KiB · 2ⁿ | 65536 |
+//! | `SMC_BUFFER_SIZE` | receive buffer (RMBE) size in bytes, rounded up to 16 KiB · 2ⁿ | 262144 |
 //! | `SMC_CLC_TIMEOUT_MS` | whole CLC handshake (App. C.5) | 30000 |
 //! | `SMC_LLC_TIMEOUT_MS` | LLC reply timer while maintaining a link group | 2000 |
 //! | `SMC_ASSERT_PEER_WAIT_MS` | assert-peer listener: how long to wait for a Proposal | 1000 |
@@ -11,13 +11,14 @@
 //! | `SMC_KEEPALIVE_MS` | §4.5.3 TEST LINK after this idle time (0: off) | off |
 //! | `SMC_LGR_IDLE_MS` | a server ends a link group without connections after this time | 600000 |
 //! | `SMC_BUSY_POLL_US` | blocked reads and writes spin on the completion queues this long first | off |
+//! | `SMC_ADAPTIVE_SPIN_US` | without busy polling: longest adaptive spin before a blocked read or write sleeps (0: off) | 50 |
 //! | `SMC_NODELAY` | `1`: new streams start with TCP_NODELAY (no corking of small writes) | `0` |
 //! | `SMC_ADD_LINK_RETRY_MS` | a server retries adding a lost link this often (App. C.8) | 10000 |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
 //! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
-//! `lgr_idle_ms`, `busy_poll_us`, `add_link_retry_ms`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
+//! `lgr_idle_ms`, `busy_poll_us`, `adaptive_spin_us`, `add_link_retry_ms`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
 //! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
 //!
 //! ```toml
@@ -39,6 +40,10 @@ use smc_fabric::FabricConfig;
 use smc_wire::RmbeSize;
 
 use crate::error::StackError;
+
+/// Default longest adaptive spin ([`StackConfig::adaptive_spin`]): a little more than a
+/// loaded machine's thread wake-up, so that a peer that answers at once is caught spinning.
+pub(crate) const DEFAULT_ADAPTIVE_SPIN: Duration = Duration::from_micros(50);
 
 /// How a stack learns whether a TCP peer speaks SMC-R (RFC 7609 §3.1, §3.5.1.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +99,11 @@ pub struct StackConfig {
     pub lgr_idle_timeout: Duration,
     /// Busy polling of new sockets (see `SmcStream::set_busy_poll`); `None`: off.
     pub busy_poll: Option<Duration>,
+    /// Adaptive spinning of blocking sockets without busy polling: before a blocked read or
+    /// write sleeps, it polls the completion queues for a budget that grows (up to this
+    /// long) while the waits it would have saved end within it, and shrinks to nothing
+    /// while they do not (see `SmcStream::set_busy_poll`); `None`: sleep at once.
+    pub adaptive_spin: Option<Duration>,
     /// New streams start with TCP_NODELAY: small writes are announced at once instead of
     /// corked (RFC 7609 §4.5.2; see `SmcStream::set_nodelay`).
     pub nodelay: bool,
@@ -102,12 +112,15 @@ pub struct StackConfig {
 }
 
 impl StackConfig {
-    /// Defaults over the given fabric: auto discovery, 64 KiB buffers, RFC-like timers.
+    /// Defaults over the given fabric: auto discovery, 256 KiB buffers (RMBEs), RFC-like
+    /// timers.
     pub fn new(fabric: FabricConfig) -> StackConfig {
         StackConfig {
             fabric,
             discovery: DiscoveryMode::Auto,
-            buffer_size: 64 * 1024,
+            // A 64 KiB RMBE holds one 64 KiB write: writer and reader take turns over it
+            // (docs/performance.md); an idle connection touches none of it either way.
+            buffer_size: 256 * 1024,
             clc_timeout: Duration::from_secs(30),
             llc_timeout: Duration::from_secs(2),
             assert_peer_wait: Duration::from_secs(1),
@@ -115,6 +128,7 @@ impl StackConfig {
             keepalive: None,
             lgr_idle_timeout: Duration::from_secs(600),
             busy_poll: None,
+            adaptive_spin: Some(DEFAULT_ADAPTIVE_SPIN),
             nodelay: false,
             add_link_retry: Duration::from_secs(10),
         }
@@ -146,6 +160,7 @@ impl StackConfig {
                 "keepalive_ms",
                 "lgr_idle_ms",
                 "busy_poll_us",
+                "adaptive_spin_us",
                 "nodelay",
                 "add_link_retry_ms",
                 "ipv4_subnets",
@@ -189,6 +204,13 @@ impl StackConfig {
                 .and_then(|n| u64::try_from(n).ok())
                 .ok_or_else(|| bad("busy_poll_us"))?;
             self.busy_poll = (us > 0).then(|| Duration::from_micros(us));
+        }
+        if let Some(v) = t.get("adaptive_spin_us") {
+            let us = v
+                .as_integer()
+                .and_then(|n| u64::try_from(n).ok())
+                .ok_or_else(|| bad("adaptive_spin_us"))?;
+            self.adaptive_spin = (us > 0).then(|| Duration::from_micros(us));
         }
         if let Some(v) = t.get("nodelay") {
             self.nodelay = v.as_bool().ok_or_else(|| bad("nodelay"))?;
@@ -278,6 +300,9 @@ impl StackConfig {
         }
         if let Some(v) = num("SMC_BUSY_POLL_US")? {
             c.busy_poll = (v > 0).then(|| Duration::from_micros(v));
+        }
+        if let Some(v) = num("SMC_ADAPTIVE_SPIN_US")? {
+            c.adaptive_spin = (v > 0).then(|| Duration::from_micros(v));
         }
         Ok(c)
     }

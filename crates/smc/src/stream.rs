@@ -35,6 +35,84 @@ fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
     wraps * i64::from(len) + i64::from(b.count) - i64::from(a.count)
 }
 
+/// A sleep up to this many times the longest spin counts as short (see [`AdaptiveSpin`]).
+const SPIN_GROW_WINDOW: u32 = 4;
+
+/// The adaptive spin budget starts here after a short sleep.
+const SPIN_GROW_START: Duration = Duration::from_micros(5);
+
+/// Adaptive spinning of a blocked read that follows a write of the stream (it likely waits
+/// for a reply) before it sleeps, for streams without busy polling, in the manner of a
+/// hypervisor's halt polling. A sleep costs two system calls here
+/// and a wake-up (and a doorbell system call) at the peer; when the peer answers within a few
+/// tens of microseconds, polling the completion queues for that long instead saves all three.
+/// A short sleep without a spin (within [`SPIN_GROW_WINDOW`] × `max`) starts a spin of
+/// [`SPIN_GROW_START`]; a spin that found nothing doubles (up to `max`) when the sleep after
+/// it was shorter than the spin, and halves otherwise, down to nothing; a spin that caught
+/// the answer stays. A connection whose peer is slow or idle soon sleeps at once again and
+/// costs no CPU, and so does one whose peer cannot answer while this thread spins (a loaded
+/// machine: the spin takes the CPU the peer needs).
+#[derive(Debug)]
+struct AdaptiveSpin {
+    /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
+    max: Option<Duration>,
+    /// Current budget in nanoseconds.
+    budget_ns: std::sync::atomic::AtomicU64,
+    /// The stream wrote since its last read returned data: a read now likely waits for a
+    /// reply, which spinning catches.
+    after_write: std::sync::atomic::AtomicBool,
+}
+
+impl AdaptiveSpin {
+    fn new(max: Option<Duration>) -> AdaptiveSpin {
+        AdaptiveSpin {
+            max: max.filter(|m| !m.is_zero()),
+            budget_ns: std::sync::atomic::AtomicU64::new(0),
+            after_write: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// How long to spin now; `None`: sleep at once.
+    fn budget(&self) -> Option<Duration> {
+        self.max?;
+        match self.budget_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    /// A blocked call slept for `d` after its spin of `spun` (zero: none) found nothing.
+    fn slept(&self, spun: Duration, d: Duration) {
+        let Some(max) = self.max else {
+            return;
+        };
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let cur = self.budget_ns.load(Ordering::Relaxed);
+        let next = if spun.is_zero() {
+            // No spin: start one when the sleep was short. A sleep includes this thread's
+            // own wake-up, which a loaded machine stretches well beyond the spin.
+            if d <= max.saturating_mul(SPIN_GROW_WINDOW) {
+                ns(SPIN_GROW_START).min(ns(max))
+            } else {
+                cur
+            }
+        } else if d <= spun {
+            // The answer came within one more spin: spin longer.
+            cur.saturating_mul(2).min(ns(max))
+        } else {
+            // The spin did not help (the peer is slow, or needed this CPU to answer).
+            // Below a microsecond a spin catches nothing: stop.
+            let half = cur / 2;
+            if half < 1_000 {
+                0
+            } else {
+                half
+            }
+        };
+        self.budget_ns.store(next, Ordering::Relaxed);
+    }
+}
+
 /// A listening socket that accepts SMC-R connections (and plain TCP ones, by fallback).
 ///
 /// A thread accepts TCP connections as they come and runs each one's discovery and
@@ -349,6 +427,9 @@ pub struct SmcStream {
     read_shut: bool,
     /// Spin on the completion queues this long before sleeping.
     busy_poll: Option<Duration>,
+    /// Adaptive spin of blocked calls without busy polling (see [`AdaptiveSpin`]); boxed to
+    /// keep the stream small.
+    spin: Box<AdaptiveSpin>,
     nodelay: std::sync::atomic::AtomicBool,
     /// The entry in the stack's socket table (shared by clones).
     _reg: Arc<Registration>,
@@ -516,6 +597,7 @@ impl SmcStream {
             nonblocking: false,
             read_shut: false,
             busy_poll: stack.config().busy_poll,
+            spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
             nodelay: Default::default(),
         }
     }
@@ -587,6 +669,7 @@ impl SmcStream {
                             nonblocking: false,
                             read_shut: false,
                             busy_poll: stack.config().busy_poll,
+                            spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
                             nodelay: Default::default(),
                         });
                     }
@@ -674,6 +757,7 @@ impl SmcStream {
             nonblocking: self.nonblocking,
             read_shut: self.read_shut,
             busy_poll: self.busy_poll,
+            spin: Box::new(AdaptiveSpin::new(self.spin.max)),
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
@@ -972,21 +1056,32 @@ impl SmcStream {
     }
 
     /// Wait until the stack made progress on connection `id` (or `wait` passed): spin on the
-    /// completion queues first when busy polling is on; then, unless another application
-    /// thread does already, sleep on the completion channels and handle what arrives in this
-    /// thread (no hop through the runtime thread); otherwise sleep on the connection's
-    /// condition variable.
+    /// completion queues first when busy polling is on (or, without it, for the adaptive spin
+    /// budget, see [`AdaptiveSpin`]); then, unless another application thread does already,
+    /// sleep on the completion channels and handle what arrives in this thread (no hop
+    /// through the runtime thread); otherwise sleep on the connection's condition variable.
     fn wait_progress<'a>(
         &self,
         inner: &'a crate::stack::Inner,
         id: TcpId,
         mut core: std::sync::MutexGuard<'a, Core>,
         wait: Duration,
+        want: Want,
     ) -> std::sync::MutexGuard<'a, Core> {
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
         // Whether this thread is the poller (the flag changes only under the core lock).
         let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
-        if let Some(spin) = self.busy_poll {
+        // Adaptive spinning only for a read that follows a write of this stream (a reply
+        // expected soon after a request); a streaming reader or a writer waiting for room
+        // sleeps at once (on a loaded machine their spinning delays the peer that would end
+        // the wait).
+        let adaptive = self.busy_poll.is_none()
+            && matches!(want, Want::Read)
+            && self.spin.after_write.load(Ordering::Relaxed);
+        let spin = self
+            .busy_poll
+            .or_else(|| adaptive.then(|| self.spin.budget()).flatten());
+        if let Some(spin) = spin {
             // Spinning as the poller keeps the runtime thread off the completion channels,
             // so the peer rings no doorbell (no system call on either side).
             let until = Instant::now() + spin.min(wait);
@@ -998,7 +1093,8 @@ impl SmcStream {
                     }
                     return core;
                 }
-                if Instant::now() >= until {
+                let t = Instant::now();
+                if t >= until {
                     break;
                 }
                 drop(core);
@@ -1007,10 +1103,28 @@ impl SmcStream {
                 if !polling {
                     polling = !inner.poller.swap(true, Ordering::AcqRel);
                 }
+                // Another thread (the runtime thread, or another stream's) may have handled
+                // the completion this call waits for while the lock was free.
+                if progressed(&core, id, want) {
+                    if polling {
+                        inner.poller.store(false, Ordering::Release);
+                    }
+                    return core;
+                }
             }
         }
+        let slept = Instant::now();
         if polling {
             inner.poller_at.store(core.now_micros(), Ordering::Release);
+            // Another thread may have handled what this call waits for (see above). Looked at
+            // before arming, since an armed channel makes the peer ring a doorbell for every
+            // message until someone sleeps on it; from here until the sleep this thread holds
+            // the lock, so nobody else handles a completion meanwhile.
+            if progressed(&core, id, want) {
+                core.drain();
+                inner.poller.store(false, Ordering::Release);
+                return core;
+            }
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
             for cq in &inner.cqs {
                 cq.req_notify();
@@ -1039,6 +1153,10 @@ impl SmcStream {
                         cq.ack_notify();
                     }
                 }
+                if adaptive {
+                    self.spin
+                        .slept(spin.unwrap_or_default().min(wait), slept.elapsed());
+                }
                 core = inner.lock();
                 core.poll_completions(&mut wcs);
             }
@@ -1057,6 +1175,10 @@ impl SmcStream {
             Ok((g, _)) => g,
             Err(p) => p.into_inner().0,
         };
+        if adaptive {
+            self.spin
+                .slept(spin.unwrap_or_default().min(wait), slept.elapsed());
+        }
         inner.followers.fetch_sub(1, Ordering::AcqRel);
         if let Some(s) = core.slots.get_mut(&id) {
             s.waiters = s.waiters.saturating_sub(1);
@@ -1092,6 +1214,7 @@ impl SmcStream {
                         .consumed(id, n as u32, now)
                         .map_err(io::Error::other)?;
                     core.drain();
+                    self.spin.after_write.store(false, Ordering::Relaxed);
                     return Ok(n);
                 }
             }
@@ -1113,7 +1236,7 @@ impl SmcStream {
                 core.drain();
             }
             let wait = self.wait_slice(deadline)?;
-            core = self.wait_progress(&inner, id, core, wait);
+            core = self.wait_progress(&inner, id, core, wait, Want::Read);
         }
     }
 
@@ -1162,6 +1285,7 @@ impl SmcStream {
                 Ok(0) => {}
                 Ok(n) => {
                     core.drain();
+                    self.spin.after_write.store(true, Ordering::Relaxed);
                     return Ok(n);
                 }
                 Err(e) => {
@@ -1174,9 +1298,40 @@ impl SmcStream {
             }
             core.drain();
             let wait = self.wait_slice(deadline)?;
-            core = self.wait_progress(&inner, id, core, wait);
+            let want = if urgent {
+                Want::Write(u32::try_from(buf.len()).unwrap_or(u32::MAX))
+            } else {
+                Want::Write(1)
+            };
+            core = self.wait_progress(&inner, id, core, wait, want);
         }
     }
+}
+
+/// Whether a blocked read or write (`want`) of connection `id` can go on: data, end of
+/// stream or room in the peer's RMBE, or a failure. A waiting thread looks at this whenever
+/// it held the core lock anew, since whoever handles a completion (not necessarily the
+/// waiting thread) changes it.
+fn progressed(core: &Core, id: TcpId, want: Want) -> bool {
+    if core.slots.get(&id).is_some_and(|s| s.error.is_some()) {
+        return true;
+    }
+    match (core.ep.connection(id), want) {
+        (None, _) => true,
+        (Some(c), Want::Read) => c.readable() > 0 || c.is_read_closed(),
+        // What the send path can take (not `window()`: after urgent data no write is taken
+        // until the peer read the urgent byte, whatever the window).
+        (Some(c), Want::Write(n)) => c.write_regions().total() >= n.max(1),
+    }
+}
+
+/// What a blocked call waits for.
+#[derive(Debug, Clone, Copy)]
+enum Want {
+    /// Something to read (or the end of the stream).
+    Read,
+    /// This much room in the peer's RMBE (urgent data is written all at once).
+    Write(u32),
 }
 
 /// SIOCATMARK on a TCP socket.
@@ -1339,5 +1494,41 @@ impl Drop for SmcHandle {
         if remove {
             core.slots.remove(&id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adaptive_spin_grows_while_it_nearly_catches_and_stops_when_it_does_not() {
+        let us = Duration::from_micros;
+        let s = AdaptiveSpin::new(Some(us(50)));
+        assert_eq!(s.budget(), None, "no spin before the first short sleep");
+        s.slept(Duration::ZERO, us(900));
+        assert_eq!(s.budget(), None, "a long sleep starts no spin");
+        s.slept(Duration::ZERO, us(150));
+        assert_eq!(s.budget(), Some(SPIN_GROW_START));
+        for _ in 0..10 {
+            let b = s.budget().unwrap_or_default();
+            s.slept(b, b / 2);
+        }
+        assert_eq!(s.budget(), Some(us(50)), "capped at the maximum");
+        s.slept(us(50), us(80));
+        assert_eq!(
+            s.budget(),
+            Some(us(25)),
+            "halved after a spin that did not help"
+        );
+        for _ in 0..10 {
+            let b = s.budget().unwrap_or_default();
+            s.slept(b, Duration::from_millis(5));
+        }
+        assert_eq!(s.budget(), None, "a slow peer ends the spinning");
+        let off = AdaptiveSpin::new(None);
+        off.slept(Duration::ZERO, us(1));
+        assert_eq!(off.budget(), None);
+        assert_eq!(AdaptiveSpin::new(Some(Duration::ZERO)).budget(), None);
     }
 }
