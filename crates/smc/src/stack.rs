@@ -57,6 +57,9 @@ const COALESCING_DELAY: Duration = Duration::from_micros(500);
 /// A failed post is reported at the latest after this time (see `Core::failed_posts`).
 const FAILED_POST_GRACE: Duration = Duration::from_millis(100);
 
+/// Longest time a dropped stack waits for its connections' close handshakes.
+const CLOSE_LINGER: Duration = Duration::from_millis(200);
+
 /// Longest time a removed link's QP is kept for the messages still queued on it.
 const RETIRED_GRACE: Duration = Duration::from_secs(2);
 
@@ -1422,6 +1425,27 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        // Linger, as a kernel keeps a closed socket's FIN exchange going: connections the
+        // application closed may still wait for the peer's closing CDC (PeerCloseWait1/2).
+        // Without this, the link group would vanish under them and the peer would see its
+        // connection reset (LinkGroupLost) instead of closed. Bounded by CLOSE_LINGER.
+        let deadline = Instant::now() + CLOSE_LINGER;
+        let core = self.core.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut wcs = [WorkCompletion::EMPTY; 64];
+        while core.ep.link_groups().any(|g| !g.conns.is_empty()) && Instant::now() < deadline {
+            let mut did = core.poll_completions(&mut wcs);
+            did |= core.report_failed_posts();
+            let now = core.now();
+            if core.ep.poll_timeout().is_some_and(|t| t <= now) {
+                let Core { ep, fab, .. } = &mut *core;
+                ep.handle_timeout(fab, now);
+                did = true;
+            }
+            core.drain();
+            if !did {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
         if let Some(p) = &self.control {
             let _ = std::fs::remove_file(p);
         }
