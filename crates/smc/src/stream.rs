@@ -807,7 +807,7 @@ impl SmcStream {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn into_tcp(
         self,
-    ) -> Result<(TcpStream, Vec<u8>, Stripper, impl Sized + Send + Sync), SmcStream> {
+    ) -> Result<(TcpStream, Vec<u8>, Stripper, impl Sized + Send + Sync), Box<SmcStream>> {
         match self.kind {
             Kind::Tcp {
                 leftover,
@@ -821,7 +821,7 @@ impl SmcStream {
                     Err(shared) => match shared.try_clone() {
                         Ok(s) => s,
                         Err(_) => {
-                            return Err(SmcStream {
+                            return Err(Box::new(SmcStream {
                                 sock: shared,
                                 kind: Kind::Tcp {
                                     leftover,
@@ -829,13 +829,13 @@ impl SmcStream {
                                     strip,
                                 },
                                 ..self
-                            })
+                            }))
                         }
                     },
                 };
                 Ok((sock, leftover, strip, self._reg))
             }
-            kind => Err(SmcStream { kind, ..self }),
+            kind => Err(Box::new(SmcStream { kind, ..self })),
         }
     }
 

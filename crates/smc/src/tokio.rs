@@ -101,7 +101,8 @@ impl SmcStream {
                     },
                 })
             }
-            Err(mut s) => {
+            Err(s) => {
+                let mut s = *s;
                 let n = s
                     .notifiers()?
                     .ok_or_else(|| io::Error::other("SMC-R stream without notifiers"))?;
