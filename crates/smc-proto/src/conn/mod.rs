@@ -1299,6 +1299,11 @@ impl Connection {
         if self.abort_pending {
             return true;
         }
+        // After a failover the last CDC may have been lost with the failed link, our
+        // PeerConnectionClosed included: it goes out again (the peer takes it once).
+        if self.resend_due && self.state_sends_cdcs() {
+            return true;
+        }
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.8.1
         //# When the PeerConnectionClosed indicator is turned on, the SMC-R peer is
         //# indicating that it is done updating the partner's RMBE.

@@ -831,3 +831,23 @@ fn rmbe_conflict_detected_at_rendezvous() {
     assert_eq!(pool.in_use(), 0);
     assert_eq!(registry.owner(key), Some(2));
 }
+
+/// After a failover our PeerConnectionClosed goes out again: the CDC that carried it may have
+/// been lost with the failed link, and the peer would wait for it until its close timer.
+#[test]
+fn close_indication_is_sent_again_after_a_failover() {
+    for state in [State::PeerCloseWait1, State::PeerCloseWait2] {
+        let (mut p, side) = reach(state, true);
+        let sent = p.peer(side).conn.stats().cdc_sent;
+        p.peer_mut(side).conn.failover_resend();
+        let m = p
+            .peer_mut(side)
+            .conn
+            .poll_transmit()
+            .expect("a CDC after the failover");
+        assert!(m.conn_flags.peer_conn_closed, "{state:?}: {m:?}");
+        assert_eq!(p.peer(side).conn.stats().cdc_sent, sent + 1);
+        // Nothing more without another failover.
+        assert!(p.peer_mut(side).conn.poll_transmit().is_none());
+    }
+}
