@@ -28,8 +28,8 @@ set -e
     echo
     echo "\`scripts/soak.sh $secs $every_ms $streams\` on $(nproc) cores, $(uname -r); exit status $status."
     echo
-    echo "| t (s) | server RSS (KiB) | server fds | client RSS (KiB) | failovers | verified (MiB) | long streams | stream errors | short conns ok | short conn errors | corrupt |"
-    echo "|---|---|---|---|---|---|---|---|---|---|---|"
+    echo "| t (s) | server RSS (KiB) | server fds | client RSS (KiB) | failovers | verified (MiB) | long streams | stream errors | short conns ok | short conn errors | corrupt | server errors |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
     grep -E '^SOAK [0-9]' "$log" | awk '{printf "|"; for (i = 2; i <= NF; i++) printf " %s |", $i; print ""}'
     echo
     echo '```'

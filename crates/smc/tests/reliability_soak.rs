@@ -4,7 +4,8 @@
 //! again; the link is added back). The peer process runs the workload and checks every byte:
 //! `SMC_REL_SOAK_STREAMS` long streams (written and read back continuously, compared with the
 //! regenerated pattern) and a churn of short connections (connect, echo a random size, close).
-//! Every 10 s a `SOAK` line reports both processes' RSS, fds and the counters. A stream that
+//! Every 10 s a `SOAK` line reports both processes' RSS, fds and the counters (also the
+//! connections whose echo, in this process, ended with an error). A stream that
 //! fails is counted by error and replaced; a byte that differs is corruption: counted, and the
 //! soak fails at the end (it runs its full time so that the report shows everything).
 #![allow(missing_docs)]
@@ -231,6 +232,32 @@ fn child_entry() {
     }
 }
 
+/// Connections whose echo (in this, the server process) ended with an error instead of the
+/// peer's end of stream: the application on this side saw a reset.
+static SERVER_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Echo `s` until the peer's end of stream; false if a read or write failed.
+fn echo_counted(mut s: SmcStream) -> bool {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if let Err(e) = s.write_all(&buf[..n]) {
+                    eprintln!("echo: write failed: {e}");
+                    return false;
+                }
+            }
+            Err(e) => {
+                eprintln!("echo: read failed: {e}");
+                return false;
+            }
+        }
+    }
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    true
+}
+
 fn field(line: &str, key: &str) -> u64 {
     line.split_whitespace()
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
@@ -252,7 +279,11 @@ fn soak_mixed_workload_with_failovers() {
     let port = l.local_addr().expect("addr").port();
     std::thread::spawn(move || {
         for s in l.incoming().flatten() {
-            std::thread::spawn(move || echo(s));
+            std::thread::spawn(move || {
+                if !echo_counted(s) {
+                    SERVER_ERRORS.fetch_add(1, Ordering::Relaxed);
+                }
+            });
         }
     });
     let mut cmd = std::process::Command::new(std::env::current_exe().expect("exe"));
@@ -293,7 +324,7 @@ fn soak_mixed_workload_with_failovers() {
             })
             .unwrap_or(0)
     };
-    println!("SOAK t_s server_rss_kib server_fds client_rss_kib failovers verified_mib streams stream_errors churn_ok churn_errors corrupt");
+    println!("SOAK t_s server_rss_kib server_fds client_rss_kib failovers verified_mib streams stream_errors churn_ok churn_errors corrupt server_errors");
     while Instant::now() < end {
         let now = Instant::now();
         if now >= next_failover {
@@ -310,7 +341,7 @@ fn soak_mixed_workload_with_failovers() {
         if now >= next_report {
             let s = last.lock().unwrap_or_else(|p| p.into_inner()).clone();
             println!(
-                "SOAK {} {} {} {} {} {} {} {} {} {} {}",
+                "SOAK {} {} {} {} {} {} {} {} {} {} {} {}",
                 start.elapsed().as_secs(),
                 rss_kib(),
                 proc_resources().fds,
@@ -322,6 +353,7 @@ fn soak_mixed_workload_with_failovers() {
                 field(&s, "churn_ok"),
                 field(&s, "churn_errors"),
                 field(&s, "corrupt"),
+                SERVER_ERRORS.load(Ordering::Relaxed),
             );
             next_report = now + Duration::from_secs(10);
         }
@@ -329,8 +361,9 @@ fn soak_mixed_workload_with_failovers() {
     }
     let s = last.lock().unwrap_or_else(|p| p.into_inner()).clone();
     println!(
-        "SOAK-END after {:?}, {failovers} failovers: {s}",
-        start.elapsed()
+        "SOAK-END after {:?}, {failovers} failovers: {s} server_errors={}",
+        start.elapsed(),
+        SERVER_ERRORS.load(Ordering::Relaxed)
     );
     drop(child.stdin.take());
     let _ = child.wait();
