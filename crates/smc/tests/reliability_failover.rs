@@ -111,6 +111,22 @@ fn run_stream(
     Ok((total, sent, got, h.finalize().into()))
 }
 
+/// A listener on `st` and the peer process that connects to it `streams` times and echoes.
+fn listen_for_echo_peer(st: &Stack, dir: &std::path::Path, streams: u64) -> (SmcListener, Peer) {
+    let l = SmcListener::bind_with(st, "127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    let peer = Peer::spawn_connector(
+        "child_entry",
+        "echo-connector",
+        dir,
+        &[
+            ("SMC_REL_PORT", port.to_string()),
+            ("SMC_REL_STREAMS", streams.to_string()),
+        ],
+    );
+    (l, peer)
+}
+
 /// Whether every link group of `st` has two active links.
 fn both_links_active(st: &Stack) -> bool {
     let g = st.link_groups();
@@ -132,17 +148,7 @@ fn failover_under_load_loses_nothing() {
     // A link lost to a QP error (its port stays up) is added back after this (App. C.8).
     c.add_link_retry = Duration::from_millis(20);
     let st = Stack::new(c).expect("stack");
-    let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
-    let port = l.local_addr().expect("addr").port();
-    let peer = Peer::spawn_connector(
-        "child_entry",
-        "echo-connector",
-        &dir,
-        &[
-            ("SMC_REL_PORT", port.to_string()),
-            ("SMC_REL_STREAMS", streams.to_string()),
-        ],
-    );
+    let (l, peer) = listen_for_echo_peer(&st, &dir, streams);
     let stop = Arc::new(AtomicBool::new(false));
     let progress = Arc::new(AtomicU64::new(0));
     let mut threads = Vec::new();
@@ -257,17 +263,7 @@ fn losing_the_last_link_resets_every_connection() {
     let streams = 4;
     let dir = test_dir("last-link");
     let st = stack(&dir);
-    let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
-    let port = l.local_addr().expect("addr").port();
-    let peer = Peer::spawn_connector(
-        "child_entry",
-        "echo-connector",
-        &dir,
-        &[
-            ("SMC_REL_PORT", port.to_string()),
-            ("SMC_REL_STREAMS", streams.to_string()),
-        ],
-    );
+    let (l, peer) = listen_for_echo_peer(&st, &dir, streams);
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
     for i in 0..streams {
