@@ -10,7 +10,7 @@
 //! | 64 | `head: u64` (messages consumed) | consumer |
 //! | 72 | `tx_waiting: u32` (producer waits for space) | producer sets, consumer clears |
 //! | 128 | `epoch: u64` (memory-region revocation epoch) | ring owner (consumer) |
-//! | 136 | `credits: u64` (receive WRs ever posted; [`CREDITS_REVOKED`] once in error) | consumer |
+//! | 192 | `credits: u64` (receive WRs ever posted; [`CREDITS_REVOKED`] once in error) | consumer |
 //! | 256 | `capacity` slots of [`SLOT_SIZE`] bytes: `len: u32`, 4 reserved bytes, payload | producer |
 //!
 //! The peer process may scribble over every byte of the region at any time. Both sides therefore
@@ -54,11 +54,15 @@ pub(crate) struct RingHeader {
     #[cfg(not(loom))]
     _pad1: [AtomicU32; 13],
     pub(crate) epoch: AtomicU64,
+    // The epoch is read by every RDMA WRITE and almost never written: it has a cache line of
+    // its own, apart from the credits the consumer publishes for every receive it posts.
+    #[cfg(not(loom))]
+    _pad2: [AtomicU64; 7],
     /// Receive work requests the consumer ever posted (a SEND numbered `n`, counting from 1,
     /// has a receive WR waiting for it iff `n <= credits`), or [`CREDITS_REVOKED`].
     pub(crate) credits: AtomicU64,
     #[cfg(not(loom))]
-    _pad2: [AtomicU64; 14],
+    _pad3: [AtomicU64; 7],
 }
 
 #[cfg(not(loom))]
@@ -103,12 +107,20 @@ pub(crate) struct RingCorrupt;
 #[derive(Debug)]
 pub(crate) struct Producer {
     tail: u64,
+    /// The consumer's `head` as last read: the ring has at least `capacity - (tail - head)`
+    /// free slots, so the shared `head` (a cache line the consumer writes for every message)
+    /// is read only when this copy says the ring is full.
+    head: u64,
     capacity: u32,
 }
 
 impl Producer {
     pub(crate) fn new(capacity: u32) -> Producer {
-        Producer { tail: 0, capacity }
+        Producer {
+            tail: 0,
+            head: 0,
+            capacity,
+        }
     }
 
     /// Try to append `msg` (at most [`MAX_INLINE`] bytes). `Ok(false)` when the ring is full.
@@ -121,13 +133,16 @@ impl Producer {
         if msg.len() > MAX_INLINE {
             return Err(RingCorrupt);
         }
-        let head = hdr.head.load(Acquire);
-        let used = self.tail.wrapping_sub(head);
-        if used > u64::from(self.capacity) {
-            return Err(RingCorrupt);
-        }
-        if used == u64::from(self.capacity) {
-            return Ok(false);
+        if self.tail.wrapping_sub(self.head) >= u64::from(self.capacity) {
+            let head = hdr.head.load(Acquire);
+            let used = self.tail.wrapping_sub(head);
+            if used > u64::from(self.capacity) {
+                return Err(RingCorrupt);
+            }
+            self.head = head;
+            if used == u64::from(self.capacity) {
+                return Ok(false);
+            }
         }
         let mut slot = [0u8; SLOT_SIZE];
         // `msg.len() <= MAX_INLINE < u32::MAX`.
@@ -350,7 +365,11 @@ mod tests {
         slots.write_slot(0, &[0xff; SLOT_SIZE]);
         let mut buf = [0u8; MAX_INLINE];
         assert_eq!(c.peek(&slots, &mut buf), Err(RingCorrupt));
+        // The producer reads the shared head once its own copy says the ring is full.
         let mut p = Producer::new(4);
+        for i in 0..4 {
+            assert_eq!(p.try_push(hdr, &slots, &[i]), Ok(true));
+        }
         hdr.head.store(9, Relaxed);
         assert_eq!(p.try_push(hdr, &slots, &[1]), Err(RingCorrupt));
     }

@@ -1083,7 +1083,13 @@ impl SmcStream {
             .or_else(|| adaptive.then(|| self.spin.budget()).flatten());
         if let Some(spin) = spin {
             // Spinning as the poller keeps the runtime thread off the completion channels,
-            // so the peer rings no doorbell (no system call on either side).
+            // so the peer rings no doorbell (no system call on either side). Recorded as a
+            // recent poll, so that the runtime thread stays off them between two waits too
+            // (else it arms them while this thread writes, and every completion of ours
+            // writes its eventfd and wakes it onto the lock).
+            if polling {
+                inner.poller_at.store(core.now_micros(), Ordering::Release);
+            }
             let until = Instant::now() + spin.min(wait);
             loop {
                 if core.poll_completions(&mut wcs) {
@@ -1102,6 +1108,9 @@ impl SmcStream {
                 core = inner.lock();
                 if !polling {
                     polling = !inner.poller.swap(true, Ordering::AcqRel);
+                    if polling {
+                        inner.poller_at.store(core.now_micros(), Ordering::Release);
+                    }
                 }
                 // Another thread (the runtime thread, or another stream's) may have handled
                 // the completion this call waits for while the lock was free.
