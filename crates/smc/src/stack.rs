@@ -468,7 +468,6 @@ impl Core {
 
     fn fabric_op(&mut self, op: FabricOp) {
         tracing::trace!(?op, "fabric op");
-        let now = self.now();
         match op {
             FabricOp::ConnectQp {
                 link,
@@ -492,6 +491,7 @@ impl Core {
                 };
                 if !ok {
                     tracing::debug!(%link, "connecting QP failed");
+                    let now = self.now();
                     self.ep.handle_link_failure(link, &mut self.fab, now);
                 }
             }

@@ -1092,12 +1092,17 @@ impl SmcStream {
             }
             let until = Instant::now() + spin.min(wait);
             loop {
+                // Completions that do not concern this call (our own SENDs completing, other
+                // connections' data) are handled here and the spin goes on: returning would
+                // only make the caller look again and come back.
                 if core.poll_completions(&mut wcs) {
                     core.drain();
-                    if polling {
-                        inner.poller.store(false, Ordering::Release);
+                    if progressed(&core, id, want) {
+                        if polling {
+                            inner.poller.store(false, Ordering::Release);
+                        }
+                        return core;
                     }
-                    return core;
                 }
                 let t = Instant::now();
                 if t >= until {
@@ -1218,7 +1223,6 @@ impl SmcStream {
                         n = n.min(before as usize);
                     }
                     copy_out(&mut core, &target, &mut buf[..n])?;
-                    let now = core.now();
                     core.ep
                         .consumed(id, n as u32, now)
                         .map_err(io::Error::other)?;
