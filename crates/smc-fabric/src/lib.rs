@@ -497,6 +497,15 @@ impl CompletionQueue {
         }
     }
 
+    /// Whether [`poll`](Self::poll) may find a completion now, without taking the queue's
+    /// locks or moving anything (for a poller that spins): `false` means nothing that had
+    /// happened before the call is waiting.
+    pub fn maybe_ready(&self) -> bool {
+        match &self.inner {
+            CqImpl::Shm(c) => c.maybe_ready(),
+        }
+    }
+
     /// Spin on [`poll`](Self::poll) for up to `spins` iterations; returns on the first completion.
     pub fn poll_busy(&self, out: &mut [WorkCompletion], spins: u64) -> usize {
         for _ in 0..spins {

@@ -28,6 +28,9 @@ use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
 /// How long a blocked call waits on the condition variable before looking again.
 const POLL_SLICE: Duration = Duration::from_millis(50);
+/// A spinning poller looks at the completion queues' lock-free readiness hint this many times
+/// (a few µs) before it takes the core lock again to read the clock and its connection.
+const SPINS_BETWEEN_LOOKS: u32 = 64;
 
 /// Signed distance in bytes from cursor `a` to cursor `b` in a ring of `len` bytes.
 fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
@@ -1109,7 +1112,15 @@ impl SmcStream {
                     break;
                 }
                 drop(core);
-                std::hint::spin_loop();
+                // Spin without the lock (no cache line of the core bounces, nobody else is
+                // kept out) until a completion queue may hold something; every so often take
+                // the lock anyway, to see the clock and what other threads handled.
+                for _ in 0..SPINS_BETWEEN_LOOKS {
+                    if inner.cqs.iter().any(|cq| cq.maybe_ready()) {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
                 core = inner.lock();
                 if !polling {
                     polling = !inner.poller.swap(true, Ordering::AcqRel);

@@ -25,6 +25,9 @@ pub(crate) struct CqShared {
     local_bell: OwnedFd,
     armed: AtomicBool,
     local: Mutex<VecDeque<WorkCompletion>>,
+    /// Whether `local` may hold completions (set when one is queued, cleared when a poll
+    /// emptied it; both under its lock), for the lock-free [`CqShared::maybe_ready`].
+    local_queued: AtomicBool,
     /// QPs whose send or receive queue completes here (detached when the QP is destroyed).
     qps: Mutex<Vec<Arc<QpShared>>>,
 }
@@ -47,6 +50,7 @@ impl CqShared {
             local_bell,
             armed: AtomicBool::new(false),
             local: Mutex::new(VecDeque::new()),
+            local_queued: AtomicBool::new(false),
             qps: Mutex::new(Vec::new()),
         }))
     }
@@ -86,7 +90,11 @@ impl CqShared {
 
     /// Queue a locally generated completion and ring the channel if a waiter armed it.
     pub(crate) fn push(&self, wc: WorkCompletion) {
-        lock(&self.local).push_back(wc);
+        {
+            let mut q = lock(&self.local);
+            q.push_back(wc);
+            self.local_queued.store(true, Ordering::Release);
+        }
         self.notify_if_armed();
     }
 
@@ -98,6 +106,9 @@ impl CqShared {
             for wc in wcs {
                 q.push_back(wc);
                 any = true;
+            }
+            if any {
+                self.local_queued.store(true, Ordering::Release);
             }
         }
         if any {
@@ -125,6 +136,9 @@ impl CqShared {
                     }
                     None => break,
                 }
+            }
+            if q.is_empty() {
+                self.local_queued.store(false, Ordering::Relaxed);
             }
         }
         if n == out.len() {
@@ -164,8 +178,26 @@ impl CqShared {
                     None => break,
                 }
             }
+            if q.is_empty() {
+                self.local_queued.store(false, Ordering::Relaxed);
+            }
         }
         n
+    }
+
+    /// Whether a [`poll`](Self::poll) may find something: a queued local completion, a message
+    /// in an attached QP's receive ring, or queued sends to move on. No false negatives for
+    /// what happened before the call; cheap enough to spin on (atomic loads, and the QP list's
+    /// lock, which only attach and detach take otherwise).
+    pub(crate) fn maybe_ready(&self) -> bool {
+        if self.local_queued.load(Ordering::Acquire) {
+            return true;
+        }
+        let qps = lock(&self.qps);
+        qps.iter().any(|qp| {
+            (std::ptr::eq(Arc::as_ptr(&qp.recv_cq), self) && qp.maybe_readable())
+                || (std::ptr::eq(Arc::as_ptr(&qp.send_cq), self) && qp.has_pending())
+        })
     }
 
     /// Arm the completion channel: the eventfd becomes readable at the next completion.

@@ -25,7 +25,8 @@ mod tests {
     use super::*;
     use crate::config::FabricConfig;
     use crate::types::{
-        AccessFlags, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, Sge, WcStatus, WorkCompletion,
+        AccessFlags, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus,
+        WorkCompletion,
     };
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
@@ -62,6 +63,45 @@ mod tests {
             psn: l.psn,
             mtu: l.mtu,
         }
+    }
+
+    /// The lock-free readiness hint a spinning poller looks at: no on an idle queue, yes once a
+    /// message is in the ring or a completion is queued, no again once polled.
+    #[test]
+    fn maybe_ready_follows_what_poll_would_find() {
+        let dir = std::env::temp_dir().join(format!("smcf-ready-{}", std::process::id()));
+        let cfg = FabricConfig::with_dir(&dir, 1);
+        let dev = DeviceHandle::open(&cfg, "shm0").expect("open");
+        let (a, b) = (end(&dev), end(&dev));
+        a.qp.to_rtr(remote(&b)).expect("rtr");
+        b.qp.to_rtr(remote(&a)).expect("rtr");
+        a.qp.to_rts().expect("rts");
+        b.qp.to_rts().expect("rts");
+        let mut w = [WorkCompletion::EMPTY; 4];
+        assert!(!b.cq.maybe_ready());
+        for round in 0..3u64 {
+            a.qp.post_send(&SendWr::Send {
+                wr_id: round,
+                data: b"hi",
+                signaled: true,
+            })
+            .expect("send");
+            assert!(b.cq.maybe_ready(), "message in the ring, round {round}");
+            let mut got = 0;
+            while got == 0 {
+                got = b.cq.poll(&mut w);
+            }
+            assert_eq!(w[0].opcode, WcOpcode::Recv);
+            assert!(!b.cq.maybe_ready(), "ring consumed, round {round}");
+            // The sender's completion waits in its queue until polled.
+            let mut sent = 0;
+            while sent == 0 {
+                sent = a.cq.poll(&mut w);
+            }
+            assert!(!a.cq.maybe_ready(), "completion polled, round {round}");
+        }
+        a.qp.destroy();
+        b.qp.destroy();
     }
 
     /// A peer that scribbles over our receive ring (indices, slot lengths) breaks only the QP:

@@ -14,7 +14,7 @@ use crate::types::{
 };
 use rustix::fd::{AsFd, OwnedFd};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Largest receive-ring capacity accepted from a peer.
@@ -199,6 +199,9 @@ pub(crate) struct QpShared {
     recv: Mutex<RecvSide>,
     send: Mutex<SendSide>,
     has_pending: AtomicBool,
+    /// Messages of our receive ring consumed so far (a copy of the consumer's `head`, for the
+    /// lock-free [`QpShared::maybe_readable`]).
+    rx_consumed: AtomicU64,
 }
 
 fn wc(
@@ -278,6 +281,7 @@ impl QpShared {
                 pending: VecDeque::new(),
             }),
             has_pending: AtomicBool::new(false),
+            rx_consumed: AtomicU64::new(0),
         });
         lock(&core.qps).insert(qpn, Arc::downgrade(&qp));
         send_cq.attach(&qp);
@@ -508,6 +512,14 @@ impl QpShared {
 
     pub(crate) fn has_pending(&self) -> bool {
         self.has_pending.load(Ordering::Acquire)
+    }
+
+    /// Whether the peer may have put a message into our receive ring that we did not consume
+    /// yet: one load of the ring's tail, no lock. A hint for spinning pollers (a scribbled
+    /// tail makes it say yes; polling then finds the corruption).
+    pub(crate) fn maybe_readable(&self) -> bool {
+        self.inbound_header().tail.load(Ordering::Acquire)
+            != self.rx_consumed.load(Ordering::Relaxed)
     }
 
     /// Post a send-queue work request.
@@ -1059,7 +1071,12 @@ impl QpShared {
         let Some(p) = r.posted.pop_front() else {
             return Ok(None);
         };
-        if r.consumer.advance(hdr) {
+        let ring_space_wanted = r.consumer.advance(hdr);
+        self.rx_consumed.store(
+            self.rx_consumed.load(Ordering::Relaxed) + 1,
+            Ordering::Relaxed,
+        );
+        if ring_space_wanted {
             if let Some(bell) = &r.peer_tx_bell {
                 mem::ring_eventfd(bell.as_fd());
             }
