@@ -7,7 +7,7 @@
 //! client (this process) and the server.
 //!
 //! The fourth transport, `floor`, is what the machine allows (see [`crate::bench_floor`]):
-//! for `stream` and `pingpong` two threads of this process sharing a buffer, for `connect`
+//! for `stream` and `pingpong` threads of this process sharing a buffer, for `connect`
 //! plain TCP carrying SMC-R's CLC message pattern. The other tests have no floor.
 
 use std::io::{IsTerminal, Read, Write};

@@ -28,8 +28,8 @@
 //!   CLC messages of an SMC-R subsequent contact (Proposal, Accept, Confirm) and a 1-byte
 //!   answer, the ceiling of any SMC-R whose CLC handshake rides the kernel's TCP.
 //!
-//! The stream and ping-pong floors run as two threads of the bench process: cache coherence
-//! between two cores is the same whether the threads share a process or a mapping.
+//! The stream and ping-pong floors run as threads of the bench process: cache coherence
+//! between two cores is the same whether two threads share a process or a mapping.
 //!
 //! A spinning wait that has seen no progress for [`SPIN_BUDGET`] naps ([`NAP`], a futex
 //! sleep with a timeout) between further looks. On an idle machine with a core per thread that
