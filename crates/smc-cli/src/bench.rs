@@ -1,12 +1,16 @@
 //! `smc bench`: SMC-R on the shm fabric against TCP loopback and Unix domain sockets, in the
-//! same run, measurement points alternating between the transports (smc, tcp, uds, smc, …)
-//! and the median of the rounds reported.
+//! same run, measurement points alternating between the transports (smc, tcp, uds, floor,
+//! smc, …) and the median of the rounds reported.
 //!
 //! The server side of each transport is a separate process (`smc bench-server`, hidden), so
 //! SMC-R really crosses processes; CPU time is read from `/proc/<pid>/stat` of both the
 //! client (this process) and the server.
+//!
+//! The fourth transport, `floor`, is what the machine allows (see [`crate::bench_floor`]):
+//! for `stream` and `pingpong` threads of this process sharing a buffer, for `connect`
+//! plain TCP carrying SMC-R's CLC message pattern. The other tests have no floor.
 
-use std::io::{IsTerminal, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -19,8 +23,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use smc::{DiscoveryMode, Mode, SmcStream, Stack, StackConfig};
 
+use crate::bench_floor::{self, Layout};
 use crate::bench_report::{self, Sample};
-use crate::bench_server::{header, Conn, Op, Server, Transport};
+use crate::bench_server::{header, Conn, Op, Server, Transport, ACCEPT, PROPOSAL};
 
 /// Arguments of `smc bench`.
 #[derive(Args, Debug)]
@@ -125,41 +130,52 @@ enum Job {
     FirstContact,
     Multi(Transport, usize),
     Fallback(Transport),
+    /// The stream floor (module [`bench_floor`]).
+    FloorStream(usize),
+    /// The ping-pong floor, busy or blocking.
+    FloorPingPong(usize, bool),
+    /// The connect floor: TCP with the CLC message pattern.
+    FloorConnect,
 }
 
 fn jobs(plan: &Plan, wanted: &dyn Fn(&str) -> bool) -> Vec<Job> {
     let mut v = Vec::new();
-    let alternate = |v: &mut Vec<Job>, rounds: usize, f: &dyn Fn(Transport) -> Job| {
-        for _ in 0..rounds {
-            for t in Transport::ALL {
-                v.push(f(t));
+    // Every round: each transport, then the floor if the test has one.
+    let alternate =
+        |v: &mut Vec<Job>, rounds: usize, f: &dyn Fn(Transport) -> Job, floor: Option<Job>| {
+            for _ in 0..rounds {
+                for t in Transport::ALL {
+                    v.push(f(t));
+                }
+                v.extend(floor);
             }
-        }
-    };
+        };
     // Idle memory first: later tests leave buffers in the stacks' pools, which would hide
     // what a new connection costs. One round: a second one would reuse the first's buffers.
     if wanted("idle") {
-        alternate(&mut v, 1, &Job::Idle);
+        alternate(&mut v, 1, &Job::Idle, None);
     }
     if wanted("stream") {
         for &s in &plan.stream_sizes {
-            alternate(&mut v, plan.rounds, &|t| Job::Stream(t, s));
+            let floor = Some(Job::FloorStream(s));
+            alternate(&mut v, plan.rounds, &|t| Job::Stream(t, s), floor);
         }
     }
     if wanted("pingpong") {
         for busy in [false, true] {
             for &s in &plan.pingpong_sizes {
-                alternate(&mut v, plan.rounds, &|t| Job::PingPong(t, s, busy));
+                let floor = Some(Job::FloorPingPong(s, busy));
+                alternate(&mut v, plan.rounds, &|t| Job::PingPong(t, s, busy), floor);
             }
         }
     }
     if wanted("connect") {
-        alternate(&mut v, plan.rounds, &Job::Connect);
+        alternate(&mut v, plan.rounds, &Job::Connect, Some(Job::FloorConnect));
         v.push(Job::FirstContact);
     }
     if wanted("multistream") {
         for &n in &plan.multistreams {
-            alternate(&mut v, plan.rounds, &|t| Job::Multi(t, n));
+            alternate(&mut v, plan.rounds, &|t| Job::Multi(t, n), None);
         }
     }
     if wanted("fallback") {
@@ -197,6 +213,20 @@ fn rss_bytes(pid: u32) -> Result<u64> {
         .context("/proc statm format")?
         .parse()?;
     Ok(pages * 4096)
+}
+
+/// The transport name of the floor measurements.
+const FLOOR: &str = "floor";
+
+/// The ping-pong samples of sorted round-trip times (µs).
+fn rtt_samples(transport: &'static str, size: usize, busy: bool, rtts: Vec<f64>) -> Vec<Sample> {
+    let mode = if busy { "busy" } else { "blocking" };
+    let s = Sample::new(transport, "pingpong", size, mode, 1);
+    vec![
+        s.with("rtt_p50_us", percentile(&rtts, 50.0)),
+        s.with("rtt_p99_us", percentile(&rtts, 99.0)),
+        s.with("rtt_p999_us", percentile(&rtts, 99.9)),
+    ]
 }
 
 /// Nearest-rank percentile of sorted values.
@@ -259,7 +289,7 @@ impl Bench {
                 Ok(vec![s.with("gbps", gbps), s.with("cpu_s_per_gb", cpu)])
             }
             Job::PingPong(t, size, busy) => self.pingpong(t, size, busy),
-            Job::Connect(t) => self.connect_rate(t),
+            Job::Connect(t) => self.connect_rate(t.name(), &|| self.one_connect(t)),
             Job::FirstContact => self.first_contact(),
             Job::Multi(t, n) => self.multistream(t, n),
             Job::Fallback(t) => {
@@ -281,6 +311,25 @@ impl Bench {
                 let s = Sample::new(t.name(), "fallback", BULK, "blocking", 1);
                 Ok(vec![s.with("gbps", gbps), s.with("cpu_s_per_gb", cpu)])
             }
+            Job::FloorStream(size) => {
+                // Both layouts, each for the whole window; the faster one is the floor.
+                let capacity = usize::try_from(self.client_cfg.buffer_size)?;
+                let cpu = || cpu_seconds(std::process::id());
+                let time = self.plan.stream_time;
+                let two = bench_floor::stream(Layout::TwoCores, size, capacity, time, &cpu)?;
+                let one = bench_floor::stream(Layout::OneCore, size, capacity, time, &cpu)?;
+                let r = if one.gbps() > two.gbps() { one } else { two };
+                let s = Sample::new(FLOOR, "stream", size, "blocking", 1);
+                Ok(vec![
+                    s.with("gbps", r.gbps()),
+                    s.with("cpu_s_per_gb", r.cpu_s / (r.bytes as f64 / 1e9)),
+                ])
+            }
+            Job::FloorPingPong(size, busy) => {
+                let rtts = bench_floor::pingpong(size, busy, |rt| self.round_trips(rt))?;
+                Ok(rtt_samples(FLOOR, size, busy, rtts))
+            }
+            Job::FloorConnect => self.connect_rate(FLOOR, &|| self.one_handshake()),
         }
     }
 
@@ -325,31 +374,35 @@ impl Bench {
         c.write_full(&header(Op::PingPong, busy, size)?)?;
         c.set_busy(busy)?;
         let mut buf = vec![0x5au8; size];
+        let rtts = self.round_trips(&mut || {
+            c.write_full(&buf)?;
+            if !c.read_full(&mut buf)? {
+                bail!("the server closed during ping-pong");
+            }
+            Ok(())
+        })?;
+        c.set_busy(false)?;
+        c.shutdown_write()?;
+        Ok(rtt_samples(t.name(), size, busy, rtts))
+    }
+
+    /// Round trips for the ping-pong window (after 5 uncounted ones, at least 20, at most a
+    /// million); their times in µs, sorted.
+    fn round_trips(&self, round_trip: &mut dyn FnMut() -> Result<()>) -> Result<Vec<f64>> {
         let mut rtts = Vec::new();
         let warmup = 5;
         let deadline = Instant::now() + self.plan.pingpong_time;
         let mut i = 0usize;
         while (i < warmup + 20 || Instant::now() < deadline) && rtts.len() < 1_000_000 {
             let t0 = Instant::now();
-            c.write_full(&buf)?;
-            if !c.read_full(&mut buf)? {
-                bail!("the server closed during ping-pong");
-            }
+            round_trip()?;
             if i >= warmup {
                 rtts.push(t0.elapsed().as_secs_f64() * 1e6);
             }
             i += 1;
         }
-        c.set_busy(false)?;
-        c.shutdown_write()?;
         rtts.sort_by(f64::total_cmp);
-        let mode = if busy { "busy" } else { "blocking" };
-        let s = Sample::new(t.name(), "pingpong", size, mode, 1);
-        Ok(vec![
-            s.with("rtt_p50_us", percentile(&rtts, 50.0)),
-            s.with("rtt_p99_us", percentile(&rtts, 99.0)),
-            s.with("rtt_p999_us", percentile(&rtts, 99.9)),
-        ])
+        Ok(rtts)
     }
 
     /// One full setup: connect, the server accepts and answers a byte, close.
@@ -363,19 +416,41 @@ impl Bench {
         Ok(())
     }
 
-    fn connect_rate(&self, t: Transport) -> Result<Vec<Sample>> {
+    /// The connect floor's setup: plain TCP to the TCP bench server with the messages of
+    /// SMC-R's CLC handshake on a reused link group (Proposal, Accept, Confirm; the header is
+    /// the Proposal's first 8 bytes), then the 1-byte answer, close.
+    fn one_handshake(&self) -> Result<()> {
+        let mut c = TcpStream::connect(("127.0.0.1", self.tcp.port))?;
+        let mut proposal = [0u8; PROPOSAL];
+        proposal[..8].copy_from_slice(&header(Op::Handshake, false, 0)?);
+        c.write_all(&proposal)?;
+        let mut accept = [0u8; ACCEPT];
+        c.read_exact(&mut accept)?;
+        // The Confirm has the Accept's size.
+        c.write_all(&accept)?;
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b)?;
+        Ok(())
+    }
+
+    /// Setups per second by `one` for the connect window, after one uncounted setup.
+    fn connect_rate(
+        &self,
+        name: &'static str,
+        one: &dyn Fn() -> Result<()>,
+    ) -> Result<Vec<Sample>> {
         // The first connection may create the link group; it is not counted.
-        self.one_connect(t)?;
+        one()?;
         let start = Instant::now();
         let deadline = start + self.plan.connect_time;
         let mut n = 0u64;
         while n < 3 || Instant::now() < deadline {
-            self.one_connect(t)?;
+            one()?;
             n += 1;
         }
         let rate = n as f64 / start.elapsed().as_secs_f64();
         Ok(vec![
-            Sample::new(t.name(), "connect", 0, "blocking", 1).with("conn_per_s", rate)
+            Sample::new(name, "connect", 0, "blocking", 1).with("conn_per_s", rate)
         ])
     }
 

@@ -1,10 +1,12 @@
 //! `smc bench --plot FILE`: an SVG with streaming throughput and ping-pong latency against
-//! message size, and aggregate throughput against the number of streams (log-log axes).
+//! message size, and aggregate throughput against the number of streams (log-log axes). The
+//! floor (what the machine allows, see `bench_floor`) is drawn dashed where a test has one.
 
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
 use crate::bench_report::{size_text, Sample};
@@ -15,6 +17,7 @@ fn colour(transport: &str) -> RGBColor {
     match transport {
         "smc" => RGBColor(200, 30, 30),
         "tcp" => RGBColor(30, 80, 200),
+        "floor" => RGBColor(90, 90, 90),
         _ => RGBColor(30, 150, 60),
     }
 }
@@ -77,7 +80,7 @@ fn draw(area: &Area<'_>, p: &Panel<'_>, results: &[Sample]) -> Result<()> {
         .light_line_style(WHITE)
         .draw()
         .map_err(|e| err(&e))?;
-    for transport in ["smc", "tcp", "uds"] {
+    for transport in ["smc", "tcp", "uds", "floor"] {
         for mode in ["blocking", "busy"] {
             let mut series: Vec<(f64, f64)> = pts
                 .iter()
@@ -99,11 +102,21 @@ fn draw(area: &Area<'_>, p: &Panel<'_>, results: &[Sample]) -> Result<()> {
             } else {
                 transport.to_string()
             };
-            chart
-                .draw_series(LineSeries::new(series.clone(), style))
-                .map_err(|e| err(&e))?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            if transport == "floor" {
+                chart
+                    .draw_series(DashedLineSeries::new(series.clone(), 6, 4, style))
+                    .map_err(|e| err(&e))?
+                    .label(label)
+                    .legend(move |(x, y)| {
+                        DashedPathElement::new(vec![(x, y), (x + 20, y)], 6, 4, style)
+                    });
+            } else {
+                chart
+                    .draw_series(LineSeries::new(series.clone(), style))
+                    .map_err(|e| err(&e))?
+                    .label(label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            }
             if mode == "busy" {
                 chart
                     .draw_series(series.iter().map(|&pt| Cross::new(pt, 4, style)))

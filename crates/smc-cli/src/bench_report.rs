@@ -1,12 +1,14 @@
 //! `smc bench` results: the measurement record, medians over rounds, JSON lines, and the
-//! table with ratios against TCP and Unix sockets and the issue's goals as pass/miss.
+//! table with ratios against TCP, Unix sockets and the floor, and the issue's goals as
+//! pass/miss, each with the floor's own standing where there is one (whether the machine or
+//! the implementation stops a goal).
 
 use comfy_table::Table;
 
 /// One measured value (the JSON line of `smc bench --json`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
-    /// `smc`, `tcp` or `uds`.
+    /// `smc`, `tcp`, `uds` or `floor`.
     pub transport: &'static str,
     /// `stream`, `pingpong`, `connect`, `multistream`, `idle` or `fallback`.
     pub test: &'static str,
@@ -165,38 +167,71 @@ fn num(v: f64) -> String {
     }
 }
 
-/// The issue's goal for a row, if it has one: (rule, met).
-fn goal(
-    test: &str,
-    size: usize,
-    mode: &str,
-    metric: &str,
-    smc: f64,
-    tcp: f64,
-    uds: f64,
-) -> Option<(&'static str, bool)> {
+/// A goal of the issue: its rule as printed, and whether a value meets it (given the TCP and
+/// UDS values of the same row).
+struct Goal {
+    rule: &'static str,
+    met: fn(x: f64, tcp: f64, uds: f64) -> bool,
+}
+
+/// The issue's goal for a row, if it has one.
+fn goal(test: &str, size: usize, mode: &str, metric: &str) -> Option<Goal> {
+    let g = |rule, met| Some(Goal { rule, met });
     match (test, size, mode, metric) {
-        ("pingpong", 1, "busy", "rtt_p50_us") => Some(("<= 0.10x tcp", smc <= 0.10 * tcp)),
-        ("pingpong", 1, "blocking", "rtt_p50_us") => {
-            Some(("<= 0.5x tcp, <= uds", smc <= 0.5 * tcp && smc <= uds))
-        }
-        ("stream", 65536, _, "gbps") => Some((">= 4x tcp", smc >= 4.0 * tcp)),
-        ("stream", 64, _, "gbps") => Some((">= 3x tcp", smc >= 3.0 * tcp)),
-        ("connect", _, _, "conn_per_s") => Some((">= 1.0x tcp", smc >= tcp)),
-        ("idle", _, _, "kib_per_idle_conn") => Some(("<= 160 KiB", smc <= 160.0)),
-        ("fallback", _, _, "gbps") => Some((">= 0.98x tcp", smc >= 0.98 * tcp)),
+        ("pingpong", 1, "busy", "rtt_p50_us") => g("<= 0.10x tcp", |x, tcp, _| x <= 0.10 * tcp),
+        ("pingpong", 1, "blocking", "rtt_p50_us") => g("<= 0.5x tcp, <= uds", |x, tcp, uds| {
+            x <= 0.5 * tcp && x <= uds
+        }),
+        ("stream", 65536, _, "gbps") => g(">= 4x tcp", |x, tcp, _| x >= 4.0 * tcp),
+        ("stream", 64, _, "gbps") => g(">= 3x tcp", |x, tcp, _| x >= 3.0 * tcp),
+        ("connect", _, _, "conn_per_s") => g(">= 1.0x tcp", |x, tcp, _| x >= tcp),
+        ("idle", _, _, "kib_per_idle_conn") => g("<= 160 KiB", |x, _, _| x <= 160.0),
+        ("fallback", _, _, "gbps") => g(">= 0.98x tcp", |x, tcp, _| x >= 0.98 * tcp),
         _ => None,
     }
 }
 
-/// The results as a table: one row per quantity, the three transports side by side, the
-/// ratios SMC-R/TCP and SMC-R/UDS, and the goal where the issue sets one.
+/// The goal column: `pass`/`MISS` and the rule; where the row has a floor, also the floor's
+/// ratio to TCP, marked `machine:` when the floor itself misses the goal (the machine stops
+/// every implementation, not just ours).
+fn goal_text(g: &Goal, smc: f64, tcp: f64, uds: f64, floor: f64) -> String {
+    let verdict = if (g.met)(smc, tcp, uds) {
+        "pass"
+    } else {
+        "MISS"
+    };
+    let mut text = format!("{verdict} {}", g.rule);
+    if floor.is_finite() && tcp.is_finite() && tcp != 0.0 {
+        let who = if (g.met)(floor, tcp, uds) {
+            ""
+        } else {
+            "machine: "
+        };
+        text.push_str(&format!(" ({who}floor {:.2}x tcp)", floor / tcp));
+    }
+    text
+}
+
+/// The results as a table: one row per quantity, the three transports and the floor side by
+/// side, the ratios SMC-R/TCP, SMC-R/UDS and SMC-R/floor, and the goal where the issue sets
+/// one. `-` where a value is missing (no floor for the test, or an older JSON file).
 pub fn table(results: &[Sample]) -> Table {
     let mut t = Table::new();
     // Markdown-shaped, so a run's table can go into docs as it is.
     t.load_preset(comfy_table::presets::ASCII_MARKDOWN);
     t.set_header(vec![
-        "test", "size", "mode", "streams", "metric", "smc", "tcp", "uds", "smc/tcp", "smc/uds",
+        "test",
+        "size",
+        "mode",
+        "streams",
+        "metric",
+        "smc",
+        "tcp",
+        "uds",
+        "floor",
+        "smc/tcp",
+        "smc/uds",
+        "smc/floor",
         "goal",
     ]);
     let mut rows: Vec<&Sample> = Vec::new();
@@ -226,7 +261,7 @@ pub fn table(results: &[Sample]) -> Table {
                 })
                 .map_or(f64::NAN, |s| s.value)
         };
-        let (smc, tcp, uds) = (of("smc"), of("tcp"), of("uds"));
+        let (smc, tcp, uds, floor) = (of("smc"), of("tcp"), of("uds"), of("floor"));
         let ratio = |a: f64, b: f64| {
             if a.is_finite() && b.is_finite() && b != 0.0 {
                 format!("{:.2}x", a / b)
@@ -234,8 +269,8 @@ pub fn table(results: &[Sample]) -> Table {
                 "-".to_string()
             }
         };
-        let g = goal(r.test, r.size, r.mode, r.metric, smc, tcp, uds)
-            .map(|(rule, ok)| format!("{} {rule}", if ok { "pass" } else { "MISS" }))
+        let g = goal(r.test, r.size, r.mode, r.metric)
+            .map(|g| goal_text(&g, smc, tcp, uds, floor))
             .unwrap_or_default();
         t.add_row(vec![
             r.test.to_string(),
@@ -246,8 +281,10 @@ pub fn table(results: &[Sample]) -> Table {
             num(smc),
             num(tcp),
             num(uds),
+            num(floor),
             ratio(smc, tcp),
             ratio(smc, uds),
+            ratio(smc, floor),
             g,
         ]);
     }
@@ -275,15 +312,49 @@ mod tests {
 
     #[test]
     fn goals_compare_against_tcp() {
+        let g = goal("stream", 65536, "blocking", "gbps").unwrap();
+        assert_eq!(g.rule, ">= 4x tcp");
+        assert!((g.met)(4.0, 1.0, 1.0));
+        let g = goal("pingpong", 1, "blocking", "rtt_p50_us").unwrap();
+        assert_eq!(g.rule, "<= 0.5x tcp, <= uds");
+        assert!(!(g.met)(5.0, 10.0, 4.0));
+        assert!(goal("stream", 16, "blocking", "gbps").is_none());
+    }
+
+    #[test]
+    fn goals_tell_the_machine_from_the_implementation() {
+        let g = goal("stream", 65536, "blocking", "gbps").unwrap();
         assert_eq!(
-            goal("stream", 65536, "blocking", "gbps", 4.0, 1.0, 1.0),
-            Some((">= 4x tcp", true))
+            goal_text(&g, 2.0, 1.0, 1.0, 3.4),
+            "MISS >= 4x tcp (machine: floor 3.40x tcp)"
         );
         assert_eq!(
-            goal("pingpong", 1, "blocking", "rtt_p50_us", 5.0, 10.0, 4.0),
-            Some(("<= 0.5x tcp, <= uds", false))
+            goal_text(&g, 2.0, 1.0, 1.0, 4.6),
+            "MISS >= 4x tcp (floor 4.60x tcp)"
         );
-        assert_eq!(goal("stream", 16, "blocking", "gbps", 1.0, 1.0, 1.0), None);
+        assert_eq!(
+            goal_text(&g, 5.0, 1.0, 1.0, 8.0),
+            "pass >= 4x tcp (floor 8.00x tcp)"
+        );
+        // No floor (other tests, older JSON files): the verdict alone.
+        assert_eq!(goal_text(&g, 2.0, 1.0, 1.0, f64::NAN), "MISS >= 4x tcp");
+        let g = goal("pingpong", 1, "busy", "rtt_p50_us").unwrap();
+        assert_eq!(
+            goal_text(&g, 2.0, 8.0, 4.0, 0.9),
+            "MISS <= 0.10x tcp (machine: floor 0.11x tcp)"
+        );
+    }
+
+    #[test]
+    fn the_table_has_a_floor_column_and_dashes_without_one() {
+        let s = |t, v| Sample::new(t, "stream", 65536, "blocking", 1).with("gbps", v);
+        let with_floor = table(&[s("smc", 2.0), s("tcp", 1.0), s("uds", 2.0), s("floor", 8.0)]);
+        let text = with_floor.to_string();
+        assert!(text.contains("smc/floor"), "{text}");
+        assert!(text.contains("0.25x"), "{text}");
+        assert!(text.contains("MISS >= 4x tcp (floor 8.00x tcp)"), "{text}");
+        let old = table(&[s("smc", 2.0), s("tcp", 1.0), s("uds", 2.0)]).to_string();
+        assert!(old.contains("| MISS >= 4x tcp "), "{old}");
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! | `S` stream | reads until end of stream, answers the byte count (8 bytes, big endian) |
 //! | `P` ping-pong | echoes every message of `size` bytes until end of stream |
 //! | `C` connect | answers 1 byte, then reads until end of stream |
+//! | `H` handshake | the connect floor: the header opens a [`PROPOSAL`]-byte message; reads the rest, answers [`ACCEPT`] bytes, reads [`CONFIRM`] bytes, answers 1 byte, then reads until end of stream |
 //! | `I` idle | answers 1 byte and keeps the connection, without a thread, until an `R` |
 //! | `R` release | drops every idle connection, answers 1 byte |
 
@@ -27,8 +28,15 @@ use smc::{SmcListener, SmcStream, Stack};
 /// How long a busy-polling SMC-R socket spins on the completion queues before it sleeps.
 pub const SPIN: Duration = Duration::from_millis(2);
 
-/// The server's read buffer for streams (the same for every transport).
-const SINK: usize = 256 * 1024;
+/// The server's read buffer for streams (the same for every transport and the stream floor).
+pub const SINK: usize = 256 * 1024;
+
+/// Size of an SMC-R CLC Proposal without IP prefixes (the connect floor's first message).
+pub const PROPOSAL: usize = 52;
+/// Size of an SMC-R CLC Accept (the connect floor's answer to the Proposal).
+pub const ACCEPT: usize = 68;
+/// Size of an SMC-R CLC Confirm (the connect floor's answer to the Accept).
+pub const CONFIRM: usize = 68;
 
 /// A transport under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -64,6 +72,8 @@ pub enum Op {
     PingPong,
     /// Connection setup.
     Connect,
+    /// Connection setup with the CLC message pattern (the connect floor).
+    Handshake,
     /// Hold an idle connection.
     Idle,
     /// Drop the idle connections.
@@ -76,6 +86,7 @@ impl Op {
             Op::Stream => b'S',
             Op::PingPong => b'P',
             Op::Connect => b'C',
+            Op::Handshake => b'H',
             Op::Idle => b'I',
             Op::Release => b'R',
         }
@@ -86,6 +97,7 @@ impl Op {
             b'S' => Op::Stream,
             b'P' => Op::PingPong,
             b'C' => Op::Connect,
+            b'H' => Op::Handshake,
             b'I' => Op::Idle,
             b'R' => Op::Release,
             _ => return None,
@@ -302,6 +314,20 @@ fn serve(mut c: Conn) -> Result<()> {
             }
         }
         Op::Connect => {
+            c.write_full(&[1])?;
+            let mut buf = [0u8; 64];
+            while c.read(&mut buf)? > 0 {}
+        }
+        Op::Handshake => {
+            let mut proposal = [0u8; PROPOSAL - 8];
+            let mut confirm = [0u8; CONFIRM];
+            if !c.read_full(&mut proposal)? {
+                bail!("the handshake ended in the Proposal");
+            }
+            c.write_full(&[0u8; ACCEPT])?;
+            if !c.read_full(&mut confirm)? {
+                bail!("the handshake ended before the Confirm");
+            }
             c.write_full(&[1])?;
             let mut buf = [0u8; 64];
             while c.read(&mut buf)? > 0 {}

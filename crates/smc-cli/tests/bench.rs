@@ -1,6 +1,7 @@
 //! `smc bench --quick --json` as CI runs it: four processes (the bench client and one server
 //! per transport) on a private shm fabric. Checks the shape of every JSON line and that every
-//! expected measurement is there; never the measured values themselves.
+//! expected measurement is there, the floor's (stream, ping-pong, connect) included; never the
+//! measured values themselves.
 #![allow(missing_docs)]
 
 use std::collections::BTreeSet;
@@ -49,6 +50,20 @@ fn expected() -> BTreeSet<Key> {
             e.insert(key(t, "idle", 0, "blocking", 16, m));
         }
     }
+    // The floor: only where a test has one (no multistream, idle or fallback rows).
+    for i in 0..=10 {
+        for m in ["gbps", "cpu_s_per_gb"] {
+            e.insert(key("floor", "stream", 1 << (2 * i), "blocking", 1, m));
+        }
+    }
+    for mode in ["blocking", "busy"] {
+        for size in [1, 64, 1024, 16384, 65536] {
+            for m in ["rtt_p50_us", "rtt_p99_us", "rtt_p999_us"] {
+                e.insert(key("floor", "pingpong", size, mode, 1, m));
+            }
+        }
+    }
+    e.insert(key("floor", "connect", 0, "blocking", 1, "conn_per_s"));
     e.insert(key(
         "smc",
         "connect",
@@ -114,7 +129,7 @@ fn quick_bench_reports_every_measurement_as_json_lines() {
                 .unwrap_or_else(|| panic!("{k} not an unsigned integer: {line}"))
         };
         assert!(
-            ["smc", "tcp", "uds"].contains(&s("transport").as_str()),
+            ["smc", "tcp", "uds", "floor"].contains(&s("transport").as_str()),
             "{line}"
         );
         assert!(["blocking", "busy"].contains(&s("mode").as_str()), "{line}");
