@@ -318,11 +318,16 @@ impl Bench {
                 let time = self.plan.stream_time;
                 let two = bench_floor::stream(Layout::TwoCores, size, capacity, time, &cpu)?;
                 let one = bench_floor::stream(Layout::OneCore, size, capacity, time, &cpu)?;
-                let r = if one.gbps() > two.gbps() { one } else { two };
+                let (two_gbps, one_gbps) = (two.gbps(), one.gbps());
+                let r = if one_gbps > two_gbps { one } else { two };
                 let s = Sample::new(FLOOR, "stream", size, "blocking", 1);
+                // Each layout's own rate too: the two-core one is what a writer and a reader
+                // that both keep running can do, the one-core one has no switches at all.
                 Ok(vec![
                     s.with("gbps", r.gbps()),
                     s.with("cpu_s_per_gb", r.cpu_s / (r.bytes as f64 / 1e9)),
+                    s.with("gbps_two_cores", two_gbps),
+                    s.with("gbps_one_core", one_gbps),
                 ])
             }
             Job::FloorPingPong(size, busy) => {

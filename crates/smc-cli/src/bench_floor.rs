@@ -155,6 +155,9 @@ fn spin_until<T>(mut ready: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// The two-core stream floor's reader hands ring room back after every piece of this size.
+const PIECE: usize = 64 * 1024;
+
 /// The byte every floor message is filled with; readers check it.
 const FILL: u8 = 0xa5;
 
@@ -332,16 +335,23 @@ fn two_cores(size: usize, capacity: usize, time: Duration) -> Result<(u64, f64)>
                     }
                     return Ok((tail, Instant::now()));
                 };
+                // Everything there (up to the read buffer), handed back to the writer piece
+                // by piece, so that its next copy overlaps with the rest of this one.
                 let n = ((head - tail) as usize).min(SINK);
-                let dst = &mut buf[..n];
-                // SAFETY: the writer published `n` bytes from `tail` (acquire above) and does
-                // not write them again before the release store of `consumed` below.
-                unsafe { ring.copy_out(tail as usize, dst) };
-                wrong |= dst.first() != Some(&FILL) || dst.last() != Some(&FILL);
+                let mut done_n = 0;
+                while done_n < n {
+                    let k = (n - done_n).min(PIECE);
+                    let dst = &mut buf[done_n..done_n + k];
+                    // SAFETY: the writer published these bytes (acquire above) and does not
+                    // write them again before the release store of `consumed` below.
+                    unsafe { ring.copy_out(tail as usize, dst) };
+                    wrong |= dst.first() != Some(&FILL) || dst.last() != Some(&FILL);
+                    tail += k as u64;
+                    done_n += k;
+                    consumed.store(tail, Ordering::Release);
+                }
                 // The copy must happen although nothing else reads `buf`.
                 std::hint::black_box(&mut buf);
-                tail += n as u64;
-                consumed.store(tail, Ordering::Release);
             }
         });
         let (sent, start) = writer

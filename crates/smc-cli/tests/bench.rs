@@ -52,7 +52,7 @@ fn expected() -> BTreeSet<Key> {
     }
     // The floor: only where a test has one (no multistream, idle or fallback rows).
     for i in 0..=10 {
-        for m in ["gbps", "cpu_s_per_gb"] {
+        for m in ["gbps", "cpu_s_per_gb", "gbps_two_cores", "gbps_one_core"] {
             e.insert(key("floor", "stream", 1 << (2 * i), "blocking", 1, m));
         }
     }
