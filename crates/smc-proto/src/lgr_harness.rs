@@ -935,6 +935,30 @@ impl EndpointPair {
         }
     }
 
+    /// Deliver in-flight items in order up to the next CDC that side `from` sent, and lose it
+    /// (never delivered, never completed, as on a link that fails under it); returns the link
+    /// it was sent on.
+    pub fn lose_cdc_from(&mut self, from: Side) -> Option<LinkId> {
+        loop {
+            if let Some((
+                _,
+                Item::Send {
+                    from: f, msg, link, ..
+                },
+            )) = self.queue.front()
+            {
+                if *f == from && msg[0] == smc_wire::cdc::CDC_TYPE {
+                    let link = *link;
+                    self.queue.pop_front();
+                    return Some(link);
+                }
+            }
+            if !self.deliver_next() {
+                return None;
+            }
+        }
+    }
+
     /// Deliver the next in-flight item (advancing the clock to it). Returns false when
     /// nothing is in flight.
     pub fn deliver_next(&mut self) -> bool {

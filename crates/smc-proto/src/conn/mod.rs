@@ -961,9 +961,19 @@ impl Connection {
     //# Combine failed and pending messages into a single new write with a new sequence
     //# number.
     pub fn failover_resend(&mut self) {
-        if self.state_sends_cdcs() {
+        if self.state_sends_cdcs() || self.closed_in_order() {
             self.resend_due = true;
         }
+    }
+
+    /// Closed by an orderly close of ours (our PeerConnectionClosed went out, no failure):
+    /// after a failover that indication goes out again, since the CDC that carried it may
+    /// have been lost with the failed link.
+    fn closed_in_order(&self) -> bool {
+        self.state == State::Closed
+            && self.local_closed
+            && self.error.is_none()
+            && self.sent_conn_flags.peer_conn_closed
     }
 
     /// The link group this connection runs on is gone (its last link failed or it was
@@ -1301,7 +1311,7 @@ impl Connection {
         }
         // After a failover the last CDC may have been lost with the failed link, our
         // PeerConnectionClosed included: it goes out again (the peer takes it once).
-        if self.resend_due && self.state_sends_cdcs() {
+        if self.resend_due && (self.state_sends_cdcs() || self.closed_in_order()) {
             return true;
         }
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.8.1

@@ -1525,6 +1525,8 @@ impl Endpoint {
                 unacked: VecDeque::new(),
                 unacked_from,
                 ss: 0,
+                last_posted: None,
+                held: false,
             })),
         );
         self.alerts.insert(setup.alert, tcp);

@@ -53,6 +53,9 @@ impl Endpoint {
             events.push(e);
         }
         trim_unacked(c);
+        if let Some(m) = cdcs.last() {
+            c.last_posted = Some(m.seqno);
+        }
         let send_link = c.send_link;
         for m in cdcs {
             self.post_cdc(tcp, lgr, send_link, m, now);
@@ -65,7 +68,36 @@ impl Endpoint {
             self.events.push_back(EndpointEvent::Conn { tcp, event: e });
         }
         if closed {
-            self.release_conn(tcp, now);
+            // A connection that closed in order waits for its last CDC (which carries, or
+            // follows, our PeerConnectionClosed) to complete: until then a failover must be
+            // able to send it again. A failed connection has nothing left to tell the peer.
+            let hold = match self.entries.get_mut(&tcp) {
+                Some(Entry::Smc(c)) => {
+                    let hold = c.conn.error().is_none() && c.last_posted.is_some_and(|s| s != c.ss);
+                    c.held = hold;
+                    hold
+                }
+                _ => false,
+            };
+            if hold {
+                self.stats.closes_held += 1;
+            } else {
+                self.release_conn(tcp, now);
+            }
+        }
+    }
+
+    /// The link group of connection `tcp` is gone (or no surviving link can reach the peer's
+    /// RMB): the connection is reset, or, if it had closed already and was only held for its
+    /// closing CDC, released.
+    pub(super) fn conn_link_group_lost(&mut self, tcp: TcpId, now: Timestamp) {
+        match self.entries.get_mut(&tcp) {
+            Some(Entry::Smc(c)) if c.held => self.release_conn(tcp, now),
+            Some(Entry::Smc(c)) => {
+                c.conn.handle_link_group_lost(now);
+                self.after_conn(tcp, now);
+            }
+            _ => {}
         }
     }
 
@@ -118,6 +150,7 @@ impl Endpoint {
         link: crate::fabric::LinkId,
         seq: u16,
         prod: Cursor,
+        now: Timestamp,
     ) {
         let links = &self.links;
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
@@ -131,6 +164,9 @@ impl Endpoint {
         //# the last write acknowledged by the peer RNIC, or Sequence Sent (SS).
         c.ss = seq;
         drop_unacked_to(c, prod);
+        if c.held && c.last_posted == Some(seq) {
+            self.release_conn(tcp, now);
+        }
     }
 
     // ----- Application commands ------------------------------------------------------------
@@ -491,10 +527,7 @@ impl Endpoint {
             };
             let Some(new) = super::clc::least_loaded_link(g, &self.entries, c.peer_rmb) else {
                 // No surviving link knows the peer's RMB: nothing can be written any more.
-                if let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) {
-                    c.conn.handle_link_group_lost(now);
-                }
-                self.after_conn(tcp, now);
+                self.conn_link_group_lost(tcp, now);
                 continue;
             };
             self.failover_conn(tcp, new, now);
@@ -521,8 +554,7 @@ impl Endpoint {
             .copied();
         let Some(token) = token else {
             // The peer's RMB is unknown on the surviving link: nothing can be written.
-            c.conn.handle_link_group_lost(now);
-            self.after_conn(tcp, now);
+            self.conn_link_group_lost(tcp, now);
             return;
         };
         self.stats.failovers += 1;

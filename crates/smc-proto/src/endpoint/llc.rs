@@ -106,7 +106,7 @@ impl Endpoint {
         }
         if ok {
             if let WrPurpose::Cdc { tcp, seq, prod, .. } = purpose {
-                self.cdc_completed(tcp, link, seq, prod);
+                self.cdc_completed(tcp, link, seq, prod, now);
             }
             return;
         }
@@ -1916,10 +1916,7 @@ impl Endpoint {
             .unwrap_or_default();
         for tcp in conns {
             match self.entries.get_mut(&tcp) {
-                Some(Entry::Smc(c)) => {
-                    c.conn.handle_link_group_lost(now);
-                    self.after_conn(tcp, now);
-                }
+                Some(Entry::Smc(_)) => self.conn_link_group_lost(tcp, now),
                 Some(Entry::Setup(_)) => self.setup_reset(tcp, ResetReason::LinkGroupLost, now),
                 None => {}
             }

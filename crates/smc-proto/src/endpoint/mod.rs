@@ -308,6 +308,12 @@ struct SmcConn {
     unacked_from: Cursor,
     /// SS (§4.6.1): sequence number of the last CDC whose send completed.
     ss: u16,
+    /// Sequence number of the last CDC posted.
+    last_posted: Option<u16>,
+    /// Closed (the application saw it), but kept until the last CDC posted, our closing
+    /// indication, completes: a link that fails before that may have lost it, and the failover
+    /// sends it again (the peer would otherwise wait for its close timer).
+    held: bool,
 }
 
 /// One TCP connection known to the endpoint.
@@ -422,6 +428,9 @@ pub struct EndpointStats {
     pub rkey_collisions: u64,
     /// TEST LINK requests sent.
     pub test_links_sent: u64,
+    /// Connections that closed in order and were held until their last CDC completed (see
+    /// the failover of a closing indication).
+    pub closes_held: u64,
 }
 
 impl Endpoint {

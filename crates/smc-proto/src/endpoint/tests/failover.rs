@@ -525,3 +525,60 @@ fn accept_naming_a_link_that_just_failed_uses_the_surviving_one() {
         Some(b"over the other link".len() as u64)
     );
 }
+
+/// The passive closer's PeerConnectionClosed is lost with a link that fails before its send
+/// completed: the connection, Closed for the application, is held until that CDC completes,
+/// so the failover sends it again and the active closer closes at once (not after its close
+/// timer), in order; then both release the connection.
+#[test]
+fn a_lost_closing_cdc_of_the_passive_closer_goes_out_again_after_a_failover() {
+    let closed = |p: &EndpointPair, s: Side| {
+        p.host(s).saw(|e| {
+            matches!(
+                e,
+                EndpointEvent::Conn {
+                    tcp: T1,
+                    event: crate::conn::Event::Closed
+                }
+            )
+        })
+    };
+    let mut p = EndpointPair::new(config(Side::A, 2), config(Side::B, 2), 7);
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::A, T1));
+    p.app_send(Side::A, T1, b"last words");
+    p.run();
+    // A closes first (active closer); B sees it, then closes too (passive closer).
+    p.act(Side::A, |ep, _, now| ep.close(T1, now))
+        .expect("close A");
+    p.run();
+    assert!(!closed(&p, Side::A));
+    p.act(Side::B, |ep, _, now| ep.close(T1, now))
+        .expect("close B");
+    assert!(closed(&p, Side::B), "the passive closer is Closed at once");
+    // B's closing CDC is lost with its link.
+    let link = p.lose_cdc_from(Side::B).expect("B's closing CDC");
+    assert!(
+        p.b.ep.connection(T1).is_some(),
+        "held until its closing CDC completes"
+    );
+    p.kill_link(Side::B, link);
+    p.run_for(Duration::from_secs(1));
+    assert!(closed(&p, Side::A), "A got the closing indication again");
+    assert_eq!(p.a.rx.get(&T1).map(Vec::as_slice), None);
+    assert_eq!(p.b.rx.get(&T1).map(Vec::as_slice), Some(&b"last words"[..]));
+    assert!(
+        !p.host(Side::A).saw(|e| matches!(
+            e,
+            EndpointEvent::Conn {
+                tcp: T1,
+                event: crate::conn::Event::Failed(_)
+            }
+        )),
+        "an orderly close, no reset"
+    );
+    assert!(p.a.ep.connection(T1).is_none(), "A released it");
+    assert!(p.b.ep.connection(T1).is_none(), "B released it");
+    assert_eq!(p.b.ep.stats().closes_held, 1);
+}
