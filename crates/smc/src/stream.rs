@@ -214,17 +214,14 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
     let (tx, rx) = std::sync::mpsc::channel();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let recv_buffer = Arc::new(std::sync::atomic::AtomicU32::new(0));
-    {
-        let (stack, tcp, stop, buf) = (
-            stack.clone(),
-            tcp.clone(),
-            stop.clone(),
-            recv_buffer.clone(),
-        );
-        std::thread::Builder::new()
-            .name("smc-accept".into())
-            .spawn(move || accept_loop(stack, tcp, tx, stop, buf))?;
-    }
+    let shared = Arc::new(AcceptShared {
+        stack: stack.clone(),
+        tcp: tcp.clone(),
+        stop: stop.clone(),
+        recv_buffer: recv_buffer.clone(),
+        accepting: std::sync::atomic::AtomicUsize::new(0),
+    });
+    spawn_setup_worker(shared, tx)?;
     Ok(SmcListener {
         stack: stack.clone(),
         tcp,
@@ -237,38 +234,59 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
 
 type Ready = std::sync::mpsc::Sender<io::Result<(SmcStream, SocketAddr)>>;
 
-/// Accept TCP connections and set each up in its own thread.
-fn accept_loop(
+/// Setup workers at most this many may wait in `accept()` at once; one finishing a setup
+/// while this many wait ends.
+const IDLE_SETUP_WORKERS: usize = 2;
+
+/// What the setup workers of one listener share.
+struct AcceptShared {
     stack: Stack,
     tcp: Arc<TcpListener>,
-    tx: Ready,
     stop: Arc<std::sync::atomic::AtomicBool>,
     recv_buffer: Arc<std::sync::atomic::AtomicU32>,
-) {
+    /// Workers waiting in `accept()`.
+    accepting: std::sync::atomic::AtomicUsize,
+}
+
+fn spawn_setup_worker(shared: Arc<AcceptShared>, tx: Ready) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("smc-accept".into())
+        .spawn(move || accept_loop(shared, tx))
+        .map(drop)
+}
+
+/// A setup worker: accept a TCP connection and set it up in this thread (no hand-over to a
+/// new thread per connection). A worker that takes a connection while no other one waits in
+/// `accept()` starts another first, so that a slow rendezvous never holds up the next
+/// connection; after its setup it waits for the next one unless enough others already do.
+fn accept_loop(shared: Arc<AcceptShared>, tx: Ready) {
+    use std::sync::atomic::Ordering;
     loop {
-        let r = tcp.accept();
-        if stop.load(std::sync::atomic::Ordering::Acquire) {
+        shared.accepting.fetch_add(1, Ordering::AcqRel);
+        let r = shared.tcp.accept();
+        let others = shared.accepting.fetch_sub(1, Ordering::AcqRel) - 1;
+        if shared.stop.load(Ordering::Acquire) {
             return;
         }
         match r {
             Ok((sock, peer)) => {
-                let (stack, setup_tx) = (stack.clone(), tx.clone());
-                let buffer = match recv_buffer.load(std::sync::atomic::Ordering::Relaxed) {
+                if others == 0 {
+                    if let Err(e) = spawn_setup_worker(shared.clone(), tx.clone()) {
+                        // This connection is still set up, here; the next waits for it.
+                        tracing::debug!(%e, "no new setup worker");
+                    }
+                }
+                let buffer = match shared.recv_buffer.load(Ordering::Relaxed) {
                     0 => None,
                     b => Some(b),
                 };
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("smc-setup".into())
-                        .spawn(move || {
-                            if let Some(r) = setup_accepted(&stack, sock, peer, buffer) {
-                                let _ = setup_tx.send(r.map(|s| (s, peer)));
-                            }
-                        });
-                if let Err(e) = spawned {
-                    if tx.send(Err(e)).is_err() {
+                if let Some(r) = setup_accepted(&shared.stack, sock, peer, buffer) {
+                    if tx.send(r.map(|s| (s, peer))).is_err() {
                         return;
                     }
+                }
+                if shared.accepting.load(Ordering::Acquire) >= IDLE_SETUP_WORKERS {
+                    return;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
