@@ -347,6 +347,10 @@ pub(crate) struct Core {
     pub(crate) fallback_reasons: std::collections::BTreeMap<String, u64>,
     /// Packet capture of CLC (as TCP) and LLC/CDC (as RoCEv2 SENDs), if on.
     pub(crate) capture: Option<Capture>,
+    /// TCP sockets of connections that closed while their stream was gone: closed by the
+    /// runtime thread after it lets go of the lock (a close on loopback runs the peer's
+    /// FIN processing too, tens of µs that would hold up every other thread).
+    closing: Vec<crate::tcpwatch::SlotSock>,
 }
 
 impl Core {
@@ -748,7 +752,8 @@ impl Core {
                         None => false,
                     };
                     if remove {
-                        self.slots.remove(&tcp);
+                        let sock = self.slots.remove(&tcp).and_then(|mut s| s.sock.take());
+                        self.closing.extend(sock);
                     }
                 }
                 _ => {}
@@ -1110,6 +1115,7 @@ impl Stack {
             next_stream: 1,
             fallback_reasons: Default::default(),
             capture: None,
+            closing: Vec::new(),
         };
         let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(
             "{}-{:04x}.sock",
@@ -1323,8 +1329,9 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                 dev_events.push((i, e));
             }
         }
-        let deadline = {
+        let (deadline, closing) = {
             let mut core = inner.lock();
+            let closing = std::mem::take(&mut core.closing);
             let now = core.now();
             // Completions are polled under the lock, so that busy-polling application
             // threads and this thread process them in order.
@@ -1348,7 +1355,7 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                     core.wake_all();
                 }
             }
-            if did {
+            let deadline = if did {
                 None
             } else {
                 let sleep = core
@@ -1369,8 +1376,10 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                         && inner.followers.load(Ordering::Acquire) == 0
                         && !core.needs_runtime_polling());
                 Some((sleep, park))
-            }
+            };
+            (deadline, closing)
         };
+        drop(closing);
         let Some((sleep, park)) = deadline else {
             armed = false;
             continue;

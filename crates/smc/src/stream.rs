@@ -1509,9 +1509,10 @@ impl Drop for SmcHandle {
             }
             None => false,
         };
-        if remove {
-            core.slots.remove(&id);
-        }
+        // The socket closes after the lock is released (see `Core::closing`).
+        let slot = if remove { core.slots.remove(&id) } else { None };
+        drop(core);
+        drop(slot);
     }
 }
 
