@@ -103,6 +103,9 @@ pub(crate) struct Slot {
     pub(crate) cond: Arc<Condvar>,
     /// How many threads wait on `cond` (it is signalled only then: no system call otherwise).
     pub(crate) waiters: u32,
+    /// Signalled when the setup ends (established, fell back, reset), for a rendezvous that
+    /// waits for an LLC exchange another thread handles: made only then (an eventfd).
+    pub(crate) setup_waker: Option<Arc<rustix::fd::OwnedFd>>,
 }
 
 impl Slot {
@@ -118,6 +121,14 @@ impl Slot {
             notify: None,
             cond: Arc::new(Condvar::new()),
             waiters: 0,
+            setup_waker: None,
+        }
+    }
+
+    /// Wake the rendezvous thread of this slot, if it sleeps on its waker.
+    fn setup_ended(&self) {
+        if let Some(w) = &self.setup_waker {
+            Notifiers::signal(w);
         }
     }
 }
@@ -146,7 +157,6 @@ impl Notifiers {
     }
 
     /// Consume the pending signals of `fd`.
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn drain(fd: &rustix::fd::OwnedFd) {
         let mut b = [0u8; 8];
         let _ = rustix::io::read(fd, &mut b);
@@ -706,6 +716,7 @@ impl Core {
                 if let Some(s) = self.slots.get_mut(&tcp) {
                     s.state = SlotState::Smc;
                     s.token = token;
+                    s.setup_ended();
                 }
             }
             EndpointEvent::FellBack {
@@ -719,6 +730,7 @@ impl Core {
                         reason: reason.into(),
                         leftover,
                     };
+                    s.setup_ended();
                 }
             }
             EndpointEvent::Reset { tcp, reason } => {
@@ -726,6 +738,7 @@ impl Core {
                 if let Some(s) = self.slots.get_mut(&tcp) {
                     if matches!(s.state, SlotState::Setup) {
                         s.state = SlotState::Reset(reason);
+                        s.setup_ended();
                     } else if let ResetReason::Connection(e) = reason {
                         s.error.get_or_insert(e);
                     }

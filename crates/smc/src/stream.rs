@@ -26,6 +26,10 @@ use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
 
 /// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
+/// How long a rendezvous waits for CLC bytes before it looks at its connection's state again
+/// (a timer of the runtime thread may have ended the setup).
+const RENDEZVOUS_SLICE: Duration = Duration::from_millis(10);
+
 /// How long a blocked call waits on the condition variable before looking again.
 const POLL_SLICE: Duration = Duration::from_millis(50);
 
@@ -387,6 +391,35 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
     }
 }
 
+/// An eventfd for a slot's `setup_waker`.
+fn setup_waker() -> io::Result<Arc<OwnedFd>> {
+    let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
+    Ok(Arc::new(rustix::event::eventfd(0, flags)?))
+}
+
+/// Sleep until `sock` has bytes (or an error) or `waker` is signalled, at most as long as the
+/// rendezvous' read timeout; `true`: the socket is readable.
+fn wait_socket_or_waker(sock: &TcpStream, waker: &OwnedFd) -> io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [
+        PollFd::new(sock, PollFlags::IN),
+        PollFd::new(waker, PollFlags::IN),
+    ];
+    let slice = Timespec {
+        tv_sec: 0,
+        tv_nsec: i64::from(RENDEZVOUS_SLICE.subsec_nanos()),
+    };
+    match rustix::event::poll(&mut fds, Some(&slice)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let readable = !fds[0].revents().is_empty();
+    if !fds[1].revents().is_empty() {
+        crate::stack::Notifiers::drain(waker);
+    }
+    Ok(readable)
+}
+
 /// Choices for [`SmcStream::connect_with_options`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -639,7 +672,7 @@ impl SmcStream {
         let id = inner.new_tcp_id();
         // CLC bytes are read here with a short timeout (the stack writes its CLC messages on
         // the same socket, through the slot's reference to it).
-        sock.set_read_timeout(Some(Duration::from_millis(10)))?;
+        sock.set_read_timeout(Some(RENDEZVOUS_SLICE))?;
         {
             let mut core = inner.lock();
             core.slots.insert(id, Slot::new(sock.clone()));
@@ -657,19 +690,33 @@ impl SmcStream {
             core.drain();
         }
         let mut buf = vec![0u8; 4096];
+        let mut waker = None;
         let result = loop {
             {
                 let mut core = inner.lock();
                 let state = core.slots.get(&id).map(|s| s.state.clone());
                 match state {
-                    Some(SlotState::Setup) => {}
+                    Some(SlotState::Setup) => {
+                        // An LLC exchange (CONFIRM LINK, CONFIRM RKEY) that another thread
+                        // handles ends the setup: it wakes this one through the slot's waker
+                        // rather than leaving it to the read timeout.
+                        if waker.is_none() && core.ep.handshake_awaits_fabric(id) {
+                            let w = setup_waker()?;
+                            if let Some(s) = core.slots.get_mut(&id) {
+                                s.setup_waker = Some(w.clone());
+                            }
+                            waker = Some(w);
+                        }
+                    }
                     Some(SlotState::Smc) => {
                         // Watched while the slot surely holds the socket (core lock).
-                        if let Some(slot_sock) =
-                            core.slots.get_mut(&id).and_then(|s| s.sock.as_mut())
-                        {
-                            if let Err(e) = inner.tcp_watch.watch(slot_sock, id) {
-                                tracing::debug!(%e, ?id, "TCP socket not watched for resets");
+                        if let Some(slot) = core.slots.get_mut(&id) {
+                            // The waker (if any) closes with this thread's reference below.
+                            slot.setup_waker = None;
+                            if let Some(slot_sock) = slot.sock.as_mut() {
+                                if let Err(e) = inner.tcp_watch.watch(slot_sock, id) {
+                                    tracing::debug!(%e, ?id, "TCP socket not watched for resets");
+                                }
                             }
                         }
                         drop(core);
@@ -706,6 +753,11 @@ impl SmcStream {
                             "connection vanished during setup",
                         ))
                     }
+                }
+            }
+            if let Some(w) = &waker {
+                if !wait_socket_or_waker(&sock, w)? {
+                    continue;
                 }
             }
             match (&*sock).read(&mut buf) {

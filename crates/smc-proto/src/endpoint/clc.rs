@@ -147,6 +147,21 @@ impl Handshake {
         )
     }
 
+    /// Whether the handshake waits for an LLC exchange (see
+    /// [`Endpoint::handshake_awaits_fabric`]).
+    pub(super) fn awaits_fabric(&self) -> bool {
+        match self.state {
+            HsState::ExpectProposal | HsState::ExpectAccept { .. } => false,
+            HsState::ExpectConfirm { .. } => false,
+            HsState::ClientAwaitRkey { .. }
+            | HsState::ServerAwaitRkey { .. }
+            | HsState::ExpectConfirmLink { .. }
+            | HsState::ExpectConfirmLinkReply { .. }
+            | HsState::ConfirmLinkSending { .. }
+            | HsState::ExpectSecondLink { .. } => true,
+        }
+    }
+
     /// The next deadline.
     pub(super) fn deadline(&self) -> Option<Timestamp> {
         let clc = self.in_clc().then_some(self.clc_deadline);

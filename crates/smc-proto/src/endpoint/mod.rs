@@ -490,6 +490,16 @@ impl Endpoint {
         }
     }
 
+    /// Whether the setup of `tcp` waits for an LLC exchange over the fabric (CONFIRM LINK on
+    /// first contact, CONFIRM RKEY for a new RMB) rather than for a CLC message: what ends
+    /// that wait comes as a completion, not as bytes on the TCP connection.
+    pub fn handshake_awaits_fabric(&self, tcp: TcpId) -> bool {
+        match self.entries.get(&tcp) {
+            Some(Entry::Setup(h)) => h.awaits_fabric(),
+            _ => false,
+        }
+    }
+
     // ----- Outputs -------------------------------------------------------------------------
 
     /// Bytes to write on a TCP connection (CLC messages).

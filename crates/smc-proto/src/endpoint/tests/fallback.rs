@@ -349,6 +349,8 @@ fn data_before_confirm_is_held() {
     p.app_send(Side::A, TcpId(2), b"early bird");
     p.run();
     assert_eq!(p.b.ep.handshake_state(TcpId(2)), Some("ExpectConfirm"));
+    // The Confirm comes over TCP: the setup does not wait on the fabric.
+    assert!(!p.b.ep.handshake_awaits_fabric(TcpId(2)));
     p.inject_tcp(Side::B, TcpId(2), confirm.expect("confirm bytes"));
     p.run();
     assert!(established(&p, Side::B, TcpId(2)));
@@ -410,6 +412,12 @@ fn data_overtaking_second_link_confirmation_is_held() {
     p.app_send(Side::A, T1, b"overtaking");
     p.run();
     assert_eq!(p.b.ep.handshake_state(T1), Some("ExpectSecondLink"));
+    // What ends the second-link exchange comes over the fabric, not over TCP.
+    assert!(p.b.ep.handshake_awaits_fabric(T1));
+    assert!(
+        !p.a.ep.handshake_awaits_fabric(T1),
+        "established: no handshake"
+    );
     let rsp = p
         .trace
         .iter()
