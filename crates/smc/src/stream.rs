@@ -330,7 +330,10 @@ fn setup_accepted(
         DiscoveryMode::AssertPeer => {
             match starts_with_clc(&sock, stack.config().assert_peer_wait) {
                 Ok(true) => Ok(()),
-                Ok(false) => Err(FallbackReason::NoProposal),
+                Ok(false) => match sock.set_read_timeout(None) {
+                    Ok(()) => Err(FallbackReason::NoProposal),
+                    Err(e) => return Some(Err(e)),
+                },
                 Err(e) => {
                     tracing::debug!(%e, %peer, "accepted connection failed before the rendezvous");
                     return None;
@@ -341,7 +344,7 @@ fn setup_accepted(
     };
     tracing::debug!(%peer, ?offered, "accepted");
     match offered {
-        Ok(()) => match SmcStream::rendezvous(stack, Arc::new(sock), false, recv_buffer) {
+        Ok(()) => match SmcStream::rendezvous(stack, Arc::new(sock), false, recv_buffer, peer) {
             Ok(s) => Some(Ok(s)),
             Err(e) => {
                 tracing::debug!(%e, %peer, "rendezvous failed");
@@ -359,7 +362,8 @@ fn setup_accepted(
 }
 
 /// Assert-peer listener: whether the first bytes from the client are a CLC message, waiting
-/// at most `wait` for them.
+/// at most `wait` for them. Leaves a read timeout on `sock` (the rendezvous sets its own; a
+/// fallback must clear it).
 fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
     let deadline = Instant::now() + wait;
     let mut buf = [0u8; 4];
@@ -369,9 +373,7 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
             return Ok(false);
         }
         sock.set_read_timeout(Some(left))?;
-        let r = sock.peek(&mut buf);
-        sock.set_read_timeout(None)?;
-        match r {
+        match sock.peek(&mut buf) {
             Ok(0) => return Ok(false),
             Ok(n) if buf[..n] != CLC_EYECATCHER[..n] => return Ok(false),
             Ok(4) => return Ok(true),
@@ -496,14 +498,15 @@ struct Registration {
 impl Registration {
     fn new(
         stack: &Stack,
-        sock: &TcpStream,
+        local: Option<SocketAddr>,
+        peer: Option<SocketAddr>,
         smc: Option<TcpId>,
         fallback: Option<FallbackReason>,
         server: bool,
     ) -> Arc<Registration> {
         let id = stack.register_stream(StreamEntry {
-            local: sock.local_addr().ok(),
-            peer: sock.peer_addr().ok(),
+            local,
+            peer,
             smc,
             fallback,
             server,
@@ -604,7 +607,7 @@ impl SmcStream {
             DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
         };
         match offered {
-            Ok(()) => SmcStream::rendezvous(stack, sock, true, recv_buffer),
+            Ok(()) => SmcStream::rendezvous(stack, sock, true, recv_buffer, addr),
             Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new(), false)),
         }
     }
@@ -632,7 +635,8 @@ impl SmcStream {
         if stack.config().nodelay {
             let _ = sock.set_nodelay(true);
         }
-        let reg = Registration::new(stack, &sock, None, Some(reason), server);
+        let (local, peer) = (sock.local_addr().ok(), sock.peer_addr().ok());
+        let reg = Registration::new(stack, local, peer, None, Some(reason), server);
         SmcStream {
             _reg: reg,
             stack: stack.clone(),
@@ -653,19 +657,21 @@ impl SmcStream {
         }
     }
 
-    /// Run the CLC handshake on `sock` (client or server) until the connection is
-    /// established over SMC-R, falls back, or fails.
+    /// Run the CLC handshake on `sock` (client or server, connected to `peer`) until the
+    /// connection is established over SMC-R, falls back, or fails.
     fn rendezvous(
         stack: &Stack,
         sock: Arc<TcpStream>,
         client: bool,
         recv_buffer: Option<u32>,
+        peer: SocketAddr,
     ) -> io::Result<SmcStream> {
         let inner = &stack.inner;
+        let local = sock.local_addr().ok();
         let opts = smc_proto::endpoint::ConnectOptions {
-            pnet: match sock.local_addr() {
-                Ok(a) => stack.pnet_devices(a.ip()),
-                Err(_) => smc_proto::fabric::DeviceSet::ALL,
+            pnet: match local {
+                Some(a) => stack.pnet_devices(a.ip()),
+                None => smc_proto::fabric::DeviceSet::ALL,
             },
             rmbe_size: recv_buffer.map(crate::config::rmbe_size_for),
         };
@@ -720,7 +726,8 @@ impl SmcStream {
                             }
                         }
                         drop(core);
-                        let reg = Registration::new(stack, &sock, Some(id), None, !client);
+                        let reg =
+                            Registration::new(stack, local, Some(peer), Some(id), None, !client);
                         break Ok(SmcStream {
                             _reg: reg,
                             stack: stack.clone(),

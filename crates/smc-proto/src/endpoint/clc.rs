@@ -534,13 +534,6 @@ impl Endpoint {
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return;
         };
-        // Of the RNICs on the connection's network, one on the LAN of the client's preferred
-        // RoCE port if there is one.
-        let first_device = (0..self.config.devices.len().min(256))
-            .map(|d| DeviceId(d as u8))
-            .filter(|d| opts.pnet.contains(*d))
-            .find(|d| res.reaches(*d, p.preferred_gid))
-            .unwrap_or(first_device);
         // Subsequent contact: an existing group with this peer, usable and not full.
         let existing = self
             .lgrs
@@ -594,7 +587,14 @@ impl Endpoint {
             }
             return;
         }
-        // First contact (or a parallel link group).
+        // First contact (or a parallel link group). Of the RNICs on the connection's network,
+        // one on the LAN of the client's preferred RoCE port if there is one (looked up only
+        // here: a subsequent contact uses the group's links).
+        let first_device = (0..self.config.devices.len().min(256))
+            .map(|d| DeviceId(d as u8))
+            .filter(|d| opts.pnet.contains(*d))
+            .find(|d| res.reaches(*d, p.preferred_gid))
+            .unwrap_or(first_device);
         let group = self.first_contact_group(tcp, Role::Server, p.peer_id, first_device, res, now);
         if let Some((_, setup)) = group {
             self.send_accept(tcp, setup, 1, true, now);
