@@ -587,6 +587,26 @@ impl Endpoint {
             }
             return;
         }
+        // The group with this peer is still in its first contact (until its second link is
+        // up): the connection waits for it to become usable rather than opening a parallel
+        // group (a client that reuses its group at once meets this), as a server that makes
+        // one link group decision at a time does. Answered when that first contact ends,
+        // either way (`run_parked`); the CLC timer keeps running meanwhile.
+        let forming = self
+            .lgrs
+            .values()
+            .find(|g| {
+                g.role == Role::Server
+                    && g.peer_id == p.peer_id
+                    && g.pnet == opts.pnet
+                    && g.first_contact.is_some()
+                    && g.conns.len() < self.config.max_conns_per_lgr
+            })
+            .map(|g| g.id);
+        if let Some(lgr) = forming {
+            self.parked.push((tcp, p, lgr));
+            return;
+        }
         // First contact (or a parallel link group). Of the RNICs on the connection's network,
         // one on the LAN of the client's preferred RoCE port if there is one (looked up only
         // here: a subsequent contact uses the group's links).
@@ -598,6 +618,35 @@ impl Endpoint {
         let group = self.first_contact_group(tcp, Role::Server, p.peer_id, first_device, res, now);
         if let Some((_, setup)) = group {
             self.send_accept(tcp, setup, 1, true, now);
+        }
+    }
+
+    /// Whether the parked Proposal `p` may be answered now: the first contact it waits for
+    /// ended (its group is gone or no longer in first contact).
+    pub(super) fn parked_runnable(&self, p: &(TcpId, Proposal, LgrId)) -> bool {
+        self.lgrs
+            .get(&p.2)
+            .is_none_or(|g| g.first_contact.is_none())
+    }
+
+    /// Answer the parked Proposals whose first contact ended (those whose connection is
+    /// still waiting for an answer: not reset or timed out meanwhile).
+    pub(super) fn run_parked(&mut self, res: &mut dyn Resources, now: Timestamp) {
+        if !self.parked.iter().any(|p| self.parked_runnable(p)) {
+            return;
+        }
+        let (run, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| self.parked_runnable(p));
+        self.parked = keep;
+        for (tcp, p, _) in run {
+            let waiting = matches!(
+                self.entries.get(&tcp),
+                Some(Entry::Setup(h)) if matches!(h.state, HsState::ExpectProposal)
+            );
+            if waiting {
+                self.on_proposal(tcp, p, res, now);
+            }
         }
     }
 

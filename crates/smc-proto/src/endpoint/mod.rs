@@ -399,6 +399,9 @@ pub struct Endpoint {
     fabric_out: VecDeque<FabricOp>,
     events: VecDeque<EndpointEvent>,
     stats: EndpointStats,
+    /// Proposals from a peer whose link group with us is still in its first contact
+    /// (server): answered once that first contact ends (see `on_proposal`).
+    parked: Vec<(TcpId, smc_wire::clc::Proposal, LgrId)>,
 }
 
 /// Counters of an endpoint.
@@ -443,6 +446,7 @@ impl Endpoint {
             fabric_out: VecDeque::new(),
             events: VecDeque::new(),
             stats: EndpointStats::default(),
+            parked: Vec::new(),
         }
     }
 
@@ -519,6 +523,10 @@ impl Endpoint {
 
     /// The earliest deadline of every timer of the endpoint.
     pub fn poll_timeout(&self) -> Option<Timestamp> {
+        // A parked Proposal whose first contact ended (by any input) is answered at once.
+        if self.parked.iter().any(|p| self.parked_runnable(p)) {
+            return Some(Timestamp::ZERO);
+        }
         let hs = self.entries.values().filter_map(|e| match e {
             Entry::Setup(h) => h.deadline(),
             Entry::Smc(c) => c.conn.poll_timeout(),
@@ -529,6 +537,7 @@ impl Endpoint {
 
     /// Fire every timer due at `now`.
     pub fn handle_timeout(&mut self, res: &mut dyn Resources, now: Timestamp) {
+        self.run_parked(res, now);
         let due: Vec<TcpId> = self
             .entries
             .iter()

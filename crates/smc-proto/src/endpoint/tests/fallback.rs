@@ -432,3 +432,42 @@ fn data_overtaking_second_link_confirmation_is_held() {
     assert!(established(&p, Side::B, T1));
     assert_eq!(p.b.rx[&T1], b"overtaking");
 }
+
+/// A Proposal from a peer whose link group with us is still in its first contact (the
+/// server waits for the second link's confirmation; the client is already established and
+/// connects again) waits for that first contact and then reuses the group, rather than
+/// opening a parallel one.
+#[test]
+fn proposal_during_first_contact_waits_and_reuses_the_group() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.knobs.silent_drop = true;
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2),
+    ));
+    p.connect(T1);
+    p.run();
+    p.knobs.drop = None;
+    assert!(established(&p, Side::A, T1));
+    assert_eq!(p.b.ep.handshake_state(T1), Some("ExpectSecondLink"));
+    p.connect(T2);
+    p.run();
+    assert_eq!(p.b.ep.handshake_state(T2), Some("ExpectProposal"), "parked");
+    assert!(!established(&p, Side::A, T2));
+    let rsp = p
+        .trace
+        .iter()
+        .find_map(|e| match &e.what {
+            Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2 => Some(*c),
+            _ => None,
+        })
+        .expect("reply");
+    let l2 = p.b.link(2).expect("link 2");
+    p.inject_llc(Side::B, l2, LlcMessage::ConfirmLink(rsp));
+    p.run();
+    dump(&p);
+    assert!(established(&p, Side::B, T1));
+    assert!(established(&p, Side::A, T2) && established(&p, Side::B, T2));
+    assert_eq!(p.a.ep.link_groups().count(), 1);
+    assert_eq!(p.b.ep.link_groups().count(), 1);
+    assert_eq!(p.b.ep.link_groups().next().map(|g| g.conns.len()), Some(2));
+}
