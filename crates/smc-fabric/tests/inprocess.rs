@@ -551,6 +551,54 @@ fn completion_channel_fd_event_loop_pattern() {
     assert_eq!(wcs[0].wr_id, 3);
 }
 
+/// A QP created on a completion queue whose channel is already armed (a thread sleeps on it)
+/// rings the channel for its first message, like the QPs that existed when it was armed.
+#[test]
+fn qp_created_on_an_armed_channel_rings_it() {
+    let cfg = cfg("armed-new-qp");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    let mut wcs = [WorkCompletion::EMPTY; 4];
+    a.cq.req_notify();
+    assert_eq!(a.cq.poll(&mut wcs), 0);
+    let caps = QpCaps {
+        max_send_wr: 16,
+        max_recv_wr: RX_SLOTS as u32,
+    };
+    let qp = a.pd.create_qp(&a.cq, &a.cq, caps).unwrap();
+    let peer = b.pd.create_qp(&b.cq, &b.cq, caps).unwrap();
+    qp.to_init().unwrap();
+    peer.to_init().unwrap();
+    qp.post_recv(&RecvWr {
+        wr_id: 0,
+        sge: a.rx.sge(0, RX_SLOT as u32).unwrap(),
+    })
+    .unwrap();
+    let info = |q: &QueuePair| {
+        let l = q.local_info();
+        RemoteQpInfo {
+            gid: l.gid,
+            qp_num: l.qp_num,
+            psn: l.psn,
+            mtu: l.mtu,
+        }
+    };
+    qp.to_rtr(info(&peer)).unwrap();
+    peer.to_rtr(info(&qp)).unwrap();
+    qp.to_rts().unwrap();
+    peer.to_rts().unwrap();
+    peer.post_send(&SendWr::Send {
+        wr_id: 1,
+        data: b"first",
+        signaled: false,
+    })
+    .unwrap();
+    assert!(readable(a.cq.fd(), 10_000), "doorbell within 10 s");
+    a.cq.ack_notify();
+    assert_eq!(a.cq.poll(&mut wcs), 1);
+    assert_eq!(a.rx_bytes(&wcs[0]), b"first");
+}
+
 /// A hostile local process speaking garbage to a device socket gets disconnected; the device
 /// keeps serving well-behaved peers.
 #[test]

@@ -65,6 +65,12 @@ pub fn device_set(table: &[PnetEntry], netdev: Option<&str>, local: IpAddr) -> D
     )
 }
 
+/// Whether the device set of a connection under `table` depends on its network interface
+/// (some device serves only listed interfaces).
+pub fn needs_interface(table: &[PnetEntry]) -> bool {
+    table.iter().any(|e| !e.netdevs.is_empty())
+}
+
 /// The network interface holding address `local` (`None` when no interface has it).
 pub fn interface_of(local: IpAddr) -> Option<String> {
     let local = match local {
@@ -88,8 +94,13 @@ impl crate::Stack {
 
     /// The devices a connection whose TCP socket has local address `local` may use.
     pub(crate) fn pnet_devices(&self, local: IpAddr) -> DeviceSet {
-        let netdev = interface_of(local);
-        device_set(&self.pnet_table(), netdev.as_deref(), local)
+        let table = self.pnet_table();
+        // The interface lookup dumps every interface and address over netlink (tens of µs
+        // per connection setup): only done when some device is bound to an interface.
+        let netdev = needs_interface(&table)
+            .then(|| interface_of(local))
+            .flatten();
+        device_set(&table, netdev.as_deref(), local)
     }
 
     /// `pnet`: the PNET table.
@@ -137,6 +148,19 @@ mod tests {
         assert!(!s.contains(DeviceId(0)) && s.contains(DeviceId(1)) && s.contains(DeviceId(2)));
         let s = device_set(&t[..2], Some("eth9"), "192.168.1.1".parse().unwrap());
         assert_eq!(s.first(2), None);
+    }
+
+    #[test]
+    fn interface_matters_only_when_a_device_lists_interfaces() {
+        let any = entry("shm0", &[], &[]);
+        let by_addr = entry("shm1", &[], &["10.0.0.2"]);
+        let by_netdev = entry("shm2", &["eth1"], &[]);
+        assert!(!needs_interface(&[any.clone(), by_addr.clone()]));
+        assert!(needs_interface(&[any.clone(), by_netdev.clone()]));
+        // Without the lookup (no interface) the set is the one with it.
+        let t = [any, by_addr];
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(device_set(&t, None, lo), device_set(&t, Some("lo"), lo));
     }
 
     #[test]

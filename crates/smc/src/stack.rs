@@ -103,6 +103,9 @@ pub(crate) struct Slot {
     pub(crate) cond: Arc<Condvar>,
     /// How many threads wait on `cond` (it is signalled only then: no system call otherwise).
     pub(crate) waiters: u32,
+    /// Signalled when the setup ends (established, fell back, reset), for a rendezvous that
+    /// waits for an LLC exchange another thread handles: made only then (an eventfd).
+    pub(crate) setup_waker: Option<Arc<rustix::fd::OwnedFd>>,
 }
 
 impl Slot {
@@ -118,6 +121,14 @@ impl Slot {
             notify: None,
             cond: Arc::new(Condvar::new()),
             waiters: 0,
+            setup_waker: None,
+        }
+    }
+
+    /// Wake the rendezvous thread of this slot, if it sleeps on its waker.
+    fn setup_ended(&self) {
+        if let Some(w) = &self.setup_waker {
+            Notifiers::signal(w);
         }
     }
 }
@@ -146,7 +157,6 @@ impl Notifiers {
     }
 
     /// Consume the pending signals of `fd`.
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn drain(fd: &rustix::fd::OwnedFd) {
         let mut b = [0u8; 8];
         let _ = rustix::io::read(fd, &mut b);
@@ -347,6 +357,10 @@ pub(crate) struct Core {
     pub(crate) fallback_reasons: std::collections::BTreeMap<String, u64>,
     /// Packet capture of CLC (as TCP) and LLC/CDC (as RoCEv2 SENDs), if on.
     pub(crate) capture: Option<Capture>,
+    /// TCP sockets of connections that closed while their stream was gone: closed by the
+    /// runtime thread after it lets go of the lock (a close on loopback runs the peer's
+    /// FIN processing too, tens of µs that would hold up every other thread).
+    closing: Vec<crate::tcpwatch::SlotSock>,
 }
 
 impl Core {
@@ -702,6 +716,7 @@ impl Core {
                 if let Some(s) = self.slots.get_mut(&tcp) {
                     s.state = SlotState::Smc;
                     s.token = token;
+                    s.setup_ended();
                 }
             }
             EndpointEvent::FellBack {
@@ -715,6 +730,7 @@ impl Core {
                         reason: reason.into(),
                         leftover,
                     };
+                    s.setup_ended();
                 }
             }
             EndpointEvent::Reset { tcp, reason } => {
@@ -722,6 +738,7 @@ impl Core {
                 if let Some(s) = self.slots.get_mut(&tcp) {
                     if matches!(s.state, SlotState::Setup) {
                         s.state = SlotState::Reset(reason);
+                        s.setup_ended();
                     } else if let ResetReason::Connection(e) = reason {
                         s.error.get_or_insert(e);
                     }
@@ -748,7 +765,8 @@ impl Core {
                         None => false,
                     };
                     if remove {
-                        self.slots.remove(&tcp);
+                        let sock = self.slots.remove(&tcp).and_then(|mut s| s.sock.take());
+                        self.closing.extend(sock);
                     }
                 }
                 _ => {}
@@ -1110,6 +1128,7 @@ impl Stack {
             next_stream: 1,
             fallback_reasons: Default::default(),
             capture: None,
+            closing: Vec::new(),
         };
         let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(
             "{}-{:04x}.sock",
@@ -1323,8 +1342,9 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                 dev_events.push((i, e));
             }
         }
-        let deadline = {
+        let (deadline, closing) = {
             let mut core = inner.lock();
+            let closing = std::mem::take(&mut core.closing);
             let now = core.now();
             // Completions are polled under the lock, so that busy-polling application
             // threads and this thread process them in order.
@@ -1348,7 +1368,7 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                     core.wake_all();
                 }
             }
-            if did {
+            let deadline = if did {
                 None
             } else {
                 let sleep = core
@@ -1369,8 +1389,10 @@ fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
                         && inner.followers.load(Ordering::Acquire) == 0
                         && !core.needs_runtime_polling());
                 Some((sleep, park))
-            }
+            };
+            (deadline, closing)
         };
+        drop(closing);
         let Some((sleep, park)) = deadline else {
             armed = false;
             continue;

@@ -26,6 +26,10 @@ use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
 
 /// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
+/// How long a rendezvous waits for CLC bytes before it looks at its connection's state again
+/// (a timer of the runtime thread may have ended the setup).
+const RENDEZVOUS_SLICE: Duration = Duration::from_millis(10);
+
 /// How long a blocked call waits on the condition variable before looking again.
 const POLL_SLICE: Duration = Duration::from_millis(50);
 /// A spinning poller looks at the completion queues' lock-free readiness hint this many times
@@ -118,18 +122,17 @@ impl AdaptiveSpin {
 
 /// A listening socket that accepts SMC-R connections (and plain TCP ones, by fallback).
 ///
-/// A thread accepts TCP connections as they come and runs each one's discovery and
-/// rendezvous in a thread of its own, so a slow or silent client delays nobody else;
-/// [`accept`](Self::accept) hands out the connections that are ready.
+/// Setup workers accept TCP connections as they come and run each one's discovery and
+/// rendezvous, a worker per connection in setup, so a slow or silent client delays nobody
+/// else; [`accept`](Self::accept) hands out the connections that are ready. A server
+/// handshake that waits for the client's Confirm while an application thread waits in
+/// `accept` is finished by that thread itself (it wakes on the Confirm, no hand-over after).
 #[derive(Debug)]
 pub struct SmcListener {
     stack: Stack,
     tcp: Arc<TcpListener>,
     port: u16,
-    ready: std::sync::Mutex<std::sync::mpsc::Receiver<io::Result<(SmcStream, SocketAddr)>>>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-    /// Receive buffer (RMBE) size for connections accepted from now on; 0: the stack's.
-    recv_buffer: Arc<std::sync::atomic::AtomicU32>,
+    shared: Arc<AcceptShared>,
 }
 
 impl SmcListener {
@@ -153,9 +156,34 @@ impl SmcListener {
     /// Accept a connection: the next one whose TCP handshake and SMC-R rendezvous (or
     /// fallback) completed.
     pub fn accept(&self) -> io::Result<(SmcStream, SocketAddr)> {
-        let rx = self.ready.lock().unwrap_or_else(|p| p.into_inner());
-        rx.recv()
-            .unwrap_or_else(|_| Err(io::Error::other("the accepting thread ended")))
+        let shared = &self.shared;
+        let mut q = shared.queue();
+        loop {
+            // A handshake handed to a waiting thread first: it was promised one.
+            if let Some(r) = q.handed.pop_front() {
+                q.promised = q.promised.saturating_sub(1);
+                drop(q);
+                let peer = r.peer;
+                match r.run_handed(&|| !shared.queue().ready.is_empty()) {
+                    Ok(Ok(s)) => return Ok((s, peer)),
+                    // The client's rendezvous failed (its connection is reset): not the
+                    // listener's error.
+                    Ok(Err(e)) => tracing::debug!(%e, %peer, "rendezvous failed"),
+                    Err(r) => shared.finish_elsewhere(r),
+                }
+                q = shared.queue();
+                continue;
+            }
+            if let Some(r) = q.ready.pop_front() {
+                return r;
+            }
+            if q.workers == 0 {
+                return Err(io::Error::other("the accepting thread ended"));
+            }
+            q.waiting += 1;
+            q = shared.cond.wait(q).unwrap_or_else(|p| p.into_inner());
+            q.waiting -= 1;
+        }
     }
 
     /// An iterator over accepted connections.
@@ -179,15 +207,14 @@ impl SmcListener {
     /// their TCP receive buffer.
     pub fn set_recv_buffer_size(&self, bytes: usize) {
         let b = u32::try_from(bytes).unwrap_or(u32::MAX);
-        self.recv_buffer
-            .store(b, std::sync::atomic::Ordering::Relaxed);
+        self.shared.recv_buffer.store(b, Ordering::Relaxed);
     }
 }
 
 impl Drop for SmcListener {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
-        // Wakes the accepting thread (accept() fails on a shut-down listening socket).
+        self.shared.stop.store(true, Ordering::Release);
+        // Wakes the setup workers (accept() fails on a shut-down listening socket).
         let _ = rustix::net::shutdown(&*self.tcp, rustix::net::Shutdown::Both);
         if let Some(d) = &self.stack.inner.discovery {
             d.unmark_listener(self.port);
@@ -214,72 +241,167 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
     }
     rustix::net::listen(&fd, 1024)?;
     let tcp = Arc::new(TcpListener::from(fd));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let recv_buffer = Arc::new(std::sync::atomic::AtomicU32::new(0));
-    {
-        let (stack, tcp, stop, buf) = (
-            stack.clone(),
-            tcp.clone(),
-            stop.clone(),
-            recv_buffer.clone(),
-        );
-        std::thread::Builder::new()
-            .name("smc-accept".into())
-            .spawn(move || accept_loop(stack, tcp, tx, stop, buf))?;
-    }
+    let shared = Arc::new(AcceptShared {
+        stack: stack.clone(),
+        tcp: tcp.clone(),
+        stop: std::sync::atomic::AtomicBool::new(false),
+        recv_buffer: std::sync::atomic::AtomicU32::new(0),
+        accepting: std::sync::atomic::AtomicUsize::new(0),
+        queue: std::sync::Mutex::new(AcceptQueue::default()),
+        cond: std::sync::Condvar::new(),
+    });
+    spawn_setup_worker(&shared)?;
     Ok(SmcListener {
         stack: stack.clone(),
         tcp,
         port: local.port(),
-        ready: std::sync::Mutex::new(rx),
-        stop,
-        recv_buffer,
+        shared,
     })
 }
 
-type Ready = std::sync::mpsc::Sender<io::Result<(SmcStream, SocketAddr)>>;
+/// Setup workers at most this many may wait in `accept()` at once; one finishing a setup
+/// while this many wait ends.
+const IDLE_SETUP_WORKERS: usize = 2;
 
-/// Accept TCP connections and set each up in its own thread.
-fn accept_loop(
+/// What the setup workers of one listener and its `accept` share.
+#[derive(Debug)]
+struct AcceptShared {
     stack: Stack,
     tcp: Arc<TcpListener>,
-    tx: Ready,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-    recv_buffer: Arc<std::sync::atomic::AtomicU32>,
-) {
+    stop: std::sync::atomic::AtomicBool,
+    /// Receive buffer (RMBE) size for connections accepted from now on; 0: the stack's.
+    recv_buffer: std::sync::atomic::AtomicU32,
+    /// Workers waiting in `accept()`.
+    accepting: std::sync::atomic::AtomicUsize,
+    queue: std::sync::Mutex<AcceptQueue>,
+    /// Signalled when the queue gains something (or the last worker ends).
+    cond: std::sync::Condvar,
+}
+
+/// What the setup workers hand to `SmcListener::accept`.
+#[derive(Debug, Default)]
+struct AcceptQueue {
+    /// Connections set up (or failed to be accepted), in order.
+    ready: std::collections::VecDeque<io::Result<(SmcStream, SocketAddr)>>,
+    /// Server handshakes waiting for the client, each promised to a thread waiting in
+    /// `accept` (which finishes it).
+    handed: std::collections::VecDeque<Box<Rendezvous>>,
+    /// Application threads waiting in `accept`.
+    waiting: usize,
+    /// Waiting threads already promised a handed handshake.
+    promised: usize,
+    /// Setup worker threads alive.
+    workers: usize,
+}
+
+impl AcceptShared {
+    fn queue(&self) -> std::sync::MutexGuard<'_, AcceptQueue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn deliver(&self, r: io::Result<(SmcStream, SocketAddr)>) {
+        self.queue().ready.push_back(r);
+        self.cond.notify_one();
+    }
+
+    /// Hand the server handshake `r` (waiting for the client) to a thread waiting in
+    /// `accept`, if one waits that was not promised one yet; `Err`: none, `r` back.
+    fn hand_off(&self, r: Box<Rendezvous>) -> Result<(), Box<Rendezvous>> {
+        let mut q = self.queue();
+        if q.waiting <= q.promised {
+            return Err(r);
+        }
+        q.promised += 1;
+        q.handed.push_back(r);
+        drop(q);
+        self.cond.notify_one();
+        Ok(())
+    }
+}
+
+impl AcceptShared {
+    /// A thread of its own finishes the handed handshake `r` (the client is slow, or other
+    /// connections wait) and delivers the connection.
+    fn finish_elsewhere(self: &Arc<AcceptShared>, r: Box<Rendezvous>) {
+        let shared = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("smc-accept".into())
+            .spawn(move || {
+                let peer = r.peer;
+                match r.run(&mut |r| Err(r)) {
+                    Some(Ok(s)) => shared.deliver(Ok((s, peer))),
+                    Some(Err(e)) => tracing::debug!(%e, %peer, "rendezvous failed"),
+                    None => {}
+                }
+            });
+        if let Err(e) = spawned {
+            // The handshake went with the closure (and ended as a broken connection).
+            tracing::debug!(%e, "no thread to finish a rendezvous");
+        }
+    }
+}
+
+/// Counts a setup worker alive; the last one to end wakes `accept` (which then fails).
+struct WorkerAlive(Arc<AcceptShared>);
+
+impl Drop for WorkerAlive {
+    fn drop(&mut self) {
+        let mut q = self.0.queue();
+        q.workers -= 1;
+        if q.workers == 0 {
+            drop(q);
+            self.0.cond.notify_all();
+        }
+    }
+}
+
+fn spawn_setup_worker(shared: &Arc<AcceptShared>) -> io::Result<()> {
+    shared.queue().workers += 1;
+    let alive = WorkerAlive(shared.clone());
+    std::thread::Builder::new()
+        .name("smc-accept".into())
+        .spawn(move || accept_loop(alive))
+        .map(drop)
+    // On a failed spawn the closure, and with it `alive`, is dropped: the count is right.
+}
+
+/// A setup worker: accept a TCP connection and set it up in this thread (no hand-over to a
+/// new thread per connection). A worker that takes a connection while no other one waits in
+/// `accept()` starts another first, so that a slow rendezvous never holds up the next
+/// connection; after its setup it waits for the next one unless enough others already do.
+fn accept_loop(alive: WorkerAlive) {
+    let shared = &alive.0;
     loop {
-        let r = tcp.accept();
-        if stop.load(std::sync::atomic::Ordering::Acquire) {
+        shared.accepting.fetch_add(1, Ordering::AcqRel);
+        let r = shared.tcp.accept();
+        let others = shared.accepting.fetch_sub(1, Ordering::AcqRel) - 1;
+        if shared.stop.load(Ordering::Acquire) {
             return;
         }
         match r {
             Ok((sock, peer)) => {
-                let (stack, setup_tx) = (stack.clone(), tx.clone());
-                let buffer = match recv_buffer.load(std::sync::atomic::Ordering::Relaxed) {
+                if others == 0 {
+                    if let Err(e) = spawn_setup_worker(shared) {
+                        // This connection is still set up, here; the next waits for it.
+                        tracing::debug!(%e, "no new setup worker");
+                    }
+                }
+                let buffer = match shared.recv_buffer.load(Ordering::Relaxed) {
                     0 => None,
                     b => Some(b),
                 };
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("smc-setup".into())
-                        .spawn(move || {
-                            if let Some(r) = setup_accepted(&stack, sock, peer, buffer) {
-                                let _ = setup_tx.send(r.map(|s| (s, peer)));
-                            }
-                        });
-                if let Err(e) = spawned {
-                    if tx.send(Err(e)).is_err() {
-                        return;
-                    }
+                let hand_off = &mut |r| shared.hand_off(r);
+                if let Some(r) = setup_accepted(&shared.stack, sock, peer, buffer, hand_off) {
+                    shared.deliver(r.map(|s| (s, peer)));
+                }
+                if shared.accepting.load(Ordering::Acquire) >= IDLE_SETUP_WORKERS {
+                    return;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 // Resource errors (EMFILE, ...) are the application's to see; pace retries.
-                if tx.send(Err(e)).is_err() {
-                    return;
-                }
+                shared.deliver(Err(e));
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
@@ -287,12 +409,14 @@ fn accept_loop(
 }
 
 /// Discovery, then the rendezvous or the fallback, for one accepted connection; `None` when
-/// the client's rendezvous failed (not the listener's error: the connection is reset).
+/// the client's rendezvous failed (not the listener's error: the connection is reset) or
+/// `hand_off` took the handshake over.
 fn setup_accepted(
     stack: &Stack,
     sock: TcpStream,
     peer: SocketAddr,
     recv_buffer: Option<u32>,
+    hand_off: &mut dyn FnMut(Box<Rendezvous>) -> Result<(), Box<Rendezvous>>,
 ) -> Option<io::Result<SmcStream>> {
     if let Some(b) = recv_buffer {
         // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
@@ -311,7 +435,10 @@ fn setup_accepted(
         DiscoveryMode::AssertPeer => {
             match starts_with_clc(&sock, stack.config().assert_peer_wait) {
                 Ok(true) => Ok(()),
-                Ok(false) => Err(FallbackReason::NoProposal),
+                Ok(false) => match sock.set_read_timeout(None) {
+                    Ok(()) => Err(FallbackReason::NoProposal),
+                    Err(e) => return Some(Err(e)),
+                },
                 Err(e) => {
                     tracing::debug!(%e, %peer, "accepted connection failed before the rendezvous");
                     return None;
@@ -322,13 +449,18 @@ fn setup_accepted(
     };
     tracing::debug!(%peer, ?offered, "accepted");
     match offered {
-        Ok(()) => match SmcStream::rendezvous(stack, Arc::new(sock), false, recv_buffer) {
-            Ok(s) => Some(Ok(s)),
-            Err(e) => {
-                tracing::debug!(%e, %peer, "rendezvous failed");
-                None
+        Ok(()) => {
+            let run = Rendezvous::start(stack, Arc::new(sock), false, recv_buffer, peer)
+                .map(|r| r.run(hand_off));
+            match run {
+                Ok(Some(Ok(s))) => Some(Ok(s)),
+                Ok(None) => None,
+                Ok(Some(Err(e))) | Err(e) => {
+                    tracing::debug!(%e, %peer, "rendezvous failed");
+                    None
+                }
             }
-        },
+        }
         Err(reason) => Some(Ok(SmcStream::fallback(
             stack,
             Arc::new(sock),
@@ -340,7 +472,8 @@ fn setup_accepted(
 }
 
 /// Assert-peer listener: whether the first bytes from the client are a CLC message, waiting
-/// at most `wait` for them.
+/// at most `wait` for them. Leaves a read timeout on `sock` (the rendezvous sets its own; a
+/// fallback must clear it).
 fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
     let deadline = Instant::now() + wait;
     let mut buf = [0u8; 4];
@@ -350,9 +483,7 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
             return Ok(false);
         }
         sock.set_read_timeout(Some(left))?;
-        let r = sock.peek(&mut buf);
-        sock.set_read_timeout(None)?;
-        match r {
+        match sock.peek(&mut buf) {
             Ok(0) => return Ok(false),
             Ok(n) if buf[..n] != CLC_EYECATCHER[..n] => return Ok(false),
             Ok(4) => return Ok(true),
@@ -370,6 +501,362 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
             Err(e) => return Err(e),
         }
     }
+}
+
+/// An eventfd for a slot's `setup_waker`.
+fn setup_waker() -> io::Result<Arc<OwnedFd>> {
+    let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
+    Ok(Arc::new(rustix::event::eventfd(0, flags)?))
+}
+
+/// Sleep until `sock` has bytes (or an error) or `waker` (if any) is signalled, at most
+/// `slice` (under a second); `true`: the socket is readable.
+fn wait_socket_or_waker(
+    sock: &TcpStream,
+    waker: Option<&OwnedFd>,
+    slice: Duration,
+) -> io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(sock, PollFlags::IN)];
+    let mut both;
+    let fds: &mut [PollFd<'_>] = match waker {
+        Some(w) => {
+            both = [
+                PollFd::new(sock, PollFlags::IN),
+                PollFd::new(w, PollFlags::IN),
+            ];
+            &mut both
+        }
+        None => &mut fds,
+    };
+    let slice = Timespec {
+        tv_sec: 0,
+        tv_nsec: i64::from(slice.subsec_nanos()),
+    };
+    match rustix::event::poll(fds, Some(&slice)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let readable = !fds[0].revents().is_empty();
+    if let (Some(w), Some(f)) = (waker, fds.get(1)) {
+        if !f.revents().is_empty() {
+            crate::stack::Notifiers::drain(w);
+        }
+    }
+    Ok(readable)
+}
+
+/// How long a thread waiting in `accept` keeps a handshake handed to it (see
+/// [`AcceptShared::hand_off`]) before a thread of its own finishes it: a client's Confirm
+/// takes a round trip.
+const HANDED_WAIT: Duration = Duration::from_millis(10);
+
+/// How often that thread looks whether other connections became ready meanwhile (they are
+/// not held up longer).
+const HANDED_SLICE: Duration = Duration::from_millis(1);
+
+/// A CLC handshake in progress on one TCP connection (client or server). A server's may
+/// move to another thread while it waits for the client (see [`AcceptShared::hand_off`]).
+#[derive(Debug)]
+struct Rendezvous {
+    stack: Stack,
+    sock: Arc<TcpStream>,
+    id: TcpId,
+    client: bool,
+    local: Option<SocketAddr>,
+    peer: SocketAddr,
+    /// Signalled when an LLC exchange handled by another thread ends the setup (made only
+    /// when the handshake waits for one).
+    waker: Option<Arc<OwnedFd>>,
+    buf: Vec<u8>,
+    /// The handshake ended (its slot now belongs to the stream, or is gone).
+    done: bool,
+}
+
+/// What the connection's slot says about a handshake.
+enum Progress {
+    /// Still in setup; `answered`: a server that answered the client's Proposal (it waits for
+    /// the client's Confirm, or for the CONFIRM RKEY of a new RMB before its Accept).
+    Setup { answered: bool },
+    /// Over: established, fallen back or failed.
+    Ended(io::Result<SmcStream>),
+}
+
+impl Rendezvous {
+    /// Start the handshake (a client sends its Proposal).
+    fn start(
+        stack: &Stack,
+        sock: Arc<TcpStream>,
+        client: bool,
+        recv_buffer: Option<u32>,
+        peer: SocketAddr,
+    ) -> io::Result<Box<Rendezvous>> {
+        let inner = &stack.inner;
+        let local = sock.local_addr().ok();
+        let opts = smc_proto::endpoint::ConnectOptions {
+            pnet: match local {
+                Some(a) => stack.pnet_devices(a.ip()),
+                None => smc_proto::fabric::DeviceSet::ALL,
+            },
+            rmbe_size: recv_buffer.map(crate::config::rmbe_size_for),
+        };
+        let id = inner.new_tcp_id();
+        // CLC bytes are read here with a short timeout (the stack writes its CLC messages on
+        // the same socket, through the slot's reference to it).
+        sock.set_read_timeout(Some(RENDEZVOUS_SLICE))?;
+        {
+            let mut core = inner.lock();
+            core.slots.insert(id, Slot::new(sock.clone()));
+            let now = core.now();
+            let started = if client {
+                core.ep.connect_with(id, opts, now)
+            } else {
+                core.ep.accept_with(id, opts, now)
+            };
+            if let Err(e) = started {
+                core.slots.remove(&id);
+                return Err(io::Error::other(e));
+            }
+            core.capture_handshake(id, client);
+            core.drain();
+        }
+        Ok(Box::new(Rendezvous {
+            stack: stack.clone(),
+            sock,
+            id,
+            client,
+            local,
+            peer,
+            waker: None,
+            buf: vec![0u8; 4096],
+            done: false,
+        }))
+    }
+
+    /// Drive the handshake until the connection is established over SMC-R, falls back, or
+    /// fails. A server's handshake that waits for the client after answering its Proposal is
+    /// offered to `hand_off` first; `None`: taken over (finished elsewhere).
+    fn run(
+        mut self: Box<Self>,
+        hand_off: &mut dyn FnMut(Box<Rendezvous>) -> Result<(), Box<Rendezvous>>,
+    ) -> Option<io::Result<SmcStream>> {
+        let result = loop {
+            let answered = match self.progress() {
+                Ok(Progress::Setup { answered }) => answered,
+                Ok(Progress::Ended(r)) => break r,
+                Err(e) => break Err(self.abandon(e)),
+            };
+            if answered {
+                match hand_off(self) {
+                    Ok(()) => return None,
+                    Err(back) => self = back,
+                }
+            }
+            if let Err(e) = self.wait_and_read(None) {
+                break Err(self.abandon(e));
+            }
+        };
+        Some(finish(result))
+    }
+
+    /// In a thread waiting in `accept`: finish a handshake handed to it, unless the client
+    /// takes longer than [`HANDED_WAIT`] or `give_back()` (other connections are ready):
+    /// then `Err` with the handshake, for another thread to finish.
+    fn run_handed(
+        mut self: Box<Self>,
+        give_back: &dyn Fn() -> bool,
+    ) -> Result<io::Result<SmcStream>, Box<Rendezvous>> {
+        let start = Instant::now();
+        loop {
+            match self.progress() {
+                Ok(Progress::Setup { .. }) => {}
+                Ok(Progress::Ended(r)) => return Ok(finish(r)),
+                Err(e) => return Ok(Err(self.abandon(e))),
+            }
+            if start.elapsed() >= HANDED_WAIT || give_back() {
+                return Err(self);
+            }
+            if let Err(e) = self.wait_and_read(Some(HANDED_SLICE)) {
+                return Ok(Err(self.abandon(e)));
+            }
+        }
+    }
+
+    /// Look at the connection's slot: still in setup, or the stream (or error) it ended in.
+    fn progress(&mut self) -> io::Result<Progress> {
+        let p = self.look()?;
+        self.done = matches!(p, Progress::Ended(_));
+        Ok(p)
+    }
+
+    fn look(&mut self) -> io::Result<Progress> {
+        let inner = &self.stack.inner;
+        let id = self.id;
+        let mut core = inner.lock();
+        let state = core.slots.get(&id).map(|s| s.state.clone());
+        Ok(match state {
+            Some(SlotState::Setup) => {
+                // An LLC exchange (CONFIRM LINK, CONFIRM RKEY) that another thread handles
+                // ends the setup: it wakes this one through the slot's waker rather than
+                // leaving it to the read timeout.
+                if self.waker.is_none() && core.ep.handshake_awaits_fabric(id) {
+                    match setup_waker() {
+                        Ok(w) => {
+                            if let Some(s) = core.slots.get_mut(&id) {
+                                s.setup_waker = Some(w.clone());
+                            }
+                            self.waker = Some(w);
+                        }
+                        // Out of descriptors (the setup may be about to decline for that
+                        // very reason): the read timeout paces the wait instead.
+                        Err(e) => tracing::debug!(%e, ?id, "no eventfd for the setup waker"),
+                    }
+                }
+                let answered = !self.client
+                    && core
+                        .ep
+                        .handshake_state(id)
+                        .is_some_and(|s| s != "ExpectProposal");
+                Progress::Setup { answered }
+            }
+            Some(SlotState::Smc) => {
+                // Watched while the slot surely holds the socket (core lock).
+                if let Some(slot) = core.slots.get_mut(&id) {
+                    // The waker (if any) closes with this thread's reference.
+                    slot.setup_waker = None;
+                    if let Some(slot_sock) = slot.sock.as_mut() {
+                        if let Err(e) = inner.tcp_watch.watch(slot_sock, id) {
+                            tracing::debug!(%e, ?id, "TCP socket not watched for resets");
+                        }
+                    }
+                }
+                drop(core);
+                let stack = &self.stack;
+                let reg = Registration::new(
+                    stack,
+                    self.local,
+                    Some(self.peer),
+                    Some(id),
+                    None,
+                    !self.client,
+                );
+                Progress::Ended(Ok(SmcStream {
+                    _reg: reg,
+                    stack: stack.clone(),
+                    sock: self.sock.clone(),
+                    kind: Kind::Smc(Arc::new(SmcHandle {
+                        stack: stack.clone(),
+                        id,
+                    })),
+                    read_timeout: None,
+                    write_timeout: None,
+                    nonblocking: false,
+                    read_shut: false,
+                    busy_poll: stack.config().busy_poll,
+                    spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
+                    nodelay: Default::default(),
+                }))
+            }
+            Some(SlotState::FellBack { reason, leftover }) => {
+                core.slots.remove(&id);
+                drop(core);
+                Progress::Ended(Ok(SmcStream::fallback(
+                    &self.stack,
+                    self.sock.clone(),
+                    reason,
+                    leftover,
+                    !self.client,
+                )))
+            }
+            Some(SlotState::Reset(r)) => {
+                core.slots.remove(&id);
+                Progress::Ended(Err(reset_error(r)))
+            }
+            None => Progress::Ended(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "connection vanished during setup",
+            ))),
+        })
+    }
+
+    /// Wait for CLC bytes (or the waker; at most `slice` if given, else the socket's read
+    /// timeout) and hand what came to the endpoint.
+    fn wait_and_read(&mut self, slice: Option<Duration>) -> io::Result<()> {
+        if self.waker.is_some() || slice.is_some() {
+            let slice = slice.unwrap_or(RENDEZVOUS_SLICE);
+            if !wait_socket_or_waker(&self.sock, self.waker.as_deref(), slice)? {
+                return Ok(());
+            }
+        }
+        let (inner, id, client) = (&self.stack.inner, self.id, self.client);
+        match (&*self.sock).read(&mut self.buf) {
+            Ok(0) => {
+                let mut core = inner.lock();
+                let now = core.now();
+                core.ep.handle_tcp_reset(id, now);
+                core.drain();
+            }
+            Ok(n) => {
+                tracing::debug!(?id, n, client, "CLC bytes");
+                let mut core = inner.lock();
+                let now = core.now();
+                let bytes = &self.buf[..n];
+                core.capture_tcp(id, false, bytes);
+                let Core { ep, fab, .. } = &mut *core;
+                ep.handle_tcp_data(id, bytes, fab, now);
+                core.drain();
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => {
+                let mut core = inner.lock();
+                let now = core.now();
+                core.ep.handle_tcp_reset(id, now);
+                core.drain();
+            }
+        }
+        Ok(())
+    }
+
+    /// This thread cannot go on with the handshake (no eventfd, a failed poll): end it as
+    /// if the TCP connection broke, and let go of the slot.
+    fn abandon(&mut self, e: io::Error) -> io::Error {
+        self.done = true;
+        let mut core = self.stack.inner.lock();
+        let now = core.now();
+        core.ep.handle_tcp_reset(self.id, now);
+        core.drain();
+        let slot = core.slots.remove(&self.id);
+        drop(core);
+        drop(slot);
+        e
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        // A handshake nobody finishes (a thread that could not be started for it): ended as
+        // if its TCP connection broke, not left in the stack.
+        if !self.done {
+            let _ = self.abandon(io::Error::other("rendezvous dropped"));
+        }
+    }
+}
+
+/// A stream at the end of its rendezvous: blocking reads without a timeout, TCP_NODELAY as
+/// configured.
+fn finish(result: io::Result<SmcStream>) -> io::Result<SmcStream> {
+    let stream = result?;
+    stream.sock.set_read_timeout(None)?;
+    if stream.stack.config().nodelay {
+        stream.set_nodelay(true)?;
+    }
+    Ok(stream)
 }
 
 /// Choices for [`SmcStream::connect_with_options`].
@@ -448,14 +935,15 @@ struct Registration {
 impl Registration {
     fn new(
         stack: &Stack,
-        sock: &TcpStream,
+        local: Option<SocketAddr>,
+        peer: Option<SocketAddr>,
         smc: Option<TcpId>,
         fallback: Option<FallbackReason>,
         server: bool,
     ) -> Arc<Registration> {
         let id = stack.register_stream(StreamEntry {
-            local: sock.local_addr().ok(),
-            peer: sock.peer_addr().ok(),
+            local,
+            peer,
             smc,
             fallback,
             server,
@@ -556,7 +1044,7 @@ impl SmcStream {
             DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
         };
         match offered {
-            Ok(()) => SmcStream::rendezvous(stack, sock, true, recv_buffer),
+            Ok(()) => SmcStream::rendezvous(stack, sock, true, recv_buffer, addr),
             Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new(), false)),
         }
     }
@@ -584,7 +1072,8 @@ impl SmcStream {
         if stack.config().nodelay {
             let _ = sock.set_nodelay(true);
         }
-        let reg = Registration::new(stack, &sock, None, Some(reason), server);
+        let (local, peer) = (sock.local_addr().ok(), sock.peer_addr().ok());
+        let reg = Registration::new(stack, local, peer, None, Some(reason), server);
         SmcStream {
             _reg: reg,
             stack: stack.clone(),
@@ -605,131 +1094,18 @@ impl SmcStream {
         }
     }
 
-    /// Run the CLC handshake on `sock` (client or server) until the connection is
-    /// established over SMC-R, falls back, or fails.
+    /// Run the CLC handshake on `sock` (client or server, connected to `peer`) until the
+    /// connection is established over SMC-R, falls back, or fails.
     fn rendezvous(
         stack: &Stack,
         sock: Arc<TcpStream>,
         client: bool,
         recv_buffer: Option<u32>,
+        peer: SocketAddr,
     ) -> io::Result<SmcStream> {
-        let inner = &stack.inner;
-        let opts = smc_proto::endpoint::ConnectOptions {
-            pnet: match sock.local_addr() {
-                Ok(a) => stack.pnet_devices(a.ip()),
-                Err(_) => smc_proto::fabric::DeviceSet::ALL,
-            },
-            rmbe_size: recv_buffer.map(crate::config::rmbe_size_for),
-        };
-        let id = inner.new_tcp_id();
-        // CLC bytes are read here with a short timeout (the stack writes its CLC messages on
-        // the same socket, through the slot's reference to it).
-        sock.set_read_timeout(Some(Duration::from_millis(10)))?;
-        {
-            let mut core = inner.lock();
-            core.slots.insert(id, Slot::new(sock.clone()));
-            let now = core.now();
-            let started = if client {
-                core.ep.connect_with(id, opts, now)
-            } else {
-                core.ep.accept_with(id, opts, now)
-            };
-            if let Err(e) = started {
-                core.slots.remove(&id);
-                return Err(io::Error::other(e));
-            }
-            core.capture_handshake(id, client);
-            core.drain();
-        }
-        let mut buf = vec![0u8; 4096];
-        let result = loop {
-            {
-                let mut core = inner.lock();
-                let state = core.slots.get(&id).map(|s| s.state.clone());
-                match state {
-                    Some(SlotState::Setup) => {}
-                    Some(SlotState::Smc) => {
-                        // Watched while the slot surely holds the socket (core lock).
-                        if let Some(slot_sock) =
-                            core.slots.get_mut(&id).and_then(|s| s.sock.as_mut())
-                        {
-                            if let Err(e) = inner.tcp_watch.watch(slot_sock, id) {
-                                tracing::debug!(%e, ?id, "TCP socket not watched for resets");
-                            }
-                        }
-                        drop(core);
-                        let reg = Registration::new(stack, &sock, Some(id), None, !client);
-                        break Ok(SmcStream {
-                            _reg: reg,
-                            stack: stack.clone(),
-                            sock,
-                            kind: Kind::Smc(Arc::new(SmcHandle {
-                                stack: stack.clone(),
-                                id,
-                            })),
-                            read_timeout: None,
-                            write_timeout: None,
-                            nonblocking: false,
-                            read_shut: false,
-                            busy_poll: stack.config().busy_poll,
-                            spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
-                            nodelay: Default::default(),
-                        });
-                    }
-                    Some(SlotState::FellBack { reason, leftover }) => {
-                        core.slots.remove(&id);
-                        drop(core);
-                        break Ok(SmcStream::fallback(stack, sock, reason, leftover, !client));
-                    }
-                    Some(SlotState::Reset(r)) => {
-                        core.slots.remove(&id);
-                        break Err(reset_error(r));
-                    }
-                    None => {
-                        break Err(io::Error::new(
-                            io::ErrorKind::ConnectionAborted,
-                            "connection vanished during setup",
-                        ))
-                    }
-                }
-            }
-            match (&*sock).read(&mut buf) {
-                Ok(0) => {
-                    let mut core = inner.lock();
-                    let now = core.now();
-                    core.ep.handle_tcp_reset(id, now);
-                    core.drain();
-                }
-                Ok(n) => {
-                    tracing::debug!(?id, n, client, "CLC bytes");
-                    let mut core = inner.lock();
-                    let now = core.now();
-                    core.capture_tcp(id, false, &buf[..n]);
-                    let Core { ep, fab, .. } = &mut *core;
-                    ep.handle_tcp_data(id, &buf[..n], fab, now);
-                    core.drain();
-                }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock
-                            | io::ErrorKind::TimedOut
-                            | io::ErrorKind::Interrupted
-                    ) => {}
-                Err(_) => {
-                    let mut core = inner.lock();
-                    let now = core.now();
-                    core.ep.handle_tcp_reset(id, now);
-                    core.drain();
-                }
-            }
-        };
-        let stream = result?;
-        stream.sock.set_read_timeout(None)?;
-        if stack.config().nodelay {
-            stream.set_nodelay(true)?;
-        }
-        Ok(stream)
+        Rendezvous::start(stack, sock, client, recv_buffer, peer)?
+            .run(&mut |r| Err(r))
+            .unwrap_or_else(|| Err(io::Error::other("rendezvous handed off")))
     }
 
     /// Another handle to the same connection (reads and writes may run in different threads).
@@ -1515,9 +1891,10 @@ impl Drop for SmcHandle {
             }
             None => false,
         };
-        if remove {
-            core.slots.remove(&id);
-        }
+        // The socket closes after the lock is released (see `Core::closing`).
+        let slot = if remove { core.slots.remove(&id) } else { None };
+        drop(core);
+        drop(slot);
     }
 }
 

@@ -85,10 +85,10 @@ impl TcpWatch {
         if sock.watched.is_some() {
             return Ok(());
         }
-        let flags = epoll::EventFlags::RDHUP
-            | epoll::EventFlags::HUP
-            | epoll::EventFlags::ERR
-            | epoll::EventFlags::ET;
+        // A RST or a keepalive timeout sets the socket error (EPOLLERR; the connection is
+        // closed: EPOLLHUP). A FIN alone (EPOLLRDHUP) is not watched: it is left to the
+        // SMC-R close protocol and only woke this thread at every ordinary close.
+        let flags = epoll::EventFlags::HUP | epoll::EventFlags::ERR | epoll::EventFlags::ET;
         epoll::add(
             &*self.epoll,
             &*sock.sock,

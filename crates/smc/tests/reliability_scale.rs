@@ -159,13 +159,16 @@ fn child_entry() {
                 match l.accept() {
                     Ok((s, _)) => {
                         let mode = s.mode();
-                        std::thread::spawn(move || echo(s));
+                        // The limit is lifted before the fallen-back connection echoes:
+                        // its first echo tells the client that resources are back.
                         if mode != Mode::Smc && !fell_back {
                             fell_back = true;
                             starving = false;
                             set_fd_soft_limit(hard);
                             eprintln!("server: fallback {mode:?}; limit lifted");
-                        } else if !fell_back && !starving {
+                        }
+                        std::thread::spawn(move || echo(s));
+                        if !fell_back && !starving {
                             starving = wait_until(Duration::from_secs(30), || {
                                 st.link_groups()
                                     .iter()
@@ -350,7 +353,18 @@ fn rmb_exhaustion_falls_back_cleanly_and_recovers() {
             out_of_sync: false,
         })
     );
-    // Resources are back: a new RMB, the same link group.
+    // Resources are back once the fallen-back connection echoes (the server lifts its limit
+    // first; the setup of the next connection may otherwise run before that).
+    if let Some((i, s)) = conns.last_mut() {
+        s.set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("timeout");
+        s.write_all(&message(*i)).expect("write");
+        let mut back = [0u8; MSG];
+        s.read_exact(&mut back)
+            .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        assert!(back == message(*i), "connection {i}: wrong bytes");
+    }
+    // A new RMB, the same link group.
     let groups_before = st.link_groups().len();
     let s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port)).expect("connect after");
     assert_eq!(

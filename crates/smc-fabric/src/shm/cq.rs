@@ -78,9 +78,20 @@ impl CqShared {
     }
 
     pub(crate) fn attach(&self, qp: &Arc<QpShared>) {
-        let mut qps = lock(&self.qps);
-        if !qps.iter().any(|q| Arc::ptr_eq(q, qp)) {
+        {
+            let mut qps = lock(&self.qps);
+            if qps.iter().any(|q| Arc::ptr_eq(q, qp)) {
+                return;
+            }
             qps.push(qp.clone());
+        }
+        // A waiter may have armed the channel before this QP existed (its `req_notify` armed
+        // only the QPs attached then): arm the new QP's doorbell as it would have, or the
+        // QP's first messages ring nothing and the waiter sleeps through them. (A `req_notify`
+        // after the push above arms it itself.)
+        fence(Ordering::SeqCst);
+        if self.armed.load(Ordering::Relaxed) && std::ptr::eq(Arc::as_ptr(&qp.recv_cq), self) {
+            qp.arm_recv_doorbell();
         }
     }
 

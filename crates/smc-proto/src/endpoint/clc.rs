@@ -147,6 +147,21 @@ impl Handshake {
         )
     }
 
+    /// Whether the handshake waits for an LLC exchange (see
+    /// [`Endpoint::handshake_awaits_fabric`]).
+    pub(super) fn awaits_fabric(&self) -> bool {
+        match self.state {
+            HsState::ExpectProposal | HsState::ExpectAccept { .. } => false,
+            HsState::ExpectConfirm { .. } => false,
+            HsState::ClientAwaitRkey { .. }
+            | HsState::ServerAwaitRkey { .. }
+            | HsState::ExpectConfirmLink { .. }
+            | HsState::ExpectConfirmLinkReply { .. }
+            | HsState::ConfirmLinkSending { .. }
+            | HsState::ExpectSecondLink { .. } => true,
+        }
+    }
+
     /// The next deadline.
     pub(super) fn deadline(&self) -> Option<Timestamp> {
         let clc = self.in_clc().then_some(self.clc_deadline);
@@ -519,13 +534,6 @@ impl Endpoint {
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return;
         };
-        // Of the RNICs on the connection's network, one on the LAN of the client's preferred
-        // RoCE port if there is one.
-        let first_device = (0..self.config.devices.len().min(256))
-            .map(|d| DeviceId(d as u8))
-            .filter(|d| opts.pnet.contains(*d))
-            .find(|d| res.reaches(*d, p.preferred_gid))
-            .unwrap_or(first_device);
         // Subsequent contact: an existing group with this peer, usable and not full.
         let existing = self
             .lgrs
@@ -579,10 +587,66 @@ impl Endpoint {
             }
             return;
         }
-        // First contact (or a parallel link group).
+        // The group with this peer is still in its first contact (until its second link is
+        // up): the connection waits for it to become usable rather than opening a parallel
+        // group (a client that reuses its group at once meets this), as a server that makes
+        // one link group decision at a time does. Answered when that first contact ends,
+        // either way (`run_parked`); the CLC timer keeps running meanwhile.
+        let forming = self
+            .lgrs
+            .values()
+            .find(|g| {
+                g.role == Role::Server
+                    && g.peer_id == p.peer_id
+                    && g.pnet == opts.pnet
+                    && g.first_contact.is_some()
+                    && g.conns.len() < self.config.max_conns_per_lgr
+            })
+            .map(|g| g.id);
+        if let Some(lgr) = forming {
+            self.parked.push((tcp, p, lgr));
+            return;
+        }
+        // First contact (or a parallel link group). Of the RNICs on the connection's network,
+        // one on the LAN of the client's preferred RoCE port if there is one (looked up only
+        // here: a subsequent contact uses the group's links).
+        let first_device = (0..self.config.devices.len().min(256))
+            .map(|d| DeviceId(d as u8))
+            .filter(|d| opts.pnet.contains(*d))
+            .find(|d| res.reaches(*d, p.preferred_gid))
+            .unwrap_or(first_device);
         let group = self.first_contact_group(tcp, Role::Server, p.peer_id, first_device, res, now);
         if let Some((_, setup)) = group {
             self.send_accept(tcp, setup, 1, true, now);
+        }
+    }
+
+    /// Whether the parked Proposal `p` may be answered now: the first contact it waits for
+    /// ended (its group is gone or no longer in first contact).
+    pub(super) fn parked_runnable(&self, p: &(TcpId, Proposal, LgrId)) -> bool {
+        self.lgrs
+            .get(&p.2)
+            .is_none_or(|g| g.first_contact.is_none())
+    }
+
+    /// Answer the parked Proposals whose first contact ended (those whose connection is
+    /// still waiting for an answer: not reset or timed out meanwhile).
+    pub(super) fn run_parked(&mut self, res: &mut dyn Resources, now: Timestamp) {
+        if !self.parked.iter().any(|p| self.parked_runnable(p)) {
+            return;
+        }
+        let (run, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| self.parked_runnable(p));
+        self.parked = keep;
+        for (tcp, p, _) in run {
+            let waiting = matches!(
+                self.entries.get(&tcp),
+                Some(Entry::Setup(h)) if matches!(h.state, HsState::ExpectProposal)
+            );
+            if waiting {
+                self.on_proposal(tcp, p, res, now);
+            }
         }
     }
 

@@ -69,6 +69,8 @@ impl Endpoint {
                 self.fail_link(lgr, num, DeleteLinkReason::PROTOCOL_VIOLATION, res, now);
             }
         }
+        // The message may have ended a first contact that Proposals wait for.
+        self.run_parked(res, now);
     }
 
     /// A work completion: `ok` false for any completion error (flush, retry exceeded...).

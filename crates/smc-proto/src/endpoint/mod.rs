@@ -405,6 +405,9 @@ pub struct Endpoint {
     fabric_out: VecDeque<FabricOp>,
     events: VecDeque<EndpointEvent>,
     stats: EndpointStats,
+    /// Proposals from a peer whose link group with us is still in its first contact
+    /// (server): answered once that first contact ends (see `on_proposal`).
+    parked: Vec<(TcpId, smc_wire::clc::Proposal, LgrId)>,
 }
 
 /// Counters of an endpoint.
@@ -452,6 +455,7 @@ impl Endpoint {
             fabric_out: VecDeque::new(),
             events: VecDeque::new(),
             stats: EndpointStats::default(),
+            parked: Vec::new(),
         }
     }
 
@@ -499,6 +503,16 @@ impl Endpoint {
         }
     }
 
+    /// Whether the setup of `tcp` waits for an LLC exchange over the fabric (CONFIRM LINK on
+    /// first contact, CONFIRM RKEY for a new RMB) rather than for a CLC message: what ends
+    /// that wait comes as a completion, not as bytes on the TCP connection.
+    pub fn handshake_awaits_fabric(&self, tcp: TcpId) -> bool {
+        match self.entries.get(&tcp) {
+            Some(Entry::Setup(h)) => h.awaits_fabric(),
+            _ => false,
+        }
+    }
+
     // ----- Outputs -------------------------------------------------------------------------
 
     /// Bytes to write on a TCP connection (CLC messages).
@@ -518,6 +532,10 @@ impl Endpoint {
 
     /// The earliest deadline of every timer of the endpoint.
     pub fn poll_timeout(&self) -> Option<Timestamp> {
+        // A parked Proposal whose first contact ended (by any input) is answered at once.
+        if self.parked.iter().any(|p| self.parked_runnable(p)) {
+            return Some(Timestamp::ZERO);
+        }
         let hs = self.entries.values().filter_map(|e| match e {
             Entry::Setup(h) => h.deadline(),
             Entry::Smc(c) => c.conn.poll_timeout(),
@@ -528,6 +546,7 @@ impl Endpoint {
 
     /// Fire every timer due at `now`.
     pub fn handle_timeout(&mut self, res: &mut dyn Resources, now: Timestamp) {
+        self.run_parked(res, now);
         let due: Vec<TcpId> = self
             .entries
             .iter()

@@ -349,6 +349,8 @@ fn data_before_confirm_is_held() {
     p.app_send(Side::A, TcpId(2), b"early bird");
     p.run();
     assert_eq!(p.b.ep.handshake_state(TcpId(2)), Some("ExpectConfirm"));
+    // The Confirm comes over TCP: the setup does not wait on the fabric.
+    assert!(!p.b.ep.handshake_awaits_fabric(TcpId(2)));
     p.inject_tcp(Side::B, TcpId(2), confirm.expect("confirm bytes"));
     p.run();
     assert!(established(&p, Side::B, TcpId(2)));
@@ -410,6 +412,12 @@ fn data_overtaking_second_link_confirmation_is_held() {
     p.app_send(Side::A, T1, b"overtaking");
     p.run();
     assert_eq!(p.b.ep.handshake_state(T1), Some("ExpectSecondLink"));
+    // What ends the second-link exchange comes over the fabric, not over TCP.
+    assert!(p.b.ep.handshake_awaits_fabric(T1));
+    assert!(
+        !p.a.ep.handshake_awaits_fabric(T1),
+        "established: no handshake"
+    );
     let rsp = p
         .trace
         .iter()
@@ -423,4 +431,43 @@ fn data_overtaking_second_link_confirmation_is_held() {
     p.run();
     assert!(established(&p, Side::B, T1));
     assert_eq!(p.b.rx[&T1], b"overtaking");
+}
+
+/// A Proposal from a peer whose link group with us is still in its first contact (the
+/// server waits for the second link's confirmation; the client is already established and
+/// connects again) waits for that first contact and then reuses the group, rather than
+/// opening a parallel one.
+#[test]
+fn proposal_during_first_contact_waits_and_reuses_the_group() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.knobs.silent_drop = true;
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2),
+    ));
+    p.connect(T1);
+    p.run();
+    p.knobs.drop = None;
+    assert!(established(&p, Side::A, T1));
+    assert_eq!(p.b.ep.handshake_state(T1), Some("ExpectSecondLink"));
+    p.connect(T2);
+    p.run();
+    assert_eq!(p.b.ep.handshake_state(T2), Some("ExpectProposal"), "parked");
+    assert!(!established(&p, Side::A, T2));
+    let rsp = p
+        .trace
+        .iter()
+        .find_map(|e| match &e.what {
+            Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2 => Some(*c),
+            _ => None,
+        })
+        .expect("reply");
+    let l2 = p.b.link(2).expect("link 2");
+    p.inject_llc(Side::B, l2, LlcMessage::ConfirmLink(rsp));
+    p.run();
+    dump(&p);
+    assert!(established(&p, Side::B, T1));
+    assert!(established(&p, Side::A, T2) && established(&p, Side::B, T2));
+    assert_eq!(p.a.ep.link_groups().count(), 1);
+    assert_eq!(p.b.ep.link_groups().count(), 1);
+    assert_eq!(p.b.ep.link_groups().next().map(|g| g.conns.len()), Some(2));
 }
