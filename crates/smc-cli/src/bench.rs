@@ -140,14 +140,16 @@ enum Job {
 
 fn jobs(plan: &Plan, wanted: &dyn Fn(&str) -> bool) -> Vec<Job> {
     let mut v = Vec::new();
-    // Every round: each transport, then the floor if the test has one.
+    // Every round: each transport and the floor if the test has one, the order rotated by one
+    // place per round, so that no transport always goes first (right after another test,
+    // or right after a given other transport).
     let alternate =
         |v: &mut Vec<Job>, rounds: usize, f: &dyn Fn(Transport) -> Job, floor: Option<Job>| {
-            for _ in 0..rounds {
-                for t in Transport::ALL {
-                    v.push(f(t));
-                }
-                v.extend(floor);
+            let mut round: Vec<Job> = Transport::ALL.iter().map(|&t| f(t)).collect();
+            round.extend(floor);
+            for r in 0..rounds {
+                let k = r % round.len();
+                v.extend(round[k..].iter().chain(&round[..k]).copied());
             }
         };
     // Idle memory first: later tests leave buffers in the stacks' pools, which would hide
@@ -179,9 +181,14 @@ fn jobs(plan: &Plan, wanted: &dyn Fn(&str) -> bool) -> Vec<Job> {
         }
     }
     if wanted("fallback") {
-        for _ in 0..plan.rounds {
-            v.push(Job::Fallback(Transport::Smc));
-            v.push(Job::Fallback(Transport::Tcp));
+        for r in 0..plan.rounds {
+            let (first, second) = if r % 2 == 0 {
+                (Transport::Smc, Transport::Tcp)
+            } else {
+                (Transport::Tcp, Transport::Smc)
+            };
+            v.push(Job::Fallback(first));
+            v.push(Job::Fallback(second));
         }
     }
     v
@@ -769,4 +776,26 @@ fn report(args: &BenchArgs, results: &[Sample], summary: &str, failures: &[Strin
             .with_context(|| format!("writing the plot {}", p.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order of the transports rotates from round to round: each goes first once in as
+    /// many rounds as there are transports (the floor included).
+    #[test]
+    fn rounds_rotate_the_order_of_the_transports() {
+        let plan = Plan::new(true, Some(4));
+        let v = jobs(&plan, &|t| t == "connect");
+        let firsts: Vec<String> = v.chunks(4).take(4).map(|r| format!("{:?}", r[0])).collect();
+        let mut unique = firsts.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), 4, "{firsts:?}");
+        let fb = jobs(&plan, &|t| t == "fallback");
+        let first = |i: usize| format!("{:?}", fb[i]);
+        assert_ne!(first(0), first(2), "{fb:?}");
+        assert_eq!(first(0), first(4), "{fb:?}");
+    }
 }
