@@ -329,7 +329,10 @@ impl Endpoint {
             let Some(piece) = data.get(done as usize..(done + len) as usize) else {
                 break;
             };
-            let wr = self.new_wr(WrPurpose::Write { tcp, link });
+            // The outcome is known at once: only a failed write's purpose is recorded, for
+            // the failure its work request reports later (a map insert and removal saved per
+            // write otherwise).
+            let wr = self.fresh_wr();
             let target = RdmaWriteTarget {
                 link,
                 wr,
@@ -337,14 +340,14 @@ impl Endpoint {
                 addr,
             };
             match write(target, piece) {
-                WriteOutcome::Placed => {
-                    self.wrs.remove(&wr);
-                }
+                WriteOutcome::Placed => {}
                 WriteOutcome::Posted => {
-                    self.wrs.remove(&wr);
                     keep_from.get_or_insert(done);
                 }
-                WriteOutcome::Failed => break,
+                WriteOutcome::Failed => {
+                    self.wrs.insert(wr, WrPurpose::Write { tcp, link });
+                    break;
+                }
             }
             done += len;
         }

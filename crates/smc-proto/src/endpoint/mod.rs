@@ -580,9 +580,16 @@ impl Endpoint {
     // ----- Internal helpers ----------------------------------------------------------------
 
     fn new_wr(&mut self, purpose: WrPurpose) -> WrId {
+        let wr = self.fresh_wr();
+        self.wrs.insert(wr, purpose);
+        wr
+    }
+
+    /// A new work-request id whose purpose is not recorded (yet): for work the caller learns
+    /// the outcome of at once, which records it only when it must wait for a completion.
+    fn fresh_wr(&mut self) -> WrId {
         let wr = WrId(self.next_wr);
         self.next_wr += 1;
-        self.wrs.insert(wr, purpose);
         wr
     }
 
