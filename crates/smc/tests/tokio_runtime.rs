@@ -12,11 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The tests of this binary run one at a time: `descriptors_per_tokio_stream` counts the
 /// process's descriptors, which another test's connections (and their setups) would change.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn test_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
@@ -45,7 +41,7 @@ fn pattern(len: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_echo_with_half_close() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let dir = test_dir("echo");
     let server_stack = stack(&dir);
     let client_stack = stack(&dir);
@@ -84,7 +80,7 @@ async fn async_echo_with_half_close() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_tokio_client_falls_back() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let dir = test_dir("plain");
     let server_stack = stack(&dir);
     let l = SmcListener::bind(&server_stack, "127.0.0.1:0".parse().expect("addr")).expect("bind");
@@ -126,7 +122,7 @@ fn fd_kinds() -> (usize, usize, usize) {
 /// and the two eventfds that wake its reader and its writer; the link group adds a few.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn descriptors_per_tokio_stream() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     const N: usize = 32;
     let dir = test_dir("fds");
     let server_stack = stack(&dir);
