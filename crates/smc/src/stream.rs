@@ -740,22 +740,16 @@ impl Rendezvous {
                     None,
                     !self.client,
                 );
-                Progress::Ended(Ok(SmcStream {
-                    _reg: reg,
+                let kind = Kind::Smc(Arc::new(SmcHandle {
                     stack: stack.clone(),
-                    sock: self.sock.clone(),
-                    kind: Kind::Smc(Arc::new(SmcHandle {
-                        stack: stack.clone(),
-                        id,
-                    })),
-                    read_timeout: None,
-                    write_timeout: None,
-                    nonblocking: false,
-                    read_shut: false,
-                    busy_poll: stack.config().busy_poll,
-                    spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
-                    nodelay: Default::default(),
-                }))
+                    id,
+                }));
+                Progress::Ended(Ok(SmcStream::with_defaults(
+                    stack,
+                    reg,
+                    self.sock.clone(),
+                    kind,
+                )))
             }
             Some(SlotState::FellBack { reason, leftover }) => {
                 core.slots.remove(&id);
@@ -1074,16 +1068,28 @@ impl SmcStream {
         }
         let (local, peer) = (sock.local_addr().ok(), sock.peer_addr().ok());
         let reg = Registration::new(stack, local, peer, None, Some(reason), server);
+        let kind = Kind::Tcp {
+            reason,
+            leftover,
+            // Only after our own Decline can a message of the peer cross it.
+            strip: Stripper::new(matches!(reason, FallbackReason::Declined(_))),
+        };
+        SmcStream::with_defaults(stack, reg, sock, kind)
+    }
+
+    /// A new stream with the stack's defaults: blocking, no timeouts, the configured busy
+    /// polling and adaptive spin.
+    fn with_defaults(
+        stack: &Stack,
+        reg: Arc<Registration>,
+        sock: Arc<TcpStream>,
+        kind: Kind,
+    ) -> SmcStream {
         SmcStream {
             _reg: reg,
             stack: stack.clone(),
             sock,
-            kind: Kind::Tcp {
-                reason,
-                leftover,
-                // Only after our own Decline can a message of the peer cross it.
-                strip: Stripper::new(matches!(reason, FallbackReason::Declined(_))),
-            },
+            kind,
             read_timeout: None,
             write_timeout: None,
             nonblocking: false,
