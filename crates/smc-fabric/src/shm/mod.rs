@@ -65,6 +65,16 @@ mod tests {
         }
     }
 
+    /// Two ends on `dev` whose QPs are connected to each other and ready to send.
+    fn connected_pair(dev: &Arc<DeviceHandle>) -> (End, End) {
+        let (a, b) = (end(dev), end(dev));
+        a.qp.to_rtr(remote(&b)).expect("rtr");
+        b.qp.to_rtr(remote(&a)).expect("rtr");
+        a.qp.to_rts().expect("rts");
+        b.qp.to_rts().expect("rts");
+        (a, b)
+    }
+
     /// The lock-free readiness hint a spinning poller looks at: no on an idle queue, yes once a
     /// message is in the ring or a completion is queued, no again once polled.
     #[test]
@@ -72,11 +82,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("smcf-ready-{}", std::process::id()));
         let cfg = FabricConfig::with_dir(&dir, 1);
         let dev = DeviceHandle::open(&cfg, "shm0").expect("open");
-        let (a, b) = (end(&dev), end(&dev));
-        a.qp.to_rtr(remote(&b)).expect("rtr");
-        b.qp.to_rtr(remote(&a)).expect("rtr");
-        a.qp.to_rts().expect("rts");
-        b.qp.to_rts().expect("rts");
+        let (a, b) = connected_pair(&dev);
         let mut w = [WorkCompletion::EMPTY; 4];
         assert!(!b.cq.maybe_ready());
         for round in 0..3u64 {
@@ -112,11 +118,7 @@ mod tests {
         let cfg = FabricConfig::with_dir(&dir, 1);
         for scribble in 0..3 {
             let dev = DeviceHandle::open(&cfg, "shm0").expect("open");
-            let (a, b) = (end(&dev), end(&dev));
-            a.qp.to_rtr(remote(&b)).expect("rtr");
-            b.qp.to_rtr(remote(&a)).expect("rtr");
-            a.qp.to_rts().expect("rts");
-            b.qp.to_rts().expect("rts");
+            let (a, b) = connected_pair(&dev);
             a.qp.post_send(&SendWr::Send {
                 wr_id: 1,
                 data: b"hi",
