@@ -35,6 +35,17 @@ fn message(i: u64) -> [u8; MSG] {
 
 /// Raise the fd limit (each connection holds one fd, each link group a few): to 65536 when
 /// allowed (root), else the soft limit to the hard one.
+/// Connection `i` sends its message and gets the same bytes back (within 60 s).
+fn echo_checked(i: u64, s: &mut SmcStream) {
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    s.write_all(&message(i)).expect("write");
+    let mut back = [0u8; MSG];
+    s.read_exact(&mut back)
+        .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+    assert!(back == message(i), "connection {i}: wrong bytes");
+}
+
 fn raise_fd_limit() {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let want = Some(65_536);
@@ -356,13 +367,7 @@ fn rmb_exhaustion_falls_back_cleanly_and_recovers() {
     // Resources are back once the fallen-back connection echoes (the server lifts its limit
     // first; the setup of the next connection may otherwise run before that).
     if let Some((i, s)) = conns.last_mut() {
-        s.set_read_timeout(Some(Duration::from_secs(60)))
-            .expect("timeout");
-        s.write_all(&message(*i)).expect("write");
-        let mut back = [0u8; MSG];
-        s.read_exact(&mut back)
-            .unwrap_or_else(|e| panic!("connection {i}: {e}"));
-        assert!(back == message(*i), "connection {i}: wrong bytes");
+        echo_checked(*i, s);
     }
     // A new RMB, the same link group.
     let groups_before = st.link_groups().len();
@@ -376,13 +381,7 @@ fn rmb_exhaustion_falls_back_cleanly_and_recovers() {
     assert_eq!(st.link_groups().len(), groups_before);
     // Every connection, over SMC-R or TCP, carries its own bytes.
     for (i, s) in conns.iter_mut() {
-        s.set_read_timeout(Some(Duration::from_secs(60)))
-            .expect("timeout");
-        s.write_all(&message(*i)).expect("write");
-        let mut back = [0u8; MSG];
-        s.read_exact(&mut back)
-            .unwrap_or_else(|e| panic!("connection {i}: {e}"));
-        assert!(back == message(*i), "connection {i}: wrong bytes");
+        echo_checked(*i, s);
     }
     drop(conns);
     peer.finish();
