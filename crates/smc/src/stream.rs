@@ -1450,9 +1450,13 @@ impl SmcStream {
         inner: &'a crate::stack::Inner,
         id: TcpId,
         mut core: std::sync::MutexGuard<'a, Core>,
+        now: smc_proto::Timestamp,
         wait: Duration,
         want: Want,
-    ) -> std::sync::MutexGuard<'a, Core> {
+    ) -> (
+        std::sync::MutexGuard<'a, Core>,
+        Option<smc_proto::Timestamp>,
+    ) {
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
         // Whether this thread is the poller (the flag changes only under the core lock).
         let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
@@ -1472,21 +1476,27 @@ impl SmcStream {
             // recent poll, so that the runtime thread stays off them between two waits too
             // (else it arms them while this thread writes, and every completion of ours
             // writes its eventfd and wakes it onto the lock).
+            // `now` is the caller's clock reading, taken just before (a read costs about as
+            // much as handling a message: none is taken that is not needed).
             if polling {
-                inner.poller_at.store(core.now_micros(), Ordering::Release);
+                let micros = u64::try_from(now.as_duration().as_micros()).unwrap_or(u64::MAX);
+                inner.poller_at.store(micros, Ordering::Release);
             }
-            let until = Instant::now() + spin.min(wait);
+            let until = core.instant_at(now) + spin.min(wait);
             loop {
                 // Completions that do not concern this call (our own SENDs completing, other
                 // connections' data) are handled here and the spin goes on: returning would
                 // only make the caller look again and come back.
-                if core.poll_completions(&mut wcs) {
+                let mut polled_at = None;
+                if core.poll_completions_at(&mut wcs, &mut polled_at) {
                     core.drain();
                     if progressed(&core, id, want) {
                         if polling {
                             inner.poller.store(false, Ordering::Release);
                         }
-                        return core;
+                        // The clock read for those completions, a moment ago: the caller
+                        // need not read it again.
+                        return (core, polled_at);
                     }
                 }
                 let t = Instant::now();
@@ -1516,7 +1526,7 @@ impl SmcStream {
                     if polling {
                         inner.poller.store(false, Ordering::Release);
                     }
-                    return core;
+                    return (core, None);
                 }
             }
         }
@@ -1530,7 +1540,7 @@ impl SmcStream {
             if progressed(&core, id, want) {
                 core.drain();
                 inner.poller.store(false, Ordering::Release);
-                return core;
+                return (core, None);
             }
             // Arm, then look once more before sleeping (verbs arm-then-recheck).
             for cq in &inner.cqs {
@@ -1569,13 +1579,13 @@ impl SmcStream {
             }
             core.drain();
             inner.poller.store(false, Ordering::Release);
-            return core;
+            return (core, None);
         }
         let Some(cond) = core.slots.get_mut(&id).map(|s| {
             s.waiters += 1;
             s.cond.clone()
         }) else {
-            return core;
+            return (core, None);
         };
         inner.followers.fetch_add(1, Ordering::AcqRel);
         let mut core = match cond.wait_timeout(core, wait) {
@@ -1590,7 +1600,7 @@ impl SmcStream {
         if let Some(s) = core.slots.get_mut(&id) {
             s.waiters = s.waiters.saturating_sub(1);
         }
-        core
+        (core, None)
     }
 
     fn deadline(&self, t: Option<Duration>) -> Option<Instant> {
@@ -1604,8 +1614,8 @@ impl SmcStream {
         let inner = self.stack.inner.clone();
         let deadline = self.deadline(self.read_timeout);
         let mut core = inner.lock();
+        let mut now = core.now();
         loop {
-            let now = core.now();
             if let Ok(target) = core.ep.read_target(id, now) {
                 let total = target.regions.total();
                 if total > 0 {
@@ -1637,12 +1647,13 @@ impl SmcStream {
             }
             // A reader that waits for the peer gains nothing from holding back the update
             // of what it wrote (the peer may be waiting for those bytes).
-            let now = core.now();
             if core.ep.flush(id, now).is_ok() {
                 core.drain();
             }
             let wait = self.wait_slice(deadline)?;
-            core = self.wait_progress(&inner, id, core, wait, Want::Read);
+            let (c, fresh) = self.wait_progress(&inner, id, core, now, wait, Want::Read);
+            core = c;
+            now = fresh.unwrap_or_else(|| core.now());
         }
     }
 
@@ -1709,7 +1720,7 @@ impl SmcStream {
             } else {
                 Want::Write(1)
             };
-            core = self.wait_progress(&inner, id, core, wait, want);
+            core = self.wait_progress(&inner, id, core, now, wait, want).0;
         }
     }
 }

@@ -8,7 +8,9 @@ use crate::config::{DeviceConfig, FabricConfig, Fault};
 use crate::error::{FabricError, Result};
 use crate::types::{DeviceEvent, Gid, Mac, PortState};
 use rustix::fd::OwnedFd;
-use std::collections::{HashMap, VecDeque};
+// Looked up per work request (lkeys): foldhash, not SipHash.
+use foldhash::{HashMap, HashMapExt as _};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};

@@ -12,8 +12,9 @@ use crate::types::{
     Gid, LocalQpInfo, Mtu, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
     WcStatus, WorkCompletion,
 };
+use foldhash::{HashMap, HashMapExt as _};
 use rustix::fd::{AsFd, OwnedFd};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 

@@ -4,8 +4,8 @@
 use smc_wire::{CdcMessage, ConnStateFlags, Cursor, ProducerFlags};
 
 use super::{
-    Endpoint, EndpointError, EndpointEvent, Entry, RdmaWriteTarget, ReadTarget, TcpId, WrPurpose,
-    WriteOutcome,
+    Endpoint, EndpointError, EndpointEvent, Entry, RdmaWriteTarget, ReadTarget, TcpId, WrId,
+    WrPurpose, WriteOutcome,
 };
 use crate::conn::{ApiError, Coalescing, Connection, Event};
 use crate::fabric::{FabricOp, LgrId, LinkId};
@@ -40,32 +40,51 @@ impl Endpoint {
     /// After any input to a connection engine: post its CDCs, forward its events, release
     /// it once Closed.
     pub(super) fn after_conn(&mut self, tcp: TcpId, now: Timestamp) {
-        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+        // Fields borrowed apart: the connection's CDCs and events go straight to the output
+        // queues (no vectors allocated per message on the data path).
+        let Endpoint {
+            entries,
+            lgrs,
+            wrs,
+            next_wr,
+            fabric_out,
+            events,
+            ..
+        } = self;
+        let Some(Entry::Smc(c)) = entries.get_mut(&tcp) else {
             return;
         };
-        let lgr = c.lgr;
-        let mut cdcs = Vec::new();
         while let Some(m) = c.conn.poll_transmit() {
-            cdcs.push(m);
-        }
-        let mut events = Vec::new();
-        while let Some(e) = c.conn.poll_event() {
-            events.push(e);
+            c.last_posted = Some(m.seqno);
+            let Some(link) = lgrs
+                .get_mut(&c.lgr)
+                .and_then(|g| g.links.get_mut(&c.send_link))
+            else {
+                continue;
+            };
+            link.last_activity = now;
+            let wr = WrId(*next_wr);
+            *next_wr += 1;
+            wrs.insert(
+                wr,
+                WrPurpose::Cdc {
+                    tcp,
+                    link: link.id,
+                    seq: m.seqno,
+                    prod: m.producer,
+                },
+            );
+            fabric_out.push_back(FabricOp::PostSend {
+                link: link.id,
+                wr,
+                msg: m.to_bytes(),
+            });
         }
         trim_unacked(c);
-        if let Some(m) = cdcs.last() {
-            c.last_posted = Some(m.seqno);
-        }
-        let send_link = c.send_link;
-        for m in cdcs {
-            self.post_cdc(tcp, lgr, send_link, m, now);
-        }
         let mut closed = false;
-        for e in events {
-            if e == Event::Closed {
-                closed = true;
-            }
-            self.events.push_back(EndpointEvent::Conn { tcp, event: e });
+        while let Some(e) = c.conn.poll_event() {
+            closed |= e == Event::Closed;
+            events.push_back(EndpointEvent::Conn { tcp, event: e });
         }
         if closed {
             // A connection that closed in order waits for its last CDC (which carries, or
@@ -99,25 +118,6 @@ impl Endpoint {
             }
             _ => {}
         }
-    }
-
-    fn post_cdc(&mut self, tcp: TcpId, lgr: LgrId, num: u8, m: CdcMessage, now: Timestamp) {
-        let Some(link) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
-            return;
-        };
-        link.last_activity = now;
-        let id = link.id;
-        let wr = self.new_wr(WrPurpose::Cdc {
-            tcp,
-            link: id,
-            seq: m.seqno,
-            prod: m.producer,
-        });
-        self.fabric_out.push_back(FabricOp::PostSend {
-            link: id,
-            wr,
-            msg: m.to_bytes(),
-        });
     }
 
     /// The connection reached Closed: its RMBE returns to the pool (§4.4.2).

@@ -394,7 +394,9 @@ pub struct Endpoint {
     /// that arrived on a link before it failed may be handled after its removal (its receive
     /// queue drains after the new link's), and still count.
     retired_links: VecDeque<(LinkId, LgrId)>,
-    wrs: BTreeMap<WrId, WrPurpose>,
+    /// Purposes of outstanding work requests (an insert and a removal per CDC: hashed, not
+    /// ordered; never iterated, so the engine stays deterministic).
+    wrs: foldhash::HashMap<WrId, WrPurpose>,
     /// Fabric operations held until a work request completes (QPs of a terminated group are
     /// destroyed once its DELETE LINK has been delivered, App. C.7).
     deferred: BTreeMap<WrId, Vec<FabricOp>>,
@@ -446,7 +448,7 @@ impl Endpoint {
             alerts: BTreeMap::new(),
             links: BTreeMap::new(),
             retired_links: VecDeque::new(),
-            wrs: BTreeMap::new(),
+            wrs: foldhash::HashMap::default(),
             deferred: BTreeMap::new(),
             next_lgr: 1,
             next_link: 1,
