@@ -337,7 +337,12 @@ pub(crate) struct Core {
     pub(crate) fab: Fabric,
     pub(crate) slots: HashMap<TcpId, Slot>,
     pub(crate) stats: StackStats,
-    start: Instant,
+    /// The endpoint's clock: the TSC where it is invariant (quanta calibrates it against the
+    /// monotonic clock, and falls back to that clock elsewhere). A data-path message needs a
+    /// reading or two; at about 27 ns `Instant::now` cost as much as handling a CDC.
+    clock: quanta::Clock,
+    /// The clock's raw reading when the stack started (the endpoint's epoch).
+    start: u64,
     /// Work requests whose post failed synchronously (the QP is in error): reported to the
     /// endpoint only after the QP's receive flush was seen, so that every message that
     /// arrived before the failure is processed first (otherwise failover validation would
@@ -443,17 +448,12 @@ impl Core {
 
     /// Current time on the endpoint's clock in µs (for atomics).
     pub(crate) fn now_micros(&self) -> u64 {
-        u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-
-    /// The instant `t` on the endpoint's clock, for deadlines (no clock read).
-    pub(crate) fn instant_at(&self, t: Timestamp) -> Instant {
-        self.start + t.as_duration()
+        u64::try_from(self.now().as_duration().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Current time on the endpoint's clock.
     pub(crate) fn now(&self) -> Timestamp {
-        Timestamp::from_duration(self.start.elapsed())
+        Timestamp::from_duration(self.clock.delta(self.start, self.clock.raw()))
     }
 
     /// Perform every output of the endpoint (TCP writes, fabric operations, events) until
@@ -1134,12 +1134,14 @@ impl Stack {
             rng: seed,
             dir: config.fabric.dir.clone(),
         };
+        let clock = quanta::Clock::new();
         let core = Core {
             ep: Endpoint::new(ec),
             fab,
             slots: HashMap::new(),
             stats: StackStats::default(),
-            start: Instant::now(),
+            clock: clock.clone(),
+            start: clock.raw(),
             failed_posts: Vec::new(),
             deferred: HashMap::new(),
             flushed: Default::default(),

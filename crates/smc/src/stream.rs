@@ -1482,7 +1482,7 @@ impl SmcStream {
                 let micros = u64::try_from(now.as_duration().as_micros()).unwrap_or(u64::MAX);
                 inner.poller_at.store(micros, Ordering::Release);
             }
-            let until = core.instant_at(now) + spin.min(wait);
+            let until = now + spin.min(wait);
             loop {
                 // Completions that do not concern this call (our own SENDs completing, other
                 // connections' data) are handled here and the spin goes on: returning would
@@ -1499,8 +1499,7 @@ impl SmcStream {
                         return (core, polled_at);
                     }
                 }
-                let t = Instant::now();
-                if t >= until {
+                if core.now() >= until {
                     break;
                 }
                 drop(core);
