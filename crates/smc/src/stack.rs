@@ -368,6 +368,9 @@ pub(crate) struct Core {
     /// runtime thread after it lets go of the lock (a close on loopback runs the peer's
     /// FIN processing too, tens of µs that would hold up every other thread).
     closing: Vec<crate::tcpwatch::SlotSock>,
+    /// Receive slots whose message was copied out, to be posted again at the next poll (see
+    /// [`Core::repost_receives`]).
+    reposts: Vec<(LinkId, u64)>,
 }
 
 impl Core {
@@ -797,6 +800,7 @@ impl Core {
         wcs: &mut [WorkCompletion],
         now: &mut Option<Timestamp>,
     ) -> bool {
+        self.repost_receives();
         let mut any = false;
         for dev in 0..self.fab.cqs.len() {
             let n = self.fab.cqs[dev].poll(wcs);
@@ -812,6 +816,31 @@ impl Core {
             any |= self.post_deferred();
         }
         any
+    }
+
+    /// Post the receive slots of the messages handled since the last poll again. A slot goes
+    /// back to its queue at the poll after its message, not as the message is handled: the
+    /// repost (the SGE's region looked up, the peer's credits published behind a full fence)
+    /// then lies in the time a ping-pong waits for the answer, not on the path of the reply.
+    /// Every poll starts here, and a thread polls once more after arming the channels before
+    /// it sleeps, so at most one poll's messages (32) of a link's 128 slots are out at a time.
+    fn repost_receives(&mut self) {
+        if self.reposts.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let mut reposts = std::mem::take(&mut self.reposts);
+        for (link, slot) in reposts.drain(..) {
+            // A link removed meanwhile takes its slots with it.
+            let Some(l) = self.fab.links.get(&link) else {
+                continue;
+            };
+            if self.fab.post_recv(link, l, slot).is_err() {
+                self.ep.handle_link_failure(link, &mut self.fab, now);
+            }
+        }
+        // The vector's allocation is kept for the next poll.
+        self.reposts = reposts;
     }
 
     /// Post `op` on `link`, or queue it when the link's send queue is full (or work is
@@ -891,11 +920,12 @@ impl Core {
             return;
         };
         let read = l.rx.read_at(slot as usize * RECV_SLOT_LEN, &mut buf[..len]);
-        let reposted = self.fab.post_recv(link, l, slot);
-        if read.is_err() || reposted.is_err() {
+        if read.is_err() {
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
         }
+        // Posted again at the next poll (see `repost_receives`).
+        self.reposts.push((link, slot));
         self.ep
             .handle_message(link, &buf[..len], &mut self.fab, now);
     }
@@ -1151,6 +1181,7 @@ impl Stack {
             fallback_reasons: Default::default(),
             capture: None,
             closing: Vec::new(),
+            reposts: Vec::new(),
         };
         let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(
             "{}-{:04x}.sock",

@@ -1735,6 +1735,10 @@ fn send_in_pieces(
     buf: &[u8],
     now: smc_proto::Timestamp,
 ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+    if buf.len() <= PIECE_MIN {
+        // One piece whatever the RMBE (no lookup of the connection for a small write).
+        return core.send_direct(id, buf, now);
+    }
     let piece = core.ep.connection(id).map_or(buf.len(), |c| {
         (c.config().peer_rmbe_len as usize / 4).max(PIECE_MIN)
     });

@@ -469,6 +469,23 @@ impl Connection {
         Ok(())
     }
 
+    /// [`produced`](Self::produced) and [`set_send_backlog`](Self::set_send_backlog) at once
+    /// (one pass over the send state instead of two, for the data path): `n` bytes written,
+    /// `backlog` bytes of the application's write left over.
+    pub fn produced_with_backlog(
+        &mut self,
+        n: u32,
+        backlog: u64,
+        now: Timestamp,
+    ) -> Result<(), ApiError> {
+        if n > 0 {
+            self.advance_producer(n)?;
+        }
+        self.send_backlog = backlog;
+        self.after_send_change(now);
+        Ok(())
+    }
+
     /// The caller wrote `n` bytes whose last byte is urgent (MSG_OOB). The CDC carries P and
     /// U with the producer cursor just past the urgent byte; no more data is written until the
     /// peer's consumer cursor acknowledges it.

@@ -359,10 +359,12 @@ impl Endpoint {
             return Ok(0);
         }
         let before = c.conn.producer_cursor();
+        let backlog = (data.len() - done as usize) as u64;
         if urgent && done as usize == data.len() {
             c.conn.produced_urgent(done, now)?;
+            c.conn.set_send_backlog(backlog, now);
         } else {
-            c.conn.produced(done, now)?;
+            c.conn.produced_with_backlog(done, backlog, now)?;
         }
         match keep_from {
             // Nothing awaits replay: the replay window starts after these bytes.
@@ -378,8 +380,6 @@ impl Endpoint {
                 c.unacked.extend(&data[k as usize..done as usize]);
             }
         }
-        c.conn
-            .set_send_backlog((data.len() - done as usize) as u64, now);
         self.after_conn(tcp, now);
         Ok(done as usize)
     }
@@ -640,6 +640,10 @@ fn trim_unacked(c: &mut super::SmcConn) {
 
 /// Forget replay bytes before cursor `to` (if `to` lies within them).
 fn drop_unacked_to(c: &mut super::SmcConn, to: Cursor) {
+    if c.unacked.is_empty() {
+        // The usual case on the shm fabric: every write was placed at once.
+        return;
+    }
     let Ok(ring) = RmbeRing::new(c.conn.config().layout, c.conn.config().peer_rmbe_len) else {
         return;
     };
