@@ -1615,23 +1615,20 @@ impl SmcStream {
         let mut core = inner.lock();
         let mut now = core.now();
         loop {
-            if let Ok(target) = core.ep.read_target(id, now) {
-                let total = target.regions.total();
-                if total > 0 {
-                    let mut n = (total as usize).min(buf.len());
-                    // As TCP does, a read stops in front of the urgent byte, so that
-                    // `at_mark` can tell the next read starts with it.
-                    if let Some(before) = core.ep.urgent_offset(id).filter(|d| *d > 0) {
-                        n = n.min(before as usize);
-                    }
-                    copy_out(&mut core, &target, &mut buf[..n])?;
-                    core.ep
-                        .consumed(id, n as u32, now)
-                        .map_err(io::Error::other)?;
+            // One pass: copied straight into `buf`, consumed, stopped in front of the urgent
+            // byte as TCP does (so that `at_mark` can tell the next read starts with it).
+            let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+            let Core { ep, fab, .. } = &mut *core;
+            match ep.read_with(id, max, now, |target, n| {
+                copy_out(fab, target, &mut buf[..n as usize])
+            }) {
+                Ok(Ok(0)) | Err(_) => {}
+                Ok(Ok(n)) => {
                     core.drain();
                     self.spin.after_write.store(false, Ordering::Relaxed);
-                    return Ok(n);
+                    return Ok(n as usize);
                 }
+                Ok(Err(e)) => return Err(e),
             }
             // The end of stream the peer sent comes before a later failure (the peer said
             // it was done; a reset after that loses nothing).
@@ -1810,13 +1807,12 @@ fn tcp_at_mark(sock: &TcpStream) -> io::Result<bool> {
 /// straight into the application's buffer). Every device's registration of the RMB is the
 /// same memory, so any of them serves.
 fn copy_out(
-    core: &mut Core,
+    fab: &crate::stack::Fabric,
     target: &smc_proto::endpoint::ReadTarget,
     out: &mut [u8],
 ) -> io::Result<()> {
     let regions: &Regions = &target.regions;
-    let mr = core
-        .fab
+    let mr = fab
         .rmbs
         .get(&(target.lgr, target.rmb))
         .and_then(|r| r.iter().flatten().next())

@@ -399,6 +399,51 @@ impl Endpoint {
         }
     }
 
+    /// Read up to `max` unread bytes of connection `tcp` in one pass (the data path's read):
+    /// `copy(target, n)` copies the first `n` bytes of `target`'s regions out of our RMB
+    /// (`n > 0`); they are then consumed. As TCP does, a read stops in front of the urgent
+    /// byte, so that the next read starts with it (SIOCATMARK). Returns the bytes read (0:
+    /// nothing unread now), or the copy's own error, in which case nothing is consumed.
+    /// [`read_target`](Self::read_target), [`urgent_offset`](Self::urgent_offset) and
+    /// [`consumed`](Self::consumed) do the same in three passes.
+    pub fn read_with<E>(
+        &mut self,
+        tcp: TcpId,
+        max: u32,
+        now: Timestamp,
+        copy: impl FnOnce(&ReadTarget, u32) -> Result<(), E>,
+    ) -> Result<Result<u32, E>, EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        // Linux layout: no eye catcher to check.
+        let regions = c.conn.read_regions([0; 4], now)?;
+        let mut n = regions.total().min(max);
+        if n == 0 {
+            return Ok(Ok(0));
+        }
+        if let Some(mark) = c.conn.urgent_mark() {
+            let before = RmbeRing::new(c.conn.config().layout, c.conn.config().local_rmbe_len)
+                .ok()
+                .and_then(|ring| ring.distance(c.conn.consumer_cursor(), mark).ok());
+            if let Some(before) = before.filter(|d| *d > 0) {
+                n = n.min(before);
+            }
+        }
+        let target = ReadTarget {
+            lgr: c.lgr,
+            rmb: c.local.rmb,
+            element_offset: c.local_element_offset,
+            regions,
+        };
+        if let Err(e) = copy(&target, n) {
+            return Ok(Err(e));
+        }
+        c.conn.consumed(n, now)?;
+        self.after_conn(tcp, now);
+        Ok(Ok(n))
+    }
+
     /// Where the unread bytes of a connection are in our RMB (the runtime copies them out and
     /// calls [`consumed`](Self::consumed)).
     pub fn read_target(&mut self, tcp: TcpId, now: Timestamp) -> Result<ReadTarget, EndpointError> {
