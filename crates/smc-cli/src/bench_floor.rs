@@ -9,7 +9,8 @@
 //!   layouts. Any SMC-R data path copies each byte at least twice (into the peer's RMBE, out of
 //!   it) and runs its writer and reader either on two cores at once or on one core by turns:
 //!   - [`Layout::TwoCores`]: a writer thread copies `size`-byte messages from a private buffer
-//!     into a ring of the RMBE's size, a reader thread copies whatever is there (up to the
+//!     into a ring of the RMBE's size (with the stores the shm fabric places RDMA WRITEs with:
+//!     non-temporal from 4 KiB on, see `smc_fabric::place_rdma_write`), a reader thread copies whatever is there (up to the
 //!     bench server's 256 KiB read buffer) into a private buffer. The cursors are atomics on
 //!     cache lines of their own; both sides spin, without system calls, and nothing else is
 //!     done: no headers, no flags, no wake-ups, no window updates. Every byte crosses between
@@ -17,7 +18,8 @@
 //!   - [`Layout::OneCore`]: one thread takes both turns: it copies messages into the ring until
 //!     it is full, then copies everything out (up to 256 KiB at a time), and so on. This is
 //!     what a writer and a reader that take turns on one core cost without the switches
-//!     between them; the bytes stay in that core's cache. On a machine whose cores exchange
+//!     between them; the bytes stay in that core's cache (plain stores: streaming ones would
+//!     push them out of the one cache that reads them). On a machine whose cores exchange
 //!     cache lines slowly (a VM's vCPUs may sit far apart) it is the faster of the two.
 //! - `pingpong` busy: one shared buffer per direction and a sequence number on a cache line of
 //!   its own; one side copies the message in and publishes the sequence number, the other spins
@@ -106,11 +108,14 @@ impl Shared {
         // `UnsafeCell<u8>` has the layout of `u8`, and `UnsafeCell` allows writes through a
         // shared reference.
         let base = UnsafeCell::raw_get(self.bytes.as_ptr());
+        // Placed as the shm fabric places an RDMA WRITE (non-temporal stores from 4 KiB on):
+        // the floor copies the way the data path it is compared with does.
         // SAFETY: `off + first <= len` and `src.len() - first <= len`; the caller owns the
-        // ranges (see above); `src` is private memory, so the ranges do not overlap.
+        // ranges (see above) and no reference covers them (`UnsafeCell` bytes); `src` is
+        // private memory, so the ranges do not overlap.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(off), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), base, src.len() - first);
+            smc_fabric::place_rdma_write(&src[..first], base.add(off));
+            smc_fabric::place_rdma_write(&src[first..], base);
         }
     }
 

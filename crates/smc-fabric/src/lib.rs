@@ -140,6 +140,19 @@ use rustix::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Copy `src` to `dst` the way the shm fabric places an RDMA WRITE's payload in the peer's
+/// memory: writes of 4 KiB and more with non-temporal stores, as an RNIC's DMA lands in memory
+/// rather than in a core's cache; smaller ones with plain stores. Exposed so that `smc bench`
+/// can give its stream floor the same placement as the data path it is compared with.
+///
+/// # Safety
+/// `dst` must be valid for writing `src.len()` bytes that no Rust reference covers (shared
+/// memory another thread or process may read, but does not write meanwhile).
+pub unsafe fn place_rdma_write(src: &[u8], dst: *mut u8) {
+    // SAFETY: `src` is a valid slice; `dst` as the caller promises.
+    unsafe { shm::place(src.as_ptr(), dst, src.len()) }
+}
+
 /// Names of the devices of a fabric configuration (verbs `ibv_get_device_list`).
 pub fn list_devices(config: &FabricConfig) -> Vec<String> {
     config.device_names()

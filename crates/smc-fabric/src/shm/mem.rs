@@ -150,3 +150,135 @@ pub(crate) fn random_bytes<const N: usize>() -> [u8; N] {
     }
     out
 }
+
+/// Writes at least this long are placed with non-temporal stores (see [`place`]).
+pub(crate) const NON_TEMPORAL_MIN: usize = 4096;
+
+/// Copy `len` bytes from `src` to `dst` the way an RNIC's DMA would place an RDMA WRITE: into
+/// memory, not into this core's cache. Below [`NON_TEMPORAL_MIN`] bytes (and where the ranges
+/// overlap, a loopback QP writing a region onto itself) it is a plain copy.
+///
+/// Why: the peer reads the bytes from another core. Written with plain stores they sit
+/// modified in our core's cache, and the peer pulls every line across; written with
+/// non-temporal (streaming) stores they go to memory, which the peer's prefetchers read at
+/// full speed, and our cache keeps the application's data. Measured here (two cores, 64 KiB
+/// pieces through a 512 KiB ring): 142 Gbit/s against 18-68 with plain stores.
+///
+/// The stores are fenced (`sfence`) before returning: a CDC posted after the WRITE is never
+/// seen before its data (non-temporal stores are weakly ordered).
+///
+/// # Safety
+/// `src` must be valid for reading and `dst` for writing `len` bytes; `dst` may be shared
+/// memory another process writes concurrently (it is only written, never referenced).
+pub(crate) unsafe fn place(src: *const u8, dst: *mut u8, len: usize) {
+    let overlap = (src as usize) < (dst as usize).wrapping_add(len)
+        && (dst as usize) < (src as usize).wrapping_add(len);
+    #[cfg(target_arch = "x86_64")]
+    if len >= NON_TEMPORAL_MIN && !overlap {
+        // SAFETY: forwarded from the caller; the ranges do not overlap.
+        unsafe { place_non_temporal(src, dst, len) };
+        return;
+    }
+    let _ = overlap;
+    // SAFETY: forwarded from the caller; `copy` tolerates overlap.
+    unsafe { std::ptr::copy(src, dst, len) };
+}
+
+/// [`place`] with streaming stores: a plain copy up to the first 64-byte boundary of `dst`,
+/// whole lines with `movntdq` (SSE2, part of every x86-64), a plain copy of the rest, then
+/// `sfence`.
+///
+/// # Safety
+/// As [`place`], and the ranges must not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn place_non_temporal(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    const LINE: usize = 64;
+    let head = (LINE - (dst as usize) % LINE) % LINE;
+    let head = head.min(len);
+    // SAFETY: `head <= len`; both ranges are valid per the caller and do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let mut i = head;
+    while i + LINE <= len {
+        // SAFETY: `i + 64 <= len`, so the four 16-byte loads and stores stay inside both
+        // ranges; `dst + i` is 64-byte aligned (hence 16-byte aligned, as `movntdq` needs);
+        // the loads are unaligned loads.
+        unsafe {
+            let s = src.add(i);
+            let d = dst.add(i);
+            let a = _mm_loadu_si128(s.cast::<__m128i>());
+            let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
+            let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
+            let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
+            _mm_stream_si128(d.cast::<__m128i>(), a);
+            _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
+            _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
+            _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
+        }
+        i += LINE;
+    }
+    // SAFETY: `i <= len`; the rest of both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
+    // SAFETY: `sfence` has no preconditions (SSE, part of every x86-64).
+    unsafe { _mm_sfence() };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every length around the non-temporal threshold and the line size, at every alignment of
+    /// the destination within a line: exactly the source bytes land, nothing around them.
+    #[test]
+    fn place_copies_exactly_at_every_alignment() {
+        let src: Vec<u8> = (0..3 * NON_TEMPORAL_MIN)
+            .map(|i| (i * 7 + 3) as u8)
+            .collect();
+        let lens = [
+            0,
+            1,
+            63,
+            64,
+            65,
+            NON_TEMPORAL_MIN - 1,
+            NON_TEMPORAL_MIN,
+            NON_TEMPORAL_MIN + 1,
+            NON_TEMPORAL_MIN + 63,
+            2 * NON_TEMPORAL_MIN + 17,
+        ];
+        for len in lens {
+            for align in [0usize, 1, 15, 16, 31, 48, 63] {
+                for src_off in [0usize, 5] {
+                    let mut dst = vec![0xeeu8; len + 256];
+                    // The destination starts `align` bytes past a 64-byte boundary.
+                    let base = dst.as_mut_ptr();
+                    let start = (64 - (base as usize) % 64) % 64 + align;
+                    // SAFETY: `start + len <= dst.len()`; `src_off + len <= src.len()`; the
+                    // vectors do not overlap.
+                    unsafe { place(src.as_ptr().add(src_off), base.add(start), len) };
+                    assert_eq!(
+                        &dst[start..start + len],
+                        &src[src_off..src_off + len],
+                        "len {len} align {align}"
+                    );
+                    assert!(dst[..start].iter().all(|b| *b == 0xee), "before, len {len}");
+                    assert!(
+                        dst[start + len..].iter().all(|b| *b == 0xee),
+                        "after, len {len}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Overlapping ranges (a loopback QP writing a region onto itself) move like `memmove`.
+    #[test]
+    fn place_moves_overlapping_ranges() {
+        let mut buf: Vec<u8> = (0..3 * NON_TEMPORAL_MIN).map(|i| i as u8).collect();
+        let want: Vec<u8> = buf[..2 * NON_TEMPORAL_MIN].to_vec();
+        let p = buf.as_mut_ptr();
+        // SAFETY: both ranges lie inside `buf`.
+        unsafe { place(p, p.add(100), 2 * NON_TEMPORAL_MIN) };
+        assert_eq!(&buf[100..100 + 2 * NON_TEMPORAL_MIN], &want[..]);
+    }
+}

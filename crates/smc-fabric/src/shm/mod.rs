@@ -11,6 +11,7 @@ mod control;
 mod cq;
 mod device;
 mod mem;
+pub(crate) use mem::place;
 mod mr;
 mod qp;
 mod wire;

@@ -913,8 +913,10 @@ impl QpShared {
                 // destination is shared memory the peer owns: written only with a raw copy,
                 // never referenced. A peer mapping and a local source never overlap (distinct
                 // mappings), except for a loopback QP writing a region onto itself, where the
-                // caller asked for it; `copy` tolerates overlap.
-                unsafe { std::ptr::copy(src, m.mapping.ptr().add(off as usize), len) };
+                // caller asked for it; `place` tolerates overlap (a plain `copy` then).
+                // Placed as an RNIC's DMA would: large writes with non-temporal stores (see
+                // `mem::place`).
+                unsafe { mem::place(src, m.mapping.ptr().add(off as usize), len) };
                 if !o.inflight.is_empty() {
                     // Completes after the SENDs before it.
                     o.inflight.push_back(Inflight {
