@@ -1490,14 +1490,18 @@ impl SmcStream {
                 let mut polled_at = None;
                 if core.poll_completions_at(&mut wcs, &mut polled_at) {
                     core.drain();
-                    if progressed(&core, id, want) {
-                        if polling {
-                            inner.poller.store(false, Ordering::Release);
-                        }
-                        // The clock read for those completions, a moment ago: the caller
-                        // need not read it again.
-                        return (core, polled_at);
+                }
+                // Whether what this poll handled, or what another thread (the runtime thread,
+                // or another stream's) handled while the lock was free, lets the call go on.
+                // Looked at once per look at the queues: after a wake-up of the spin, the poll
+                // comes first (it likely holds the answer).
+                if progressed(&core, id, want) {
+                    if polling {
+                        inner.poller.store(false, Ordering::Release);
                     }
+                    // The clock read for those completions, a moment ago (if any came): the
+                    // caller need not read it again.
+                    return (core, polled_at);
                 }
                 if core.now() >= until {
                     break;
@@ -1518,14 +1522,6 @@ impl SmcStream {
                     if polling {
                         inner.poller_at.store(core.now_micros(), Ordering::Release);
                     }
-                }
-                // Another thread (the runtime thread, or another stream's) may have handled
-                // the completion this call waits for while the lock was free.
-                if progressed(&core, id, want) {
-                    if polling {
-                        inner.poller.store(false, Ordering::Release);
-                    }
-                    return (core, None);
                 }
             }
         }
