@@ -29,7 +29,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 40)]
     fail_at: u8,
     /// Receive buffer (RMBE) size per connection (suffixes K, M).
-    #[arg(long, default_value = "256K", value_parser = parse_size)]
+    #[arg(long, default_value = "512K", value_parser = parse_size)]
     buffer: u64,
     /// Busy polling in both processes: blocked reads and writes spin this many microseconds
     /// on the completion queues before sleeping (0: off).

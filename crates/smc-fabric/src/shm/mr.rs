@@ -93,14 +93,8 @@ impl MrInner {
             return Err(FabricError::LocalAccess);
         }
         // SAFETY: the range is inside the live mapping; shared memory is only copied with raw
-        // pointer copies, never referenced.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.mapping.ptr().add(offset),
-                buf.as_mut_ptr(),
-                buf.len(),
-            )
-        };
+        // pointer copies, never referenced; `buf` is private memory (no overlap).
+        unsafe { mem::fetch(self.mapping.ptr().add(offset), buf.as_mut_ptr(), buf.len()) };
         Ok(())
     }
 
