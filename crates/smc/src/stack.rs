@@ -616,7 +616,8 @@ impl Core {
                 // completes.
                 WriteOutcome::Posted
             };
-            if deferred.get(&t.link).is_some_and(|q| !q.is_empty()) {
+            // (The emptiness of the whole map first: no hashing in the usual case.)
+            if !deferred.is_empty() && deferred.get(&t.link).is_some_and(|q| !q.is_empty()) {
                 // Behind work already waiting for room: keep the order.
                 return defer(deferred);
             }
@@ -846,7 +847,7 @@ impl Core {
     /// Post `op` on `link`, or queue it when the link's send queue is full (or work is
     /// already waiting there, to keep the order); any other error fails it.
     fn post_or_defer(&mut self, link: LinkId, op: Deferred) {
-        if self.deferred.get(&link).is_some_and(|q| !q.is_empty()) {
+        if !self.deferred.is_empty() && self.deferred.get(&link).is_some_and(|q| !q.is_empty()) {
             self.deferred.entry(link).or_default().push_back(op);
             return;
         }

@@ -179,7 +179,11 @@ pub(crate) unsafe fn place(src: *const u8, dst: *mut u8, len: usize) {
         unsafe { place_non_temporal(src, dst, len) };
         return;
     }
-    let _ = overlap;
+    if !overlap {
+        // SAFETY: forwarded from the caller; the ranges do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        return;
+    }
     // SAFETY: forwarded from the caller; `copy` tolerates overlap.
     unsafe { std::ptr::copy(src, dst, len) };
 }
