@@ -8,6 +8,7 @@ mod fallback;
 mod forged;
 mod malicious;
 mod pnet;
+mod reads;
 mod rendezvous;
 mod rtoken_set;
 
