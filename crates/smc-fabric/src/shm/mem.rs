@@ -196,35 +196,59 @@ pub(crate) unsafe fn place(src: *const u8, dst: *mut u8, len: usize) {
 /// As [`place`], and the ranges must not overlap.
 #[cfg(target_arch = "x86_64")]
 unsafe fn place_non_temporal(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    const LINE: usize = 64;
-    let head = (LINE - (dst as usize) % LINE) % LINE;
-    let head = head.min(len);
+    let head = ((LINE - (dst as usize) % LINE) % LINE).min(len);
     // SAFETY: `head <= len`; both ranges are valid per the caller and do not overlap.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let mut i = head;
-    while i + LINE <= len {
-        // SAFETY: `i + 64 <= len`, so the four 16-byte loads and stores stay inside both
-        // ranges; `dst + i` is 64-byte aligned (hence 16-byte aligned, as `movntdq` needs);
-        // the loads are unaligned loads.
-        unsafe {
-            let s = src.add(i);
-            let d = dst.add(i);
-            let a = _mm_loadu_si128(s.cast::<__m128i>());
-            let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
-            let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
-            let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
-            _mm_stream_si128(d.cast::<__m128i>(), a);
-            _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
-            _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
-            _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
-        }
-        i += LINE;
-    }
+    // SAFETY: the rest of both ranges; `dst + head` is 64-byte aligned.
+    let done = unsafe { copy_lines::<true>(src.add(head), dst.add(head), len - head) };
+    let i = head + done;
     // SAFETY: `i <= len`; the rest of both ranges.
     unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
     // SAFETY: `sfence` has no preconditions (SSE, part of every x86-64).
-    unsafe { _mm_sfence() };
+    unsafe { std::arch::x86_64::_mm_sfence() };
+}
+
+/// Bytes of a cache line, the unit of [`copy_lines`].
+#[cfg(target_arch = "x86_64")]
+const LINE: usize = 64;
+
+/// Copy the whole 64-byte lines of `len` bytes from `src` to `dst` with 16-byte unaligned
+/// loads and, with `STREAM`, non-temporal stores (`movntdq`, which needs `dst` 16-byte
+/// aligned), else unaligned stores (SSE2, part of every x86-64). Returns the bytes copied (`len`
+/// rounded down to a multiple of 64); the caller copies the rest.
+///
+/// # Safety
+/// `src` valid for reading and `dst` for writing `len` bytes, not overlapping; with `STREAM`,
+/// `dst` 16-byte aligned.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_lines<const STREAM: bool>(src: *const u8, dst: *mut u8, len: usize) -> usize {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_stream_si128};
+    let mut i = 0;
+    while i + LINE <= len {
+        // SAFETY: `i + 64 <= len`, so the four 16-byte loads and stores stay inside both
+        // ranges; the loads are unaligned loads, the stores unaligned or (STREAM) to a 16-byte
+        // aligned address, as the caller promises.
+        unsafe {
+            let s = src.add(i);
+            let d = dst.add(i);
+            let v = [
+                _mm_loadu_si128(s.cast::<__m128i>()),
+                _mm_loadu_si128(s.add(16).cast::<__m128i>()),
+                _mm_loadu_si128(s.add(32).cast::<__m128i>()),
+                _mm_loadu_si128(s.add(48).cast::<__m128i>()),
+            ];
+            for (k, x) in v.into_iter().enumerate() {
+                let p = d.add(16 * k).cast::<__m128i>();
+                if STREAM {
+                    _mm_stream_si128(p, x);
+                } else {
+                    _mm_storeu_si128(p, x);
+                }
+            }
+        }
+        i += LINE;
+    }
+    i
 }
 
 /// Copy `len` bytes out of a registered region (`src`) into the application's buffer (`dst`).
@@ -262,25 +286,8 @@ const FETCH_LOOP_MIN: usize = 1024;
 /// As [`fetch`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn fetch_loop(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128};
-    let mut i = 0;
-    while i + 64 <= len {
-        // SAFETY: `i + 64 <= len`: the four loads and stores stay inside both ranges; both are
-        // unaligned accesses.
-        unsafe {
-            let s = src.add(i);
-            let d = dst.add(i);
-            let a = _mm_loadu_si128(s.cast::<__m128i>());
-            let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
-            let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
-            let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
-            _mm_storeu_si128(d.cast::<__m128i>(), a);
-            _mm_storeu_si128(d.add(16).cast::<__m128i>(), b);
-            _mm_storeu_si128(d.add(32).cast::<__m128i>(), c);
-            _mm_storeu_si128(d.add(48).cast::<__m128i>(), e);
-        }
-        i += 64;
-    }
+    // SAFETY: forwarded from the caller (plain stores: no alignment needed).
+    let i = unsafe { copy_lines::<false>(src, dst, len) };
     // SAFETY: `i <= len`; the rest of both ranges.
     unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
 }
