@@ -394,11 +394,9 @@ fn no_decline_after_accept_on_subsequent_contact() {
         .any(|e| matches!(&e.what, Traced::Clc(TcpId(2), ClcMessage::Decline(_)))));
 }
 
-/// First contact: the client finishes the second-link exchange (and sends data on link 1)
-/// before its CONFIRM LINK reply on link 2 reaches the server: the data is held until the
-/// server's side completes.
-#[test]
-fn data_overtaking_second_link_confirmation_is_held() {
+/// A first contact of `T1` whose CONFIRM LINK reply for link 2 never reached the server: the
+/// client is established, the server still waits for the second link's confirmation.
+fn first_contact_without_second_confirm_reply() -> EndpointPair {
     let mut p = EndpointPair::with_devices(2, 2);
     p.knobs.silent_drop = true;
     p.knobs.drop = Some(Box::new(
@@ -408,6 +406,15 @@ fn data_overtaking_second_link_confirmation_is_held() {
     p.run();
     p.knobs.drop = None;
     assert!(established(&p, Side::A, T1));
+    p
+}
+
+/// First contact: the client finishes the second-link exchange (and sends data on link 1)
+/// before its CONFIRM LINK reply on link 2 reaches the server: the data is held until the
+/// server's side completes.
+#[test]
+fn data_overtaking_second_link_confirmation_is_held() {
+    let mut p = first_contact_without_second_confirm_reply();
     assert!(!established(&p, Side::B, T1));
     p.app_send(Side::A, T1, b"overtaking");
     p.run();
@@ -439,15 +446,7 @@ fn data_overtaking_second_link_confirmation_is_held() {
 /// opening a parallel one.
 #[test]
 fn proposal_during_first_contact_waits_and_reuses_the_group() {
-    let mut p = EndpointPair::with_devices(2, 2);
-    p.knobs.silent_drop = true;
-    p.knobs.drop = Some(Box::new(
-        |e| matches!(&e.what, Traced::Llc(_, LlcMessage::ConfirmLink(c)) if c.reply && c.link_num == 2),
-    ));
-    p.connect(T1);
-    p.run();
-    p.knobs.drop = None;
-    assert!(established(&p, Side::A, T1));
+    let mut p = first_contact_without_second_confirm_reply();
     assert_eq!(p.b.ep.handshake_state(T1), Some("ExpectSecondLink"));
     p.connect(T2);
     p.run();
