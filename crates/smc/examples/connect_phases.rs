@@ -63,12 +63,25 @@ struct Phases {
 }
 
 impl Phases {
-    fn add(&mut self, t0: Instant, t1: Instant, t2: Instant, t3: Instant) {
-        let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
-        self.connect.push(us(t0, t1));
-        self.exchange.push(us(t1, t2));
-        self.close.push(us(t2, t3));
-        self.total.push(us(t0, t3));
+    /// Time one connection: `connect`, a 1-byte request and answer, close. Recorded only when
+    /// `record` (the first SMC-R connection creates the link group).
+    fn measure<S: Read + Write>(&mut self, record: bool, connect: impl FnOnce() -> S) {
+        let mut b = [0u8; 1];
+        let t0 = Instant::now();
+        let mut s = connect();
+        let t1 = Instant::now();
+        s.write_all(&[1]).expect("write");
+        s.read_exact(&mut b).expect("read");
+        let t2 = Instant::now();
+        drop(s);
+        let t3 = Instant::now();
+        if record {
+            let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+            self.connect.push(us(t0, t1));
+            self.exchange.push(us(t1, t2));
+            self.close.push(us(t2, t3));
+            self.total.push(us(t0, t3));
+        }
     }
 
     fn print(&mut self, name: &str) {
@@ -128,33 +141,19 @@ fn main() {
     for _ in 0..2 {
         let mut smc = Phases::default();
         let mut plain = Phases::default();
-        let mut b = [0u8; 1];
         for i in 0..=rounds {
-            let t0 = Instant::now();
-            let mut s = SmcStream::connect_with(&stack, ("127.0.0.1", port)).expect("connect");
-            let t1 = Instant::now();
-            s.write_all(&[1]).expect("write");
-            s.read_exact(&mut b).expect("read");
-            let t2 = Instant::now();
-            drop(s);
-            let t3 = Instant::now();
             // The first connection creates the link group.
-            if i > 0 {
-                smc.add(t0, t1, t2, t3);
-            }
+            smc.measure(i > 0, || {
+                SmcStream::connect_with(&stack, ("127.0.0.1", port)).expect("connect")
+            });
             if std::env::var_os("PHASES_ONLY_SMC").is_some() {
                 continue;
             }
-            let t0 = Instant::now();
-            let mut s = TcpStream::connect(("127.0.0.1", tcp_port)).expect("connect");
-            s.set_nodelay(true).expect("nodelay");
-            let t1 = Instant::now();
-            s.write_all(&[1]).expect("write");
-            s.read_exact(&mut b).expect("read");
-            let t2 = Instant::now();
-            drop(s);
-            let t3 = Instant::now();
-            plain.add(t0, t1, t2, t3);
+            plain.measure(true, || {
+                let s = TcpStream::connect(("127.0.0.1", tcp_port)).expect("connect");
+                s.set_nodelay(true).expect("nodelay");
+                s
+            });
         }
         smc.print("smc");
         if std::env::var_os("PHASES_ONLY_SMC").is_none() {
