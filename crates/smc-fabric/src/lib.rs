@@ -450,6 +450,15 @@ impl MemoryRegion {
             lkey: self.lkey(),
         })
     }
+    /// A hint to fetch the cache line of byte `offset` of the region (`None` past its end),
+    /// to be issued when the byte is about to be read: a reader that learns from a
+    /// completion that a peer wrote there can start the line's transfer from the writer's
+    /// cache while it handles the completion, instead of waiting for it at the copy.
+    pub fn prefetch_hint(&self, offset: usize) -> Option<PrefetchHint> {
+        match &self.inner {
+            MrImpl::Shm { mr, .. } => mr.prefetch_hint(offset),
+        }
+    }
     /// Copy bytes out of the region starting at `offset`.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
         match &self.inner {
@@ -488,6 +497,22 @@ impl std::fmt::Debug for MemoryRegion {
 #[derive(Clone)]
 enum CqImpl {
     Shm(Arc<shm::CqShared>),
+}
+
+/// Where to start fetching a cache line ahead of a read (see
+/// [`MemoryRegion::prefetch_hint`]). Issuing it is always harmless: a prefetch never faults,
+/// even after the region is gone, and changes nothing but what the cache holds.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefetchHint {
+    pub(crate) addr: usize,
+}
+
+impl PrefetchHint {
+    /// Start fetching the line into this core's cache (returns at once).
+    #[inline]
+    pub fn issue(self) {
+        shm::prefetch(self.addr);
+    }
 }
 
 /// A completion queue with a completion channel.

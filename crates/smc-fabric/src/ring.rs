@@ -166,6 +166,12 @@ impl Producer {
     /// at its error, or we see the revocation). `None` once revoked.
     pub(crate) fn credits(hdr: &RingHeader) -> Option<u64> {
         fence(SeqCst);
+        Self::credits_after_fence(hdr)
+    }
+
+    /// [`credits`](Self::credits) for a caller that issued a SeqCst fence after its push
+    /// already (the doorbell check's, [`consumer_needs_doorbell`](Self::consumer_needs_doorbell)).
+    pub(crate) fn credits_after_fence(hdr: &RingHeader) -> Option<u64> {
         match hdr.credits.load(Acquire) {
             CREDITS_REVOKED => None,
             c => Some(c),

@@ -831,3 +831,24 @@ fn post_status_says_whether_a_write_was_executed() {
     b.rmb.read_at(128, &mut got).unwrap();
     assert_eq!(got, [0u8; 6]);
 }
+
+#[test]
+fn prefetch_hints_cover_exactly_the_region_and_stay_harmless_after_it_is_gone() {
+    let b = Side::new(&cfg("prefetch"), "shm0", 8192);
+    let len = b.rmb.len();
+    assert!(b.rmb.prefetch_hint(0).is_some());
+    assert!(b.rmb.prefetch_hint(len - 1).is_some());
+    assert!(b.rmb.prefetch_hint(len).is_none());
+    assert!(b.rmb.prefetch_hint(usize::MAX).is_none());
+    let mr =
+        b.pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let hint = mr.prefetch_hint(4095).unwrap();
+    hint.issue();
+    drop(mr);
+    // The mapping is gone: a prefetch of it is ignored by the CPU, never a fault.
+    hint.issue();
+    let mut got = [1u8; 4];
+    b.rmb.read_at(len - 4, &mut got).unwrap();
+    assert_eq!(got, [0; 4]);
+}

@@ -1471,6 +1471,14 @@ impl SmcStream {
             .busy_poll
             .or_else(|| adaptive.then(|| self.spin.budget()).flatten());
         if let Some(spin) = spin {
+            // Where the next byte a read waits for lands in our RMB.
+            let prefetch = match want {
+                Want::Read => core.ep.next_read_at(id).and_then(|(lgr, rmb, at)| {
+                    let mr = core.fab.rmbs.get(&(lgr, rmb))?.iter().flatten().next()?;
+                    mr.prefetch_hint(usize::try_from(at).ok()?)
+                }),
+                Want::Write(_) => None,
+            };
             // Spinning as the poller keeps the runtime thread off the completion channels,
             // so the peer rings no doorbell (no system call on either side). Recorded as a
             // recent poll, so that the runtime thread stays off them between two waits too
@@ -1512,6 +1520,11 @@ impl SmcStream {
                 // the lock anyway, to see the clock and what other threads handled.
                 for _ in 0..SPINS_BETWEEN_LOOKS {
                     if inner.cqs.iter().any(|cq| cq.maybe_ready()) {
+                        // Likely the peer's CDC, with its data before it: the data's line
+                        // travels while the poll handles the CDC.
+                        if let Some(p) = prefetch {
+                            p.issue();
+                        }
                         break;
                     }
                     std::hint::spin_loop();

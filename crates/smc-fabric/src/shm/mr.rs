@@ -98,6 +98,13 @@ impl MrInner {
         Ok(())
     }
 
+    /// See [`crate::MemoryRegion::prefetch_hint`].
+    pub(crate) fn prefetch_hint(&self, offset: usize) -> Option<crate::PrefetchHint> {
+        (offset < self.len()).then(|| crate::PrefetchHint {
+            addr: self.mapping.ptr() as usize + offset,
+        })
+    }
+
     /// Copy `buf` into the region at `offset`.
     pub(crate) fn write_at(&self, offset: usize, buf: &[u8]) -> Result<()> {
         let end = offset

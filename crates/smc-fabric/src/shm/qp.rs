@@ -519,8 +519,17 @@ impl QpShared {
     /// yet: one load of the ring's tail, no lock. A hint for spinning pollers (a scribbled
     /// tail makes it say yes; polling then finds the corruption).
     pub(crate) fn maybe_readable(&self) -> bool {
-        self.inbound_header().tail.load(Ordering::Acquire)
-            != self.rx_consumed.load(Ordering::Relaxed)
+        let consumed = self.rx_consumed.load(Ordering::Relaxed);
+        if self.inbound_header().tail.load(Ordering::Acquire) == consumed {
+            return false;
+        }
+        // The poll that follows reads the oldest slot: its line starts moving from the
+        // producer's cache now.
+        if let Some(idx) = consumed.checked_rem(u64::from(self.inbound_cap)) {
+            let at = HEADER_SIZE + idx as usize * crate::ring::SLOT_SIZE;
+            super::mem::prefetch(self.inbound.ptr() as usize + at);
+        }
+        true
     }
 
     /// Post a send-queue work request.
@@ -798,18 +807,35 @@ impl QpShared {
     /// Complete in-flight work requests whose SENDs the peer accepted: consumed from the ring
     /// (its `head`) or covered by a receive WR it posted (its credits, unless revoked).
     fn reap(&self, o: &mut Outbound) {
+        self.reap_fenced(o, false);
+    }
+
+    /// [`reap`](Self::reap); `fenced`: a full fence came after our last push (the doorbell
+    /// check's), so the credits are read without another one.
+    fn reap_fenced(&self, o: &mut Outbound, fenced: bool) {
         if o.inflight.is_empty() {
             return;
         }
         let hdr = o.header();
         let mut level = o.acked;
         // The peer may scribble: only values between what we know and what we sent count.
-        let head = hdr.head.load(Ordering::Acquire);
-        if head <= o.sent {
-            level = level.max(head);
-        }
-        if let Some(credits) = Producer::credits(hdr) {
+        let credits = if fenced {
+            Producer::credits_after_fence(hdr)
+        } else {
+            Producer::credits(hdr)
+        };
+        if let Some(credits) = credits {
             level = level.max(credits.min(o.sent));
+        }
+        // The head only when the credits do not cover everything sent (they usually do): the
+        // consumer writes its head for every message, and a read of ours here would make
+        // that write wait for the line to come back (its full fence follows it), on the path
+        // of every message it receives.
+        if level < o.sent {
+            let head = hdr.head.load(Ordering::Acquire);
+            if head <= o.sent {
+                level = level.max(head);
+            }
         }
         o.acked = level;
         while o.inflight.front().is_some_and(|f| f.seq <= level) {
@@ -857,6 +883,8 @@ impl QpShared {
                 let slots = o.slots();
                 match o.producer.try_push(ring_header(&o.ring), &slots, data) {
                     Ok(true) => {
+                        // (Its full fence also orders the push before the credits `reap` reads
+                        // below: see `Producer::credits`.)
                         if Producer::consumer_needs_doorbell(o.header()) {
                             mem::ring_eventfd(o.rx_bell.as_fd());
                         }
@@ -868,7 +896,7 @@ impl QpShared {
                             signaled,
                             seq: o.sent,
                         });
-                        self.reap(o);
+                        self.reap_fenced(o, true);
                         Exec::Done(None)
                     }
                     Ok(false) => Exec::Full,

@@ -1449,42 +1449,47 @@ impl Connection {
     }
 
     fn sync_timers(&mut self, now: Timestamp) {
-        let want = |t: &TimerTable<ConnTimer, 5>, k: ConnTimer, on: bool, after: Duration| {
-            let mut t = *t;
-            match (on, t.is_set(k)) {
+        // Changed in place, and only where the wish differs from what is set: this runs after
+        // every input of the data path.
+        let want =
+            |t: &mut TimerTable<ConnTimer, 5>, k: ConnTimer, on: bool, after: Duration| match (
+                on,
+                t.is_set(k),
+            ) {
                 (true, false) => t.set(k, now + after),
                 (false, true) => t.stop(k),
                 _ => {}
-            }
-            t
-        };
+            };
         let flush_after = if self.cork {
             self.config.cork_ceiling
         } else {
             self.config.coalescing.map_or(Duration::ZERO, |c| c.delay)
         };
-        let mut t = self.timers;
-        t = want(&t, ConnTimer::Flush, self.holding(), flush_after);
-        t = want(
-            &t,
+        let holding = self.holding();
+        let close_wait = matches!(self.state, State::PeerCloseWait1 | State::PeerCloseWait2)
+            && self.local_closed;
+        let fin_close_wait = self.state == State::PeerFinCloseWait;
+        let abort_wait = self.state == State::PeerAbortWait;
+        let t = &mut self.timers;
+        want(t, ConnTimer::Flush, holding, flush_after);
+        want(
+            t,
             ConnTimer::PeerCloseWait,
-            matches!(self.state, State::PeerCloseWait1 | State::PeerCloseWait2)
-                && self.local_closed,
+            close_wait,
             self.config.close_timeout,
         );
-        t = want(
-            &t,
+        want(
+            t,
             ConnTimer::PeerFinCloseWait,
-            self.state == State::PeerFinCloseWait,
+            fin_close_wait,
             self.config.close_timeout,
         );
-        t = want(
-            &t,
+        want(
+            t,
             ConnTimer::PeerAbortWait,
-            self.state == State::PeerAbortWait,
+            abort_wait,
             self.config.abort_timeout,
         );
-        self.timers = t;
     }
 }
 

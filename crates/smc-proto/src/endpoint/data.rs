@@ -444,6 +444,17 @@ impl Endpoint {
         Ok(Ok(n))
     }
 
+    /// Where in our RMB the next byte of connection `tcp` will be read from (its consumer
+    /// cursor): link group, RMB and offset in the RMB. A reader that waits for data can
+    /// fetch that cache line as soon as a completion arrives (see the runtime's spin).
+    pub fn next_read_at(&self, tcp: TcpId) -> Option<(LgrId, crate::rmb_pool::RmbId, u64)> {
+        let Some(Entry::Smc(c)) = self.entries.get(&tcp) else {
+            return None;
+        };
+        let at = c.local_element_offset + u64::from(c.conn.consumer_cursor().count);
+        Some((c.lgr, c.local.rmb, at))
+    }
+
     /// Where the unread bytes of a connection are in our RMB (the runtime copies them out and
     /// calls [`consumed`](Self::consumed)).
     pub fn read_target(&mut self, tcp: TcpId, now: Timestamp) -> Result<ReadTarget, EndpointError> {

@@ -68,3 +68,37 @@ fn read_with_consumes_what_was_copied_and_nothing_after_a_failed_copy() {
         Some(&b"!"[..])
     );
 }
+
+/// `next_read_at` names the RMB byte the next read starts at: the first unread byte once
+/// data arrived, and it moves with every read.
+#[test]
+fn next_read_at_points_at_the_first_unread_byte() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    p.host_mut(Side::B).auto_read = false;
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::B, T1));
+    let before = p
+        .host_mut(Side::B)
+        .ep
+        .next_read_at(T1)
+        .expect("established");
+    p.app_send(Side::A, T1, b"hello world");
+    p.run();
+    let now = p.now;
+    let h = p.host_mut(Side::B);
+    assert_eq!(h.ep.next_read_at(T1), Some(before));
+    let (lgr, rmb, at) = before;
+    // The byte there is the first one sent.
+    let mem = &h.res.memory.get(&(lgr, rmb)).expect("RMB").1;
+    assert_eq!(mem[at as usize], b'h');
+    assert_eq!(read(h, 4, false, now).as_deref(), Some(&b"hell"[..]));
+    assert_eq!(h.ep.next_read_at(T1), Some((lgr, rmb, at + 4)));
+    assert_eq!(mem_byte(h, lgr, rmb, at + 4), b'o');
+    // A connection that does not exist has no such byte.
+    assert_eq!(h.ep.next_read_at(TcpId(999)), None);
+}
+
+fn mem_byte(h: &Host, lgr: crate::fabric::LgrId, rmb: crate::rmb_pool::RmbId, at: u64) -> u8 {
+    h.res.memory.get(&(lgr, rmb)).expect("RMB").1[at as usize]
+}
