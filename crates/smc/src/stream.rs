@@ -1619,7 +1619,7 @@ impl SmcStream {
         if buf.is_empty() || self.read_shut {
             return Ok(0);
         }
-        let inner = self.stack.inner.clone();
+        let inner: &crate::stack::Inner = &self.stack.inner;
         let deadline = self.deadline(self.read_timeout);
         let mut core = inner.lock();
         let mut now = core.now();
@@ -1656,7 +1656,7 @@ impl SmcStream {
                 core.drain();
             }
             let wait = self.wait_slice(deadline)?;
-            let (c, fresh) = self.wait_progress(&inner, id, core, now, wait, Want::Read);
+            let (c, fresh) = self.wait_progress(inner, id, core, now, wait, Want::Read);
             core = c;
             now = fresh.unwrap_or_else(|| core.now());
         }
@@ -1690,7 +1690,7 @@ impl SmcStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let inner = self.stack.inner.clone();
+        let inner: &crate::stack::Inner = &self.stack.inner;
         let deadline = self.deadline(self.write_timeout);
         let mut core = inner.lock();
         loop {
@@ -1725,7 +1725,7 @@ impl SmcStream {
             } else {
                 Want::Write(1)
             };
-            core = self.wait_progress(&inner, id, core, now, wait, want).0;
+            core = self.wait_progress(inner, id, core, now, wait, want).0;
         }
     }
 }
