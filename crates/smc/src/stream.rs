@@ -1785,7 +1785,7 @@ fn progressed(core: &Core, id: TcpId, want: Want) -> bool {
         (Some(c), Want::Read) => c.readable() > 0 || c.is_read_closed(),
         // What the send path can take (not `window()`: after urgent data no write is taken
         // until the peer read the urgent byte, whatever the window).
-        (Some(c), Want::Write(n)) => c.write_regions().total() >= n.max(1),
+        (Some(c), Want::Write(n)) => c.write_room() >= n.max(1),
     }
 }
 

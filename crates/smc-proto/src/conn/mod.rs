@@ -445,9 +445,25 @@ impl Connection {
         self.peer_ring.regions(self.prod, self.window())
     }
 
+    /// Bytes the next write may take: the total of [`write_regions`](Self::write_regions),
+    /// without building them.
+    pub fn write_room(&self) -> u32 {
+        let room = if !self.can_write()
+            || matches!(self.urgent, SendUrgent::InFlight { .. })
+            || !self.peer_ring.contains(self.prod)
+        {
+            0
+        } else {
+            // At most the capacity, as the regions are.
+            self.window().min(self.peer_ring.capacity())
+        };
+        debug_assert_eq!(room, self.write_regions().total());
+        room
+    }
+
     fn advance_producer(&mut self, n: u32) -> Result<(), ApiError> {
         self.check_write()?;
-        let available = self.write_regions().total();
+        let available = self.write_room();
         if n > available {
             return Err(ApiError::ExceedsWindow {
                 requested: n,
@@ -858,7 +874,7 @@ impl Connection {
         }
         // Send direction.
         if acked > 0 {
-            let was_blocked = self.write_regions().is_empty();
+            let was_blocked = self.write_room() == 0;
             self.peer_cons = msg.consumer;
             if let SendUrgent::InFlight { end, next_pending } = self.urgent {
                 if self.peer_ring.distance(end, self.peer_cons).is_ok() {
@@ -869,7 +885,7 @@ impl Connection {
                     };
                 }
             }
-            if was_blocked && !self.write_regions().is_empty() {
+            if was_blocked && self.write_room() > 0 {
                 self.events.push_back(Event::Writable);
             }
         }
@@ -1323,6 +1339,27 @@ impl Connection {
     }
 
     fn cdc_needed(&self) -> bool {
+        // The usual answer after an input of the data path, without computing the flags: no
+        // new bytes, nothing requested or due, no flag that could be newly set (every flag
+        // below follows one of these fields), so no branch further down can say yes.
+        if !self.abort_pending
+            && !self.resend_due
+            && !self.request_update
+            && !self.cons_update_due
+            && !self.local_closed
+            && !self.write_shut
+            && self.send_backlog == 0
+            && self.urgent == SendUrgent::None
+            && self.prod == self.prod_sent
+        {
+            debug_assert!(!self.cdc_needed_in_full());
+            return false;
+        }
+        self.cdc_needed_in_full()
+    }
+
+    /// [`cdc_needed`](Self::cdc_needed) without its shortcut.
+    fn cdc_needed_in_full(&self) -> bool {
         if self.abort_pending {
             return true;
         }

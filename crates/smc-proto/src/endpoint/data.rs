@@ -271,7 +271,7 @@ impl Endpoint {
         if data.is_empty() {
             return Err(crate::conn::ApiError::EmptyUrgent.into());
         }
-        if (c.conn.write_regions().total() as usize) < data.len() {
+        if (c.conn.write_room() as usize) < data.len() {
             c.conn.urgent_pending(now)?;
             self.after_conn(tcp, now);
             return Ok(0);

@@ -95,6 +95,12 @@ proptest! {
                     p.pump(Side::B);
                 }
             }
+            // In every state (closing, shut down, aborted), the data path's shortcut agrees
+            // with the regions it stands for.
+            for s in [Side::A, Side::B] {
+                let c = &p.peer(s).conn;
+                prop_assert_eq!(c.write_room(), c.write_regions().total());
+            }
         }
         // Every application that has not closed now closes, reading what is left first (a
         // runtime drains its send buffer before the close completes).
