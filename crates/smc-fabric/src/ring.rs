@@ -112,6 +112,17 @@ pub(crate) struct Producer {
     /// is read only when this copy says the ring is full.
     head: u64,
     capacity: u32,
+    /// `tail % capacity`, kept as the tail moves (no division per message).
+    slot: u32,
+}
+
+/// The slot after `slot` in a ring of `capacity` slots.
+fn next_slot(slot: u32, capacity: u32) -> u32 {
+    if slot + 1 >= capacity {
+        0
+    } else {
+        slot + 1
+    }
 }
 
 impl Producer {
@@ -120,6 +131,7 @@ impl Producer {
             tail: 0,
             head: 0,
             capacity,
+            slot: 0,
         }
     }
 
@@ -148,8 +160,8 @@ impl Producer {
         // `msg.len() <= MAX_INLINE < u32::MAX`.
         slot[..4].copy_from_slice(&(msg.len() as u32).to_le_bytes());
         slot[SLOT_HEADER..SLOT_HEADER + msg.len()].copy_from_slice(msg);
-        let idx = (self.tail % u64::from(self.capacity)) as usize;
-        slots.write_slot(idx, &slot);
+        slots.write_slot(self.slot as usize, &slot);
+        self.slot = next_slot(self.slot, self.capacity);
         self.tail = self.tail.wrapping_add(1);
         hdr.tail.store(self.tail, Release);
         Ok(true)
@@ -193,11 +205,22 @@ impl Producer {
 pub(crate) struct Consumer {
     head: u64,
     capacity: u32,
+    /// `head % capacity`, kept as the head moves (no division per message).
+    slot: u32,
 }
 
 impl Consumer {
     pub(crate) fn new(capacity: u32) -> Consumer {
-        Consumer { head: 0, capacity }
+        Consumer {
+            head: 0,
+            capacity,
+            slot: 0,
+        }
+    }
+
+    /// The slot of the oldest message (the next one [`peek`](Self::peek) reads).
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
     }
 
     /// Number of messages ready, validated against the capacity.
@@ -217,9 +240,8 @@ impl Consumer {
         slots: &impl SlotMem,
         out: &mut [u8; MAX_INLINE],
     ) -> Result<usize, RingCorrupt> {
-        let idx = (self.head % u64::from(self.capacity)) as usize;
         let mut slot = [0u8; SLOT_SIZE];
-        slots.read_slot(idx, &mut slot);
+        slots.read_slot(self.slot as usize, &mut slot);
         let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]) as usize;
         if len > MAX_INLINE {
             return Err(RingCorrupt);
@@ -232,6 +254,7 @@ impl Consumer {
     /// space and must get a doorbell.
     pub(crate) fn advance(&mut self, hdr: &RingHeader) -> bool {
         self.head = self.head.wrapping_add(1);
+        self.slot = next_slot(self.slot, self.capacity);
         hdr.head.store(self.head, Release);
         fence(SeqCst);
         hdr.tx_waiting.load(Relaxed) != 0 && hdr.tx_waiting.swap(0, AcqRel) != 0

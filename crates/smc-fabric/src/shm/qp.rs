@@ -15,7 +15,7 @@ use crate::types::{
 use foldhash::{HashMap, HashMapExt as _};
 use rustix::fd::{AsFd, OwnedFd};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Largest receive-ring capacity accepted from a peer.
@@ -203,6 +203,9 @@ pub(crate) struct QpShared {
     /// Messages of our receive ring consumed so far (a copy of the consumer's `head`, for the
     /// lock-free [`QpShared::maybe_readable`]).
     rx_consumed: AtomicU64,
+    /// The ring slot of the next message to consume (`rx_consumed` modulo the capacity, kept
+    /// with it), for the prefetch of [`maybe_readable`](Self::maybe_readable).
+    rx_next_slot: AtomicU32,
 }
 
 fn wc(
@@ -283,6 +286,7 @@ impl QpShared {
             }),
             has_pending: AtomicBool::new(false),
             rx_consumed: AtomicU64::new(0),
+            rx_next_slot: AtomicU32::new(0),
         });
         lock(&core.qps).insert(qpn, Arc::downgrade(&qp));
         send_cq.attach(&qp);
@@ -524,11 +528,10 @@ impl QpShared {
             return false;
         }
         // The poll that follows reads the oldest slot: its line starts moving from the
-        // producer's cache now.
-        if let Some(idx) = consumed.checked_rem(u64::from(self.inbound_cap)) {
-            let at = HEADER_SIZE + idx as usize * crate::ring::SLOT_SIZE;
-            super::mem::prefetch(self.inbound.ptr() as usize + at);
-        }
+        // producer's cache now. (Only a hint: any index will do, the prefetch never faults.)
+        let idx = self.rx_next_slot.load(Ordering::Relaxed) as usize;
+        let at = HEADER_SIZE + idx * crate::ring::SLOT_SIZE;
+        super::mem::prefetch(self.inbound.ptr() as usize + at);
         true
     }
 
@@ -1107,6 +1110,8 @@ impl QpShared {
             self.rx_consumed.load(Ordering::Relaxed) + 1,
             Ordering::Relaxed,
         );
+        self.rx_next_slot
+            .store(r.consumer.slot(), Ordering::Relaxed);
         if ring_space_wanted {
             if let Some(bell) = &r.peer_tx_bell {
                 mem::ring_eventfd(bell.as_fd());
