@@ -676,8 +676,14 @@ impl Core {
 
     /// Wake event loops and threads waiting on connection `tcp`.
     fn signal(&self, tcp: TcpId, read: bool, write: bool) {
-        self.wake(tcp);
-        if let Some(n) = self.slots.get(&tcp).and_then(|s| s.notify.as_ref()) {
+        // (One lookup: this runs for every CDC that brings data.)
+        let Some(s) = self.slots.get(&tcp) else {
+            return;
+        };
+        if s.waiters > 0 {
+            s.cond.notify_all();
+        }
+        if let Some(n) = s.notify.as_ref() {
             if read {
                 Notifiers::signal(&n.read);
             }
