@@ -729,7 +729,9 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
         pb.inc(1);
     }
     pb.finish_and_clear();
-    let results = bench_report::medians(raw);
+    let paired = bench_report::fallback_paired_ratio(&raw);
+    let mut results = bench_report::medians(raw);
+    results.extend(paired);
     let summary = format!(
         "smc bench: {} rounds per point, median shown; SMC-R RMBE {} bytes, adaptive spin {} µs; \
          fallback client discovery: {}; {:.0} s; load average {} before, {} after",

@@ -77,6 +77,14 @@ fn expected() -> BTreeSet<Key> {
             e.insert(key(t, "fallback", 65536, "blocking", 1, m));
         }
     }
+    e.insert(key(
+        "smc",
+        "fallback",
+        65536,
+        "blocking",
+        1,
+        "gbps_paired_ratio",
+    ));
     e
 }
 
