@@ -642,6 +642,59 @@ impl Connection {
 
     /// Whether a producer-cursor update is being held back (TCP_CORK or coalescing).
     fn holding(&self) -> bool {
+        let holding = self.holding_decided();
+        debug_assert_eq!(holding, self.holding_by_the_rules());
+        holding
+    }
+
+    /// [`holding`](Self::holding), with the cursor arithmetic only where it decides.
+    fn holding_decided(&self) -> bool {
+        if self.prod == self.prod_sent || self.flush_due {
+            return false;
+        }
+        if self.write_shut || self.local_closed || self.urgent != SendUrgent::None {
+            return false;
+        }
+        if self.send_backlog > 0 {
+            return false;
+        }
+        // The cursor arithmetic last, and only where its answer counts: the usual small write
+        // of a request-response exchange (nothing of ours unconsumed) is decided without it.
+        let min_bytes = if self.cork {
+            None
+        } else {
+            //= https://www.rfc-editor.org/rfc/rfc7609#section-4.5.2
+            //# Also, the sending host would have to opt out of this processing if Nagle's
+            //# algorithm had been disabled (programmatically or via system configuration).
+            match self.config.coalescing {
+                Some(c) if !self.nodelay => {
+                    let outstanding = self.peer_cons != self.prod_sent;
+                    if !outstanding && c.while_unconsumed {
+                        return false;
+                    }
+                    Some(c.min_bytes)
+                }
+                _ => return false,
+            }
+        };
+        if self.window() == 0 {
+            return false;
+        }
+        match min_bytes {
+            None => true,
+            Some(min) => {
+                let unsignalled = self
+                    .peer_ring
+                    .distance(self.prod_sent, self.prod)
+                    .unwrap_or(u32::MAX);
+                unsignalled < min
+            }
+        }
+    }
+
+    /// [`holding`](Self::holding) stated plainly, rule by rule (what the debug builds check
+    /// the shortcut against).
+    fn holding_by_the_rules(&self) -> bool {
         if self.prod == self.prod_sent || self.flush_due {
             return false;
         }
@@ -654,9 +707,6 @@ impl Connection {
         if self.cork {
             return true;
         }
-        //= https://www.rfc-editor.org/rfc/rfc7609#section-4.5.2
-        //# Also, the sending host would have to opt out of this processing if Nagle's
-        //# algorithm had been disabled (programmatically or via system configuration).
         match self.config.coalescing {
             Some(c) if !self.nodelay => {
                 let unsignalled = self
