@@ -40,15 +40,21 @@ fn read(h: &mut Host, max: u32, fail: bool, now: crate::Timestamp) -> Option<Vec
     }
 }
 
-/// `read_with` hands out at most `max` bytes and consumes exactly those; a copy that fails
-/// consumes nothing, so the next read starts where the failed one would have.
-#[test]
-fn read_with_consumes_what_was_copied_and_nothing_after_a_failed_copy() {
+/// A pair with connection T1 established, whose side B reads only when a test says so.
+fn established_without_auto_read() -> EndpointPair {
     let mut p = EndpointPair::with_devices(2, 2);
     p.host_mut(Side::B).auto_read = false;
     p.connect(T1);
     p.run();
     assert!(established(&p, Side::B, T1));
+    p
+}
+
+/// `read_with` hands out at most `max` bytes and consumes exactly those; a copy that fails
+/// consumes nothing, so the next read starts where the failed one would have.
+#[test]
+fn read_with_consumes_what_was_copied_and_nothing_after_a_failed_copy() {
+    let mut p = established_without_auto_read();
     p.app_send(Side::A, T1, b"hello world");
     p.run();
 
@@ -73,11 +79,7 @@ fn read_with_consumes_what_was_copied_and_nothing_after_a_failed_copy() {
 /// data arrived, and it moves with every read.
 #[test]
 fn next_read_at_points_at_the_first_unread_byte() {
-    let mut p = EndpointPair::with_devices(2, 2);
-    p.host_mut(Side::B).auto_read = false;
-    p.connect(T1);
-    p.run();
-    assert!(established(&p, Side::B, T1));
+    let mut p = established_without_auto_read();
     let before = p
         .host_mut(Side::B)
         .ep
