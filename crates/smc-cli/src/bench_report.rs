@@ -344,7 +344,7 @@ mod tests {
 
     /// The fallback verdict pairs each round's two streams: a machine whose speed drifts
     /// between rounds moves both of a pair, not their ratio. Here the medians taken apart
-    /// (20 vs 21) would say 0.95, the pairs say 1.0; a pair without both transports counts not.
+    /// (21 vs 22) would say 0.95, the pairs say 1.0; a pair without both transports counts not.
     #[test]
     fn the_fallback_ratio_is_the_median_of_paired_rounds() {
         let fb = |t: &'static str, v: f64| {
