@@ -306,6 +306,26 @@ pub(crate) fn prefetch(addr: usize) {
     let _ = addr;
 }
 
+/// Start taking the cache line of `addr` into this core's cache for writing (exclusive), so
+/// that a store to it later does not wait for the other cores' copies to be invalidated. Any
+/// address will do, as for [`prefetch`].
+#[inline]
+pub(crate) fn prefetch_for_write(addr: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHW reads and writes nothing architecturally and cannot fault, whatever
+    // the address (an unmapped or protected one is ignored); it touches no register but its
+    // operand's and no flag.
+    unsafe {
+        std::arch::asm!(
+            "prefetchw [{0}]",
+            in(reg) addr,
+            options(nostack, preserves_flags, readonly)
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,9 @@ use super::mem::{self, Mapping};
 use super::mr::{resolve_local, MrInner};
 use super::wire::{self, Msg, Received};
 use crate::error::{FabricError, Result};
-use crate::ring::{ring_bytes, Consumer, Producer, RawSlots, RingHeader, HEADER_SIZE, MAX_INLINE};
+use crate::ring::{
+    ring_bytes, Consumer, Producer, RawSlots, RingHeader, HEADER_SIZE, MAX_INLINE, SLOT_SIZE,
+};
 use crate::types::{
     Gid, LocalQpInfo, Mtu, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
     WcStatus, WorkCompletion,
@@ -15,7 +17,7 @@ use crate::types::{
 use foldhash::{HashMap, HashMapExt as _};
 use rustix::fd::{AsFd, OwnedFd};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Largest receive-ring capacity accepted from a peer.
@@ -206,6 +208,12 @@ pub(crate) struct QpShared {
     /// The ring slot of the next message to consume (`rx_consumed` modulo the capacity, kept
     /// with it), for the prefetch of [`maybe_readable`](Self::maybe_readable).
     rx_next_slot: AtomicU32,
+    /// Where our next small RDMA WRITE most likely lands (just past the last one, in the
+    /// peer's mapped region; 0: unknown, or the last one was large) and where our next SEND
+    /// lands (the next slot of the peer's ring), for the write prefetch of
+    /// [`maybe_readable`](Self::maybe_readable). Plain addresses, never dereferenced.
+    tx_next_write_at: AtomicUsize,
+    tx_next_slot_at: AtomicUsize,
 }
 
 fn wc(
@@ -287,6 +295,8 @@ impl QpShared {
             has_pending: AtomicBool::new(false),
             rx_consumed: AtomicU64::new(0),
             rx_next_slot: AtomicU32::new(0),
+            tx_next_write_at: AtomicUsize::new(0),
+            tx_next_slot_at: AtomicUsize::new(0),
         });
         lock(&core.qps).insert(qpn, Arc::downgrade(&qp));
         send_cq.attach(&qp);
@@ -530,8 +540,21 @@ impl QpShared {
         // The poll that follows reads the oldest slot: its line starts moving from the
         // producer's cache now. (Only a hint: any index will do, the prefetch never faults.)
         let idx = self.rx_next_slot.load(Ordering::Relaxed) as usize;
-        let at = HEADER_SIZE + idx * crate::ring::SLOT_SIZE;
+        let at = HEADER_SIZE + idx * SLOT_SIZE;
         super::mem::prefetch(self.inbound.ptr() as usize + at);
+        // A message from the peer usually answers ours: the peer has read the bytes of our
+        // last WRITE and the slot of our last SEND, and our next ones land right after them.
+        // Their lines (which the peer's reads left shared) start coming over for writing now,
+        // so that the stores of our answer find them in our cache, instead of each waiting
+        // for the peer's copy to be invalidated, the WRITE's at the first locked instruction
+        // after it, before the SEND that announces it (A/B, busy 1-byte ping-pong: 12 of 16
+        // alternating pairs faster, median per-pair ratio 0.96).
+        for at in [&self.tx_next_write_at, &self.tx_next_slot_at] {
+            let at = at.load(Ordering::Relaxed);
+            if at != 0 {
+                super::mem::prefetch_for_write(at);
+            }
+        }
         true
     }
 
@@ -892,6 +915,9 @@ impl QpShared {
                             mem::ring_eventfd(o.rx_bell.as_fd());
                         }
                         o.sent += 1;
+                        let next = HEADER_SIZE + o.producer.slot() as usize * SLOT_SIZE;
+                        self.tx_next_slot_at
+                            .store(o.ring.ptr() as usize + next, Ordering::Relaxed);
                         o.inflight.push_back(Inflight {
                             wr_id,
                             opcode,
@@ -948,6 +974,13 @@ impl QpShared {
                 // Placed as an RNIC's DMA would: large writes with non-temporal stores (see
                 // `mem::place`).
                 unsafe { mem::place(src, m.mapping.ptr().add(off as usize), len) };
+                // (A large write's lines went to memory, non-temporal: nothing to prefetch.)
+                let next = if len < mem::NON_TEMPORAL_MIN {
+                    m.mapping.ptr() as usize + off as usize + len
+                } else {
+                    0
+                };
+                self.tx_next_write_at.store(next, Ordering::Relaxed);
                 if !o.inflight.is_empty() {
                     // Completes after the SENDs before it.
                     o.inflight.push_back(Inflight {
