@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use smc_wire::{ClcMessage, ControlMessage, Gid, LlcMessage, Mac, PeerId, QpMtu, U24};
 
-use crate::endpoint::{Endpoint, EndpointConfig, EndpointEvent, TcpId, WriteOutcome};
+use crate::endpoint::{
+    Endpoint, EndpointConfig, EndpointEvent, RdmaWriteTarget, SendPath, TcpId, WriteOutcome,
+};
 use crate::fabric::{
     Device, DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
 };
@@ -765,8 +767,10 @@ impl EndpointPair {
         let mut placed = Vec::new();
         let mut failed = Vec::new();
         let mut posted = Vec::new();
+        // CDCs the engine posted at once (see `DirectCdcs`).
+        let mut cdcs = Vec::new();
         let h = self.host_mut(s);
-        let r = h.ep.send_with(tcp, &data, now, |t, piece| {
+        let write = |t: RdmaWriteTarget, piece: &[u8]| {
             if !alive.get(&t.link).copied().unwrap_or(false) {
                 h.outstanding.insert(t.wr, t.link);
                 traced.push(TraceEntry {
@@ -803,7 +807,16 @@ impl EndpointPair {
                 placed.push((t.rkey, t.addr, piece.to_vec()));
                 WriteOutcome::Placed
             }
-        });
+        };
+        let r = h.ep.send_with(
+            tcp,
+            &data,
+            now,
+            DirectCdcs {
+                write,
+                cdcs: &mut cdcs,
+            },
+        );
         self.knobs.drop = drop;
         self.trace.extend(traced);
         let peer = self.host_mut(s.other());
@@ -830,6 +843,10 @@ impl EndpointPair {
                     data,
                 },
             ));
+        }
+        // Posted after the WRITEs, as the engine did.
+        for (link, wr, msg) in cdcs {
+            self.fabric_op(s, FabricOp::PostSend { link, wr, msg });
         }
         // Executed WRITEs are unsignaled: no completion.
         for wr in failed {
@@ -1178,5 +1195,27 @@ impl EndpointPair {
             .filter(|e| !matches!(e.what, Traced::Llc(_, LlcMessage::TestLink(_))) || !control_only)
             .map(|e| e.to_string())
             .collect()
+    }
+}
+
+/// The harness's side of [`Endpoint::send_with`]: WRITEs through `write`; two CDCs out of
+/// three posted at once ([`SendPath::post_cdc`], collected in `cdcs` and then delivered like a
+/// [`FabricOp::PostSend`]), the third left to the fabric queue, so that both ways are modelled.
+struct DirectCdcs<'a, W> {
+    write: W,
+    cdcs: &'a mut Vec<(LinkId, WrId, [u8; 44])>,
+}
+
+impl<W: FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome> SendPath for DirectCdcs<'_, W> {
+    fn write(&mut self, target: RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+        (self.write)(target, piece)
+    }
+
+    fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
+        if wr.0 % 3 == 0 {
+            return false;
+        }
+        self.cdcs.push((link, wr, *msg));
+        true
     }
 }

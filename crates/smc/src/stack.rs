@@ -594,56 +594,19 @@ impl Core {
             fab,
             failed_posts,
             deferred,
+            capture,
             ..
         } = self;
-        let write = |t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]| {
-            let Some(l) = fab.links.get(&t.link) else {
-                failed_posts.push((t.wr, t.link, Instant::now()));
-                return WriteOutcome::Failed;
-            };
-            let defer = |deferred: &mut HashMap<LinkId, std::collections::VecDeque<Deferred>>| {
-                deferred
-                    .entry(t.link)
-                    .or_default()
-                    .push_back(Deferred::Write {
-                        wr: t.wr,
-                        rkey: t.rkey,
-                        addr: t.addr,
-                        data: piece.to_vec(),
-                        signaled: false,
-                    });
-                // Queued in software: the engine keeps its replay copy until the CDC after it
-                // completes.
-                WriteOutcome::Posted
-            };
-            // (The emptiness of the whole map first: no hashing in the usual case.)
-            if !deferred.is_empty() && deferred.get(&t.link).is_some_and(|q| !q.is_empty()) {
-                // Behind work already waiting for room: keep the order.
-                return defer(deferred);
-            }
-            let posted = l.qp.post_send_status(&SendWr::WriteInline {
-                wr_id: t.wr.0,
-                data: piece,
-                remote_addr: t.addr,
-                rkey: t.rkey,
-                // Only a failure is of interest (see `Endpoint::send_with`): no completion
-                // to queue and process per WRITE.
-                signaled: false,
-            });
-            match posted {
-                Ok(PostStatus::Executed) => WriteOutcome::Placed,
-                Ok(PostStatus::Queued) => WriteOutcome::Posted,
-                Err(smc_fabric::FabricError::QueueFull) => defer(deferred),
-                Err(_) => {
-                    failed_posts.push((t.wr, t.link, Instant::now()));
-                    WriteOutcome::Failed
-                }
-            }
+        let path = DirectSend {
+            fab: &*fab,
+            failed_posts,
+            deferred,
+            capturing: capture.is_some(),
         };
         if urgent {
-            ep.send_urgent_with(id, buf, now, write)
+            ep.send_urgent_with(id, buf, now, path)
         } else {
-            ep.send_with(id, buf, now, write)
+            ep.send_with(id, buf, now, path)
         }
     }
 
@@ -967,6 +930,83 @@ impl Core {
             self.ep.handle_completion(*wr, false, &mut self.fab, now);
         }
         !due.is_empty()
+    }
+}
+
+/// The stack's side of the one-copy send ([`Core::send_direct`]): each RDMA WRITE is posted
+/// straight from the application's slice, and the CDC that announces them as soon as the
+/// engine built it (see [`smc_proto::endpoint::SendPath`]).
+struct DirectSend<'a> {
+    fab: &'a Fabric,
+    failed_posts: &'a mut Vec<(WrId, LinkId, Instant)>,
+    deferred: &'a mut HashMap<LinkId, std::collections::VecDeque<Deferred>>,
+    /// A capture records every SEND: those go through the fabric queue (`Core::fabric_op`).
+    capturing: bool,
+}
+
+impl DirectSend<'_> {
+    /// Whether work already waits in software for room in `link`'s send queue (the map's
+    /// emptiness first: no hashing in the usual case).
+    fn behind_deferred(&self, link: LinkId) -> bool {
+        !self.deferred.is_empty() && self.deferred.get(&link).is_some_and(|q| !q.is_empty())
+    }
+}
+
+impl smc_proto::endpoint::SendPath for DirectSend<'_> {
+    fn write(&mut self, t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+        let Some(l) = self.fab.links.get(&t.link) else {
+            self.failed_posts.push((t.wr, t.link, Instant::now()));
+            return WriteOutcome::Failed;
+        };
+        let defer = |deferred: &mut HashMap<LinkId, std::collections::VecDeque<Deferred>>| {
+            deferred
+                .entry(t.link)
+                .or_default()
+                .push_back(Deferred::Write {
+                    wr: t.wr,
+                    rkey: t.rkey,
+                    addr: t.addr,
+                    data: piece.to_vec(),
+                    signaled: false,
+                });
+            // Queued in software: the engine keeps its replay copy until the CDC after it
+            // completes.
+            WriteOutcome::Posted
+        };
+        if self.behind_deferred(t.link) {
+            // Behind work already waiting for room: keep the order.
+            return defer(self.deferred);
+        }
+        let posted = l.qp.post_send_status(&SendWr::WriteInline {
+            wr_id: t.wr.0,
+            data: piece,
+            remote_addr: t.addr,
+            rkey: t.rkey,
+            // Only a failure is of interest (see `Endpoint::send_with`): no completion
+            // to queue and process per WRITE.
+            signaled: false,
+        });
+        match posted {
+            Ok(PostStatus::Executed) => WriteOutcome::Placed,
+            Ok(PostStatus::Queued) => WriteOutcome::Posted,
+            Err(smc_fabric::FabricError::QueueFull) => defer(self.deferred),
+            Err(_) => {
+                self.failed_posts.push((t.wr, t.link, Instant::now()));
+                WriteOutcome::Failed
+            }
+        }
+    }
+
+    fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
+        if self.capturing || self.behind_deferred(link) {
+            return false;
+        }
+        let Some(l) = self.fab.links.get(&link) else {
+            return false;
+        };
+        // Anything but a plain success (a full queue, a failure) is left to the fabric
+        // queue, whose handling (`Core::post_or_defer`) defers or fails it.
+        Deferred::Send { wr, msg: *msg }.post(&l.qp).is_ok()
     }
 }
 

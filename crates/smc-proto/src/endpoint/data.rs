@@ -4,8 +4,8 @@
 use smc_wire::{CdcMessage, ConnStateFlags, Cursor, ProducerFlags};
 
 use super::{
-    Endpoint, EndpointError, EndpointEvent, Entry, RdmaWriteTarget, ReadTarget, TcpId, WrId,
-    WrPurpose, WriteOutcome,
+    Endpoint, EndpointError, EndpointEvent, Entry, RdmaWriteTarget, ReadTarget, SendPath, TcpId,
+    WrId, WrPurpose, WriteOutcome,
 };
 use crate::conn::{ApiError, Coalescing, Connection, Event};
 use crate::fabric::{FabricOp, LgrId, LinkId};
@@ -40,6 +40,17 @@ impl Endpoint {
     /// After any input to a connection engine: post its CDCs, forward its events, release
     /// it once Closed.
     pub(super) fn after_conn(&mut self, tcp: TcpId, now: Timestamp) {
+        self.after_conn_with(tcp, now, |_, _, _| false);
+    }
+
+    /// [`after_conn`](Self::after_conn), offering each CDC to `post` first (see
+    /// [`SendPath::post_cdc`]): what it posts does not go through the fabric queue.
+    fn after_conn_with(
+        &mut self,
+        tcp: TcpId,
+        now: Timestamp,
+        mut post: impl FnMut(LinkId, WrId, &[u8; 44]) -> bool,
+    ) {
         // Fields borrowed apart: the connection's CDCs and events go straight to the output
         // queues (no vectors allocated per message on the data path).
         let Endpoint {
@@ -65,6 +76,16 @@ impl Endpoint {
             link.last_activity = now;
             let wr = WrId(*next_wr);
             *next_wr += 1;
+            let msg = m.to_bytes();
+            // Behind queued operations it queues too (their order on the link is kept).
+            if !(fabric_out.is_empty() && post(link.id, wr, &msg)) {
+                fabric_out.push_back(FabricOp::PostSend {
+                    link: link.id,
+                    wr,
+                    msg,
+                });
+            }
+            // (Recorded after the post: its completion is handled later, by a call of ours.)
             wrs.insert(
                 wr,
                 WrPurpose::Cdc {
@@ -74,11 +95,6 @@ impl Endpoint {
                     prod: m.producer,
                 },
             );
-            fabric_out.push_back(FabricOp::PostSend {
-                link: link.id,
-                wr,
-                msg: m.to_bytes(),
-            });
         }
         trim_unacked(c);
         let mut closed = false;
@@ -247,9 +263,9 @@ impl Endpoint {
         tcp: TcpId,
         data: &[u8],
         now: Timestamp,
-        write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
+        path: impl SendPath,
     ) -> Result<usize, EndpointError> {
-        self.send_inner(tcp, data, false, now, write)
+        self.send_inner(tcp, data, false, now, path)
     }
 
     /// [`send_with`](Self::send_with) for urgent data (MSG_OOB): the last byte of `data` is
@@ -263,7 +279,7 @@ impl Endpoint {
         tcp: TcpId,
         data: &[u8],
         now: Timestamp,
-        write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
+        path: impl SendPath,
     ) -> Result<usize, EndpointError> {
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
             return Err(self.not_established(tcp));
@@ -276,7 +292,7 @@ impl Endpoint {
             self.after_conn(tcp, now);
             return Ok(0);
         }
-        self.send_inner(tcp, data, true, now, write)
+        self.send_inner(tcp, data, true, now, path)
     }
 
     fn send_inner(
@@ -285,7 +301,7 @@ impl Endpoint {
         data: &[u8],
         urgent: bool,
         now: Timestamp,
-        mut write: impl FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome,
+        mut path: impl SendPath,
     ) -> Result<usize, EndpointError> {
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
             return Err(self.not_established(tcp));
@@ -339,7 +355,7 @@ impl Endpoint {
                 rkey: token.rkey,
                 addr,
             };
-            match write(target, piece) {
+            match path.write(target, piece) {
                 WriteOutcome::Placed => {}
                 WriteOutcome::Posted => {
                     keep_from.get_or_insert(done);
@@ -380,7 +396,7 @@ impl Endpoint {
                 c.unacked.extend(&data[k as usize..done as usize]);
             }
         }
-        self.after_conn(tcp, now);
+        self.after_conn_with(tcp, now, |link, wr, msg| path.post_cdc(link, wr, msg));
         Ok(done as usize)
     }
 

@@ -233,6 +233,32 @@ pub struct RdmaWriteTarget {
     pub addr: u64,
 }
 
+/// The runtime's side of [`Endpoint::send_with`]: it posts each RDMA WRITE straight from the
+/// application's slice and may post the CDC that announces them at once. Any
+/// `FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome` is one that posts only the WRITEs (the CDC
+/// then comes out of [`Endpoint::poll_fabric`] as usual).
+pub trait SendPath {
+    /// Post one RDMA WRITE of `piece` to `target`, unsignaled; say what the fabric did.
+    fn write(&mut self, target: RdmaWriteTarget, piece: &[u8]) -> WriteOutcome;
+
+    /// Post the CDC message `msg` on `link` as a signaled SEND with work-request id `wr`,
+    /// now, if nothing stands in its way; `false` leaves it to [`Endpoint::poll_fabric`]
+    /// (a [`FabricOp::PostSend`] that the runtime posts as any other). Offered only while
+    /// no earlier fabric operation waits in that queue, so the order of the link's work
+    /// requests is kept. The CDC leaves before the engine's bookkeeping of the send: on the
+    /// path of a request-response exchange, the SEND is the moment the peer waits for.
+    fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
+        let _ = (link, wr, msg);
+        false
+    }
+}
+
+impl<F: FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome> SendPath for F {
+    fn write(&mut self, target: RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+        self(target, piece)
+    }
+}
+
 /// What the fabric did with one RDMA WRITE of [`Endpoint::send_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WriteOutcome {
