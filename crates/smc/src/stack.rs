@@ -461,7 +461,17 @@ impl Core {
 
     /// Perform every output of the endpoint (TCP writes, fabric operations, events) until
     /// nothing is left.
+    #[inline]
     pub(crate) fn drain(&mut self) {
+        // The usual case after a read or write of the data path: nothing (the work of the
+        // loop below, inlined as it is, costs as much as handling a message).
+        if self.ep.has_output() {
+            self.drain_all();
+        }
+    }
+
+    #[inline(never)]
+    fn drain_all(&mut self) {
         loop {
             let mut progress = false;
             while let Some((tcp, bytes)) = self.ep.poll_tcp_transmit() {

@@ -1445,6 +1445,8 @@ impl SmcStream {
     /// budget, see [`AdaptiveSpin`]); then, unless another application thread does already,
     /// sleep on the completion channels and handle what arrives in this thread (no hop
     /// through the runtime thread); otherwise sleep on the connection's condition variable.
+    /// May return with the endpoint's output not drained: the caller drains (`Core::drain`)
+    /// before it lets the lock go.
     fn wait_progress<'a>(
         &self,
         inner: &'a crate::stack::Inner,
@@ -1496,13 +1498,14 @@ impl SmcStream {
                 // connections' data) are handled here and the spin goes on: returning would
                 // only make the caller look again and come back.
                 let mut polled_at = None;
-                if core.poll_completions_at(&mut wcs, &mut polled_at) {
-                    core.drain();
-                }
+                let handled = core.poll_completions_at(&mut wcs, &mut polled_at);
                 // Whether what this poll handled, or what another thread (the runtime thread,
                 // or another stream's) handled while the lock was free, lets the call go on.
                 // Looked at once per look at the queues: after a wake-up of the spin, the poll
-                // comes first (it likely holds the answer).
+                // comes first (it likely holds the answer). What the poll left to the runtime
+                // (the events of the messages, a CDC they call for) is then done by the
+                // caller after its read or write, in one drain with what that leaves (the
+                // callers drain before they let the lock go).
                 if progressed(&core, id, want) {
                     if polling {
                         inner.poller.store(false, Ordering::Release);
@@ -1510,6 +1513,9 @@ impl SmcStream {
                     // The clock read for those completions, a moment ago (if any came): the
                     // caller need not read it again.
                     return (core, polled_at);
+                }
+                if handled {
+                    core.drain();
                 }
                 if core.now() >= until {
                     break;
@@ -1623,7 +1629,7 @@ impl SmcStream {
         let deadline = self.deadline(self.read_timeout);
         let mut core = inner.lock();
         let mut now = core.now();
-        loop {
+        let result = loop {
             // One pass: copied straight into `buf`, consumed, stopped in front of the urgent
             // byte as TCP does (so that `at_mark` can tell the next read starts with it).
             let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
@@ -1633,33 +1639,39 @@ impl SmcStream {
             }) {
                 Ok(Ok(0)) | Err(_) => {}
                 Ok(Ok(n)) => {
-                    core.drain();
                     self.spin.after_write.store(false, Ordering::Relaxed);
-                    return Ok(n as usize);
+                    break Ok(n as usize);
                 }
-                Ok(Err(e)) => return Err(e),
+                Ok(Err(e)) => break Err(e),
             }
             // The end of stream the peer sent comes before a later failure (the peer said
             // it was done; a reset after that loses nothing).
             if core.ep.connection(id).is_some_and(|c| c.is_read_closed()) {
-                return Ok(0);
+                break Ok(0);
             }
             if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
-                return Err(conn_error(e));
+                break Err(conn_error(e));
             }
             if core.ep.connection(id).is_none() {
-                return Ok(0);
+                break Ok(0);
             }
             // A reader that waits for the peer gains nothing from holding back the update
             // of what it wrote (the peer may be waiting for those bytes).
             if core.ep.flush(id, now).is_ok() {
                 core.drain();
             }
-            let wait = self.wait_slice(deadline)?;
+            let wait = match self.wait_slice(deadline) {
+                Ok(w) => w,
+                Err(e) => break Err(e),
+            };
             let (c, fresh) = self.wait_progress(inner, id, core, now, wait, Want::Read);
             core = c;
             now = fresh.unwrap_or_else(|| core.now());
-        }
+        };
+        // What the read (or the wait before it) left to the runtime: the consumer update
+        // the read may call for, the events of the messages handled.
+        core.drain();
+        result
     }
 
     /// How long a blocked read or write may wait for progress now: `WouldBlock` in
@@ -1695,6 +1707,7 @@ impl SmcStream {
         let mut core = inner.lock();
         loop {
             if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
+                core.drain();
                 return Err(conn_error(e));
             }
             let now = core.now();

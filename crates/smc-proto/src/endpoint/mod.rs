@@ -548,6 +548,13 @@ impl Endpoint {
         self.tcp_out.pop_front()
     }
 
+    /// Whether any of [`poll_tcp_transmit`](Self::poll_tcp_transmit),
+    /// [`poll_fabric`](Self::poll_fabric) and [`poll_event`](Self::poll_event) has something
+    /// (a runtime that drains after every call asks this first: usually nothing).
+    pub fn has_output(&self) -> bool {
+        !(self.tcp_out.is_empty() && self.fabric_out.is_empty() && self.events.is_empty())
+    }
+
     /// The next fabric operation to perform.
     pub fn poll_fabric(&mut self) -> Option<FabricOp> {
         self.fabric_out.pop_front()
