@@ -111,7 +111,8 @@ mod tests {
         b.qp.destroy();
     }
 
-    /// A peer that scribbles over our receive ring (indices, slot lengths) breaks only the QP:
+    /// A peer that scribbles over our receive ring (sequence numbers, indices, slot lengths)
+    /// breaks only the QP:
     /// it enters the error state and flushes, nothing panics or reads out of bounds.
     #[test]
     fn scribbled_ring_fails_the_qp_only() {
@@ -128,7 +129,18 @@ mod tests {
             .expect("send");
             let hdr = b.qp.inbound_header();
             match scribble {
-                0 => hdr.tail.store(u64::MAX / 3, Ordering::Release),
+                0 => {
+                    // Slot 1 published as the second message, with a length beyond the slot
+                    // (after "hi" in slot 0).
+                    // SAFETY: slot 1 lies inside b's ring mapping, which outlives this write.
+                    unsafe {
+                        let p =
+                            b.qp.inbound_ptr()
+                                .add(crate::ring::HEADER_SIZE + crate::ring::SLOT_SIZE);
+                        std::ptr::write_unaligned(p.cast::<u32>(), 1000);
+                        std::ptr::write_unaligned(p.add(4).cast::<u32>(), 2);
+                    }
+                }
                 1 => {
                     // Slot 0 length field beyond the slot.
                     // SAFETY: slot 0 lies inside b's ring mapping, which outlives this write.

@@ -8,7 +8,8 @@ use super::mr::{resolve_local, MrInner};
 use super::wire::{self, Msg, Received};
 use crate::error::{FabricError, Result};
 use crate::ring::{
-    ring_bytes, Consumer, Producer, RawSlots, RingHeader, HEADER_SIZE, MAX_INLINE, SLOT_SIZE,
+    ring_bytes, Consumer, Producer, RawSlots, RingHeader, SlotMem as _, HEADER_SIZE, MAX_INLINE,
+    SLOT_SIZE,
 };
 use crate::types::{
     Gid, LocalQpInfo, Mtu, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
@@ -17,7 +18,7 @@ use crate::types::{
 use foldhash::{HashMap, HashMapExt as _};
 use rustix::fd::{AsFd, OwnedFd};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Largest receive-ring capacity accepted from a peer.
@@ -202,18 +203,21 @@ pub(crate) struct QpShared {
     recv: Mutex<RecvSide>,
     send: Mutex<SendSide>,
     has_pending: AtomicBool,
-    /// Messages of our receive ring consumed so far (a copy of the consumer's `head`, for the
-    /// lock-free [`QpShared::maybe_readable`]).
-    rx_consumed: AtomicU64,
-    /// The ring slot of the next message to consume (`rx_consumed` modulo the capacity, kept
-    /// with it), for the prefetch of [`maybe_readable`](Self::maybe_readable).
-    rx_next_slot: AtomicU32,
+    /// The next message of our receive ring, for the lock-free
+    /// [`maybe_readable`](Self::maybe_readable): its slot (high 32 bits) and the `seq` that
+    /// publishes it (low 32 bits), one word so that the two never disagree.
+    rx_next: AtomicU64,
     /// Where our next small RDMA WRITE most likely lands (just past the last one, in the
     /// peer's mapped region; 0: unknown, or the last one was large) and where our next SEND
     /// lands (the next slot of the peer's ring), for the write prefetch of
     /// [`maybe_readable`](Self::maybe_readable). Plain addresses, never dereferenced.
     tx_next_write_at: AtomicUsize,
     tx_next_slot_at: AtomicUsize,
+}
+
+/// [`QpShared::rx_next`] for the next message of `c`.
+fn rx_next_word(c: &Consumer) -> u64 {
+    u64::from(c.slot()) << 32 | u64::from(c.next_seq())
 }
 
 fn wc(
@@ -293,8 +297,7 @@ impl QpShared {
                 pending: VecDeque::new(),
             }),
             has_pending: AtomicBool::new(false),
-            rx_consumed: AtomicU64::new(0),
-            rx_next_slot: AtomicU32::new(0),
+            rx_next: AtomicU64::new(rx_next_word(&Consumer::new(cap))),
             tx_next_write_at: AtomicUsize::new(0),
             tx_next_slot_at: AtomicUsize::new(0),
         });
@@ -530,18 +533,15 @@ impl QpShared {
     }
 
     /// Whether the peer may have put a message into our receive ring that we did not consume
-    /// yet: one load of the ring's tail, no lock. A hint for spinning pollers (a scribbled
-    /// tail makes it say yes; polling then finds the corruption).
+    /// yet: one load of the next slot's `seq`, no lock (that load brings the message's line
+    /// along for the poll that follows). A hint for spinning pollers (a scribbled `seq` makes
+    /// it say yes; polling then finds what is wrong).
     pub(crate) fn maybe_readable(&self) -> bool {
-        let consumed = self.rx_consumed.load(Ordering::Relaxed);
-        if self.inbound_header().tail.load(Ordering::Acquire) == consumed {
+        let next = self.rx_next.load(Ordering::Relaxed);
+        let (slot, seq) = ((next >> 32) as usize, next as u32);
+        if self.inbound_slots().published(slot) != seq {
             return false;
         }
-        // The poll that follows reads the oldest slot: its line starts moving from the
-        // producer's cache now. (Only a hint: any index will do, the prefetch never faults.)
-        let idx = self.rx_next_slot.load(Ordering::Relaxed) as usize;
-        let at = HEADER_SIZE + idx * SLOT_SIZE;
-        super::mem::prefetch(self.inbound.ptr() as usize + at);
         // A message from the peer usually answers ours: the peer has read the bytes of our
         // last WRITE and the slot of our last SEND, and our next ones land right after them.
         // Their lines (which the peer's reads left shared) start coming over for writing now,
@@ -1024,7 +1024,9 @@ impl QpShared {
     pub(crate) fn arm_recv_doorbell(&self) {
         let r = lock(&self.recv);
         // Data that is already waiting is picked up by the caller's re-poll.
-        let _ = r.consumer.arm_sleep(self.inbound_header());
+        let _ = r
+            .consumer
+            .arm_sleep(self.inbound_header(), &self.inbound_slots());
     }
 
     /// Withdraw the "receiver sleeps" flag of our receive ring: we are awake, the peer need
@@ -1082,10 +1084,7 @@ impl QpShared {
                     mem::ring_eventfd(bell.as_fd());
                 }
             }
-            matches!(st, QpState::Rtr | QpState::Rts)
-                && r.consumer
-                    .available(self.inbound_header())
-                    .is_ok_and(|n| n > 0)
+            matches!(st, QpState::Rtr | QpState::Rts) && r.consumer.ready(&self.inbound_slots())
         };
         if data_waiting {
             self.recv_cq.notify_if_armed();
@@ -1127,7 +1126,7 @@ impl QpShared {
             return Ok(None);
         }
         let hdr = self.inbound_header();
-        if r.consumer.available(hdr).map_err(|_| ())? == 0 {
+        if !r.consumer.ready(&self.inbound_slots()) {
             return Ok(None);
         }
         let mut buf = [0u8; MAX_INLINE];
@@ -1139,12 +1138,8 @@ impl QpShared {
             return Ok(None);
         };
         let ring_space_wanted = r.consumer.advance(hdr);
-        self.rx_consumed.store(
-            self.rx_consumed.load(Ordering::Relaxed) + 1,
-            Ordering::Relaxed,
-        );
-        self.rx_next_slot
-            .store(r.consumer.slot(), Ordering::Relaxed);
+        self.rx_next
+            .store(rx_next_word(&r.consumer), Ordering::Relaxed);
         if ring_space_wanted {
             if let Some(bell) = &r.peer_tx_bell {
                 mem::ring_eventfd(bell.as_fd());
