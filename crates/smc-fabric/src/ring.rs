@@ -158,11 +158,6 @@ impl Producer {
         }
     }
 
-    /// The slot the next push writes (`tail` modulo the capacity).
-    pub(crate) fn slot(&self) -> u32 {
-        self.slot
-    }
-
     /// Try to append `msg` (at most [`MAX_INLINE`] bytes). `Ok(false)` when the ring is full.
     pub(crate) fn try_push(
         &mut self,

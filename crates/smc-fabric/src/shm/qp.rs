@@ -9,7 +9,6 @@ use super::wire::{self, Msg, Received};
 use crate::error::{FabricError, Result};
 use crate::ring::{
     ring_bytes, Consumer, Producer, RawSlots, RingHeader, SlotMem as _, HEADER_SIZE, MAX_INLINE,
-    SLOT_SIZE,
 };
 use crate::types::{
     Gid, LocalQpInfo, Mtu, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
@@ -208,11 +207,9 @@ pub(crate) struct QpShared {
     /// publishes it (low 32 bits), one word so that the two never disagree.
     rx_next: AtomicU64,
     /// Where our next small RDMA WRITE most likely lands (just past the last one, in the
-    /// peer's mapped region; 0: unknown, or the last one was large) and where our next SEND
-    /// lands (the next slot of the peer's ring), for the write prefetch of
-    /// [`maybe_readable`](Self::maybe_readable). Plain addresses, never dereferenced.
+    /// peer's mapped region; 0: unknown, or the last one was large), for the write prefetch
+    /// of [`maybe_readable`](Self::maybe_readable). A plain address, never dereferenced.
     tx_next_write_at: AtomicUsize,
-    tx_next_slot_at: AtomicUsize,
 }
 
 /// [`QpShared::rx_next`] for the next message of `c`.
@@ -299,7 +296,6 @@ impl QpShared {
             has_pending: AtomicBool::new(false),
             rx_next: AtomicU64::new(rx_next_word(&Consumer::new(cap))),
             tx_next_write_at: AtomicUsize::new(0),
-            tx_next_slot_at: AtomicUsize::new(0),
         });
         lock(&core.qps).insert(qpn, Arc::downgrade(&qp));
         send_cq.attach(&qp);
@@ -543,17 +539,16 @@ impl QpShared {
             return false;
         }
         // A message from the peer usually answers ours: the peer has read the bytes of our
-        // last WRITE and the slot of our last SEND, and our next ones land right after them.
-        // Their lines (which the peer's reads left shared) start coming over for writing now,
-        // so that the stores of our answer find them in our cache, instead of each waiting
-        // for the peer's copy to be invalidated, the WRITE's at the first locked instruction
-        // after it, before the SEND that announces it (A/B, busy 1-byte ping-pong: 12 of 16
-        // alternating pairs faster, median per-pair ratio 0.96).
-        for at in [&self.tx_next_write_at, &self.tx_next_slot_at] {
-            let at = at.load(Ordering::Relaxed);
-            if at != 0 {
-                super::mem::prefetch_for_write(at);
-            }
+        // last WRITE, and our next one lands right after them. That line (which the peer's
+        // read left shared) starts coming over for writing now, so that the store of our
+        // answer finds it in our cache instead of waiting for the peer's copy to be
+        // invalidated at the first locked instruction after it, before the SEND that
+        // announces it (A/B, busy 1-byte ping-pong: 12 of 16 alternating pairs faster, median
+        // per-pair ratio 0.96). Not the slot of our next SEND: the peer spins on it (its
+        // `seq`) from the moment it waits for our answer, and would only take it back.
+        let at = self.tx_next_write_at.load(Ordering::Relaxed);
+        if at != 0 {
+            super::mem::prefetch_for_write(at);
         }
         true
     }
@@ -915,9 +910,6 @@ impl QpShared {
                             mem::ring_eventfd(o.rx_bell.as_fd());
                         }
                         o.sent += 1;
-                        let next = HEADER_SIZE + o.producer.slot() as usize * SLOT_SIZE;
-                        self.tx_next_slot_at
-                            .store(o.ring.ptr() as usize + next, Ordering::Relaxed);
                         o.inflight.push_back(Inflight {
                             wr_id,
                             opcode,
