@@ -450,13 +450,14 @@ impl MemoryRegion {
             lkey: self.lkey(),
         })
     }
-    /// A hint to fetch the cache line of byte `offset` of the region (`None` past its end),
-    /// to be issued when the byte is about to be read: a reader that learns from a
-    /// completion that a peer wrote there can start the line's transfer from the writer's
-    /// cache while it handles the completion, instead of waiting for it at the copy.
-    pub fn prefetch_hint(&self, offset: usize) -> Option<PrefetchHint> {
+    /// A hint to fetch the cache lines of the `len` bytes at `offset` of the region (at most
+    /// [`PrefetchHint::MAX_LINES`] of them, none past its end; `None` when `offset` is past
+    /// it), to be issued when the bytes are about to be read: a reader that learns from a
+    /// completion that a peer wrote there can start the lines' transfer from the writer's
+    /// cache while it handles the completion, instead of waiting for them at the copy.
+    pub fn prefetch_hint(&self, offset: usize, len: usize) -> Option<PrefetchHint> {
         match &self.inner {
-            MrImpl::Shm { mr, .. } => mr.prefetch_hint(offset),
+            MrImpl::Shm { mr, .. } => mr.prefetch_hint(offset, len),
         }
     }
     /// Copy bytes out of the region starting at `offset`.
@@ -504,14 +505,27 @@ enum CqImpl {
 /// even after the region is gone, and changes nothing but what the cache holds.
 #[derive(Debug, Clone, Copy)]
 pub struct PrefetchHint {
+    /// Address of the first line.
     pub(crate) addr: usize,
+    /// Lines from there on (1 to [`MAX_LINES`](Self::MAX_LINES)).
+    pub(crate) lines: u8,
 }
 
 impl PrefetchHint {
-    /// Start fetching the line into this core's cache (returns at once).
+    /// Most lines one hint fetches (a longer read streams well enough once started).
+    pub const MAX_LINES: usize = 4;
+
+    /// How many lines [`issue`](Self::issue) fetches.
+    pub fn lines(&self) -> usize {
+        usize::from(self.lines)
+    }
+
+    /// Start fetching the lines into this core's cache (returns at once).
     #[inline]
     pub fn issue(self) {
-        shm::prefetch(self.addr);
+        for i in 0..usize::from(self.lines) {
+            shm::prefetch(self.addr + i * shm::LINE);
+        }
     }
 }
 

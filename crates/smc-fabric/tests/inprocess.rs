@@ -836,14 +836,24 @@ fn post_status_says_whether_a_write_was_executed() {
 fn prefetch_hints_cover_exactly_the_region_and_stay_harmless_after_it_is_gone() {
     let b = Side::new(&cfg("prefetch"), "shm0", 8192);
     let len = b.rmb.len();
-    assert!(b.rmb.prefetch_hint(0).is_some());
-    assert!(b.rmb.prefetch_hint(len - 1).is_some());
-    assert!(b.rmb.prefetch_hint(len).is_none());
-    assert!(b.rmb.prefetch_hint(usize::MAX).is_none());
+    // The lines of the bytes asked for (the mapping is page aligned), at most MAX_LINES, none
+    // past the end.
+    let lines = |offset, n| b.rmb.prefetch_hint(offset, n).map(|h| h.lines());
+    assert_eq!(lines(0, 0), Some(1));
+    assert_eq!(lines(0, 1), Some(1));
+    assert_eq!(lines(0, 64), Some(1));
+    assert_eq!(lines(63, 2), Some(2));
+    assert_eq!(lines(1, 64), Some(2));
+    assert_eq!(lines(0, 10_000), Some(PrefetchHint::MAX_LINES));
+    assert_eq!(lines(len - 1, 100), Some(1));
+    assert_eq!(lines(len - 65, usize::MAX), Some(2));
+    assert_eq!(lines(len, 1), None);
+    assert_eq!(lines(usize::MAX, 1), None);
     let mr =
         b.pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
             .unwrap();
-    let hint = mr.prefetch_hint(4095).unwrap();
+    let hint = mr.prefetch_hint(4000, 1000).unwrap();
+    assert_eq!(hint.lines(), 2);
     hint.issue();
     drop(mr);
     // The mapping is gone: a prefetch of it is ignored by the CPU, never a fault.

@@ -11,7 +11,7 @@
 //! The SMC-R server is a second process (this binary re-executed with `PINGPONG_SERVER=1`);
 //! the TCP and Unix-socket servers are threads. Every test connects afresh and sends one
 //! byte naming the test first:
-//! - `p`: 1-byte ping-pong, ROUNDS round trips, in batches; prints the median batch's
+//! - `p`: ping-pong of 1 byte (`PINGPONG_SIZE` bytes) each way, ROUNDS round trips, in batches; prints the median batch's
 //!   mean round-trip time. SMC-R runs it blocking and busy polling (50 µs, both sides).
 //! - `s`: streaming BYTES in 64 KiB writes, then one byte back; throughput.
 //! - `t`: streaming BYTES/16 in 64-byte writes (no TCP_NODELAY); throughput.
@@ -49,12 +49,14 @@ fn serve<S: Read + Write>(mut s: S, set_busy: impl FnOnce(&mut S, bool)) -> std:
     set_busy(&mut s, kind[0] == b'P');
     match kind[0] {
         b'p' | b'P' => {
-            let mut b = [0u8; 1];
+            // Echo what comes, as it comes.
+            let mut b = [0u8; 64 * 1024];
             loop {
-                if s.read(&mut b)? == 0 {
+                let n = s.read(&mut b)?;
+                if n == 0 {
                     return Ok(());
                 }
-                s.write_all(&b)?;
+                s.write_all(&b[..n])?;
             }
         }
         _ => {
@@ -110,10 +112,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median over batches of the mean round-trip time in µs.
+/// Median over batches of the mean round-trip time in µs, `PINGPONG_SIZE` bytes (default 1)
+/// each way.
 fn pingpong<S: Read + Write>(mut s: S, kind: u8, rounds: usize) -> f64 {
     s.write_all(&[kind]).expect("kind");
-    let mut b = [7u8; 1];
+    let size = std::env::var("PINGPONG_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1usize);
+    let mut b = vec![7u8; size.clamp(1, 64 * 1024)];
     let per = rounds / BATCHES;
     // Warm up.
     for _ in 0..per / 4 {

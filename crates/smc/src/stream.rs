@@ -911,6 +911,8 @@ pub struct SmcStream {
     read_shut: bool,
     /// Spin on the completion queues this long before sleeping.
     busy_poll: Option<Duration>,
+    /// Bytes the last SMC-R read returned (what the read prefetch of `wait_progress` covers).
+    last_read: usize,
     /// Adaptive spin of blocked calls without busy polling (see [`AdaptiveSpin`]); boxed to
     /// keep the stream small.
     spin: Box<AdaptiveSpin>,
@@ -1096,6 +1098,7 @@ impl SmcStream {
             read_shut: false,
             busy_poll: stack.config().busy_poll,
             spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
+            last_read: 1,
             nodelay: Default::default(),
         }
     }
@@ -1143,6 +1146,7 @@ impl SmcStream {
             read_shut: self.read_shut,
             busy_poll: self.busy_poll,
             spin: Box::new(AdaptiveSpin::new(self.spin.max)),
+            last_read: 1,
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
@@ -1475,9 +1479,10 @@ impl SmcStream {
         if let Some(spin) = spin {
             // Where the next byte a read waits for lands in our RMB.
             let prefetch = match want {
+                // As many bytes as the last read took (a reply as long as the last one).
                 Want::Read => core.ep.next_read_at(id).and_then(|(lgr, rmb, at)| {
                     let mr = core.fab.rmbs.get(&(lgr, rmb))?.iter().flatten().next()?;
-                    mr.prefetch_hint(usize::try_from(at).ok()?)
+                    mr.prefetch_hint(usize::try_from(at).ok()?, self.last_read)
                 }),
                 Want::Write(_) => None,
             };
@@ -1640,6 +1645,7 @@ impl SmcStream {
                 Ok(Ok(0)) | Err(_) => {}
                 Ok(Ok(n)) => {
                     self.spin.after_write.store(false, Ordering::Relaxed);
+                    self.last_read = n as usize;
                     break Ok(n as usize);
                 }
                 Ok(Err(e)) => break Err(e),

@@ -208,9 +208,8 @@ unsafe fn place_non_temporal(src: *const u8, dst: *mut u8, len: usize) {
     unsafe { std::arch::x86_64::_mm_sfence() };
 }
 
-/// Bytes of a cache line, the unit of [`copy_lines`].
-#[cfg(target_arch = "x86_64")]
-const LINE: usize = 64;
+/// Bytes of a cache line, the unit of [`copy_lines`] and of prefetches.
+pub(crate) const LINE: usize = 64;
 
 /// Copy the whole 64-byte lines of `len` bytes from `src` to `dst` with 16-byte unaligned
 /// loads and, with `STREAM`, non-temporal stores (`movntdq`, which needs `dst` 16-byte

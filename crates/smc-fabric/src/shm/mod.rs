@@ -11,7 +11,7 @@ mod control;
 mod cq;
 mod device;
 mod mem;
-pub(crate) use mem::{place, prefetch};
+pub(crate) use mem::{place, prefetch, LINE};
 mod mr;
 mod qp;
 mod wire;

@@ -99,9 +99,20 @@ impl MrInner {
     }
 
     /// See [`crate::MemoryRegion::prefetch_hint`].
-    pub(crate) fn prefetch_hint(&self, offset: usize) -> Option<crate::PrefetchHint> {
-        (offset < self.len()).then(|| crate::PrefetchHint {
-            addr: self.mapping.ptr() as usize + offset,
+    pub(crate) fn prefetch_hint(&self, offset: usize, len: usize) -> Option<crate::PrefetchHint> {
+        if offset >= self.len() {
+            return None;
+        }
+        let end = offset.saturating_add(len.max(1)).min(self.len());
+        let base = self.mapping.ptr() as usize;
+        let (first, last) = (
+            (base + offset) / super::LINE,
+            (base + end - 1) / super::LINE,
+        );
+        Some(crate::PrefetchHint {
+            addr: first * super::LINE,
+            // At most MAX_LINES (4): fits.
+            lines: (last - first + 1).min(crate::PrefetchHint::MAX_LINES) as u8,
         })
     }
 

@@ -207,9 +207,11 @@ pub(crate) struct QpShared {
     /// publishes it (low 32 bits), one word so that the two never disagree.
     rx_next: AtomicU64,
     /// Where our next small RDMA WRITE most likely lands (just past the last one, in the
-    /// peer's mapped region; 0: unknown, or the last one was large), for the write prefetch
-    /// of [`maybe_readable`](Self::maybe_readable). A plain address, never dereferenced.
+    /// peer's mapped region; 0: unknown, or the last one was large) and how many lines it
+    /// likely covers (as many as the last one, at most 4), for the write prefetch of
+    /// [`maybe_readable`](Self::maybe_readable). A plain address, never dereferenced.
     tx_next_write_at: AtomicUsize,
+    tx_next_write_lines: AtomicUsize,
 }
 
 /// [`QpShared::rx_next`] for the next message of `c`.
@@ -296,6 +298,7 @@ impl QpShared {
             has_pending: AtomicBool::new(false),
             rx_next: AtomicU64::new(rx_next_word(&Consumer::new(cap))),
             tx_next_write_at: AtomicUsize::new(0),
+            tx_next_write_lines: AtomicUsize::new(1),
         });
         lock(&core.qps).insert(qpn, Arc::downgrade(&qp));
         send_cq.attach(&qp);
@@ -548,7 +551,11 @@ impl QpShared {
         // `seq`) from the moment it waits for our answer, and would only take it back.
         let at = self.tx_next_write_at.load(Ordering::Relaxed);
         if at != 0 {
-            super::mem::prefetch_for_write(at);
+            let lines = self.tx_next_write_lines.load(Ordering::Relaxed);
+            let first = at / mem::LINE;
+            for line in first..first + lines.min(crate::PrefetchHint::MAX_LINES) {
+                mem::prefetch_for_write(line * mem::LINE);
+            }
         }
         true
     }
@@ -973,6 +980,9 @@ impl QpShared {
                     0
                 };
                 self.tx_next_write_at.store(next, Ordering::Relaxed);
+                // The lines [next, next + len) touches.
+                let lines = (next + len.max(1) - 1) / mem::LINE - next / mem::LINE + 1;
+                self.tx_next_write_lines.store(lines, Ordering::Relaxed);
                 if !o.inflight.is_empty() {
                     // Completes after the SENDs before it.
                     o.inflight.push_back(Inflight {
