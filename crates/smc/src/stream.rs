@@ -1498,11 +1498,16 @@ impl SmcStream {
                 inner.poller_at.store(micros, Ordering::Release);
             }
             let until = now + spin.min(wait);
+            // The clock as of the last look at it: at most one round of spins
+            // (SPINS_BETWEEN_LOOKS) old, a few µs, which the engine's timers (500 µs and
+            // longer) do not notice. The poll after a wake-up of the spin takes it instead of
+            // reading the clock (25 ns, as much as handling a message) on the path of a reply.
+            let mut looked_at = now;
             loop {
                 // Completions that do not concern this call (our own SENDs completing, other
                 // connections' data) are handled here and the spin goes on: returning would
                 // only make the caller look again and come back.
-                let mut polled_at = None;
+                let mut polled_at = Some(looked_at);
                 let handled = core.poll_completions_at(&mut wcs, &mut polled_at);
                 // Whether what this poll handled, or what another thread (the runtime thread,
                 // or another stream's) handled while the lock was free, lets the call go on.
@@ -1515,14 +1520,15 @@ impl SmcStream {
                     if polling {
                         inner.poller.store(false, Ordering::Release);
                     }
-                    // The clock read for those completions, a moment ago (if any came): the
-                    // caller need not read it again.
+                    // The time those completions were handled at (see `looked_at`): the
+                    // caller need not read the clock again.
                     return (core, polled_at);
                 }
                 if handled {
                     core.drain();
                 }
-                if core.now() >= until {
+                looked_at = core.now();
+                if looked_at >= until {
                     break;
                 }
                 drop(core);
