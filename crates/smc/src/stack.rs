@@ -808,7 +808,6 @@ impl Core {
         if self.reposts.is_empty() {
             return;
         }
-        let now = self.now();
         let mut reposts = std::mem::take(&mut self.reposts);
         for (link, slot) in reposts.drain(..) {
             // A link removed meanwhile takes its slots with it.
@@ -816,6 +815,8 @@ impl Core {
                 continue;
             };
             if self.fab.post_recv(link, l, slot).is_err() {
+                // (The clock only for a failure.)
+                let now = self.now();
                 self.ep.handle_link_failure(link, &mut self.fab, now);
             }
         }
