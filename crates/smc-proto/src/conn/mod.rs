@@ -502,6 +502,38 @@ impl Connection {
         Ok(())
     }
 
+    /// [`produced_with_backlog`](Self::produced_with_backlog) for a caller that posts the
+    /// CDC before the rest of the bookkeeping (the data path: the SEND is what the peer waits
+    /// for). Returns `Ok(true)` when the rest was left for [`settle_send`](Self::settle_send),
+    /// to be called after [`poll_transmit`](Self::poll_transmit): only when it cannot change
+    /// the CDC (it then only adjusts timers), i.e. the peer has not closed and no shutdown or
+    /// close waits for the backlog; otherwise it is done here, as `produced_with_backlog`
+    /// does, and `Ok(false)` is returned.
+    pub fn produced_settle_later(
+        &mut self,
+        n: u32,
+        backlog: u64,
+        now: Timestamp,
+    ) -> Result<bool, ApiError> {
+        if n > 0 {
+            self.advance_producer(n)?;
+        }
+        self.send_backlog = backlog;
+        if self.peer_closed || self.write_shut_pending || self.close_pending {
+            self.after_send_change(now);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The rest of [`produced_settle_later`](Self::produced_settle_later) (its `Ok(true)`).
+    pub fn settle_send(&mut self, now: Timestamp) {
+        // What `after_send_change` does when neither the peer closed nor a shutdown or close
+        // waits: the timers.
+        debug_assert!(!self.peer_closed && !self.write_shut_pending && !self.close_pending);
+        self.sync_timers(now);
+    }
+
     /// The caller wrote `n` bytes whose last byte is urgent (MSG_OOB). The CDC carries P and
     /// U with the producer cursor just past the urgent byte; no more data is written until the
     /// peer's consumer cursor acknowledges it.

@@ -1539,6 +1539,9 @@ impl Endpoint {
         let conflict = g.peer_rmbes.claim(peer_key, tcp);
         // Spread connections over the links: each side chooses its own (§2.3).
         let send_link = least_loaded_link(g, &self.entries, peer_rmb).unwrap_or(peer_link);
+        let peer_element_offset =
+            u64::from(peer.rmbe_size.bytes()) * u64::from(peer.rmbe_idx.saturating_sub(1));
+        let route = super::SendRoute::of(g, peer_rmb, peer_element_offset, send_link);
         let mut config = ConnectionConfig::new(
             RmbeLayout::Linux,
             setup.alloc.element_len,
@@ -1582,10 +1585,10 @@ impl Endpoint {
                 local_element_offset: setup.alloc.element_offset,
                 local_alert: setup.alert,
                 peer_rmb,
-                peer_element_offset: u64::from(peer_len)
-                    * u64::from(peer.rmbe_idx.saturating_sub(1)),
+                peer_element_offset,
                 peer_key,
                 send_link,
+                route,
                 unacked: VecDeque::new(),
                 unacked_from,
                 ss: 0,

@@ -40,16 +40,18 @@ impl Endpoint {
     /// After any input to a connection engine: post its CDCs, forward its events, release
     /// it once Closed.
     pub(super) fn after_conn(&mut self, tcp: TcpId, now: Timestamp) {
-        self.after_conn_with(tcp, now, |_, _, _| false);
+        self.after_conn_with(tcp, now, |_, _, _| false, false);
     }
 
     /// [`after_conn`](Self::after_conn), offering each CDC to `post` first (see
-    /// [`SendPath::post_cdc`]): what it posts does not go through the fabric queue.
+    /// [`SendPath::post_cdc`]): what it posts does not go through the fabric queue. `settle`:
+    /// the engine's [`settle_send`](Connection::settle_send) is due once the CDCs are out.
     fn after_conn_with(
         &mut self,
         tcp: TcpId,
         now: Timestamp,
         mut post: impl FnMut(LinkId, WrId, &[u8; 44]) -> bool,
+        settle: bool,
     ) {
         // Fields borrowed apart: the connection's CDCs and events go straight to the output
         // queues (no vectors allocated per message on the data path).
@@ -95,6 +97,9 @@ impl Endpoint {
                     prod: m.producer,
                 },
             );
+        }
+        if settle {
+            c.conn.settle_send(now);
         }
         trim_unacked(c);
         let mut closed = false;
@@ -315,21 +320,20 @@ impl Endpoint {
             self.after_conn(tcp, now);
             return Ok(0);
         }
-        let Some(g) = self.lgrs.get(&c.lgr) else {
+        // Kept with `send_link` (checked against the group's tables in debug builds).
+        debug_assert_eq!(
+            c.route,
+            self.lgrs.get(&c.lgr).and_then(|g| super::SendRoute::of(
+                g,
+                c.peer_rmb,
+                c.peer_element_offset,
+                c.send_link
+            )),
+            "stale send route"
+        );
+        let Some(super::SendRoute { link, rkey, base }) = c.route else {
             return Err(EndpointError::NotEstablished);
         };
-        let Some(token) = g
-            .peer_rmbs
-            .get(c.peer_rmb)
-            .and_then(|r| r.tokens.get(&c.send_link))
-            .copied()
-        else {
-            return Err(EndpointError::NotEstablished);
-        };
-        let Some(link) = g.links.get(&c.send_link).map(|l| l.id) else {
-            return Err(EndpointError::NotEstablished);
-        };
-        let base = token.vaddr + c.peer_element_offset;
         let keep_all = !c.unacked.is_empty();
         // At most two pieces (the free space may wrap around the end of the RMBE).
         let mut pieces = [(0u64, 0u32); 2];
@@ -352,7 +356,7 @@ impl Endpoint {
             let target = RdmaWriteTarget {
                 link,
                 wr,
-                rkey: token.rkey,
+                rkey,
                 addr,
             };
             match path.write(target, piece) {
@@ -376,12 +380,14 @@ impl Endpoint {
         }
         let before = c.conn.producer_cursor();
         let backlog = (data.len() - done as usize) as u64;
-        if urgent && done as usize == data.len() {
+        let settle = if urgent && done as usize == data.len() {
             c.conn.produced_urgent(done, now)?;
             c.conn.set_send_backlog(backlog, now);
+            false
         } else {
-            c.conn.produced_with_backlog(done, backlog, now)?;
-        }
+            // The timers after the CDC (the engine says when that changes nothing else).
+            c.conn.produced_settle_later(done, backlog, now)?
+        };
         match keep_from {
             // Nothing awaits replay: the replay window starts after these bytes.
             None => c.unacked_from = c.conn.producer_cursor(),
@@ -396,7 +402,12 @@ impl Endpoint {
                 c.unacked.extend(&data[k as usize..done as usize]);
             }
         }
-        self.after_conn_with(tcp, now, |link, wr, msg| path.post_cdc(link, wr, msg));
+        self.after_conn_with(
+            tcp,
+            now,
+            |link, wr, msg| path.post_cdc(link, wr, msg),
+            settle,
+        );
         Ok(done as usize)
     }
 
@@ -643,6 +654,11 @@ impl Endpoint {
             "failover"
         );
         c.send_link = new;
+        c.route = Some(super::SendRoute {
+            link,
+            rkey: token.rkey,
+            base: token.vaddr + c.peer_element_offset,
+        });
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
         //# When an RNIC fails and the sender changes SMC-R links, the sender must first send
         //# a CDC message with the F-bit (failover validation indicator; see Appendix A.4) set

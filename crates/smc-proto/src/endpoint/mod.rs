@@ -328,6 +328,9 @@ struct SmcConn {
     peer_key: PeerRmbeKey,
     /// The link we send on (each side chooses its own, §2.3).
     send_link: u8,
+    /// Where the data path writes: `send_link`'s id and the peer's RMBE through it, looked
+    /// up whenever `send_link` is set ([`SendRoute::of`]), not for every write.
+    route: Option<SendRoute>,
     /// Bytes written to the peer but not known received: from `unacked_from` to our
     /// producer cursor (kept for replay, §4.6.2).
     unacked: VecDeque<u8>,
@@ -340,6 +343,31 @@ struct SmcConn {
     /// indication, completes: a link that fails before that may have lost it, and the failover
     /// sends it again (the peer would otherwise wait for its close timer).
     held: bool,
+}
+
+/// Where a connection's RDMA WRITEs and CDCs go (see [`SmcConn::route`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SendRoute {
+    /// The id of the link (QP) the connection sends on.
+    link: LinkId,
+    /// The peer's rkey of its RMB on that link.
+    rkey: u32,
+    /// Remote address of the first byte of the peer's RMBE.
+    base: u64,
+}
+
+impl SendRoute {
+    /// The route through link `num` of group `g` to the peer's RMB `peer_rmb` (its element at
+    /// `element_offset`); `None` when the link or the peer's token on it is unknown.
+    fn of(g: &LinkGroup, peer_rmb: usize, element_offset: u64, num: u8) -> Option<SendRoute> {
+        let token = g.peer_rmbs.get(peer_rmb)?.tokens.get(&num).copied()?;
+        let link = g.links.get(&num)?.id;
+        Some(SendRoute {
+            link,
+            rkey: token.rkey,
+            base: token.vaddr + element_offset,
+        })
+    }
 }
 
 /// One TCP connection known to the endpoint.
