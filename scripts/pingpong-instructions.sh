@@ -8,10 +8,12 @@
 #   scripts/pingpong-instructions.sh BINARY     # count an already built pingpong example
 #
 # Prints, per round trip and for the client process, the inclusive instruction count of the
-# functions on the path: `write` (application write to the SEND in the peer's ring),
-# `handle_msg` (one incoming CDC through the endpoint), `consume` (the fabric taking it off the
-# ring), and `read-wait` (`read` without the time it spends waiting). The spin loop's own
-# instructions depend on timing and are left out. Installs valgrind when it is missing.
+# functions of the data path: `write` (application write to the SEND in the peer's ring and
+# the bookkeeping after it), `poll` (every completion the polls handle: the incoming CDC,
+# taken off the ring and through the endpoint, `handle_msg` of it, and our SEND's own
+# completion and the receive reposts), and `read-wait` (`read` without the time it spends
+# waiting). The spin loop's own instructions depend on timing and are left out. Installs
+# valgrind when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +40,7 @@ names = {
     "<smc::stream::SmcStream as std::io::Read>::read": "read",
     "smc::stream::SmcStream::wait_progress": "wait",
     "smc_proto::endpoint::llc::<impl smc_proto::endpoint::Endpoint>::handle_message": "handle_msg",
-    "smc_fabric::shm::qp::QpShared::consume_one": "consume",
+    "smc::stack::Core::poll_completions_at": "poll",
 }
 got = {}
 for line in sys.stdin:
@@ -48,7 +50,7 @@ for line in sys.stdin:
         got[k] = max(got.get(k, 0), int(m.group(1).replace(",", "")) / per)
 if set(names.values()) - set(got):
     sys.exit("callgrind output without the expected functions (was the binary built with debug info?)")
-path = got["write"] + got["read"] - got["wait"] + got["handle_msg"] + got["consume"]
-print("instructions per round trip (client side): write %.0f, handle_msg %.0f, consume %.0f, read-wait %.0f; on the path %.0f"
-      % (got["write"], got["handle_msg"], got["consume"], got["read"] - got["wait"], path))
+path = got["write"] + got["read"] - got["wait"] + got["poll"]
+print("instructions per round trip (client side): write %.0f, poll %.0f (of which handle_msg %.0f), read-wait %.0f; all %.0f"
+      % (got["write"], got["poll"], got["handle_msg"], got["read"] - got["wait"], path))
 '
