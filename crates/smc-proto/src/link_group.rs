@@ -85,6 +85,20 @@ pub struct Link {
 }
 
 impl Link {
+    /// Activity on the link: an active link that waits for no TEST LINK reply sends its next
+    /// TEST LINK after `keepalive` (if any) of silence from now.
+    pub(crate) fn rearm_keepalive(
+        &mut self,
+        keepalive: Option<std::time::Duration>,
+        now: Timestamp,
+    ) {
+        if let Some(interval) = keepalive {
+            if self.state == LinkState::Active && self.test_link.is_none() {
+                self.timers.set(LinkTimer::Keepalive, now + interval);
+            }
+        }
+    }
+
     /// A link being set up (its CONFIRM LINK exchange to come) on our `device` with QP
     /// `local_qp`; the peer's QP not known yet, symmetric.
     pub(crate) fn activating(

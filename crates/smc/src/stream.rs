@@ -1802,10 +1802,15 @@ const PIECE_MIN: usize = 16 * 1024;
 /// it held the core lock anew, since whoever handles a completion (not necessarily the
 /// waiting thread) changes it.
 fn progressed(core: &Core, id: TcpId, want: Want) -> bool {
+    let conn = core.ep.connection(id);
+    // The usual answer first (a failure recorded meanwhile shows at the read that follows).
+    if matches!(want, Want::Read) && conn.is_some_and(|c| c.readable() > 0) {
+        return true;
+    }
     if core.slots.get(&id).is_some_and(|s| s.error.is_some()) {
         return true;
     }
-    match (core.ep.connection(id), want) {
+    match (conn, want) {
         (None, _) => true,
         (Some(c), Want::Read) => c.readable() > 0 || c.is_read_closed(),
         // What the send path can take (not `window()`: after urgent data no write is taken

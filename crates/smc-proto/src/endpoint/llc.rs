@@ -51,9 +51,10 @@ impl Endpoint {
             }
             return;
         };
+        let keepalive = self.config.keepalive;
         if let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) {
             l.last_activity = now;
-            self.rearm_keepalive(lgr, num, now);
+            l.rearm_keepalive(keepalive, now);
         }
         match ControlMessage::parse(bytes) {
             Ok(ControlMessage::Cdc(cdc)) => self.handle_cdc(lgr, cdc, now),
@@ -378,13 +379,9 @@ impl Endpoint {
     }
 
     pub(super) fn rearm_keepalive(&mut self, lgr: LgrId, num: u8, now: Timestamp) {
-        let Some(interval) = self.config.keepalive else {
-            return;
-        };
+        let keepalive = self.config.keepalive;
         if let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) {
-            if l.state == LinkState::Active && l.test_link.is_none() {
-                l.timers.set(LinkTimer::Keepalive, now + interval);
-            }
+            l.rearm_keepalive(keepalive, now);
         }
     }
 
