@@ -827,7 +827,7 @@ impl Core {
     /// Post `op` on `link`, or queue it when the link's send queue is full (or work is
     /// already waiting there, to keep the order); any other error fails it.
     fn post_or_defer(&mut self, link: LinkId, op: Deferred) {
-        if !self.deferred.is_empty() && self.deferred.get(&link).is_some_and(|q| !q.is_empty()) {
+        if waits_for_room(&self.deferred, link) {
             self.deferred.entry(link).or_default().push_back(op);
             return;
         }
@@ -955,12 +955,13 @@ struct DirectSend<'a> {
     capturing: bool,
 }
 
-impl DirectSend<'_> {
-    /// Whether work already waits in software for room in `link`'s send queue (the map's
-    /// emptiness first: no hashing in the usual case).
-    fn behind_deferred(&self, link: LinkId) -> bool {
-        !self.deferred.is_empty() && self.deferred.get(&link).is_some_and(|q| !q.is_empty())
-    }
+/// Whether work already waits in software for room in `link`'s send queue (the map's
+/// emptiness first: no hashing in the usual case); what is posted next queues behind it.
+fn waits_for_room(
+    deferred: &HashMap<LinkId, std::collections::VecDeque<Deferred>>,
+    link: LinkId,
+) -> bool {
+    !deferred.is_empty() && deferred.get(&link).is_some_and(|q| !q.is_empty())
 }
 
 impl smc_proto::endpoint::SendPath for DirectSend<'_> {
@@ -984,7 +985,7 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
             // completes.
             WriteOutcome::Posted
         };
-        if self.behind_deferred(t.link) {
+        if waits_for_room(self.deferred, t.link) {
             // Behind work already waiting for room: keep the order.
             return defer(self.deferred);
         }
@@ -1009,7 +1010,7 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
     }
 
     fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
-        if self.capturing || self.behind_deferred(link) {
+        if self.capturing || waits_for_room(self.deferred, link) {
             return false;
         }
         let Some(l) = self.fab.links.get(&link) else {
