@@ -212,21 +212,7 @@ impl Endpoint {
             self.after_conn(tcp, now);
             return Ok(0);
         }
-        let Some(token) = self
-            .lgrs
-            .get(&c.lgr)
-            .and_then(|g| g.peer_rmbs.get(c.peer_rmb))
-            .and_then(|r| r.tokens.get(&c.send_link))
-            .copied()
-        else {
-            return Err(EndpointError::NotEstablished);
-        };
-        let Some(link) = self
-            .lgrs
-            .get(&c.lgr)
-            .and_then(|g| g.links.get(&c.send_link))
-            .map(|l| l.id)
-        else {
+        let Some(super::SendRoute { link, rkey, base }) = send_route(&self.lgrs, c) else {
             return Err(EndpointError::NotEstablished);
         };
         let mut off = 0usize;
@@ -234,17 +220,14 @@ impl Endpoint {
         for r in regions.truncate(n).iter() {
             let len = r.len as usize;
             let chunk = data[off..off + len].to_vec();
-            writes.push((
-                token.vaddr + c.peer_element_offset + u64::from(r.offset),
-                chunk,
-            ));
+            writes.push((base + u64::from(r.offset), chunk));
             off += len;
         }
         c.conn.produced(n, now)?;
         c.unacked.extend(&data[..n as usize]);
         c.conn
             .set_send_backlog((data.len() - n as usize) as u64, now);
-        self.post_writes(tcp, link, token.rkey, writes);
+        self.post_writes(tcp, link, rkey, writes);
         self.after_conn(tcp, now);
         Ok(n as usize)
     }
@@ -320,18 +303,7 @@ impl Endpoint {
             self.after_conn(tcp, now);
             return Ok(0);
         }
-        // Kept with `send_link` (checked against the group's tables in debug builds).
-        debug_assert_eq!(
-            c.route,
-            self.lgrs.get(&c.lgr).and_then(|g| super::SendRoute::of(
-                g,
-                c.peer_rmb,
-                c.peer_element_offset,
-                c.send_link
-            )),
-            "stale send route"
-        );
-        let Some(super::SendRoute { link, rkey, base }) = c.route else {
+        let Some(super::SendRoute { link, rkey, base }) = send_route(&self.lgrs, c) else {
             return Err(EndpointError::NotEstablished);
         };
         let keep_all = !c.unacked.is_empty();
@@ -630,19 +602,15 @@ impl Endpoint {
         let Some(g) = self.lgrs.get(&lgr) else {
             return;
         };
-        let Some(link) = g.links.get(&new).map(|l| l.id) else {
+        if !g.links.contains_key(&new) {
             return;
-        };
-        let token = g
-            .peer_rmbs
-            .get(c.peer_rmb)
-            .and_then(|r| r.tokens.get(&new))
-            .copied();
-        let Some(token) = token else {
+        }
+        let Some(route) = super::SendRoute::of(g, c.peer_rmb, c.peer_element_offset, new) else {
             // The peer's RMB is unknown on the surviving link: nothing can be written.
             self.conn_link_group_lost(tcp, now);
             return;
         };
+        let link = route.link;
         self.stats.failovers += 1;
         tracing::debug!(
             ?tcp,
@@ -654,11 +622,7 @@ impl Endpoint {
             "failover"
         );
         c.send_link = new;
-        c.route = Some(super::SendRoute {
-            link,
-            rkey: token.rkey,
-            base: token.vaddr + c.peer_element_offset,
-        });
+        c.route = Some(route);
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1
         //# When an RNIC fails and the sender changes SMC-R links, the sender must first send
         //# a CDC message with the F-bit (failover validation indicator; see Appendix A.4) set
@@ -687,10 +651,7 @@ impl Endpoint {
             for r in regions.iter() {
                 let len = r.len as usize;
                 if let Some(chunk) = bytes.get(off..off + len) {
-                    writes.push((
-                        token.vaddr + c.peer_element_offset + u64::from(r.offset),
-                        chunk.to_vec(),
-                    ));
+                    writes.push((route.base + u64::from(r.offset), chunk.to_vec()));
                 }
                 off += len;
             }
@@ -715,9 +676,28 @@ impl Endpoint {
         //# the sender must replay any RDMA writes (and their associated CDC messages) that
         //# were in progress or failed when the previous SMC-R link failed, before sending new
         //# data on the new SMC-R link.
-        self.post_writes(tcp, link, token.rkey, writes);
+        self.post_writes(tcp, link, route.rkey, writes);
         self.after_conn(tcp, now);
     }
+}
+
+/// Where connection `c` writes: its route, kept with its send link (and checked against the
+/// group's tables in debug builds).
+fn send_route(
+    lgrs: &std::collections::BTreeMap<LgrId, crate::link_group::LinkGroup>,
+    c: &super::SmcConn,
+) -> Option<super::SendRoute> {
+    debug_assert_eq!(
+        c.route,
+        lgrs.get(&c.lgr).and_then(|g| super::SendRoute::of(
+            g,
+            c.peer_rmb,
+            c.peer_element_offset,
+            c.send_link
+        )),
+        "stale send route"
+    );
+    c.route
 }
 
 /// Forget replay bytes the peer has consumed (its consumer cursor passed them).
