@@ -494,11 +494,9 @@ impl Connection {
         backlog: u64,
         now: Timestamp,
     ) -> Result<(), ApiError> {
-        if n > 0 {
-            self.advance_producer(n)?;
+        if self.produced_settle_later(n, backlog, now)? {
+            self.settle_send(now);
         }
-        self.send_backlog = backlog;
-        self.after_send_change(now);
         Ok(())
     }
 
