@@ -620,6 +620,23 @@ impl Core {
         }
     }
 
+    /// Whether the engine queues a `Readable` event for each CDC of `tcp` that brings data:
+    /// only while a thread sleeps on the slot's condition variable or an event loop watches
+    /// its eventfds, the only ones the event reaches (see `signal`). A reader that polls
+    /// finds the bytes by looking; for it the event was queued, handled and dropped per CDC
+    /// (busy 1-byte ping-pong without it: 12 of 12 alternating pairs faster, median per-pair
+    /// ratio 0.90). Called whenever `waiters` or `notify` of the slot change, and when the
+    /// connection is established; all under the core lock, so a reader that looked and found
+    /// nothing cannot miss the event of what arrives before it sleeps.
+    pub(crate) fn sync_readable_events(&mut self, tcp: TcpId) {
+        let on = self
+            .slots
+            .get(&tcp)
+            .is_some_and(|s| s.waiters > 0 || s.notify.is_some());
+        // (Not established yet, or gone: nothing to set; establishment calls this again.)
+        let _ = self.ep.set_readable_events(tcp, on);
+    }
+
     /// Wake the threads blocked on connection `tcp`.
     pub(crate) fn wake(&self, tcp: TcpId) {
         if let Some(s) = self.slots.get(&tcp) {
@@ -708,6 +725,7 @@ impl Core {
                     s.token = token;
                     s.setup_ended();
                 }
+                self.sync_readable_events(tcp);
             }
             EndpointEvent::FellBack {
                 tcp,

@@ -1188,7 +1188,9 @@ impl SmcStream {
         if slot.notify.is_none() {
             slot.notify = Some(Arc::new(crate::stack::Notifiers::new()?));
         }
-        Ok(slot.notify.clone())
+        let notify = slot.notify.clone();
+        core.sync_readable_events(h.id);
+        Ok(notify)
     }
 
     /// Over TCP: the socket and the bytes read during the rendezvous, for event loops. The
@@ -1612,6 +1614,7 @@ impl SmcStream {
         }) else {
             return (core, None);
         };
+        core.sync_readable_events(id);
         inner.followers.fetch_add(1, Ordering::AcqRel);
         let mut core = match cond.wait_timeout(core, wait) {
             Ok((g, _)) => g,
@@ -1625,6 +1628,7 @@ impl SmcStream {
         if let Some(s) = core.slots.get_mut(&id) {
             s.waiters = s.waiters.saturating_sub(1);
         }
+        core.sync_readable_events(id);
         (core, None)
     }
 

@@ -118,7 +118,8 @@ impl TimerKind for ConnTimer {
 /// Something the application or the runtime must learn about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Event {
-    /// New data arrived in our RMBE.
+    /// New data arrived in our RMBE (queued only while
+    /// [`set_readable_events`](Connection::set_readable_events) is on, as it is by default).
     Readable,
     /// Room opened in the peer's RMBE after the window was closed (or urgent data was
     /// acknowledged).
@@ -273,6 +274,8 @@ pub struct Connection {
     /// A failover validation's SS that SR has not reached yet.
     validation_pending: Option<u16>,
     events: VecDeque<Event>,
+    /// Whether arriving data queues [`Event::Readable`].
+    readable_events: bool,
     stats: ConnStats,
 }
 
@@ -321,6 +324,7 @@ impl Connection {
             timers: TimerTable::new(),
             validation_pending: None,
             events: VecDeque::new(),
+            readable_events: true,
             stats: ConnStats::default(),
         };
         c.transition(Input::RendezvousComplete);
@@ -605,6 +609,15 @@ impl Connection {
     pub fn set_nodelay(&mut self, nodelay: bool, now: Timestamp) {
         self.nodelay = nodelay;
         self.sync_timers(now);
+    }
+
+    /// Whether arriving data queues [`Event::Readable`] (on at first). A runtime whose readers
+    /// find new bytes by looking (a reader that spins on the completion queues, or polls once
+    /// more before it sleeps) turns it off while nobody sleeps on the connection: the event
+    /// would only be queued and dropped, for every CDC that brings data. It must be on before
+    /// a reader sleeps (the engine keeps no record of what arrived while it was off).
+    pub fn set_readable_events(&mut self, on: bool) {
+        self.readable_events = on;
     }
 
     /// Whether TCP_NODELAY is in effect.
@@ -948,7 +961,7 @@ impl Connection {
             self.stats.bytes_received += u64::from(new_bytes);
             if self.discarding() {
                 self.discard_unread();
-            } else {
+            } else if self.readable_events {
                 self.events.push_back(Event::Readable);
             }
         }

@@ -499,6 +499,16 @@ impl Endpoint {
         })
     }
 
+    /// Whether arriving data of connection `tcp` queues [`Event::Readable`]
+    /// (see [`Connection::set_readable_events`]).
+    pub fn set_readable_events(&mut self, tcp: TcpId, on: bool) -> Result<(), EndpointError> {
+        let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
+            return Err(self.not_established(tcp));
+        };
+        c.conn.set_readable_events(on);
+        Ok(())
+    }
+
     /// Coalescing of small sends of connection `tcp` (§4.5.2), or none.
     pub fn set_coalescing(
         &mut self,

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use super::*;
 use crate::conn::{
-    window_update_needed, ApiError, Coalescing, ConnTimer, Connection, ConnectionConfig, State,
+    window_update_needed, ApiError, Coalescing, ConnTimer, Connection, ConnectionConfig, Event,
+    State,
 };
 use crate::harness::{Pair, Side, TOKEN_A, TOKEN_B};
 use crate::time::Timestamp;
@@ -411,4 +412,37 @@ fn second_urgent_send_while_first_unacknowledged() {
     let m = p.wire.back().map(|f| f.what);
     assert!(matches!(m, Some(crate::harness::Wire::Cdc(c))
         if c.prod_flags.urgent_present && c.producer == Cursor::new(0, 15)));
+}
+
+#[test]
+fn readable_events_only_while_wanted() {
+    let mut p = pair64k();
+    let readables = |p: &mut Pair| {
+        p.pump(Side::B);
+        let n =
+            p.b.events
+                .iter()
+                .filter(|(_, e)| *e == Event::Readable)
+                .count();
+        p.b.events.clear();
+        n
+    };
+    p.app_send(Side::A, b"one");
+    p.pump(Side::A);
+    deliver_cdc(&mut p, Side::B);
+    assert_eq!(readables(&mut p), 1, "on by default");
+    // Off: the bytes arrive and count as readable, without an event.
+    p.b.conn.set_readable_events(false);
+    p.app_send(Side::A, b"two");
+    p.pump(Side::A);
+    deliver_cdc(&mut p, Side::B);
+    assert_eq!(readables(&mut p), 0);
+    assert_eq!(p.b.conn.readable(), 6);
+    // On again: the next CDC with data has its event.
+    p.b.conn.set_readable_events(true);
+    p.app_send(Side::A, b"three");
+    p.pump(Side::A);
+    deliver_cdc(&mut p, Side::B);
+    assert_eq!(readables(&mut p), 1);
+    assert_eq!(p.read(Side::B, usize::MAX), 11);
 }
