@@ -57,7 +57,11 @@ impl Endpoint {
             l.rearm_keepalive(keepalive, now);
         }
         match ControlMessage::parse(bytes) {
-            Ok(ControlMessage::Cdc(cdc)) => self.handle_cdc(lgr, cdc, now),
+            // A CDC changes no link group: it cannot end a first contact (below).
+            Ok(ControlMessage::Cdc(cdc)) => {
+                self.handle_cdc(lgr, cdc, now);
+                return;
+            }
             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
             //# Recovery action: Ignore (silently discard) the message.
             Ok(ControlMessage::Llc(LlcMessage::Optional { .. })) => self.stats.llc_discarded += 1,
