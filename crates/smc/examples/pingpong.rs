@@ -299,12 +299,12 @@ fn main() {
         return;
     }
     // PINGPONG_ONLY=smc-pingpong / smc-busy: only SMC-R's blocking / busy-polling ping-pong
-    // (for profiling).
+    // (for profiling, and for alternating A/B timings of two builds: three decimals).
     let only = std::env::var("PINGPONG_ONLY").unwrap_or_default();
     if only == "smc-pingpong" || only == "smc-busy" {
         let busy = only == "smc-busy";
         let t = pingpong(smc(busy), if busy { b'P' } else { b'p' }, rounds);
-        println!("SMC-R ping-pong (busy poll {busy}): {t:.2} µs");
+        println!("SMC-R ping-pong (busy poll {busy}): {t:.3} µs");
         drop(child.stdin.take());
         let _ = child.wait();
         let _ = std::fs::remove_dir_all(&dir);
