@@ -1998,6 +1998,71 @@ impl Drop for SmcHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{DiscoveryMode, SmcListener, StackConfig};
+
+    /// The engine queues `Readable` for a connection only while a thread sleeps on it: a
+    /// reader that follows another thread's polling (here a writer blocked on a full RMBE)
+    /// turns the events on for as long as it sleeps, is woken by the event of the byte that
+    /// arrives, and turns them off again.
+    #[test]
+    fn readable_events_only_while_a_reader_sleeps() {
+        let dir = std::env::temp_dir().join(format!("smc-rev-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("fabric dir");
+        let stack = |dir: &std::path::Path| {
+            let mut c = StackConfig::new(smc_fabric::FabricConfig::with_dir(dir, 1));
+            c.discovery = DiscoveryMode::AssertPeer;
+            Stack::new(c).expect("stack")
+        };
+        let (a, b) = (stack(&dir), stack(&dir));
+        let l = SmcListener::bind_with(&a, "127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let t = std::thread::spawn(move || SmcStream::connect_with(&b, addr).expect("connect"));
+        let (server, _) = l.accept().expect("accept");
+        let mut client = t.join().expect("client");
+        let Kind::Smc(h) = &server.kind else {
+            panic!("not over SMC-R");
+        };
+        let id = h.id;
+        let inner = server.stack.inner.clone();
+        let events = || inner.lock().ep.connection(id).map(|c| c.readable_events());
+        assert_eq!(events(), Some(false), "nobody sleeps on a new connection");
+
+        // A writer that fills the client's RMBE and waits for room: the server's poller.
+        let mut writer = server.try_clone().expect("clone");
+        let w = std::thread::spawn(move || writer.write_all(&vec![7u8; 4 << 20]));
+        while !inner.poller.load(Ordering::Acquire) {
+            std::thread::yield_now();
+        }
+        // A reader that waits meanwhile sleeps on the connection's condition variable.
+        let mut reader = server.try_clone().expect("clone");
+        let r = std::thread::spawn(move || {
+            let mut b = [0u8; 1];
+            reader.read_exact(&mut b).map(|()| b[0])
+        });
+        // (Both looked at under the core lock, which a sleeper holds while it registers and
+        // while it leaves.)
+        loop {
+            let core = inner.lock();
+            if inner.followers.load(Ordering::Acquire) > 0 {
+                let on = core.ep.connection(id).map(|c| c.readable_events());
+                assert_eq!(on, Some(true), "on while a reader sleeps");
+                break;
+            }
+            drop(core);
+            std::thread::yield_now();
+        }
+        client.write_all(&[42]).expect("client write");
+        assert_eq!(r.join().expect("reader").expect("read"), 42);
+        assert_eq!(events(), Some(false), "off once it is gone");
+
+        // Let the writer finish, then an event loop's interest turns them on for good.
+        let mut sink = vec![0u8; 4 << 20];
+        client.read_exact(&mut sink).expect("client read");
+        w.join().expect("writer").expect("write");
+        server.notifiers().expect("notifiers");
+        assert_eq!(events(), Some(true), "on while an event loop watches");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn adaptive_spin_grows_while_it_nearly_catches_and_stops_when_it_does_not() {

@@ -620,6 +620,11 @@ impl Connection {
         self.readable_events = on;
     }
 
+    /// Whether arriving data queues [`Event::Readable`] now.
+    pub fn readable_events(&self) -> bool {
+        self.readable_events
+    }
+
     /// Whether TCP_NODELAY is in effect.
     pub fn nodelay(&self) -> bool {
         self.nodelay
