@@ -2040,7 +2040,8 @@ mod tests {
             reader.read_exact(&mut b).map(|()| b[0])
         });
         // (Both looked at under the core lock, which a sleeper holds while it registers and
-        // while it leaves.)
+        // while it leaves. Between two of its poll slices the writer may hand the polling to
+        // the reader and sleep instead: then it is the sleeper.)
         loop {
             let core = inner.lock();
             if inner.followers.load(Ordering::Acquire) > 0 {
@@ -2053,12 +2054,12 @@ mod tests {
         }
         client.write_all(&[42]).expect("client write");
         assert_eq!(r.join().expect("reader").expect("read"), 42);
-        assert_eq!(events(), Some(false), "off once it is gone");
-
-        // Let the writer finish, then an event loop's interest turns them on for good.
+        // Let the writer finish: with nobody waiting any more, the events are off again.
         let mut sink = vec![0u8; 4 << 20];
         client.read_exact(&mut sink).expect("client read");
         w.join().expect("writer").expect("write");
+        assert_eq!(events(), Some(false), "off once nobody sleeps");
+        // An event loop's interest turns them on for good.
         server.notifiers().expect("notifiers");
         assert_eq!(events(), Some(true), "on while an event loop watches");
         let _ = std::fs::remove_dir_all(&dir);
