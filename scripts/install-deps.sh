@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the smc-rs tests need, only when it is missing (Debian 12, root or sudo).
 #   tshark      – the outside decoder the wire tests check our bytes against
-#   clang, libbpf-dev – build the eBPF TCP-option program (crates/smc/bpf)
+#   clang, llvm, libbpf-dev – rebuild the eBPF TCP-option program to check that the committed
+#                 object (crates/smc/bpf/smc_tcp_option.bpf.o) matches its source; a build
+#                 of smc-rs itself never needs them
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 set -euo pipefail
 
@@ -19,6 +21,7 @@ fi
 
 missing=()
 command -v clang >/dev/null 2>&1 || missing+=(clang)
+command -v llvm-strip >/dev/null 2>&1 || missing+=(llvm)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "install-deps: installing ${missing[*]}" >&2

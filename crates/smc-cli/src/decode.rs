@@ -17,7 +17,8 @@ use smc_wire::{
 #[derive(clap::Args, Debug)]
 pub struct DecodeArgs {
     /// Hex strings, each one or more messages (CLC messages back to back, a 44-byte LLC/CDC
-    /// message, or a TCP options block). Without any, hex is read from standard input.
+    /// message, or a TCP options block), or paths of pcap/pcapng captures (an argument that
+    /// names an existing file is read as a capture). Without any, hex is read from standard input.
     hex: Vec<String>,
     /// Read a pcap or pcapng capture instead (Ethernet frames).
     #[arg(short = 'r', long = "file", conflicts_with_all = ["hex", "example"])]
@@ -181,6 +182,42 @@ fn decode_finding(out: &mut Out, f: &Finding) -> Result<()> {
     Ok(())
 }
 
+/// The first bytes of the capture formats `smc decode` reads: pcap in both byte orders, with
+/// microsecond and nanosecond timestamps, and pcapng (its Section Header Block type).
+const CAPTURE_MAGICS: [[u8; 4]; 5] = [
+    [0xd4, 0xc3, 0xb2, 0xa1],
+    [0xa1, 0xb2, 0xc3, 0xd4],
+    [0x4d, 0x3c, 0xb2, 0xa1],
+    [0xa1, 0xb2, 0x3c, 0x4d],
+    [0x0a, 0x0d, 0x0d, 0x0a],
+];
+
+/// Decode every SMC message in a pcap or pcapng file.
+fn decode_capture(out: &mut Out, path: &std::path::Path) -> Result<()> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+    let mut magic = [0u8; 4];
+    let is_capture = f.read_exact(&mut magic).is_ok() && CAPTURE_MAGICS.contains(&magic);
+    if !is_capture {
+        bail!(
+            "{}: not a pcap or pcapng capture (its first bytes are not a capture magic number)",
+            path.display()
+        );
+    }
+    drop(f);
+    let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+    let findings = dissect::read_capture(f)
+        .with_context(|| format!("reading the capture {}", path.display()))?;
+    for f in &findings {
+        decode_finding(out, f)?;
+    }
+    Ok(())
+}
+
+/// Whether a string that is not hex was probably meant as a file name.
+fn looks_like_path(s: &str) -> bool {
+    s.contains('/') || s.ends_with(".pcap") || s.ends_with(".pcapng")
+}
+
 /// Run `smc decode`.
 pub fn run(args: &DecodeArgs) -> Result<ExitCode> {
     let mut out = Out {
@@ -189,11 +226,7 @@ pub fn run(args: &DecodeArgs) -> Result<ExitCode> {
         messages: 0,
     };
     if let Some(path) = &args.file {
-        let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
-        let findings = dissect::read_capture(f)?;
-        for f in &findings {
-            decode_finding(&mut out, f)?;
-        }
+        decode_capture(&mut out, path)?;
     } else if let Some(name) = &args.example {
         let list: Vec<(&str, &str)> = if name == "all" {
             examples::VECTORS
@@ -239,10 +272,23 @@ pub fn run(args: &DecodeArgs) -> Result<ExitCode> {
         } else {
             args.hex.clone()
         };
+        let from_args = !(args.hex.is_empty() || args.hex == ["-"]);
         for (i, h) in inputs.iter().enumerate() {
             let what = format!("input {}", i + 1);
+            // An argument that names an existing file is a capture, the same as `-r FILE`.
+            if from_args && std::path::Path::new(h).is_file() {
+                decode_capture(&mut out, std::path::Path::new(h))?;
+                continue;
+            }
+            if h.trim().is_empty() {
+                out.error(&what, &"empty input (give hex bytes or a capture file)");
+                continue;
+            }
             match examples::from_hex(h) {
                 Some(b) => decode_bytes(&mut out, &what, &b)?,
+                None if from_args && looks_like_path(h) => {
+                    out.error(&what, &format!("{h}: no such file, and not hex either"))
+                }
                 None => out.error(&what, &"not valid hex"),
             }
         }

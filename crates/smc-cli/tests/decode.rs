@@ -218,6 +218,10 @@ fn capture_file() {
     assert_eq!(lines[2]["src"], "192.168.1.10:40000");
     assert_eq!(lines[7]["dest_qp"], 0x123);
     assert_eq!(lines[7]["psn"], 1, "second SEND to QP 0x123");
+    // A path given without -r is read as a capture too, with the same result.
+    let o = smc(&["decode", "--json", &p], None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(json_lines(&o), lines);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -227,8 +231,28 @@ fn not_a_capture_is_an_error() {
     std::fs::create_dir_all(&dir).expect("dir");
     let path = dir.join("bad.pcap");
     std::fs::write(&path, b"this is not a pcap file at all").expect("write");
-    let o = smc(&["decode", "-r", &path.to_string_lossy()], None);
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot read capture"));
+    for args in [
+        &["decode", "-r", &path.to_string_lossy()][..],
+        &["decode", &path.to_string_lossy()][..],
+    ] {
+        let o = smc(args, None);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("not a pcap or pcapng capture"),
+            "{args:?}: {err}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn empty_input_and_missing_file_are_errors() {
+    let o = smc(&["decode", ""], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("empty input"));
+    assert!(o.stdout.is_empty(), "nothing decoded from nothing");
+    let o = smc(&["decode", "/nonexistent/smc-rs/capture.pcap"], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no such file"));
 }

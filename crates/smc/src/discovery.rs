@@ -3,8 +3,9 @@
 //! RFC 7609 §3.5.1.1: "A client who wishes to do SMC-R will include TCP option 254 using an
 //! ExID equal to the EBCDIC (codepage IBM-1047) encoding of "SMCR" on its SYN flow." A
 //! userspace stack cannot add TCP options through the sockets API, so smc-rs loads a small
-//! eBPF `sock_ops` program (bpf/smc_tcp_option.bpf.c, built by clang from build.rs, loaded with
-//! aya) into a cgroup v2. The program acts only on sockets this instance marked:
+//! eBPF `sock_ops` program into a cgroup v2 with aya. Its source is bpf/smc_tcp_option.bpf.c;
+//! `scripts/build-bpf.sh` compiles it into bpf/smc_tcp_option.bpf.o, which is committed, so a
+//! build needs no clang. The program acts only on sockets this instance marked:
 //!
 //! - client: [`TcpOptionDiscovery::mark_client`] before `connect()`; the SYN carries the option;
 //!   after the handshake [`TcpOptionDiscovery::client_outcome`] says whether the SYN-ACK did too;
@@ -18,7 +19,6 @@
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 /// Where the cgroup v2 hierarchy is usually mounted (unified mode, then hybrid mode).
 pub const CGROUP2_CANDIDATES: &[&str] = &["/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
@@ -36,9 +36,10 @@ pub enum Outcome {
 /// Why discovery could not be set up or queried.
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
-    /// The crate was built without the eBPF program (no clang at build time, or the `ebpf`
-    /// feature is off).
-    #[error("the eBPF TCP-option program was not built (clang missing at build time)")]
+    /// The crate was built without its `ebpf` feature, so it carries no eBPF program.
+    #[error(
+        "this build of smc-rs has no eBPF discovery (the `smc` crate's `ebpf` feature is off)"
+    )]
     NotBuilt,
     /// No cgroup v2 mount was found.
     #[error("no cgroup v2 hierarchy found (tried {0:?})")]
@@ -104,16 +105,21 @@ pub fn find_cgroup2() -> Result<PathBuf, DiscoveryError> {
     ))
 }
 
-#[cfg(all(feature = "ebpf", smc_bpf_built))]
+#[cfg(feature = "ebpf")]
 mod imp {
     use super::*;
     use aya::maps::{HashMap, MapData};
     use aya::programs::{CgroupAttachMode, SockOps};
     use aya::Ebpf;
+    use std::sync::Mutex;
 
     // The ELF parser needs the object 8-byte aligned, which plain include_bytes! does not give.
-    static PROGRAM: &[u8] =
-        aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/smc_tcp_option.bpf.o"));
+    // The object is committed beside its source (scripts/build-bpf.sh regenerates it; the test
+    // tests/bpf_object.rs fails when it no longer matches the source).
+    static PROGRAM: &[u8] = aya::include_bytes_aligned!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bpf/smc_tcp_option.bpf.o"
+    ));
 
     /// Client socket states written by the program (see the C source).
     const CLIENT_MARKED: u32 = 1;
@@ -267,20 +273,59 @@ mod imp {
     }
 }
 
-#[cfg(not(all(feature = "ebpf", smc_bpf_built)))]
+#[cfg(not(feature = "ebpf"))]
 mod imp {
     use super::*;
 
-    /// Discovery is unavailable in this build; [`TcpOptionDiscovery::load`] always fails.
-    pub struct TcpOptionDiscovery {
-        _never: Mutex<()>,
-    }
+    /// Discovery is unavailable in this build: the type has no values, so
+    /// [`TcpOptionDiscovery::load`] always fails and the other methods can never be called. They
+    /// exist so that the runtime compiles the same way with and without the `ebpf` feature.
+    pub enum TcpOptionDiscovery {}
 
     impl TcpOptionDiscovery {
         /// Always [`DiscoveryError::NotBuilt`] in this build.
         pub fn load(_cgroup: Option<&Path>) -> Result<Self, DiscoveryError> {
             let _ = flow_key;
             Err(DiscoveryError::NotBuilt)
+        }
+
+        /// The cgroup the program is attached to.
+        pub fn cgroup(&self) -> &Path {
+            match *self {}
+        }
+
+        /// Mark a client socket before `connect()`.
+        pub fn mark_client(&self, _sock: impl AsFd) -> Result<u64, DiscoveryError> {
+            match *self {}
+        }
+
+        /// After `connect()` completed: whether the SYN-ACK carried the option too.
+        pub fn client_outcome(&self, _cookie: u64) -> Result<Outcome, DiscoveryError> {
+            match *self {}
+        }
+
+        /// Forget a marked client socket whose connect failed.
+        pub fn unmark_client(&self, _cookie: u64) {
+            match *self {}
+        }
+
+        /// Mark a listening port before `listen()`.
+        pub fn mark_listener(&self, _port: u16) -> Result<(), DiscoveryError> {
+            match *self {}
+        }
+
+        /// Stop marking a listening port.
+        pub fn unmark_listener(&self, _port: u16) {
+            match *self {}
+        }
+
+        /// For an accepted connection: whether its SYN carried the option.
+        pub fn server_outcome(
+            &self,
+            _local: SocketAddr,
+            _remote: SocketAddr,
+        ) -> Result<Outcome, DiscoveryError> {
+            match *self {}
         }
     }
 }
