@@ -33,6 +33,9 @@ pub struct NcArgs {
 /// Run `smc nc`.
 pub fn run(args: &NcArgs) -> Result<ExitCode> {
     let stack = Stack::global().context("starting the SMC-R stack")?;
+    if let Some(why) = stack.fabric_unavailable() {
+        eprintln!("smc nc: warning: SMC-R unavailable, connections use TCP: {why}");
+    }
     match (args.listen, &args.host, args.port) {
         (Some(port), None, None) => listen(&stack, args, port),
         (None, Some(host), Some(port)) => {

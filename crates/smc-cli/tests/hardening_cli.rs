@@ -127,3 +127,164 @@ fn decode_of_empty_input_is_an_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // /proc/self belongs to the process's effective uid.
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// `smc` run as `uid` (with `setpriv`), on fabric directory `fab`.
+fn smc_as(uid: Option<u32>, fab: &Path) -> Command {
+    let exe = env!("CARGO_BIN_EXE_smc");
+    let mut c = match uid {
+        Some(u) => {
+            let mut c = Command::new("setpriv");
+            c.args([
+                format!("--reuid={u}"),
+                format!("--regid={u}"),
+                "--clear-groups".into(),
+                exe.into(),
+            ]);
+            c
+        }
+        None => Command::new(exe),
+    };
+    c.env("SMC_FABRIC_DIR", fab)
+        .env("SMC_DISCOVERY", "assert-peer")
+        .env_remove("SMC_FABRIC_FAULTS");
+    c
+}
+
+/// An echo listener and one client through it, both as `uid` on fabric directory `fab`:
+/// the echo must come back, both must start, and the client must warn that SMC-R is
+/// unavailable. Returns the client's stderr.
+fn echo_over_unusable_fabric(uid: Option<u32>, fab: &Path) -> String {
+    let mut l = smc_as(uid, fab)
+        .args(["nc", "-l", "0", "--echo"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn listener");
+    let mut lines = BufReader::new(l.stderr.take().expect("stderr")).lines();
+    let mut port = 0u16;
+    let mut said = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.expect("line");
+        if let Some(addr) = line.strip_prefix("smc nc: listening on ") {
+            port = addr
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .expect("port");
+            break;
+        }
+        said.push(line);
+    }
+    assert_ne!(
+        port,
+        0,
+        "listener did not start on {}: {said:?}",
+        fab.display()
+    );
+    std::thread::spawn(move || for _ in lines {});
+    let mut c = smc_as(uid, fab)
+        .args(["nc", "-v", "127.0.0.1", &port.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn client");
+    c.stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"hello through TCP\n")
+        .expect("feed");
+    let out = c.wait_with_output().expect("client");
+    let _ = l.kill();
+    let _ = l.wait();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "client on {}: {err}", fab.display());
+    assert_eq!(out.stdout, b"hello through TCP\n", "{err}");
+    assert!(
+        err.contains("warning: SMC-R unavailable") && err.contains("over TCP"),
+        "{err}"
+    );
+    assert!(
+        said.iter()
+            .any(|l| l.contains("warning: SMC-R unavailable")),
+        "{said:?}"
+    );
+    err
+}
+
+/// Another user plants the fabric directory (as `nobody` could in /tmp for
+/// `/tmp/smc-fabric-<uid>`): a directory of theirs (open to all, or closed), a symlink, a
+/// file. uid 1000's programs must start and run over TCP, with a warning.
+#[test]
+fn planted_fabric_directory_falls_back_to_tcp() {
+    if !is_root() {
+        println!("skipped: needs root (setpriv to another uid)");
+        return;
+    }
+    use std::os::unix::fs::{chown, PermissionsExt};
+    let top = test_dir("planted");
+    std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let user = 1000;
+    // Directory of another user (root here), writable by all.
+    let open_dir = top.join("open");
+    std::fs::create_dir(&open_dir).expect("mkdir");
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    // Directory of another user, closed.
+    let closed = top.join("closed");
+    std::fs::create_dir(&closed).expect("mkdir");
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    // A symlink to a directory the user owns.
+    let target = top.join("target");
+    std::fs::create_dir(&target).expect("mkdir");
+    chown(&target, Some(user), Some(user)).expect("chown");
+    let link = top.join("link");
+    std::os::unix::fs::symlink(&target, &link).expect("symlink");
+    // A file.
+    let file = top.join("file");
+    std::fs::write(&file, b"planted").expect("file");
+    for fab in [&open_dir, &closed, &link, &file] {
+        let err = echo_over_unusable_fabric(Some(user), fab);
+        println!("{}: {}", fab.display(), err.trim());
+    }
+    let _ = std::fs::remove_dir_all(&top);
+}
+
+/// A fabric directory on a file system out of inodes (ENOSPC): TCP with a warning.
+#[test]
+fn fabric_directory_out_of_inodes_falls_back_to_tcp() {
+    if !is_root() {
+        println!("skipped: needs root (mount a tmpfs)");
+        return;
+    }
+    let top = test_dir("enospc");
+    let mnt = top.join("mnt");
+    std::fs::create_dir(&mnt).expect("mkdir");
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "nr_inodes=16,size=1m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        println!("skipped: cannot mount a tmpfs here");
+        let _ = std::fs::remove_dir_all(&top);
+        return;
+    }
+    // Use up the inodes.
+    for i in 0.. {
+        if std::fs::write(mnt.join(format!("f{i}")), b"").is_err() {
+            break;
+        }
+    }
+    let fab = mnt.join("fab");
+    let err = echo_over_unusable_fabric(None, &fab);
+    println!("{}: {}", fab.display(), err.trim());
+    let _ = Command::new("umount").arg(&mnt).status();
+    let _ = std::fs::remove_dir_all(&top);
+}

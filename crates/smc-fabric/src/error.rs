@@ -54,6 +54,15 @@ pub enum FabricError {
     /// The peer sent a malformed or inconsistent control message or resource.
     #[error("peer protocol violation: {0}")]
     PeerViolation(&'static str),
+    /// The fabric directory exists but is not safe to use: another user's, open to others,
+    /// or not a directory (a symlink or a file planted in its place).
+    #[error("{} is {why}: refusing it as the fabric directory", path.display())]
+    UntrustedDirectory {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
     /// A wait timed out.
     #[error("timed out")]
     Timeout,

@@ -274,11 +274,9 @@ impl Endpoint {
             return Err(EndpointError::DuplicateConnection);
         }
         let Some(device) = opts.pnet.first(self.config.devices.len()) else {
-            if self.config.devices.is_empty() {
-                return Err(EndpointError::NoDevice);
-            }
-            // No RNIC on the connection's physical network: the Decline takes the place of
-            // the Proposal, so the server falls back at once instead of waiting.
+            // No RNIC on the connection's physical network (or none at all: a stack whose
+            // fabric could not be opened): the Decline takes the place of the Proposal, so
+            // the server falls back at once instead of waiting.
             self.begin_handshake(tcp, Role::Client, HsState::ExpectProposal, opts, now);
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return Ok(());
