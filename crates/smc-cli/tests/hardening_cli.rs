@@ -288,3 +288,127 @@ fn fabric_directory_out_of_inodes_falls_back_to_tcp() {
     let _ = Command::new("umount").arg(&mnt).status();
     let _ = std::fs::remove_dir_all(&top);
 }
+
+/// The control sockets in `fab` (`stacks/*.sock`).
+fn control_sockets(fab: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(fab.join("stacks"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".sock"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Control sockets do not pile up: a process that exits normally removes its own, and the
+/// socket of a killed one is removed by the next `smc ss` (or the next stack).
+#[test]
+fn control_sockets_are_removed_at_exit_and_when_stale() {
+    let dir = test_dir("ctl-sockets");
+    // Five one-shot client runs against an echo listener, each exiting normally.
+    let mut l = smc(&dir, "assert-peer")
+        .args(["nc", "-l", "0", "--echo"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("listener");
+    let mut lines = BufReader::new(l.stderr.take().expect("stderr")).lines();
+    let port: u16 = lines
+        .by_ref()
+        .map_while(|l| l.ok())
+        .find_map(|l| {
+            l.strip_prefix("smc nc: listening on ")
+                .and_then(|a| a.rsplit(':').next().and_then(|p| p.parse().ok()))
+        })
+        .expect("port");
+    std::thread::spawn(move || for _ in lines {});
+    for _ in 0..5 {
+        let mut c = smc(&dir, "assert-peer")
+            .args(["nc", "127.0.0.1", &port.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("client");
+        c.stdin
+            .take()
+            .expect("stdin")
+            .write_all(b"x\n")
+            .expect("feed");
+        assert!(c.wait().expect("client").success());
+    }
+    let left = control_sockets(&dir);
+    println!("after 5 normal client exits: {left:?}");
+    let listener_prefix = format!("{}-", l.id());
+    assert!(
+        left.iter().all(|n| n.starts_with(&listener_prefix)),
+        "only the listener's socket may remain: {left:?}"
+    );
+    assert_eq!(left.len(), 1, "{left:?}");
+    // The listener is killed: its socket stays behind until someone looks.
+    l.kill().expect("SIGKILL");
+    let _ = l.wait();
+    assert_eq!(control_sockets(&dir).len(), 1);
+    let ss = smc(&dir, "assert-peer")
+        .args(["ss", "--json"])
+        .output()
+        .expect("smc ss");
+    assert!(ss.status.success());
+    let left = control_sockets(&dir);
+    println!("after the killed listener and one smc ss: {left:?}");
+    assert!(left.is_empty(), "stale socket kept: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Silent clients of a control socket (connected, never asking) hold up nobody: `smc ss`
+/// still gets its answer (the stack answers each client in a thread of its own).
+#[test]
+fn control_socket_serves_others_while_clients_stay_silent() {
+    let dir = test_dir("ctl-silent");
+    let (mut l, _port) = listener(&dir, "assert-peer", &["--echo"]);
+    // Its control socket appears once its stack is up.
+    let mut sock = None;
+    for _ in 0..500 {
+        if let Some(n) = control_sockets(&dir).first() {
+            sock = Some(dir.join("stacks").join(n));
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let sock = sock.expect("control socket");
+    let silent: Vec<std::os::unix::net::UnixStream> = (0..10)
+        .map(|_| std::os::unix::net::UnixStream::connect(&sock).expect("silent client"))
+        .collect();
+    let t = std::time::Instant::now();
+    let out = smc(&dir, "assert-peer")
+        .args(["stats", "--json"])
+        .output()
+        .expect("smc stats");
+    let took = t.elapsed();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    println!("smc stats with 10 silent clients: {took:?}");
+    assert_eq!(
+        v.as_array().map(Vec::len),
+        Some(1),
+        "the listener's stack did not answer: {v}"
+    );
+    // Queries one after another: each answered at once (measured, printed, not asserted).
+    let t = std::time::Instant::now();
+    for _ in 0..20 {
+        let s = std::os::unix::net::UnixStream::connect(&sock).expect("connect");
+        let mut s = s;
+        s.write_all(b"stats\n").expect("ask");
+        let mut body = String::new();
+        s.read_to_string(&mut body).expect("answer");
+        assert!(body.starts_with('{'), "{body}");
+    }
+    println!("20 stats queries in a row: {:?} each", t.elapsed() / 20);
+    drop(silent);
+    let _ = l.kill();
+    let _ = l.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}

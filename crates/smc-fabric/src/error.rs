@@ -63,6 +63,18 @@ pub enum FabricError {
         /// What is wrong with it.
         why: String,
     },
+    /// A Unix socket path that no socket address can hold (see [`crate::sockpath`]).
+    #[error(
+        "socket path {} is longer than the {} bytes a Unix socket address holds, and {why}",
+        path.display(),
+        crate::sockpath::SUN_PATH_MAX
+    )]
+    SocketPath {
+        /// The path.
+        path: std::path::PathBuf,
+        /// Why the way around the limit failed.
+        why: String,
+    },
     /// A wait timed out.
     #[error("timed out")]
     Timeout,

@@ -1114,8 +1114,10 @@ pub(crate) struct Inner {
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
     stop: AtomicBool,
+    /// Where the control socket goes, if the stack has one.
+    control_path: Option<std::path::PathBuf>,
     /// The control socket, removed when the stack goes.
-    control: Option<std::path::PathBuf>,
+    control: std::sync::OnceLock<crate::control::ControlSocket>,
     /// Why the stack runs without a fabric (every connection over TCP), if it does.
     fabric_unavailable: Option<String>,
     /// The TCP sockets of SMC-R connections, watched for resets.
@@ -1297,7 +1299,8 @@ impl Stack {
             next_tcp: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             // No control socket in a fabric directory we refused (it may be another user's).
-            control: fabric_unavailable.is_none().then_some(control_path),
+            control_path: fabric_unavailable.is_none().then_some(control_path),
+            control: std::sync::OnceLock::new(),
             fabric_unavailable,
             tcp_watch: crate::tcpwatch::TcpWatch::new().map_err(StackError::Thread)?,
         });
@@ -1305,9 +1308,12 @@ impl Stack {
             .tcp_watch
             .spawn(Arc::downgrade(&inner))
             .map_err(StackError::Thread)?;
-        if let Some(p) = &inner.control {
-            if let Err(e) = crate::control::start(Arc::downgrade(&inner), p.clone()) {
-                tracing::warn!(%e, path = %p.display(), "no control socket");
+        if let Some(p) = &inner.control_path {
+            match crate::control::start(Arc::downgrade(&inner), p.clone()) {
+                Ok(c) => {
+                    let _ = inner.control.set(c);
+                }
+                Err(e) => tracing::warn!(%e, path = %p.display(), "no control socket"),
             }
         }
         let weak = Arc::downgrade(&inner);
@@ -1645,8 +1651,8 @@ impl Drop for Inner {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
-        if let Some(p) = &self.control {
-            let _ = std::fs::remove_file(p);
+        if let Some(c) = self.control.get() {
+            c.close();
         }
     }
 }
