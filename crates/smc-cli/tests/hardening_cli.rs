@@ -412,3 +412,72 @@ fn control_socket_serves_others_while_clients_stay_silent() {
     let _ = l.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A non-UTF-8 `SMC_FABRIC_DEVICES` is an error that says so (once), not the defaults.
+#[test]
+fn non_utf8_device_list_is_a_clear_error() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = test_dir("non-utf8");
+    let out = smc(&dir, "assert-peer")
+        .env(
+            "SMC_FABRIC_DEVICES",
+            std::ffi::OsStr::from_bytes(b"shm0,sh\xffm1"),
+        )
+        .args(["nc", "-l", "0"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run smc nc");
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("{err}");
+    assert!(!out.status.success(), "{err}");
+    assert_eq!(
+        err.matches("SMC_FABRIC_DEVICES is not valid UTF-8").count(),
+        1,
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fabric directory deeper than a Unix socket address can name (108 bytes) works: SMC-R
+/// between two processes, and `smc ss` finds them.
+#[test]
+fn deep_fabric_directory_works() {
+    let top = test_dir("deep");
+    let mut fab = top.clone();
+    for part in ["kernel-peer", "runs", "single-server-20261125-183612-32150"] {
+        fab.push(part);
+    }
+    fab.push("a-directory-name-long-enough-to-pass-the-limit-of-sun-path");
+    fab.push("fab");
+    let longest = fab
+        .join("shm0")
+        .join("fe80000000000000000042b8cb55df00.sock");
+    assert!(longest.as_os_str().len() > 108, "{}", longest.display());
+    let (mut l, port) = listener(&fab, "assert-peer", &["--echo"]);
+    let mut c = smc(&fab, "assert-peer")
+        .args(["nc", "-v", "127.0.0.1", &port.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("client");
+    c.stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"deep\n")
+        .expect("feed");
+    let out = c.wait_with_output().expect("client");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(out.stdout, b"deep\n");
+    assert!(err.contains("over SMC-R"), "{err}");
+    let ss = smc(&fab, "assert-peer")
+        .args(["stats", "--json"])
+        .output()
+        .expect("smc stats");
+    let v: serde_json::Value = serde_json::from_slice(&ss.stdout).expect("JSON");
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
+    let _ = l.kill();
+    let _ = l.wait();
+    let _ = std::fs::remove_dir_all(&top);
+}

@@ -75,17 +75,20 @@ pub enum FabricError {
         /// Why the way around the limit failed.
         why: String,
     },
+    /// An environment variable's value is not UTF-8.
+    #[error("{0} is not valid UTF-8")]
+    NotUtf8(&'static str),
     /// A wait timed out.
     #[error("timed out")]
     Timeout,
-    /// An operating-system call failed.
-    #[error("{context}: {source}")]
+    /// An operating-system call failed. (The message includes the OS error; it is not also
+    /// given as the error's `source`, which would print it twice in a chain of causes.)
+    #[error("{context}: {error}")]
     Os {
         /// What the fabric was doing.
         context: &'static str,
         /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
@@ -93,7 +96,7 @@ impl FabricError {
     pub(crate) fn os(context: &'static str, err: impl Into<std::io::Error>) -> Self {
         FabricError::Os {
             context,
-            source: err.into(),
+            error: err.into(),
         }
     }
 }
