@@ -102,6 +102,11 @@ fn to_json(v: &Value) -> Json {
 
 /// Decode a byte string that is one or more messages.
 fn decode_bytes(out: &mut Out, what: &str, b: &[u8]) -> Result<()> {
+    if b.is_empty() {
+        // `smc decode ''`: no bytes are no message (an empty TCP options block is not one).
+        out.error(what, &"empty: nothing to decode");
+        return Ok(());
+    }
     if b.starts_with(&EYECATCHER_SMCR) || b.starts_with(&EYECATCHER_SMCD) {
         let mut rest = b;
         while !rest.is_empty() {

@@ -33,6 +33,9 @@ pub struct NcArgs {
 /// Run `smc nc`.
 pub fn run(args: &NcArgs) -> Result<ExitCode> {
     let stack = Stack::global().context("starting the SMC-R stack")?;
+    if let Some(why) = stack.fabric_unavailable() {
+        eprintln!("smc nc: warning: SMC-R unavailable, connections use TCP: {why}");
+    }
     match (args.listen, &args.host, args.port) {
         (Some(port), None, None) => listen(&stack, args, port),
         (None, Some(host), Some(port)) => {
@@ -99,34 +102,52 @@ fn echo(mut s: SmcStream) {
 }
 
 /// stdin → socket in a thread (shutdown(WR) at EOF), socket → stdout here until EOF; ends
-/// when both directions are done (or the connection fails).
+/// when both directions are done (or the connection fails). A failed write (the peer died
+/// mid-upload) or read of either direction is the command's error: nonzero exit, a message.
 fn pump(mut s: SmcStream) -> Result<()> {
     let mut w = s.try_clone()?;
-    let writer = std::thread::spawn(move || {
+    let writer = std::thread::spawn(move || -> Result<()> {
         let mut stdin = std::io::stdin().lock();
         let mut buf = vec![0u8; 64 * 1024];
+        let mut sent = 0u64;
         loop {
-            match stdin.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if w.write_all(&buf[..n]).is_err() {
-                        return;
-                    }
-                }
-            }
+            let n = match stdin.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e).context("reading standard input"),
+            };
+            w.write_all(&buf[..n]).map_err(|e| write_error(e, sent))?;
+            sent += n as u64;
         }
+        w.flush().map_err(|e| write_error(e, sent))?;
+        // The peer may be gone already (it ended its side first): its end of stream was
+        // read, nothing is lost by a failed shutdown.
         let _ = w.shutdown(Shutdown::Write);
+        Ok(())
     });
     let mut out = std::io::stdout().lock();
     let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = s.read(&mut buf).context("reading from the connection")?;
-        if n == 0 {
-            break;
+    let read = loop {
+        match s.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(n) => out.write_all(&buf[..n])?,
+            Err(e) => break Err(e).context("reading from the connection"),
         }
-        out.write_all(&buf[..n])?;
-    }
+    };
     out.flush()?;
-    let _ = writer.join();
+    drop(out);
+    // A reset connection fails both directions: the first error said is the read's, the
+    // writer (blocked on a dead peer) then fails too and is not waited for in vain.
+    read?;
+    writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the stdin thread panicked"))??;
     Ok(())
+}
+
+/// A failed write to the connection, as a message: not an `io::Error` the caller could take
+/// for a closed standard output (which `main` ends quietly), as EPIPE from a dead peer is.
+fn write_error(e: std::io::Error, sent: u64) -> anyhow::Error {
+    anyhow::anyhow!("writing to the connection after {sent} bytes: {e}")
 }

@@ -88,10 +88,10 @@ impl FabricConfig {
         if let Some(dir) = std::env::var_os("SMC_FABRIC_DIR") {
             cfg.dir = PathBuf::from(dir);
         }
-        if let Ok(devs) = std::env::var("SMC_FABRIC_DEVICES") {
+        if let Some(devs) = env_text("SMC_FABRIC_DEVICES")? {
             cfg.devices = parse_devices(&devs)?;
         }
-        if let Ok(faults) = std::env::var("SMC_FABRIC_FAULTS") {
+        if let Some(faults) = env_text("SMC_FABRIC_FAULTS")? {
             cfg.faults = parse_faults(&faults)?;
         }
         Ok(cfg)
@@ -119,6 +119,16 @@ impl FabricConfig {
             .enumerate()
             .find(|(_, d)| d.name == name)
             .ok_or_else(|| FabricError::NoSuchDevice(name.to_owned()))
+    }
+}
+
+/// The value of environment variable `name`, if set; an error (not "unset") when it is not
+/// UTF-8, so that a mistyped value is never silently replaced by the defaults.
+pub fn env_text(name: &'static str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(FabricError::NotUtf8(name)),
     }
 }
 

@@ -54,17 +54,41 @@ pub enum FabricError {
     /// The peer sent a malformed or inconsistent control message or resource.
     #[error("peer protocol violation: {0}")]
     PeerViolation(&'static str),
+    /// The fabric directory exists but is not safe to use: another user's, open to others,
+    /// or not a directory (a symlink or a file planted in its place).
+    #[error("{} is {why}: refusing it as the fabric directory", path.display())]
+    UntrustedDirectory {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A Unix socket path that no socket address can hold (see [`crate::sockpath`]).
+    #[error(
+        "socket path {} is longer than the {} bytes a Unix socket address holds, and {why}",
+        path.display(),
+        crate::sockpath::SUN_PATH_MAX
+    )]
+    SocketPath {
+        /// The path.
+        path: std::path::PathBuf,
+        /// Why the way around the limit failed.
+        why: String,
+    },
+    /// An environment variable's value is not UTF-8.
+    #[error("{0} is not valid UTF-8")]
+    NotUtf8(&'static str),
     /// A wait timed out.
     #[error("timed out")]
     Timeout,
-    /// An operating-system call failed.
-    #[error("{context}: {source}")]
+    /// An operating-system call failed. (The message includes the OS error; it is not also
+    /// given as the error's `source`, which would print it twice in a chain of causes.)
+    #[error("{context}: {error}")]
     Os {
         /// What the fabric was doing.
         context: &'static str,
         /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
@@ -72,7 +96,7 @@ impl FabricError {
     pub(crate) fn os(context: &'static str, err: impl Into<std::io::Error>) -> Self {
         FabricError::Os {
             context,
-            source: err.into(),
+            error: err.into(),
         }
     }
 }

@@ -125,6 +125,7 @@ pub mod config;
 mod error;
 mod ring;
 mod shm;
+pub mod sockpath;
 mod sync;
 mod types;
 

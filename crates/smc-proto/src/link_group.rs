@@ -364,6 +364,22 @@ pub struct LinkGroup {
     pub client_deleting: BTreeMap<u8, u8>,
     /// The RNICs this group may use: those of its connections' physical network (PNET).
     pub pnet: DeviceSet,
+    /// Server, first contact: the QP of the second link, made while the connection could
+    /// still decline (so that running out of resources for it is a Decline and TCP, not a
+    /// client waiting for an ADD LINK that never comes); used by the ADD LINK, destroyed
+    /// if the first contact ends without it.
+    pub spare: Option<SpareQp>,
+}
+
+/// A QP made ahead of the link that will use it ([`LinkGroup::spare`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpareQp {
+    /// The link id the QP was created for.
+    pub id: LinkId,
+    /// Its RNIC.
+    pub device: DeviceId,
+    /// The QP.
+    pub qp: QpInfo,
 }
 
 /// How many removed links' peer QPs a group remembers ([`LinkGroup::gone_remotes`]).
@@ -403,6 +419,7 @@ impl LinkGroup {
             rkey_cont: None,
             client_deleting: BTreeMap::new(),
             pnet: DeviceSet::ALL,
+            spare: None,
         }
     }
 

@@ -28,7 +28,15 @@ pub const BTH_OPCODE_RC_SEND_ONLY: u8 = 0x04;
 pub enum CaptureError {
     /// The pcap writer failed (I/O or format).
     #[error("pcap write failed: {0}")]
-    Pcap(#[from] pcap_file::PcapError),
+    Pcap(pcap_file::PcapError),
+}
+
+// By hand rather than `#[from]`, which would also make the cause the error's `source`: its
+// text, already in the message, would be printed twice in a chain of causes.
+impl From<pcap_file::PcapError> for CaptureError {
+    fn from(e: pcap_file::PcapError) -> Self {
+        CaptureError::Pcap(e)
+    }
 }
 
 /// One end of a RoCEv2 exchange: the RNIC's MAC and IPv4 address.

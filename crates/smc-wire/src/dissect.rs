@@ -64,10 +64,24 @@ pub struct Finding {
 pub enum ReadError {
     /// Neither pcap nor pcapng, or a damaged file.
     #[error("cannot read capture: {0}")]
-    Pcap(#[from] pcap_file::PcapError),
+    Pcap(pcap_file::PcapError),
     /// I/O.
     #[error("cannot read capture: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
+}
+
+// By hand rather than `#[from]` (which would also make the cause the `source`, printed twice
+// in a chain of causes after the message that includes it).
+impl From<pcap_file::PcapError> for ReadError {
+    fn from(e: pcap_file::PcapError) -> Self {
+        ReadError::Pcap(e)
+    }
+}
+
+impl From<std::io::Error> for ReadError {
+    fn from(e: std::io::Error) -> Self {
+        ReadError::Io(e)
+    }
 }
 
 #[derive(Default)]

@@ -255,21 +255,27 @@ impl StackConfig {
             if let Some(dir) = std::env::var_os("SMC_FABRIC_DIR") {
                 c.fabric.dir = dir.into();
             }
-            if let Ok(devs) = std::env::var("SMC_FABRIC_DEVICES") {
+            if let Some(devs) = smc_fabric::config::env_text("SMC_FABRIC_DEVICES")
+                .map_err(|e| StackError::Config(e.to_string()))?
+            {
                 c.fabric.devices =
                     smc_fabric::config::parse_devices(&devs).map_err(StackError::Fabric)?;
             }
         }
-        if let Ok(v) = std::env::var("SMC_DISCOVERY") {
+        // A value that is not UTF-8 is an error, never silently the default.
+        let text = |name: &'static str| -> Result<Option<String>, StackError> {
+            smc_fabric::config::env_text(name).map_err(|e| StackError::Config(e.to_string()))
+        };
+        if let Some(v) = text("SMC_DISCOVERY")? {
             c.discovery = v.parse()?;
         }
-        let num = |name: &str| -> Result<Option<u64>, StackError> {
-            match std::env::var(name) {
-                Ok(v) => v
+        let num = |name: &'static str| -> Result<Option<u64>, StackError> {
+            match text(name)? {
+                Some(v) => v
                     .parse::<u64>()
                     .map(Some)
                     .map_err(|_| StackError::Config(format!("{name}={v:?} is not a number"))),
-                Err(_) => Ok(None),
+                None => Ok(None),
             }
         };
         if let Some(v) = num("SMC_BUFFER_SIZE")? {
@@ -288,7 +294,7 @@ impl StackConfig {
         if let Some(v) = num("SMC_ASSERT_PEER_WAIT_MS")? {
             c.assert_peer_wait = Duration::from_millis(v);
         }
-        if let Ok(v) = std::env::var("SMC_IPV4_SUBNETS") {
+        if let Some(v) = text("SMC_IPV4_SUBNETS")? {
             c.ipv4_subnets = parse_subnets(&v)?;
         }
         if let Some(v) = num("SMC_KEEPALIVE_MS")? {

@@ -7,9 +7,11 @@
 //! answers with a JSON value and closes. Unknown queries get `{"error": "..."}`.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Weak;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -30,9 +32,16 @@ pub fn control_dir(fabric_dir: &Path) -> PathBuf {
     fabric_dir.join("stacks")
 }
 
-/// Control sockets found in `fabric_dir` (one per running stack; stale ones fail to connect).
+/// Control sockets found in `fabric_dir` (one per running stack). Sockets of processes that
+/// are gone (killed before they could remove theirs) are removed on the way; a directory
+/// that is not ours (another user's, or open to others) is not read at all.
 pub fn list_sockets(fabric_dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(control_dir(fabric_dir))
+    let dir = control_dir(fabric_dir);
+    if !trusted_dir(&dir) {
+        return Vec::new();
+    }
+    sweep_stale(&dir);
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "sock"))
@@ -45,7 +54,9 @@ pub fn list_sockets(fabric_dir: &Path) -> Vec<PathBuf> {
 
 /// Ask the stack behind `socket` one query; returns its JSON answer.
 pub fn query(socket: &Path, what: &str, timeout: Duration) -> std::io::Result<Value> {
-    let mut s = UnixStream::connect(socket)?;
+    let short = smc_fabric::sockpath::SocketPath::new(socket).map_err(std::io::Error::other)?;
+    let mut s = UnixStream::connect(short.as_path())?;
+    drop(short);
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     s.write_all(what.as_bytes())?;
@@ -55,42 +66,167 @@ pub fn query(socket: &Path, what: &str, timeout: Duration) -> std::io::Result<Va
     serde_json::from_str(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
-/// Bind the control socket of a stack and serve it from a thread that ends with the stack.
-pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<()> {
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    let _ = std::fs::remove_file(&path);
-    let l = UnixListener::bind(&path)?;
-    l.set_nonblocking(true)?;
-    std::thread::Builder::new()
-        .name("smc-control".into())
-        .spawn(move || serve(l, inner))?;
-    Ok(())
+/// The pid in a control socket's name `<pid>-<instance>.sock`.
+fn socket_pid(name: &std::ffi::OsStr) -> Option<u32> {
+    let name = name.to_str()?.strip_suffix(".sock")?;
+    name.split_once('-')?.0.parse().ok()
 }
 
-fn serve(l: UnixListener, inner: Weak<Inner>) {
-    loop {
-        match l.accept() {
-            Ok((s, _)) => {
-                let Some(i) = inner.upgrade() else { return };
-                let stack = Stack { inner: i };
-                let _ = answer(&stack, s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if inner.strong_count() == 0 {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+/// Remove the control sockets of processes that no longer exist.
+fn sweep_stale(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let me = std::process::id();
+    for e in rd.flatten() {
+        let Some(pid) = socket_pid(&e.file_name()) else {
+            continue;
+        };
+        if pid != me && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }
 
+/// Whether `dir` is a directory of ours (or we are root) that nobody else may write to.
+fn trusted_dir(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::getuid().as_raw();
+    std::fs::symlink_metadata(dir)
+        .is_ok_and(|m| m.is_dir() && (m.uid() == me || me == 0) && m.mode() & 0o022 == 0)
+}
+
+/// The control socket of a running stack: its file, and its listening socket (shut down
+/// when the stack goes, which ends the serving thread's `accept`).
+pub(crate) struct ControlSocket {
+    path: PathBuf,
+    listener: Arc<UnixListener>,
+}
+
+impl ControlSocket {
+    /// Stop serving and remove the file.
+    pub(crate) fn close(&self) {
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
+        let _ = std::fs::remove_file(&self.path);
+        at_exit::forget(&self.path);
+    }
+}
+
+/// Most queries served at once; a client beyond them is closed at once (its `smc ss` says
+/// so) rather than queued behind silent ones.
+const MAX_CLIENTS: usize = 32;
+
+/// How long a client may take to send its query.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Bind the control socket of a stack and serve it from a thread that ends with the stack.
+/// Stale sockets of dead processes are removed first; the file is removed when the stack
+/// goes or, for a stack that lives as long as the process (`Stack::global`), when the
+/// process exits normally.
+pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<ControlSocket> {
+    if let Some(d) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(d)?;
+        sweep_stale(d);
+    }
+    let _ = std::fs::remove_file(&path);
+    let short = smc_fabric::sockpath::SocketPath::new(&path).map_err(std::io::Error::other)?;
+    let l = Arc::new(UnixListener::bind(short.as_path())?);
+    drop(short);
+    at_exit::remove(&path);
+    let l2 = l.clone();
+    let spawned = std::thread::Builder::new()
+        .name("smc-control".into())
+        .spawn(move || serve(&l2, inner));
+    let sock = ControlSocket { path, listener: l };
+    if let Err(e) = spawned {
+        sock.close();
+        return Err(e);
+    }
+    Ok(sock)
+}
+
+/// Accept clients (blocking: no polling) and answer each in a thread of its own, so that a
+/// client that never sends its query holds up nobody.
+fn serve(l: &UnixListener, inner: Weak<Inner>) {
+    let busy = Arc::new(AtomicUsize::new(0));
+    loop {
+        let s = match l.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                if inner.strong_count() == 0 {
+                    return;
+                }
+                // Out of descriptors: the pending client waits in the backlog meanwhile.
+                tracing::debug!(%e, "control socket accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let Some(i) = inner.upgrade() else { return };
+        if busy.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+            busy.fetch_sub(1, Ordering::AcqRel);
+            continue;
+        }
+        let stack = Stack { inner: i };
+        let b = busy.clone();
+        let spawned = std::thread::Builder::new()
+            .name("smc-control-query".into())
+            .spawn(move || {
+                let _ = answer(&stack, s);
+                b.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            busy.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Control sockets to remove when the process exits normally (`exit`, or `main` returning):
+/// a stack kept for the life of the process is never dropped.
+mod at_exit {
+    use std::path::{Path, PathBuf};
+    use std::sync::{Mutex, Once};
+
+    static PATHS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    static HOOK: Once = Once::new();
+
+    extern "C" fn remove_all() {
+        // `try_lock`: a thread that exits the process while it registers a path must not
+        // deadlock its own exit.
+        if let Ok(paths) = PATHS.try_lock() {
+            for p in paths.iter() {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+
+    pub(super) fn remove(path: &Path) {
+        HOOK.call_once(|| {
+            // SAFETY: `remove_all` is a plain `extern "C" fn()` that lives for the whole
+            // program and neither unwinds (it only removes files) nor calls `exit`.
+            let _ = unsafe { libc::atexit(remove_all) };
+        });
+        PATHS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(path.to_owned());
+    }
+
+    pub(super) fn forget(path: &Path) {
+        PATHS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|p| p != path);
+    }
+}
+
 fn answer(stack: &Stack, s: UnixStream) -> std::io::Result<()> {
-    s.set_nonblocking(false)?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.set_read_timeout(Some(QUERY_TIMEOUT))?;
+    s.set_write_timeout(Some(QUERY_TIMEOUT))?;
     let mut line = String::new();
     BufReader::new(&s).take_line(&mut line)?;
     let v = match line.trim() {

@@ -8,20 +8,29 @@ use smc_proto::ConnError;
 use smc_wire::DeclineCode;
 
 /// Creating or configuring a [`Stack`](crate::Stack) failed.
+///
+/// Each message includes its cause's; the cause is not also given as the error's `source`
+/// (a chain of causes, as `anyhow` prints it, would repeat it).
 #[derive(Debug, thiserror::Error)]
 pub enum StackError {
     /// The fabric could not be opened or used.
     #[error("fabric: {0}")]
-    Fabric(#[source] smc_fabric::FabricError),
+    Fabric(smc_fabric::FabricError),
     /// Capability discovery was asked for but is unavailable.
     #[error("discovery: {0}")]
-    Discovery(#[from] crate::discovery::DiscoveryError),
+    Discovery(crate::discovery::DiscoveryError),
     /// A configuration value is invalid.
     #[error("configuration: {0}")]
     Config(String),
     /// The runtime thread could not be started.
     #[error("runtime thread: {0}")]
-    Thread(#[source] io::Error),
+    Thread(io::Error),
+}
+
+impl From<crate::discovery::DiscoveryError> for StackError {
+    fn from(e: crate::discovery::DiscoveryError) -> Self {
+        StackError::Discovery(e)
+    }
 }
 
 impl From<StackError> for io::Error {
@@ -128,4 +137,38 @@ pub(crate) fn conn_error(e: ConnError) -> io::Error {
         ConnError::TimedOut => io::ErrorKind::TimedOut,
     };
     io::Error::new(kind, e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The message and every cause below it, as `anyhow` prints a chain (`{:#}`).
+    fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s.push_str(": ");
+            s.push_str(&c.to_string());
+            cur = c.source();
+        }
+        s
+    }
+
+    /// A stack error says its cause once, also wrapped in an `io::Error` (as the socket
+    /// API returns it) and printed with its chain of causes.
+    #[test]
+    fn a_cause_is_said_once() {
+        let os = smc_fabric::FabricError::Os {
+            context: "create fabric directory",
+            error: io::Error::from_raw_os_error(28),
+        };
+        let e: io::Error = StackError::Fabric(os).into();
+        let text = chain(&e);
+        assert_eq!(text.matches("No space left on device").count(), 1, "{text}");
+        assert_eq!(text.matches("create fabric directory").count(), 1, "{text}");
+        let e: io::Error = StackError::Thread(io::Error::from_raw_os_error(11)).into();
+        let text = chain(&e);
+        assert_eq!(text.matches("temporarily unavailable").count(), 1, "{text}");
+    }
 }

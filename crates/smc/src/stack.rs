@@ -1114,8 +1114,12 @@ pub(crate) struct Inner {
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
     stop: AtomicBool,
+    /// Where the control socket goes, if the stack has one.
+    control_path: Option<std::path::PathBuf>,
     /// The control socket, removed when the stack goes.
-    control: Option<std::path::PathBuf>,
+    control: std::sync::OnceLock<crate::control::ControlSocket>,
+    /// Why the stack runs without a fabric (every connection over TCP), if it does.
+    fabric_unavailable: Option<String>,
     /// The TCP sockets of SMC-R connections, watched for resets.
     pub(crate) tcp_watch: crate::tcpwatch::TcpWatch,
 }
@@ -1189,16 +1193,25 @@ impl Stack {
         if names.is_empty() {
             return Err(StackError::Config("no fabric devices configured".into()));
         }
-        let mut devices = Vec::new();
-        let mut pds = Vec::new();
-        let mut cqs = Vec::new();
-        for n in &names {
-            let d = Device::open(&config.fabric, n).map_err(StackError::Fabric)?;
-            pds.push(d.alloc_pd().map_err(StackError::Fabric)?);
-            cqs.push(d.create_cq().map_err(StackError::Fabric)?);
-            devices.push(d);
-        }
+        // A fabric that cannot be opened (its directory planted by another user, out of
+        // inodes or descriptors, ...) is no reason to fail the program: the stack runs
+        // without devices, every connection falls back to TCP (we decline SMC-R with "no
+        // SMC-R device"), and the reason is kept for `fabric_unavailable` and logged.
+        let (devices, pds, cqs, fabric_unavailable) = match open_fabric(&config.fabric, &names) {
+            Ok((d, p, c)) => (d, p, c, None),
+            Err(e) => {
+                let why = match e {
+                    smc_fabric::FabricError::UntrustedDirectory { .. } => e.to_string(),
+                    e => format!("fabric directory {}: {e}", config.fabric.dir.display()),
+                };
+                tracing::warn!(reason = %why, "SMC-R unavailable: connections use TCP");
+                (Vec::new(), Vec::new(), Vec::new(), Some(why))
+            }
+        };
         let discovery = match config.discovery {
+            // Advertising SMC-R in the TCP handshake without a device would only make peers
+            // try a rendezvous we must decline.
+            _ if fabric_unavailable.is_some() => None,
             DiscoveryMode::Ebpf => Some(TcpOptionDiscovery::load(None)?),
             DiscoveryMode::Auto => match TcpOptionDiscovery::load(None) {
                 Ok(d) => Some(d),
@@ -1212,9 +1225,18 @@ impl Stack {
         let mut seed = random_seed();
         let instance = (seed & 0xffff) as u16;
         seed |= 1;
+        // Without a device, a locally administered MAC of random bits (the peer ID is still
+        // sent in the Declines of a stack without fabric).
+        let mac = devices.first().map_or_else(
+            || {
+                let b = seed.to_le_bytes();
+                [0x02, b[2], b[3], b[4], b[5], b[6]]
+            },
+            |d| d.mac().0,
+        );
         let peer_id = PeerId {
             instance,
-            mac: smc_wire::Mac(devices[0].mac().0),
+            mac: smc_wire::Mac(mac),
         };
         let proto_devices = devices
             .iter()
@@ -1276,16 +1298,22 @@ impl Stack {
             peer_id,
             next_tcp: AtomicU64::new(1),
             stop: AtomicBool::new(false),
-            control: Some(control_path),
+            // No control socket in a fabric directory we refused (it may be another user's).
+            control_path: fabric_unavailable.is_none().then_some(control_path),
+            control: std::sync::OnceLock::new(),
+            fabric_unavailable,
             tcp_watch: crate::tcpwatch::TcpWatch::new().map_err(StackError::Thread)?,
         });
         inner
             .tcp_watch
             .spawn(Arc::downgrade(&inner))
             .map_err(StackError::Thread)?;
-        if let Some(p) = &inner.control {
-            if let Err(e) = crate::control::start(Arc::downgrade(&inner), p.clone()) {
-                tracing::warn!(%e, path = %p.display(), "no control socket");
+        if let Some(p) = &inner.control_path {
+            match crate::control::start(Arc::downgrade(&inner), p.clone()) {
+                Ok(c) => {
+                    let _ = inner.control.set(c);
+                }
+                Err(e) => tracing::warn!(%e, path = %p.display(), "no control socket"),
             }
         }
         let weak = Arc::downgrade(&inner);
@@ -1306,6 +1334,13 @@ impl Stack {
         }
         let s = Stack::from_env()?;
         Ok(GLOBAL.get_or_init(|| s).clone())
+    }
+
+    /// Why this stack has no SMC-R fabric, if it has none: its fabric directory could not
+    /// be used (planted by another user, out of inodes, ...), and every connection runs over
+    /// TCP. Programs should tell their user (the library only logs it).
+    pub fn fabric_unavailable(&self) -> Option<&str> {
+        self.inner.fabric_unavailable.as_deref()
     }
 
     /// Our peer ID (random instance number + a MAC, RFC 7609 §2.2.4).
@@ -1456,6 +1491,24 @@ fn random_seed() -> u64 {
 }
 
 /// The runtime thread: polls completions and device events, fires timers.
+/// Open every configured device with its protection domain and completion queue.
+#[allow(clippy::type_complexity)]
+fn open_fabric(
+    fabric: &smc_fabric::FabricConfig,
+    names: &[String],
+) -> Result<(Vec<Device>, Vec<ProtectionDomain>, Vec<CompletionQueue>), smc_fabric::FabricError> {
+    let mut devices = Vec::new();
+    let mut pds = Vec::new();
+    let mut cqs = Vec::new();
+    for n in names {
+        let d = Device::open(fabric, n)?;
+        pds.push(d.alloc_pd()?);
+        cqs.push(d.create_cq()?);
+        devices.push(d);
+    }
+    Ok((devices, pds, cqs))
+}
+
 fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
     let mut wcs = [WorkCompletion::EMPTY; 64];
     let mut armed = false;
@@ -1598,8 +1651,8 @@ impl Drop for Inner {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
-        if let Some(p) = &self.control {
-            let _ = std::fs::remove_file(p);
+        if let Some(c) = self.control.get() {
+            c.close();
         }
     }
 }

@@ -249,6 +249,7 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
         accepting: std::sync::atomic::AtomicUsize::new(0),
         queue: std::sync::Mutex::new(AcceptQueue::default()),
         cond: std::sync::Condvar::new(),
+        reserve: std::sync::Mutex::new(reserve_fd()),
     });
     spawn_setup_worker(&shared)?;
     Ok(SmcListener {
@@ -276,6 +277,30 @@ struct AcceptShared {
     queue: std::sync::Mutex<AcceptQueue>,
     /// Signalled when the queue gains something (or the last worker ends).
     cond: std::sync::Condvar,
+    /// A descriptor held in reserve: when `accept()` fails for want of descriptors, it is
+    /// given up for the pending connection, whose setup then declines SMC-R for want of
+    /// resources and falls back to TCP, instead of the client waiting in the backlog until
+    /// its CLC timer gives up.
+    reserve: std::sync::Mutex<Option<OwnedFd>>,
+}
+
+/// A descriptor to keep in reserve (`/dev/null`), if one can be had.
+fn reserve_fd() -> Option<OwnedFd> {
+    rustix::fs::open(
+        "/dev/null",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .ok()
+}
+
+/// Whether `e` says the process or the system ran out of descriptors.
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(c) if c == rustix::io::Errno::MFILE.raw_os_error()
+            || c == rustix::io::Errno::NFILE.raw_os_error()
+    )
 }
 
 /// What the setup workers hand to `SmcListener::accept`.
@@ -373,7 +398,18 @@ fn accept_loop(alive: WorkerAlive) {
     let shared = &alive.0;
     loop {
         shared.accepting.fetch_add(1, Ordering::AcqRel);
-        let r = shared.tcp.accept();
+        let mut r = shared.tcp.accept();
+        if r.as_ref().is_err_and(out_of_descriptors) {
+            let reserve = shared
+                .reserve
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            if let Some(fd) = reserve {
+                drop(fd);
+                r = shared.tcp.accept();
+            }
+        }
         let others = shared.accepting.fetch_sub(1, Ordering::AcqRel) - 1;
         if shared.stop.load(Ordering::Acquire) {
             return;
@@ -394,6 +430,12 @@ fn accept_loop(alive: WorkerAlive) {
                 if let Some(r) = setup_accepted(&shared.stack, sock, peer, buffer, hand_off) {
                     shared.deliver(r.map(|s| (s, peer)));
                 }
+                {
+                    let mut reserve = shared.reserve.lock().unwrap_or_else(|p| p.into_inner());
+                    if reserve.is_none() {
+                        *reserve = reserve_fd();
+                    }
+                }
                 if shared.accepting.load(Ordering::Acquire) >= IDLE_SETUP_WORKERS {
                     return;
                 }
@@ -401,6 +443,12 @@ fn accept_loop(alive: WorkerAlive) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 // Resource errors (EMFILE, ...) are the application's to see; pace retries.
+                if out_of_descriptors(&e) {
+                    let mut reserve = shared.reserve.lock().unwrap_or_else(|p| p.into_inner());
+                    if reserve.is_none() {
+                        *reserve = reserve_fd();
+                    }
+                }
                 shared.deliver(Err(e));
                 std::thread::sleep(Duration::from_millis(10));
             }

@@ -38,7 +38,9 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
         None,
     )
     .map_err(|e| FabricError::os("socket", e))?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| FabricError::os("socket path", e))?;
+    let short = crate::sockpath::SocketPath::new(path)?;
+    let addr =
+        SocketAddrUnix::new(short.as_path()).map_err(|e| FabricError::os("socket path", e))?;
     rustix::net::bind(&sock, &addr).map_err(|e| FabricError::os("bind device socket", e))?;
     rustix::net::listen(&sock, 128).map_err(|e| FabricError::os("listen", e))?;
     Ok(sock)
@@ -53,8 +55,9 @@ pub(crate) fn connect(path: &Path) -> Result<OwnedFd> {
         None,
     )
     .map_err(|e| FabricError::os("socket", e))?;
-    let addr =
-        SocketAddrUnix::new(path).map_err(|e| FabricError::PeerUnreachable(e.to_string()))?;
+    let short = crate::sockpath::SocketPath::new(path)?;
+    let addr = SocketAddrUnix::new(short.as_path())
+        .map_err(|e| FabricError::PeerUnreachable(e.to_string()))?;
     rustix::net::connect(&sock, &addr).map_err(|e| FabricError::PeerUnreachable(e.to_string()))?;
     for t in [
         rustix::net::sockopt::Timeout::Recv,

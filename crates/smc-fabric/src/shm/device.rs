@@ -237,10 +237,26 @@ fn create_private_dir(dir: &std::path::Path) -> Result<()> {
     // it if we own it and nobody else can add sockets to it.
     let md =
         std::fs::symlink_metadata(dir).map_err(|e| FabricError::os("stat fabric directory", e))?;
-    if !md.is_dir() || md.uid() != rustix::process::getuid().as_raw() || md.mode() & 0o022 != 0 {
-        return Err(FabricError::InvalidArgument(
-            "fabric directory must be a directory owned by us and not writable by others",
-        ));
+    let me = rustix::process::getuid().as_raw();
+    let why = if md.file_type().is_symlink() {
+        Some("a symbolic link".to_owned())
+    } else if !md.is_dir() {
+        Some("not a directory".to_owned())
+    } else if md.uid() != me {
+        Some(format!("owned by uid {}, not by us (uid {me})", md.uid()))
+    } else if md.mode() & 0o022 != 0 {
+        Some(format!(
+            "writable by others (mode {:o})",
+            md.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(FabricError::UntrustedDirectory {
+            path: dir.to_owned(),
+            why,
+        });
     }
     Ok(())
 }

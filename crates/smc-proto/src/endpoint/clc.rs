@@ -274,11 +274,9 @@ impl Endpoint {
             return Err(EndpointError::DuplicateConnection);
         }
         let Some(device) = opts.pnet.first(self.config.devices.len()) else {
-            if self.config.devices.is_empty() {
-                return Err(EndpointError::NoDevice);
-            }
-            // No RNIC on the connection's physical network: the Decline takes the place of
-            // the Proposal, so the server falls back at once instead of waiting.
+            // No RNIC on the connection's physical network (or none at all: a stack whose
+            // fabric could not be opened): the Decline takes the place of the Proposal, so
+            // the server falls back at once instead of waiting.
             self.begin_handshake(tcp, Role::Client, HsState::ExpectProposal, opts, now);
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return Ok(());
@@ -670,6 +668,19 @@ impl Endpoint {
         if let Some(g) = self.lgrs.get_mut(&lgr) {
             g.pnet = opts.pnet;
         }
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.2
+        //# a first contact peer can send an SMC Decline at any time during LLC
+        //# negotiation until it has successfully sent its CONFIRM LINK (request or
+        //# response) flow.
+        // The server's ADD LINK comes after that point, and the client then waits for it
+        // (C.7.1: "CONFIRM LINK reply from client (first contact) Timer waits for: ADD LINK
+        // from server"): the QP of the second link is made now, while a shortage can still
+        // be a Decline.
+        if role == Role::Server && self.reserve_second_qp(lgr, res).is_err() {
+            self.destroy_link_group(lgr, now);
+            self.decline(tcp, DeclineCode::MEM, false, now);
+            return None;
+        }
         let Ok(setup) = self.alloc_rmbe(lgr, opts.rmbe_size, res) else {
             self.destroy_link_group(lgr, now);
             self.decline(tcp, DeclineCode::MEM, false, now);
@@ -684,6 +695,28 @@ impl Endpoint {
             }
         }
         Some((lgr, setup))
+    }
+
+    /// Server, first contact: create the QP the second link will use (on the RNIC
+    /// `start_add_link` will choose: one no link uses, else the first link's for an
+    /// asymmetric offer) and keep it in the group ([`LinkGroup::spare`]).
+    fn reserve_second_qp(&mut self, lgr: LgrId, res: &mut dyn Resources) -> Result<(), ()> {
+        let n = self.config.devices.len();
+        let Some(g) = self.lgrs.get(&lgr) else {
+            return Err(());
+        };
+        if g.max_links < 2 {
+            return Ok(());
+        }
+        let Some(device) = g.unused_device(n).or_else(|| g.first_device()) else {
+            return Ok(());
+        };
+        let id = self.new_link_id();
+        let qp = res.create_qp(id, device).map_err(|_| ())?;
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.spare = Some(crate::link_group::SpareQp { id, device, qp });
+        }
+        Ok(())
     }
 
     fn send_accept(
@@ -1249,6 +1282,10 @@ impl Endpoint {
     /// The second-link exchange of a first contact ended (link added, rejected or failed):
     /// the connection is established.
     pub(super) fn first_contact_done(&mut self, lgr: LgrId, now: Timestamp) {
+        if let Some(spare) = self.lgrs.get_mut(&lgr).and_then(|g| g.spare.take()) {
+            self.fabric_out
+                .push_back(crate::fabric::FabricOp::DestroyQp { link: spare.id });
+        }
         let Some(tcp) = self.lgrs.get_mut(&lgr).and_then(|g| g.first_contact.take()) else {
             return;
         };

@@ -595,12 +595,32 @@ impl Endpoint {
         let Some(num) = g.next_link_num() else {
             return false;
         };
-        let id = self.new_link_id();
-        let Ok(qp) = res.create_qp(id, device) else {
-            if first_contact {
-                self.first_contact_done(lgr, now);
+        // The QP made for this link while the first contact could still decline.
+        let spare = match g.spare.take() {
+            Some(s) if s.device == device => Some(s),
+            Some(s) => {
+                self.fabric_out
+                    .push_back(FabricOp::DestroyQp { link: s.id });
+                None
             }
-            return false;
+            None => None,
+        };
+        let (id, qp) = match spare {
+            Some(s) => (s.id, s.qp),
+            None => {
+                let id = self.new_link_id();
+                let Ok(qp) = res.create_qp(id, device) else {
+                    // Out of resources for an added link: the group goes on with the links
+                    // it has and tries again later (App. C.8).
+                    if first_contact {
+                        self.first_contact_done(lgr, now);
+                    } else {
+                        self.arm_add_link_retry(lgr, now);
+                    }
+                    return false;
+                };
+                (id, qp)
+            }
         };
         let user_id = res.random_u32();
         let Some(g) = self.lgrs.get_mut(&lgr) else {
@@ -616,6 +636,11 @@ impl Endpoint {
             Ok(p) => p,
             Err(()) => {
                 self.drop_link(lgr, num, now);
+                if first_contact {
+                    self.first_contact_done(lgr, now);
+                } else {
+                    self.arm_add_link_retry(lgr, now);
+                }
                 return false;
             }
         };
@@ -1942,6 +1967,10 @@ impl Endpoint {
         let Some(g) = self.lgrs.remove(&lgr) else {
             return;
         };
+        if let Some(s) = g.spare {
+            self.fabric_out
+                .push_back(FabricOp::DestroyQp { link: s.id });
+        }
         for l in g.links.values() {
             self.links.remove(&l.id);
             self.fabric_out

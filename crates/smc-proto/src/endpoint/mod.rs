@@ -290,7 +290,15 @@ pub enum EndpointError {
     NoDevice,
     /// The connection refused the operation.
     #[error("connection: {0}")]
-    Conn(#[from] crate::conn::ApiError),
+    Conn(crate::conn::ApiError),
+}
+
+// By hand rather than `#[from]`, which would also make the cause the `source`: its text,
+// already in the message, would be printed twice in a chain of causes.
+impl From<crate::conn::ApiError> for EndpointError {
+    fn from(e: crate::conn::ApiError) -> Self {
+        EndpointError::Conn(e)
+    }
 }
 
 /// What a posted work request was for.
