@@ -276,10 +276,11 @@ impl Device {
     }
 
     /// The largest path MTU the port offers: for a roce device the netdev's MTU less 80 bytes
-    /// of headers, rounded down to an IB MTU (as rxe); 4096 for shm devices.
+    /// of headers, rounded down to an IB MTU (as rxe); for shm devices, which carry no
+    /// packets, 1024 (what SMC-R announces most often).
     pub fn active_mtu(&self) -> Mtu {
         match &self.inner {
-            DeviceImpl::Shm(_) => Mtu::Mtu4096,
+            DeviceImpl::Shm(_) => Mtu::Mtu1024,
             DeviceImpl::Roce(d) => d.core.active_mtu(),
         }
     }

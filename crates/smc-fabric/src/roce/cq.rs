@@ -45,6 +45,9 @@ impl RoceCq {
         };
         if any {
             self.cond.notify_all();
+            // Pairs with the fence in `req_notify`: either the waiter sees `queued` or we see
+            // `armed` (a store followed by a load of another location needs a full fence).
+            std::sync::atomic::fence(Ordering::SeqCst);
             if self.armed.load(Ordering::Acquire) && self.armed.swap(false, Ordering::AcqRel) {
                 mem::ring_eventfd(self.bell.as_fd());
             }
@@ -105,6 +108,7 @@ impl RoceCq {
 
     pub(crate) fn req_notify(&self) {
         self.armed.store(true, Ordering::Release);
+        std::sync::atomic::fence(Ordering::SeqCst);
         // A completion queued before arming rings at once, as the shm channel does for
         // messages already waiting.
         if self.queued.load(Ordering::Acquire) && self.armed.swap(false, Ordering::AcqRel) {

@@ -83,6 +83,8 @@ pub(crate) struct RoceCore {
     pub(crate) counters: Counters,
     faults: Option<Mutex<Faults>>,
     shutdown: AtomicBool,
+    /// Destroyed QPs still delivering their last requests (kept alive here).
+    lingering: Mutex<Vec<Arc<RoceQp>>>,
 }
 
 /// The largest path MTU rxe would offer on a netdev of this MTU: the netdev MTU less 80 bytes
@@ -185,6 +187,10 @@ impl RoceCore {
         self.qps_gen.fetch_add(1, Ordering::Release);
     }
 
+    pub(crate) fn add_lingering(&self, qp: Arc<RoceQp>) {
+        lock(&self.lingering).push(qp);
+    }
+
     fn live_qps(&self) -> Vec<Arc<RoceQp>> {
         lock(&self.qps).values().filter_map(Weak::upgrade).collect()
     }
@@ -224,6 +230,38 @@ impl RoceCore {
             qp.enter_error(None, reason);
         }
         self.push_event(DeviceEvent::PortDown);
+    }
+}
+
+/// Every roce device of the process, for the exit-time drain.
+static DEVICES: Mutex<Vec<Weak<RoceCore>>> = Mutex::new(Vec::new());
+static AT_EXIT: std::sync::Once = std::sync::Once::new();
+/// Longest the process exit waits for unacknowledged packets.
+const EXIT_DRAIN: Duration = Duration::from_secs(2);
+
+/// Runs at process exit (libc `atexit`): while any QP of any roce device still has requests
+/// unacknowledged, wait (up to [`EXIT_DRAIN`], until 20 ms passed with nothing outstanding).
+/// A program that wrote its last bytes to an SMC-R socket and returns from `main` would
+/// otherwise take them along: a posted WRITE is only queued here, where the shared-memory
+/// fabric places it at once; the progress threads keep running during the wait.
+extern "C" fn drain_at_exit() {
+    let start = Instant::now();
+    let mut quiet_since = Instant::now();
+    while start.elapsed() < EXIT_DRAIN {
+        let cores: Vec<Arc<RoceCore>> = match DEVICES.try_lock() {
+            Ok(d) => d.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => return,
+        };
+        let busy = cores.iter().any(|c| {
+            c.live_qps().iter().any(|q| q.has_unacked()) || !lock(&c.lingering).is_empty()
+        });
+        drop(cores);
+        if busy {
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= Duration::from_millis(20) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -358,6 +396,16 @@ impl RoceHandle {
             counters: Counters::default(),
             faults: any_fault.then(|| Mutex::new(faults)),
             shutdown: AtomicBool::new(false),
+            lingering: Mutex::new(Vec::new()),
+        });
+        {
+            let mut d = lock(&DEVICES);
+            d.retain(|w| w.strong_count() > 0);
+            d.push(Arc::downgrade(&core));
+        }
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a plain function with no preconditions.
+            unsafe { libc::atexit(drain_at_exit) };
         });
         let c2 = core.clone();
         let thread = std::thread::Builder::new()
@@ -387,6 +435,11 @@ impl RoceHandle {
 
 impl Drop for RoceHandle {
     fn drop(&mut self) {
+        // Let lingering QPs finish (bounded by their own deadline).
+        let deadline = Instant::now() + super::qp::LINGER + Duration::from_millis(100);
+        while !lock(&self.core.lingering).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         self.core.shutdown.store(true, Ordering::Release);
         if let Some(t) = lock(&self.thread).take() {
             let _ = t.join();
@@ -479,6 +532,12 @@ fn run(core: Arc<RoceCore>) {
         let now = Instant::now();
         for qp in tables.qps.values() {
             qp.on_tick(now);
+        }
+        {
+            let mut l = lock(&core.lingering);
+            if !l.is_empty() {
+                l.retain(|q| !q.linger_done(now));
+            }
         }
         if let Some(f) = &core.faults {
             let due = lock(f).due(now);

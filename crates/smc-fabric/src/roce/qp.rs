@@ -42,6 +42,8 @@ const MIN_RNR_TIMER: u8 = 5;
 /// rxe waits at least one jiffy after an RNR NAK whatever the code (4 ms at HZ 250); the
 /// progress thread's tick is the floor here.
 const RNR_FLOOR: Duration = Duration::from_millis(1);
+/// How long a destroyed QP keeps delivering its unacknowledged requests.
+pub(crate) const LINGER: Duration = Duration::from_secs(2);
 
 fn retransmit_timeout() -> Duration {
     Duration::from_nanos(4096 << TIMEOUT_CODE)
@@ -127,6 +129,8 @@ pub(crate) struct RoceQp {
     sq: Mutex<SendQueue>,
     rq: Mutex<VecDeque<RecvEntry>>,
     resp: Mutex<Responder>,
+    /// Set when destroyed with unacknowledged requests (see [`RoceQp::destroy`]).
+    linger_until: Mutex<Option<Instant>>,
 }
 
 fn wc(
@@ -187,6 +191,7 @@ impl RoceQp {
                 cursor: None,
                 ack_pending: None,
             }),
+            linger_until: Mutex::new(None),
         });
         core.add_qp(&qp);
         Ok(qp)
@@ -311,9 +316,38 @@ impl RoceQp {
         self.recv_cq.push_all(rwcs);
     }
 
-    pub(crate) fn destroy(&self) {
+    /// Destroy: a QP with requests still unacknowledged lingers (the progress thread keeps
+    /// sending and retransmitting them for up to [`LINGER`]), as a kernel keeps a closed
+    /// socket's data going: SMC-R closes a connection by posting its last CDC, and the process
+    /// may exit right after. Then it leaves the table and flushes.
+    pub(crate) fn destroy(self: &Arc<Self>) {
+        let pending = self.state() == QpState::Rts && !lock(&self.sq).pkts.is_empty();
+        if pending && self.core.port_state() == crate::PortState::Active {
+            *lock(&self.linger_until) = Some(Instant::now() + LINGER);
+            self.core.add_lingering(self.clone());
+            return;
+        }
         self.core.remove_qp(self.qpn);
         self.enter_error(None, "destroyed");
+    }
+
+    /// Whether requests are waiting for their acknowledgement.
+    pub(crate) fn has_unacked(&self) -> bool {
+        self.state() == QpState::Rts && !lock(&self.sq).pkts.is_empty()
+    }
+
+    /// For a lingering QP: whether it is done (all acknowledged, failed, or out of time); then
+    /// it is removed and flushed.
+    pub(crate) fn linger_done(&self, now: Instant) -> bool {
+        let until = *lock(&self.linger_until);
+        let done = self.state() != QpState::Rts
+            || lock(&self.sq).pkts.is_empty()
+            || until.is_none_or(|t| now >= t);
+        if done {
+            self.core.remove_qp(self.qpn);
+            self.enter_error(None, "destroyed");
+        }
+        done
     }
 
     pub(crate) fn post_recv(&self, wr: &RecvWr) -> Result<()> {
