@@ -295,6 +295,15 @@ impl Device {
         }
     }
 
+    /// Whether this port can reach the port with GID `gid` (roce: the peer's IPv4 address is
+    /// on the netdev's subnet); `None` when the backend cannot tell from the GID (shm).
+    pub fn reaches(&self, gid: Gid) -> Option<bool> {
+        match &self.inner {
+            DeviceImpl::Shm(_) => None,
+            DeviceImpl::Roce(d) => Some(d.core.reaches(gid)),
+        }
+    }
+
     /// Packet counters (roce devices; `None` for shm devices, which have no packets).
     pub fn counters(&self) -> Option<DeviceCounters> {
         match &self.inner {

@@ -278,6 +278,10 @@ impl Resources for Fabric {
         let Some(d) = self.devices.get(usize::from(device.0)) else {
             return false;
         };
+        // A software RoCE port reaches the GIDs on its netdev's subnet.
+        if let Some(r) = d.reaches(smc_fabric::Gid(gid.0)) {
+            return r;
+        }
         let hex: String = gid.0.iter().map(|b| format!("{b:02x}")).collect();
         self.dir.join(d.name()).join(format!("{hex}.sock")).exists()
     }

@@ -63,6 +63,8 @@ pub(crate) struct RoceCore {
     pub(crate) config: DeviceConfig,
     pub(crate) netdev: String,
     pub(crate) ip: Ipv4Addr,
+    /// Prefix length of `ip` on the netdev: the LAN this port reaches.
+    pub(crate) prefix: u8,
     pub(crate) gid: Gid,
     pub(crate) mac: Mac,
     pub(crate) netdev_mtu: AtomicU32,
@@ -109,6 +111,19 @@ impl RoceCore {
         } else {
             PortState::Down
         }
+    }
+
+    /// Whether a peer port with this GID is on this port's LAN (its IPv4 address inside the
+    /// netdev's subnet): RFC 7609 §2.1.2 wants RoCE links between RNICs of one layer-2
+    /// network, and Linux SMC-R sends with TTL 1 (rocev2.md 2.2).
+    pub(crate) fn reaches(&self, gid: Gid) -> bool {
+        let Some(peer) = gid_ipv4(gid) else {
+            return false;
+        };
+        let mask = u32::MAX
+            .checked_shl(32 - u32::from(self.prefix.min(32)))
+            .unwrap_or(0);
+        u32::from(peer) & mask == u32::from(self.ip) & mask && peer != self.ip
     }
 
     pub(crate) fn active_mtu(&self) -> Mtu {
@@ -302,6 +317,15 @@ impl RoceHandle {
                 format!("{entry}: no network interface '{netdev}' in this namespace"),
             ));
         }
+        let prefix = match address {
+            Some(a) => info
+                .ipv4
+                .iter()
+                .position(|x| *x == a)
+                .and_then(|i| info.ipv4_prefix.get(i).copied())
+                .unwrap_or(8),
+            None => info.ipv4_prefix.first().copied().unwrap_or(32),
+        };
         let Some(ip) = address.or(info.ipv4.first().copied()) else {
             return Err(open_err(
                 name,
@@ -378,6 +402,7 @@ impl RoceHandle {
             config: config.clone(),
             netdev: netdev.clone(),
             ip,
+            prefix,
             gid: Gid(gid),
             mac: Mac(info.mac),
             netdev_mtu: AtomicU32::new(mtu),

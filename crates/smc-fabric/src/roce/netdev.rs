@@ -11,8 +11,10 @@ use rustix::fd::{AsRawFd, BorrowedFd};
 /// Addresses and link facts of one interface.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct NetdevInfo {
-    /// IPv4 addresses, first one first.
+    /// IPv4 addresses, first one first, with their prefix lengths.
     pub(crate) ipv4: Vec<Ipv4Addr>,
+    /// Prefix length of each of `ipv4`.
+    pub(crate) ipv4_prefix: Vec<u8>,
     /// IPv6 addresses.
     pub(crate) ipv6: Vec<Ipv6Addr>,
     /// Hardware address (zero for interfaces without one, such as loopback).
@@ -54,6 +56,14 @@ pub(crate) fn info(name: &str) -> std::io::Result<NetdevInfo> {
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
                 out.ipv4
                     .push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+                let prefix = if ifa.ifa_netmask.is_null() {
+                    32
+                } else {
+                    // SAFETY: the netmask of an AF_INET address is a sockaddr_in.
+                    let m = unsafe { &*(ifa.ifa_netmask as *const libc::sockaddr_in) };
+                    u32::from_be(m.sin_addr.s_addr).count_ones() as u8
+                };
+                out.ipv4_prefix.push(prefix);
             }
             libc::AF_INET6 => {
                 // SAFETY: family AF_INET6 means a sockaddr_in6.
