@@ -23,7 +23,7 @@ pub enum FabricError {
         reason: &'static str,
     },
     /// A device could not be opened; `entry` names its configuration.
-    #[error("device '{device}' ({detail})")]
+    #[error("cannot open device '{device}': {detail}")]
     DeviceOpen {
         /// Device name.
         device: String,

@@ -371,3 +371,19 @@ fn forged_packets() {
     );
     assert_eq!(b.dev.core.counters.rx_packets.load(Ordering::Relaxed), 4);
 }
+
+/// A roce entry whose netdev does not exist (or has no IPv4 address) is an error at open that
+/// names the entry.
+#[test]
+fn bad_netdev_is_named() {
+    let mut f = fabric(Vec::new());
+    f.devices[0].kind = DeviceKind::Roce {
+        netdev: "nosuch-if7".into(),
+    };
+    let e = crate::Device::open(&f, "ra").expect_err("no such netdev");
+    assert!(e.to_string().contains("roce:ra=nosuch-if7"), "{e}");
+    // The path MTU follows the netdev MTU less 80 bytes of headers, as rxe's.
+    assert!(super::device::active_mtu(1500) == Some(crate::Mtu::Mtu1024));
+    assert!(super::device::active_mtu(9000) == Some(crate::Mtu::Mtu4096));
+    assert!(super::device::active_mtu(300).is_none());
+}
