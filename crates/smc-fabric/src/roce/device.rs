@@ -225,6 +225,53 @@ impl RoceCore {
         self.send_raw(dst, pkt);
     }
 
+    /// Send several UDP payloads to `dst:4791` with one `sendmmsg` per batch (faults, when
+    /// configured, apply per packet).
+    pub(crate) fn transmit_batch(&self, dst: Ipv4Addr, pkts: &[&[u8]]) {
+        if self.faults.is_some() || pkts.len() == 1 {
+            for p in pkts {
+                self.transmit(dst, p);
+            }
+            return;
+        }
+        use rustix::net::addr::SocketAddrArg as _;
+        use rustix::net::{MMsgHdr, SendAncillaryBuffer};
+        let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT)).as_any();
+        let iovs: Vec<[std::io::IoSlice<'_>; 1]> =
+            pkts.iter().map(|p| [std::io::IoSlice::new(p)]).collect();
+        let mut ctrls: Vec<SendAncillaryBuffer<'_, '_, '_>> = pkts
+            .iter()
+            .map(|_| SendAncillaryBuffer::default())
+            .collect();
+        let mut msgs: Vec<MMsgHdr<'_>> = iovs
+            .iter()
+            .zip(ctrls.iter_mut())
+            .map(|(iov, c)| MMsgHdr::new_with_addr(&addr, iov, c))
+            .collect();
+        let mut sent = 0;
+        while sent < msgs.len() {
+            match rustix::net::sendmmsg(
+                &self.sock,
+                &mut msgs[sent..],
+                rustix::net::SendFlags::DONTWAIT,
+            ) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => sent += k,
+            }
+        }
+        let bytes: usize = pkts[..sent].iter().map(|p| p.len()).sum();
+        self.counters
+            .tx_packets
+            .fetch_add(sent as u64, Ordering::Relaxed);
+        self.counters
+            .tx_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        // A full socket buffer loses the rest: the RC retransmission recovers them.
+        self.counters
+            .tx_errors
+            .fetch_add((pkts.len() - sent) as u64, Ordering::Relaxed);
+    }
+
     fn send_raw(&self, dst: Ipv4Addr, pkt: &[u8]) {
         let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT));
         match rustix::net::sendto(&self.sock, pkt, rustix::net::SendFlags::DONTWAIT, &addr) {

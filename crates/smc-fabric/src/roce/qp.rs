@@ -529,7 +529,9 @@ impl RoceQp {
         if sq.next_tx == 0 {
             sq.last_progress = Instant::now();
         }
-        while let Some(p) = sq.pkts.get(sq.next_tx) {
+        let start = sq.next_tx;
+        let mut end = start;
+        while let Some(p) = sq.pkts.get(end) {
             if psn_diff(p.psn, oldest) >= WINDOW {
                 break;
             }
@@ -538,9 +540,15 @@ impl RoceQp {
             } else {
                 sq.high_psn = Some(p.psn);
             }
-            self.core.transmit(conn.ip, &p.bytes);
-            sq.next_tx += 1;
+            end += 1;
         }
+        if end == start {
+            return;
+        }
+        // One sendmmsg for the packets the window lets go.
+        let batch: Vec<&[u8]> = sq.pkts.range(start..end).map(|p| &p.bytes[..]).collect();
+        self.core.transmit_batch(conn.ip, &batch);
+        sq.next_tx = end;
     }
 
     /// Everything up to and including `psn` is acknowledged (ACKs are cumulative,
