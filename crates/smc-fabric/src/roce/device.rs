@@ -549,6 +549,79 @@ impl Tables {
 const BATCH: usize = 64;
 const RX_BUF: usize = 9216;
 
+/// Buffers for one `recvmmsg` of up to [`BATCH`] datagrams.
+struct RxRing {
+    bufs: Vec<u8>,
+    addrs: Vec<libc::sockaddr_in>,
+    iovs: Vec<libc::iovec>,
+    hdrs: Vec<libc::mmsghdr>,
+}
+
+// SAFETY: the raw pointers inside point into the ring's own vectors, used by one thread.
+unsafe impl Send for RxRing {}
+
+impl RxRing {
+    fn new() -> RxRing {
+        // SAFETY: sockaddr_in, iovec and mmsghdr are plain old data; all-zero is valid.
+        let zero_addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        RxRing {
+            bufs: vec![0u8; BATCH * RX_BUF],
+            addrs: vec![zero_addr; BATCH],
+            iovs: Vec::with_capacity(BATCH),
+            // SAFETY: as above.
+            hdrs: (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect(),
+        }
+    }
+
+    /// Receive up to [`BATCH`] datagrams without blocking; returns how many.
+    fn receive(&mut self, sock: &OwnedFd) -> usize {
+        use rustix::fd::AsRawFd;
+        let base = self.bufs.as_mut_ptr();
+        self.iovs.clear();
+        for i in 0..BATCH {
+            self.iovs.push(libc::iovec {
+                // SAFETY: slot i lies inside `bufs` (BATCH * RX_BUF bytes).
+                iov_base: unsafe { base.add(i * RX_BUF) }.cast(),
+                iov_len: RX_BUF,
+            });
+        }
+        for i in 0..BATCH {
+            let h = &mut self.hdrs[i].msg_hdr;
+            h.msg_name = (&mut self.addrs[i] as *mut libc::sockaddr_in).cast();
+            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            h.msg_iov = &mut self.iovs[i];
+            h.msg_iovlen = 1;
+            h.msg_control = std::ptr::null_mut();
+            h.msg_controllen = 0;
+            h.msg_flags = 0;
+            self.hdrs[i].msg_len = 0;
+        }
+        // SAFETY: every header points at a live iovec, buffer slot and address of this ring,
+        // which outlive the call; the kernel writes at most the lengths given.
+        let n = unsafe {
+            libc::recvmmsg(
+                sock.as_raw_fd(),
+                self.hdrs.as_mut_ptr(),
+                BATCH as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        usize::try_from(n).unwrap_or(0).min(BATCH)
+    }
+
+    /// Sender and bytes of datagram `i` of the last `receive`.
+    fn datagram(&self, i: usize) -> (SocketAddrV4, &[u8]) {
+        let a = &self.addrs[i];
+        let from = SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+            u16::from_be(a.sin_port),
+        );
+        let len = (self.hdrs[i].msg_len as usize).min(RX_BUF);
+        (from, &self.bufs[i * RX_BUF..i * RX_BUF + len])
+    }
+}
+
 fn run(core: Arc<RoceCore>) {
     let mut tables = Tables {
         qps_gen: u64::MAX,
@@ -556,7 +629,7 @@ fn run(core: Arc<RoceCore>) {
         mrs_gen: u64::MAX,
         mrs: HashMap::new(),
     };
-    let mut buf = vec![0u8; RX_BUF];
+    let mut rx = RxRing::new();
     let mut batch = RxBatch::default();
     let mut last_port_check = Instant::now();
     while !core.shutdown.load(Ordering::Acquire) {
@@ -575,29 +648,20 @@ fn run(core: Arc<RoceCore>) {
             rustix::event::PollFlags::IN,
         )];
         let _ = rustix::event::poll(&mut fds, Some(&ts));
+        // Up to BATCH rounds of one recvmmsg of up to BATCH datagrams each.
         for _ in 0..BATCH {
-            match rustix::net::recvfrom(&core.sock, &mut buf[..], rustix::net::RecvFlags::DONTWAIT)
-            {
-                Ok((n, _, Some(from))) => {
-                    let Ok(SocketAddr::V4(from)) = SocketAddr::try_from(from) else {
-                        continue;
-                    };
-                    bump(&core.counters.rx_packets);
-                    core.counters
-                        .rx_bytes
-                        .fetch_add(n as u64, Ordering::Relaxed);
-                    tables.refresh(&core);
-                    super::qp::receive(
-                        &core,
-                        &tables,
-                        &mut batch,
-                        *from.ip(),
-                        from.port(),
-                        &buf[..n.min(RX_BUF)],
-                    );
-                }
-                Ok(_) => continue,
-                Err(_) => break,
+            let got = rx.receive(&core.sock);
+            for i in 0..got {
+                let (from, data) = rx.datagram(i);
+                bump(&core.counters.rx_packets);
+                core.counters
+                    .rx_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+                tables.refresh(&core);
+                super::qp::receive(&core, &tables, &mut batch, *from.ip(), from.port(), data);
+            }
+            if got < BATCH {
+                break;
             }
         }
         batch.flush(&core);
