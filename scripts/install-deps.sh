@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the smc-rs tests need, only when it is missing (Debian 12, root or sudo).
-#   tshark      – the outside decoder the wire tests check our bytes against
+#   tshark      – the outside decoder the wire tests check our bytes against (and roce captures)
+#   iproute2    – network namespaces and veth pairs for the roce tests
 #   clang, llvm, libbpf-dev – rebuild the eBPF TCP-option program to check that the committed
 #                 object (crates/smc/bpf/smc_tcp_option.bpf.o) matches its source; a build
 #                 of smc-rs itself never needs them
@@ -20,6 +21,8 @@ if ! command -v tshark >/dev/null 2>&1; then
 fi
 
 missing=()
+# ip (network namespaces and veth pairs of the roce tests)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v llvm-strip >/dev/null 2>&1 || missing+=(llvm)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)

@@ -171,20 +171,53 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
             t.set_header(vec![
                 "pid",
                 "device",
+                "kind",
+                "netdev",
                 "gid",
                 "mac",
+                "mtu",
                 "port",
+                "pkts tx/rx",
+                "retrans",
+                "naks tx/rx",
+                "drops",
                 "netdevs",
                 "addresses",
             ]);
             for (pid, v) in &answers {
                 for d in v.as_array().into_iter().flatten() {
+                    let c = &d["counters"];
+                    let n = |k: &str| c[k].as_u64().unwrap_or(0);
+                    let roce = c.is_object();
+                    let pair = |a: &str, b: &str| {
+                        if roce {
+                            format!("{}/{}", n(a), n(b))
+                        } else {
+                            "-".into()
+                        }
+                    };
+                    let drops = n("drop_icrc")
+                        + n("drop_malformed")
+                        + n("drop_unknown_qp")
+                        + n("drop_wrong_source")
+                        + n("drop_out_of_sequence");
                     t.add_row(vec![
                         pid.clone(),
                         cell(&d["name"]),
+                        cell(&d["kind"]),
+                        cell(&d["netdev"]),
                         cell(&d["gid"]),
                         cell(&d["mac"]),
+                        cell(&d["mtu"]),
                         cell(&d["port"]),
+                        pair("tx_packets", "rx_packets"),
+                        if roce {
+                            n("retransmits").to_string()
+                        } else {
+                            "-".into()
+                        },
+                        pair("naks_sent", "naks_received"),
+                        if roce { drops.to_string() } else { "-".into() },
                         cell(&d["netdevs"]),
                         cell(&d["addresses"]),
                     ]);

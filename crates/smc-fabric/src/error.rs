@@ -14,6 +14,22 @@ pub enum FabricError {
     /// The device port is down (fault injection or configuration).
     #[error("device port is down")]
     PortDown,
+    /// A device entry of the configuration is malformed or cannot be opened.
+    #[error("bad device entry '{entry}': {reason}")]
+    BadDeviceEntry {
+        /// The entry as written (e.g. `roce:r0=veth0`).
+        entry: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A device could not be opened; `entry` names its configuration.
+    #[error("cannot open device '{device}': {detail}")]
+    DeviceOpen {
+        /// Device name.
+        device: String,
+        /// What failed.
+        detail: String,
+    },
     /// The requested QP state transition is not allowed from the current state.
     #[error("invalid QP state transition from {from:?} to {to:?}")]
     InvalidTransition {

@@ -124,12 +124,13 @@
 pub mod config;
 mod error;
 mod ring;
+mod roce;
 mod shm;
 pub mod sockpath;
 mod sync;
 mod types;
 
-pub use config::{DeviceConfig, FabricConfig, Fault};
+pub use config::{DeviceConfig, DeviceKind, FabricConfig, Fault};
 pub use error::{FabricError, Result};
 pub use ring::MAX_INLINE;
 pub use types::{
@@ -195,6 +196,52 @@ pub fn list_ports(config: &FabricConfig, name: &str) -> Result<Vec<Gid>> {
 #[derive(Clone)]
 enum DeviceImpl {
     Shm(Arc<shm::DeviceHandle>),
+    Roce(Arc<roce::RoceHandle>),
+}
+
+/// Packet counters of a software RoCEv2 device ([`Device::counters`]), since it was opened.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Packets sent (first transmissions, retransmissions, ACKs and NAKs).
+    pub tx_packets: u64,
+    /// UDP payload bytes sent.
+    pub tx_bytes: u64,
+    /// Datagrams received on the device's socket.
+    pub rx_packets: u64,
+    /// UDP payload bytes received.
+    pub rx_bytes: u64,
+    /// Packets sent again (go-back-N after a NAK, an RNR NAK or a timeout).
+    pub retransmits: u64,
+    /// Retransmission timer expiries.
+    pub timeouts: u64,
+    /// NAKs sent (PSN sequence errors and error NAKs).
+    pub naks_sent: u64,
+    /// NAKs received.
+    pub naks_received: u64,
+    /// RNR NAKs sent (a SEND arrived with no receive posted).
+    pub rnr_naks_sent: u64,
+    /// RNR NAKs received.
+    pub rnr_naks_received: u64,
+    /// ACKs sent (coalesced: one per QP per receive batch, plus one per duplicate).
+    pub acks_sent: u64,
+    /// Duplicate request packets received (answered, not executed again).
+    pub duplicates: u64,
+    /// Packets dropped for a bad ICRC.
+    pub drop_icrc: u64,
+    /// Packets dropped as malformed (length, version, opcode, P_Key).
+    pub drop_malformed: u64,
+    /// Packets for a QP that does not exist or is not ready.
+    pub drop_unknown_qp: u64,
+    /// Packets from an address that is not the QP's peer.
+    pub drop_wrong_source: u64,
+    /// Request packets ahead of the expected PSN (dropped; the first is NAKed).
+    pub drop_out_of_sequence: u64,
+    /// WRITEs refused for a bad R_Key, protection domain, access or range (NAKed).
+    pub remote_access_errors: u64,
+    /// Sends the kernel refused (full buffer, unreachable network): recovered by retransmission.
+    pub tx_errors: u64,
+    /// Packets dropped by fault injection.
+    pub fault_drops: u64,
 }
 
 /// An opened software RNIC port. Cloning gives another handle to the same port.
@@ -204,17 +251,73 @@ pub struct Device {
 }
 
 impl Device {
-    /// Open the configured device `name` (shm backend: devices named in `config`).
+    /// Open the configured device `name`: a shared-memory device, or a software RoCEv2 device
+    /// on its netdev (an error naming the entry when the netdev is missing, has no IPv4
+    /// address, or port 4791 on it is taken).
     pub fn open(config: &FabricConfig, name: &str) -> Result<Device> {
-        Ok(Device {
-            inner: DeviceImpl::Shm(shm::DeviceHandle::open(config, name)?),
-        })
+        let (_, dc) = config.device(name)?;
+        let inner = match dc.kind {
+            DeviceKind::Shm => DeviceImpl::Shm(shm::DeviceHandle::open(config, name)?),
+            DeviceKind::Roce { .. } => DeviceImpl::Roce(roce::RoceHandle::open(config, name)?),
+        };
+        Ok(Device { inner })
+    }
+
+    /// The backend of this device.
+    pub fn kind(&self) -> &DeviceKind {
+        &self.config().kind
+    }
+
+    /// The netdev a roce device sends on (`None` for shm devices).
+    pub fn netdev(&self) -> Option<&str> {
+        match &self.inner {
+            DeviceImpl::Shm(_) => None,
+            DeviceImpl::Roce(d) => Some(&d.core.netdev),
+        }
+    }
+
+    /// The largest path MTU the port offers: for a roce device the netdev's MTU less 80 bytes
+    /// of headers, rounded down to an IB MTU (as rxe); for shm devices, which carry no
+    /// packets, 1024 (what SMC-R announces most often).
+    pub fn active_mtu(&self) -> Mtu {
+        match &self.inner {
+            DeviceImpl::Shm(_) => Mtu::Mtu1024,
+            DeviceImpl::Roce(d) => d.core.active_mtu(),
+        }
+    }
+
+    /// The MTU of the netdev of a roce device.
+    pub fn netdev_mtu(&self) -> Option<u32> {
+        match &self.inner {
+            DeviceImpl::Shm(_) => None,
+            DeviceImpl::Roce(d) => {
+                Some(d.core.netdev_mtu.load(std::sync::atomic::Ordering::Relaxed))
+            }
+        }
+    }
+
+    /// Whether this port can reach the port with GID `gid` (roce: the peer's IPv4 address is
+    /// on the netdev's subnet); `None` when the backend cannot tell from the GID (shm).
+    pub fn reaches(&self, gid: Gid) -> Option<bool> {
+        match &self.inner {
+            DeviceImpl::Shm(_) => None,
+            DeviceImpl::Roce(d) => Some(d.core.reaches(gid)),
+        }
+    }
+
+    /// Packet counters (roce devices; `None` for shm devices, which have no packets).
+    pub fn counters(&self) -> Option<DeviceCounters> {
+        match &self.inner {
+            DeviceImpl::Shm(_) => None,
+            DeviceImpl::Roce(d) => Some(roce::snapshot(&d.core)),
+        }
     }
 
     /// Device name, e.g. `shm0`.
     pub fn name(&self) -> &str {
         match &self.inner {
             DeviceImpl::Shm(d) => &d.core.config.name,
+            DeviceImpl::Roce(d) => &d.core.config.name,
         }
     }
 
@@ -222,6 +325,7 @@ impl Device {
     pub fn gid(&self) -> Gid {
         match &self.inner {
             DeviceImpl::Shm(d) => d.core.gid,
+            DeviceImpl::Roce(d) => d.core.gid,
         }
     }
 
@@ -229,6 +333,7 @@ impl Device {
     pub fn mac(&self) -> Mac {
         match &self.inner {
             DeviceImpl::Shm(d) => d.core.mac,
+            DeviceImpl::Roce(d) => d.core.mac,
         }
     }
 
@@ -236,18 +341,23 @@ impl Device {
     pub fn config(&self) -> &DeviceConfig {
         match &self.inner {
             DeviceImpl::Shm(d) => &d.core.config,
+            DeviceImpl::Roce(d) => &d.core.config,
         }
     }
 
     /// Largest SEND payload in bytes.
     pub fn max_inline(&self) -> usize {
-        MAX_INLINE
+        match &self.inner {
+            DeviceImpl::Shm(_) => MAX_INLINE,
+            DeviceImpl::Roce(_) => roce::MAX_SEND,
+        }
     }
 
     /// Current port state.
     pub fn port_state(&self) -> PortState {
         match &self.inner {
             DeviceImpl::Shm(d) => d.port_state(),
+            DeviceImpl::Roce(d) => d.core.port_state(),
         }
     }
 
@@ -255,6 +365,7 @@ impl Device {
     pub fn set_port_state(&self, state: PortState) {
         match &self.inner {
             DeviceImpl::Shm(d) => d.set_port_state(state),
+            DeviceImpl::Roce(d) => d.set_port_state(state),
         }
     }
 
@@ -267,6 +378,11 @@ impl Device {
                     .fail_next
                     .fetch_add(n, std::sync::atomic::Ordering::AcqRel);
             }
+            DeviceImpl::Roce(d) => {
+                d.core
+                    .fail_next
+                    .fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+            }
         }
     }
 
@@ -274,6 +390,7 @@ impl Device {
     pub fn poll_event(&self) -> Option<DeviceEvent> {
         match &self.inner {
             DeviceImpl::Shm(d) => d.poll_event(),
+            DeviceImpl::Roce(d) => d.core.poll_event(),
         }
     }
 
@@ -286,6 +403,12 @@ impl Device {
                     id: d.core.alloc_pd(),
                 },
             }),
+            DeviceImpl::Roce(d) => Ok(ProtectionDomain {
+                inner: PdImpl::Roce {
+                    dev: d.clone(),
+                    id: d.core.alloc_pd(),
+                },
+            }),
         }
     }
 
@@ -294,6 +417,9 @@ impl Device {
         match &self.inner {
             DeviceImpl::Shm(d) => Ok(CompletionQueue {
                 inner: CqImpl::Shm(shm::CqShared::new(d.clone())?),
+            }),
+            DeviceImpl::Roce(d) => Ok(CompletionQueue {
+                inner: CqImpl::Roce(d.clone(), Arc::new(roce::RoceCq::new()?)),
             }),
         }
     }
@@ -312,6 +438,10 @@ impl std::fmt::Debug for Device {
 enum PdImpl {
     Shm {
         dev: Arc<shm::DeviceHandle>,
+        id: u32,
+    },
+    Roce {
+        dev: Arc<roce::RoceHandle>,
         id: u32,
     },
 }
@@ -333,6 +463,16 @@ impl ProtectionDomain {
                     mr: shm::MrInner::register(&dev.core, *id, len, access)?,
                 },
             }),
+            PdImpl::Roce { dev, id } => {
+                let mr = Arc::new(roce::RoceMr::new(dev.core.alloc_key(), *id, len, access)?);
+                dev.core.add_mr(mr.clone());
+                Ok(MemoryRegion {
+                    inner: MrImpl::Roce {
+                        dev: dev.clone(),
+                        mr,
+                    },
+                })
+            }
         }
     }
 
@@ -353,6 +493,18 @@ impl ProtectionDomain {
                     mr: shm::MrInner::register_alias(&dev.core, *id, src, access)?,
                 },
             }),
+            (PdImpl::Roce { dev, id }, MrImpl::Roce { mr: src, .. }) => {
+                let mr = Arc::new(src.alias(dev.core.alloc_key(), *id, access));
+                dev.core.add_mr(mr.clone());
+                Ok(MemoryRegion {
+                    inner: MrImpl::Roce {
+                        dev: dev.clone(),
+                        mr,
+                    },
+                })
+            }
+            // Shared memory and software RoCE regions live in different kinds of memory.
+            _ => Err(FabricError::Mismatch),
         }
     }
 
@@ -374,6 +526,17 @@ impl ProtectionDomain {
                     caps,
                 )?),
             }),
+            (PdImpl::Roce { dev, id }, CqImpl::Roce(sd, s), CqImpl::Roce(rd, r))
+                if Arc::ptr_eq(dev, sd) && Arc::ptr_eq(dev, rd) =>
+            {
+                Ok(QueuePair {
+                    inner: QpImpl::Roce(
+                        dev.clone(),
+                        roce::RoceQp::create(dev.core.clone(), *id, s.clone(), r.clone(), caps)?,
+                    ),
+                })
+            }
+            _ => Err(FabricError::Mismatch),
         }
     }
 }
@@ -382,6 +545,10 @@ enum MrImpl {
     Shm {
         dev: Arc<shm::DeviceHandle>,
         mr: Arc<shm::MrInner>,
+    },
+    Roce {
+        dev: Arc<roce::RoceHandle>,
+        mr: Arc<roce::RoceMr>,
     },
 }
 
@@ -400,24 +567,28 @@ impl MemoryRegion {
     pub fn lkey(&self) -> u32 {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.key,
+            MrImpl::Roce { mr, .. } => mr.key,
         }
     }
     /// Remote key (names the region in remote WRITEs; SMC-R sends it in CLC/LLC).
     pub fn rkey(&self) -> u32 {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.key,
+            MrImpl::Roce { mr, .. } => mr.key,
         }
     }
     /// Virtual address of the first byte (the base of remote addresses and SGE addresses).
     pub fn addr(&self) -> u64 {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.vaddr(),
+            MrImpl::Roce { mr, .. } => mr.vaddr(),
         }
     }
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.len(),
+            MrImpl::Roce { mr, .. } => mr.len(),
         }
     }
     /// Whether the region is empty (never true: regions have at least one byte).
@@ -428,6 +599,7 @@ impl MemoryRegion {
     pub fn access(&self) -> AccessFlags {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.access,
+            MrImpl::Roce { mr, .. } => mr.access,
         }
     }
     /// Raw pointer to the first byte (valid while the region lives). Access it only with raw
@@ -435,6 +607,7 @@ impl MemoryRegion {
     pub fn as_ptr(&self) -> *mut u8 {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.mapping.ptr(),
+            MrImpl::Roce { mr, .. } => mr.ptr(),
         }
     }
     /// An SGE for `len` bytes at byte `offset` of this region (bounds checked).
@@ -459,18 +632,21 @@ impl MemoryRegion {
     pub fn prefetch_hint(&self, offset: usize, len: usize) -> Option<PrefetchHint> {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.prefetch_hint(offset, len),
+            MrImpl::Roce { mr, .. } => mr.prefetch_hint(offset, len),
         }
     }
     /// Copy bytes out of the region starting at `offset`.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.read_at(offset, buf),
+            MrImpl::Roce { mr, .. } => mr.read_at(offset, buf),
         }
     }
     /// Copy bytes into the region starting at `offset`.
     pub fn write_at(&self, offset: usize, buf: &[u8]) -> Result<()> {
         match &self.inner {
             MrImpl::Shm { mr, .. } => mr.write_at(offset, buf),
+            MrImpl::Roce { mr, .. } => mr.write_at(offset, buf),
         }
     }
     /// Deregister now (same as dropping).
@@ -481,6 +657,7 @@ impl Drop for MemoryRegion {
     fn drop(&mut self) {
         match &self.inner {
             MrImpl::Shm { dev, mr } => mr.deregister(&dev.core),
+            MrImpl::Roce { dev, mr } => dev.core.remove_mr(mr.key),
         }
     }
 }
@@ -499,6 +676,7 @@ impl std::fmt::Debug for MemoryRegion {
 #[derive(Clone)]
 enum CqImpl {
     Shm(Arc<shm::CqShared>),
+    Roce(Arc<roce::RoceHandle>, Arc<roce::RoceCq>),
 }
 
 /// Where to start fetching a cache line ahead of a read (see
@@ -547,6 +725,7 @@ impl CompletionQueue {
     pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
         match &self.inner {
             CqImpl::Shm(c) => c.poll(out),
+            CqImpl::Roce(_, c) => c.poll(out),
         }
     }
 
@@ -556,6 +735,7 @@ impl CompletionQueue {
     pub fn maybe_ready(&self) -> bool {
         match &self.inner {
             CqImpl::Shm(c) => c.maybe_ready(),
+            CqImpl::Roce(_, c) => c.maybe_ready(),
         }
     }
 
@@ -575,6 +755,7 @@ impl CompletionQueue {
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> Result<usize> {
         match &self.inner {
             CqImpl::Shm(c) => c.wait(out, timeout),
+            CqImpl::Roce(_, c) => c.wait(out, timeout),
         }
     }
 
@@ -582,6 +763,7 @@ impl CompletionQueue {
     pub fn req_notify(&self) {
         match &self.inner {
             CqImpl::Shm(c) => c.req_notify(),
+            CqImpl::Roce(_, c) => c.req_notify(),
         }
     }
 
@@ -592,6 +774,7 @@ impl CompletionQueue {
     pub fn ack_notify(&self) {
         match &self.inner {
             CqImpl::Shm(c) => c.ack_notify(),
+            CqImpl::Roce(_, c) => c.ack_notify(),
         }
     }
 
@@ -600,12 +783,15 @@ impl CompletionQueue {
     pub fn fd(&self) -> BorrowedFd<'_> {
         match &self.inner {
             CqImpl::Shm(c) => c.channel(),
+            CqImpl::Roce(_, c) => c.channel(),
         }
     }
 }
 
 enum QpImpl {
     Shm(Arc<shm::QpShared>),
+    /// The device handle keeps the device's progress thread alive as long as the QP.
+    Roce(#[allow(dead_code)] Arc<roce::RoceHandle>, Arc<roce::RoceQp>),
 }
 
 /// A reliably connected queue pair. Dropping it destroys it (the peer's QP enters the error
@@ -619,30 +805,35 @@ impl QueuePair {
     pub fn qp_num(&self) -> u32 {
         match &self.inner {
             QpImpl::Shm(q) => q.qpn,
+            QpImpl::Roce(_, q) => q.qpn,
         }
     }
     /// Current state.
     pub fn state(&self) -> QpState {
         match &self.inner {
             QpImpl::Shm(q) => q.state(),
+            QpImpl::Roce(_, q) => q.state(),
         }
     }
     /// What the peer needs to connect to this QP (GID, QPN, PSN, MTU).
     pub fn local_info(&self) -> LocalQpInfo {
         match &self.inner {
             QpImpl::Shm(q) => q.local_info(),
+            QpImpl::Roce(_, q) => q.local_info(),
         }
     }
     /// The remote QP given at RTR, if any.
     pub fn remote_info(&self) -> Option<RemoteQpInfo> {
         match &self.inner {
             QpImpl::Shm(q) => q.remote_info(),
+            QpImpl::Roce(_, q) => q.remote_info(),
         }
     }
     /// RESET → INIT (receives may be posted from now on).
     pub fn to_init(&self) -> Result<()> {
         match &self.inner {
             QpImpl::Shm(q) => q.to_init(),
+            QpImpl::Roce(_, q) => q.to_init(),
         }
     }
     /// INIT → RTR with the remote QP learnt from the peer. The shm backend connects to the
@@ -650,18 +841,21 @@ impl QueuePair {
     pub fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
         match &self.inner {
             QpImpl::Shm(q) => q.to_rtr(remote),
+            QpImpl::Roce(_, q) => q.to_rtr(remote),
         }
     }
     /// RTR → RTS (sends may be posted from now on).
     pub fn to_rts(&self) -> Result<()> {
         match &self.inner {
             QpImpl::Shm(q) => q.to_rts(),
+            QpImpl::Roce(_, q) => q.to_rts(),
         }
     }
     /// Fault injection / teardown: move to ERROR, flushing outstanding work.
     pub fn force_error(&self) {
         match &self.inner {
             QpImpl::Shm(q) => q.enter_error("forced"),
+            QpImpl::Roce(_, q) => q.enter_error(None, "forced"),
         }
     }
     /// Post a send-queue work request (SEND, RDMA WRITE).
@@ -675,12 +869,14 @@ impl QueuePair {
     pub fn post_send_status(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
         match &self.inner {
             QpImpl::Shm(q) => q.post_send(wr),
+            QpImpl::Roce(_, q) => q.post_send(wr),
         }
     }
     /// Post a receive buffer for one incoming SEND.
     pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
         match &self.inner {
             QpImpl::Shm(q) => q.post_recv(wr),
+            QpImpl::Roce(_, q) => q.post_recv(wr),
         }
     }
 }
@@ -689,6 +885,7 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         match &self.inner {
             QpImpl::Shm(q) => q.destroy(),
+            QpImpl::Roce(_, q) => q.destroy(),
         }
     }
 }

@@ -13,15 +13,15 @@ use std::time::Duration;
 use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
 use pcap_file::DataLink;
 
-use crate::tcp_option;
 use crate::types::{Mac, U24};
+use crate::{roce, tcp_option};
 
 /// UDP destination port of RoCEv2.
-pub const ROCEV2_UDP_PORT: u16 = 4791;
+pub const ROCEV2_UDP_PORT: u16 = roce::UDP_PORT;
 /// UDP source port used in our RoCEv2 frames.
 pub const ROCEV2_SRC_PORT: u16 = 54321;
 /// BTH opcode "RC SEND Only".
-pub const BTH_OPCODE_RC_SEND_ONLY: u8 = 0x04;
+pub const BTH_OPCODE_RC_SEND_ONLY: u8 = roce::Opcode::SEND_ONLY.0;
 
 /// An error while writing a capture.
 #[derive(Debug, thiserror::Error)]
@@ -141,7 +141,8 @@ pub fn tcp_frame(
 }
 
 /// A RoCEv2 "RC SEND Only" frame carrying `payload` (an LLC or CDC message), with the ICRC
-/// computed as RoCEv2 defines it over the invariant fields.
+/// computed as RoCEv2 defines it over the invariant fields (by the shared codec,
+/// [`crate::roce`]).
 pub fn rocev2_send_frame(
     src: RoceEndpoint,
     dst: RoceEndpoint,
@@ -149,47 +150,36 @@ pub fn rocev2_send_frame(
     psn: U24,
     payload: &[u8],
 ) -> Vec<u8> {
-    let mut bth = [0u8; 12];
-    bth[0] = BTH_OPCODE_RC_SEND_ONLY;
-    bth[1] = 0x80; // solicited event, no pad, transport version 0
-    bth[2..4].copy_from_slice(&0xFFFFu16.to_be_bytes()); // P_Key
-    bth[5..8].copy_from_slice(&dest_qp.get().to_be_bytes()[1..]);
-    bth[9..12].copy_from_slice(&psn.get().to_be_bytes()[1..]);
-    let udp_len = (8 + bth.len() + payload.len() + 4) as u16;
+    let repr = roce::PacketRepr {
+        bth: roce::Bth {
+            opcode: roce::Opcode::SEND_ONLY,
+            se: true,
+            pkey: roce::DEFAULT_PKEY,
+            dest_qp: dest_qp.get(),
+            psn: psn.get(),
+            ..roce::Bth::default()
+        },
+        reth: None,
+        aeth: None,
+        immdt: None,
+        payload,
+    };
+    let mut ib = vec![0u8; repr.buffer_len()];
+    // The buffer is exactly `buffer_len` bytes, so emitting cannot fail.
+    let _ = repr.emit(&mut ib);
+    let udp_len = (8 + ib.len()) as u16;
     let mut udp = [0u8; 8];
     udp[..2].copy_from_slice(&ROCEV2_SRC_PORT.to_be_bytes());
     udp[2..4].copy_from_slice(&ROCEV2_UDP_PORT.to_be_bytes());
     udp[4..6].copy_from_slice(&udp_len.to_be_bytes());
     let ip = ipv4_header(src.ip, dst.ip, 17, usize::from(udp_len), 0);
+    roce::IcrcHeaders::new(src.ip.into(), dst.ip.into(), ROCEV2_SRC_PORT).seal(&mut ib);
 
-    // ICRC: CRC-32 over 8 bytes of ones (the masked LRH of RoCEv2), the IP header with
-    // TOS, TTL and checksum set to ones, the UDP header with the checksum set to ones, the BTH
-    // with its reserved byte 4 set to ones, and the payload; stored least significant byte first.
-    let mut ip_masked = ip;
-    ip_masked[1] = 0xFF;
-    ip_masked[8] = 0xFF;
-    ip_masked[10] = 0xFF;
-    ip_masked[11] = 0xFF;
-    let mut udp_masked = udp;
-    udp_masked[6] = 0xFF;
-    udp_masked[7] = 0xFF;
-    let mut bth_masked = bth;
-    bth_masked[4] = 0xFF;
-    let mut h = crc32fast::Hasher::new();
-    h.update(&[0xFF; 8]);
-    h.update(&ip_masked);
-    h.update(&udp_masked);
-    h.update(&bth_masked);
-    h.update(payload);
-    let icrc = h.finalize().to_le_bytes();
-
-    let mut f = Vec::with_capacity(14 + 20 + 8 + 12 + payload.len() + 4);
+    let mut f = Vec::with_capacity(14 + 20 + 8 + ib.len());
     f.extend_from_slice(&ethernet(dst.mac, src.mac, 0x0800));
     f.extend_from_slice(&ip);
     f.extend_from_slice(&udp);
-    f.extend_from_slice(&bth);
-    f.extend_from_slice(payload);
-    f.extend_from_slice(&icrc);
+    f.extend_from_slice(&ib);
     f
 }
 
@@ -368,6 +358,11 @@ mod tests {
         // The ICRC changes when the payload changes but not when TTL does.
         let g = rocev2_send_frame(a, b, U24::truncate(0x123), U24::truncate(7), &[0xAC; 44]);
         assert_ne!(f[f.len() - 4..], g[g.len() - 4..]);
+        // The frame's ICRC verifies against its own IP header (identification 0, DF).
+        let (h, udp) = roce::icrc_of_ip_packet(&f[14..]).expect("ip/udp");
+        assert!(h.verify(udp));
+        let p = roce::Packet::parse(udp).expect("bth");
+        assert!(p.bth.se && p.bth.pad == 0 && p.payload == [0xAB; 44]);
     }
 
     #[test]

@@ -9,8 +9,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use pcap_file::pcap::PcapReader;
 use pcap_file::pcapng::{Block, PcapNgReader};
 
-use crate::capture::{BTH_OPCODE_RC_SEND_ONLY, ROCEV2_UDP_PORT};
+use crate::capture::ROCEV2_UDP_PORT;
 use crate::clc::{ClcHeader, HEADER_LEN};
+use crate::roce;
 use crate::{tcp_option, MSG44_LEN};
 
 /// Where a found message came from.
@@ -240,22 +241,20 @@ impl Dissector {
     }
 
     fn bth(&mut self, ib: &[u8], out: &mut Vec<Finding>) {
-        // BTH (12) + payload + ICRC (4).
-        if ib.len() < 12 + 4 || ib[0] != BTH_OPCODE_RC_SEND_ONLY {
+        // BTH (12) + payload + pad + ICRC (4), read by the shared RoCE codec.
+        let Ok(p) = roce::Packet::parse(ib) else {
+            return;
+        };
+        if p.bth.opcode != roce::Opcode::SEND_ONLY || p.payload.len() != MSG44_LEN {
             return;
         }
-        let pad = usize::from((ib[1] >> 4) & 0x03);
-        let payload_end = ib.len() - 4;
-        let payload = &ib[12..payload_end.saturating_sub(pad).max(12)];
-        if payload.len() != MSG44_LEN {
-            return;
-        }
-        let dest_qp = u32::from_be_bytes([0, ib[5], ib[6], ib[7]]);
-        let psn = u32::from_be_bytes([0, ib[9], ib[10], ib[11]]);
         out.push(Finding {
             frame: self.frame,
-            origin: Origin::Roce { dest_qp, psn },
-            found: Found::Send(payload.to_vec()),
+            origin: Origin::Roce {
+                dest_qp: p.bth.dest_qp,
+                psn: p.bth.psn,
+            },
+            found: Found::Send(p.payload.to_vec()),
         });
     }
 }

@@ -23,6 +23,7 @@ pub mod error;
 pub mod examples;
 pub mod llc;
 pub mod message;
+pub mod roce;
 pub mod tcp_option;
 pub mod types;
 

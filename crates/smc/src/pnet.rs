@@ -167,9 +167,8 @@ mod tests {
     fn table_follows_the_opened_order() {
         let configs = vec![
             DeviceConfig {
-                name: "shm1".into(),
                 netdevs: vec!["eth1".into()],
-                addresses: vec![],
+                ..DeviceConfig::named("shm1")
             },
             DeviceConfig::named("shm0"),
         ];

@@ -278,6 +278,10 @@ impl Resources for Fabric {
         let Some(d) = self.devices.get(usize::from(device.0)) else {
             return false;
         };
+        // A software RoCE port reaches the GIDs on its netdev's subnet.
+        if let Some(r) = d.reaches(smc_fabric::Gid(gid.0)) {
+            return r;
+        }
         let hex: String = gid.0.iter().map(|b| format!("{b:02x}")).collect();
         self.dir.join(d.name()).join(format!("{hex}.sock")).exists()
     }
@@ -1243,7 +1247,9 @@ impl Stack {
             .map(|d| smc_proto::fabric::Device {
                 gid: smc_wire::Gid(d.gid().0),
                 mac: smc_wire::Mac(d.mac().0),
-                mtu: QpMtu::MTU_1024,
+                // The path MTU the port offers (a roce device: from its netdev's MTU); the
+                // QP uses the smaller of ours and the peer's.
+                mtu: QpMtu(d.active_mtu().code()),
             })
             .collect();
         let mut ec = EndpointConfig::new(peer_id, proto_devices);
@@ -1749,17 +1755,46 @@ impl Stack {
                 .devices
                 .iter()
                 .map(|d| {
-                    serde_json::json!({
+                    let mut v = serde_json::json!({
                         "name": d.name(),
+                        "kind": d.kind().label(),
+                        "netdev": d.netdev(),
                         "gid": d.gid().to_string(),
                         "mac": d.mac().to_string(),
+                        "mtu": d.active_mtu().bytes(),
+                        "netdev_mtu": d.netdev_mtu(),
                         "port": match d.port_state() {
                             PortState::Active => "active",
                             PortState::Down => "down",
                         },
                         "netdevs": d.config().netdevs,
                         "addresses": d.config().addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
-                    })
+                    });
+                    if let Some(c) = d.counters() {
+                        v["counters"] = serde_json::json!({
+                            "tx_packets": c.tx_packets,
+                            "rx_packets": c.rx_packets,
+                            "tx_bytes": c.tx_bytes,
+                            "rx_bytes": c.rx_bytes,
+                            "retransmits": c.retransmits,
+                            "timeouts": c.timeouts,
+                            "acks_sent": c.acks_sent,
+                            "naks_sent": c.naks_sent,
+                            "naks_received": c.naks_received,
+                            "rnr_naks_sent": c.rnr_naks_sent,
+                            "rnr_naks_received": c.rnr_naks_received,
+                            "duplicates": c.duplicates,
+                            "drop_icrc": c.drop_icrc,
+                            "drop_malformed": c.drop_malformed,
+                            "drop_unknown_qp": c.drop_unknown_qp,
+                            "drop_wrong_source": c.drop_wrong_source,
+                            "drop_out_of_sequence": c.drop_out_of_sequence,
+                            "remote_access_errors": c.remote_access_errors,
+                            "tx_errors": c.tx_errors,
+                            "fault_drops": c.fault_drops,
+                        });
+                    }
+                    v
                 })
                 .collect(),
         )

@@ -160,6 +160,8 @@ impl DeviceHandle {
                     Fault::FailNext(n) => {
                         core.fail_next.fetch_add(*n, Ordering::AcqRel);
                     }
+                    // Packet faults concern the roce backend's wire; the shm fabric has none.
+                    _ => {}
                 }
             }
         }

@@ -10,7 +10,7 @@
 mod control;
 mod cq;
 mod device;
-mod mem;
+pub(crate) mod mem;
 pub(crate) use mem::{place, prefetch, LINE};
 mod mr;
 mod qp;

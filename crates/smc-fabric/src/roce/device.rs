@@ -1,0 +1,742 @@
+//! A software RoCEv2 device: one UDP socket bound to `<netdev IPv4>:4791`, tables of QPs and
+//! memory regions, counters, injected faults, and the progress thread that receives packets,
+//! answers them, and runs the retransmission and port-state timers.
+
+use super::fault::Faults;
+use super::mr::RoceMr;
+use super::netdev;
+use super::qp::{RoceQp, RxBatch};
+use crate::config::{DeviceConfig, FabricConfig, Fault};
+use crate::error::{FabricError, Result};
+use crate::types::{DeviceEvent, Gid, Mac, Mtu, PortState};
+use foldhash::{HashMap, HashMapExt as _};
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::net::{AddressFamily, SocketType};
+use smc_wire::roce;
+use std::collections::VecDeque;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Lock a mutex, recovering the data if another thread panicked while holding it.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Packet and error counters of a roce device (all since it was opened).
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) tx_packets: AtomicU64,
+    pub(crate) tx_bytes: AtomicU64,
+    pub(crate) rx_packets: AtomicU64,
+    pub(crate) rx_bytes: AtomicU64,
+    pub(crate) retransmits: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
+    pub(crate) naks_sent: AtomicU64,
+    pub(crate) naks_received: AtomicU64,
+    pub(crate) rnr_naks_sent: AtomicU64,
+    pub(crate) rnr_naks_received: AtomicU64,
+    pub(crate) acks_sent: AtomicU64,
+    pub(crate) duplicates: AtomicU64,
+    pub(crate) drop_icrc: AtomicU64,
+    pub(crate) drop_malformed: AtomicU64,
+    pub(crate) drop_unknown_qp: AtomicU64,
+    pub(crate) drop_wrong_source: AtomicU64,
+    pub(crate) drop_out_of_sequence: AtomicU64,
+    pub(crate) remote_access_errors: AtomicU64,
+    pub(crate) tx_errors: AtomicU64,
+    pub(crate) fault_drops: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Smallest interval at which the progress thread looks at timers while QPs exist.
+pub(crate) const TICK: Duration = Duration::from_millis(2);
+/// How often the netdev's state is looked at.
+const PORT_CHECK: Duration = Duration::from_millis(50);
+
+pub(crate) struct RoceCore {
+    pub(crate) config: DeviceConfig,
+    pub(crate) netdev: String,
+    pub(crate) ip: Ipv4Addr,
+    /// Prefix length of `ip` on the netdev: the LAN this port reaches.
+    pub(crate) prefix: u8,
+    pub(crate) gid: Gid,
+    pub(crate) mac: Mac,
+    pub(crate) netdev_mtu: AtomicU32,
+    pub(crate) sock: OwnedFd,
+    /// The netdev's state as last seen.
+    link_up: AtomicBool,
+    /// Fault injection: the port held down by `set_port_state`.
+    admin_down: AtomicBool,
+    pub(crate) fail_next: AtomicU32,
+    pub(crate) qps: Mutex<HashMap<u32, Weak<RoceQp>>>,
+    pub(crate) qps_gen: AtomicU64,
+    pub(crate) mrs: Mutex<HashMap<u32, Arc<RoceMr>>>,
+    pub(crate) mrs_gen: AtomicU64,
+    next_qpn: AtomicU32,
+    next_key: AtomicU32,
+    next_pd: AtomicU32,
+    events: Mutex<VecDeque<DeviceEvent>>,
+    pub(crate) counters: Counters,
+    faults: Option<Mutex<Faults>>,
+    shutdown: AtomicBool,
+    /// Destroyed QPs still delivering their last requests (kept alive here).
+    lingering: Mutex<Vec<Arc<RoceQp>>>,
+}
+
+/// The largest path MTU rxe would offer on a netdev of this MTU: the netdev MTU less 80 bytes
+/// of header budget, rounded down to an IB MTU (rocev2.md 6.2).
+pub(crate) fn active_mtu(netdev_mtu: u32) -> Option<Mtu> {
+    let budget = netdev_mtu.checked_sub(80)? as usize;
+    [
+        Mtu::Mtu4096,
+        Mtu::Mtu2048,
+        Mtu::Mtu1024,
+        Mtu::Mtu512,
+        Mtu::Mtu256,
+    ]
+    .into_iter()
+    .find(|m| m.bytes() <= budget)
+}
+
+impl RoceCore {
+    pub(crate) fn port_state(&self) -> PortState {
+        if self.link_up.load(Ordering::Acquire) && !self.admin_down.load(Ordering::Acquire) {
+            PortState::Active
+        } else {
+            PortState::Down
+        }
+    }
+
+    /// Whether a peer port with this GID is on this port's LAN (its IPv4 address inside the
+    /// netdev's subnet): RFC 7609 §2.1.2 wants RoCE links between RNICs of one layer-2
+    /// network, and Linux SMC-R sends with TTL 1 (rocev2.md 2.2).
+    pub(crate) fn reaches(&self, gid: Gid) -> bool {
+        let Some(peer) = gid_ipv4(gid) else {
+            return false;
+        };
+        let mask = u32::MAX
+            .checked_shl(32 - u32::from(self.prefix.min(32)))
+            .unwrap_or(0);
+        u32::from(peer) & mask == u32::from(self.ip) & mask && peer != self.ip
+    }
+
+    pub(crate) fn active_mtu(&self) -> Mtu {
+        active_mtu(self.netdev_mtu.load(Ordering::Relaxed)).unwrap_or(Mtu::Mtu256)
+    }
+
+    pub(crate) fn push_event(&self, ev: DeviceEvent) {
+        let mut q = lock(&self.events);
+        if q.len() >= 1024 {
+            q.pop_front();
+        }
+        q.push_back(ev);
+    }
+
+    pub(crate) fn poll_event(&self) -> Option<DeviceEvent> {
+        lock(&self.events).pop_front()
+    }
+
+    pub(crate) fn take_fail_token(&self) -> bool {
+        self.fail_next.load(Ordering::Relaxed) > 0
+            && self
+                .fail_next
+                .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+    }
+
+    /// A QPN for a new QP: never 0 or 1 (special in IB), unique on the device.
+    pub(crate) fn alloc_qpn(&self) -> u32 {
+        let qps = lock(&self.qps);
+        loop {
+            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & roce::U24_MASK;
+            if n > 1 && !qps.contains_key(&n) {
+                return n;
+            }
+        }
+    }
+
+    /// A key for a new memory region: random upper bits, so that a stale or guessed rkey of a
+    /// peer rarely names a live region.
+    pub(crate) fn alloc_key(&self) -> u32 {
+        let mrs = lock(&self.mrs);
+        loop {
+            let r = u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>());
+            let n = (r & 0xFFFF_F000) | (self.next_key.fetch_add(1, Ordering::Relaxed) & 0xFFF);
+            if n != 0 && !mrs.contains_key(&n) {
+                return n;
+            }
+        }
+    }
+
+    pub(crate) fn alloc_pd(&self) -> u32 {
+        self.next_pd.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn add_mr(&self, mr: Arc<RoceMr>) {
+        lock(&self.mrs).insert(mr.key, mr);
+        self.mrs_gen.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn remove_mr(&self, key: u32) {
+        lock(&self.mrs).remove(&key);
+        self.mrs_gen.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn lookup_mr(&self, key: u32) -> Option<Arc<RoceMr>> {
+        lock(&self.mrs).get(&key).cloned()
+    }
+
+    pub(crate) fn add_qp(&self, qp: &Arc<RoceQp>) {
+        lock(&self.qps).insert(qp.qpn, Arc::downgrade(qp));
+        self.qps_gen.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn remove_qp(&self, qpn: u32) {
+        lock(&self.qps).remove(&qpn);
+        self.qps_gen.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn add_lingering(&self, qp: Arc<RoceQp>) {
+        lock(&self.lingering).push(qp);
+    }
+
+    fn live_qps(&self) -> Vec<Arc<RoceQp>> {
+        lock(&self.qps).values().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Send one UDP payload to `dst:4791` (through the injected faults, if any).
+    pub(crate) fn transmit(&self, dst: Ipv4Addr, pkt: &[u8]) {
+        if let Some(f) = &self.faults {
+            let out = lock(f).on_transmit(dst, pkt);
+            if out.dropped {
+                bump(&self.counters.fault_drops);
+            }
+            for (d, p) in out.send {
+                self.send_raw(d, &p);
+            }
+            return;
+        }
+        self.send_raw(dst, pkt);
+    }
+
+    /// Send several UDP payloads to `dst:4791` with one `sendmmsg` per batch (faults, when
+    /// configured, apply per packet).
+    pub(crate) fn transmit_batch(&self, dst: Ipv4Addr, pkts: &[&[u8]]) {
+        if self.faults.is_some() || pkts.len() == 1 {
+            for p in pkts {
+                self.transmit(dst, p);
+            }
+            return;
+        }
+        use rustix::net::addr::SocketAddrArg as _;
+        use rustix::net::{MMsgHdr, SendAncillaryBuffer};
+        let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT)).as_any();
+        let iovs: Vec<[std::io::IoSlice<'_>; 1]> =
+            pkts.iter().map(|p| [std::io::IoSlice::new(p)]).collect();
+        let mut ctrls: Vec<SendAncillaryBuffer<'_, '_, '_>> = pkts
+            .iter()
+            .map(|_| SendAncillaryBuffer::default())
+            .collect();
+        let mut msgs: Vec<MMsgHdr<'_>> = iovs
+            .iter()
+            .zip(ctrls.iter_mut())
+            .map(|(iov, c)| MMsgHdr::new_with_addr(&addr, iov, c))
+            .collect();
+        let mut sent = 0;
+        while sent < msgs.len() {
+            match rustix::net::sendmmsg(
+                &self.sock,
+                &mut msgs[sent..],
+                rustix::net::SendFlags::DONTWAIT,
+            ) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => sent += k,
+            }
+        }
+        let bytes: usize = pkts[..sent].iter().map(|p| p.len()).sum();
+        self.counters
+            .tx_packets
+            .fetch_add(sent as u64, Ordering::Relaxed);
+        self.counters
+            .tx_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        // A full socket buffer loses the rest: the RC retransmission recovers them.
+        self.counters
+            .tx_errors
+            .fetch_add((pkts.len() - sent) as u64, Ordering::Relaxed);
+    }
+
+    fn send_raw(&self, dst: Ipv4Addr, pkt: &[u8]) {
+        let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT));
+        match rustix::net::sendto(&self.sock, pkt, rustix::net::SendFlags::DONTWAIT, &addr) {
+            Ok(_) => {
+                bump(&self.counters.tx_packets);
+                self.counters
+                    .tx_bytes
+                    .fetch_add(pkt.len() as u64, Ordering::Relaxed);
+            }
+            // A full socket buffer or an unreachable network is a lost packet: the RC
+            // retransmission recovers it.
+            Err(_) => bump(&self.counters.tx_errors),
+        }
+    }
+
+    fn set_down(&self, reason: &'static str) {
+        for qp in self.live_qps() {
+            qp.enter_error(None, reason);
+        }
+        self.push_event(DeviceEvent::PortDown);
+    }
+}
+
+/// Every roce device of the process, for the exit-time drain.
+static DEVICES: Mutex<Vec<Weak<RoceCore>>> = Mutex::new(Vec::new());
+static AT_EXIT: std::sync::Once = std::sync::Once::new();
+/// Longest the process exit waits for unacknowledged packets.
+const EXIT_DRAIN: Duration = Duration::from_secs(2);
+
+/// Runs at process exit (libc `atexit`): while any QP of any roce device still has requests
+/// unacknowledged, wait (up to [`EXIT_DRAIN`], until 20 ms passed with nothing outstanding).
+/// A program that wrote its last bytes to an SMC-R socket and returns from `main` would
+/// otherwise take them along: a posted WRITE is only queued here, where the shared-memory
+/// fabric places it at once; the progress threads keep running during the wait.
+extern "C" fn drain_at_exit() {
+    let start = Instant::now();
+    let mut quiet_since = Instant::now();
+    while start.elapsed() < EXIT_DRAIN {
+        let cores: Vec<Arc<RoceCore>> = match DEVICES.try_lock() {
+            Ok(d) => d.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => return,
+        };
+        let busy = cores.iter().any(|c| {
+            c.live_qps().iter().any(|q| q.has_unacked()) || !lock(&c.lingering).is_empty()
+        });
+        drop(cores);
+        if busy {
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= Duration::from_millis(20) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// An opened roce device; the progress thread stops when the last handle goes.
+pub(crate) struct RoceHandle {
+    pub(crate) core: Arc<RoceCore>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn open_err(name: &str, detail: String) -> FabricError {
+    FabricError::DeviceOpen {
+        device: name.to_owned(),
+        detail,
+    }
+}
+
+impl RoceHandle {
+    pub(crate) fn open(fabric: &FabricConfig, name: &str) -> Result<Arc<RoceHandle>> {
+        Self::open_at(fabric, name, None)
+    }
+
+    /// Open with the GID's address given instead of taken from the netdev (tests put several
+    /// devices on loopback addresses 127.x.y.z this way).
+    pub(crate) fn open_at(
+        fabric: &FabricConfig,
+        name: &str,
+        address: Option<Ipv4Addr>,
+    ) -> Result<Arc<RoceHandle>> {
+        let (_, config) = fabric.device(name)?;
+        let crate::config::DeviceKind::Roce { netdev } = &config.kind else {
+            return Err(FabricError::InvalidArgument("not a roce device"));
+        };
+        let entry = format!("roce:{name}={netdev}");
+        let info = netdev::info(netdev).map_err(|e| open_err(name, format!("getifaddrs: {e}")))?;
+        if !info.exists {
+            return Err(open_err(
+                name,
+                format!("{entry}: no network interface '{netdev}' in this namespace"),
+            ));
+        }
+        let prefix = match address {
+            Some(a) => info
+                .ipv4
+                .iter()
+                .position(|x| *x == a)
+                .and_then(|i| info.ipv4_prefix.get(i).copied())
+                .unwrap_or(8),
+            None => info.ipv4_prefix.first().copied().unwrap_or(32),
+        };
+        let Some(ip) = address.or(info.ipv4.first().copied()) else {
+            return Err(open_err(
+                name,
+                format!(
+                    "{entry}: interface '{netdev}' has no IPv4 address (the GID is ::ffff:a.b.c.d)"
+                ),
+            ));
+        };
+        let sock = rustix::net::socket_with(
+            AddressFamily::INET,
+            SocketType::DGRAM,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| FabricError::os("socket", e))?;
+        // rocev2.md 13.2: an unconnected socket with IP_PMTUDISC_DO sends identification 0 and
+        // DF, which the ICRC covers.
+        rustix::net::sockopt::set_ip_mtu_discover(
+            &sock,
+            rustix::net::sockopt::Ipv4PathMtuDiscovery::DO,
+        )
+        .map_err(|e| FabricError::os("IP_MTU_DISCOVER", e))?;
+        // rocev2.md 15.3: room for bursts of up to 128 packets per QP.
+        if rustix::net::sockopt::set_socket_recv_buffer_size_force(&sock, 8 << 20).is_err() {
+            let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 8 << 20);
+        }
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 4 << 20);
+        let bind = SocketAddr::V4(SocketAddrV4::new(ip, roce::UDP_PORT));
+        if let Err(e) = rustix::net::bind(&sock, &bind) {
+            let why = if e == rustix::io::Errno::ADDRINUSE {
+                format!(
+                    "{entry}: UDP port 4791 on {ip} is already owned (the kernel's rdma_rxe \
+                     module, or another smc-rs process on this address; give each its own \
+                     address or network namespace)"
+                )
+            } else {
+                format!("{entry}: bind {bind}: {e}")
+            };
+            return Err(open_err(name, why));
+        }
+        let mtu = netdev::mtu(sock.as_fd(), netdev).unwrap_or(1500);
+        if active_mtu(mtu).is_none() {
+            return Err(open_err(
+                name,
+                format!("{entry}: MTU {mtu} of '{netdev}' is too small for RoCEv2"),
+            ));
+        }
+        let up = netdev::is_up(sock.as_fd(), netdev);
+        let mut faults = Faults::default();
+        let mut any_fault = false;
+        let core_fail = AtomicU32::new(0);
+        let admin_down = AtomicBool::new(false);
+        for (dev, fault) in &fabric.faults {
+            if dev != name {
+                continue;
+            }
+            match fault {
+                Fault::PortDown => admin_down.store(true, Ordering::Relaxed),
+                Fault::FailNext(n) => {
+                    core_fail.fetch_add(*n, Ordering::Relaxed);
+                }
+                f => {
+                    faults.add(f);
+                    any_fault = true;
+                }
+            }
+        }
+        let mut gid = [0u8; 16];
+        gid[10] = 0xFF;
+        gid[11] = 0xFF;
+        gid[12..].copy_from_slice(&ip.octets());
+        let first_qpn = 0x11 + (u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & 0xFFF);
+        let core = Arc::new(RoceCore {
+            config: config.clone(),
+            netdev: netdev.clone(),
+            ip,
+            prefix,
+            gid: Gid(gid),
+            mac: Mac(info.mac),
+            netdev_mtu: AtomicU32::new(mtu),
+            sock,
+            link_up: AtomicBool::new(up),
+            admin_down,
+            fail_next: core_fail,
+            qps: Mutex::new(HashMap::new()),
+            qps_gen: AtomicU64::new(0),
+            mrs: Mutex::new(HashMap::new()),
+            mrs_gen: AtomicU64::new(0),
+            next_qpn: AtomicU32::new(first_qpn),
+            next_key: AtomicU32::new(1),
+            next_pd: AtomicU32::new(1),
+            events: Mutex::new(VecDeque::new()),
+            counters: Counters::default(),
+            faults: any_fault.then(|| Mutex::new(faults)),
+            shutdown: AtomicBool::new(false),
+            lingering: Mutex::new(Vec::new()),
+        });
+        {
+            let mut d = lock(&DEVICES);
+            d.retain(|w| w.strong_count() > 0);
+            d.push(Arc::downgrade(&core));
+        }
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a plain function with no preconditions.
+            unsafe { libc::atexit(drain_at_exit) };
+        });
+        let c2 = core.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("smc-roce-{name}"))
+            .spawn(move || run(c2))
+            .map_err(|e| FabricError::os("spawn roce thread", e))?;
+        Ok(Arc::new(RoceHandle {
+            core,
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    pub(crate) fn set_port_state(&self, state: PortState) {
+        let was = self.core.port_state();
+        self.core
+            .admin_down
+            .store(state == PortState::Down, Ordering::Release);
+        let now = self.core.port_state();
+        if was != now {
+            match now {
+                PortState::Down => self.core.set_down("port down"),
+                PortState::Active => self.core.push_event(DeviceEvent::PortActive),
+            }
+        }
+    }
+}
+
+impl Drop for RoceHandle {
+    fn drop(&mut self) {
+        // Let lingering QPs finish (bounded by their own deadline).
+        let deadline = Instant::now() + super::qp::LINGER + Duration::from_millis(100);
+        while !lock(&self.core.lingering).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.core.shutdown.store(true, Ordering::Release);
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The progress thread's copy of the QP and MR tables, refreshed when their generation moves:
+/// a packet looks its QP and rkey up without a lock shared with other connections.
+pub(crate) struct Tables {
+    qps_gen: u64,
+    pub(crate) qps: HashMap<u32, Arc<RoceQp>>,
+    mrs_gen: u64,
+    pub(crate) mrs: HashMap<u32, Arc<RoceMr>>,
+}
+
+impl Tables {
+    fn refresh(&mut self, core: &RoceCore) {
+        let g = core.qps_gen.load(Ordering::Acquire);
+        if g != self.qps_gen {
+            self.qps = lock(&core.qps)
+                .iter()
+                .filter_map(|(k, w)| w.upgrade().map(|q| (*k, q)))
+                .collect();
+            self.qps_gen = g;
+        }
+        let g = core.mrs_gen.load(Ordering::Acquire);
+        if g != self.mrs_gen {
+            self.mrs = lock(&core.mrs).clone();
+            self.mrs_gen = g;
+        }
+    }
+}
+
+const BATCH: usize = 64;
+const RX_BUF: usize = 9216;
+
+/// Buffers for one `recvmmsg` of up to [`BATCH`] datagrams.
+struct RxRing {
+    bufs: Vec<u8>,
+    addrs: Vec<libc::sockaddr_in>,
+    iovs: Vec<libc::iovec>,
+    hdrs: Vec<libc::mmsghdr>,
+}
+
+// SAFETY: the raw pointers inside point into the ring's own vectors, used by one thread.
+unsafe impl Send for RxRing {}
+
+impl RxRing {
+    fn new() -> RxRing {
+        // SAFETY: sockaddr_in, iovec and mmsghdr are plain old data; all-zero is valid.
+        let zero_addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        RxRing {
+            bufs: vec![0u8; BATCH * RX_BUF],
+            addrs: vec![zero_addr; BATCH],
+            iovs: Vec::with_capacity(BATCH),
+            // SAFETY: as above.
+            hdrs: (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect(),
+        }
+    }
+
+    /// Receive up to [`BATCH`] datagrams without blocking; returns how many.
+    fn receive(&mut self, sock: &OwnedFd) -> usize {
+        use rustix::fd::AsRawFd;
+        let base = self.bufs.as_mut_ptr();
+        self.iovs.clear();
+        for i in 0..BATCH {
+            self.iovs.push(libc::iovec {
+                // SAFETY: slot i lies inside `bufs` (BATCH * RX_BUF bytes).
+                iov_base: unsafe { base.add(i * RX_BUF) }.cast(),
+                iov_len: RX_BUF,
+            });
+        }
+        for i in 0..BATCH {
+            let h = &mut self.hdrs[i].msg_hdr;
+            h.msg_name = (&mut self.addrs[i] as *mut libc::sockaddr_in).cast();
+            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            h.msg_iov = &mut self.iovs[i];
+            h.msg_iovlen = 1;
+            h.msg_control = std::ptr::null_mut();
+            h.msg_controllen = 0;
+            h.msg_flags = 0;
+            self.hdrs[i].msg_len = 0;
+        }
+        // SAFETY: every header points at a live iovec, buffer slot and address of this ring,
+        // which outlive the call; the kernel writes at most the lengths given.
+        let n = unsafe {
+            libc::recvmmsg(
+                sock.as_raw_fd(),
+                self.hdrs.as_mut_ptr(),
+                BATCH as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        usize::try_from(n).unwrap_or(0).min(BATCH)
+    }
+
+    /// Sender and bytes of datagram `i` of the last `receive`.
+    fn datagram(&self, i: usize) -> (SocketAddrV4, &[u8]) {
+        let a = &self.addrs[i];
+        let from = SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+            u16::from_be(a.sin_port),
+        );
+        let len = (self.hdrs[i].msg_len as usize).min(RX_BUF);
+        (from, &self.bufs[i * RX_BUF..i * RX_BUF + len])
+    }
+}
+
+fn run(core: Arc<RoceCore>) {
+    let mut tables = Tables {
+        qps_gen: u64::MAX,
+        qps: HashMap::new(),
+        mrs_gen: u64::MAX,
+        mrs: HashMap::new(),
+    };
+    let mut rx = RxRing::new();
+    let mut batch = RxBatch::default();
+    let mut last_port_check = Instant::now();
+    while !core.shutdown.load(Ordering::Acquire) {
+        tables.refresh(&core);
+        let timeout = if tables.qps.is_empty() {
+            Duration::from_millis(20)
+        } else {
+            TICK
+        };
+        let ts = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: timeout.as_nanos() as _,
+        };
+        let mut fds = [rustix::event::PollFd::new(
+            &core.sock,
+            rustix::event::PollFlags::IN,
+        )];
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+        // Up to BATCH rounds of one recvmmsg of up to BATCH datagrams each.
+        for _ in 0..BATCH {
+            let got = rx.receive(&core.sock);
+            for i in 0..got {
+                let (from, data) = rx.datagram(i);
+                bump(&core.counters.rx_packets);
+                core.counters
+                    .rx_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+                tables.refresh(&core);
+                super::qp::receive(&core, &tables, &mut batch, *from.ip(), from.port(), data);
+            }
+            if got < BATCH {
+                break;
+            }
+        }
+        batch.flush(&core);
+        let now = Instant::now();
+        for qp in tables.qps.values() {
+            qp.on_tick(now);
+        }
+        {
+            let mut l = lock(&core.lingering);
+            if !l.is_empty() {
+                l.retain(|q| !q.linger_done(now));
+            }
+        }
+        if let Some(f) = &core.faults {
+            let due = lock(f).due(now);
+            for (d, p) in due {
+                core.send_raw(d, &p);
+            }
+        }
+        if now.duration_since(last_port_check) >= PORT_CHECK {
+            last_port_check = now;
+            check_port(&core);
+        }
+    }
+}
+
+/// Follow the netdev: down (or gone, or without carrier) is a port failure, as an RNIC's port
+/// going down (RFC 7609 §2.1.2: "an RNIC or port failure … the link is lost").
+fn check_port(core: &RoceCore) {
+    let was = core.port_state();
+    let up = netdev::is_up(core.sock.as_fd(), &core.netdev);
+    if let Some(m) = netdev::mtu(core.sock.as_fd(), &core.netdev) {
+        core.netdev_mtu.store(m, Ordering::Relaxed);
+    }
+    core.link_up.store(up, Ordering::Release);
+    let now = core.port_state();
+    if was != now {
+        tracing::info!(device = %core.config.name, netdev = %core.netdev, ?now, "roce port state");
+        match now {
+            PortState::Down => core.set_down("netdev down"),
+            PortState::Active => core.push_event(DeviceEvent::PortActive),
+        }
+    }
+}
+
+/// A snapshot of a roce device's counters, see [`crate::DeviceCounters`].
+pub(crate) fn snapshot(core: &RoceCore) -> crate::DeviceCounters {
+    let c = &core.counters;
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    crate::DeviceCounters {
+        tx_packets: g(&c.tx_packets),
+        tx_bytes: g(&c.tx_bytes),
+        rx_packets: g(&c.rx_packets),
+        rx_bytes: g(&c.rx_bytes),
+        retransmits: g(&c.retransmits),
+        timeouts: g(&c.timeouts),
+        naks_sent: g(&c.naks_sent),
+        naks_received: g(&c.naks_received),
+        rnr_naks_sent: g(&c.rnr_naks_sent),
+        rnr_naks_received: g(&c.rnr_naks_received),
+        acks_sent: g(&c.acks_sent),
+        duplicates: g(&c.duplicates),
+        drop_icrc: g(&c.drop_icrc),
+        drop_malformed: g(&c.drop_malformed),
+        drop_unknown_qp: g(&c.drop_unknown_qp),
+        drop_wrong_source: g(&c.drop_wrong_source),
+        drop_out_of_sequence: g(&c.drop_out_of_sequence),
+        remote_access_errors: g(&c.remote_access_errors),
+        tx_errors: g(&c.tx_errors),
+        fault_drops: g(&c.fault_drops),
+    }
+}
+
+/// The IP address a peer GID stands for, if it is an IPv4-mapped one (the only kind this
+/// backend speaks).
+pub(crate) fn gid_ipv4(gid: Gid) -> Option<Ipv4Addr> {
+    roce::gid_ipv4(gid.0)
+}

@@ -1,0 +1,25 @@
+//! The software RoCEv2 backend: RC queue pairs carried in kernel UDP sockets (port 4791),
+//! byte-exact with Linux's Soft-RoCE (rdma_rxe) as shared/spec/rocev2.md describes it, so that
+//! two smc-rs hosts (or network namespaces) speak SMC-R over any IP network.
+//!
+//! A device lives on a netdev (`roce:r0=veth0`): its GID is `::ffff:a.b.c.d` of the netdev's
+//! IPv4 address, its path MTU follows the netdev's MTU, and the netdev going down is a port
+//! failure. One UDP socket per device, bound to `<address>:4791`, carries every QP; a progress
+//! thread per device receives, answers (ACK/NAK), places WRITE payloads straight into the
+//! registered regions and runs the timers. Requests are segmented and sent from the posting
+//! thread. The packet codec is `smc_wire::roce`, shared with the capture writer.
+
+mod cq;
+mod device;
+mod fault;
+mod mr;
+mod netdev;
+mod qp;
+
+pub(crate) use cq::RoceCq;
+pub(crate) use device::{snapshot, RoceHandle};
+pub(crate) use mr::RoceMr;
+pub(crate) use qp::{RoceQp, MAX_SEND};
+
+#[cfg(test)]
+mod tests;

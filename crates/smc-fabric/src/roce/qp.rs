@@ -1,0 +1,1004 @@
+//! RC queue pairs of the roce backend: the requester (segmentation, PSNs, AckReq, a window of
+//! 128 PSNs, cumulative ACKs, go-back-N on a PSN-sequence NAK, on an RNR NAK after its timer and
+//! on the retransmission timer) and the responder (PSN check, duplicate ACKs, one sequence NAK,
+//! RNR NAK without a posted receive, opcode-sequence and length rules, R_Key and bounds check of
+//! every WRITE, placement straight into the registered region, coalesced ACKs).
+//!
+//! Rules are those of rdma_rxe as shared/spec/rocev2.md sections 6–10 state them.
+
+use super::cq::RoceCq;
+use super::device::{bump, lock, RoceCore, Tables};
+use super::mr::RoceMr;
+use crate::error::{FabricError, Result};
+use crate::types::{
+    AccessFlags, LocalQpInfo, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
+    WcStatus, WorkCompletion,
+};
+use smc_wire::roce::{
+    self, nak, psn_add, psn_diff, Aeth, AethKind, Bth, IcrcHeaders, Opcode, Packet, PacketRepr,
+    Reth,
+};
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Largest SEND message (SMC-Rv2 LLC messages reach 8192 bytes, rocev2.md 6.2).
+pub(crate) const MAX_SEND: usize = 8192;
+/// rxe keeps at most 128 PSNs in flight beyond the oldest unacknowledged one (rocev2.md 10.1).
+const WINDOW: i32 = 128;
+/// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
+const ACKREQ_EVERY: u32 = 64;
+/// QP attribute `timeout` as Linux SMC-R sets it: 4.096 µs × 2^15 = 134 ms (rocev2.md 10.2).
+pub(crate) const TIMEOUT_CODE: u32 = 15;
+/// QP attributes `retry_cnt` and `rnr_retry` as Linux SMC-R sets them; rxe treats 7 as
+/// "retry forever" for both, and so does this backend (rocev2.md 10.2).
+pub(crate) const RETRY_CNT: u8 = 7;
+/// See [`RETRY_CNT`].
+pub(crate) const RNR_RETRY: u8 = 7;
+/// `min_rnr_timer` as Linux SMC-R sets it: code 5, 0.06 ms (rocev2.md 8.5).
+const MIN_RNR_TIMER: u8 = 5;
+/// rxe waits at least one jiffy after an RNR NAK whatever the code (4 ms at HZ 250); the
+/// progress thread's tick is the floor here.
+const RNR_FLOOR: Duration = Duration::from_millis(1);
+/// How long a destroyed QP keeps delivering its unacknowledged requests.
+pub(crate) const LINGER: Duration = Duration::from_secs(2);
+
+fn retransmit_timeout() -> Duration {
+    Duration::from_nanos(4096 << TIMEOUT_CODE)
+}
+
+#[derive(Clone, Copy)]
+struct Conn {
+    ip: Ipv4Addr,
+    dest_qp: u32,
+    mtu: usize,
+    icrc: IcrcHeaders,
+    remote: RemoteQpInfo,
+}
+
+struct TxPkt {
+    psn: u32,
+    bytes: Box<[u8]>,
+}
+
+struct PendingWr {
+    wr_id: u64,
+    opcode: WcOpcode,
+    byte_len: u32,
+    last_psn: u32,
+    signaled: bool,
+}
+
+struct SendQueue {
+    next_psn: u32,
+    wrs: VecDeque<PendingWr>,
+    /// Packets not yet acknowledged, oldest first (kept so that a resend is a re-send).
+    pkts: VecDeque<TxPkt>,
+    /// Index in `pkts` of the next packet to (re)transmit.
+    next_tx: usize,
+    /// The highest PSN ever transmitted (a packet at or before it is a retransmission).
+    high_psn: Option<u32>,
+    last_progress: Instant,
+    rnr_until: Option<Instant>,
+    since_ackreq: u32,
+    /// Transport retries left before the QP fails (unused while `retry_cnt` is 7: forever).
+    retries_left: u8,
+    /// RNR retries left (unused while `rnr_retry` is 7: forever).
+    rnr_retries_left: u8,
+}
+
+struct RecvEntry {
+    wr_id: u64,
+    mr: Arc<RoceMr>,
+    offset: usize,
+    len: usize,
+}
+
+enum Cursor {
+    Send {
+        entry: RecvEntry,
+        done: usize,
+    },
+    Write {
+        mr: Arc<RoceMr>,
+        offset: usize,
+        remaining: u64,
+    },
+}
+
+struct Responder {
+    epsn: u32,
+    msn: u32,
+    nak_sent: bool,
+    cursor: Option<Cursor>,
+    ack_pending: Option<u32>,
+}
+
+pub(crate) struct RoceQp {
+    pub(crate) qpn: u32,
+    pub(crate) pd: u32,
+    core: Arc<RoceCore>,
+    pub(crate) send_cq: Arc<RoceCq>,
+    pub(crate) recv_cq: Arc<RoceCq>,
+    caps: QpCaps,
+    state: AtomicU8,
+    sq_psn: u32,
+    conn: OnceLock<Conn>,
+    sq: Mutex<SendQueue>,
+    rq: Mutex<VecDeque<RecvEntry>>,
+    resp: Mutex<Responder>,
+    /// Set when destroyed with unacknowledged requests (see [`RoceQp::destroy`]).
+    linger_until: Mutex<Option<Instant>>,
+}
+
+fn wc(
+    wr_id: u64,
+    status: WcStatus,
+    opcode: WcOpcode,
+    byte_len: u32,
+    qp_num: u32,
+) -> WorkCompletion {
+    WorkCompletion {
+        wr_id,
+        status,
+        opcode,
+        byte_len,
+        qp_num,
+    }
+}
+
+impl RoceQp {
+    pub(crate) fn create(
+        core: Arc<RoceCore>,
+        pd: u32,
+        send_cq: Arc<RoceCq>,
+        recv_cq: Arc<RoceCq>,
+        caps: QpCaps,
+    ) -> Result<Arc<RoceQp>> {
+        if caps.max_send_wr == 0 || caps.max_recv_wr == 0 {
+            return Err(FabricError::InvalidArgument("queue depth 0"));
+        }
+        let sq_psn = u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & roce::U24_MASK;
+        let qp = Arc::new(RoceQp {
+            qpn: core.alloc_qpn(),
+            pd,
+            core: core.clone(),
+            send_cq,
+            recv_cq,
+            caps,
+            state: AtomicU8::new(QpState::Reset.to_u8()),
+            sq_psn,
+            conn: OnceLock::new(),
+            sq: Mutex::new(SendQueue {
+                next_psn: sq_psn,
+                wrs: VecDeque::new(),
+                pkts: VecDeque::new(),
+                next_tx: 0,
+                high_psn: None,
+                last_progress: Instant::now(),
+                rnr_until: None,
+                since_ackreq: 0,
+                retries_left: RETRY_CNT,
+                rnr_retries_left: RNR_RETRY,
+            }),
+            rq: Mutex::new(VecDeque::new()),
+            resp: Mutex::new(Responder {
+                epsn: 0,
+                msn: 0,
+                nak_sent: false,
+                cursor: None,
+                ack_pending: None,
+            }),
+            linger_until: Mutex::new(None),
+        });
+        core.add_qp(&qp);
+        Ok(qp)
+    }
+
+    pub(crate) fn state(&self) -> QpState {
+        QpState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    fn transition(&self, from: QpState, to: QpState) -> Result<()> {
+        self.state
+            .compare_exchange(
+                from.to_u8(),
+                to.to_u8(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .map(|_| ())
+            .map_err(|cur| FabricError::InvalidTransition {
+                from: QpState::from_u8(cur),
+                to,
+            })
+    }
+
+    pub(crate) fn local_info(&self) -> LocalQpInfo {
+        LocalQpInfo {
+            gid: self.core.gid,
+            qp_num: self.qpn,
+            psn: self.sq_psn,
+            mtu: self.core.active_mtu(),
+        }
+    }
+
+    pub(crate) fn remote_info(&self) -> Option<RemoteQpInfo> {
+        self.conn.get().map(|c| c.remote)
+    }
+
+    pub(crate) fn to_init(&self) -> Result<()> {
+        self.transition(QpState::Reset, QpState::Init)
+    }
+
+    pub(crate) fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
+        if self.core.port_state() == crate::PortState::Down {
+            return Err(FabricError::PortDown);
+        }
+        let Some(ip) = super::device::gid_ipv4(remote.gid) else {
+            return Err(FabricError::PeerUnreachable(format!(
+                "GID {} is not an IPv4-mapped RoCEv2 GID",
+                remote.gid
+            )));
+        };
+        if remote.qp_num == 0 || remote.qp_num > roce::U24_MASK || remote.psn > roce::U24_MASK {
+            return Err(FabricError::InvalidArgument("remote QPN or PSN"));
+        }
+        if self.state() != QpState::Init {
+            return Err(FabricError::InvalidTransition {
+                from: self.state(),
+                to: QpState::Rtr,
+            });
+        }
+        // Path MTU: the smaller of the peer's and ours, never above what the netdev carries.
+        let mtu = remote.mtu.min(self.core.active_mtu());
+        let conn = Conn {
+            ip,
+            dest_qp: remote.qp_num,
+            mtu: mtu.bytes(),
+            icrc: IcrcHeaders::new(IpAddr::V4(self.core.ip), IpAddr::V4(ip), roce::UDP_PORT),
+            remote: RemoteQpInfo { mtu, ..remote },
+        };
+        if self.conn.set(conn).is_err() {
+            return Err(FabricError::InvalidArgument("QP already connected"));
+        }
+        lock(&self.resp).epsn = remote.psn;
+        self.transition(QpState::Init, QpState::Rtr)
+    }
+
+    pub(crate) fn to_rts(&self) -> Result<()> {
+        self.transition(QpState::Rtr, QpState::Rts)
+    }
+
+    /// Enter the error state: the first outstanding send WR completes with `first` (the
+    /// status a NAK gave it), every other one and every posted receive with a flush error.
+    pub(crate) fn enter_error(&self, first: Option<WcStatus>, reason: &'static str) {
+        let prev = self.state.swap(QpState::Error.to_u8(), Ordering::AcqRel);
+        if prev == QpState::Error.to_u8() {
+            return;
+        }
+        tracing::debug!(qpn = self.qpn, reason, "roce QP error");
+        self.core
+            .push_event(crate::DeviceEvent::QpFatal { qp_num: self.qpn });
+        let wcs: Vec<WorkCompletion> = {
+            let mut sq = lock(&self.sq);
+            sq.pkts.clear();
+            sq.next_tx = 0;
+            let mut first = first;
+            sq.wrs
+                .drain(..)
+                .map(|w| {
+                    let st = first.take().unwrap_or(WcStatus::WrFlushError);
+                    wc(w.wr_id, st, w.opcode, w.byte_len, self.qpn)
+                })
+                .collect()
+        };
+        self.send_cq.push_all(wcs);
+        let mut rwcs = Vec::new();
+        if let Ok(mut r) = self.resp.try_lock() {
+            if let Some(Cursor::Send { entry, .. }) = r.cursor.take() {
+                rwcs.push(wc(
+                    entry.wr_id,
+                    WcStatus::WrFlushError,
+                    WcOpcode::Recv,
+                    0,
+                    self.qpn,
+                ));
+            }
+        }
+        rwcs.extend(
+            lock(&self.rq)
+                .drain(..)
+                .map(|e| wc(e.wr_id, WcStatus::WrFlushError, WcOpcode::Recv, 0, self.qpn)),
+        );
+        self.recv_cq.push_all(rwcs);
+    }
+
+    /// Destroy: a QP with requests still unacknowledged lingers (the progress thread keeps
+    /// sending and retransmitting them for up to [`LINGER`]), as a kernel keeps a closed
+    /// socket's data going: SMC-R closes a connection by posting its last CDC, and the process
+    /// may exit right after. Then it leaves the table and flushes.
+    pub(crate) fn destroy(self: &Arc<Self>) {
+        let pending = self.state() == QpState::Rts && !lock(&self.sq).pkts.is_empty();
+        if pending && self.core.port_state() == crate::PortState::Active {
+            *lock(&self.linger_until) = Some(Instant::now() + LINGER);
+            self.core.add_lingering(self.clone());
+            return;
+        }
+        self.core.remove_qp(self.qpn);
+        self.enter_error(None, "destroyed");
+    }
+
+    /// Whether requests are waiting for their acknowledgement.
+    pub(crate) fn has_unacked(&self) -> bool {
+        self.state() == QpState::Rts && !lock(&self.sq).pkts.is_empty()
+    }
+
+    /// For a lingering QP: whether it is done (all acknowledged, failed, or out of time); then
+    /// it is removed and flushed.
+    pub(crate) fn linger_done(&self, now: Instant) -> bool {
+        let until = *lock(&self.linger_until);
+        let done = self.state() != QpState::Rts
+            || lock(&self.sq).pkts.is_empty()
+            || until.is_none_or(|t| now >= t);
+        if done {
+            self.core.remove_qp(self.qpn);
+            self.enter_error(None, "destroyed");
+        }
+        done
+    }
+
+    pub(crate) fn post_recv(&self, wr: &RecvWr) -> Result<()> {
+        match self.state() {
+            QpState::Reset => return Err(FabricError::InvalidState(QpState::Reset)),
+            QpState::Error => {
+                self.recv_cq.push(wc(
+                    wr.wr_id,
+                    WcStatus::WrFlushError,
+                    WcOpcode::Recv,
+                    0,
+                    self.qpn,
+                ));
+                return Ok(());
+            }
+            _ => {}
+        }
+        let mr = self
+            .core
+            .lookup_mr(wr.sge.lkey)
+            .filter(|m| m.pd == self.pd)
+            .ok_or(FabricError::InvalidLkey(wr.sge.lkey))?;
+        if !mr.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(FabricError::LocalAccess);
+        }
+        let offset = mr
+            .offset_of(wr.sge.addr, u64::from(wr.sge.length))
+            .ok_or(FabricError::LocalAccess)?;
+        let mut rq = lock(&self.rq);
+        if rq.len() >= self.caps.max_recv_wr as usize {
+            return Err(FabricError::QueueFull);
+        }
+        rq.push_back(RecvEntry {
+            wr_id: wr.wr_id,
+            mr,
+            offset,
+            len: wr.sge.length as usize,
+        });
+        Ok(())
+    }
+
+    pub(crate) fn post_send(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
+        match self.state() {
+            QpState::Rts => {}
+            QpState::Error => {
+                let (op, len) = wr_shape(wr);
+                self.send_cq
+                    .push(wc(wr.wr_id(), WcStatus::WrFlushError, op, len, self.qpn));
+                return Ok(PostStatus::Queued);
+            }
+            s => return Err(FabricError::InvalidState(s)),
+        }
+        let Some(conn) = self.conn.get().copied() else {
+            return Err(FabricError::InvalidState(self.state()));
+        };
+        let owned;
+        let (data, write, signaled): (&[u8], Option<(u64, u32)>, bool) = match *wr {
+            SendWr::Send { data, signaled, .. } => {
+                if data.len() > MAX_SEND {
+                    return Err(FabricError::MessageTooLarge {
+                        len: data.len(),
+                        max: MAX_SEND,
+                    });
+                }
+                (data, None, signaled)
+            }
+            SendWr::WriteInline {
+                data,
+                remote_addr,
+                rkey,
+                signaled,
+                ..
+            } => (data, Some((remote_addr, rkey)), signaled),
+            SendWr::Write {
+                local,
+                remote_addr,
+                rkey,
+                signaled,
+                ..
+            } => {
+                let mr = self
+                    .core
+                    .lookup_mr(local.lkey)
+                    .filter(|m| m.pd == self.pd)
+                    .ok_or(FabricError::InvalidLkey(local.lkey))?;
+                let off = mr
+                    .offset_of(local.addr, u64::from(local.length))
+                    .ok_or(FabricError::LocalAccess)?;
+                let mut v = vec![0u8; local.length as usize];
+                mr.read_at(off, &mut v)?;
+                owned = v;
+                (&owned[..], Some((remote_addr, rkey)), signaled)
+            }
+        };
+        let (opcode, byte_len) = wr_shape(wr);
+        if data.len() > u32::MAX as usize >> 1 {
+            return Err(FabricError::MessageTooLarge {
+                len: data.len(),
+                max: u32::MAX as usize >> 1,
+            });
+        }
+        let mut sq = lock(&self.sq);
+        if sq.wrs.len() >= self.caps.max_send_wr as usize {
+            return Err(FabricError::QueueFull);
+        }
+        if self.core.take_fail_token() {
+            drop(sq);
+            self.send_cq.push(wc(
+                wr.wr_id(),
+                WcStatus::RetryExceeded,
+                opcode,
+                byte_len,
+                self.qpn,
+            ));
+            self.enter_error(None, "injected failure");
+            return Ok(PostStatus::Queued);
+        }
+        // rocev2.md 6.2: ceil(L / MTU) packets, at least one; FIRST and MIDDLE carry exactly
+        // one MTU, RETH (first packet) the whole length.
+        let count = data.len().div_ceil(conn.mtu).max(1);
+        for i in 0..count {
+            let chunk = &data[(i * conn.mtu).min(data.len())..((i + 1) * conn.mtu).min(data.len())];
+            let last = i + 1 == count;
+            sq.since_ackreq += 1;
+            let ack_req = last || sq.since_ackreq > ACKREQ_EVERY;
+            if ack_req {
+                sq.since_ackreq = 0;
+            }
+            let psn = sq.next_psn;
+            let repr = PacketRepr {
+                bth: Bth {
+                    opcode: Opcode::for_segment(write.is_some(), i, count, false),
+                    // SMC-R asks for a solicited event on every SEND.
+                    se: last && write.is_none(),
+                    pkey: roce::DEFAULT_PKEY,
+                    dest_qp: conn.dest_qp,
+                    ack_req,
+                    psn,
+                    ..Bth::default()
+                },
+                reth: match write {
+                    Some((va, rkey)) if i == 0 => Some(Reth {
+                        va,
+                        rkey,
+                        dma_len: data.len() as u32,
+                    }),
+                    _ => None,
+                },
+                aeth: None,
+                immdt: None,
+                payload: chunk,
+            };
+            let mut bytes = vec![0u8; repr.buffer_len()].into_boxed_slice();
+            let _ = repr.emit(&mut bytes);
+            conn.icrc.seal(&mut bytes);
+            sq.pkts.push_back(TxPkt { psn, bytes });
+            sq.next_psn = psn_add(psn, 1);
+        }
+        let last_psn = psn_add(sq.next_psn, roce::U24_MASK);
+        sq.wrs.push_back(PendingWr {
+            wr_id: wr.wr_id(),
+            opcode,
+            byte_len,
+            last_psn,
+            signaled,
+        });
+        self.pump(&mut sq, &conn);
+        Ok(PostStatus::Queued)
+    }
+
+    /// Transmit queued packets while the window allows.
+    fn pump(&self, sq: &mut SendQueue, conn: &Conn) {
+        if sq.rnr_until.is_some() {
+            return;
+        }
+        let Some(oldest) = sq.pkts.front().map(|p| p.psn) else {
+            return;
+        };
+        if sq.next_tx == 0 {
+            sq.last_progress = Instant::now();
+        }
+        let start = sq.next_tx;
+        let mut end = start;
+        while let Some(p) = sq.pkts.get(end) {
+            if psn_diff(p.psn, oldest) >= WINDOW {
+                break;
+            }
+            if sq.high_psn.is_some_and(|h| psn_diff(p.psn, h) <= 0) {
+                bump(&self.core.counters.retransmits);
+            } else {
+                sq.high_psn = Some(p.psn);
+            }
+            end += 1;
+        }
+        if end == start {
+            return;
+        }
+        // One sendmmsg for the packets the window lets go.
+        let batch: Vec<&[u8]> = sq.pkts.range(start..end).map(|p| &p.bytes[..]).collect();
+        self.core.transmit_batch(conn.ip, &batch);
+        sq.next_tx = end;
+    }
+
+    /// Everything up to and including `psn` is acknowledged (ACKs are cumulative,
+    /// rocev2.md 8.3); completes the work requests it covers.
+    fn acked_through(&self, sq: &mut SendQueue, psn: u32, done: &mut Vec<WorkCompletion>) {
+        let Some(oldest) = sq.pkts.front().map(|p| p.psn) else {
+            return;
+        };
+        let newest = psn_add(sq.next_psn, roce::U24_MASK);
+        if psn_diff(psn, oldest) < 0 || psn_diff(psn, newest) > 0 {
+            return;
+        }
+        let mut removed = 0;
+        while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
+            sq.pkts.pop_front();
+            removed += 1;
+        }
+        sq.next_tx = sq.next_tx.saturating_sub(removed);
+        while sq
+            .wrs
+            .front()
+            .is_some_and(|w| psn_diff(w.last_psn, psn) <= 0)
+        {
+            if let Some(w) = sq.wrs.pop_front() {
+                if w.signaled {
+                    done.push(wc(
+                        w.wr_id,
+                        WcStatus::Success,
+                        w.opcode,
+                        w.byte_len,
+                        self.qpn,
+                    ));
+                }
+            }
+        }
+        if removed > 0 {
+            sq.last_progress = Instant::now();
+            sq.retries_left = RETRY_CNT;
+            sq.rnr_retries_left = RNR_RETRY;
+        }
+    }
+
+    /// An Acknowledge packet for this QP (requester side).
+    fn on_ack(&self, aeth: Aeth, psn: u32) {
+        let Some(conn) = self.conn.get().copied() else {
+            return;
+        };
+        let mut done = Vec::new();
+        let mut fail = None;
+        {
+            let mut sq = lock(&self.sq);
+            match aeth.kind() {
+                AethKind::Ack { .. } => {
+                    self.acked_through(&mut sq, psn, &mut done);
+                    self.pump(&mut sq, &conn);
+                }
+                AethKind::RnrNak { timer } => {
+                    bump(&self.core.counters.rnr_naks_received);
+                    self.acked_through(&mut sq, psn_add(psn, roce::U24_MASK), &mut done);
+                    if !spend_retry(&mut sq.rnr_retries_left) {
+                        fail = Some(WcStatus::RetryExceeded);
+                    } else {
+                        let wait =
+                            Duration::from_micros(roce::rnr_timer_micros(timer)).max(RNR_FLOOR);
+                        sq.rnr_until = Some(Instant::now() + wait);
+                        sq.next_tx = 0;
+                    }
+                }
+                AethKind::Nak { code } if code == nak::PSN_SEQUENCE => {
+                    bump(&self.core.counters.naks_received);
+                    // rocev2.md 10.1: acknowledges everything before the NAK's PSN, then
+                    // go-back-N from it.
+                    self.acked_through(&mut sq, psn_add(psn, roce::U24_MASK), &mut done);
+                    if sq.pkts.front().is_some_and(|p| p.psn == psn) {
+                        if spend_retry(&mut sq.retries_left) {
+                            sq.next_tx = 0;
+                            self.pump(&mut sq, &conn);
+                        } else {
+                            fail = Some(WcStatus::RetryExceeded);
+                        }
+                    }
+                }
+                AethKind::Nak { code } => {
+                    bump(&self.core.counters.naks_received);
+                    self.acked_through(&mut sq, psn_add(psn, roce::U24_MASK), &mut done);
+                    fail = Some(match code {
+                        nak::INVALID_REQUEST => WcStatus::RemoteInvalidRequest,
+                        nak::REMOTE_ACCESS => WcStatus::RemoteAccessError,
+                        _ => WcStatus::GeneralError,
+                    });
+                }
+                AethKind::Reserved => bump(&self.core.counters.drop_malformed),
+            }
+        }
+        self.send_cq.push_all(done);
+        if let Some(st) = fail {
+            self.enter_error(Some(st), "NAK from the responder");
+        }
+    }
+
+    /// Timers: the end of an RNR wait, and the retransmission timeout (go-back-N).
+    pub(crate) fn on_tick(&self, now: Instant) {
+        if self.state() != QpState::Rts {
+            return;
+        }
+        let Some(conn) = self.conn.get().copied() else {
+            return;
+        };
+        let mut sq = lock(&self.sq);
+        let mut exceeded = false;
+        if let Some(t) = sq.rnr_until {
+            if now >= t {
+                sq.rnr_until = None;
+                sq.next_tx = 0;
+                self.pump(&mut sq, &conn);
+            }
+            return;
+        }
+        if sq.next_tx > 0 && now.duration_since(sq.last_progress) >= retransmit_timeout() {
+            bump(&self.core.counters.timeouts);
+            if spend_retry(&mut sq.retries_left) {
+                sq.next_tx = 0;
+                self.pump(&mut sq, &conn);
+            } else {
+                exceeded = true;
+            }
+        }
+        drop(sq);
+        if exceeded {
+            self.enter_error(Some(WcStatus::RetryExceeded), "transport retries exceeded");
+        }
+    }
+
+    fn send_ack(&self, conn: &Conn, kind: AethKind, psn: u32, msn: u32) {
+        let repr = PacketRepr {
+            bth: Bth {
+                opcode: Opcode::ACKNOWLEDGE,
+                pkey: roce::DEFAULT_PKEY,
+                dest_qp: conn.dest_qp,
+                psn,
+                ..Bth::default()
+            },
+            reth: None,
+            aeth: Some(Aeth::new(kind, msn)),
+            immdt: None,
+            payload: &[],
+        };
+        let mut b = [0u8; roce::BTH_LEN + roce::AETH_LEN + roce::ICRC_LEN];
+        let _ = repr.emit(&mut b);
+        conn.icrc.seal(&mut b);
+        match kind {
+            AethKind::Ack { .. } => bump(&self.core.counters.acks_sent),
+            AethKind::RnrNak { .. } => bump(&self.core.counters.rnr_naks_sent),
+            _ => bump(&self.core.counters.naks_sent),
+        }
+        self.core.transmit(conn.ip, &b);
+    }
+
+    /// A request packet for this QP (responder side), in the order of rocev2.md 9.1 steps 2–8.
+    fn on_request(
+        &self,
+        tables: &Tables,
+        batch: &mut RxBatch,
+        self_arc: &Arc<RoceQp>,
+        p: &Packet<'_>,
+    ) {
+        let Some(conn) = self.conn.get().copied() else {
+            return;
+        };
+        let op = p.bth.opcode;
+        let psn = p.bth.psn;
+        let mut r = lock(&self.resp);
+        let d = psn_diff(psn, r.epsn);
+        if d > 0 {
+            // Ahead: one NAK carrying the expected PSN; later ones are dropped silently until
+            // the expected PSN arrives.
+            bump(&self.core.counters.drop_out_of_sequence);
+            if !r.nak_sent {
+                r.nak_sent = true;
+                self.send_ack(
+                    &conn,
+                    AethKind::Nak {
+                        code: nak::PSN_SEQUENCE,
+                    },
+                    r.epsn,
+                    r.msn,
+                );
+            }
+            return;
+        }
+        if d < 0 {
+            // Duplicate: not executed again; ACK the last executed PSN at once (9.2).
+            bump(&self.core.counters.duplicates);
+            self.send_ack(
+                &conn,
+                AethKind::Ack { credit: 31 },
+                psn_add(r.epsn, roce::U24_MASK),
+                r.msn,
+            );
+            return;
+        }
+        let mtu = conn.mtu;
+        let len = p.payload.len();
+        // Opcode sequence (step 3) and unsupported operations.
+        let mut error: Option<(u8, &'static str)> = None;
+        if op.has_immdt() {
+            error = Some((nak::INVALID_REQUEST, "immediate data not supported"));
+        } else {
+            let in_send = matches!(r.cursor, Some(Cursor::Send { .. }));
+            let in_write = matches!(r.cursor, Some(Cursor::Write { .. }));
+            let ok = match op {
+                Opcode::SEND_MIDDLE | Opcode::SEND_LAST => in_send,
+                Opcode::WRITE_MIDDLE | Opcode::WRITE_LAST => in_write,
+                _ => !in_send && !in_write,
+            };
+            if !ok {
+                error = Some((nak::INVALID_REQUEST, "opcode out of sequence"));
+            } else if match op {
+                Opcode::SEND_FIRST
+                | Opcode::SEND_MIDDLE
+                | Opcode::WRITE_FIRST
+                | Opcode::WRITE_MIDDLE => len != mtu,
+                _ => len > mtu,
+            } {
+                error = Some((nak::INVALID_REQUEST, "payload length"));
+            }
+        }
+        if error.is_none() && op.is_send() {
+            if op.starts_message() {
+                // Step 5: a SEND FIRST/ONLY needs a posted receive, else RNR NAK.
+                let Some(entry) = lock(&self.rq).pop_front() else {
+                    self.send_ack(
+                        &conn,
+                        AethKind::RnrNak {
+                            timer: MIN_RNR_TIMER,
+                        },
+                        psn,
+                        r.msn,
+                    );
+                    return;
+                };
+                r.cursor = Some(Cursor::Send { entry, done: 0 });
+            }
+            if let Some(Cursor::Send { entry, done }) = &mut r.cursor {
+                if *done + len > entry.len || !entry.mr.place(entry.offset + *done, p.payload) {
+                    error = Some((nak::INVALID_REQUEST, "SEND longer than the receive buffer"));
+                } else {
+                    *done += len;
+                }
+            }
+        } else if error.is_none() {
+            if let Some(reth) = p.reth {
+                // Step 7: R_Key, protection domain, access and bounds of the whole message.
+                let dma = u64::from(reth.dma_len);
+                let length_ok = if op == Opcode::WRITE_ONLY {
+                    dma == len as u64
+                } else {
+                    dma > mtu as u64
+                };
+                if !length_ok || dma > 1 << 31 {
+                    error = Some((nak::INVALID_REQUEST, "RETH length"));
+                } else if dma == 0 {
+                    r.cursor = None;
+                } else {
+                    let target = tables
+                        .mrs
+                        .get(&reth.rkey)
+                        .filter(|m| m.pd == self.pd && m.access.contains(AccessFlags::REMOTE_WRITE))
+                        .and_then(|m| m.offset_of(reth.va, dma).map(|o| (m.clone(), o)));
+                    match target {
+                        Some((mr, offset)) => {
+                            r.cursor = Some(Cursor::Write {
+                                mr,
+                                offset,
+                                remaining: dma,
+                            })
+                        }
+                        None => {
+                            bump(&self.core.counters.remote_access_errors);
+                            error = Some((nak::REMOTE_ACCESS, "R_Key or range"));
+                        }
+                    }
+                }
+            }
+            if error.is_none() {
+                if let Some(Cursor::Write {
+                    mr,
+                    offset,
+                    remaining,
+                }) = &mut r.cursor
+                {
+                    // rocev2.md 6.3: while more than one MTU remains a packet carries exactly
+                    // one MTU; the final one exactly what remains.
+                    let final_pkt = *remaining <= mtu as u64;
+                    let want = if final_pkt { *remaining as usize } else { mtu };
+                    if len != want || final_pkt != op.ends_message() {
+                        error = Some((nak::INVALID_REQUEST, "WRITE length"));
+                    } else if !mr.place(*offset, p.payload) {
+                        error = Some((nak::REMOTE_ACCESS, "WRITE outside the region"));
+                    } else {
+                        *offset += len;
+                        *remaining -= len as u64;
+                    }
+                }
+            }
+        }
+        if let Some((code, why)) = error {
+            self.send_ack(&conn, AethKind::Nak { code }, psn, r.msn);
+            let mut rwc = None;
+            if let Some(Cursor::Send { entry, .. }) = r.cursor.take() {
+                let st = if code == nak::INVALID_REQUEST {
+                    WcStatus::LocalLengthError
+                } else {
+                    WcStatus::WrFlushError
+                };
+                rwc = Some(wc(entry.wr_id, st, WcOpcode::Recv, 0, self.qpn));
+            }
+            drop(r);
+            if let Some(w) = rwc {
+                self.recv_cq.push(w);
+            }
+            self.enter_error(None, why);
+            return;
+        }
+        // Step 8: executed.
+        r.epsn = psn_add(r.epsn, 1);
+        r.nak_sent = false;
+        if op.ends_message() {
+            r.msn = psn_add(r.msn, 1);
+            if let Some(Cursor::Send { entry, done }) = r.cursor.take() {
+                self.recv_cq.push(wc(
+                    entry.wr_id,
+                    WcStatus::Success,
+                    WcOpcode::Recv,
+                    done as u32,
+                    self.qpn,
+                ));
+            }
+            r.cursor = None;
+        }
+        if p.bth.ack_req {
+            if r.ack_pending.is_none() {
+                batch.acks.push(self_arc.clone());
+            }
+            r.ack_pending = Some(psn);
+        }
+    }
+
+    fn flush_ack(&self) {
+        let Some(conn) = self.conn.get().copied() else {
+            return;
+        };
+        let mut r = lock(&self.resp);
+        if let Some(psn) = r.ack_pending.take() {
+            let msn = r.msn;
+            self.send_ack(&conn, AethKind::Ack { credit: 31 }, psn, msn);
+        }
+    }
+}
+
+/// Take one retry from a 3-bit retry counter; 7 means "retry forever" (rxe and Linux SMC-R,
+/// rocev2.md 10.2). False when none is left.
+fn spend_retry(left: &mut u8) -> bool {
+    match *left {
+        7 => true,
+        0 => false,
+        _ => {
+            *left -= 1;
+            true
+        }
+    }
+}
+
+fn wr_shape(wr: &SendWr<'_>) -> (WcOpcode, u32) {
+    match *wr {
+        SendWr::Send { data, .. } => (WcOpcode::Send, data.len() as u32),
+        SendWr::WriteInline { data, .. } => (WcOpcode::RdmaWrite, data.len() as u32),
+        SendWr::Write { local, .. } => (WcOpcode::RdmaWrite, local.length),
+    }
+}
+
+/// What one receive batch owes: the QPs with an ACK to send. ACKs are cumulative, so one per
+/// QP per batch, for the highest AckReq PSN executed, answers them all (rocev2.md 8.3).
+#[derive(Default)]
+pub(crate) struct RxBatch {
+    acks: Vec<Arc<RoceQp>>,
+}
+
+impl RxBatch {
+    pub(crate) fn flush(&mut self, _core: &RoceCore) {
+        for qp in self.acks.drain(..) {
+            qp.flush_ack();
+        }
+    }
+}
+
+/// One received UDP payload from `src:src_port`: packet checks (rocev2.md 9.1 step 1), then the
+/// requester or responder side of its QP.
+pub(crate) fn receive(
+    core: &RoceCore,
+    tables: &Tables,
+    batch: &mut RxBatch,
+    src: Ipv4Addr,
+    src_port: u16,
+    buf: &[u8],
+) {
+    let p = match Packet::parse(buf) {
+        Ok(p) => p,
+        Err(_) => {
+            bump(&core.counters.drop_malformed);
+            return;
+        }
+    };
+    // The ICRC: identification 0 (how this engine and any kernel socket with IP_PMTUDISC_DO
+    // send), else the identification solved from it (rxe's hashed ones, rocev2.md 13.3).
+    let h = IcrcHeaders::new(IpAddr::V4(src), IpAddr::V4(core.ip), src_port);
+    if !h.verify(buf) && h.solve_ipv4_id(buf).is_none() {
+        bump(&core.counters.drop_icrc);
+        return;
+    }
+    if p.bth.pkey & 0x7FFF != 0x7FFF {
+        bump(&core.counters.drop_malformed);
+        return;
+    }
+    let Some(qp) = tables.qps.get(&p.bth.dest_qp) else {
+        bump(&core.counters.drop_unknown_qp);
+        return;
+    };
+    let state = qp.state();
+    if !matches!(state, QpState::Rtr | QpState::Rts) {
+        bump(&core.counters.drop_unknown_qp);
+        return;
+    }
+    let Some(conn) = qp.conn.get() else {
+        bump(&core.counters.drop_unknown_qp);
+        return;
+    };
+    // Only the connected peer's address may speak to a QP (RC carries no source QPN; the
+    // source address is what identifies the peer).
+    if conn.ip != src {
+        bump(&core.counters.drop_wrong_source);
+        return;
+    }
+    if p.bth.opcode == Opcode::ACKNOWLEDGE {
+        if state == QpState::Rts {
+            if let Some(aeth) = p.aeth {
+                qp.on_ack(aeth, p.bth.psn);
+            }
+        }
+        return;
+    }
+    qp.on_request(tables, batch, qp, &p);
+}

@@ -1,0 +1,389 @@
+//! The roce backend between devices on loopback addresses of this host (no privileges needed):
+//! SEND and multi-packet WRITE, RNR, remote access errors, injected loss, reordering,
+//! duplication and corruption, and forged packets.
+
+use super::*;
+use crate::config::{DeviceConfig, DeviceKind, FabricConfig, Fault};
+use crate::types::{
+    AccessFlags, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus,
+    WorkCompletion,
+};
+use smc_wire::roce as wire;
+use std::net::Ipv4Addr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A loopback address private to this test (second octet) and process (last two).
+fn addr(test: u8, side: u8) -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(127, 100 + test * 2 + side, (pid >> 8) as u8, pid as u8)
+}
+
+fn fabric(faults: Vec<(String, Fault)>) -> FabricConfig {
+    let dev = |n: &str| DeviceConfig {
+        kind: DeviceKind::Roce {
+            netdev: "lo".into(),
+        },
+        ..DeviceConfig::named(n)
+    };
+    FabricConfig {
+        devices: vec![dev("ra"), dev("rb")],
+        faults,
+        ..FabricConfig::default()
+    }
+}
+
+struct End {
+    dev: Arc<RoceHandle>,
+    qp: Arc<RoceQp>,
+    cq: Arc<RoceCq>,
+    rmb: Arc<RoceMr>,
+    rx: Arc<RoceMr>,
+}
+
+fn end(dev: Arc<RoceHandle>, recvs: usize) -> End {
+    let core = &dev.core;
+    let pd = core.alloc_pd();
+    let cq = Arc::new(RoceCq::new().expect("cq"));
+    let caps = QpCaps {
+        max_send_wr: 256,
+        max_recv_wr: 64,
+    };
+    let qp = RoceQp::create(core.clone(), pd, cq.clone(), cq.clone(), caps).expect("qp");
+    let rmb = Arc::new(
+        RoceMr::new(
+            core.alloc_key(),
+            pd,
+            1 << 20,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        )
+        .expect("rmb"),
+    );
+    core.add_mr(rmb.clone());
+    let rx =
+        Arc::new(RoceMr::new(core.alloc_key(), pd, 64 * 64, AccessFlags::LOCAL_WRITE).expect("rx"));
+    core.add_mr(rx.clone());
+    qp.to_init().expect("init");
+    let e = End {
+        dev,
+        qp,
+        cq,
+        rmb,
+        rx,
+    };
+    for i in 0..recvs {
+        post_recv(&e, i as u64);
+    }
+    e
+}
+
+fn post_recv(e: &End, i: u64) {
+    let sge = Sge {
+        addr: e.rx.vaddr() + (i % 64) * 64,
+        length: 64,
+        lkey: e.rx.key,
+    };
+    e.qp.post_recv(&RecvWr { wr_id: i, sge }).expect("recv");
+}
+
+fn remote(e: &End) -> RemoteQpInfo {
+    let l = e.qp.local_info();
+    RemoteQpInfo {
+        gid: l.gid,
+        qp_num: l.qp_num,
+        psn: l.psn,
+        mtu: l.mtu.min(crate::Mtu::Mtu1024),
+    }
+}
+
+fn pair(test: u8, faults: Vec<(String, Fault)>, recvs: usize) -> (End, End) {
+    let f = fabric(faults);
+    let a = end(
+        RoceHandle::open_at(&f, "ra", Some(addr(test, 0))).expect("open ra"),
+        recvs,
+    );
+    let b = end(
+        RoceHandle::open_at(&f, "rb", Some(addr(test, 1))).expect("open rb"),
+        recvs,
+    );
+    a.qp.to_rtr(remote(&b)).expect("rtr");
+    b.qp.to_rtr(remote(&a)).expect("rtr");
+    a.qp.to_rts().expect("rts");
+    b.qp.to_rts().expect("rts");
+    (a, b)
+}
+
+/// Completions until `n` arrived or 20 s passed.
+fn collect(cq: &RoceCq, n: usize) -> Vec<WorkCompletion> {
+    let mut out = Vec::new();
+    let mut w = [WorkCompletion::EMPTY; 16];
+    let end = Instant::now() + Duration::from_secs(20);
+    while out.len() < n && Instant::now() < end {
+        let k = cq
+            .wait(&mut w, Some(Duration::from_millis(50)))
+            .expect("wait");
+        out.extend_from_slice(&w[..k]);
+    }
+    out
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+fn write(a: &End, b: &End, wr_id: u64, data: &[u8], off: u64) {
+    a.qp.post_send(&SendWr::WriteInline {
+        wr_id,
+        data,
+        remote_addr: b.rmb.vaddr() + off,
+        rkey: b.rmb.key,
+        signaled: true,
+    })
+    .expect("write");
+}
+
+/// A multi-packet WRITE followed by a SEND: the SEND's receive completion comes after the
+/// WRITE's bytes are in place, and both sides' completions are successful.
+#[test]
+fn write_then_send() {
+    let (a, b) = pair(0, Vec::new(), 8);
+    let data = pattern(300_000, 7);
+    write(&a, &b, 1, &data, 100);
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 2,
+        data: b"cdc message of forty-four bytes, give or tak",
+        signaled: true,
+    })
+    .expect("send");
+    let got = collect(&b.cq, 1);
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        (got[0].opcode, got[0].status, got[0].byte_len),
+        (WcOpcode::Recv, WcStatus::Success, 44)
+    );
+    let mut back = vec![0u8; data.len()];
+    b.rmb.read_at(100, &mut back).expect("read");
+    assert!(back == data, "WRITE bytes differ");
+    let mut msg = [0u8; 44];
+    b.rx.read_at(0, &mut msg).expect("read");
+    assert_eq!(&msg[..12], b"cdc message ");
+    let done = collect(&a.cq, 2);
+    assert!(
+        done.iter().all(|w| w.status == WcStatus::Success),
+        "{done:?}"
+    );
+    let ca = snapshot(&a.dev.core);
+    let cb = snapshot(&b.dev.core);
+    // 300 000 bytes at MTU 1024: 293 packets plus the SEND.
+    assert!(ca.tx_packets >= 294, "{ca:?}");
+    assert!(
+        cb.acks_sent >= 1 && cb.acks_sent < 294,
+        "ACKs are coalesced: {cb:?}"
+    );
+    assert_eq!(
+        cb.drop_icrc + cb.drop_wrong_source + cb.drop_unknown_qp,
+        0,
+        "{cb:?}"
+    );
+}
+
+/// A SEND that finds no receive posted is RNR-NAKed and retried until one is posted.
+#[test]
+fn rnr_then_delivered() {
+    let (a, b) = pair(1, Vec::new(), 0);
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 9,
+        data: b"hello",
+        signaled: true,
+    })
+    .expect("send");
+    let end = Instant::now() + Duration::from_secs(10);
+    while snapshot(&b.dev.core).rnr_naks_sent == 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(snapshot(&b.dev.core).rnr_naks_sent > 0);
+    assert_eq!(a.qp.state(), QpState::Rts, "RNR keeps the QP");
+    post_recv(&b, 0);
+    let got = collect(&b.cq, 1);
+    assert_eq!((got[0].status, got[0].byte_len), (WcStatus::Success, 5));
+    let sent = collect(&a.cq, 1);
+    assert_eq!((sent[0].wr_id, sent[0].status), (9, WcStatus::Success));
+    assert!(snapshot(&a.dev.core).rnr_naks_received > 0);
+}
+
+/// A WRITE with a wrong rkey or outside the region is NAKed (remote access error): the
+/// requester's WR fails, both QPs go to the error state, and nothing is written.
+#[test]
+fn bad_rkey_and_bounds() {
+    for (case, test) in [(0u8, 2u8), (1, 3)] {
+        let (a, b) = pair(test, Vec::new(), 2);
+        let (rkey, addr) = if case == 0 {
+            (b.rmb.key ^ 0x1000, b.rmb.vaddr())
+        } else {
+            (b.rmb.key, b.rmb.vaddr() + (1 << 20) - 10)
+        };
+        a.qp.post_send(&SendWr::WriteInline {
+            wr_id: 5,
+            data: &[0xAA; 100],
+            remote_addr: addr,
+            rkey,
+            signaled: true,
+        })
+        .expect("post");
+        let done = collect(&a.cq, 1);
+        assert_eq!(done[0].status, WcStatus::RemoteAccessError, "case {case}");
+        assert_eq!(a.qp.state(), QpState::Error);
+        let end = Instant::now() + Duration::from_secs(5);
+        while b.qp.state() != QpState::Error && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(b.qp.state(), QpState::Error, "responder QP to error");
+        assert_eq!(snapshot(&b.dev.core).remote_access_errors, 1);
+        let mut back = vec![0u8; 16];
+        b.rmb.read_at((1 << 20) - 16, &mut back).expect("read");
+        assert!(back.iter().all(|&x| x == 0));
+        b.rmb.read_at(0, &mut back).expect("read");
+        assert!(back.iter().all(|&x| x == 0));
+    }
+}
+
+/// Loss, reordering, duplication and corruption injected on both sides: every byte arrives,
+/// every SEND is delivered once and in order.
+#[test]
+fn faults_leave_data_intact() {
+    let faults = ["ra", "rb"]
+        .iter()
+        .flat_map(|d| {
+            [
+                Fault::Drop(2.0),
+                Fault::Reorder(2.0),
+                Fault::Duplicate(2.0),
+                Fault::Corrupt(1.0),
+            ]
+            .into_iter()
+            .map(move |f| (d.to_string(), f))
+        })
+        .collect();
+    let (a, b) = pair(4, faults, 64);
+    let mut expect = vec![0u8; 1 << 20];
+    for round in 0..8u64 {
+        let data = pattern(100_000 + round as usize * 1000, round as u8);
+        let off = round * 110_000;
+        write(&a, &b, 100 + round, &data, off);
+        expect[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        a.qp.post_send(&SendWr::Send {
+            wr_id: round,
+            data: &round.to_be_bytes(),
+            signaled: true,
+        })
+        .expect("send");
+    }
+    let got = collect(&b.cq, 8);
+    assert_eq!(got.len(), 8, "all SENDs delivered");
+    for (i, w) in got.iter().enumerate() {
+        assert_eq!(w.status, WcStatus::Success);
+        let mut m = [0u8; 8];
+        b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
+        assert_eq!(u64::from_be_bytes(m), i as u64, "in order");
+    }
+    let mut back = vec![0u8; 1 << 20];
+    b.rmb.read_at(0, &mut back).expect("read");
+    assert!(back == expect, "WRITE bytes differ");
+    let done = collect(&a.cq, 16);
+    assert_eq!(done.len(), 16);
+    assert!(done.iter().all(|w| w.status == WcStatus::Success));
+    let (ca, cb) = (snapshot(&a.dev.core), snapshot(&b.dev.core));
+    assert!(ca.fault_drops > 0 && ca.retransmits > 0, "{ca:?}");
+    assert!(
+        cb.drop_icrc + ca.drop_icrc > 0,
+        "corrupted packets dropped: {ca:?} {cb:?}"
+    );
+    assert!(cb.duplicates > 0, "{cb:?}");
+}
+
+/// Packets forged by a third socket: a wrong source address, a bad ICRC, a PSN out of the
+/// window and a wrong rkey are dropped or NAKed, counted, and write nothing.
+#[test]
+fn forged_packets() {
+    let (a, b) = pair(5, Vec::new(), 4);
+    let bq = b.qp.local_info();
+    let epsn = a.qp.local_info().psn;
+    let forge = |from: Ipv4Addr, psn: u32, rkey: u32, corrupt: bool| {
+        let s = std::net::UdpSocket::bind((from, 0)).expect("bind");
+        let port = s.local_addr().expect("addr").port();
+        let payload = [0x55u8; 64];
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: wire::Opcode::WRITE_ONLY,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: bq.qp_num,
+                ack_req: true,
+                psn,
+                ..wire::Bth::default()
+            },
+            reth: Some(wire::Reth {
+                va: b.rmb.vaddr(),
+                rkey,
+                dma_len: 64,
+            }),
+            aeth: None,
+            immdt: None,
+            payload: &payload,
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut buf).expect("emit");
+        wire::IcrcHeaders::new(from.into(), addr(5, 1).into(), port).seal(&mut buf);
+        if corrupt {
+            buf[40] ^= 1;
+        }
+        s.send_to(&buf, (addr(5, 1), wire::UDP_PORT)).expect("send");
+    };
+    let c = |f: fn(&crate::DeviceCounters) -> u64| f(&snapshot(&b.dev.core));
+    let wait_for = |f: fn(&crate::DeviceCounters) -> u64| {
+        let end = Instant::now() + Duration::from_secs(5);
+        while c(f) == 0 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        c(f)
+    };
+    forge(Ipv4Addr::new(127, 99, 1, 1), epsn, b.rmb.key, false);
+    assert_eq!(wait_for(|c| c.drop_wrong_source), 1);
+    forge(addr(5, 0), epsn, b.rmb.key, true);
+    assert_eq!(wait_for(|c| c.drop_icrc), 1);
+    forge(addr(5, 0), wire::psn_add(epsn, 1000), b.rmb.key, false);
+    assert_eq!(wait_for(|c| c.drop_out_of_sequence), 1);
+    assert_eq!(c(|c| c.naks_sent), 1, "one sequence NAK");
+    assert_eq!(b.qp.state(), QpState::Rts);
+    let mut back = [0u8; 64];
+    b.rmb.read_at(0, &mut back).expect("read");
+    assert_eq!(back, [0u8; 64], "nothing written so far");
+    forge(addr(5, 0), epsn, b.rmb.key ^ 0x2000, false);
+    assert_eq!(wait_for(|c| c.remote_access_errors), 1);
+    b.rmb.read_at(0, &mut back).expect("read");
+    assert_eq!(back, [0u8; 64], "a wrong rkey writes nothing");
+    assert_eq!(
+        b.qp.state(),
+        QpState::Error,
+        "a remote access error fails the QP"
+    );
+    assert_eq!(b.dev.core.counters.rx_packets.load(Ordering::Relaxed), 4);
+}
+
+/// A roce entry whose netdev does not exist (or has no IPv4 address) is an error at open that
+/// names the entry.
+#[test]
+fn bad_netdev_is_named() {
+    let mut f = fabric(Vec::new());
+    f.devices[0].kind = DeviceKind::Roce {
+        netdev: "nosuch-if7".into(),
+    };
+    let e = crate::Device::open(&f, "ra").expect_err("no such netdev");
+    assert!(e.to_string().contains("roce:ra=nosuch-if7"), "{e}");
+    // The path MTU follows the netdev MTU less 80 bytes of headers, as rxe's.
+    assert!(super::device::active_mtu(1500) == Some(crate::Mtu::Mtu1024));
+    assert!(super::device::active_mtu(9000) == Some(crate::Mtu::Mtu4096));
+    assert!(super::device::active_mtu(300).is_none());
+}
