@@ -10,6 +10,16 @@ use pcap_file::pcap::PcapReader;
 use pcap_file::pcapng::{Block, PcapNgReader};
 
 use crate::capture::{BTH_OPCODE_RC_SEND_ONLY, ROCEV2_UDP_PORT};
+use crate::llc_v2::LLC_V2_MAX_LEN;
+
+/// BTH opcode RC SEND First.
+const BTH_OPCODE_RC_SEND_FIRST: u8 = 0x00;
+/// BTH opcode RC SEND Middle.
+const BTH_OPCODE_RC_SEND_MIDDLE: u8 = 0x01;
+/// BTH opcode RC SEND Last.
+const BTH_OPCODE_RC_SEND_LAST: u8 = 0x02;
+/// Largest SEND payload reported: an LLC v2 message.
+const MAX_SEND_LEN: usize = LLC_V2_MAX_LEN;
 use crate::clc::{ClcHeader, HEADER_LEN};
 use crate::{tcp_option, MSG44_LEN};
 
@@ -42,7 +52,7 @@ pub enum Found {
     },
     /// The bytes of one whole CLC message (not yet validated beyond the header).
     Clc(Vec<u8>),
-    /// The 44-byte payload of a SEND (LLC or CDC, not yet validated).
+    /// The payload of a SEND (LLC v1/v2 or CDC, 44..8192 bytes, not yet validated).
     Send(Vec<u8>),
     /// A CLC stream became unreadable (bad header): the reason, and the flow is dropped.
     ClcError(crate::Error),
@@ -80,6 +90,8 @@ struct Flow {
 #[derive(Default)]
 pub struct Dissector {
     flows: HashMap<(SocketAddr, SocketAddr), Flow>,
+    /// SENDs being reassembled, by destination QP.
+    sends: HashMap<u32, Vec<u8>>,
     frame: usize,
 }
 
@@ -227,21 +239,52 @@ impl Dissector {
 
     fn bth(&mut self, ib: &[u8], out: &mut Vec<Finding>) {
         // BTH (12) + payload + ICRC (4).
-        if ib.len() < 12 + 4 || ib[0] != BTH_OPCODE_RC_SEND_ONLY {
+        if ib.len() < 12 + 4 {
             return;
         }
+        let opcode = ib[0];
         let pad = usize::from((ib[1] >> 4) & 0x03);
         let payload_end = ib.len() - 4;
         let payload = &ib[12..payload_end.saturating_sub(pad).max(12)];
-        if payload.len() != MSG44_LEN {
-            return;
-        }
         let dest_qp = u32::from_be_bytes([0, ib[5], ib[6], ib[7]]);
         let psn = u32::from_be_bytes([0, ib[9], ib[10], ib[11]]);
+        // A SEND longer than the path MTU (an LLC v2 message of up to 8192 bytes) arrives as
+        // FIRST, MIDDLE..., LAST; the pieces are joined per destination QP.
+        let whole = match opcode {
+            BTH_OPCODE_RC_SEND_ONLY => {
+                self.sends.remove(&dest_qp);
+                payload.to_vec()
+            }
+            BTH_OPCODE_RC_SEND_FIRST => {
+                self.sends.insert(dest_qp, payload.to_vec());
+                return;
+            }
+            BTH_OPCODE_RC_SEND_MIDDLE => {
+                if let Some(b) = self.sends.get_mut(&dest_qp) {
+                    if b.len() + payload.len() <= MAX_SEND_LEN {
+                        b.extend_from_slice(payload);
+                    } else {
+                        self.sends.remove(&dest_qp);
+                    }
+                }
+                return;
+            }
+            BTH_OPCODE_RC_SEND_LAST => match self.sends.remove(&dest_qp) {
+                Some(mut b) => {
+                    b.extend_from_slice(payload);
+                    b
+                }
+                None => return,
+            },
+            _ => return,
+        };
+        if whole.len() < MSG44_LEN || whole.len() > MAX_SEND_LEN {
+            return;
+        }
         out.push(Finding {
             frame: self.frame,
             origin: Origin::Roce { dest_qp, psn },
-            found: Found::Send(payload.to_vec()),
+            found: Found::Send(whole),
         });
     }
 }

@@ -304,7 +304,8 @@ impl Endpoint {
             ipv4_subnet,
             ipv4_prefix_len,
             ipv6_prefixes: self.config.ipv6_prefixes.clone(),
-            v2_extensions: Vec::new(),
+            v2_ext: None,
+            smcd_v2_ext: Vec::new(),
         };
         self.send_clc(tcp, &ClcMessage::Proposal(proposal));
         self.begin_handshake(
@@ -753,6 +754,7 @@ impl Endpoint {
             qp_mtu: g.mtu,
             rmb_vaddr: token.vaddr,
             initial_psn: l.local_qp.psn,
+            v2: None,
         })
     }
 
