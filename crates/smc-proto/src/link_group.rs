@@ -364,6 +364,9 @@ pub struct LinkGroup {
     pub client_deleting: BTreeMap<u8, u8>,
     /// The RNICs this group may use: those of its connections' physical network (PNET).
     pub pnet: DeviceSet,
+    /// SMC-Rv2: what the group agreed on; `None` for a version-1 group. Its LLC messages go
+    /// in their v2 form.
+    pub v2: Option<crate::endpoint::LgrV2>,
 }
 
 /// How many removed links' peer QPs a group remembers ([`LinkGroup::gone_remotes`]).
@@ -403,6 +406,7 @@ impl LinkGroup {
             rkey_cont: None,
             client_deleting: BTreeMap::new(),
             pnet: DeviceSet::ALL,
+            v2: None,
         }
     }
 
