@@ -9,8 +9,10 @@ use serde_json::{json, Map, Value as Json};
 use smc_wire::describe::{self, Description, Value};
 use smc_wire::dissect::{self, Finding, Found, Origin};
 use smc_wire::examples;
+use smc_wire::llc_v2::{is_v2_type, LlcV2Message};
 use smc_wire::{
-    tcp_option, ClcMessage, ControlMessage, EYECATCHER_SMCD, EYECATCHER_SMCR, MSG44_LEN,
+    tcp_option, ClcMessage, ControlMessage, SendMessage, EYECATCHER_SMCD, EYECATCHER_SMCR,
+    MSG44_LEN,
 };
 
 /// Arguments of `smc decode`.
@@ -121,6 +123,27 @@ fn decode_bytes(out: &mut Out, what: &str, b: &[u8]) -> Result<()> {
                 }
             }
         }
+    } else if b.first().is_some_and(|&t| is_v2_type(t)) && b.len() >= MSG44_LEN {
+        // LLC v2 messages (smc-rv2.md §10): in hex input the size of each is taken from its
+        // little-endian length field when that fits (a capture gives the SEND's size instead).
+        let mut rest = b;
+        while !rest.is_empty() {
+            let field = LlcV2Message::length_field(rest).map_or(0, usize::from);
+            let len = if (MSG44_LEN..=rest.len()).contains(&field) {
+                field
+            } else {
+                rest.len()
+            };
+            let (one, tail) = rest.split_at(len);
+            match SendMessage::parse(one) {
+                Ok(m) => out.message(&describe::send(&m), &[])?,
+                Err(e) => {
+                    out.error(what, &e);
+                    break;
+                }
+            }
+            rest = tail;
+        }
     } else if !b.is_empty() && b.len() % MSG44_LEN == 0 {
         for chunk in b.chunks(MSG44_LEN) {
             match ControlMessage::parse(chunk) {
@@ -140,8 +163,8 @@ fn decode_bytes(out: &mut Out, what: &str, b: &[u8]) -> Result<()> {
             Err(_) => out.error(
                 what,
                 &format!(
-                    "{} bytes: not a CLC message (no SMCR eye catcher), not a 44-byte LLC/CDC \
-                     message and not a TCP options block",
+                    "{} bytes: not a CLC message (no SMCR eye catcher), not an LLC/CDC message \
+                     (44 bytes, or an LLC v2 message) and not a TCP options block",
                     b.len()
                 ),
             ),
@@ -178,8 +201,8 @@ fn decode_finding(out: &mut Out, f: &Finding) -> Result<()> {
             Ok((m, _)) => out.message(&describe::clc(&m), &src)?,
             Err(e) => out.error(&what, &e),
         },
-        Found::Send(b) => match ControlMessage::parse(b) {
-            Ok(m) => out.message(&describe::control(&m), &src)?,
+        Found::Send(b) => match SendMessage::parse(b) {
+            Ok(m) => out.message(&describe::send(&m), &src)?,
             Err(e) => out.error(&what, &e),
         },
         Found::ClcError(e) => out.error(&what, e),
@@ -237,12 +260,14 @@ pub fn run(args: &DecodeArgs) -> Result<ExitCode> {
             examples::VECTORS
                 .iter()
                 .chain(examples::VARIANTS)
+                .chain(examples::V2_VECTORS)
                 .copied()
                 .collect()
         } else {
             examples::VECTORS
                 .iter()
                 .chain(examples::VARIANTS)
+                .chain(examples::V2_VECTORS)
                 .filter(|(n, _)| n == name)
                 .copied()
                 .collect()
@@ -251,6 +276,7 @@ pub fn run(args: &DecodeArgs) -> Result<ExitCode> {
             let names: Vec<&str> = examples::VECTORS
                 .iter()
                 .chain(examples::VARIANTS)
+                .chain(examples::V2_VECTORS)
                 .map(|(n, _)| *n)
                 .collect();
             bail!(

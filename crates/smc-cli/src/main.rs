@@ -11,6 +11,7 @@ mod decode;
 mod demo;
 mod nc;
 mod observe;
+mod ueid;
 
 use std::process::ExitCode;
 
@@ -43,6 +44,8 @@ enum Command {
     Stats(observe::ObserveArgs),
     /// The PNET table of every running stack: which devices serve which interfaces.
     Pnet(observe::ObserveArgs),
+    /// The SMC-Rv2 UEIDs in use (SMC_UEIDS or the TOML `ueids`) and the SMC versions.
+    Ueid(ueid::UeidArgs),
     /// SMC-R against TCP loopback and Unix sockets: throughput, latency, setup rate, many
     /// streams, CPU per GB, memory per idle connection, fallback; table, JSON lines, plot.
     Bench(bench::BenchArgs),
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         Command::Device(args) => observe::run(observe::Query::Device, &args),
         Command::Stats(args) => observe::run(observe::Query::Stats, &args),
         Command::Pnet(args) => observe::run(observe::Query::Pnet, &args),
+        Command::Ueid(args) => ueid::run(&args),
         Command::DemoServer(args) => demo::run_server(&args),
         Command::Bench(args) => bench::run(&args),
         Command::BenchServer(args) => bench_server::run_server(&args),

@@ -78,6 +78,9 @@ pub struct Device {
     pub mac: Mac,
     /// Largest path MTU the port supports.
     pub mtu: QpMtu,
+    /// Whether the port can carry SMC-Rv2, `gid` then being its RoCEv2 GID (IPv4-mapped on a
+    /// RoCE port; the shm fabric's own GID on shm, see docs/v2.md).
+    pub roce_v2: bool,
 }
 
 /// Identifies a link group inside one endpoint (never reused).

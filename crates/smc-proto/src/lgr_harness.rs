@@ -163,6 +163,10 @@ pub struct Host {
     pub established: BTreeSet<TcpId>,
     /// Outstanding work requests: id → link.
     pub outstanding: BTreeMap<WrId, LinkId>,
+    /// LLC messages posted in their version-2 form (type `0x2X`), and their bytes.
+    pub llc_v2_sent: Vec<[u8; smc_wire::MSG44_LEN]>,
+    /// LLC messages posted in their version-1 form.
+    pub llc_v1_sent: usize,
 }
 
 impl Host {
@@ -177,6 +181,8 @@ impl Host {
             auto_read: true,
             established: BTreeSet::new(),
             outstanding: BTreeMap::new(),
+            llc_v2_sent: Vec::new(),
+            llc_v1_sent: 0,
         }
     }
 
@@ -426,6 +432,7 @@ pub fn device(s: Side, i: u8) -> Device {
         gid: Gid(gid),
         mac: Mac([0x02, 0, 0, 0, sb, i + 1]),
         mtu: QpMtu::MTU_1024,
+        roce_v2: true,
     }
 }
 
@@ -648,10 +655,24 @@ impl EndpointPair {
                 h.qps.insert(link, (qpn, Some(remote.qpn), true));
             }
             FabricOp::PostSend { link, wr, msg } => {
-                let what = match ControlMessage::parse(&msg) {
-                    Ok(ControlMessage::Cdc(c)) => Traced::Cdc(link, c),
-                    Ok(ControlMessage::Llc(m)) => Traced::Llc(link, m),
-                    Err(_) => Traced::Write(link, 0),
+                let what = if smc_wire::llc_v2::is_v2_type(msg[0]) {
+                    self.host_mut(s).llc_v2_sent.push(msg);
+                    match smc_wire::llc_v2::LlcV2Message::parse(&msg)
+                        .ok()
+                        .and_then(crate::endpoint::llc_view_of_v2)
+                    {
+                        Some(m) => Traced::Llc(link, m),
+                        None => Traced::Write(link, 0),
+                    }
+                } else {
+                    match ControlMessage::parse(&msg) {
+                        Ok(ControlMessage::Cdc(c)) => Traced::Cdc(link, c),
+                        Ok(ControlMessage::Llc(m)) => {
+                            self.host_mut(s).llc_v1_sent += 1;
+                            Traced::Llc(link, m)
+                        }
+                        Err(_) => Traced::Write(link, 0),
+                    }
                 };
                 self.host_mut(s).outstanding.insert(wr, link);
                 let dead = self.dead.contains(&(s, link));

@@ -369,6 +369,9 @@ pub struct LinkGroup {
     /// client waiting for an ADD LINK that never comes); used by the ADD LINK, destroyed
     /// if the first contact ends without it.
     pub spare: Option<SpareQp>,
+    /// SMC-Rv2: what the group agreed on; `None` for a version-1 group. Its LLC messages go
+    /// in their v2 form.
+    pub v2: Option<crate::endpoint::LgrV2>,
 }
 
 /// A QP made ahead of the link that will use it ([`LinkGroup::spare`]).
@@ -420,6 +423,7 @@ impl LinkGroup {
             client_deleting: BTreeMap::new(),
             pnet: DeviceSet::ALL,
             spare: None,
+            v2: None,
         }
     }
 

@@ -5,7 +5,13 @@
 
 use core::net::{Ipv4Addr, Ipv6Addr};
 
+use crate::clc_v2::{
+    smc_type, AcceptConfirmV2, FirstContactExt, ProposalV2Ext, ACCEPT_CONFIRM_V2_LEN,
+    ACCEPT_V2_FIRST_CONTACT_LEN, MAX_V2_EXT_OFFSET, OS_TYPE_LINUX, SMCD_V2_EXT_FIXED_LEN,
+    SMCD_V2_ISM_ENTRY_LEN,
+};
 use crate::codec::{Reader, Writer};
+use crate::eid::{Eid, MAX_PROPOSAL_EIDS};
 use crate::error::{Error, Result};
 use crate::types::{wire_enum, Gid, Mac, PeerId, QpMtu, RmbeSize, U24};
 use crate::{EYECATCHER_SMCD, EYECATCHER_SMCR};
@@ -18,7 +24,7 @@ pub const TRAILER_LEN: usize = 4;
 pub const ACCEPT_CONFIRM_LEN: usize = 68;
 /// Length of a version-1 Decline.
 pub const DECLINE_LEN: usize = 28;
-/// Length of an SMCv2 Decline (accepted on receipt, never sent).
+/// Length of an SMCv2 Decline.
 pub const DECLINE_V2_LEN: usize = 44;
 /// Length of a version-1 IPv4 Proposal with IP-area offset 0.
 pub const PROPOSAL_V4_LEN: usize = 52;
@@ -279,12 +285,13 @@ pub struct SmcdArea {
 
 /// A CLC Proposal (type 1): the client offers SMC-R.
 ///
-/// Parsed in both the RFC 7609 version-1 layout (IP-area offset 0) and the version-2 format
-/// that Linux ≥ 5.10 always sends (offset 40 over an SMC-D area, optional v2 extensions,
-/// which are skipped).
+/// Parsed in the RFC 7609 version-1 layout (IP-area offset 0 or 40) and in the version-2
+/// layout Linux ≥ 5.10 always sends (smc-rv2.md §5): a 40-byte SMC-D area at byte 40, the IP
+/// area only when the v1 type is not "none", then the SMC v2 extension with the UEIDs and the
+/// client's RoCEv2 GID, then an SMC-Dv2 extension (kept verbatim).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Proposal {
-    /// Header version (1, or 2 for Linux's format).
+    /// Header version (1, or 2 for the version-2 layout).
     pub version: u8,
     /// The version-1 SMC type (byte 7 bits 0x03): 0 SMC-R, 1 SMC-D, 2 none, 3 both.
     pub smc_type_v1: u8,
@@ -292,26 +299,41 @@ pub struct Proposal {
     pub smc_type_v2: u8,
     /// Sender's peer ID.
     pub peer_id: PeerId,
-    /// GID of the client's preferred RNIC port.
+    /// GID of the client's preferred RNIC port (RoCE v1; zero in a v2-only Proposal).
     pub preferred_gid: Gid,
     /// MAC of the client's preferred RNIC.
     pub preferred_mac: Mac,
-    /// The SMC-D area (present when the IP-area offset is 40).
+    /// The SMC-D area (always present in the version-2 layout; in version 1 when the IP-area
+    /// offset is 40).
     pub smcd_area: Option<SmcdArea>,
-    /// IPv4 network number of the outgoing interface (0 for IPv6).
+    /// IPv4 network number of the outgoing interface (0 for IPv6 or without IP area).
     pub ipv4_subnet: Ipv4Addr,
-    /// IPv4 prefix length (0 for IPv6).
+    /// IPv4 prefix length (0 for IPv6 or without IP area).
     pub ipv4_prefix_len: u8,
     /// IPv6 prefixes (empty for IPv4), at most 8.
     pub ipv6_prefixes: Vec<Ipv6Prefix>,
-    /// Bytes between the IP area and the trailer (SMCv2 extensions), kept verbatim.
-    pub v2_extensions: Vec<u8>,
+    /// The SMC v2 extension (version 2, v2 type not "none").
+    pub v2_ext: Option<ProposalV2Ext>,
+    /// The bytes after the v2 extension's EIDs (the SMC-Dv2 extension), kept verbatim.
+    pub smcd_v2_ext: Vec<u8>,
 }
 
 impl Proposal {
-    /// Whether the client offers SMC-R version 1 (type 0 "SMC-R" or 3 "both").
+    /// Whether the client offers SMC-R version 1 (v1 type 0 "SMC-R" or 3 "both").
     pub fn offers_smcr_v1(&self) -> bool {
-        self.smc_type_v1 == 0 || self.smc_type_v1 == 3
+        smc_type::includes_r(self.smc_type_v1)
+    }
+
+    /// Whether the client offers SMC-Rv2 (version ≥ 2, v2 type includes SMC-R, with an
+    /// extension).
+    pub fn offers_smcr_v2(&self) -> bool {
+        self.version >= 2 && smc_type::includes_r(self.smc_type_v2) && self.v2_ext.is_some()
+    }
+
+    /// Whether this Proposal has an IP area (version 1 always; version 2 when the v1 type is
+    /// not "none").
+    fn has_ip_area(&self) -> bool {
+        self.version < 2 || self.smc_type_v1 != smc_type::NONE
     }
 
     /// Parse a whole Proposal (exactly `length` bytes of `buf` are used).
@@ -325,6 +347,9 @@ impl Proposal {
             });
         }
         p.check_trailer()?;
+        if h.version >= 2 {
+            return Self::parse_v2(p.as_bytes(), h);
+        }
         let bytes = p.as_bytes();
         let mut r = Reader::new(
             &bytes[HEADER_LEN..bytes.len() - TRAILER_LEN],
@@ -352,53 +377,19 @@ impl Proposal {
             r.skip(offset)?;
             None
         };
-        let ipv4_subnet = Ipv4Addr::from(r.u32()?);
-        let ipv4_prefix_len = r.u8()?;
-        r.skip(2)?;
-        let count = usize::from(r.u8()?);
-        if count > MAX_IPV6_PREFIXES {
-            return Err(Error::Malformed {
-                what: "CLC Proposal",
-                why: "more than 8 IPv6 prefixes",
-            });
-        }
-        let mut ipv6_prefixes = Vec::with_capacity(count);
-        for _ in 0..count {
-            let prefix = Ipv6Addr::from(r.array::<16>()?);
-            let prefix_len = r.u8()?;
-            ipv6_prefixes.push(Ipv6Prefix { prefix, prefix_len });
-        }
-        let version = h.version;
-        // A version-1 message must have exactly the RFC length; a newer one may carry
-        // extensions between the IP area and the trailer, which a v1 server skips.
-        let v2_extensions = r.rest().to_vec();
-        if version == 1 && !v2_extensions.is_empty() {
+        let (ipv4_subnet, ipv4_prefix_len, ipv6_prefixes) = read_ip_area(&mut r)?;
+        // A version-1 message must have exactly the RFC length.
+        if r.remaining() != 0 {
             return Err(Error::BadLength {
                 what: "CLC Proposal",
                 found: bytes.len(),
                 expected: "40 + offset + 8 + 17·n + 4",
             });
         }
-        if ipv4_prefix_len > 32 {
-            return Err(Error::BadValue {
-                field: "IPv4 prefix length",
-                value: u64::from(ipv4_prefix_len),
-            });
-        }
-        if let Some(bad) = ipv6_prefixes.iter().find(|p| p.prefix_len > 128) {
-            return Err(Error::BadValue {
-                field: "IPv6 prefix length",
-                value: u64::from(bad.prefix_len),
-            });
-        }
         Ok(Proposal {
-            version,
+            version: h.version,
             smc_type_v1: h.flags & 0x03,
-            smc_type_v2: if version >= 2 {
-                (h.flags >> 2) & 0x03
-            } else {
-                0
-            },
+            smc_type_v2: 0,
             peer_id,
             preferred_gid,
             preferred_mac,
@@ -406,36 +397,135 @@ impl Proposal {
             ipv4_subnet,
             ipv4_prefix_len,
             ipv6_prefixes,
-            v2_extensions,
+            v2_ext: None,
+            smcd_v2_ext: Vec::new(),
         })
+    }
+
+    /// The version-2 layout (smc-rv2.md §5.1, §5.4). Linux drops a Proposal that breaks its
+    /// length formula without a Decline; we additionally require the canonical placement
+    /// Linux itself uses (IP area at 80 when present, extension right after it).
+    fn parse_v2(bytes: &[u8], h: ClcHeader) -> Result<Proposal> {
+        let malformed = |why| Error::Malformed {
+            what: "CLC Proposal v2",
+            why,
+        };
+        let smc_type_v1 = h.flags & 0x03;
+        let smc_type_v2 = (h.flags >> 2) & 0x03;
+        let body_end = bytes.len() - TRAILER_LEN;
+        let mut r = Reader::new(&bytes[HEADER_LEN..body_end], "CLC Proposal v2");
+        let peer_id = PeerId::from_bytes(r.array()?);
+        let preferred_gid = Gid(r.array()?);
+        let preferred_mac = Mac(r.array()?);
+        let ip_offset = usize::from(r.u16()?);
+        let mut a = r.sub(SMCD_AREA_LEN)?;
+        let smcd_area = SmcdArea {
+            ism_gid: a.u64()?,
+            ism_chid: a.u16()?,
+            v2_ext_offset: a.u16()?,
+        };
+        let has_ip_area = smc_type_v1 != smc_type::NONE;
+        let expected_ip_offset = if has_ip_area { SMCD_AREA_LEN } else { 0 };
+        if ip_offset > SMCD_AREA_LEN {
+            return Err(malformed("IP area offset larger than 40"));
+        }
+        if ip_offset != expected_ip_offset {
+            return Err(malformed(
+                "IP area offset must be 40 with a v1 type, 0 without",
+            ));
+        }
+        let (ipv4_subnet, ipv4_prefix_len, ipv6_prefixes) = if has_ip_area {
+            read_ip_area(&mut r)?
+        } else {
+            (Ipv4Addr::UNSPECIFIED, 0, Vec::new())
+        };
+        // Where the IP area (or the SMC-D area) ends in the whole message.
+        let ext_pos = HEADER_LEN + r.position();
+        let mut v2_ext = None;
+        let mut smcd_v2_ext = Vec::new();
+        let mut expected_len = HEADER_LEN + 32 + SMCD_AREA_LEN + TRAILER_LEN;
+        if has_ip_area {
+            expected_len += 8 + IPV6_PREFIX_LEN * ipv6_prefixes.len();
+        }
+        if smc_type_v2 != smc_type::NONE {
+            let off = usize::from(smcd_area.v2_ext_offset);
+            if off == 0 || off > MAX_V2_EXT_OFFSET {
+                return Err(malformed("v2 extension offset 0 or larger than 172"));
+            }
+            if 52 + off != ext_pos {
+                return Err(malformed("v2 extension not right after the IP area"));
+            }
+            let mut er = Reader::new(&bytes[ext_pos..body_end], "CLC v2 extension");
+            let ext = ProposalV2Ext::read(&mut er)?;
+            if ext.eids.len() > MAX_PROPOSAL_EIDS {
+                return Err(malformed("more than 8 EIDs"));
+            }
+            expected_len += ext.buffer_len();
+            if smc_type::includes_d(smc_type_v2) {
+                expected_len +=
+                    SMCD_V2_EXT_FIXED_LEN + SMCD_V2_ISM_ENTRY_LEN * usize::from(ext.ism_gid_count);
+            }
+            smcd_v2_ext = er.rest().to_vec();
+            v2_ext = Some(ext);
+        }
+        if bytes.len() != expected_len {
+            return Err(Error::BadLength {
+                what: "CLC Proposal v2",
+                found: bytes.len(),
+                expected: "80 + IP area + v2 extension + SMC-Dv2 extension + 4",
+            });
+        }
+        Ok(Proposal {
+            version: h.version,
+            smc_type_v1,
+            smc_type_v2,
+            peer_id,
+            preferred_gid,
+            preferred_mac,
+            smcd_area: Some(smcd_area),
+            ipv4_subnet,
+            ipv4_prefix_len,
+            ipv6_prefixes,
+            v2_ext,
+            smcd_v2_ext,
+        })
+    }
+
+    fn ip_area_len(&self) -> usize {
+        if self.has_ip_area() {
+            8 + IPV6_PREFIX_LEN * self.ipv6_prefixes.len()
+        } else {
+            0
+        }
     }
 
     /// Length of the emitted message.
     pub fn buffer_len(&self) -> usize {
-        let offset = if self.smcd_area.is_some() {
+        let smcd = if self.version >= 2 || self.smcd_area.is_some() {
             SMCD_AREA_LEN
         } else {
             0
         };
         HEADER_LEN
-            + 8
-            + 16
-            + 6
-            + 2
-            + offset
-            + 8
-            + IPV6_PREFIX_LEN * self.ipv6_prefixes.len()
-            + self.v2_extensions.len()
+            + 32
+            + smcd
+            + self.ip_area_len()
+            + self.v2_ext.as_ref().map_or(0, ProposalV2Ext::buffer_len)
+            + self.smcd_v2_ext.len()
             + TRAILER_LEN
     }
 
     /// Emit into `buf`.
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
         let len = self.buffer_len();
-        if self.ipv6_prefixes.len() > MAX_IPV6_PREFIXES || len > MAX_CLC_LEN {
+        let too_many_eids = self
+            .v2_ext
+            .as_ref()
+            .is_some_and(|e| e.eids.len() > MAX_PROPOSAL_EIDS);
+        if self.ipv6_prefixes.len() > MAX_IPV6_PREFIXES || len > MAX_CLC_LEN || too_many_eids {
             return Err(Error::Malformed {
                 what: "CLC Proposal",
-                why: "too many prefixes or extension bytes",
+                why: "too many prefixes, EIDs or extension bytes",
             });
         }
         let mut w = Writer::new(buf);
@@ -447,38 +537,96 @@ impl Proposal {
         w.put(&self.peer_id.to_bytes());
         w.put(&self.preferred_gid.0);
         w.put(&self.preferred_mac.0);
-        match &self.smcd_area {
-            Some(a) => {
-                w.u16(SMCD_AREA_LEN as u16);
-                w.u64(a.ism_gid);
-                w.u16(a.ism_chid);
-                w.u16(a.v2_ext_offset);
-                w.zeros(SMCD_AREA_LEN - 12);
+        if self.version >= 2 {
+            let a = self.smcd_area.unwrap_or_default();
+            let ext_offset = match &self.v2_ext {
+                Some(_) => (HEADER_LEN + 32 + SMCD_AREA_LEN + self.ip_area_len() - 52) as u16,
+                None => a.v2_ext_offset,
+            };
+            w.u16(if self.has_ip_area() {
+                SMCD_AREA_LEN as u16
+            } else {
+                0
+            });
+            w.u64(a.ism_gid);
+            w.u16(a.ism_chid);
+            w.u16(ext_offset);
+            w.zeros(SMCD_AREA_LEN - 12);
+        } else {
+            match &self.smcd_area {
+                Some(a) => {
+                    w.u16(SMCD_AREA_LEN as u16);
+                    w.u64(a.ism_gid);
+                    w.u16(a.ism_chid);
+                    w.u16(a.v2_ext_offset);
+                    w.zeros(SMCD_AREA_LEN - 12);
+                }
+                None => w.u16(0),
             }
-            None => w.u16(0),
         }
-        w.put(&self.ipv4_subnet.octets());
-        w.u8(self.ipv4_prefix_len);
-        w.zeros(2);
-        w.u8(self.ipv6_prefixes.len() as u8);
-        for p in &self.ipv6_prefixes {
-            w.put(&p.prefix.octets());
-            w.u8(p.prefix_len);
+        if self.has_ip_area() {
+            w.put(&self.ipv4_subnet.octets());
+            w.u8(self.ipv4_prefix_len);
+            w.zeros(2);
+            w.u8(self.ipv6_prefixes.len() as u8);
+            for p in &self.ipv6_prefixes {
+                w.put(&p.prefix.octets());
+                w.u8(p.prefix_len);
+            }
         }
-        w.put(&self.v2_extensions);
+        if let Some(e) = &self.v2_ext {
+            e.write(&mut w);
+        }
+        w.put(&self.smcd_v2_ext);
         w.put(&EYECATCHER_SMCR);
         w.finish()
     }
 }
 
+/// The IP area (RFC 7609 A.2.2): IPv4 subnet, prefix length, 2 reserved, IPv6 prefix count
+/// and prefixes.
+fn read_ip_area(r: &mut Reader<'_>) -> Result<(Ipv4Addr, u8, Vec<Ipv6Prefix>)> {
+    let ipv4_subnet = Ipv4Addr::from(r.u32()?);
+    let ipv4_prefix_len = r.u8()?;
+    r.skip(2)?;
+    let count = usize::from(r.u8()?);
+    if count > MAX_IPV6_PREFIXES {
+        return Err(Error::Malformed {
+            what: "CLC Proposal",
+            why: "more than 8 IPv6 prefixes",
+        });
+    }
+    let mut ipv6_prefixes = Vec::with_capacity(count);
+    for _ in 0..count {
+        let prefix = Ipv6Addr::from(r.array::<16>()?);
+        let prefix_len = r.u8()?;
+        ipv6_prefixes.push(Ipv6Prefix { prefix, prefix_len });
+    }
+    if ipv4_prefix_len > 32 {
+        return Err(Error::BadValue {
+            field: "IPv4 prefix length",
+            value: u64::from(ipv4_prefix_len),
+        });
+    }
+    if let Some(bad) = ipv6_prefixes.iter().find(|p| p.prefix_len > 128) {
+        return Err(Error::BadValue {
+            field: "IPv6 prefix length",
+            value: u64::from(bad.prefix_len),
+        });
+    }
+    Ok((ipv4_subnet, ipv4_prefix_len, ipv6_prefixes))
+}
+
 /// The body shared by CLC Accept (type 2) and Confirm (type 3): the sender's RoCE, QP and RMB
-/// data for the link and connection (RFC 7609 A.2.3, A.2.4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// data for the link and connection (RFC 7609 A.2.3, A.2.4), and in version 2 the EID, the
+/// first-contact extension and a first-contact Confirm's GID list (smc-rv2.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct AcceptConfirm {
     /// Header version.
     pub version: u8,
     /// Byte 7 bit 0x08: in an Accept the F (first contact) flag; Linux also sets it in the
-    /// Confirm of a first contact (we send 0 there and ignore it on receipt).
+    /// Confirm of a first contact (version 1: we send 0 there and ignore it on receipt;
+    /// version 2: it says the first-contact extension follows).
     pub first_contact: bool,
     /// Sender's peer ID.
     pub peer_id: PeerId,
@@ -502,12 +650,17 @@ pub struct AcceptConfirm {
     pub rmb_vaddr: u64,
     /// Initial packet sequence number of the sender's QP.
     pub initial_psn: U24,
+    /// Version 2 only: EID, first-contact extension, GID list.
+    pub v2: Option<AcceptConfirmV2>,
 }
 
 impl AcceptConfirm {
     /// Parse an Accept or Confirm; `expect` says which.
     ///
-    /// A length other than 68 is malformed. A reserved QP MTU is a bad value (Decline, C.6).
+    /// Version 1: exactly 68 bytes. Version 2: at least 108 bytes, 160 with the first-contact
+    /// bit (Linux reads the extension without a length check, so a shorter one is malformed
+    /// here), bytes after the known parts ignored as Linux does. A reserved QP MTU is a bad
+    /// value (Decline, C.6).
     pub fn parse(buf: &[u8], expect: ClcType) -> Result<AcceptConfirm> {
         let p = ClcPacket::new_checked(buf)?;
         let h = p.header();
@@ -517,17 +670,27 @@ impl AcceptConfirm {
                 found: h.msg_type.0,
             });
         }
-        if usize::from(h.length) != ACCEPT_CONFIRM_LEN {
-            if h.version >= 2 {
-                // An SMCv2 Accept/Confirm: we only ever propose version 1.
-                return Err(Error::BadValue {
-                    field: "CLC version",
-                    value: u64::from(h.version),
+        let len = usize::from(h.length);
+        let first_contact = h.flags & 0x08 != 0;
+        if h.version >= 2 {
+            if len < ACCEPT_CONFIRM_V2_LEN {
+                return Err(Error::BadLength {
+                    what: "CLC Accept/Confirm v2",
+                    found: len,
+                    expected: "at least 108",
                 });
             }
+            if first_contact && len < ACCEPT_V2_FIRST_CONTACT_LEN {
+                return Err(Error::BadLength {
+                    what: "CLC Accept/Confirm v2 with first contact",
+                    found: len,
+                    expected: "at least 160",
+                });
+            }
+        } else if len != ACCEPT_CONFIRM_LEN {
             return Err(Error::BadLength {
                 what: "CLC Accept/Confirm",
-                found: usize::from(h.length),
+                found: len,
                 expected: "68",
             });
         }
@@ -552,6 +715,34 @@ impl AcceptConfirm {
         let rmb_vaddr = r.u64()?;
         r.skip(1)?;
         let initial_psn = U24::truncate(r.u24()?);
+        let v2 = if h.version >= 2 {
+            let eid = Eid(r.array()?);
+            r.skip(8)?;
+            let first_contact_ext = if first_contact {
+                Some(FirstContactExt::read(&mut r)?)
+            } else {
+                None
+            };
+            // smc-rv2.md §7.3: the GID list follows the extension in a first-contact Confirm.
+            let gid_list = if expect == ClcType::CONFIRM && first_contact && r.remaining() >= 4 {
+                let count = r.u8()?;
+                r.skip(3)?;
+                let mut gids = Vec::with_capacity(usize::from(count));
+                for _ in 0..count {
+                    gids.push(Gid(r.array()?));
+                }
+                Some(gids)
+            } else {
+                None
+            };
+            Some(AcceptConfirmV2 {
+                eid,
+                first_contact_ext,
+                gid_list,
+            })
+        } else {
+            None
+        };
         let qp_mtu = QpMtu(size_mtu & 0x0F).validate()?;
         if rmbe_idx == 0 {
             return Err(Error::BadValue {
@@ -561,7 +752,7 @@ impl AcceptConfirm {
         }
         Ok(AcceptConfirm {
             version: h.version,
-            first_contact: h.flags & 0x08 != 0,
+            first_contact,
             peer_id,
             gid,
             mac,
@@ -573,19 +764,40 @@ impl AcceptConfirm {
             qp_mtu,
             rmb_vaddr,
             initial_psn,
+            v2,
         })
     }
 
-    /// Length of the emitted message: 68.
-    pub const fn buffer_len(&self) -> usize {
-        ACCEPT_CONFIRM_LEN
+    /// Length of the emitted message: 68 in version 1; 108, 160 or 164 + 16·g in version 2.
+    pub fn buffer_len(&self) -> usize {
+        match &self.v2 {
+            Some(v2) => 64 + v2.buffer_len() + TRAILER_LEN,
+            None => ACCEPT_CONFIRM_LEN,
+        }
     }
 
     /// Emit as `msg_type` (Accept or Confirm) into `buf`.
     pub fn emit(&self, msg_type: ClcType, buf: &mut [u8]) -> Result<usize> {
+        if let Some(v2) = &self.v2 {
+            if v2.first_contact_ext.is_some() != self.first_contact {
+                return Err(Error::Malformed {
+                    what: "CLC Accept/Confirm v2",
+                    why: "first-contact extension without first-contact bit or the reverse",
+                });
+            }
+            if v2.gid_list.as_ref().is_some_and(|g| g.len() > 255)
+                || self.buffer_len() > MAX_CLC_LEN
+            {
+                return Err(Error::Malformed {
+                    what: "CLC Confirm v2",
+                    why: "GID list too long",
+                });
+            }
+        }
+        let len = self.buffer_len();
         let mut w = Writer::new(buf);
         let flags = if self.first_contact { 0x08 } else { 0 };
-        ClcHeader::emit(&mut w, msg_type, ACCEPT_CONFIRM_LEN, self.version, flags);
+        ClcHeader::emit(&mut w, msg_type, len, self.version, flags);
         w.put(&self.peer_id.to_bytes());
         w.put(&self.gid.0);
         w.put(&self.mac.0);
@@ -598,6 +810,20 @@ impl AcceptConfirm {
         w.u64(self.rmb_vaddr);
         w.zeros(1);
         w.u24(self.initial_psn.get());
+        if let Some(v2) = &self.v2 {
+            w.put(&v2.eid.0);
+            w.zeros(8);
+            if let Some(fce) = &v2.first_contact_ext {
+                fce.write(&mut w);
+            }
+            if let Some(gids) = &v2.gid_list {
+                w.u8(gids.len() as u8);
+                w.zeros(3);
+                for g in gids {
+                    w.put(&g.0);
+                }
+            }
+        }
         w.put(&EYECATCHER_SMCR);
         w.finish()
     }
@@ -633,6 +859,18 @@ impl Decline {
         }
     }
 
+    /// A version-2 Decline (44 bytes, smc-rv2.md §8): OS type Linux, no further diagnoses.
+    pub fn new_v2(peer_id: PeerId, diagnosis: DeclineCode, out_of_sync: bool) -> Decline {
+        Decline {
+            version: 2,
+            out_of_sync,
+            peer_id,
+            diagnosis,
+            os_type: OS_TYPE_LINUX,
+            v2_diagnoses: Some([DeclineCode(0); 4]),
+        }
+    }
+
     /// Parse a Decline of 28 bytes (v1) or 44 bytes (SMCv2). The trailer is not checked
     /// (Linux does not check it on Declines either).
     pub fn parse(buf: &[u8]) -> Result<Decline> {
@@ -645,11 +883,18 @@ impl Decline {
             });
         }
         let len = usize::from(h.length);
-        if len != DECLINE_LEN && len != DECLINE_V2_LEN {
+        // smc-rv2.md §4.2: exactly 28 bytes when byte 7 says version 1, exactly 44 when it
+        // says version 2 (Linux checks both).
+        let (want, expected) = if h.version >= 2 {
+            (DECLINE_V2_LEN, "44 for version 2")
+        } else {
+            (DECLINE_LEN, "28 for version 1")
+        };
+        if len != want {
             return Err(Error::BadLength {
                 what: "CLC Decline",
                 found: len,
-                expected: "28 or 44",
+                expected,
             });
         }
         let mut r = Reader::new(p.body(), "CLC Decline");

@@ -5,8 +5,10 @@
 
 use crate::cdc::CdcMessage;
 use crate::clc::{AcceptConfirm, ClcMessage};
+use crate::eid::Eid;
 use crate::llc::{LinkRtoken, LlcMessage};
-use crate::message::ControlMessage;
+use crate::llc_v2::LlcV2Message;
+use crate::message::{ControlMessage, SendMessage};
 
 /// One field value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,35 +58,36 @@ pub fn clc(m: &ClcMessage) -> Description {
                 ("peer_id", bytes(&p.peer_id.to_bytes())),
                 ("preferred_gid", bytes(&p.preferred_gid.0)),
                 ("preferred_roce_mac", bytes(&p.preferred_mac.0)),
-                (
-                    "ip_area_offset",
-                    u(if p.smcd_area.is_some() { 40u64 } else { 0 }),
-                ),
             ];
+            let has_ip_area = p.version < 2 || p.smc_type_v1 != 2;
+            let ip_area_at_40 = if p.version >= 2 {
+                has_ip_area
+            } else {
+                p.smcd_area.is_some()
+            };
+            f.push(("ip_area_offset", u(if ip_area_at_40 { 40u64 } else { 0 })));
             if let Some(a) = &p.smcd_area {
                 f.push(("ism_gid", u(a.ism_gid)));
                 f.push(("ism_chid", u(a.ism_chid)));
                 f.push(("v2_extension_offset", u(a.v2_ext_offset)));
             }
-            f.push(("ipv4_subnet", Value::Text(p.ipv4_subnet.to_string())));
-            f.push(("ipv4_prefix_length", u(p.ipv4_prefix_len)));
-            f.push(("ipv6_prefix_count", u(p.ipv6_prefixes.len() as u64)));
-            f.push((
-                "ipv6_prefixes",
-                Value::List(
-                    p.ipv6_prefixes
-                        .iter()
-                        .map(|x| {
-                            vec![
-                                ("prefix", Value::Text(x.prefix.to_string())),
-                                ("prefix_length", u(x.prefix_len)),
-                            ]
-                        })
-                        .collect(),
-                ),
-            ));
-            if !p.v2_extensions.is_empty() {
-                f.push(("v2_extension_bytes", u(p.v2_extensions.len() as u64)));
+            if has_ip_area {
+                proposal_ip_area(p, &mut f);
+            }
+            if let Some(e) = &p.v2_ext {
+                f.push(("eid_count", u(e.eids.len() as u64)));
+                f.push(("ism_gid_count", u(e.ism_gid_count)));
+                f.push(("smc_release", u(e.release)));
+                f.push(("seid", b(e.seid)));
+                f.push(("smcd_v2_extension_offset", u(e.smcd_v2_ext_offset)));
+                f.push(("roce_v2_gid", bytes(&e.roce_v2_gid.0)));
+                f.push(("max_conns", u(e.max_conns)));
+                f.push(("max_links", u(e.max_links)));
+                f.push(("feature_mask", u(e.feature_mask)));
+                f.push(("eids", eids(&e.eids)));
+            }
+            if !p.smcd_v2_ext.is_empty() {
+                f.push(("smcd_v2_extension", bytes(&p.smcd_v2_ext)));
             }
             Description {
                 kind: "clc.proposal",
@@ -93,53 +96,102 @@ pub fn clc(m: &ClcMessage) -> Description {
         }
         ClcMessage::Accept(a) => accept_confirm("clc.accept", a),
         ClcMessage::Confirm(a) => accept_confirm("clc.confirm", a),
-        ClcMessage::Decline(d) => {
-            let mut f = vec![
-                ("version", u(d.version)),
-                ("out_of_sync", b(d.out_of_sync)),
-                ("length", u(d.buffer_len() as u64)),
-                ("peer_id", bytes(&d.peer_id.to_bytes())),
-                ("peer_diagnosis", u(d.diagnosis.0)),
-                (
-                    "peer_diagnosis_text",
-                    Value::Text(d.diagnosis.description().unwrap_or("unknown").into()),
-                ),
-            ];
-            if let Some(v2) = &d.v2_diagnoses {
-                f.push(("os_type", u(d.os_type)));
-                f.push((
-                    "v2_diagnoses",
-                    Value::List(v2.iter().map(|c| vec![("code", u(c.0))]).collect()),
-                ));
-            }
-            Description {
-                kind: "clc.decline",
-                fields: f,
-            }
-        }
+        ClcMessage::Decline(d) => decline(d),
+    }
+}
+
+fn eids(e: &[Eid]) -> Value {
+    Value::List(
+        e.iter()
+            .map(|e| vec![("eid", Value::Text(e.text())), ("bytes", bytes(&e.0))])
+            .collect(),
+    )
+}
+
+fn proposal_ip_area(p: &crate::clc::Proposal, f: &mut Vec<(&'static str, Value)>) {
+    f.push(("ipv4_subnet", Value::Text(p.ipv4_subnet.to_string())));
+    f.push(("ipv4_prefix_length", u(p.ipv4_prefix_len)));
+    f.push(("ipv6_prefix_count", u(p.ipv6_prefixes.len() as u64)));
+    f.push((
+        "ipv6_prefixes",
+        Value::List(
+            p.ipv6_prefixes
+                .iter()
+                .map(|x| {
+                    vec![
+                        ("prefix", Value::Text(x.prefix.to_string())),
+                        ("prefix_length", u(x.prefix_len)),
+                    ]
+                })
+                .collect(),
+        ),
+    ));
+}
+
+fn decline(d: &crate::clc::Decline) -> Description {
+    let mut f = vec![
+        ("version", u(d.version)),
+        ("out_of_sync", b(d.out_of_sync)),
+        ("length", u(d.buffer_len() as u64)),
+        ("peer_id", bytes(&d.peer_id.to_bytes())),
+        ("peer_diagnosis", u(d.diagnosis.0)),
+        (
+            "peer_diagnosis_text",
+            Value::Text(d.diagnosis.description().unwrap_or("unknown").into()),
+        ),
+    ];
+    if let Some(v2) = &d.v2_diagnoses {
+        f.push(("os_type", u(d.os_type)));
+        f.push((
+            "v2_diagnoses",
+            Value::List(v2.iter().map(|c| vec![("code", u(c.0))]).collect()),
+        ));
+    }
+    Description {
+        kind: "clc.decline",
+        fields: f,
     }
 }
 
 fn accept_confirm(kind: &'static str, a: &AcceptConfirm) -> Description {
-    Description {
-        kind,
-        fields: vec![
-            ("version", u(a.version)),
-            ("first_contact", b(a.first_contact)),
-            ("length", u(a.buffer_len() as u64)),
-            ("peer_id", bytes(&a.peer_id.to_bytes())),
-            ("gid", bytes(&a.gid.0)),
-            ("roce_mac", bytes(&a.mac.0)),
-            ("qp_number", u(a.qp_num.get())),
-            ("rmb_rkey", u(a.rmb_rkey)),
-            ("rmbe_index", u(a.rmbe_idx)),
-            ("rmbe_alert_token", u(a.rmbe_alert_token)),
-            ("rmbe_size", u(a.rmbe_size.0)),
-            ("qp_mtu", u(a.qp_mtu.0)),
-            ("rmb_virtual_address", u(a.rmb_vaddr)),
-            ("initial_psn", u(a.initial_psn.get())),
-        ],
+    let mut fields = vec![
+        ("version", u(a.version)),
+        ("first_contact", b(a.first_contact)),
+        ("length", u(a.buffer_len() as u64)),
+        ("peer_id", bytes(&a.peer_id.to_bytes())),
+        ("gid", bytes(&a.gid.0)),
+        ("roce_mac", bytes(&a.mac.0)),
+        ("qp_number", u(a.qp_num.get())),
+        ("rmb_rkey", u(a.rmb_rkey)),
+        ("rmbe_index", u(a.rmbe_idx)),
+        ("rmbe_alert_token", u(a.rmbe_alert_token)),
+        ("rmbe_size", u(a.rmbe_size.0)),
+        ("qp_mtu", u(a.qp_mtu.0)),
+        ("rmb_virtual_address", u(a.rmb_vaddr)),
+        ("initial_psn", u(a.initial_psn.get())),
+    ];
+    if let Some(v2) = &a.v2 {
+        fields.push(("eid", Value::Text(v2.eid.text())));
+        fields.push(("eid_bytes", bytes(&v2.eid.0)));
+        if let Some(x) = &v2.first_contact_ext {
+            fields.push(("v2_direct", b(x.v2_direct)));
+            fields.push(("os_type", u(x.os_type)));
+            fields.push(("smc_release", u(x.release)));
+            fields.push(("hostname", Value::Text(x.hostname_text())));
+            fields.push(("max_conns", u(x.max_conns)));
+            fields.push(("max_links", u(x.max_links)));
+            fields.push(("feature_mask", u(x.feature_mask)));
+            fields.push(("vendor_options", u(x.vendor_options)));
+        }
+        if let Some(g) = &v2.gid_list {
+            fields.push(("gid_count", u(g.len() as u64)));
+            fields.push((
+                "gid_list",
+                Value::List(g.iter().map(|g| vec![("gid", bytes(&g.0))]).collect()),
+            ));
+        }
     }
+    Description { kind, fields }
 }
 
 fn link_tokens(t: &[LinkRtoken]) -> Value {
@@ -312,6 +364,88 @@ pub fn control(m: &ControlMessage) -> Description {
     match m {
         ControlMessage::Llc(l) => llc(l),
         ControlMessage::Cdc(c) => cdc(c),
+    }
+}
+
+/// Describe an LLC message in its version-2 form: the v1 fields of the message (for the
+/// types that share the v1 layout) after `llc_version` and the little-endian `length`.
+pub fn llc_v2(m: &LlcV2Message) -> Description {
+    let head = |kind: &'static str, rest: Vec<(&'static str, Value)>| {
+        let mut fields = vec![
+            ("llc_version", u(2u8)),
+            ("length", u(m.buffer_len() as u64)),
+        ];
+        fields.extend(rest);
+        Description { kind, fields }
+    };
+    let from_v1 = |v1: LlcMessage| {
+        let d = llc(&v1);
+        head(d.kind, d.fields)
+    };
+    match m {
+        LlcV2Message::ConfirmLink(c) => from_v1(LlcMessage::ConfirmLink(*c)),
+        LlcV2Message::DeleteLink(c) => from_v1(LlcMessage::DeleteLink(*c)),
+        LlcV2Message::ConfirmRkey(c) => from_v1(LlcMessage::ConfirmRkey(*c)),
+        LlcV2Message::TestLink(c) => from_v1(LlcMessage::TestLink(*c)),
+        LlcV2Message::AddLink(a) => {
+            let mut f = llc(&LlcMessage::AddLink(a.base)).fields;
+            // v2 has no reject reason (byte 2 belongs to the length).
+            f.retain(|(k, _)| *k != "reject_reason");
+            if let Some(e) = &a.ext {
+                f.push(("v2_direct", b(e.v2_direct)));
+                f.push(("target_gid", bytes(&e.target_gid.0)));
+                f.push(("rkey_count", u(e.rkey_count)));
+                f.push((
+                    "rtoken_pairs",
+                    Value::List(
+                        e.rtokens
+                            .iter()
+                            .map(|p| {
+                                vec![
+                                    ("reference_rkey", u(p.reference_rkey)),
+                                    ("new_rkey", u(p.new_rkey)),
+                                    ("new_virtual_address", u(p.new_vaddr)),
+                                ]
+                            })
+                            .collect(),
+                    ),
+                ));
+            }
+            head("llc.add_link", f)
+        }
+        LlcV2Message::ReqAddLink(r) => head(
+            "llc.req_add_link",
+            vec![
+                ("reply", b(r.reply)),
+                ("gid_count", u(r.gids.len() as u64)),
+                (
+                    "gids",
+                    Value::List(r.gids.iter().map(|g| vec![("gid", bytes(&g.0))]).collect()),
+                ),
+            ],
+        ),
+        LlcV2Message::DeleteRkey(d) => head(
+            "llc.delete_rkey",
+            vec![
+                ("reply", b(d.reply)),
+                ("negative", b(d.negative)),
+                ("count", u(d.count)),
+                ("invalid_count", u(d.invalid_count)),
+                (
+                    "rkeys",
+                    Value::List(d.rkeys.iter().map(|k| vec![("rkey", u(*k))]).collect()),
+                ),
+            ],
+        ),
+    }
+}
+
+/// Describe any message received by SEND: LLC v1 or v2, or CDC.
+pub fn send(m: &SendMessage) -> Description {
+    match m {
+        SendMessage::Llc(l) => llc(l),
+        SendMessage::LlcV2(l) => llc_v2(l),
+        SendMessage::Cdc(c) => cdc(c),
     }
 }
 

@@ -10,6 +10,10 @@ use pcap_file::pcap::PcapReader;
 use pcap_file::pcapng::{Block, PcapNgReader};
 
 use crate::capture::ROCEV2_UDP_PORT;
+use crate::llc_v2::LLC_V2_MAX_LEN;
+
+/// Largest SEND payload reported: an LLC v2 message.
+const MAX_SEND_LEN: usize = LLC_V2_MAX_LEN;
 use crate::clc::{ClcHeader, HEADER_LEN};
 use crate::roce;
 use crate::{tcp_option, MSG44_LEN};
@@ -43,7 +47,7 @@ pub enum Found {
     },
     /// The bytes of one whole CLC message (not yet validated beyond the header).
     Clc(Vec<u8>),
-    /// The 44-byte payload of a SEND (LLC or CDC, not yet validated).
+    /// The payload of a SEND (LLC v1/v2 or CDC, 44..8192 bytes, not yet validated).
     Send(Vec<u8>),
     /// A CLC stream became unreadable (bad header): the reason, and the flow is dropped.
     ClcError(crate::Error),
@@ -95,6 +99,8 @@ struct Flow {
 #[derive(Default)]
 pub struct Dissector {
     flows: HashMap<(SocketAddr, SocketAddr), Flow>,
+    /// SENDs being reassembled, by destination QP.
+    sends: HashMap<u32, Vec<u8>>,
     frame: usize,
 }
 
@@ -245,16 +251,44 @@ impl Dissector {
         let Ok(p) = roce::Packet::parse(ib) else {
             return;
         };
-        if p.bth.opcode != roce::Opcode::SEND_ONLY || p.payload.len() != MSG44_LEN {
+        let (dest_qp, psn, payload) = (p.bth.dest_qp, p.bth.psn, p.payload);
+        // A SEND longer than the path MTU (an LLC v2 message of up to 8192 bytes) arrives as
+        // FIRST, MIDDLE..., LAST; the pieces are joined per destination QP.
+        let whole = match p.bth.opcode {
+            roce::Opcode::SEND_ONLY => {
+                self.sends.remove(&dest_qp);
+                payload.to_vec()
+            }
+            roce::Opcode::SEND_FIRST => {
+                self.sends.insert(dest_qp, payload.to_vec());
+                return;
+            }
+            roce::Opcode::SEND_MIDDLE => {
+                if let Some(b) = self.sends.get_mut(&dest_qp) {
+                    if b.len() + payload.len() <= MAX_SEND_LEN {
+                        b.extend_from_slice(payload);
+                    } else {
+                        self.sends.remove(&dest_qp);
+                    }
+                }
+                return;
+            }
+            roce::Opcode::SEND_LAST => match self.sends.remove(&dest_qp) {
+                Some(mut b) => {
+                    b.extend_from_slice(payload);
+                    b
+                }
+                None => return,
+            },
+            _ => return,
+        };
+        if whole.len() < MSG44_LEN || whole.len() > MAX_SEND_LEN {
             return;
         }
         out.push(Finding {
             frame: self.frame,
-            origin: Origin::Roce {
-                dest_qp: p.bth.dest_qp,
-                psn: p.bth.psn,
-            },
-            found: Found::Send(p.payload.to_vec()),
+            origin: Origin::Roce { dest_qp, psn },
+            found: Found::Send(whole),
         });
     }
 }

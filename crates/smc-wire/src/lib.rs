@@ -16,12 +16,15 @@
 pub mod capture;
 pub mod cdc;
 pub mod clc;
+pub mod clc_v2;
 pub mod codec;
 pub mod describe;
 pub mod dissect;
+pub mod eid;
 pub mod error;
 pub mod examples;
 pub mod llc;
+pub mod llc_v2;
 pub mod message;
 pub mod roce;
 pub mod tcp_option;
@@ -31,9 +34,10 @@ pub use cdc::{CdcMessage, CdcPacket, ConnStateFlags, Cursor, ProducerFlags};
 pub use clc::{
     AcceptConfirm, ClcHeader, ClcMessage, ClcPacket, ClcType, Decline, DeclineCode, Proposal,
 };
+pub use eid::{Eid, UeidError};
 pub use error::{Error, ErrorClass, Result};
 pub use llc::{LlcMessage, LlcPacket, LlcType};
-pub use message::ControlMessage;
+pub use message::{ControlMessage, SendMessage};
 pub use types::{Gid, Mac, PeerId, QpMtu, RmbeSize, U24};
 
 /// Length of every LLC and CDC message (RFC 7609 A.3, A.4).

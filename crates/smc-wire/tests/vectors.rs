@@ -89,7 +89,8 @@ fn clc_proposal_v4() {
             ipv4_subnet: Ipv4Addr::new(192, 168, 1, 0),
             ipv4_prefix_len: 24,
             ipv6_prefixes: vec![],
-            v2_extensions: vec![],
+            v2_ext: None,
+            smcd_v2_ext: vec![],
         }
     );
     assert!(p.offers_smcr_v1());
@@ -142,6 +143,7 @@ fn server_accept() -> AcceptConfirm {
         rmbe_size: RmbeSize(2),
         qp_mtu: QpMtu::MTU_1024,
         rmb_vaddr: 0xF0A6_0000,
+        v2: None,
         initial_psn: U24::new(0x0A_BCDE).expect("u24"),
     }
 }
@@ -176,6 +178,7 @@ fn clc_confirm() {
             rmbe_size: RmbeSize(2),
             qp_mtu: QpMtu::MTU_1024,
             rmb_vaddr: 0xF0A4_0000,
+            v2: None,
             initial_psn: U24::new(0x01_2345).expect("u24"),
         }
     );

@@ -14,11 +14,14 @@
 //! | `SMC_ADAPTIVE_SPIN_US` | without busy polling: longest adaptive spin before a blocked read or write sleeps (0: off) | 50 |
 //! | `SMC_NODELAY` | `1`: new streams start with TCP_NODELAY (no corking of small writes) | `0` |
 //! | `SMC_ADD_LINK_RETRY_MS` | a server retries adding a lost link this often (App. C.8) | 10000 |
+//! | `SMC_UEIDS` | comma-separated SMC-Rv2 UEIDs (≤ 4; A–Z 0–9 `.` `-`, upper case, ≤ 32 characters) | none |
+//! | `SMC_VERSIONS` | SMC versions offered and accepted: `1`, `2` or `1,2` | `1,2` |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
 //! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
-//! `lgr_idle_ms`, `busy_poll_us`, `adaptive_spin_us`, `add_link_retry_ms`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings) plus `fabric_dir` and `devices`
+//! `lgr_idle_ms`, `busy_poll_us`, `adaptive_spin_us`, `add_link_retry_ms`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings, `ueids` as an array of strings, `versions` as an array of
+//! integers) plus `fabric_dir` and `devices`
 //! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
 //!
 //! ```toml
@@ -109,6 +112,11 @@ pub struct StackConfig {
     pub nodelay: bool,
     /// App. C.8: a server whose link group lost a link retries adding one this often.
     pub add_link_retry: Duration,
+    /// SMC-Rv2 user-defined enterprise IDs (at most 4, as Linux keeps); without one the stack
+    /// neither offers nor accepts SMC-Rv2.
+    pub ueids: Vec<smc_wire::Eid>,
+    /// The SMC versions offered (client) and accepted (server).
+    pub versions: smc_proto::endpoint::SmcVersions,
 }
 
 impl StackConfig {
@@ -133,6 +141,8 @@ impl StackConfig {
             adaptive_spin: Some(DEFAULT_ADAPTIVE_SPIN),
             nodelay: false,
             add_link_retry: Duration::from_secs(10),
+            ueids: Vec::new(),
+            versions: smc_proto::endpoint::SmcVersions::default(),
         }
     }
 
@@ -168,6 +178,8 @@ impl StackConfig {
                 "ipv4_subnets",
                 "fabric_dir",
                 "devices",
+                "ueids",
+                "versions",
             ];
             if !KNOWN.contains(&k.as_str()) {
                 return Err(StackError::Config(format!("TOML: unknown setting {k:?}")));
@@ -226,6 +238,27 @@ impl StackConfig {
                 )?);
             }
             self.ipv4_subnets = all;
+        }
+        if let Some(v) = t.get("ueids") {
+            let items = v.as_array().ok_or_else(|| bad("ueids"))?;
+            let spec: Vec<&str> = items
+                .iter()
+                .map(|i| i.as_str().ok_or_else(|| bad("ueids")))
+                .collect::<Result<_, _>>()?;
+            self.ueids = parse_ueid_list(spec.iter().copied(), "TOML ueids")?;
+        }
+        if let Some(v) = t.get("versions") {
+            let items = v.as_array().ok_or_else(|| bad("versions"))?;
+            let spec: Vec<String> = items
+                .iter()
+                .map(|i| {
+                    i.as_integer()
+                        .map(|n| n.to_string())
+                        .ok_or_else(|| bad("versions"))
+                })
+                .collect::<Result<_, _>>()?;
+            self.versions = parse_versions(&spec.join(","))
+                .map_err(|e| StackError::Config(format!("TOML versions: {e}")))?;
         }
         if let Some(v) = t.get("fabric_dir") {
             self.fabric.dir = v.as_str().ok_or_else(|| bad("fabric_dir"))?.into();
@@ -312,6 +345,13 @@ impl StackConfig {
         if let Some(v) = num("SMC_ADAPTIVE_SPIN_US")? {
             c.adaptive_spin = (v > 0).then(|| Duration::from_micros(v));
         }
+        if let Ok(v) = std::env::var("SMC_UEIDS") {
+            c.ueids = parse_ueids(&v)?;
+        }
+        if let Ok(v) = std::env::var("SMC_VERSIONS") {
+            c.versions = parse_versions(&v)
+                .map_err(|e| StackError::Config(format!("SMC_VERSIONS={v:?}: {e}")))?;
+        }
         Ok(c)
     }
 
@@ -330,6 +370,60 @@ pub fn rmbe_size_for(bytes: u32) -> RmbeSize {
         code += 1;
     }
     RmbeSize(code)
+}
+
+/// Parse `SMC_UEIDS`: comma-separated UEIDs (blanks around each ignored), at most 4, no
+/// duplicates. A malformed one is an error naming it.
+pub fn parse_ueids(s: &str) -> Result<Vec<smc_wire::Eid>, StackError> {
+    parse_ueid_list(
+        s.split(',').map(str::trim).filter(|p| !p.is_empty()),
+        "SMC_UEIDS",
+    )
+}
+
+fn parse_ueid_list<'a>(
+    items: impl Iterator<Item = &'a str>,
+    what: &str,
+) -> Result<Vec<smc_wire::Eid>, StackError> {
+    let mut out: Vec<smc_wire::Eid> = Vec::new();
+    for item in items {
+        let e = smc_wire::Eid::ueid(item.trim())
+            .map_err(|e| StackError::Config(format!("{what}: {e}")))?;
+        if out.contains(&e) {
+            return Err(StackError::Config(format!(
+                "{what}: UEID {item:?} is listed twice"
+            )));
+        }
+        out.push(e);
+    }
+    if out.len() > smc_wire::eid::MAX_UEIDS {
+        return Err(StackError::Config(format!(
+            "{what}: {} UEIDs, at most {} (Linux's table size)",
+            out.len(),
+            smc_wire::eid::MAX_UEIDS
+        )));
+    }
+    Ok(out)
+}
+
+/// Parse `SMC_VERSIONS`: `1`, `2`, `1,2` (or `2,1`).
+pub fn parse_versions(s: &str) -> Result<smc_proto::endpoint::SmcVersions, String> {
+    let mut v = smc_proto::endpoint::SmcVersions {
+        v1: false,
+        v2: false,
+    };
+    for p in s.split(',').map(str::trim) {
+        match p {
+            "1" => v.v1 = true,
+            "2" => v.v2 = true,
+            other => {
+                return Err(format!(
+                    "unknown SMC version {other:?} (expected 1, 2 or 1,2)"
+                ))
+            }
+        }
+    }
+    Ok(v)
 }
 
 /// Parse `a.b.c.d/len,...`.
@@ -416,5 +510,35 @@ mod tests {
             "assert-peer".parse::<DiscoveryMode>().expect("valid"),
             DiscoveryMode::AssertPeer
         );
+    }
+
+    #[test]
+    fn ueids_and_versions() {
+        let u = parse_ueids(" KERNEL-PEER-SMCR-TEST , SMC.RS-1").expect("valid");
+        assert_eq!(u.len(), 2);
+        assert_eq!(u[0].text(), "KERNEL-PEER-SMCR-TEST");
+        let e = parse_ueids("GOOD,bad-lower").expect_err("lower case");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("SMC_UEIDS") && msg.contains("\"bad-lower\""),
+            "{msg}"
+        );
+        assert!(parse_ueids("A,B,C,D,E").is_err());
+        assert!(parse_ueids("A,A").is_err());
+        assert!(parse_ueids(&"X".repeat(33)).is_err());
+        assert_eq!(parse_ueids("").expect("empty"), vec![]);
+        let v = parse_versions("1,2").expect("both");
+        assert!(v.v1 && v.v2);
+        let v = parse_versions("2").expect("v2");
+        assert!(!v.v1 && v.v2);
+        assert!(parse_versions("3").is_err());
+        assert!(parse_versions("").is_err());
+        let mut c = StackConfig::new(FabricConfig::with_dir("/nonexistent", 1));
+        c.apply_toml("ueids = [\"ABC\"]\nversions = [2]")
+            .expect("toml");
+        assert_eq!(c.ueids.len(), 1);
+        assert!(!c.versions.v1 && c.versions.v2);
+        let e = c.apply_toml("ueids = [\"a b\"]").expect_err("bad UEID");
+        assert!(e.to_string().contains("\"a b\""), "{e}");
     }
 }

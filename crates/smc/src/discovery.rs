@@ -88,8 +88,37 @@ fn flow_key(local: SocketAddr, remote: SocketAddr) -> [u32; 11] {
     k
 }
 
-/// Find the cgroup v2 mount to attach to.
+/// Where smc-rs mounts a cgroup v2 hierarchy of its own when the process sees none (see
+/// [`find_cgroup2`]).
+pub const CGROUP2_OWN_MOUNT: &str = "/run/smc-rs/cgroup2";
+
+/// Find the cgroup v2 mount to attach to, in this order:
+///
+/// 1. `SMC_CGROUP2` if set (a cgroup v2 directory chosen by the operator);
+/// 2. the usual places ([`CGROUP2_CANDIDATES`]);
+/// 3. any `cgroup2` mount in `/proc/self/mountinfo` (the root of the hierarchy first) —
+///    wherever the system mounted it;
+/// 4. none visible (for example under `ip netns exec`, which gives the process its own mount
+///    namespace and mounts a fresh `/sys` without the cgroup tree): mount the cgroup2
+///    hierarchy at [`CGROUP2_OWN_MOUNT`] and use that. There is one cgroup2 hierarchy per
+///    cgroup namespace, so this is the same hierarchy the host's `/sys/fs/cgroup` shows; under
+///    `ip netns exec` the mount stays inside that command's mount namespace (its `/` is a
+///    slave of the host's), elsewhere it stays mounted for later stacks to find in step 3.
+///    Mounting needs CAP_SYS_ADMIN, which loading the eBPF program needs anyway.
 pub fn find_cgroup2() -> Result<PathBuf, DiscoveryError> {
+    if let Some(p) = std::env::var_os("SMC_CGROUP2") {
+        let p = PathBuf::from(p);
+        if p.join("cgroup.procs").exists() {
+            return Ok(p);
+        }
+        return Err(DiscoveryError::Cgroup {
+            path: p,
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "SMC_CGROUP2 is not a cgroup v2 directory (no cgroup.procs)",
+            ),
+        });
+    }
     for c in CGROUP2_CANDIDATES {
         let p = Path::new(c);
         if p.join("cgroup.procs").exists() && p.join("cgroup.subtree_control").exists() {
@@ -100,9 +129,90 @@ pub fn find_cgroup2() -> Result<PathBuf, DiscoveryError> {
             return Ok(p.to_path_buf());
         }
     }
-    Err(DiscoveryError::NoCgroup2(
-        CGROUP2_CANDIDATES.iter().map(PathBuf::from).collect(),
-    ))
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    if let Some(p) = cgroup2_mounts(&mountinfo)
+        .into_iter()
+        .find(|p| p.join("cgroup.procs").exists())
+    {
+        return Ok(p);
+    }
+    let mut tried: Vec<PathBuf> = CGROUP2_CANDIDATES.iter().map(PathBuf::from).collect();
+    tried.push("/proc/self/mountinfo".into());
+    tried.push(CGROUP2_OWN_MOUNT.into());
+    match mount_cgroup2(Path::new(CGROUP2_OWN_MOUNT)) {
+        Ok(p) => Ok(p),
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot mount a cgroup2 hierarchy");
+            Err(DiscoveryError::NoCgroup2(tried))
+        }
+    }
+}
+
+/// The mount points of the cgroup2 file systems listed in a `/proc/self/mountinfo` text, those
+/// that show the root of the hierarchy first. Fields: ID, parent, major:minor, root, mount
+/// point, options, optional fields, `-`, fs type, source, super options; the mount point has
+/// blanks, tabs, newlines and backslashes escaped as `\ooo`.
+pub fn cgroup2_mounts(mountinfo: &str) -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    let mut others = Vec::new();
+    for line in mountinfo.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        if right.split_whitespace().next() != Some("cgroup2") {
+            continue;
+        }
+        let f: Vec<&str> = left.split_whitespace().collect();
+        let (Some(root), Some(point)) = (f.get(3), f.get(4)) else {
+            continue;
+        };
+        let p = PathBuf::from(unescape_mountinfo(point));
+        if *root == "/" {
+            roots.push(p);
+        } else {
+            others.push(p);
+        }
+    }
+    roots.extend(others);
+    roots
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .is_some_and(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        if b[i] == b'\\' && octal {
+            let v = u32::from(b[i + 1] - b'0') * 64
+                + u32::from(b[i + 2] - b'0') * 8
+                + u32::from(b[i + 3] - b'0');
+            out.push(v as u8);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Mount the cgroup2 hierarchy at `dir` (created if missing); returns `dir`.
+fn mount_cgroup2(dir: &Path) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    if !dir.join("cgroup.procs").exists() {
+        rustix::mount::mount(
+            "none",
+            dir,
+            "cgroup2",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )?;
+        tracing::info!(path = %dir.display(), "mounted a cgroup2 hierarchy for discovery");
+    }
+    Ok(dir.to_path_buf())
 }
 
 #[cfg(feature = "ebpf")]
@@ -352,5 +462,29 @@ mod tests {
         assert_eq!(k6[0], 10);
         assert_eq!(k6[3].to_ne_bytes(), [0x20, 0x01, 0x0d, 0xb8]);
         assert_eq!(k6[6].to_ne_bytes(), [0, 0, 0, 1]);
+    }
+
+    #[test]
+    fn cgroup2_mounts_from_mountinfo() {
+        // A hybrid host (this machine's layout), a bind mount of a sub-cgroup, an escaped
+        // mount point, and cgroup v1 / tmpfs lines that must be ignored.
+        let text = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+50 40 0:38 /user.slice /mnt/sub rw,relatime shared:9 - cgroup2 cgroup2 rw
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+60 40 0:38 / /run/my\\040cg rw,relatime - cgroup2 none rw,nsdelegate
+bogus line
+";
+        assert_eq!(
+            cgroup2_mounts(text),
+            vec![
+                PathBuf::from("/sys/fs/cgroup/unified"),
+                PathBuf::from("/run/my cg"),
+                PathBuf::from("/mnt/sub"),
+            ]
+        );
+        assert!(cgroup2_mounts("").is_empty());
+        assert_eq!(unescape_mountinfo("a\\011b\\134c\\9"), "a\tb\\c\\9");
     }
 }

@@ -1250,10 +1250,20 @@ impl Stack {
                 // The path MTU the port offers (a roce device: from its netdev's MTU); the
                 // QP uses the smaller of ours and the peer's.
                 mtu: QpMtu(d.active_mtu().code()),
+                // The shm fabric's GID stands in for a RoCEv2 GID: SMC-Rv2 between smc-rs
+                // processes on shm uses it as the link GID (docs/v2.md).
+                roce_v2: true,
             })
             .collect();
         let mut ec = EndpointConfig::new(peer_id, proto_devices);
         ec.ipv4_subnets = config.ipv4_subnets.clone();
+        ec.ueids = config.ueids.clone();
+        ec.versions = config.versions;
+        // The host name of the SMC-Rv2 first-contact extension (informational for the peer).
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "smc-rs".into());
+        ec.hostname = smc_wire::clc_v2::FirstContactExt::hostname_field(&host);
         ec.rmbe_size = config.rmbe_size();
         ec.clc_timeout = config.clc_timeout;
         ec.llc_timeout = config.llc_timeout;

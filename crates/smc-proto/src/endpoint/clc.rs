@@ -10,7 +10,8 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::net::Ipv4Addr;
 
-use smc_wire::clc::Ipv6Prefix;
+use smc_wire::clc::{Ipv6Prefix, SmcdArea};
+use smc_wire::clc_v2::{smc_type, AcceptConfirmV2, ProposalV2Ext, SMC_RELEASE};
 use smc_wire::llc::ConfirmLink;
 use smc_wire::{
     AcceptConfirm, CdcMessage, ClcHeader, ClcMessage, Decline, DeclineCode, ErrorClass, LlcMessage,
@@ -50,6 +51,13 @@ pub struct Handshake {
     held: Vec<CdcMessage>,
     /// What the application chose for this connection.
     opts: ConnectOptions,
+    /// Client: our Proposal offered SMC-Rv2.
+    offered_v2: bool,
+    /// The CLC exchange is in version 2 (a v2 Proposal received, or a v2 Accept): our
+    /// Declines are 44-byte version-2 Declines (smc-rv2.md §4.3).
+    clc_v2: bool,
+    /// Server: the SMC-Rv2 agreement reached on the Proposal, until the Confirm is checked.
+    agreed_v2: Option<super::LgrV2>,
 }
 
 /// Per-connection choices the application makes before the CLC handshake.
@@ -282,6 +290,15 @@ impl Endpoint {
             return Ok(());
         };
         let dev = self.device(device).ok_or(EndpointError::NoDevice)?;
+        let versions = self.config.versions;
+        // smc-rv2.md §5.5: SMC-Rv2 is offered only with a UEID and a RoCEv2-capable device.
+        let offer_v2 = versions.v2 && !self.config.ueids.is_empty() && dev.roce_v2;
+        if !versions.v1 && !offer_v2 {
+            // §5.5: "Neither → a v1 Decline 0x03030000 instead of a Proposal".
+            self.begin_handshake(tcp, Role::Client, HsState::ExpectProposal, opts, now);
+            self.decline(tcp, DeclineCode::NOSMCDEV, false, now);
+            return Ok(());
+        }
         let (ipv4_subnet, ipv4_prefix_len) = self
             .config
             .ipv4_subnets
@@ -291,10 +308,10 @@ impl Endpoint {
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
         //# If SMC-R is supported by both peers, the client sends an SMC Proposal CLC message
         //# to the server.
-        let proposal = Proposal {
+        let mut proposal = Proposal {
             version: 1,
-            smc_type_v1: 0,
-            smc_type_v2: 0,
+            smc_type_v1: smc_type::R,
+            smc_type_v2: smc_type::NONE,
             peer_id: self.config.peer_id,
             preferred_gid: dev.gid,
             preferred_mac: dev.mac,
@@ -302,8 +319,39 @@ impl Endpoint {
             ipv4_subnet,
             ipv4_prefix_len,
             ipv6_prefixes: self.config.ipv6_prefixes.clone(),
-            v2_extensions: Vec::new(),
+            v2_ext: None,
+            smcd_v2_ext: Vec::new(),
         };
+        if offer_v2 {
+            // smc-rv2.md §5: version 2, v1 type R (with its IP area) when v1 is offered too,
+            // else none (v1 part zero except the peer ID, which we fill so that a restarted
+            // process is never taken for its previous life, §9.3).
+            proposal.version = 2;
+            proposal.smc_type_v2 = smc_type::R;
+            proposal.smcd_area = Some(SmcdArea::default());
+            if !versions.v1 {
+                proposal.smc_type_v1 = smc_type::NONE;
+                proposal.preferred_gid = smc_wire::Gid::default();
+                proposal.preferred_mac = smc_wire::Mac::default();
+                proposal.ipv4_subnet = Ipv4Addr::UNSPECIFIED;
+                proposal.ipv4_prefix_len = 0;
+                proposal.ipv6_prefixes.clear();
+            }
+            proposal.v2_ext = Some(ProposalV2Ext {
+                eids: self
+                    .config
+                    .ueids
+                    .iter()
+                    .take(smc_wire::eid::MAX_UEIDS)
+                    .copied()
+                    .collect(),
+                release: SMC_RELEASE,
+                roce_v2_gid: dev.gid,
+                max_conns: self.config.max_conns_per_lgr.min(255) as u8,
+                max_links: super::V2_MAX_LINKS,
+                ..Default::default()
+            });
+        }
         self.send_clc(tcp, &ClcMessage::Proposal(proposal));
         self.begin_handshake(
             tcp,
@@ -312,6 +360,9 @@ impl Endpoint {
             opts,
             now,
         );
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            h.offered_v2 = offer_v2;
+        }
         Ok(())
     }
 
@@ -356,6 +407,9 @@ impl Endpoint {
                 peer_rmb: None,
                 held: Vec::new(),
                 opts,
+                offered_v2: false,
+                clc_v2: false,
+                agreed_v2: None,
             })),
         );
     }
@@ -517,20 +571,68 @@ impl Endpoint {
     // ----- Server --------------------------------------------------------------------------
 
     fn on_proposal(&mut self, tcp: TcpId, p: Proposal, res: &mut dyn Resources, now: Timestamp) {
-        // Linux (since 5.10) proposes in version 2 with SMC-R v1 offered: parsed, answered
-        // with version 1 (wire-formats.md §1 item 4).
-        if !p.offers_smcr_v1() {
-            self.decline(tcp, DeclineCode::MODEUNSUPP, false, now);
-            return;
-        }
-        if !subnet_matches(&p, &self.config.ipv4_subnets, &self.config.ipv6_prefixes) {
-            self.decline(tcp, DeclineCode::DIFFPREFIX, false, now);
-            return;
+        // smc-rv2.md §4.3: a server Decline to a v2 Proposal is a version-2 Decline.
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            h.clc_v2 = p.version >= 2;
         }
         let opts = self.setup_options(tcp);
-        let Some(first_device) = opts.pnet.first(self.config.devices.len()) else {
+        let ndev = self.config.devices.len();
+        // §9.1 steps 4–6: SMC-Rv2 first, when both sides offer it; the first failure is the
+        // Decline code if v1 does not work out either.
+        let mut first_failure = None;
+        let mut agreed = None;
+        if p.version >= 2 && smc_type::includes_r(p.smc_type_v2) {
+            if self.config.versions.v2 {
+                let have_device = (0..ndev.min(256)).any(|d| {
+                    opts.pnet.contains(DeviceId(d as u8))
+                        && self.config.devices.get(d).is_some_and(|x| x.roce_v2)
+                });
+                let max_conns = self.config.max_conns_per_lgr.min(255) as u8;
+                match super::v2::negotiate_server(&p, &self.config.ueids, max_conns, have_device) {
+                    Ok(a) => agreed = Some(a),
+                    Err(code) => first_failure = Some(code),
+                }
+            } else {
+                first_failure = Some(DeclineCode::NOSMCDEV);
+            }
+        }
+        if agreed.is_none() {
+            // Linux (since 5.10) proposes in version 2 with SMC-R v1 offered: parsed, answered
+            // with version 1 (wire-formats.md §1 item 4).
+            if !self.config.versions.v1 || !p.offers_smcr_v1() {
+                let code = first_failure.unwrap_or(if self.config.versions.v1 {
+                    DeclineCode::MODEUNSUPP
+                } else {
+                    DeclineCode::NOSMCDEV
+                });
+                self.decline(tcp, code, false, now);
+                return;
+            }
+            if !subnet_matches(&p, &self.config.ipv4_subnets, &self.config.ipv6_prefixes) {
+                self.decline(
+                    tcp,
+                    first_failure.unwrap_or(DeclineCode::DIFFPREFIX),
+                    false,
+                    now,
+                );
+                return;
+            }
+        }
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            h.agreed_v2 = agreed;
+        }
+        let Some(first_device) = opts.pnet.first(ndev) else {
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return;
+        };
+        // The client's GID for this connection: its RoCEv2 GID in v2 (§7.5).
+        let client_gid = agreed.map_or(p.preferred_gid, |a| a.client_gid);
+        // A v2 connection goes into a v2 group with the same client GID (Linux's reuse key,
+        // §9.1 step 7), a v1 connection into a v1 group.
+        let same_version = |g: &LinkGroup| match (&g.v2, &agreed) {
+            (None, None) => true,
+            (Some(x), Some(a)) => x.client_gid == a.client_gid,
+            _ => false,
         };
         // Subsequent contact: an existing group with this peer, usable and not full.
         let existing = self
@@ -540,6 +642,7 @@ impl Endpoint {
                 g.role == Role::Server
                     && g.peer_id == p.peer_id
                     && g.pnet == opts.pnet
+                    && same_version(g)
                     && g.first_contact.is_none()
                     && g.conns.len() < self.config.max_conns_per_lgr
                     && g.active_count() > 0
@@ -547,7 +650,7 @@ impl Endpoint {
             .map(|g| {
                 let link = g
                     .active_links()
-                    .find(|l| l.remote.is_some_and(|r| r.gid == p.preferred_gid))
+                    .find(|l| l.remote.is_some_and(|r| r.gid == client_gid))
                     .or_else(|| g.active_links().next())
                     .map(|l| l.num);
                 (g.id, link)
@@ -597,6 +700,7 @@ impl Endpoint {
                 g.role == Role::Server
                     && g.peer_id == p.peer_id
                     && g.pnet == opts.pnet
+                    && same_version(g)
                     && g.first_contact.is_some()
                     && g.conns.len() < self.config.max_conns_per_lgr
             })
@@ -608,13 +712,29 @@ impl Endpoint {
         // First contact (or a parallel link group). Of the RNICs on the connection's network,
         // one on the LAN of the client's preferred RoCE port if there is one (looked up only
         // here: a subsequent contact uses the group's links).
-        let first_device = (0..self.config.devices.len().min(256))
+        let v2_capable = |d: DeviceId| {
+            agreed.is_none()
+                || self
+                    .config
+                    .devices
+                    .get(usize::from(d.0))
+                    .is_some_and(|x| x.roce_v2)
+        };
+        let candidates: Vec<DeviceId> = (0..ndev.min(256))
             .map(|d| DeviceId(d as u8))
-            .filter(|d| opts.pnet.contains(*d))
-            .find(|d| res.reaches(*d, p.preferred_gid))
+            .filter(|d| opts.pnet.contains(*d) && v2_capable(*d))
+            .collect();
+        let first_device = candidates
+            .iter()
+            .copied()
+            .find(|d| res.reaches(*d, client_gid))
+            .or(candidates.first().copied())
             .unwrap_or(first_device);
         let group = self.first_contact_group(tcp, Role::Server, p.peer_id, first_device, res, now);
-        if let Some((_, setup)) = group {
+        if let Some((lgr, setup)) = group {
+            if let Some(a) = agreed {
+                self.make_v2_group(lgr, a);
+            }
             self.send_accept(tcp, setup, 1, true, now);
         }
     }
@@ -772,9 +892,17 @@ impl Endpoint {
             .get(&setup.alloc.handle.rmb)?
             .tokens
             .get(&link)?;
+        // SMC-Rv2 (smc-rv2.md §7): the EID; on first contact the extension with the agreed
+        // release and limits (also in the Confirm, which then has the first-contact bit too
+        // and a GID list with our link GID).
+        let v2 = g.v2.map(|a| AcceptConfirmV2 {
+            eid: a.eid,
+            first_contact_ext: first_contact.then(|| a.first_contact_ext(&self.config.hostname)),
+            gid_list: (first_contact && g.role == Role::Client).then(|| vec![dev.gid]),
+        });
         Some(AcceptConfirm {
-            version: 1,
-            first_contact,
+            version: if v2.is_some() { 2 } else { 1 },
+            first_contact: first_contact && (v2.is_some() || g.role == Role::Server),
             peer_id: self.config.peer_id,
             gid: dev.gid,
             mac: dev.mac,
@@ -786,7 +914,16 @@ impl Endpoint {
             qp_mtu: g.mtu,
             rmb_vaddr: token.vaddr,
             initial_psn: l.local_qp.psn,
+            v2,
         })
+    }
+
+    /// Make the new group `lgr` an SMC-Rv2 group: its agreement, its link limit.
+    fn make_v2_group(&mut self, lgr: LgrId, a: super::LgrV2) {
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.v2 = Some(a);
+            g.max_links = super::V2_MAX_LINKS;
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -801,6 +938,23 @@ impl Endpoint {
         now: Timestamp,
     ) {
         let lgr = setup.lgr;
+        // SMC-Rv2 first contact (smc-rv2.md §9.1 step 8): the Confirm repeats the Accept's
+        // release and limits.
+        let agreed = match self.entries.get(&tcp) {
+            Some(Entry::Setup(h)) => h.agreed_v2,
+            _ => None,
+        };
+        if let (true, Some(a)) = (first_contact, agreed) {
+            let fce = c.v2.as_ref().and_then(|v| v.first_contact_ext.as_ref());
+            if let Err(code) = super::v2::check_confirm_ext(fce, &a) {
+                self.decline(tcp, code, false, now);
+                return;
+            }
+        }
+        if agreed.is_some() != (c.version >= 2) {
+            self.decline(tcp, DeclineCode::VERSMISMAT, false, now);
+            return;
+        }
         if first_contact {
             // The client's QP: connect ours to it and verify it with CONFIRM LINK (Fig. 8).
             let Some(g) = self.lgrs.get_mut(&lgr) else {
@@ -876,6 +1030,40 @@ impl Endpoint {
         now: Timestamp,
     ) {
         let opts = self.setup_options(tcp);
+        let offered_v2 = matches!(self.entries.get(&tcp), Some(Entry::Setup(h)) if h.offered_v2);
+        let v2_accept = a.version >= 2;
+        if v2_accept {
+            if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                h.clc_v2 = true;
+            }
+            // §9.2: a version-2 Accept of type R only if we proposed SMC-Rv2.
+            if !offered_v2 {
+                self.decline(tcp, DeclineCode::MODEUNSUPP, false, now);
+                return;
+            }
+        } else if !self.config.versions.v1 {
+            self.decline(tcp, DeclineCode::MODEUNSUPP, false, now);
+            return;
+        }
+        let v2_eid = a.v2.as_ref().map(|v| v.eid);
+        // Our side of the agreement on first contact (the Accept's extension checked).
+        let agreed = match (a.v2.as_ref(), a.first_contact) {
+            (Some(v), true) => {
+                let Some(fce) = v.first_contact_ext.as_ref() else {
+                    self.decline(tcp, DeclineCode::RELEASEERR, false, now);
+                    return;
+                };
+                let our_gid = self.device(device).map(|d| d.gid).unwrap_or_default();
+                match super::v2::check_accept_ext(fce, v.eid, our_gid) {
+                    Ok(x) => Some(x),
+                    Err(code) => {
+                        self.decline(tcp, code, false, now);
+                        return;
+                    }
+                }
+            }
+            _ => None,
+        };
         // Subsequent contact: the server's peer ID, GID, MAC and QP match a known link.
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.2.2
         //# It is a subsequent contact if the server-side peer ID, GID, MAC, and QP number
@@ -884,7 +1072,13 @@ impl Endpoint {
         let known = self
             .lgrs
             .values()
-            .filter(|g| g.role == Role::Client && g.peer_id == a.peer_id && g.pnet == opts.pnet)
+            .filter(|g| {
+                g.role == Role::Client
+                    && g.peer_id == a.peer_id
+                    && g.pnet == opts.pnet
+                    && g.v2.is_some() == v2_accept
+                    && g.v2.is_none_or(|x| Some(x.eid) == v2_eid)
+            })
             .find_map(|g| {
                 g.active_links()
                     .find(|l| {
@@ -973,6 +1167,9 @@ impl Endpoint {
         let Some((lgr, setup)) = group else {
             return;
         };
+        if let Some(x) = agreed {
+            self.make_v2_group(lgr, x);
+        }
         let Some(g) = self.lgrs.get_mut(&lgr) else {
             return;
         };
@@ -982,7 +1179,8 @@ impl Endpoint {
         if !self.connect_link(lgr, 1, clc_qp(&a, mtu)) {
             return;
         }
-        let Some(confirm) = self.local_accept_confirm(setup, 1, false) else {
+        // The first-contact bit: set in a v2 Confirm (smc-rv2.md §4.1), never in v1.
+        let Some(confirm) = self.local_accept_confirm(setup, 1, true) else {
             return;
         };
         //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1
@@ -1120,7 +1318,8 @@ impl Endpoint {
             // The server supplies its maximum; the client answers with the negotiated value,
             // which cannot exceed the server's (§2.2.2).
             max_links: g.max_links,
-            max_conns: 0,
+            // smc-rv2.md §10.3: byte 35 carries the negotiated max conns in v2.1.
+            max_conns: g.v2.map_or(0, |a| a.max_conns),
         }))
     }
 
@@ -1171,7 +1370,9 @@ impl Endpoint {
                         }
                     }
                     g.last_link_num = num;
-                    g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
+                    if g.v2.is_none() {
+                        g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
+                    }
                 }
                 self.activate_link(lgr, num, m.link_user_id, now);
                 if let Some(reply) = self.confirm_link_msg(lgr, num, true) {
@@ -1200,7 +1401,9 @@ impl Endpoint {
                     return true;
                 }
                 if let Some(g) = self.lgrs.get_mut(&lgr) {
-                    g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
+                    if g.v2.is_none() {
+                        g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
+                    }
                 }
                 self.activate_link(lgr, link, m.link_user_id, now);
                 if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
@@ -1246,6 +1449,19 @@ impl Endpoint {
                 //# LLC message: CONFIRM LINK reply from client (first contact) Timer waits
                 //# for: ADD LINK from server.
                 h.llc_deadline = Some(now + self.config.llc_timeout_first_contact);
+                // SMC-Rv2 with max links 1 agreed: no ADD LINK comes (a Linux client waits
+                // for one only when the negotiated max links is above 1, smc-rv2.md §9.2).
+                let single = self
+                    .lgrs
+                    .get(&setup.lgr)
+                    .and_then(|g| g.v2)
+                    .is_some_and(|a| a.max_links <= 1);
+                if single {
+                    let lgr = setup.lgr;
+                    h.state = HsState::ExpectSecondLink { setup, peer, link };
+                    self.first_contact_done(lgr, now);
+                    return;
+                }
                 HsState::ExpectSecondLink { setup, peer, link }
             }
             HsState::ExpectConfirmLinkReply {
@@ -1319,7 +1535,12 @@ impl Endpoint {
         out_of_sync: bool,
         now: Timestamp,
     ) {
-        let d = Decline::new(self.config.peer_id, code, out_of_sync);
+        let v2 = matches!(self.entries.get(&tcp), Some(Entry::Setup(h)) if h.clc_v2);
+        let d = if v2 {
+            Decline::new_v2(self.config.peer_id, code, out_of_sync)
+        } else {
+            Decline::new(self.config.peer_id, code, out_of_sync)
+        };
         self.send_clc(tcp, &ClcMessage::Decline(d));
         self.fall_back(tcp, Fallback::Declined(code), now);
     }

@@ -56,6 +56,25 @@ impl Endpoint {
             l.last_activity = now;
             l.rearm_keepalive(keepalive, now);
         }
+        // An LLC v2 message (type 0x2X, smc-rv2.md §10): Linux accepts both forms in any group;
+        // so do we, through the engine's v1 view of it.
+        if bytes
+            .first()
+            .is_some_and(|&t| smc_wire::llc_v2::is_v2_type(t))
+        {
+            match smc_wire::llc_v2::LlcV2Message::parse(bytes) {
+                Ok(m) => match super::v2::llc_from_v2(m) {
+                    Some(m) => self.handle_llc(lgr, num, m, res, now),
+                    None => self.stats.llc_discarded += 1,
+                },
+                Err(e) => {
+                    tracing::debug!(?e, "bad LLC v2 message: link out of sync");
+                    self.fail_link(lgr, num, DeleteLinkReason::PROTOCOL_VIOLATION, res, now);
+                }
+            }
+            self.run_parked(res, now);
+            return;
+        }
         match ControlMessage::parse(bytes) {
             // A CDC changes no link group: it cannot end a first contact (below).
             Ok(ControlMessage::Cdc(cdc)) => {

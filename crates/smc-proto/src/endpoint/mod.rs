@@ -6,6 +6,7 @@
 mod clc;
 mod data;
 mod llc;
+mod v2;
 
 #[cfg(test)]
 mod tests;
@@ -25,6 +26,7 @@ use crate::rmb_pool::{PeerRmbeKey, RmbPoolConfig, RmbeAllocation, RmbeHandle};
 use crate::time::Timestamp;
 
 pub use clc::{subnet_matches, ConnectOptions, Handshake};
+pub use v2::{llc_from_v2 as llc_view_of_v2, LgrV2, SmcVersions, V2_MAX_LINKS};
 
 /// The runtime's handle for one TCP connection (a socket); chosen by the caller, unique while
 /// the connection exists in the endpoint.
@@ -66,6 +68,13 @@ pub struct EndpointConfig {
     pub lgr_idle_timeout: Duration,
     /// Connection timers (close and abort waits).
     pub close_timeout: Duration,
+    /// The SMC versions we offer (client) and accept (server); default both.
+    pub versions: SmcVersions,
+    /// Our UEIDs (at most 4, Linux's table size); SMC-Rv2 needs at least one shared with the
+    /// peer.
+    pub ueids: Vec<smc_wire::Eid>,
+    /// The host name of the SMC-Rv2 first-contact extension, blank-padded.
+    pub hostname: [u8; 32],
 }
 
 impl EndpointConfig {
@@ -89,6 +98,9 @@ impl EndpointConfig {
             keepalive: None,
             lgr_idle_timeout: Duration::from_secs(600),
             close_timeout: Duration::from_secs(30),
+            versions: SmcVersions::default(),
+            ueids: Vec::new(),
+            hostname: smc_wire::clc_v2::FirstContactExt::hostname_field("smc-rs"),
         }
     }
 }
@@ -695,6 +707,7 @@ impl Endpoint {
         confirm_for: Option<TcpId>,
         now: Timestamp,
     ) -> Option<WrId> {
+        let v2_group = self.lgrs.get(&lgr).is_some_and(|g| g.v2.is_some());
         let link = self
             .lgrs
             .get_mut(&lgr)
@@ -710,7 +723,7 @@ impl Endpoint {
         self.fabric_out.push_back(FabricOp::PostSend {
             link: id,
             wr,
-            msg: msg.to_bytes(),
+            msg: v2::llc_to_wire(&msg, v2_group),
         });
         Some(wr)
     }

@@ -87,7 +87,7 @@ fn linux_v2_proposal_answered_with_v1() {
     p.inject_tcp(Side::B, T1, bytes);
     p.run();
     let accept = p.trace.iter().find_map(|e| match &e.what {
-        Traced::Clc(_, ClcMessage::Accept(a)) => Some(*a),
+        Traced::Clc(_, ClcMessage::Accept(a)) => Some(a.clone()),
         _ => None,
     });
     let accept = accept.expect("an Accept");
@@ -257,7 +257,7 @@ fn bad_enumerated_value_declines() {
     p.connect(T1);
     p.run();
     let accept = p.trace.iter().find_map(|e| match &e.what {
-        Traced::Clc(_, ClcMessage::Accept(a)) => Some(*a),
+        Traced::Clc(_, ClcMessage::Accept(a)) => Some(a.clone()),
         _ => None,
     });
     let mut bytes = ClcMessage::Accept(accept.expect("accept")).to_vec();
@@ -295,6 +295,7 @@ fn unexpected_clc_message_terminates() {
         qp_mtu: smc_wire::QpMtu::MTU_1024,
         rmb_vaddr: 0,
         initial_psn: smc_wire::U24::truncate(1),
+        v2: None,
     };
     p.inject_tcp(Side::B, T1, ClcMessage::Confirm(c).to_vec());
     p.run();

@@ -11,6 +11,7 @@ mod pnet;
 mod reads;
 mod rendezvous;
 mod rtoken_set;
+mod v2;
 
 use crate::endpoint::{EndpointEvent, Fallback, ResetReason, TcpId};
 use crate::harness::Side;

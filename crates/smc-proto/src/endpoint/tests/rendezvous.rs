@@ -498,7 +498,7 @@ fn subsequent_contact_rmbe_in_use_aborts_old_connection() {
         .trace
         .iter()
         .find_map(|e| match &e.what {
-            Traced::Clc(_, ClcMessage::Accept(a)) => Some(*a),
+            Traced::Clc(_, ClcMessage::Accept(a)) => Some(a.clone()),
             _ => None,
         })
         .expect("first accept");
@@ -513,7 +513,7 @@ fn subsequent_contact_rmbe_in_use_aborts_old_connection() {
         .iter()
         .rev()
         .find_map(|e| match &e.what {
-            Traced::Clc(TcpId(2), ClcMessage::Accept(a)) => Some(*a),
+            Traced::Clc(TcpId(2), ClcMessage::Accept(a)) => Some(a.clone()),
             _ => None,
         })
         .expect("second accept");

@@ -1,0 +1,329 @@
+//! SMC-Rv2 negotiation between two endpoints (shared/spec/smc-rv2.md §4.3, §5.5, §9): v1 and
+//! v2 offered together, v2 chosen when both offer it, share a UEID and have a RoCEv2-capable
+//! device, the Linux decline codes otherwise; v2 first and subsequent contact; LLC in v2 form.
+
+use smc_wire::clc_v2::smc_type;
+use smc_wire::{ClcMessage, DeclineCode, Eid};
+
+use super::*;
+use crate::endpoint::{EndpointConfig, SmcVersions};
+use crate::lgr_harness::{config, Traced};
+
+fn ueid(s: &str) -> Eid {
+    Eid::ueid(s).expect("valid UEID")
+}
+
+fn side(s: Side, versions: SmcVersions, ueids: &[&str]) -> EndpointConfig {
+    let mut c = config(s, 1);
+    c.versions = versions;
+    c.ueids = ueids.iter().map(|u| ueid(u)).collect();
+    c
+}
+
+const BOTH: SmcVersions = SmcVersions { v1: true, v2: true };
+const V1: SmcVersions = SmcVersions {
+    v1: true,
+    v2: false,
+};
+const V2: SmcVersions = SmcVersions {
+    v1: false,
+    v2: true,
+};
+
+fn pair(a: EndpointConfig, b: EndpointConfig) -> EndpointPair {
+    EndpointPair::new(a, b, 7)
+}
+
+fn clc(p: &EndpointPair) -> Vec<ClcMessage> {
+    p.trace
+        .iter()
+        .filter_map(|e| match &e.what {
+            Traced::Clc(_, m) => Some(m.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Both offer v1 and v2 and share a UEID: SMC-Rv2 with Linux's message sizes (Proposal with
+/// IP area and extension, 160-byte first-contact Accept, 180-byte Confirm), every LLC message
+/// in v2 form, one link, data both ways; a second connection reuses the group (108 bytes).
+#[test]
+fn both_versions_shared_ueid_gives_v2() {
+    let mut p = pair(
+        side(Side::A, BOTH, &["SMC-RS-TEST"]),
+        side(Side::B, BOTH, &["OTHER", "SMC-RS-TEST"]),
+    );
+    p.connect(T1);
+    p.run();
+    dump(&p);
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    let m = clc(&p);
+    let ClcMessage::Proposal(prop) = &m[0] else {
+        panic!("{m:?}")
+    };
+    assert_eq!(prop.version, 2);
+    assert_eq!(
+        (prop.smc_type_v1, prop.smc_type_v2),
+        (smc_type::R, smc_type::R)
+    );
+    assert_eq!(prop.buffer_len(), 80 + 8 + 40 + 32 + 4);
+    let ext = prop.v2_ext.as_ref().expect("v2 extension");
+    assert_eq!(ext.eids, vec![ueid("SMC-RS-TEST")]);
+    assert_eq!((ext.release, ext.max_links), (1, 1));
+    let ClcMessage::Accept(acc) = &m[1] else {
+        panic!("{m:?}")
+    };
+    assert_eq!(
+        (acc.version, acc.first_contact, acc.buffer_len()),
+        (2, true, 160)
+    );
+    let v2 = acc.v2.as_ref().expect("v2 part");
+    assert_eq!(v2.eid, ueid("SMC-RS-TEST"));
+    let fce = v2.first_contact_ext.expect("first-contact extension");
+    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 1));
+    assert!(fce.v2_direct);
+    let ClcMessage::Confirm(con) = &m[2] else {
+        panic!("{m:?}")
+    };
+    assert_eq!(
+        (con.version, con.first_contact, con.buffer_len()),
+        (2, true, 180)
+    );
+    assert_eq!(
+        con.v2.as_ref().and_then(|v| v.gid_list.clone()),
+        Some(vec![con.gid])
+    );
+    // Every LLC message of the group in its v2 form, length 44 little-endian.
+    for s in [Side::A, Side::B] {
+        let h = p.host(s);
+        assert_eq!(h.llc_v1_sent, 0, "{s:?}");
+        assert!(!h.llc_v2_sent.is_empty(), "{s:?}");
+        for b in &h.llc_v2_sent {
+            assert_eq!(&b[1..3], &[44, 0]);
+        }
+        let g = h.ep.link_groups().next().expect("group");
+        assert!(g.v2.is_some());
+        assert_eq!(g.active_count(), 1);
+        assert_eq!(g.max_links, 1);
+    }
+    // CONFIRM LINK carries max links / max conns (smc-rv2.md §10.3).
+    let cl = &p.host(Side::B).llc_v2_sent[0];
+    assert_eq!((cl[0], cl[3], cl[34], cl[35]), (0x21, 0x03, 1, 255));
+    let a: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    p.app_send(Side::A, T1, &a);
+    p.app_send(Side::B, T1, &a[..50_000]);
+    p.run();
+    assert_eq!(p.b.rx[&T1], a);
+    assert_eq!(p.a.rx[&T1], a[..50_000]);
+
+    // Subsequent contact on the same v2 group: 108-byte Accept and Confirm.
+    p.connect(T2);
+    p.run();
+    assert!(established(&p, Side::A, T2) && established(&p, Side::B, T2));
+    let m = clc(&p);
+    let n = m.len();
+    assert!(
+        matches!(&m[n - 2], ClcMessage::Accept(a) if a.version == 2 && !a.first_contact && a.buffer_len() == 108)
+    );
+    assert!(matches!(&m[n - 1], ClcMessage::Confirm(c) if c.version == 2 && c.buffer_len() == 108));
+    assert_eq!(p.host(Side::A).ep.link_groups().count(), 1);
+    assert_eq!(p.host(Side::A).llc_v1_sent, 0);
+}
+
+/// Without a shared UEID both fall through to v1 (the v1 part of the Proposal is there).
+#[test]
+fn no_shared_ueid_falls_back_to_v1() {
+    let mut p = pair(
+        side(Side::A, BOTH, &["ALPHA"]),
+        side(Side::B, BOTH, &["BETA"]),
+    );
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    let m = clc(&p);
+    assert!(matches!(&m[1], ClcMessage::Accept(a) if a.version == 1 && a.buffer_len() == 68));
+    assert!(matches!(&m[2], ClcMessage::Confirm(c) if c.version == 1 && !c.first_contact));
+    assert_eq!(p.host(Side::A).llc_v2_sent.len(), 0);
+    assert!(p.host(Side::A).ep.link_groups().all(|g| g.v2.is_none()));
+}
+
+/// SMC_VERSIONS=1 on either side: plain v1 as before (a version-1 Proposal from a v1 client).
+#[test]
+fn v1_only_either_side() {
+    for (a, b) in [(V1, BOTH), (BOTH, V1)] {
+        let mut p = pair(side(Side::A, a, &["U"]), side(Side::B, b, &["U"]));
+        p.connect(T1);
+        p.run();
+        assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+        let m = clc(&p);
+        let ClcMessage::Proposal(prop) = &m[0] else {
+            panic!()
+        };
+        assert_eq!(prop.version, if a.v2 { 2 } else { 1 });
+        assert!(matches!(&m[1], ClcMessage::Accept(x) if x.version == 1));
+        assert_eq!(p.host(Side::B).llc_v2_sent.len(), 0);
+    }
+}
+
+/// SMC_VERSIONS=2 on both sides with a shared UEID: a v2-only Proposal (v1 part zero except
+/// the peer ID, 156 bytes as Linux's) and v2.
+#[test]
+fn v2_only_both_sides() {
+    let mut p = pair(side(Side::A, V2, &["U"]), side(Side::B, V2, &["U"]));
+    p.connect(T1);
+    p.run();
+    dump(&p);
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    let m = clc(&p);
+    let ClcMessage::Proposal(prop) = &m[0] else {
+        panic!()
+    };
+    assert_eq!(prop.smc_type_v1, smc_type::NONE);
+    assert_eq!(prop.buffer_len(), 156);
+    assert!(prop.preferred_gid.0.iter().all(|&b| b == 0));
+    assert_ne!(prop.peer_id, smc_wire::PeerId::default());
+}
+
+fn declined_with(p: &EndpointPair, server: DeclineCode, len: usize) {
+    assert_eq!(
+        fell_back(p, Side::A, T1),
+        Some(Fallback::PeerDeclined {
+            code: server,
+            out_of_sync: false
+        })
+    );
+    let m = clc(p);
+    let d = m
+        .iter()
+        .find_map(|x| match x {
+            ClcMessage::Decline(d) => Some(*d),
+            _ => None,
+        })
+        .expect("a Decline");
+    assert_eq!(d.buffer_len(), len);
+}
+
+/// The server's Decline codes (smc-rv2.md §8, §9.1), version 2 (44 bytes) to a v2 Proposal.
+#[test]
+fn v2_decline_codes() {
+    // No UEID shared, nothing else offered: 0x03030000.
+    let mut p = pair(
+        side(Side::A, V2, &["ALPHA"]),
+        side(Side::B, BOTH, &["BETA"]),
+    );
+    p.connect(T1);
+    p.run();
+    declined_with(&p, DeclineCode::NOSMCDEV, 44);
+
+    // The server does not do v2 at all: the same code.
+    let mut p = pair(side(Side::A, V2, &["U"]), side(Side::B, V1, &["U"]));
+    p.connect(T1);
+    p.run();
+    declined_with(&p, DeclineCode::NOSMCDEV, 44);
+
+    // The server's RNIC cannot carry RoCEv2: 0x03030002.
+    let mut b = side(Side::B, BOTH, &["U"]);
+    b.devices[0].roce_v2 = false;
+    let mut p = pair(side(Side::A, V2, &["U"]), b);
+    p.connect(T1);
+    p.run();
+    declined_with(&p, DeclineCode::NOSMCRDEV, 44);
+
+    // The server allows fewer than 16 connections per group: 0x0303000a.
+    let mut b = side(Side::B, BOTH, &["U"]);
+    b.max_conns_per_lgr = 8;
+    let mut p = pair(side(Side::A, V2, &["U"]), b);
+    p.connect(T1);
+    p.run();
+    declined_with(&p, DeclineCode::MAXCONNERR, 44);
+
+    // A v1 client that offers nothing v1 can use gets a v1 Decline (28 bytes) from a v1
+    // Proposal... here: a v2-only client against a v2-only server without a UEID in common
+    // but a v1-only Proposal is impossible; a v1 Proposal to a v2-only server: 0x03030000, v1.
+    let mut p = pair(side(Side::A, V1, &["U"]), side(Side::B, V2, &["U"]));
+    p.connect(T1);
+    p.run();
+    declined_with(&p, DeclineCode::NOSMCDEV, 28);
+}
+
+/// A Proposal with no EID: 0x03030008 (peer sent no UEID).
+#[test]
+fn proposal_without_ueid_is_declined_0x03030008() {
+    let mut p = pair(side(Side::A, V2, &["U"]), side(Side::B, V2, &["U"]));
+    let raw = smc_wire::examples::bytes("clc_proposal_v2_smcr_only").expect("vector");
+    let mut prop = smc_wire::Proposal::parse(&raw).expect("parses");
+    prop.v2_ext.as_mut().expect("ext").eids.clear();
+    let now = p.now;
+    p.b.ep.accept(T1, now).expect("accept");
+    p.inject_tcp(Side::B, T1, ClcMessage::Proposal(prop).to_vec());
+    p.run();
+    assert_eq!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::Declined(DeclineCode::NOUEID))
+    );
+}
+
+/// A client that can offer nothing (v2 only, no UEID) declines instead of proposing, with a
+/// version-1 Decline 0x03030000 as Linux does (smc-rv2.md §5.5).
+#[test]
+fn client_without_ueid_declines_instead_of_proposing() {
+    let mut p = pair(side(Side::A, V2, &[]), side(Side::B, BOTH, &["U"]));
+    p.connect(T1);
+    p.run();
+    let m = clc(&p);
+    assert!(
+        matches!(&m[0], ClcMessage::Decline(d) if d.diagnosis == DeclineCode::NOSMCDEV && d.buffer_len() == 28)
+    );
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(DeclineCode::NOSMCDEV))
+    );
+}
+
+/// Kernel behaviour 13.1: a peer's ADD LINK on a v2 group (here: the kernel's captured ADD LINK
+/// request, addressed to link 1) is rejected with a 44-byte v2 reject, flags 0xC0.
+#[test]
+fn add_link_on_a_v2_group_is_rejected_in_v2_form() {
+    let mut p = pair(side(Side::A, BOTH, &["U"]), side(Side::B, BOTH, &["U"]));
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::A, T1));
+    let link = p.host(Side::A).link(1).expect("link 1");
+    let before = p.host(Side::A).llc_v2_sent.len();
+    let add = smc_wire::examples::bytes("llc2_add_link_req_1rkey").expect("vector");
+    p.act(Side::A, |ep, res, now| {
+        ep.handle_message(link, &add, res, now)
+    });
+    p.run();
+    let sent = &p.host(Side::A).llc_v2_sent[before..];
+    let reject = sent
+        .iter()
+        .find(|b| b[0] == 0x22)
+        .expect("an ADD LINK reply");
+    assert_eq!(&reject[1..4], &[44, 0, 0xC0]);
+    assert!(established(&p, Side::A, T1));
+    assert_eq!(
+        p.host(Side::A)
+            .ep
+            .link_groups()
+            .next()
+            .map(|g| g.active_count()),
+        Some(1)
+    );
+}
+
+/// A v2 Accept to a client that did not propose v2: Decline 0x03040000 (smc-rv2.md §9.2).
+#[test]
+fn unasked_v2_accept_is_declined_0x03040000() {
+    let mut p = pair(side(Side::A, V1, &["U"]), side(Side::B, BOTH, &["U"]));
+    let now = p.now;
+    p.a.ep.connect(T1, now).expect("connect");
+    p.flush();
+    let accept = smc_wire::examples::bytes("clc_accept_v2_first_contact").expect("vector");
+    p.inject_tcp(Side::A, T1, accept);
+    p.run();
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(DeclineCode::MODEUNSUPP))
+    );
+}

@@ -1,0 +1,193 @@
+//! SMC-Rv2 between two smc-rs processes on the shm fabric (docs/v2.md): the server process is
+//! this test binary re-executed with its configuration from the environment, as a deployment
+//! would set it (`SMC_VERSIONS`, `SMC_UEIDS`); the client records its traffic and the capture
+//! shows which version was spoken. SMC_VERSIONS=1 and =2 both carry data, checked byte for
+//! byte.
+#![allow(missing_docs)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use smc::{DiscoveryMode, Mode, SmcListener, SmcStream, Stack, StackConfig};
+use smc_fabric::FabricConfig;
+use smc_wire::dissect::{self, Found};
+use smc_wire::{ClcMessage, SendMessage};
+
+fn test_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "smc-v2-{}-{}-{}",
+        tag,
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+    ));
+    std::fs::create_dir_all(&d).expect("fabric dir");
+    d
+}
+
+/// The server process: configuration from the environment (fabric dir, discovery, versions,
+/// UEIDs), one echo connection, exit when the parent closes stdin.
+#[test]
+fn child_entry() {
+    if std::env::var_os("SMC_V2_CHILD").is_none() {
+        return;
+    }
+    std::thread::spawn(|| {
+        let mut buf = [0u8; 16];
+        while matches!(std::io::stdin().read(&mut buf), Ok(n) if n > 0) {}
+        std::process::exit(0);
+    });
+    let config = StackConfig::from_env().expect("configuration from the environment");
+    let st = Stack::new(config).expect("stack");
+    let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
+    println!("PORT {}", l.local_addr().expect("addr").port());
+    for s in l.incoming() {
+        let mut s = s.expect("accept");
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if s.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn spawn(dir: &Path, versions: &str, ueids: &str) -> Server {
+        let mut child = Command::new(std::env::current_exe().expect("exe"))
+            .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+            .env("SMC_V2_CHILD", "1")
+            .env("SMC_FABRIC_DIR", dir)
+            .env("SMC_FABRIC_DEVICES", "shm0")
+            .env("SMC_DISCOVERY", "assert-peer")
+            .env("SMC_VERSIONS", versions)
+            .env("SMC_UEIDS", ueids)
+            .env_remove("SMC_CONFIG")
+            .env_remove("SMC_FABRIC_FAULTS")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn server");
+        let out = child.stdout.take().expect("stdout");
+        let mut port = 0;
+        for line in BufReader::new(out).lines() {
+            let line = line.expect("server output");
+            if let Some(i) = line.find("PORT ") {
+                port = line[i + 5..].trim().parse().expect("port");
+                break;
+            }
+        }
+        assert_ne!(port, 0, "server did not report its port");
+        Server { child, port }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// One echo connection from a client stack with `versions` and `ueids` to a server process
+/// with its own; returns the CLC messages and the LLC messages of the client's capture.
+fn run(
+    tag: &str,
+    client: (&str, &str),
+    server: (&str, &str),
+) -> (Vec<ClcMessage>, Vec<SendMessage>) {
+    let dir = test_dir(tag);
+    let srv = Server::spawn(&dir, server.0, server.1);
+    let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 1));
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.clc_timeout = Duration::from_secs(20);
+    c.versions = smc::config::parse_versions(client.0).expect("versions");
+    c.ueids = smc::config::parse_ueids(client.1).expect("ueids");
+    let st = Stack::new(c).expect("stack");
+    let pcap = dir.join("client.pcap");
+    st.start_capture(&pcap).expect("capture");
+    let mut s = SmcStream::connect_with(&st, ("127.0.0.1", srv.port)).expect("connect");
+    assert_eq!(s.mode(), Mode::Smc, "{tag}");
+    let data: Vec<u8> = (0..1_000_000u32)
+        .map(|i| (i * 31 + i / 977) as u8)
+        .collect();
+    let mut w = s.try_clone().expect("clone");
+    let out = data.clone();
+    let t = std::thread::spawn(move || {
+        w.write_all(&out).expect("write");
+        w.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    });
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).expect("read echo");
+    t.join().expect("writer");
+    assert!(back == data, "{tag}: echo differs");
+    drop(s);
+    st.stop_capture().expect("stop capture");
+    drop(srv);
+    let f = std::fs::File::open(&pcap).expect("capture file");
+    let mut clc = Vec::new();
+    let mut llc = Vec::new();
+    for f in dissect::read_capture(f).expect("read capture") {
+        match f.found {
+            Found::Clc(b) => clc.push(ClcMessage::parse(&b).expect("CLC parses").0),
+            Found::Send(b) => match SendMessage::parse(&b).expect("SEND parses") {
+                SendMessage::Cdc(_) => {}
+                m => llc.push(m),
+            },
+            _ => {}
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    (clc, llc)
+}
+
+fn accept_version(clc: &[ClcMessage]) -> u8 {
+    clc.iter()
+        .find_map(|m| match m {
+            ClcMessage::Accept(a) => Some(a.version),
+            _ => None,
+        })
+        .expect("an Accept")
+}
+
+#[test]
+fn smc_versions_1_and_2_between_processes() {
+    if std::env::var_os("SMC_V2_CHILD").is_some() {
+        return;
+    }
+    // SMC_VERSIONS=1 on both: a version-1 exchange, v1 LLC.
+    let (clc, llc) = run("v1", ("1", ""), ("1", ""));
+    assert!(matches!(&clc[0], ClcMessage::Proposal(p) if p.version == 1));
+    assert_eq!(accept_version(&clc), 1);
+    assert!(!llc.is_empty());
+    assert!(llc.iter().all(|m| matches!(m, SendMessage::Llc(_))));
+
+    // SMC_VERSIONS=2 on both with a shared UEID: SMC-Rv2, v2 LLC only.
+    let (clc, llc) = run("v2", ("2", "SMC-RS.TEST"), ("2", "OTHER,SMC-RS.TEST"));
+    assert!(matches!(&clc[0], ClcMessage::Proposal(p) if p.version == 2 && p.buffer_len() == 156));
+    assert_eq!(accept_version(&clc), 2);
+    assert!(!llc.is_empty());
+    assert!(llc.iter().all(|m| matches!(m, SendMessage::LlcV2(_))));
+
+    // Default (1,2) on both: v2 with a shared UEID, v1 without one.
+    let (clc, _) = run("both", ("1,2", "SMC-RS.TEST"), ("1,2", "SMC-RS.TEST"));
+    assert_eq!(accept_version(&clc), 2);
+    let (clc, llc) = run("no-ueid", ("1,2", "SMC-RS.TEST"), ("1,2", ""));
+    assert_eq!(accept_version(&clc), 1);
+    assert!(llc.iter().all(|m| matches!(m, SendMessage::Llc(_))));
+}
