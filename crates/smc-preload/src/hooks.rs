@@ -896,7 +896,9 @@ fn before_exec() {
             continue;
         }
         if let Some(e) = table::get(fd) {
-            if let Kind::Smc(_) = e.kind {
+            // Only the owner's exec ends the connection's state; a forked child that execs
+            // (socat's SYSTEM:) leaves its parent's connection alone.
+            if let (Kind::Smc(_), true) = (&e.kind, e.ours()) {
                 // SAFETY: plain fcntl.
                 let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
                 if fl >= 0 && fl & libc::FD_CLOEXEC == 0 {

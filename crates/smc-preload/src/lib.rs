@@ -148,3 +148,25 @@ extern "C" fn init() {
 #[used]
 #[link_section = ".init_array"]
 static INIT: extern "C" fn() = init;
+
+/// The destructor (at `exit()`): close the connections the program left open, then give the
+/// peers the time to read what was sent (see [`smc::fdapi::linger`]); at most
+/// `SMC_EXIT_LINGER_MS` (default 2000).
+extern "C" fn fini() {
+    guard((), || {
+        if !table::ANY.load(Ordering::Relaxed) {
+            return;
+        }
+        let open = table::take_all_ours();
+        drop(open);
+        let ms = std::env::var("SMC_EXIT_LINGER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000u64);
+        smc::fdapi::linger(std::time::Duration::from_millis(ms));
+    });
+}
+
+#[used]
+#[link_section = ".fini_array"]
+static FINI: extern "C" fn() = fini;

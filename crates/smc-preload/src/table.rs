@@ -174,3 +174,18 @@ pub(crate) fn fork_prepare() {
 pub(crate) fn fork_release() {
     LOCK.unlock();
 }
+
+/// Every entry this process made (at exit: the connections the program left open).
+pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
+    with_map(|m| {
+        let fds: Vec<i32> = m.iter().filter(|(_, e)| e.ours()).map(|(fd, _)| *fd).collect();
+        fds.into_iter()
+            .filter_map(|fd| {
+                if let Some(s) = slot(fd) {
+                    s.store(0, Ordering::Relaxed);
+                }
+                m.remove(&fd)
+            })
+            .collect()
+    })
+}

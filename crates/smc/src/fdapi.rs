@@ -480,3 +480,39 @@ impl Conn {
             .map(conn_error)
     }
 }
+
+/// At process exit: wait (at most `max`) until the peers consumed what this process's
+/// connections sent, or those connections ended. The shared-memory fabric notices a peer
+/// process's death and fails its links, and a failed connection's unread bytes are gone;
+/// kernel TCP would still deliver them after the sender exited. Call after closing the
+/// connections the program left open.
+pub fn linger(max: std::time::Duration) {
+    let stack = match STACK.try_lock() {
+        Ok(g) => g.clone(),
+        Err(_) => return,
+    };
+    let Some(stack) = stack else {
+        return;
+    };
+    let deadline = std::time::Instant::now() + max;
+    loop {
+        let pending = {
+            let core = stack.inner.lock();
+            core.slots.iter().any(|(id, s)| {
+                s.error.is_none()
+                    && !s.closed
+                    && core.ep.connection(*id).is_some_and(|c| {
+                        crate::stream::cursor_distance(
+                            c.peer_consumer_cursor(),
+                            c.producer_cursor(),
+                            c.config().peer_rmbe_len,
+                        ) > 0
+                    })
+            })
+        };
+        if !pending || std::time::Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}

@@ -37,7 +37,7 @@ const POLL_SLICE: Duration = Duration::from_millis(50);
 const SPINS_BETWEEN_LOOKS: u32 = 64;
 
 /// Signed distance in bytes from cursor `a` to cursor `b` in a ring of `len` bytes.
-fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
+pub(crate) fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
     let wraps = i64::from(b.wrap.wrapping_sub(a.wrap) as i16);
     wraps * i64::from(len) + i64::from(b.count) - i64::from(a.count)
 }
