@@ -83,13 +83,13 @@ mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 pids+=($!); http=$!
 wait_port 18000
 for i in 1 2 3; do
-    got=$(timeout 20 "$SMC" run curl -sf "http://127.0.0.1:18000/f" | sha256sum | cut -d' ' -f1)
+    got=$(timeout 20 "$SMC" run curl -sSf "http://127.0.0.1:18000/f" | sha256sum | cut -d' ' -f1) || fail "curl $i failed"
     [ "$got" = "$want" ] || fail "curl $i over SMC-R: payload differs"
 done
 # A port probe above was one plain connection (TCP); three curls are SMC-R.
 [ "$(stat_of $http smc_connections)" = 3 ] || fail "http.server: $(stat_of $http smc_connections) SMC-R connections, 3 expected"
 fb=$(stat_of $http fallbacks)
-got=$(timeout 20 curl -sf "http://127.0.0.1:18000/f" | sha256sum | cut -d' ' -f1)
+got=$(timeout 20 curl -sSf "http://127.0.0.1:18000/f" | sha256sum | cut -d' ' -f1) || fail "plain curl failed"
 [ "$got" = "$want" ] || fail "plain curl: payload differs"
 [ "$(stat_of $http fallbacks)" = $((fb + 1)) ] || fail "plain curl was not a TCP fallback"
 [ "$(stat_of $http smc_connections)" = 3 ] || fail "plain curl counted as SMC-R"
@@ -103,7 +103,8 @@ timeout 60 "$SMC" run redis-benchmark -p 16390 -t set,get,lpush,lrange_100 -n 20
     || fail "redis-benchmark: $(tail -3 "$work/bench.out")"
 tr '\r' '\n' <"$work/bench.out" | grep "requests per second" | sed 's/^/   /'
 timeout 10 "$SMC" run redis-cli -p 16390 -x set big <"$work/r4m" >/dev/null || fail "redis-cli set"
-got=$(timeout 10 "$SMC" run redis-cli -p 16390 --raw get big | head -c 4000000 | sha256sum | cut -d' ' -f1)
+got=$(timeout 10 "$SMC" run redis-cli -p 16390 --raw get big | head -c 4000000 | sha256sum | cut -d' ' -f1) \
+    || fail "redis-cli get failed"
 [ "$got" = "$want" ] || fail "redis get: value differs"
 smc=$(stat_of $redis smc_connections)
 [ "$smc" -ge 82 ] || fail "redis: $smc SMC-R connections, at least 82 expected (4 x 20 + 2)"
@@ -117,7 +118,8 @@ echo "== socat fork (accept, then a forked child serves the connection)"
 pids+=($!); socat=$!
 wait_port 17000
 for i in 1 2 3; do
-    got=$(timeout 20 "$SMC" run socat -t 5 - TCP:127.0.0.1:17000 <"$work/r4m" | sha256sum | cut -d' ' -f1)
+    got=$(timeout 20 "$SMC" run socat -t 5 - TCP:127.0.0.1:17000 <"$work/r4m" | sha256sum | cut -d' ' -f1) \
+        || fail "socat client $i failed"
     [ "$got" = "$want" ] || fail "socat echo $i: payload differs"
 done
 n=$(grep -E "^smc-preload\[[0-9]+\]: fd [0-9]+: SMC-R" "$SMC_LOG" | grep -vc "\[$http\]\|\[$redis\]" || true)
@@ -171,10 +173,11 @@ SMC_LOG="$SMC_LOG.nginx" "$SMC" run nginx -c "$work/nginx/nginx.conf" -p "$work/
 pids+=($!)
 wait_port 18080
 for i in 1 2 3 4; do
-    got=$(SMC_LOG="$SMC_LOG.nginx" timeout 20 "$SMC" run curl -sf "http://127.0.0.1:18080/f" | sha256sum | cut -d' ' -f1)
+    got=$(SMC_LOG="$SMC_LOG.nginx" timeout 20 "$SMC" run curl -sSf "http://127.0.0.1:18080/f" | sha256sum | cut -d' ' -f1) \
+        || fail "nginx curl $i failed: $(cat "$work/nginx/error.log")"
     [ "$got" = "$want" ] || fail "nginx curl $i: payload differs"
 done
-got=$(timeout 20 curl -sf "http://127.0.0.1:18080/f" | sha256sum | cut -d' ' -f1)
+got=$(timeout 20 curl -sSf "http://127.0.0.1:18080/f" | sha256sum | cut -d' ' -f1) || fail "nginx plain curl failed"
 [ "$got" = "$want" ] || fail "nginx plain curl: payload differs"
 n=$(grep -c ": SMC-R" "$SMC_LOG.nginx" || true)
 [ "$n" = 8 ] || fail "nginx: $n SMC-R ends, 8 expected"

@@ -108,6 +108,7 @@ extern "C" fn init() {
         real::resolve();
         table::PID.store(libc::getpid(), Ordering::Relaxed);
     }
+    smc::fdapi::keep_settings();
     if let Some(path) = std::env::var_os("SMC_LOG") {
         use std::os::unix::ffi::OsStrExt;
         if let Ok(c) = std::ffi::CString::new(path.as_bytes()) {

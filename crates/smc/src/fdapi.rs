@@ -38,11 +38,33 @@ use crate::{Mode, SmcStream, Stack};
 /// a forked child makes its own after [`forked_child`]).
 static STACK: Mutex<Option<Stack>> = Mutex::new(None);
 
+/// The `SMC_*` settings the program started with (see [`keep_settings`]).
+static SETTINGS: std::sync::OnceLock<Vec<(std::ffi::OsString, std::ffi::OsString)>> =
+    std::sync::OnceLock::new();
+
+/// Remember the `SMC_*` environment variables now (the library's constructor calls this), so
+/// that a stack made later uses them even if the program cleared its environment meanwhile
+/// (nginx rebuilds its workers' environment, keeping only TZ).
+pub fn keep_settings() {
+    let _ = SETTINGS.set(
+        std::env::vars_os()
+            .filter(|(k, _)| k.to_string_lossy().starts_with("SMC_"))
+            .collect(),
+    );
+}
+
 /// The stack of the calling process, made from the environment at first use.
 pub fn stack() -> io::Result<Stack> {
     let mut g = STACK.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(s) = g.as_ref() {
         return Ok(s.clone());
+    }
+    for (k, v) in SETTINGS.get().into_iter().flatten() {
+        if std::env::var_os(k).is_none() {
+            // Before the stack's threads exist; a program that reads its environment from
+            // another thread at this moment is the caveat `docs/preload.md` names.
+            std::env::set_var(k, v);
+        }
     }
     let s = Stack::from_env().map_err(io::Error::other)?;
     *g = Some(s.clone());
