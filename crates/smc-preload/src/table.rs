@@ -136,12 +136,11 @@ pub(crate) fn take(fd: i32) -> Option<Arc<Entry>> {
     if s.load(Ordering::Relaxed) == 0 {
         return None;
     }
-    let e = with_map(|m| {
+    with_map(|m| {
         let e = m.remove(&fd);
         s.store(0, Ordering::Relaxed);
         e
-    });
-    e
+    })
 }
 
 /// Every epoll instance watching SMC-R connections (for the cleanup when a connection's
@@ -178,7 +177,11 @@ pub(crate) fn fork_release() {
 /// Every entry this process made (at exit: the connections the program left open).
 pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
     with_map(|m| {
-        let fds: Vec<i32> = m.iter().filter(|(_, e)| e.ours()).map(|(fd, _)| *fd).collect();
+        let fds: Vec<i32> = m
+            .iter()
+            .filter(|(_, e)| e.ours())
+            .map(|(fd, _)| *fd)
+            .collect();
         fds.into_iter()
             .filter_map(|fd| {
                 if let Some(s) = slot(fd) {

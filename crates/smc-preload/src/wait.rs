@@ -174,7 +174,7 @@ pub unsafe extern "C" fn epoll_ctl(
                 }
                 None => {
                     set_errno(libc::ENOENT);
-                    return -1;
+                    -1
                 }
             },
             _ => {
