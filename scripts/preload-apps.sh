@@ -77,6 +77,15 @@ echo "== negative control: programs without sockets behave as without smc run"
 if "$SMC" run false; then fail "false succeeded"; fi
 grep -q 'SMC-R\|listening' "$SMC_LOG" && fail "a program without sockets touched SMC"
 
+echo "== socket semantics call by call (scripts/preload-semantics.py, both ends under smc run)"
+"$SMC" run python3 scripts/preload-semantics.py server 19100 "$SMC" >"$work/sem-s.log" 2>&1 &
+sem=$!
+for _ in $(seq 1 100); do grep -q "listening on port 19100" "$SMC_LOG" && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-semantics.py client 19100 "$SMC" >"$work/sem-c.log" 2>&1 \
+    || { cat "$work/sem-c.log"; fail "semantics client"; }
+wait $sem || { cat "$work/sem-s.log"; fail "semantics server"; }
+echo "   $(grep -c '^ok' "$work/sem-s.log" "$work/sem-c.log" | awk -F: '{s+=$2} END {print s}') checks passed"
+
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 "$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &

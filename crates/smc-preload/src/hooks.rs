@@ -492,7 +492,7 @@ pub unsafe extern "C" fn recvfrom(
             if !len.is_null() {
                 // A connected stream fills in no address (as TCP).
                 // SAFETY: the caller's length.
-                unsafe { *len = 0 };
+                unsafe { len.write_unaligned(0) };
             }
             if n == 0 {
                 return 0;
@@ -627,7 +627,7 @@ fn smc_sendfile(c: &Conn, inp: c_int, off: *mut off_t, count: size_t) -> ssize_t
         p
     } else {
         // SAFETY: the caller's offset.
-        unsafe { *off }
+        unsafe { off.read_unaligned() }
     };
     let mut buf = vec![0u8; count.clamp(1, 256 * 1024)];
     let mut sent = 0usize;
@@ -667,7 +667,7 @@ fn smc_sendfile(c: &Conn, inp: c_int, off: *mut off_t, count: size_t) -> ssize_t
         unsafe { libc::lseek(inp, pos, libc::SEEK_SET) };
     } else {
         // SAFETY: the caller's offset.
-        unsafe { *off = pos };
+        unsafe { off.write_unaligned(pos) };
     }
     sent as ssize_t
 }
@@ -832,7 +832,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                     }
                     let n = c_int::try_from(c.readable_bytes()).unwrap_or(c_int::MAX);
                     // SAFETY: the caller's int.
-                    unsafe { *(arg as *mut c_int) = n };
+                    unsafe { (arg as *mut c_int).write_unaligned(n) };
                     return 0;
                 }
             }
@@ -840,7 +840,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                 if let Target::Smc(c) = target(fd) {
                     if arg != 0 {
                         // SAFETY: the caller's int.
-                        c.set_nonblocking(unsafe { *(arg as *const c_int) } != 0);
+                        c.set_nonblocking(unsafe { (arg as *const c_int).read_unaligned() } != 0);
                     }
                 }
             }
@@ -868,12 +868,12 @@ pub unsafe extern "C" fn getsockopt(
                 }
                 // SAFETY: the caller's int and its length.
                 unsafe {
-                    if (*len as usize) < std::mem::size_of::<c_int>() {
+                    if (len.read_unaligned() as usize) < std::mem::size_of::<c_int>() {
                         set_errno(libc::EINVAL);
                         return -1;
                     }
-                    *(val as *mut c_int) = errno_of(&e);
-                    *len = std::mem::size_of::<c_int>() as socklen_t;
+                    (val as *mut c_int).write_unaligned(errno_of(&e));
+                    len.write_unaligned(std::mem::size_of::<c_int>() as socklen_t);
                 }
                 return 0;
             }

@@ -142,7 +142,7 @@ pub unsafe extern "C" fn epoll_ctl(
                     return -1;
                 }
                 // SAFETY: the caller's event.
-                let e = unsafe { *ev };
+                let e = unsafe { ev.read_unaligned() };
                 let exists = m.contains_key(&fd);
                 if op == libc::EPOLL_CTL_ADD && exists {
                     set_errno(libc::EEXIST);
@@ -486,7 +486,7 @@ pub unsafe extern "C" fn ppoll(
         None
     } else {
         // SAFETY: the caller's timeout.
-        let t = unsafe { *t };
+        let t = unsafe { t.read_unaligned() };
         Some(Duration::new(
             t.tv_sec.max(0) as u64,
             t.tv_nsec.clamp(0, 999_999_999) as u32,
@@ -613,7 +613,7 @@ pub unsafe extern "C" fn select(
         None
     } else {
         // SAFETY: the caller's timeout.
-        let t = unsafe { *t };
+        let t = unsafe { t.read_unaligned() };
         Some(Duration::from_micros(
             (t.tv_sec.max(0) as u64) * 1_000_000 + t.tv_usec.max(0) as u64,
         ))
@@ -639,7 +639,7 @@ pub unsafe extern "C" fn pselect(
         None
     } else {
         // SAFETY: the caller's timeout.
-        let t = unsafe { *t };
+        let t = unsafe { t.read_unaligned() };
         Some(Duration::new(
             t.tv_sec.max(0) as u64,
             t.tv_nsec.clamp(0, 999_999_999) as u32,
