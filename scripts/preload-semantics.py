@@ -128,6 +128,11 @@ def server(port, smc):
     _, wl, _ = select.select([], [fd], [], 1)
     check(wl == [fd], "select: connection writable")
 
+    # MSG_PEEK leaves the bytes for the next read (and readiness stays).
+    check(conn.recv(2, socket.MSG_PEEK) == b"dd", "MSG_PEEK sees 2 bytes")
+    check(conn.recv(2, socket.MSG_PEEK) == b"dd", "MSG_PEEK again sees the same")
+    check(dict(p.poll(0)).get(fd) == select.POLLIN, "readable after a peek")
+
     # FIONREAD counts the readable bytes.
     buf = fcntl.ioctl(fd, termios.FIONREAD, struct.pack("i", 0))
     check(struct.unpack("i", buf)[0] == 4, "FIONREAD = 4")
@@ -186,6 +191,10 @@ def server(port, smc):
 def client(port, smc):
     s = socket.socket()
     s.setblocking(False)
+    # Registered in epoll before connect (as nginx does for upstream sockets): the
+    # registration must follow the socket to SMC-R.
+    early = select.epoll()
+    early.register(s.fileno(), select.EPOLLIN)
     rc = s.connect_ex(("127.0.0.1", port))
     check(rc in (0, errno.EINPROGRESS), f"nonblocking connect: 0 or EINPROGRESS ({rc})")
     p = select.poll()
@@ -195,6 +204,8 @@ def client(port, smc):
     s.setblocking(True)
     mode = smc_mode_of_pid(smc, os.getpid(), port)
     check(mode == "SMC-R", f"client side is SMC-R (smc ss says {mode})")
+    ev = early.poll(5)
+    check(ev == [(s.fileno(), select.EPOLLIN)], f"epoll registration made before connect reports data ({ev})")
     f = s.makefile("rb")
     while True:
         line = f.readline()

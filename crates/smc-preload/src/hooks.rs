@@ -69,6 +69,7 @@ fn install(fd: c_int, setup: Setup, nonblocking: bool) {
         Setup::Smc(c) => {
             c.set_nonblocking(nonblocking);
             log!("fd {fd}: SMC-R");
+            crate::wait::adopt(fd, &c);
             Kind::Smc(c)
         }
         Setup::Tcp(t) => {
@@ -312,9 +313,10 @@ unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
 /// recv on an SMC-R connection with flags.
 fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
     if flags & libc::MSG_PEEK != 0 {
-        log!("recv(MSG_PEEK) on an SMC-R connection is not supported: EOPNOTSUPP");
-        set_errno(libc::EOPNOTSUPP);
-        return -1;
+        let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
+            return 0;
+        };
+        return io_result(c.peek(first, flags & libc::MSG_DONTWAIT != 0));
     }
     if flags & libc::MSG_OOB != 0 {
         // No urgent byte waits out of line (urgent data is in line over SMC-R).
@@ -707,6 +709,7 @@ pub(crate) fn forget(fd: c_int) {
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    crate::wait::closed(fd);
     if table::maybe(fd) {
         guard((), || forget(fd));
     }

@@ -77,6 +77,7 @@ reals! {
     fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int = libc::SYS_fcntl;
     ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int = libc::SYS_ioctl;
     getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int = libc::SYS_getsockopt;
+    epoll_create1(flags: c_int) -> c_int = libc::SYS_epoll_create1;
     epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event) -> c_int = libc::SYS_epoll_ctl;
     epoll_pwait(epfd: c_int, evs: *mut epoll_event, max: c_int, timeout: c_int, mask: *const sigset_t) -> c_int = libc::SYS_epoll_pwait;
     ppoll(fds: *mut pollfd, n: nfds_t, t: *const timespec, mask: *const sigset_t) -> c_int = libc::SYS_ppoll;

@@ -36,8 +36,12 @@ struct Interest {
     conn: Arc<Conn>,
     events: u32,
     data: u64,
-    /// Edge-triggered: something happened since the last report.
+    /// Edge-triggered: added or modified since the last report (the current state is
+    /// reported once).
     news: bool,
+    /// Edge-triggered: the connection's signal counts (read, write) at the last report;
+    /// a signal since is a new event.
+    seen: (u64, u64),
     /// One-shot: reported; silent until EPOLL_CTL_MOD.
     disabled: bool,
 }
@@ -162,6 +166,7 @@ pub unsafe extern "C" fn epoll_ctl(
                         events: e.events,
                         data: e.u64,
                         news: true,
+                        seen: (0, 0),
                         disabled: false,
                     },
                 );
@@ -189,27 +194,37 @@ pub unsafe extern "C" fn epoll_ctl(
 /// each interest asks); returns how many.
 fn harvest(set: &EpollSet, out: &mut [epoll_event]) -> usize {
     let mut m = set.lock();
-    let live: Vec<(c_int, Arc<Conn>)> = m
+    let et = libc::EPOLLET as u32;
+    let live: Vec<(c_int, Arc<Conn>, (u64, u64))> = m
         .iter()
-        .filter(|(_, i)| !i.disabled && (i.news || i.events & libc::EPOLLET as u32 == 0))
-        .map(|(fd, i)| (*fd, i.conn.clone()))
+        .filter(|(_, i)| !i.disabled)
+        .filter_map(|(fd, i)| {
+            // The counts are read before the state: a signal after this is news next time.
+            let counts = i.conn.signal_counts();
+            let fresh = i.events & et == 0
+                || i.news
+                || (i.events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0
+                    && counts.0 != i.seen.0)
+                || (i.events & libc::EPOLLOUT as u32 != 0 && counts.1 != i.seen.1);
+            fresh.then(|| (*fd, i.conn.clone(), counts))
+        })
         .collect();
     if live.is_empty() {
         return 0;
     }
-    let conns: Vec<&Conn> = live.iter().map(|(_, c)| &**c).collect();
+    let conns: Vec<&Conn> = live.iter().map(|(_, c, _)| &**c).collect();
     let mut ready = vec![Ready::default(); conns.len()];
     Conn::ready_many(&conns, &mut ready);
     let mut n = 0;
-    for ((fd, _), r) in live.iter().zip(ready) {
+    for ((fd, _, counts), r) in live.iter().zip(ready) {
         if n == out.len() {
             break;
         }
         let Some(i) = m.get_mut(fd) else { continue };
         let mask = ready_events(r, i.events);
-        let et = i.events & libc::EPOLLET as u32 != 0;
-        if et {
+        if i.events & et != 0 {
             i.news = false;
+            i.seen = *counts;
         }
         if mask == 0 {
             continue;
@@ -226,19 +241,16 @@ fn harvest(set: &EpollSet, out: &mut [epoll_event]) -> usize {
     n
 }
 
-/// Take our eventfds' events out of `evs` (marking the interests they concern as having
-/// news); returns how many of the program's are left (moved to the front).
-fn filter_marks(set: &EpollSet, evs: &mut [epoll_event]) -> (usize, bool) {
+/// Take our eventfds' events out of `evs`; returns how many of the program's are left (moved
+/// to the front) and whether one of ours was there.
+fn filter_marks(evs: &mut [epoll_event]) -> (usize, bool) {
     let mut keep = 0;
     let mut ours = false;
     for i in 0..evs.len() {
         let d = evs[i].u64;
         if d & 0xFFFF_FFFF_0000_0000 == MARK {
             ours = true;
-            let fd = ((d & 0xFFFF_FFFF) >> 1) as c_int;
-            if let Some(it) = set.lock().get_mut(&fd) {
-                it.news = true;
-            }
+            // A wake-up only: what is new, the signal counts tell (see `harvest`).
         } else {
             evs[keep] = evs[i];
             keep += 1;
@@ -281,7 +293,7 @@ unsafe fn epoll_wait_managed(
         if k < 0 {
             return if n > 0 { n as c_int } else { -1 };
         }
-        let (kept, ours) = filter_marks(set, &mut rest[..k as usize]);
+        let (kept, ours) = filter_marks(&mut rest[..k as usize]);
         if n + kept > 0 {
             return (n + kept) as c_int;
         }
@@ -651,4 +663,112 @@ pub unsafe extern "C" fn pselect(
     }
     // SAFETY: passed on unchanged.
     unsafe { real::pselect(nfds, r, w, e, t, mask) }
+}
+
+/// Per descriptor number: 1 when it is an epoll instance the program made (so that a socket
+/// registered in it before it became an SMC-R connection can be moved to user space).
+static EPOLL_FDS: [std::sync::atomic::AtomicU8; table::MAX_FD] =
+    [const { std::sync::atomic::AtomicU8::new(0) }; table::MAX_FD];
+
+fn note_epoll(fd: c_int) {
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
+        s.store(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The number `fd` is closed (or reused): it is no longer an epoll instance of ours.
+pub(crate) fn closed(fd: c_int) {
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
+        if s.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+            s.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: passed on unchanged.
+    let fd = unsafe { real::epoll_create1(flags) };
+    note_epoll(fd);
+    fd
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    if size <= 0 {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: as epoll_create1 without flags.
+    unsafe { epoll_create1(0) }
+}
+
+/// The registrations of `fd` in kernel epoll instance `epfd`, from `/proc/self/fdinfo`
+/// (lines `tfd: N events: HEX data: HEX ...`).
+fn kernel_registration(epfd: c_int, fd: c_int) -> Option<(u32, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")).ok()?;
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        if it.next() != Some("tfd:") {
+            continue;
+        }
+        if it.next()?.parse::<c_int>().ok()? != fd {
+            continue;
+        }
+        let (mut events, mut data) = (None, None);
+        while let Some(k) = it.next() {
+            match k {
+                "events:" => events = u32::from_str_radix(it.next()?, 16).ok(),
+                "data:" => data = u64::from_str_radix(it.next()?, 16).ok(),
+                _ => {}
+            }
+        }
+        return Some((events?, data?));
+    }
+    None
+}
+
+/// `fd` just became an SMC-R connection: registrations the program made in its epoll
+/// instances while it was a plain socket (nginx registers an upstream socket before
+/// `connect`) move from the kernel to user space, since the socket itself will never be
+/// readable.
+pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
+    for (epfd, s) in EPOLL_FDS.iter().enumerate() {
+        if s.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            continue;
+        }
+        let epfd = epfd as c_int;
+        let Some((events, data)) = kernel_registration(epfd, fd) else {
+            continue;
+        };
+        let mut ev = epoll_event { events: 0, u64: 0 };
+        // SAFETY: removing the program's registration of the socket.
+        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, &mut ev) };
+        let set = match table::get(epfd).map(|e| match &e.kind {
+            Kind::Epoll(s) => Some(s.clone()),
+            _ => None,
+        }) {
+            Some(Some(s)) => s,
+            _ => {
+                let s = Arc::new(EpollSet::default());
+                if table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).is_err() {
+                    continue;
+                }
+                s
+            }
+        };
+        kernel_notifiers(epfd, fd, conn, true);
+        set.lock().insert(
+            fd,
+            Interest {
+                conn: conn.clone(),
+                events,
+                data,
+                news: true,
+                seen: (0, 0),
+                disabled: false,
+            },
+        );
+        crate::log!("fd {fd}: its registration in epoll {epfd} moved to user space");
+    }
 }

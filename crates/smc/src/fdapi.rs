@@ -260,6 +260,9 @@ pub struct Ready {
 struct Handle {
     s: SmcStream,
     nonblocking: bool,
+    /// Bytes a MSG_PEEK read took out of the RMB (the reading handle's only): the next reads
+    /// return them first.
+    peeked: Vec<u8>,
 }
 
 impl Handle {
@@ -283,6 +286,9 @@ pub struct Conn {
     nonblocking: AtomicBool,
     /// The peer closed or failed and a write found it: SO_ERROR is reported once.
     pending_error: Mutex<Option<io::ErrorKind>>,
+    /// How many peeked bytes wait in the reading handle (readiness looks here without its
+    /// lock, which a blocked reader holds).
+    peeked_len: std::sync::atomic::AtomicUsize,
 }
 
 impl Conn {
@@ -300,11 +306,14 @@ impl Conn {
             rd: Mutex::new(Handle {
                 s,
                 nonblocking: false,
+                peeked: Vec::new(),
             }),
             wr: Mutex::new(Handle {
                 s: w,
                 nonblocking: false,
+                peeked: Vec::new(),
             }),
+            peeked_len: std::sync::atomic::AtomicUsize::new(0),
             notify,
             nonblocking: AtomicBool::new(false),
             pending_error: Mutex::new(None),
@@ -324,8 +333,43 @@ impl Conn {
     /// Read into `buf`; `dontwait`: this call does not block (MSG_DONTWAIT).
     pub fn read(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
         let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if !h.peeked.is_empty() {
+            let n = h.peeked.len().min(buf.len());
+            buf[..n].copy_from_slice(&h.peeked[..n]);
+            h.peeked.drain(..n);
+            self.peeked_len.store(h.peeked.len(), Ordering::Relaxed);
+            if n == buf.len() {
+                return Ok(n);
+            }
+            // Then what else is there, without waiting.
+            h.mode(true);
+            return match h.s.read(&mut buf[n..]) {
+                Ok(m) => Ok(n + m),
+                Err(_) => Ok(n),
+            };
+        }
         h.mode(dontwait || self.nonblocking());
         h.s.read(buf)
+    }
+
+    /// Read into `buf` without consuming (MSG_PEEK): the bytes stay for the next read. Waits
+    /// (unless nonblocking) for the first byte only, as TCP does.
+    pub fn peek(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
+        let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if h.peeked.len() < buf.len() {
+            let mut more = vec![0u8; buf.len() - h.peeked.len()];
+            let nb = dontwait || self.nonblocking() || !h.peeked.is_empty();
+            h.mode(nb);
+            match h.s.read(&mut more) {
+                Ok(n) => h.peeked.extend_from_slice(&more[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && !h.peeked.is_empty() => {}
+                Err(e) => return Err(e),
+            }
+            self.peeked_len.store(h.peeked.len(), Ordering::Relaxed);
+        }
+        let n = h.peeked.len().min(buf.len());
+        buf[..n].copy_from_slice(&h.peeked[..n]);
+        Ok(n)
     }
 
     /// Read into several buffers in order (readv): what the first read returns, then more
@@ -425,9 +469,11 @@ impl Conn {
     /// Bytes readable now (FIONREAD / SIOCINQ).
     pub fn readable_bytes(&self) -> usize {
         let core = self.stack.inner.lock();
-        core.ep
-            .connection(self.id)
-            .map_or(0, |c| c.readable() as usize)
+        self.peeked_len.load(Ordering::Relaxed)
+            + core
+                .ep
+                .connection(self.id)
+                .map_or(0, |c| c.readable() as usize)
     }
 
     /// The readiness of this connection now.
@@ -451,6 +497,7 @@ impl Conn {
             let err = core.slots.get(&c.id).and_then(|s| s.error);
             *o = match core.ep.connection(c.id) {
                 None => Ready {
+                    // (End of stream, or the bytes peeked before the connection ended.)
                     readable: true,
                     writable: true,
                     read_hup: true,
@@ -459,8 +506,9 @@ impl Conn {
                 },
                 Some(conn) => {
                     let closed = conn.is_read_closed();
+                    let peeked = c.peeked_len.load(Ordering::Relaxed) > 0;
                     Ready {
-                        readable: conn.readable() > 0 || closed || err.is_some(),
+                        readable: peeked || conn.readable() > 0 || closed || err.is_some(),
                         writable: conn.write_room() > 0 || err.is_some(),
                         read_hup: closed,
                         hup: err.is_some(),
@@ -486,6 +534,14 @@ impl Conn {
     pub fn drain_notifiers(&self) {
         Notifiers::drain(&self.notify.read);
         Notifiers::drain(&self.notify.write);
+    }
+
+    /// How many times the read and the write eventfd were signalled so far.
+    pub fn signal_counts(&self) -> (u64, u64) {
+        (
+            self.notify.read_count.load(Ordering::Acquire),
+            self.notify.write_count.load(Ordering::Acquire),
+        )
     }
 
     /// The raw numbers of both eventfds (read, write).
