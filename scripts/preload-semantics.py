@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -146,6 +147,32 @@ def server(port, smc):
     except BlockingIOError:
         check(True, "nonblocking read without data: EAGAIN")
     conn.setblocking(True)
+
+    # A blocking read with nothing to read returns when a signal handler runs (the handler
+    # raises, so Python does not retry the EINTR), and SO_RCVTIMEO ends it with EAGAIN.
+    class Alarm(Exception):
+        pass
+
+    def on_alarm(*_):
+        raise Alarm()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        conn.recv(10)
+        check(False, "blocking read interrupted by a signal (EINTR)")
+    except Alarm:
+        check(time.monotonic() - t0 < 5, "blocking read interrupted by a signal (EINTR)")
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
+    t0 = time.monotonic()
+    try:
+        conn.recv(10)
+        check(False, "SO_RCVTIMEO: EAGAIN after the timeout")
+    except BlockingIOError:
+        check(0.15 < time.monotonic() - t0 < 5, "SO_RCVTIMEO: EAGAIN after the timeout")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
 
     # dup: the new number names the same connection; the connection outlives the first.
     d = os.dup(fd)

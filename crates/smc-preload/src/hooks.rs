@@ -324,6 +324,22 @@ fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
         return -1;
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
+    let timeout = c.timeout(false);
+    if !dontwait && !c.nonblocking() && (interruptible() || timeout.is_some()) {
+        // A wait that a signal handler interrupts (EINTR) and SO_RCVTIMEO ends (EAGAIN).
+        let Some(first) = bufs.iter_mut().position(|b| !b.is_empty()) else {
+            return 0;
+        };
+        let n = match c.read_interruptible(bufs[first], timeout) {
+            Ok(n) => n,
+            Err(e) => return io_result(Err(e)),
+        };
+        if n < bufs[first].len() || n == 0 {
+            return n as ssize_t;
+        }
+        let more = c.read_vectored(&mut bufs[first + 1..], true).unwrap_or(0);
+        return (n + more) as ssize_t;
+    }
     if flags & libc::MSG_WAITALL != 0 && !dontwait && !c.nonblocking() {
         let want: usize = bufs.iter().map(|b| b.len()).sum();
         let mut got = 0usize;
@@ -362,10 +378,115 @@ fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
         return -1;
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
-    write_result(
-        c.write_vectored(bufs, dontwait),
-        flags & libc::MSG_NOSIGNAL != 0,
-    )
+    let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    if dontwait || c.nonblocking() {
+        return write_result(c.write_vectored(bufs, true), nosignal);
+    }
+    // Blocking: everything is written, as a blocking TCP send does, unless a signal handler
+    // interrupts (the bytes written so far count) or SO_SNDTIMEO passes.
+    let timeout = c.timeout(true);
+    let plain = !interruptible() && timeout.is_none();
+    let mut total = 0usize;
+    for b in bufs {
+        let mut off = 0;
+        while off < b.len() {
+            let r = if plain {
+                c.write(&b[off..], false)
+            } else {
+                c.write_interruptible(&b[off..], timeout)
+            };
+            match r {
+                Ok(n) => off += n,
+                Err(_) if total + off > 0 => return (total + off) as ssize_t,
+                Err(e) => return write_result(Err(e), nosignal),
+            }
+        }
+        total += off;
+    }
+    total as ssize_t
+}
+
+/// Whether the program installed a signal handler without SA_RESTART: then a blocking call
+/// on an SMC-R connection must return EINTR when it runs, so it waits in one interruptible
+/// system call (without such a handler, the kernel would restart the call: the stack's own
+/// faster wait serves).
+fn interruptible() -> bool {
+    INTERRUPTIBLE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static INTERRUPTIBLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The C library's sigaction, resolved at first use (not through the constructor's table: a
+/// raw rt_sigaction takes another structure).
+unsafe fn real_sigaction(
+    sig: c_int,
+    act: *const libc::sigaction,
+    old: *mut libc::sigaction,
+) -> c_int {
+    type F = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
+    static P: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let mut p = P.load(std::sync::atomic::Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, c"sigaction".as_ptr()) } as usize;
+        P.store(p, std::sync::atomic::Ordering::Relaxed);
+    }
+    if p == 0 {
+        set_errno(libc::ENOSYS);
+        return -1;
+    }
+    // SAFETY: dlsym's address of sigaction.
+    let f: F = unsafe { std::mem::transmute(p) };
+    // SAFETY: passed on unchanged.
+    unsafe { f(sig, act, old) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sigaction(
+    sig: c_int,
+    act: *const libc::sigaction,
+    old: *mut libc::sigaction,
+) -> c_int {
+    if !act.is_null() {
+        // SAFETY: the caller's action.
+        let a = unsafe { act.read_unaligned() };
+        if a.sa_sigaction != libc::SIG_DFL
+            && a.sa_sigaction != libc::SIG_IGN
+            && a.sa_flags & libc::SA_RESTART == 0
+        {
+            INTERRUPTIBLE.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real_sigaction(sig, act, old) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    // SAFETY: passed on unchanged.
+    let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+    if r == 0
+        && level == libc::SOL_SOCKET
+        && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
+        && !val.is_null()
+        && len as usize >= std::mem::size_of::<libc::timeval>()
+        && table::maybe(fd)
+    {
+        if let Target::Smc(c) = target(fd) {
+            // SAFETY: the caller's timeval of `len` bytes.
+            let tv = unsafe { (val as *const libc::timeval).read_unaligned() };
+            let t = std::time::Duration::from_secs(tv.tv_sec.max(0) as u64)
+                + std::time::Duration::from_micros(tv.tv_usec.max(0) as u64);
+            c.set_timeout(name == libc::SO_SNDTIMEO, (!t.is_zero()).then_some(t));
+        }
+    }
+    r
 }
 
 #[no_mangle]
@@ -380,7 +501,7 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
             }
             // SAFETY: the caller's buffer of `n` bytes.
             let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), n) };
-            io_result(c.read(b, false))
+            smc_recv(&c, &mut [b], 0)
         }),
     }
 }
@@ -408,7 +529,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
             }
             // SAFETY: the caller's buffer of `n` bytes.
             let b = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), n) };
-            write_result(c.write(b, false), false)
+            smc_send(&c, &[b], 0)
         }),
     }
 }
@@ -425,7 +546,7 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_
             if v.is_empty() {
                 return 0;
             }
-            io_result(c.read_vectored(&mut v, false))
+            smc_recv(&c, &mut v, 0)
         }),
     }
 }
@@ -443,7 +564,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
                 return 0;
             }
             let v: Vec<&[u8]> = v.into_iter().map(|b| &*b).collect();
-            write_result(c.write_vectored(&v, false), false)
+            smc_send(&c, &v, 0)
         }),
     }
 }

@@ -76,6 +76,7 @@ reals! {
     dup3(fd: c_int, to: c_int, flags: c_int) -> c_int = libc::SYS_dup3;
     fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int = libc::SYS_fcntl;
     ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int = libc::SYS_ioctl;
+    setsockopt(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) -> c_int = libc::SYS_setsockopt;
     getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int = libc::SYS_getsockopt;
     epoll_create1(flags: c_int) -> c_int = libc::SYS_epoll_create1;
     epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event) -> c_int = libc::SYS_epoll_ctl;

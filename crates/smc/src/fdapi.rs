@@ -286,6 +286,8 @@ pub struct Conn {
     nonblocking: AtomicBool,
     /// The peer closed or failed and a write found it: SO_ERROR is reported once.
     pending_error: Mutex<Option<io::ErrorKind>>,
+    /// SO_RCVTIMEO and SO_SNDTIMEO in microseconds (0: none), as the program set them.
+    timeouts: [std::sync::atomic::AtomicU64; 2],
     /// How many peeked bytes wait in the reading handle (readiness looks here without its
     /// lock, which a blocked reader holds).
     peeked_len: std::sync::atomic::AtomicUsize,
@@ -314,6 +316,7 @@ impl Conn {
                 peeked: Vec::new(),
             }),
             peeked_len: std::sync::atomic::AtomicUsize::new(0),
+            timeouts: Default::default(),
             notify,
             nonblocking: AtomicBool::new(false),
             pending_error: Mutex::new(None),
@@ -323,6 +326,20 @@ impl Conn {
     /// Set the connection's nonblocking mode (the program's O_NONBLOCK / FIONBIO).
     pub fn set_nonblocking(&self, nonblocking: bool) {
         self.nonblocking.store(nonblocking, Ordering::Relaxed);
+    }
+
+    /// Record SO_RCVTIMEO (`send` false) or SO_SNDTIMEO (`send` true); `None` or zero: none.
+    pub fn set_timeout(&self, send: bool, t: Option<std::time::Duration>) {
+        let us = t.map_or(0, |t| u64::try_from(t.as_micros()).unwrap_or(u64::MAX));
+        self.timeouts[usize::from(send)].store(us, Ordering::Relaxed);
+    }
+
+    /// SO_RCVTIMEO (`send` false) or SO_SNDTIMEO (`send` true) as recorded.
+    pub fn timeout(&self, send: bool) -> Option<std::time::Duration> {
+        match self.timeouts[usize::from(send)].load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(std::time::Duration::from_micros(us)),
+        }
     }
 
     /// The nonblocking mode set.
@@ -370,6 +387,42 @@ impl Conn {
         let n = h.peeked.len().min(buf.len());
         buf[..n].copy_from_slice(&h.peeked[..n]);
         Ok(n)
+    }
+
+    /// A blocking read whose wait is one `poll` system call on the connection's read eventfd,
+    /// so that a signal handler that ran returns EINTR (`Interrupted`), as a TCP read without
+    /// SA_RESTART does; `timeout` (SO_RCVTIMEO) ends the wait with `WouldBlock`.
+    pub fn read_interruptible(
+        &self,
+        buf: &mut [u8],
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<usize> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            Notifiers::drain(&self.notify.read);
+            match self.read(buf, true) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            wait_fd(self.notify.read.as_fd(), deadline)?;
+        }
+    }
+
+    /// A blocking write whose wait is interruptible (see [`Conn::read_interruptible`]).
+    pub fn write_interruptible(
+        &self,
+        buf: &[u8],
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<usize> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            Notifiers::drain(&self.notify.write);
+            match self.write(buf, true) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            wait_fd(self.notify.write.as_fd(), deadline)?;
+        }
     }
 
     /// Read into several buffers in order (readv): what the first read returns, then more
@@ -592,5 +645,35 @@ pub fn linger(max: std::time::Duration) {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Wait until `fd` (an eventfd) is readable, a signal handler ran (`Interrupted`) or the
+/// deadline passed (`WouldBlock`). Bounded slices: a connection that ends without a signal
+/// (never, the stack signals failures) is looked at again within a second.
+fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Result<()> {
+    let slice = std::time::Duration::from_secs(1);
+    let left = match deadline {
+        Some(d) => {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            left.min(slice)
+        }
+        None => slice,
+    };
+    let ts = rustix::event::Timespec {
+        tv_sec: left.as_secs() as i64,
+        tv_nsec: i64::from(left.subsec_nanos()),
+    };
+    let mut fds = [rustix::event::PollFd::from_borrowed_fd(
+        fd,
+        rustix::event::PollFlags::IN,
+    )];
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(_) => Ok(()),
+        Err(rustix::io::Errno::INTR) => Err(io::ErrorKind::Interrupted.into()),
+        Err(e) => Err(e.into()),
     }
 }
