@@ -111,16 +111,26 @@ wait_port 16390
 timeout 60 "$SMC" run redis-benchmark -p 16390 -t set,get,lpush,lrange_100 -n 20000 -c 20 -q >"$work/bench.out" 2>&1 \
     || fail "redis-benchmark: $(tail -3 "$work/bench.out")"
 tr '\r' '\n' <"$work/bench.out" | grep "requests per second" | sed 's/^/   /'
+# BGSAVE during load: a forked child inherits every client connection and must leave them
+# alone (it never touches them; its exit must not end them).
+timeout 60 "$SMC" run redis-benchmark -p 16390 -t set -n 30000 -c 10 -q >"$work/bench2.out" 2>&1 &
+b2=$!
+sleep 0.5
+[ "$(timeout 5 "$SMC" run redis-cli -p 16390 bgsave)" = "Background saving started" ] || fail "bgsave"
+wait $b2 || fail "redis-benchmark during BGSAVE: $(tail -3 "$work/bench2.out")"
+for _ in $(seq 1 100); do grep -q "Background saving terminated with success" "$work/redis.log" && break; sleep 0.05; done
+grep -q "Background saving terminated with success" "$work/redis.log" || fail "BGSAVE did not finish"
+[ "$(timeout 5 "$SMC" run redis-cli -p 16390 ping)" = PONG ] || fail "redis after BGSAVE"
 timeout 10 "$SMC" run redis-cli -p 16390 -x set big <"$work/r4m" >/dev/null || fail "redis-cli set"
 got=$(timeout 10 "$SMC" run redis-cli -p 16390 --raw get big | head -c 4000000 | sha256sum | cut -d' ' -f1) \
     || fail "redis-cli get failed"
 [ "$got" = "$want" ] || fail "redis get: value differs"
 smc=$(stat_of $redis smc_connections)
-[ "$smc" -ge 82 ] || fail "redis: $smc SMC-R connections, at least 82 expected (4 x 20 + 2)"
+[ "$smc" -ge 94 ] || fail "redis: $smc SMC-R connections, at least 94 expected (4 x 20 + 10 + 4)"
 fb=$(stat_of $redis fallbacks)
 [ "$(timeout 5 redis-cli -p 16390 strlen big)" = 4000000 ] || fail "plain redis-cli"
 [ "$(stat_of $redis fallbacks)" = $((fb + 1)) ] || fail "plain redis-cli was not a TCP fallback"
-echo "   $smc connections over SMC-R, 4 MB value verified, plain redis-cli over TCP"
+echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, plain redis-cli over TCP"
 
 echo "== socat fork (accept, then a forked child serves the connection)"
 "$SMC" run socat TCP-LISTEN:17000,reuseaddr,fork SYSTEM:cat >"$work/socat.log" 2>&1 &
