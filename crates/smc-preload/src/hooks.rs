@@ -215,6 +215,12 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         // SAFETY: passed on unchanged.
         return unsafe { real::connect(fd, addr, len) };
     }
+    if let Err(e) = fdapi::stack() {
+        // No stack (fabric directory, resources): the program gets its TCP connection.
+        log!("fd {fd}: no SMC-R stack ({e}); plain TCP");
+        // SAFETY: passed on unchanged.
+        return unsafe { real::connect(fd, addr, len) };
+    }
     guard(-1, || {
         let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to));
         match r {
