@@ -3,7 +3,8 @@
 #   tshark      – the outside decoder the wire tests check our bytes against
 #   clang, libbpf-dev – build the eBPF TCP-option program (crates/smc/bpf)
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
-#   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light – the unmodified
+#   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
+#               libmemcached-tools – the unmodified
 #               programs `scripts/preload-apps.sh` runs under `smc run`
 set -euo pipefail
 
@@ -31,7 +32,7 @@ fi
 # The programs of scripts/preload-apps.sh (services must not start on install: policy-rc.d).
 apps=()
 for c in redis-server:redis-server redis-cli:redis-tools python3:python3 curl:curl \
-    socat:socat iperf3:iperf3 nginx:nginx-light; do
+    socat:socat iperf3:iperf3 nginx:nginx-light memcached:memcached memcslap:libmemcached-tools; do
     command -v "${c%%:*}" >/dev/null 2>&1 || apps+=("${c#*:}")
 done
 if [ ${#apps[@]} -gt 0 ]; then

@@ -13,7 +13,7 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "preload-apps: skipped (needs root for the eBPF discovery)"
     exit 0
 fi
-for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx; do
+for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx memcached memcslap; do
     if ! command -v "$p" >/dev/null 2>&1; then
         echo "preload-apps: skipped ($p missing; run scripts/install-deps.sh)"
         exit 0
@@ -131,6 +131,30 @@ fb=$(stat_of $redis fallbacks)
 [ "$(timeout 5 redis-cli -p 16390 strlen big)" = 4000000 ] || fail "plain redis-cli"
 [ "$(stat_of $redis fallbacks)" = $((fb + 1)) ] || fail "plain redis-cli was not a TCP fallback"
 echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, plain redis-cli over TCP"
+
+echo "== memcached -t 2 (accept thread hands connections to worker threads) + memcslap + a python client"
+"$SMC" run memcached -p 11311 -l 127.0.0.1 -t 2 -U 0 -u root >"$work/memcached.log" 2>&1 &
+pids+=($!); mc=$!
+wait_port 11311
+timeout 30 "$SMC" run memcslap --servers=127.0.0.1:11311 --concurrency=8 --execute-number=2000 >"$work/memcslap.out" 2>&1 \
+    || fail "memcslap: $(tail -3 "$work/memcslap.out")"
+# A 500 kB value set and read back through the text protocol, checked byte for byte.
+timeout 20 "$SMC" run python3 - "$work/r4m" <<'PY' || fail "memcached python client"
+import socket, sys
+data = open(sys.argv[1], "rb").read()[:500_000]
+s = socket.create_connection(("127.0.0.1", 11311))
+f = s.makefile("rb")
+s.sendall(b"set big 0 0 %d\r\n" % len(data) + data + b"\r\n")
+assert f.readline() == b"STORED\r\n"
+s.sendall(b"get big\r\n")
+assert f.readline() == b"VALUE big 0 %d\r\n" % len(data)
+assert f.read(len(data) + 2) == data + b"\r\n"
+assert f.readline() == b"END\r\n"
+PY
+smc=$(stat_of $mc smc_connections)
+[ "$smc" = 9 ] || fail "memcached: $smc SMC-R connections, 9 expected (8 memcslap + 1)"
+[ "$(stat_of $mc fallbacks)" = 1 ] || fail "memcached: the port probe was not the one TCP fallback"
+echo "   9 connections over SMC-R (memcslap x8, python), 500 kB value verified"
 
 echo "== socat fork (accept, then a forked child serves the connection)"
 "$SMC" run socat TCP-LISTEN:17000,reuseaddr,fork SYSTEM:cat >"$work/socat.log" 2>&1 &
