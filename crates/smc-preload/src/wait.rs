@@ -50,6 +50,35 @@ struct Interest {
 #[derive(Debug, Default)]
 pub(crate) struct EpollSet {
     interests: Mutex<BTreeMap<c_int, Interest>>,
+    /// How many of the stack's completion channels are registered in the kernel instance.
+    channels: std::sync::atomic::AtomicUsize,
+}
+
+/// The data word of completion channel `i` in a kernel instance (bit 31 of the lower half
+/// tells it from a connection's eventfds, whose lower half is `fd << 1 | which`).
+const CHANNEL: u64 = MARK | 0x8000_0000;
+
+impl EpollSet {
+    /// Register the stack's completion channels in kernel instance `epfd` (once), so that the
+    /// waiting thread, as the stack's poller, wakes on a doorbell itself.
+    fn register_channels(&self, epfd: c_int) -> usize {
+        let have = self.channels.load(std::sync::atomic::Ordering::Relaxed);
+        if have > 0 {
+            return have;
+        }
+        let fds = smc::fdapi::completion_fds();
+        for (i, fd) in fds.iter().enumerate() {
+            let mut ev = epoll_event {
+                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+                u64: CHANNEL | i as u64,
+            };
+            // SAFETY: the stack's eventfd and a valid event.
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, *fd, &mut ev) };
+        }
+        self.channels
+            .store(fds.len(), std::sync::atomic::Ordering::Relaxed);
+        fds.len()
+    }
 }
 
 impl EpollSet {
@@ -241,15 +270,21 @@ fn harvest(set: &EpollSet, out: &mut [epoll_event]) -> usize {
     n
 }
 
-/// Take our eventfds' events out of `evs`; returns how many of the program's are left (moved
-/// to the front) and whether one of ours was there.
-fn filter_marks(evs: &mut [epoll_event]) -> (usize, bool) {
+/// Take our eventfds' events out of `evs` (noting in `fired` which completion channels
+/// woke); returns how many of the program's are left (moved to the front) and whether one of
+/// ours was there.
+fn filter_marks(evs: &mut [epoll_event], fired: &mut [bool]) -> (usize, bool) {
     let mut keep = 0;
     let mut ours = false;
     for i in 0..evs.len() {
         let d = evs[i].u64;
         if d & 0xFFFF_FFFF_0000_0000 == MARK {
             ours = true;
+            if d & CHANNEL == CHANNEL {
+                if let Some(f) = fired.get_mut((d & 0xFFFF) as usize) {
+                    *f = true;
+                }
+            }
             // A wake-up only: what is new, the signal counts tell (see `harvest`).
         } else {
             evs[keep] = evs[i];
@@ -287,13 +322,41 @@ unsafe fn epoll_wait_managed(
             return n as c_int;
         }
         let t = if n > 0 { 0 } else { remaining_ms(deadline) };
+        // About to sleep: become the stack's poller, so that a doorbell wakes this thread
+        // rather than the runtime thread, which would then wake this one.
+        let channels = if t != 0 {
+            set.register_channels(epfd)
+        } else {
+            0
+        };
+        let state = if channels > 0 {
+            smc::fdapi::poller_prepare()
+        } else {
+            smc::fdapi::PollerState::Other
+        };
+        if state == smc::fdapi::PollerState::Progress {
+            continue;
+        }
         let rest = &mut out[n..];
         // SAFETY: the rest of the caller's array.
         let k = unsafe { real::epoll_pwait(epfd, rest.as_mut_ptr(), rest.len() as c_int, t, mask) };
+        let mut fired = [false; 8];
+        let (kept, ours) = if k > 0 {
+            filter_marks(&mut rest[..k as usize], &mut fired)
+        } else {
+            (0, false)
+        };
+        if state == smc::fdapi::PollerState::Armed {
+            // (errno of a failed wait survives: the finish makes no failing call visible.)
+            let e = std::io::Error::last_os_error();
+            smc::fdapi::poller_finish(&fired[..channels.min(fired.len())]);
+            if let Some(n) = e.raw_os_error() {
+                set_errno(n);
+            }
+        }
         if k < 0 {
             return if n > 0 { n as c_int } else { -1 };
         }
-        let (kept, ours) = filter_marks(&mut rest[..k as usize]);
         if n + kept > 0 {
             return (n + kept) as c_int;
         }

@@ -677,3 +677,85 @@ fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Resu
         Err(e) => Err(e.into()),
     }
 }
+
+/// What [`poller_prepare`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollerState {
+    /// Another thread polls the completion queues: sleep as usual (its handling signals the
+    /// connections' eventfds).
+    Other,
+    /// Completions were handled just now: look at the connections again before sleeping.
+    Progress,
+    /// The calling thread is the poller and the completion channels are armed: sleep on them
+    /// too (see [`completion_fds`]) and call [`poller_finish`] after.
+    Armed,
+}
+
+/// The completion channels of the calling process's stack, for an event loop's wait: while its
+/// thread is the poller ([`poller_prepare`]), a doorbell wakes it directly rather than through
+/// the stack's runtime thread (one wake-up per message instead of two). Empty when this
+/// process has no stack.
+pub fn completion_fds() -> Vec<RawFd> {
+    let stack = match STACK.try_lock() {
+        Ok(g) => g.clone(),
+        Err(_) => None,
+    };
+    stack.map_or_else(Vec::new, |s| {
+        s.inner.cqs.iter().map(|c| c.fd().as_raw_fd()).collect()
+    })
+}
+
+/// Before an event loop's thread sleeps with the completion channels among what it waits on:
+/// become the stack's poller unless another thread is, handle what is there, arm the channels
+/// and look once more (arm, then recheck, as verbs want).
+pub fn poller_prepare() -> PollerState {
+    let Some(stack) = current_stack() else {
+        return PollerState::Other;
+    };
+    let inner = &stack.inner;
+    let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+    let mut core = inner.lock();
+    if inner.poller.swap(true, Ordering::AcqRel) {
+        return PollerState::Other;
+    }
+    inner.poller_at.store(core.now_micros(), Ordering::Release);
+    if core.poll_completions(&mut wcs) {
+        core.drain();
+        inner.poller.store(false, Ordering::Release);
+        return PollerState::Progress;
+    }
+    for cq in &inner.cqs {
+        cq.req_notify();
+    }
+    if core.poll_completions(&mut wcs) {
+        core.drain();
+        inner.poller.store(false, Ordering::Release);
+        return PollerState::Progress;
+    }
+    PollerState::Armed
+}
+
+/// After the sleep that followed [`PollerState::Armed`]: consume the channels' readiness
+/// (`fired`: which of [`completion_fds`] were readable), handle the completions, stop being the
+/// poller.
+pub fn poller_finish(fired: &[bool]) {
+    let Some(stack) = current_stack() else {
+        return;
+    };
+    let inner = &stack.inner;
+    let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+    let mut core = inner.lock();
+    for (cq, f) in inner.cqs.iter().zip(fired) {
+        if *f {
+            cq.ack_notify();
+        }
+    }
+    inner.poller_at.store(core.now_micros(), Ordering::Release);
+    core.poll_completions(&mut wcs);
+    core.drain();
+    inner.poller.store(false, Ordering::Release);
+}
+
+fn current_stack() -> Option<Stack> {
+    STACK.try_lock().ok().and_then(|g| g.clone())
+}
