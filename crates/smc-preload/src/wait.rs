@@ -494,6 +494,25 @@ unsafe fn ppoll_managed(
                 }
             }
         }
+        // About to sleep: become the stack's poller (see `epoll_wait_managed`).
+        let state = if smc_ready == 0 && deadline.is_none_or(|d| d > Instant::now()) {
+            smc::fdapi::poller_prepare()
+        } else {
+            smc::fdapi::PollerState::Other
+        };
+        if state == smc::fdapi::PollerState::Progress {
+            continue;
+        }
+        let channels_at = real_fds.len();
+        if state == smc::fdapi::PollerState::Armed {
+            for fd in smc::fdapi::completion_fds() {
+                real_fds.push(pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+        }
         let ts;
         let t: *const timespec = if smc_ready > 0 {
             ts = timespec {
@@ -516,6 +535,17 @@ unsafe fn ppoll_managed(
         };
         // SAFETY: our array and a valid or null timeout.
         let k = unsafe { real::ppoll(real_fds.as_mut_ptr(), real_fds.len() as nfds_t, t, mask) };
+        if state == smc::fdapi::PollerState::Armed {
+            let e = std::io::Error::last_os_error();
+            let fired: Vec<bool> = real_fds[channels_at..]
+                .iter()
+                .map(|p| k > 0 && p.revents != 0)
+                .collect();
+            smc::fdapi::poller_finish(&fired);
+            if let Some(n) = e.raw_os_error() {
+                set_errno(n);
+            }
+        }
         if k < 0 && smc_ready == 0 {
             return -1;
         }
