@@ -6,6 +6,9 @@
 #                 object (crates/smc/bpf/smc_tcp_option.bpf.o) matches its source; a build
 #                 of smc-rs itself never needs them
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
+#   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
+#               libmemcached-tools – the unmodified
+#               programs `scripts/preload-apps.sh` runs under `smc run`
 set -euo pipefail
 
 as_root() {
@@ -30,6 +33,22 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "install-deps: installing ${missing[*]}" >&2
     as_root apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The programs of scripts/preload-apps.sh (services must not start on install: policy-rc.d).
+apps=()
+for c in redis-server:redis-server redis-cli:redis-tools python3:python3 curl:curl \
+    socat:socat iperf3:iperf3 nginx:nginx-light memcached:memcached memcslap:libmemcached-tools; do
+    command -v "${c%%:*}" >/dev/null 2>&1 || apps+=("${c#*:}")
+done
+if [ ${#apps[@]} -gt 0 ]; then
+    echo "install-deps: installing ${apps[*]}" >&2
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' | as_root tee /usr/sbin/policy-rc.d >/dev/null
+        as_root chmod +x /usr/sbin/policy-rc.d
+    fi
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apps[@]}" >/dev/null
 fi
 
 if ! cargo fuzz --version >/dev/null 2>&1; then

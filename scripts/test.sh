@@ -26,6 +26,9 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --workspace --locked 2>&1 | tee "$log"
 
+echo "== unmodified programs under smc run (scripts/preload-apps.sh)"
+scripts/preload-apps.sh 2>&1 | tee -a "$log"
+
 echo "== loom model of the shm ring and doorbell (smc-fabric)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
     cargo test -p smc-fabric --release --locked --lib loom 2>&1 | tee -a "$log"

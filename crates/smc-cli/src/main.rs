@@ -11,6 +11,7 @@ mod decode;
 mod demo;
 mod nc;
 mod observe;
+mod run;
 mod ueid;
 
 use std::process::ExitCode;
@@ -49,6 +50,9 @@ enum Command {
     /// SMC-R against TCP loopback and Unix sockets: throughput, latency, setup rate, many
     /// streams, CPU per GB, memory per idle connection, fallback; table, JSON lines, plot.
     Bench(bench::BenchArgs),
+    /// Run an unmodified program over SMC-R: `smc run [--] CMD [ARGS...]` preloads smc-rs's
+    /// socket library (its TCP connections to peers that run smc-rs too use SMC-R).
+    Run(run::RunArgs),
     /// The server process of `smc bench`.
     #[command(hide = true)]
     BenchServer(bench::BenchServerArgs),
@@ -70,6 +74,7 @@ fn main() -> ExitCode {
         Command::Pnet(args) => observe::run(observe::Query::Pnet, &args),
         Command::Ueid(args) => ueid::run(&args),
         Command::DemoServer(args) => demo::run_server(&args),
+        Command::Run(args) => run::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::BenchServer(args) => bench_server::run_server(&args),
     };

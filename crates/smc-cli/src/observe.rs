@@ -68,6 +68,13 @@ fn pid_of(p: &std::path::Path) -> String {
         .to_string()
 }
 
+/// The program name of process `pid` (`/proc/<pid>/comm`), `?` when unknown.
+fn program_of(pid: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|s| s.trim_end().to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
 fn cell(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
@@ -89,7 +96,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
     if args.json {
         let all: Vec<Value> = answers
             .iter()
-            .map(|(pid, v)| json!({ "pid": pid, q.word(): v }))
+            .map(|(pid, v)| json!({ "pid": pid, "program": program_of(pid), q.word(): v }))
             .collect();
         writeln!(std::io::stdout(), "{}", serde_json::to_string_pretty(&all)?)?;
         return Ok(ExitCode::SUCCESS);
@@ -99,6 +106,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
         Query::Ss => {
             let mut header = vec![
                 "pid",
+                "program",
                 "local",
                 "peer",
                 "role",
@@ -128,6 +136,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                 for s in v.as_array().into_iter().flatten() {
                     let mut row = vec![
                         pid.clone(),
+                        program_of(pid),
                         cell(&s["local"]),
                         cell(&s["peer"]),
                         cell(&s["role"]),

@@ -14,6 +14,7 @@ pub mod control;
 mod crossing;
 pub mod discovery;
 mod error;
+pub mod fdapi;
 pub mod pnet;
 mod stack;
 mod stream;

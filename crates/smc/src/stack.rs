@@ -141,6 +141,10 @@ impl Slot {
 pub(crate) struct Notifiers {
     pub(crate) read: rustix::fd::OwnedFd,
     pub(crate) write: rustix::fd::OwnedFd,
+    /// How many times each was signalled (an edge-triggered epoll emulation tells new
+    /// events from ones it already reported by these).
+    pub(crate) read_count: std::sync::atomic::AtomicU64,
+    pub(crate) write_count: std::sync::atomic::AtomicU64,
 }
 
 impl Notifiers {
@@ -150,6 +154,8 @@ impl Notifiers {
         Ok(Notifiers {
             read: rustix::event::eventfd(0, flags)?,
             write: rustix::event::eventfd(0, flags)?,
+            read_count: Default::default(),
+            write_count: Default::default(),
         })
     }
 
@@ -679,9 +685,13 @@ impl Core {
         }
         if let Some(n) = s.notify.as_ref() {
             if read {
+                n.read_count
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
                 Notifiers::signal(&n.read);
             }
             if write {
+                n.write_count
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
                 Notifiers::signal(&n.write);
             }
         }

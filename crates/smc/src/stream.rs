@@ -37,7 +37,7 @@ const POLL_SLICE: Duration = Duration::from_millis(50);
 const SPINS_BETWEEN_LOOKS: u32 = 64;
 
 /// Signed distance in bytes from cursor `a` to cursor `b` in a ring of `len` bytes.
-fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
+pub(crate) fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {
     let wraps = i64::from(b.wrap.wrapping_sub(a.wrap) as i16);
     wraps * i64::from(len) + i64::from(b.count) - i64::from(a.count)
 }
@@ -1059,6 +1059,19 @@ impl SmcStream {
         recv_buffer: Option<u32>,
     ) -> io::Result<SmcStream> {
         let fd: OwnedFd = rustix::net::socket(family(&addr), SocketType::STREAM, None)?;
+        SmcStream::connect_socket(stack, fd, addr, timeout, recv_buffer)
+    }
+
+    /// Connect the unconnected TCP socket `fd` (a blocking one) to `addr`: discovery, then
+    /// the rendezvous or the fallback (the fd-level API of [`crate::fdapi`] hands in the
+    /// application's own socket).
+    pub(crate) fn connect_socket(
+        stack: &Stack,
+        fd: OwnedFd,
+        addr: SocketAddr,
+        timeout: Option<Duration>,
+        recv_buffer: Option<u32>,
+    ) -> io::Result<SmcStream> {
         if let Some(b) = recv_buffer {
             // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&fd, b as usize);
@@ -1093,7 +1106,7 @@ impl SmcStream {
         }
     }
 
-    fn fallback(
+    pub(crate) fn fallback(
         stack: &Stack,
         sock: Arc<TcpStream>,
         reason: FallbackReason,
@@ -1153,7 +1166,7 @@ impl SmcStream {
 
     /// Run the CLC handshake on `sock` (client or server, connected to `peer`) until the
     /// connection is established over SMC-R, falls back, or fails.
-    fn rendezvous(
+    pub(crate) fn rendezvous(
         stack: &Stack,
         sock: Arc<TcpStream>,
         client: bool,
@@ -1199,6 +1212,14 @@ impl SmcStream {
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
         })
+    }
+
+    /// The engine's id of the SMC-R connection; `None` over TCP.
+    pub(crate) fn smc_id(&self) -> Option<TcpId> {
+        match &self.kind {
+            Kind::Smc(h) => Some(h.id),
+            Kind::Tcp { .. } => None,
+        }
     }
 
     /// Whether this connection runs over SMC-R or fell back to TCP, and why.
@@ -1424,6 +1445,12 @@ impl SmcStream {
         }
         self.write_timeout = t;
         self.sock.set_write_timeout(t)
+    }
+
+    /// Nonblocking mode of this handle's SMC-R reads and writes only, leaving the TCP
+    /// socket's flag (the application's, under the fd-level API) as it is.
+    pub(crate) fn set_nonblocking_calls(&mut self, nonblocking: bool) {
+        self.nonblocking = nonblocking;
     }
 
     /// Nonblocking mode: reads and writes that would wait return `WouldBlock`.

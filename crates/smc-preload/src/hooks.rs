@@ -1,0 +1,1073 @@
+//! The socket and descriptor calls: connect, listen, accept, the data calls, close, dup,
+//! fcntl, ioctl, getsockopt, shutdown, sendfile, exec.
+
+use std::net::{Shutdown, SocketAddr};
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use libc::{c_int, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use smc::fdapi::{self, Conn, Setup};
+
+use crate::table::{self, Entry, Kind};
+use crate::{errno_of, guard, log, real, set_errno};
+
+/// What a call on a descriptor goes to.
+pub(crate) enum Target {
+    /// The C library (not managed, or a connection on TCP).
+    Pass,
+    /// An SMC-R connection of this process.
+    Smc(Arc<Conn>),
+    /// An SMC-R connection of another process (inherited across fork or exec): fails.
+    Foreign,
+}
+
+/// Borrow a raw descriptor for a call that does not outlive it.
+fn bfd<'a>(fd: c_int) -> BorrowedFd<'a> {
+    // SAFETY: the program's descriptor, open for the duration of the call.
+    unsafe { BorrowedFd::borrow_raw(fd) }
+}
+
+/// The O_NONBLOCK flag of `fd`'s open file description.
+fn nonblocking_flag(fd: c_int) -> bool {
+    // SAFETY: plain fcntl.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
+    fl >= 0 && fl & libc::O_NONBLOCK != 0
+}
+
+/// Set or clear O_NONBLOCK on `fd`.
+fn set_nonblocking_flag(fd: c_int, on: bool) {
+    // SAFETY: plain fcntl.
+    unsafe {
+        let fl = real::fcntl(fd, libc::F_GETFL, 0);
+        if fl >= 0 {
+            let nfl = if on {
+                fl | libc::O_NONBLOCK
+            } else {
+                fl & !libc::O_NONBLOCK
+            };
+            real::fcntl(fd, libc::F_SETFL, nfl as usize);
+        }
+    }
+}
+
+/// Run a rendezvous on `fd` in blocking mode (the program's flag is put back after).
+fn blocking<R>(fd: c_int, f: impl FnOnce() -> R) -> (R, bool) {
+    let nb = nonblocking_flag(fd);
+    if nb {
+        set_nonblocking_flag(fd, false);
+    }
+    let r = f();
+    if nb {
+        set_nonblocking_flag(fd, true);
+    }
+    (r, nb)
+}
+
+/// Install what a rendezvous on `fd` ended in.
+fn install(fd: c_int, setup: Setup, nonblocking: bool) {
+    let kind = match setup {
+        Setup::Smc(c) => {
+            c.set_nonblocking(nonblocking);
+            log!("fd {fd}: SMC-R");
+            crate::wait::adopt(fd, &c);
+            Kind::Smc(c)
+        }
+        Setup::Tcp(t) => {
+            log!("fd {fd}: TCP ({:?})", t.mode());
+            Kind::Tcp(t)
+        }
+    };
+    if let Some(old) = table::set(fd, Entry::new(kind)).ok().flatten() {
+        table::release(old);
+    }
+}
+
+/// What the descriptor `fd` names for a data call; an accepted connection waiting for its
+/// server rendezvous runs it now (this process uses it first).
+pub(crate) fn target(fd: c_int) -> Target {
+    if !table::maybe(fd) {
+        return Target::Pass;
+    }
+    let Some(e) = table::get(fd) else {
+        return Target::Pass;
+    };
+    match &e.kind {
+        Kind::Smc(c) if e.ours() => Target::Smc(c.clone()),
+        Kind::Smc(_) => Target::Foreign,
+        Kind::Pending => {
+            let (r, nb) = blocking(fd, || fdapi::setup_server(bfd(fd)));
+            match r {
+                Ok(setup) => {
+                    install(fd, setup, nb);
+                    target(fd)
+                }
+                Err(e) => {
+                    log!("fd {fd}: server rendezvous failed: {e}");
+                    if let Some(old) = table::take(fd) {
+                        table::release(old);
+                    }
+                    Target::Pass
+                }
+            }
+        }
+        _ => Target::Pass,
+    }
+}
+
+/// Fail a call on another process's connection.
+fn foreign(fd: c_int) -> ssize_t {
+    log!("fd {fd}: an SMC-R connection of another process (inherited); the call fails with EIO");
+    set_errno(libc::EIO);
+    -1
+}
+
+fn io_result(r: std::io::Result<usize>) -> ssize_t {
+    match r {
+        Ok(n) => n as ssize_t,
+        Err(e) => {
+            set_errno(errno_of(&e));
+            -1
+        }
+    }
+}
+
+/// A write's failure: EPIPE also raises SIGPIPE unless MSG_NOSIGNAL, as for TCP.
+fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t {
+    match r {
+        Ok(n) => n as ssize_t,
+        Err(e) => {
+            let n = errno_of(&e);
+            let n = if n == libc::ECONNRESET || n == libc::ECONNABORTED {
+                libc::EPIPE
+            } else {
+                n
+            };
+            if n == libc::EPIPE && !nosignal {
+                // SAFETY: raising a signal on the calling thread.
+                unsafe { libc::raise(libc::SIGPIPE) };
+            }
+            set_errno(n);
+            -1
+        }
+    }
+}
+
+/// Whether `fd` is a TCP socket of family AF_INET or AF_INET6.
+fn is_inet_stream(fd: c_int) -> bool {
+    let get = |name: c_int| -> Option<c_int> {
+        let mut v: c_int = 0;
+        let mut len = std::mem::size_of::<c_int>() as socklen_t;
+        // SAFETY: an int and its length.
+        let r = unsafe {
+            real::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                name,
+                (&mut v as *mut c_int).cast(),
+                &mut len,
+            )
+        };
+        (r == 0).then_some(v)
+    };
+    matches!(get(libc::SO_DOMAIN), Some(libc::AF_INET | libc::AF_INET6))
+        && get(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
+        && matches!(get(libc::SO_PROTOCOL), Some(0 | libc::IPPROTO_TCP))
+}
+
+/// A socket address from C.
+unsafe fn sockaddr_of(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+    if addr.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's address of `len` bytes.
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    match family {
+        libc::AF_INET if len as usize >= std::mem::size_of::<libc::sockaddr_in>() => {
+            // SAFETY: checked family and length.
+            let a = unsafe { &*(addr as *const libc::sockaddr_in) };
+            Some(SocketAddr::from((
+                u32::from_be(a.sin_addr.s_addr).to_be_bytes(),
+                u16::from_be(a.sin_port),
+            )))
+        }
+        libc::AF_INET6 if len as usize >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: checked family and length.
+            let a = unsafe { &*(addr as *const libc::sockaddr_in6) };
+            Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                a.sin6_addr.s6_addr.into(),
+                u16::from_be(a.sin6_port),
+                u32::from_be(a.sin6_flowinfo),
+                a.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // SAFETY: the caller's address.
+    let Some(to) = (unsafe { sockaddr_of(addr, len) }) else {
+        // SAFETY: passed on unchanged.
+        return unsafe { real::connect(fd, addr, len) };
+    };
+    if table::maybe(fd) || !is_inet_stream(fd) {
+        // SAFETY: passed on unchanged.
+        return unsafe { real::connect(fd, addr, len) };
+    }
+    if let Err(e) = fdapi::stack() {
+        // No stack (fabric directory, resources): the program gets its TCP connection.
+        log!("fd {fd}: no SMC-R stack ({e}); plain TCP");
+        // SAFETY: passed on unchanged.
+        return unsafe { real::connect(fd, addr, len) };
+    }
+    guard(-1, || {
+        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to));
+        match r {
+            Ok(setup) => {
+                install(fd, setup, nb);
+                0
+            }
+            Err(e) => {
+                log!("fd {fd}: connect to {to}: {e}");
+                set_errno(errno_of(&e));
+                -1
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    if !table::maybe(fd) && is_inet_stream(fd) {
+        guard((), || match fdapi::listen_mark(bfd(fd)) {
+            Ok(Some(l)) => {
+                log!("fd {fd}: listening on port {} (SMC-R offered)", l.port());
+                if let Ok(Some(old)) = table::set(fd, Entry::new(Kind::Listener(l))) {
+                    table::release(old);
+                }
+            }
+            Ok(None) => log!("fd {fd}: listening without discovery (TCP only)"),
+            Err(e) => log!("fd {fd}: listening, discovery failed: {e} (TCP only)"),
+        });
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::listen(fd, backlog) }
+}
+
+/// After the real accept of `new` on listening socket `fd`.
+fn accepted(fd: c_int, new: c_int) {
+    let Some(e) = table::get(fd) else {
+        return;
+    };
+    let Kind::Listener(l) = &e.kind else {
+        return;
+    };
+    guard((), || match l.accepted(bfd(new)) {
+        Ok(true) => {
+            if let Ok(Some(old)) = table::set(new, Entry::new(Kind::Pending)) {
+                table::release(old);
+            }
+        }
+        Ok(false) => match fdapi::accepted_tcp(bfd(new)) {
+            Ok(t) => install(new, Setup::Tcp(t), false),
+            Err(e) => log!("fd {new}: {e}"),
+        },
+        Err(e) => log!("fd {new}: discovery: {e}"),
+    });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: passed on unchanged.
+    let new = unsafe { real::accept(fd, addr, len) };
+    if new >= 0 && table::maybe(fd) {
+        accepted(fd, new);
+    }
+    new
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
+    // SAFETY: passed on unchanged.
+    let new = unsafe { real::accept4(fd, addr, len, flags) };
+    if new >= 0 && table::maybe(fd) {
+        accepted(fd, new);
+    }
+    new
+}
+
+/// Slices of the caller's iovecs.
+unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
+    if iov.is_null() || n <= 0 {
+        return Vec::new();
+    }
+    // SAFETY: the caller's array of `n` iovecs.
+    let v = unsafe { std::slice::from_raw_parts(iov, n as usize) };
+    v.iter()
+        .filter(|i| !i.iov_base.is_null() && i.iov_len > 0)
+        // SAFETY: each iovec names the caller's buffer.
+        .map(|i| unsafe { std::slice::from_raw_parts_mut(i.iov_base.cast::<u8>(), i.iov_len) })
+        .collect()
+}
+
+/// recv on an SMC-R connection with flags.
+fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_PEEK != 0 {
+        let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
+            return 0;
+        };
+        return io_result(c.peek(first, flags & libc::MSG_DONTWAIT != 0));
+    }
+    if flags & libc::MSG_OOB != 0 {
+        // No urgent byte waits out of line (urgent data is in line over SMC-R).
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    let dontwait = flags & libc::MSG_DONTWAIT != 0;
+    let timeout = c.timeout(false);
+    if !dontwait && !c.nonblocking() && (interruptible() || timeout.is_some()) {
+        // A wait that a signal handler interrupts (EINTR) and SO_RCVTIMEO ends (EAGAIN).
+        let Some(first) = bufs.iter_mut().position(|b| !b.is_empty()) else {
+            return 0;
+        };
+        let n = match c.read_interruptible(bufs[first], timeout) {
+            Ok(n) => n,
+            Err(e) => return io_result(Err(e)),
+        };
+        if n < bufs[first].len() || n == 0 {
+            return n as ssize_t;
+        }
+        let more = c.read_vectored(&mut bufs[first + 1..], true).unwrap_or(0);
+        return (n + more) as ssize_t;
+    }
+    if flags & libc::MSG_WAITALL != 0 && !dontwait && !c.nonblocking() {
+        let want: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut got = 0usize;
+        while got < want {
+            // The first `got` bytes are in; read into what is left.
+            let mut skip = got;
+            let mut rest: Vec<&mut [u8]> = Vec::new();
+            for b in bufs.iter_mut() {
+                if skip >= b.len() {
+                    skip -= b.len();
+                    continue;
+                }
+                rest.push(&mut b[skip..]);
+                skip = 0;
+            }
+            match c.read_vectored(&mut rest, false) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if got > 0 => {
+                    let _ = e;
+                    break;
+                }
+                Err(e) => return io_result(Err(e)),
+            }
+        }
+        return got as ssize_t;
+    }
+    io_result(c.read_vectored(bufs, dontwait))
+}
+
+/// send on an SMC-R connection with flags.
+fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        log!("send(MSG_OOB) through smc run is not supported: EOPNOTSUPP");
+        set_errno(libc::EOPNOTSUPP);
+        return -1;
+    }
+    let dontwait = flags & libc::MSG_DONTWAIT != 0;
+    let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    if dontwait || c.nonblocking() {
+        return write_result(c.write_vectored(bufs, true), nosignal);
+    }
+    // Blocking: everything is written, as a blocking TCP send does, unless a signal handler
+    // interrupts (the bytes written so far count) or SO_SNDTIMEO passes.
+    let timeout = c.timeout(true);
+    let plain = !interruptible() && timeout.is_none();
+    let mut total = 0usize;
+    for b in bufs {
+        let mut off = 0;
+        while off < b.len() {
+            let r = if plain {
+                c.write(&b[off..], false)
+            } else {
+                c.write_interruptible(&b[off..], timeout)
+            };
+            match r {
+                Ok(n) => off += n,
+                Err(_) if total + off > 0 => return (total + off) as ssize_t,
+                Err(e) => return write_result(Err(e), nosignal),
+            }
+        }
+        total += off;
+    }
+    total as ssize_t
+}
+
+/// Whether the program installed a signal handler without SA_RESTART: then a blocking call
+/// on an SMC-R connection must return EINTR when it runs, so it waits in one interruptible
+/// system call (without such a handler, the kernel would restart the call: the stack's own
+/// faster wait serves).
+fn interruptible() -> bool {
+    INTERRUPTIBLE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static INTERRUPTIBLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The C library's sigaction, resolved at first use (not through the constructor's table: a
+/// raw rt_sigaction takes another structure).
+unsafe fn real_sigaction(
+    sig: c_int,
+    act: *const libc::sigaction,
+    old: *mut libc::sigaction,
+) -> c_int {
+    type F = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
+    static P: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let mut p = P.load(std::sync::atomic::Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, c"sigaction".as_ptr()) } as usize;
+        P.store(p, std::sync::atomic::Ordering::Relaxed);
+    }
+    if p == 0 {
+        set_errno(libc::ENOSYS);
+        return -1;
+    }
+    // SAFETY: dlsym's address of sigaction.
+    let f: F = unsafe { std::mem::transmute(p) };
+    // SAFETY: passed on unchanged.
+    unsafe { f(sig, act, old) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sigaction(
+    sig: c_int,
+    act: *const libc::sigaction,
+    old: *mut libc::sigaction,
+) -> c_int {
+    if !act.is_null() {
+        // SAFETY: the caller's action.
+        let a = unsafe { act.read_unaligned() };
+        if a.sa_sigaction != libc::SIG_DFL
+            && a.sa_sigaction != libc::SIG_IGN
+            && a.sa_flags & libc::SA_RESTART == 0
+        {
+            INTERRUPTIBLE.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real_sigaction(sig, act, old) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    // SAFETY: passed on unchanged.
+    let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+    if r == 0
+        && level == libc::SOL_SOCKET
+        && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
+        && !val.is_null()
+        && len as usize >= std::mem::size_of::<libc::timeval>()
+        && table::maybe(fd)
+    {
+        if let Target::Smc(c) = target(fd) {
+            // SAFETY: the caller's timeval of `len` bytes.
+            let tv = unsafe { (val as *const libc::timeval).read_unaligned() };
+            let t = std::time::Duration::from_secs(tv.tv_sec.max(0) as u64)
+                + std::time::Duration::from_micros(tv.tv_usec.max(0) as u64);
+            c.set_timeout(name == libc::SO_SNDTIMEO, (!t.is_zero()).then_some(t));
+        }
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::read(fd, buf, n) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: the caller's buffer of `n` bytes.
+            let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), n) };
+            smc_recv(&c, &mut [b], 0)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    _len: size_t,
+) -> ssize_t {
+    // SAFETY: as read.
+    unsafe { read(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::write(fd, buf, n) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: the caller's buffer of `n` bytes.
+            let b = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), n) };
+            smc_send(&c, &[b], 0)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::readv(fd, iov, n) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            // SAFETY: the caller's iovecs.
+            let mut v = unsafe { iovecs(iov, n) };
+            if v.is_empty() {
+                return 0;
+            }
+            smc_recv(&c, &mut v, 0)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::writev(fd, iov, n) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            // SAFETY: the caller's iovecs.
+            let v = unsafe { iovecs(iov, n) };
+            if v.is_empty() {
+                return 0;
+            }
+            let v: Vec<&[u8]> = v.into_iter().map(|b| &*b).collect();
+            smc_send(&c, &v, 0)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::recv(fd, buf, n, flags) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: the caller's buffer of `n` bytes.
+            let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), n) };
+            smc_recv(&c, &mut [b], flags)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    _len: size_t,
+    flags: c_int,
+) -> ssize_t {
+    // SAFETY: as recv.
+    unsafe { recv(fd, buf, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if !len.is_null() {
+                // A connected stream fills in no address (as TCP).
+                // SAFETY: the caller's length.
+                unsafe { len.write_unaligned(0) };
+            }
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: the caller's buffer of `n` bytes.
+            let b = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), n) };
+            smc_recv(&c, &mut [b], flags)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    _buflen: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    // SAFETY: as recvfrom.
+    unsafe { recvfrom(fd, buf, n, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::recvmsg(fd, msg, flags) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if msg.is_null() {
+                set_errno(libc::EFAULT);
+                return -1;
+            }
+            // SAFETY: the caller's message header.
+            let m = unsafe { &mut *msg };
+            m.msg_namelen = 0;
+            m.msg_controllen = 0;
+            m.msg_flags = 0;
+            // SAFETY: the header's iovecs.
+            let mut v = unsafe { iovecs(m.msg_iov, m.msg_iovlen as c_int) };
+            if v.is_empty() {
+                return 0;
+            }
+            smc_recv(&c, &mut v, flags)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::send(fd, buf, n, flags) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: the caller's buffer of `n` bytes.
+            let b = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), n) };
+            smc_send(&c, &[b], flags)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::sendto(fd, buf, n, flags, addr, len) },
+        Target::Foreign => foreign(fd),
+        // The address of a connected stream is ignored, as TCP does.
+        Target::Smc(c) => guard(-1, || {
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: the caller's buffer of `n` bytes.
+            let b = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), n) };
+            smc_send(&c, &[b], flags)
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::sendmsg(fd, msg, flags) },
+        Target::Foreign => foreign(fd),
+        Target::Smc(c) => guard(-1, || {
+            if msg.is_null() {
+                set_errno(libc::EFAULT);
+                return -1;
+            }
+            // SAFETY: the caller's message header.
+            let m = unsafe { &*msg };
+            if m.msg_controllen > 0 {
+                log!("sendmsg with control data on an SMC-R connection: EOPNOTSUPP");
+                set_errno(libc::EOPNOTSUPP);
+                return -1;
+            }
+            // SAFETY: the header's iovecs.
+            let v = unsafe { iovecs(m.msg_iov, m.msg_iovlen as c_int) };
+            if v.is_empty() {
+                return 0;
+            }
+            let v: Vec<&[u8]> = v.into_iter().map(|b| &*b).collect();
+            smc_send(&c, &v, flags)
+        }),
+    }
+}
+
+/// sendfile onto an SMC-R connection: read the file at the offset and write; the file
+/// position moves only when no offset pointer is given, as sendfile(2) says.
+fn smc_sendfile(c: &Conn, inp: c_int, off: *mut off_t, count: size_t) -> ssize_t {
+    let mut pos: off_t = if off.is_null() {
+        // SAFETY: plain lseek.
+        let p = unsafe { libc::lseek(inp, 0, libc::SEEK_CUR) };
+        if p < 0 {
+            return -1;
+        }
+        p
+    } else {
+        // SAFETY: the caller's offset.
+        unsafe { off.read_unaligned() }
+    };
+    let mut buf = vec![0u8; count.clamp(1, 256 * 1024)];
+    let mut sent = 0usize;
+    while sent < count {
+        let want = (count - sent).min(buf.len());
+        // SAFETY: our buffer of at least `want` bytes.
+        let n = unsafe { libc::pread(inp, buf.as_mut_ptr().cast(), want, pos) };
+        if n < 0 {
+            if sent > 0 {
+                break;
+            }
+            return -1;
+        }
+        if n == 0 {
+            break;
+        }
+        let n = n as usize;
+        let mut done = 0;
+        while done < n {
+            match c.write(&buf[done..n], sent + done > 0) {
+                Ok(w) => done += w,
+                Err(e) if sent + done > 0 => {
+                    let _ = e;
+                    break;
+                }
+                Err(e) => return write_result(Err(e), false),
+            }
+        }
+        sent += done;
+        pos += done as off_t;
+        if done < n {
+            break;
+        }
+    }
+    if off.is_null() {
+        // SAFETY: plain lseek.
+        unsafe { libc::lseek(inp, pos, libc::SEEK_SET) };
+    } else {
+        // SAFETY: the caller's offset.
+        unsafe { off.write_unaligned(pos) };
+    }
+    sent as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    match target(out) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::sendfile(out, inp, off, n) },
+        Target::Foreign => foreign(out),
+        Target::Smc(c) => guard(-1, || smc_sendfile(&c, inp, off, n)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    // SAFETY: off_t is 64 bits on the 64-bit targets this library builds for.
+    unsafe { sendfile(out, inp, off, n) }
+}
+
+/// Forget `fd`'s entry (its number is being closed or reused): out of every epoll set, then
+/// dropped (which closes an SMC-R connection when no other number names it).
+pub(crate) fn forget(fd: c_int) {
+    if !table::maybe(fd) {
+        return;
+    }
+    let Some(e) = table::take(fd) else {
+        return;
+    };
+    if let Kind::Smc(_) = &e.kind {
+        for (_, set) in table::epolls() {
+            set.remove_closed(fd);
+        }
+    }
+    table::release(e);
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    crate::wait::closed(fd);
+    if table::maybe(fd) {
+        guard((), || forget(fd));
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    match target(fd) {
+        // SAFETY: passed on unchanged.
+        Target::Pass => unsafe { real::shutdown(fd, how) },
+        Target::Foreign => foreign(fd) as c_int,
+        Target::Smc(c) => guard(-1, || {
+            let how = match how {
+                libc::SHUT_RD => Shutdown::Read,
+                libc::SHUT_WR => Shutdown::Write,
+                libc::SHUT_RDWR => Shutdown::Both,
+                _ => {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+            };
+            match c.shutdown(how) {
+                Ok(()) => 0,
+                Err(e) => {
+                    set_errno(errno_of(&e));
+                    -1
+                }
+            }
+        }),
+    }
+}
+
+/// After a successful dup of `old` onto `new`: `new` names what `old` does.
+fn duplicated(old: c_int, new: c_int) {
+    if new < 0 {
+        return;
+    }
+    forget(new);
+    if let Some(e) = table::get(old) {
+        match &e.kind {
+            Kind::Epoll(_) => {}
+            _ => {
+                if let Ok(Some(x)) = table::set(new, e) {
+                    table::release(x);
+                }
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: passed on unchanged.
+    let new = unsafe { real::dup(fd) };
+    if table::maybe(fd) {
+        duplicated(fd, new);
+    }
+    new
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(fd: c_int, to: c_int) -> c_int {
+    if fd != to && table::maybe(to) {
+        forget(to);
+    }
+    // SAFETY: passed on unchanged.
+    let new = unsafe { real::dup2(fd, to) };
+    if fd != to && table::maybe(fd) {
+        duplicated(fd, new);
+    }
+    new
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
+    if fd != to && table::maybe(to) {
+        forget(to);
+    }
+    // SAFETY: passed on unchanged.
+    let new = unsafe { real::dup3(fd, to, flags) };
+    if table::maybe(fd) {
+        duplicated(fd, new);
+    }
+    new
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    // SAFETY: passed on unchanged (the third argument arrives in the same register whether
+    // the caller passed an int, a pointer or nothing).
+    let r = unsafe { real::fcntl(fd, cmd, arg) };
+    if r >= 0 && table::maybe(fd) {
+        match cmd {
+            libc::F_SETFL => {
+                if let Target::Smc(c) = target(fd) {
+                    c.set_nonblocking(arg as c_int & libc::O_NONBLOCK != 0);
+                }
+            }
+            libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => duplicated(fd, r),
+            _ => {}
+        }
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    // SAFETY: as fcntl.
+    unsafe { fcntl(fd, cmd, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
+    if table::maybe(fd) {
+        match req {
+            libc::FIONREAD => {
+                if let Target::Smc(c) = target(fd) {
+                    if arg == 0 {
+                        set_errno(libc::EFAULT);
+                        return -1;
+                    }
+                    let n = c_int::try_from(c.readable_bytes()).unwrap_or(c_int::MAX);
+                    // SAFETY: the caller's int.
+                    unsafe { (arg as *mut c_int).write_unaligned(n) };
+                    return 0;
+                }
+            }
+            libc::FIONBIO => {
+                if let Target::Smc(c) = target(fd) {
+                    if arg != 0 {
+                        // SAFETY: the caller's int.
+                        c.set_nonblocking(unsafe { (arg as *const c_int).read_unaligned() } != 0);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::ioctl(fd, req, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if level == libc::SOL_SOCKET && name == libc::SO_ERROR && table::maybe(fd) {
+        if let Target::Smc(c) = target(fd) {
+            if let Some(e) = c.take_error() {
+                if val.is_null() || len.is_null() {
+                    set_errno(libc::EFAULT);
+                    return -1;
+                }
+                // SAFETY: the caller's int and its length.
+                unsafe {
+                    if (len.read_unaligned() as usize) < std::mem::size_of::<c_int>() {
+                        set_errno(libc::EINVAL);
+                        return -1;
+                    }
+                    (val as *mut c_int).write_unaligned(errno_of(&e));
+                    len.write_unaligned(std::mem::size_of::<c_int>() as socklen_t);
+                }
+                return 0;
+            }
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::getsockopt(fd, level, name, val, len) }
+}
+
+/// Before an exec: an SMC-R connection whose number survives the exec (no close-on-exec)
+/// cannot be used by the new program (its state stays in this process's image, which the exec
+/// ends), so its TCP socket is shut down: the new program reads end of stream and its writes
+/// fail (a clean error, never a hang) and the peer learns the connection is over.
+fn before_exec() {
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    for fd in 0..1024 {
+        if !table::maybe(fd) {
+            continue;
+        }
+        if let Some(e) = table::get(fd) {
+            // Only the owner's exec ends the connection's state; a forked child that execs
+            // (socat's SYSTEM:) leaves its parent's connection alone.
+            if let (Kind::Smc(_), true) = (&e.kind, e.ours()) {
+                // SAFETY: plain fcntl.
+                let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+                if fl >= 0 && fl & libc::FD_CLOEXEC == 0 {
+                    log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
+                    // SAFETY: the connection's TCP socket.
+                    unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+                }
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    guard((), before_exec);
+    // SAFETY: passed on unchanged.
+    unsafe { real::execve(path, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execv(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+) -> c_int {
+    guard((), before_exec);
+    // SAFETY: passed on unchanged.
+    unsafe { real::execv(path, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvp(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+) -> c_int {
+    guard((), before_exec);
+    // SAFETY: passed on unchanged.
+    unsafe { real::execvp(file, argv) }
+}

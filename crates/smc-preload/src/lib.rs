@@ -1,0 +1,173 @@
+//! The `LD_PRELOAD` library of `smc run`: unmodified dynamically linked programs use SMC-R.
+//!
+//! Design (see `docs/preload.md`): the program keeps its real TCP socket; the library
+//! exports the socket calls, the wait calls (epoll, poll, select) and the descriptor calls
+//! (close, dup, fcntl, ioctl) under the C library's names, looks the descriptor up in its
+//! table ([`table`]) and passes the call to the C library unless the descriptor is a managed
+//! TCP socket. A managed connection runs discovery and the CLC rendezvous through
+//! [`smc::fdapi`] at `connect` (client) or at the first use after `accept` (server, so that the
+//! process that serves it, maybe a forked child, is the one whose stack owns it); over SMC-R
+//! its reads and writes go to the stack, and the wait calls report its readiness computed in
+//! user space, sleeping in the real system call on the connection's eventfds besides the
+//! program's other descriptors. Only AF_INET/AF_INET6 stream sockets are touched.
+//!
+//! The library logs to the file named by `SMC_LOG` (never to the program's output).
+
+// The exports are C functions under the C library's names: their safety contract is the
+// C one, documented in the manual pages.
+#![allow(clippy::missing_safety_doc)]
+
+mod hooks;
+mod real;
+mod table;
+mod wait;
+
+use std::io;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// The descriptor of the `SMC_LOG` file (-1: no log).
+static LOG_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// Write one line to the `SMC_LOG` file, if any.
+pub(crate) fn write_log(msg: std::fmt::Arguments<'_>) {
+    let fd = LOG_FD.load(Ordering::Relaxed);
+    if fd < 0 {
+        return;
+    }
+    let pid = table::PID.load(Ordering::Relaxed);
+    let line = format!("smc-preload[{pid}]: {msg}\n");
+    // SAFETY: a valid buffer; the log descriptor is ours.
+    let _ = unsafe { real::write(fd, line.as_ptr().cast(), line.len()) };
+}
+
+macro_rules! log {
+    ($($t:tt)*) => { $crate::write_log(format_args!($($t)*)) };
+}
+pub(crate) use log;
+
+/// Set errno.
+pub(crate) fn set_errno(e: i32) {
+    // SAFETY: the calling thread's errno.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// The errno TCP would give for `e`.
+pub(crate) fn errno_of(e: &io::Error) -> i32 {
+    if let Some(n) = e.raw_os_error() {
+        return n;
+    }
+    match e.kind() {
+        io::ErrorKind::WouldBlock => libc::EAGAIN,
+        io::ErrorKind::ConnectionReset => libc::ECONNRESET,
+        io::ErrorKind::ConnectionAborted => libc::ECONNABORTED,
+        io::ErrorKind::ConnectionRefused => libc::ECONNREFUSED,
+        io::ErrorKind::BrokenPipe => libc::EPIPE,
+        io::ErrorKind::TimedOut => libc::ETIMEDOUT,
+        io::ErrorKind::NotConnected => libc::ENOTCONN,
+        io::ErrorKind::Interrupted => libc::EINTR,
+        io::ErrorKind::InvalidInput => libc::EINVAL,
+        io::ErrorKind::Unsupported => libc::EOPNOTSUPP,
+        _ => libc::EIO,
+    }
+}
+
+/// Run `f`, turning a panic into EIO (an unwind must not cross into C).
+pub(crate) fn guard<R>(fail: R, f: impl FnOnce() -> R) -> R {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => {
+            log!("panic in a hook; the call fails with EIO");
+            set_errno(libc::EIO);
+            fail
+        }
+    }
+}
+
+extern "C" fn at_fork_prepare() {
+    smc::fdapi::fork_prepare();
+    table::fork_prepare();
+}
+
+extern "C" fn at_fork_parent() {
+    table::fork_release();
+    smc::fdapi::fork_parent();
+}
+
+extern "C" fn at_fork_child() {
+    // SAFETY: getpid has no preconditions.
+    table::PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+    table::fork_release();
+    smc::fdapi::fork_child();
+}
+
+/// The constructor: resolve the C library's functions, open the log, register the fork
+/// handlers.
+extern "C" fn init() {
+    // SAFETY: dlsym with valid names; getpid has no preconditions.
+    unsafe {
+        real::resolve();
+        table::PID.store(libc::getpid(), Ordering::Relaxed);
+    }
+    smc::fdapi::keep_settings();
+    if let Some(path) = std::env::var_os("SMC_LOG") {
+        use std::os::unix::ffi::OsStrExt;
+        if let Ok(c) = std::ffi::CString::new(path.as_bytes()) {
+            // SAFETY: a NUL-terminated path.
+            let fd = unsafe {
+                libc::open(
+                    c.as_ptr(),
+                    libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT | libc::O_CLOEXEC,
+                    0o644,
+                )
+            };
+            if fd >= 0 {
+                // Out of the way of programs that expect low numbers for themselves.
+                // SAFETY: plain fcntl on our descriptor.
+                let high = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 900) };
+                if high >= 0 {
+                    // SAFETY: our descriptor.
+                    unsafe { real::close(fd) };
+                    LOG_FD.store(high, Ordering::Relaxed);
+                } else {
+                    LOG_FD.store(fd, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+    // SAFETY: handlers that only touch this library's state.
+    unsafe {
+        libc::pthread_atfork(
+            Some(at_fork_prepare),
+            Some(at_fork_parent),
+            Some(at_fork_child),
+        );
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    log!("loaded into {}", exe.display());
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = init;
+
+/// The destructor (at `exit()`): close the connections the program left open, then give the
+/// peers the time to read what was sent (see [`smc::fdapi::linger`]); at most
+/// `SMC_EXIT_LINGER_MS` (default 2000).
+extern "C" fn fini() {
+    guard((), || {
+        if !table::ANY.load(Ordering::Relaxed) {
+            return;
+        }
+        let open = table::take_all_ours();
+        drop(open);
+        let ms = std::env::var("SMC_EXIT_LINGER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000u64);
+        smc::fdapi::linger(std::time::Duration::from_millis(ms));
+    });
+}
+
+#[used]
+#[link_section = ".fini_array"]
+static FINI: extern "C" fn() = fini;

@@ -1,0 +1,194 @@
+//! What the library knows about a program's file descriptors: nothing for almost all of
+//! them (a relaxed load of one byte tells), an [`Entry`] for the TCP sockets it manages and
+//! the epoll instances that watch SMC-R connections.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use smc::fdapi::{Conn, Listening, TcpConn};
+
+use crate::wait::EpollSet;
+
+/// Descriptors at or above this number are never managed (their calls pass through).
+pub(crate) const MAX_FD: usize = 1 << 16;
+
+/// Per descriptor number: 1 when the map may hold an entry for it.
+static MAYBE: [AtomicU8; MAX_FD] = [const { AtomicU8::new(0) }; MAX_FD];
+
+/// Whether any entry was ever made (the pass-through paths of poll and select look no
+/// further while none was).
+pub(crate) static ANY: AtomicBool = AtomicBool::new(false);
+
+/// This process's id (updated in a forked child).
+pub(crate) static PID: AtomicI32 = AtomicI32::new(0);
+
+/// What a managed descriptor is.
+#[derive(Debug)]
+pub(crate) enum Kind {
+    /// A listening socket whose port discovery knows.
+    Listener(Listening),
+    /// An accepted connection whose client offered SMC-R; the server rendezvous runs when
+    /// the program first uses it (in whichever process that is).
+    Pending,
+    /// An SMC-R connection.
+    Smc(Arc<Conn>),
+    /// A connection on TCP (its calls pass through; the entry keeps it listed by `smc ss`).
+    Tcp(#[allow(dead_code)] TcpConn),
+    /// An epoll instance watching SMC-R connections.
+    Epoll(Arc<EpollSet>),
+}
+
+/// A managed descriptor: what it is and the process that made the entry (the stack of that
+/// process owns an SMC-R connection; a forked child must not use or close it).
+#[derive(Debug)]
+pub(crate) struct Entry {
+    pub(crate) kind: Kind,
+    pub(crate) pid: i32,
+}
+
+impl Entry {
+    pub(crate) fn new(kind: Kind) -> Arc<Entry> {
+        Arc::new(Entry {
+            kind,
+            pid: PID.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Whether the calling process made this entry.
+    pub(crate) fn ours(&self) -> bool {
+        self.pid == PID.load(Ordering::Relaxed)
+    }
+}
+
+/// A lock that a `fork()` handler can hold across the fork and release in both processes.
+struct SpinLock(AtomicBool);
+
+impl SpinLock {
+    fn lock(&self) {
+        while self
+            .0
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::yield_now();
+        }
+    }
+
+    fn unlock(&self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+static LOCK: SpinLock = SpinLock(AtomicBool::new(false));
+
+/// The entries (under [`LOCK`]).
+struct Map(std::cell::UnsafeCell<Option<HashMap<i32, Arc<Entry>>>>);
+
+// SAFETY: only touched under LOCK.
+unsafe impl Sync for Map {}
+
+static MAP: Map = Map(std::cell::UnsafeCell::new(None));
+
+fn with_map<R>(f: impl FnOnce(&mut HashMap<i32, Arc<Entry>>) -> R) -> R {
+    LOCK.lock();
+    // SAFETY: LOCK is held, so this is the only reference.
+    let m = unsafe { &mut *MAP.0.get() }.get_or_insert_with(HashMap::new);
+    let r = f(m);
+    LOCK.unlock();
+    r
+}
+
+fn slot(fd: i32) -> Option<&'static AtomicU8> {
+    usize::try_from(fd).ok().and_then(|i| MAYBE.get(i))
+}
+
+/// The entry of `fd`, if it has one.
+#[inline]
+pub(crate) fn get(fd: i32) -> Option<Arc<Entry>> {
+    let s = slot(fd)?;
+    if s.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    with_map(|m| m.get(&fd).cloned())
+}
+
+/// Whether `fd` may have an entry (one relaxed load).
+#[inline]
+pub(crate) fn maybe(fd: i32) -> bool {
+    slot(fd).is_some_and(|s| s.load(Ordering::Relaxed) != 0)
+}
+
+/// Make `e` the entry of `fd`; returns the one it replaces. `false`: `fd` is out of range
+/// (the entry is dropped and the descriptor stays unmanaged).
+pub(crate) fn set(fd: i32, e: Arc<Entry>) -> Result<Option<Arc<Entry>>, Arc<Entry>> {
+    let Some(s) = slot(fd) else {
+        return Err(e);
+    };
+    ANY.store(true, Ordering::Relaxed);
+    s.store(1, Ordering::Relaxed);
+    Ok(with_map(|m| m.insert(fd, e)))
+}
+
+/// Remove the entry of `fd`.
+pub(crate) fn take(fd: i32) -> Option<Arc<Entry>> {
+    let s = slot(fd)?;
+    if s.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    with_map(|m| {
+        let e = m.remove(&fd);
+        s.store(0, Ordering::Relaxed);
+        e
+    })
+}
+
+/// Every epoll instance watching SMC-R connections (for the cleanup when a connection's
+/// number is closed).
+pub(crate) fn epolls() -> Vec<(i32, Arc<EpollSet>)> {
+    with_map(|m| {
+        m.iter()
+            .filter_map(|(fd, e)| match &e.kind {
+                Kind::Epoll(s) => Some((*fd, s.clone())),
+                _ => None,
+            })
+            .collect()
+    })
+}
+
+/// Drop an entry: in the process that made it, normally; in a forked child, without running
+/// anything (the connection and its stack belong to the parent).
+pub(crate) fn release(e: Arc<Entry>) {
+    if !e.ours() {
+        std::mem::forget(e);
+    }
+}
+
+/// `fork()` handlers: hold the table across the fork.
+pub(crate) fn fork_prepare() {
+    LOCK.lock();
+}
+
+/// After `fork()`, in the parent and in the child.
+pub(crate) fn fork_release() {
+    LOCK.unlock();
+}
+
+/// Every entry this process made (at exit: the connections the program left open).
+pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
+    with_map(|m| {
+        let fds: Vec<i32> = m
+            .iter()
+            .filter(|(_, e)| e.ours())
+            .map(|(fd, _)| *fd)
+            .collect();
+        fds.into_iter()
+            .filter_map(|fd| {
+                if let Some(s) = slot(fd) {
+                    s.store(0, Ordering::Relaxed);
+                }
+                m.remove(&fd)
+            })
+            .collect()
+    })
+}

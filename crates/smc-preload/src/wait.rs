@@ -1,0 +1,867 @@
+//! The wait calls: epoll, poll, select (and their variants) over a mix of SMC-R
+//! connections and other descriptors.
+//!
+//! An SMC-R connection's TCP socket never becomes readable (its bytes arrive in memory), so
+//! its readiness is computed in user space (the `tcp_poll()` mask, [`Conn::ready`]) and the
+//! sleep happens in the real system call over the program's other descriptors plus the
+//! connection's two eventfds, which the stack signals when reading or writing may progress:
+//! signals, sigmasks and timeouts behave as the kernel makes them.
+//!
+//! epoll: the program's epoll instance stays a kernel one; other descriptors go to it
+//! directly. A connection's interest (events, data word, edge-triggered and one-shot state) is
+//! kept in an [`EpollSet`], and its eventfds are registered in the kernel instance
+//! edge-triggered under a data word of ours, so that each signal wakes every instance that
+//! watches the connection and marks its interest as having news (what an edge-triggered
+//! interest reports).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use libc::{c_int, epoll_event, fd_set, nfds_t, pollfd, sigset_t, timespec, timeval};
+use smc::fdapi::{Conn, Ready};
+
+use crate::hooks::{target, Target};
+use crate::table::{self, Entry, Kind};
+use crate::{guard, real, set_errno};
+
+/// The upper half of the data word of our eventfds in a kernel epoll instance (the lower
+/// half: the connection's descriptor number and which eventfd). The top bit set: never a
+/// user-space pointer, which is what programs usually store.
+const MARK: u64 = 0xE2D4_C3D9 << 32;
+
+/// One connection's interest in an epoll instance.
+#[derive(Debug)]
+struct Interest {
+    conn: Arc<Conn>,
+    events: u32,
+    data: u64,
+    /// Edge-triggered: added or modified since the last report (the current state is
+    /// reported once).
+    news: bool,
+    /// Edge-triggered: the connection's signal counts (read, write) at the last report;
+    /// a signal since is a new event.
+    seen: (u64, u64),
+    /// One-shot: reported; silent until EPOLL_CTL_MOD.
+    disabled: bool,
+}
+
+/// The SMC-R connections an epoll instance watches.
+#[derive(Debug, Default)]
+pub(crate) struct EpollSet {
+    interests: Mutex<BTreeMap<c_int, Interest>>,
+    /// How many of the stack's completion channels are registered in the kernel instance.
+    channels: std::sync::atomic::AtomicUsize,
+}
+
+/// The data word of completion channel `i` in a kernel instance (bit 31 of the lower half
+/// tells it from a connection's eventfds, whose lower half is `fd << 1 | which`).
+const CHANNEL: u64 = MARK | 0x8000_0000;
+
+impl EpollSet {
+    /// Register the stack's completion channels in kernel instance `epfd` (once), so that the
+    /// waiting thread, as the stack's poller, wakes on a doorbell itself.
+    fn register_channels(&self, epfd: c_int) -> usize {
+        let have = self.channels.load(std::sync::atomic::Ordering::Relaxed);
+        if have > 0 {
+            return have;
+        }
+        let fds = smc::fdapi::completion_fds();
+        for (i, fd) in fds.iter().enumerate() {
+            let mut ev = epoll_event {
+                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+                u64: CHANNEL | i as u64,
+            };
+            // SAFETY: the stack's eventfd and a valid event.
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, *fd, &mut ev) };
+        }
+        self.channels
+            .store(fds.len(), std::sync::atomic::Ordering::Relaxed);
+        fds.len()
+    }
+}
+
+impl EpollSet {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<c_int, Interest>> {
+        self.interests.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The program closed connection number `fd`: as the kernel drops a closed file from its
+    /// epoll instances.
+    pub(crate) fn remove_closed(&self, fd: c_int) {
+        self.lock().remove(&fd);
+    }
+}
+
+fn ready_events(r: Ready, events: u32) -> u32 {
+    let mut m = 0u32;
+    let want = events | libc::EPOLLERR as u32 | libc::EPOLLHUP as u32;
+    if r.readable {
+        m |= (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
+    }
+    if r.writable {
+        m |= (libc::EPOLLOUT | libc::EPOLLWRNORM) as u32;
+    }
+    if r.read_hup {
+        m |= libc::EPOLLRDHUP as u32;
+    }
+    if r.hup {
+        m |= libc::EPOLLHUP as u32;
+    }
+    if r.error {
+        m |= libc::EPOLLERR as u32;
+    }
+    m & want
+}
+
+/// Register (or remove) a connection's eventfds in the kernel instance `epfd`.
+fn kernel_notifiers(epfd: c_int, fd: c_int, c: &Conn, add: bool) {
+    let (r, w) = c.notifier_fds();
+    for (i, nfd) in [r, w].into_iter().enumerate() {
+        let mut ev = epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: MARK | ((fd as u32 as u64) << 1) | i as u64,
+        };
+        let op = if add {
+            libc::EPOLL_CTL_ADD
+        } else {
+            libc::EPOLL_CTL_DEL
+        };
+        // SAFETY: our eventfd and a valid event.
+        unsafe { real::epoll_ctl(epfd, op, nfd, &mut ev) };
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut epoll_event,
+) -> c_int {
+    let conn = match target(fd) {
+        Target::Smc(c) => c,
+        // SAFETY: passed on unchanged.
+        _ => return unsafe { real::epoll_ctl(epfd, op, fd, ev) },
+    };
+    guard(-1, || {
+        if epfd == fd {
+            set_errno(libc::EINVAL);
+            return -1;
+        }
+        let set = match table::get(epfd) {
+            Some(e) => match &e.kind {
+                Kind::Epoll(s) => s.clone(),
+                _ => {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+            },
+            None => {
+                // Is it an epoll instance at all? An empty wait with no room tells.
+                let s = Arc::new(EpollSet::default());
+                if table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).is_err() {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+                s
+            }
+        };
+        let mut m = set.lock();
+        match op {
+            libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
+                if ev.is_null() {
+                    set_errno(libc::EFAULT);
+                    return -1;
+                }
+                // SAFETY: the caller's event.
+                let e = unsafe { ev.read_unaligned() };
+                let exists = m.contains_key(&fd);
+                if op == libc::EPOLL_CTL_ADD && exists {
+                    set_errno(libc::EEXIST);
+                    return -1;
+                }
+                if op == libc::EPOLL_CTL_MOD && !exists {
+                    set_errno(libc::ENOENT);
+                    return -1;
+                }
+                if !exists {
+                    kernel_notifiers(epfd, fd, &conn, true);
+                }
+                m.insert(
+                    fd,
+                    Interest {
+                        conn,
+                        events: e.events,
+                        data: e.u64,
+                        news: true,
+                        seen: (0, 0),
+                        disabled: false,
+                    },
+                );
+                0
+            }
+            libc::EPOLL_CTL_DEL => match m.remove(&fd) {
+                Some(i) => {
+                    kernel_notifiers(epfd, fd, &i.conn, false);
+                    0
+                }
+                None => {
+                    set_errno(libc::ENOENT);
+                    -1
+                }
+            },
+            _ => {
+                set_errno(libc::EINVAL);
+                -1
+            }
+        }
+    })
+}
+
+/// Report the ready connections of `set` into `out` (level-, edge-triggered and one-shot as
+/// each interest asks); returns how many.
+fn harvest(set: &EpollSet, out: &mut [epoll_event]) -> usize {
+    let mut m = set.lock();
+    let et = libc::EPOLLET as u32;
+    let live: Vec<(c_int, Arc<Conn>, (u64, u64))> = m
+        .iter()
+        .filter(|(_, i)| !i.disabled)
+        .filter_map(|(fd, i)| {
+            // The counts are read before the state: a signal after this is news next time.
+            let counts = i.conn.signal_counts();
+            let fresh = i.events & et == 0
+                || i.news
+                || (i.events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0
+                    && counts.0 != i.seen.0)
+                || (i.events & libc::EPOLLOUT as u32 != 0 && counts.1 != i.seen.1);
+            fresh.then(|| (*fd, i.conn.clone(), counts))
+        })
+        .collect();
+    if live.is_empty() {
+        return 0;
+    }
+    let conns: Vec<&Conn> = live.iter().map(|(_, c, _)| &**c).collect();
+    let mut ready = vec![Ready::default(); conns.len()];
+    Conn::ready_many(&conns, &mut ready);
+    let mut n = 0;
+    for ((fd, _, counts), r) in live.iter().zip(ready) {
+        if n == out.len() {
+            break;
+        }
+        let Some(i) = m.get_mut(fd) else { continue };
+        let mask = ready_events(r, i.events);
+        if i.events & et != 0 {
+            i.news = false;
+            i.seen = *counts;
+        }
+        if mask == 0 {
+            continue;
+        }
+        out[n] = epoll_event {
+            events: mask,
+            u64: i.data,
+        };
+        n += 1;
+        if i.events & libc::EPOLLONESHOT as u32 != 0 {
+            i.disabled = true;
+        }
+    }
+    n
+}
+
+/// Take our eventfds' events out of `evs` (noting in `fired` which completion channels
+/// woke); returns how many of the program's are left (moved to the front) and whether one of
+/// ours was there.
+fn filter_marks(evs: &mut [epoll_event], fired: &mut [bool]) -> (usize, bool) {
+    let mut keep = 0;
+    let mut ours = false;
+    for i in 0..evs.len() {
+        let d = evs[i].u64;
+        if d & 0xFFFF_FFFF_0000_0000 == MARK {
+            ours = true;
+            if d & CHANNEL == CHANNEL {
+                if let Some(f) = fired.get_mut((d & 0xFFFF) as usize) {
+                    *f = true;
+                }
+            }
+            // A wake-up only: what is new, the signal counts tell (see `harvest`).
+        } else {
+            evs[keep] = evs[i];
+            keep += 1;
+        }
+    }
+    (keep, ours)
+}
+
+fn remaining_ms(deadline: Option<Instant>) -> c_int {
+    match deadline {
+        None => -1,
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            // Rounded up, so that a wait never ends before its deadline.
+            c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(c_int::MAX)
+        }
+    }
+}
+
+unsafe fn epoll_wait_managed(
+    epfd: c_int,
+    set: &EpollSet,
+    evs: *mut epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const sigset_t,
+) -> c_int {
+    // SAFETY: the caller's array of `max` events.
+    let out = unsafe { std::slice::from_raw_parts_mut(evs, max as usize) };
+    let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
+    loop {
+        let n = harvest(set, out);
+        if n == out.len() {
+            return n as c_int;
+        }
+        let t = if n > 0 { 0 } else { remaining_ms(deadline) };
+        // About to sleep: become the stack's poller, so that a doorbell wakes this thread
+        // rather than the runtime thread, which would then wake this one.
+        let channels = if t != 0 {
+            set.register_channels(epfd)
+        } else {
+            0
+        };
+        let state = if channels > 0 {
+            smc::fdapi::poller_prepare()
+        } else {
+            smc::fdapi::PollerState::Other
+        };
+        if state == smc::fdapi::PollerState::Progress {
+            continue;
+        }
+        let rest = &mut out[n..];
+        // SAFETY: the rest of the caller's array.
+        let k = unsafe { real::epoll_pwait(epfd, rest.as_mut_ptr(), rest.len() as c_int, t, mask) };
+        let mut fired = [false; 8];
+        let (kept, ours) = if k > 0 {
+            filter_marks(&mut rest[..k as usize], &mut fired)
+        } else {
+            (0, false)
+        };
+        if state == smc::fdapi::PollerState::Armed {
+            // (errno of a failed wait survives: the finish makes no failing call visible.)
+            let e = std::io::Error::last_os_error();
+            smc::fdapi::poller_finish(&fired[..channels.min(fired.len())]);
+            if let Some(n) = e.raw_os_error() {
+                set_errno(n);
+            }
+        }
+        if k < 0 {
+            return if n > 0 { n as c_int } else { -1 };
+        }
+        if n + kept > 0 {
+            return (n + kept) as c_int;
+        }
+        if !ours && k == 0 {
+            return 0;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) && !ours {
+            return 0;
+        }
+        // Only our eventfds: look at the connections again.
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    evs: *mut epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const sigset_t,
+) -> c_int {
+    if max > 0 && table::maybe(epfd) {
+        if let Some(e) = table::get(epfd) {
+            if let Kind::Epoll(set) = &e.kind {
+                let set = set.clone();
+                // SAFETY: the caller's arguments.
+                return guard(-1, || unsafe {
+                    epoll_wait_managed(epfd, &set, evs, max, timeout, mask)
+                });
+            }
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::epoll_pwait(epfd, evs, max, timeout, mask) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    evs: *mut epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    // SAFETY: as epoll_pwait without a mask.
+    unsafe { epoll_pwait(epfd, evs, max, timeout, std::ptr::null()) }
+}
+
+/// poll's revents of an SMC-R connection for `events`.
+fn poll_revents(r: Ready, events: i16) -> i16 {
+    let mut m = 0i16;
+    if r.readable {
+        m |= libc::POLLIN | libc::POLLRDNORM;
+    }
+    if r.writable {
+        m |= libc::POLLOUT | libc::POLLWRNORM;
+    }
+    if r.read_hup {
+        m |= libc::POLLRDHUP;
+    }
+    m &= events;
+    if r.hup {
+        m |= libc::POLLHUP;
+    }
+    if r.error {
+        m |= libc::POLLERR;
+    }
+    m
+}
+
+/// ppoll with SMC-R connections among `fds`; `None`: none is, the caller passes the call on.
+unsafe fn ppoll_managed(
+    fds: *mut pollfd,
+    n: nfds_t,
+    timeout: Option<Duration>,
+    mask: *const sigset_t,
+) -> Option<c_int> {
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || fds.is_null() || n == 0 {
+        return None;
+    }
+    // SAFETY: the caller's array of `n` pollfds.
+    let fds = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    if !fds.iter().any(|p| table::maybe(p.fd)) {
+        return None;
+    }
+    let conns: Vec<Option<Arc<Conn>>> = fds
+        .iter()
+        .map(|p| match target(p.fd) {
+            Target::Smc(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    if conns.iter().all(Option::is_none) {
+        return None;
+    }
+    let deadline = timeout.map(|t| Instant::now() + t);
+    Some(guard(-1, || loop {
+        for c in conns.iter().flatten() {
+            c.drain_notifiers();
+        }
+        let list: Vec<&Conn> = conns.iter().flatten().map(|c| &**c).collect();
+        let mut ready = vec![Ready::default(); list.len()];
+        Conn::ready_many(&list, &mut ready);
+        let mut ready = ready.into_iter();
+        // The real poll's array: the other descriptors as given, each connection replaced
+        // by its eventfds.
+        let mut real_fds: Vec<pollfd> = Vec::with_capacity(fds.len() + 2);
+        let mut smc_ready = 0;
+        let mut smc_revents = vec![0i16; fds.len()];
+        for (i, (p, c)) in fds.iter().zip(&conns).enumerate() {
+            match c {
+                None => real_fds.push(pollfd {
+                    fd: p.fd,
+                    events: p.events,
+                    revents: 0,
+                }),
+                Some(c) => {
+                    let r = poll_revents(ready.next().unwrap_or_default(), p.events);
+                    smc_revents[i] = r;
+                    if r != 0 {
+                        smc_ready += 1;
+                    }
+                    let (rd, wr) = c.notifier_fds();
+                    real_fds.push(pollfd {
+                        fd: rd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    if p.events & libc::POLLOUT != 0 {
+                        real_fds.push(pollfd {
+                            fd: wr,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        });
+                    }
+                }
+            }
+        }
+        // About to sleep: become the stack's poller (see `epoll_wait_managed`).
+        let state = if smc_ready == 0 && deadline.is_none_or(|d| d > Instant::now()) {
+            smc::fdapi::poller_prepare()
+        } else {
+            smc::fdapi::PollerState::Other
+        };
+        if state == smc::fdapi::PollerState::Progress {
+            continue;
+        }
+        let channels_at = real_fds.len();
+        if state == smc::fdapi::PollerState::Armed {
+            for fd in smc::fdapi::completion_fds() {
+                real_fds.push(pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+        }
+        let ts;
+        let t: *const timespec = if smc_ready > 0 {
+            ts = timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            &ts
+        } else {
+            match deadline {
+                None => std::ptr::null(),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    ts = timespec {
+                        tv_sec: left.as_secs() as libc::time_t,
+                        tv_nsec: libc::c_long::from(left.subsec_nanos() as i32),
+                    };
+                    &ts
+                }
+            }
+        };
+        // SAFETY: our array and a valid or null timeout.
+        let k = unsafe { real::ppoll(real_fds.as_mut_ptr(), real_fds.len() as nfds_t, t, mask) };
+        if state == smc::fdapi::PollerState::Armed {
+            let e = std::io::Error::last_os_error();
+            let fired: Vec<bool> = real_fds[channels_at..]
+                .iter()
+                .map(|p| k > 0 && p.revents != 0)
+                .collect();
+            smc::fdapi::poller_finish(&fired);
+            if let Some(n) = e.raw_os_error() {
+                set_errno(n);
+            }
+        }
+        if k < 0 && smc_ready == 0 {
+            return -1;
+        }
+        // Copy back.
+        let mut total = 0;
+        let mut j = 0;
+        for (i, (p, c)) in fds.iter_mut().zip(&conns).enumerate() {
+            match c {
+                None => {
+                    p.revents = if k < 0 { 0 } else { real_fds[j].revents };
+                    j += 1;
+                }
+                Some(_) => {
+                    p.revents = smc_revents[i];
+                    j += if p.events & libc::POLLOUT != 0 { 2 } else { 1 };
+                }
+            }
+            if p.revents != 0 {
+                total += 1;
+            }
+        }
+        if total > 0 {
+            return total;
+        }
+        if k == 0 {
+            return 0;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return 0;
+        }
+        // Only eventfds: look again.
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut pollfd,
+    n: nfds_t,
+    t: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    let timeout = if t.is_null() {
+        None
+    } else {
+        // SAFETY: the caller's timeout.
+        let t = unsafe { t.read_unaligned() };
+        Some(Duration::new(
+            t.tv_sec.max(0) as u64,
+            t.tv_nsec.clamp(0, 999_999_999) as u32,
+        ))
+    };
+    // SAFETY: the caller's arguments.
+    match unsafe { ppoll_managed(fds, n, timeout, mask) } {
+        Some(r) => r,
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::ppoll(fds, n, t, mask) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
+    let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: the caller's arguments.
+    match unsafe { ppoll_managed(fds, n, t, std::ptr::null()) } {
+        Some(r) => r,
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::poll(fds, n, timeout) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut pollfd,
+    n: nfds_t,
+    timeout: c_int,
+    _len: usize,
+) -> c_int {
+    // SAFETY: as poll.
+    unsafe { poll(fds, n, timeout) }
+}
+
+/// select/pselect as poll: readfds → POLLIN, writefds → POLLOUT, exceptfds → POLLPRI;
+/// `None` when no SMC-R connection is among the sets.
+unsafe fn select_managed(
+    nfds: c_int,
+    r: *mut fd_set,
+    w: *mut fd_set,
+    e: *mut fd_set,
+    timeout: Option<Duration>,
+    mask: *const sigset_t,
+) -> Option<c_int> {
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || nfds <= 0 {
+        return None;
+    }
+    let nfds = nfds.min(libc::FD_SETSIZE as c_int);
+    let isset = |s: *mut fd_set, fd: c_int| -> bool {
+        // SAFETY: the caller's set, fd below FD_SETSIZE.
+        !s.is_null() && unsafe { libc::FD_ISSET(fd, s) }
+    };
+    let mut fds: Vec<pollfd> = Vec::new();
+    let mut any_smc = false;
+    for fd in 0..nfds {
+        let mut ev = 0i16;
+        if isset(r, fd) {
+            ev |= libc::POLLIN;
+        }
+        if isset(w, fd) {
+            ev |= libc::POLLOUT;
+        }
+        if isset(e, fd) {
+            ev |= libc::POLLPRI;
+        }
+        if ev != 0 {
+            any_smc |= table::maybe(fd);
+            fds.push(pollfd {
+                fd,
+                events: ev,
+                revents: 0,
+            });
+        }
+    }
+    if !any_smc {
+        return None;
+    }
+    // SAFETY: our array.
+    let k = unsafe { ppoll_managed(fds.as_mut_ptr(), fds.len() as nfds_t, timeout, mask) }?;
+    if k < 0 {
+        return Some(-1);
+    }
+    // SAFETY: the caller's sets (cleared, then the ready bits set).
+    unsafe {
+        for s in [r, w, e] {
+            if !s.is_null() {
+                for fd in 0..nfds {
+                    libc::FD_CLR(fd, s);
+                }
+            }
+        }
+        let mut count = 0;
+        for p in &fds {
+            let rv = p.revents;
+            if p.events & libc::POLLIN != 0
+                && rv & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+            {
+                libc::FD_SET(p.fd, r);
+                count += 1;
+            }
+            if p.events & libc::POLLOUT != 0 && rv & (libc::POLLOUT | libc::POLLERR) != 0 {
+                libc::FD_SET(p.fd, w);
+                count += 1;
+            }
+            if p.events & libc::POLLPRI != 0 && rv & libc::POLLPRI != 0 {
+                libc::FD_SET(p.fd, e);
+                count += 1;
+            }
+        }
+        Some(count)
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    r: *mut fd_set,
+    w: *mut fd_set,
+    e: *mut fd_set,
+    t: *mut timeval,
+) -> c_int {
+    let timeout = if t.is_null() {
+        None
+    } else {
+        // SAFETY: the caller's timeout.
+        let t = unsafe { t.read_unaligned() };
+        Some(Duration::from_micros(
+            (t.tv_sec.max(0) as u64) * 1_000_000 + t.tv_usec.max(0) as u64,
+        ))
+    };
+    // SAFETY: the caller's arguments.
+    match unsafe { select_managed(nfds, r, w, e, timeout, std::ptr::null()) } {
+        Some(k) => k,
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::select(nfds, r, w, e, t) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    r: *mut fd_set,
+    w: *mut fd_set,
+    e: *mut fd_set,
+    t: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    let timeout = if t.is_null() {
+        None
+    } else {
+        // SAFETY: the caller's timeout.
+        let t = unsafe { t.read_unaligned() };
+        Some(Duration::new(
+            t.tv_sec.max(0) as u64,
+            t.tv_nsec.clamp(0, 999_999_999) as u32,
+        ))
+    };
+    // SAFETY: the caller's arguments.
+    if let Some(k) = unsafe { select_managed(nfds, r, w, e, timeout, mask) } {
+        return k;
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::pselect(nfds, r, w, e, t, mask) }
+}
+
+/// Per descriptor number: 1 when it is an epoll instance the program made (so that a socket
+/// registered in it before it became an SMC-R connection can be moved to user space).
+static EPOLL_FDS: [std::sync::atomic::AtomicU8; table::MAX_FD] =
+    [const { std::sync::atomic::AtomicU8::new(0) }; table::MAX_FD];
+
+fn note_epoll(fd: c_int) {
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
+        s.store(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The number `fd` is closed (or reused): it is no longer an epoll instance of ours.
+pub(crate) fn closed(fd: c_int) {
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
+        if s.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+            s.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: passed on unchanged.
+    let fd = unsafe { real::epoll_create1(flags) };
+    note_epoll(fd);
+    fd
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    if size <= 0 {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: as epoll_create1 without flags.
+    unsafe { epoll_create1(0) }
+}
+
+/// The registrations of `fd` in kernel epoll instance `epfd`, from `/proc/self/fdinfo`
+/// (lines `tfd: N events: HEX data: HEX ...`).
+fn kernel_registration(epfd: c_int, fd: c_int) -> Option<(u32, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")).ok()?;
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        if it.next() != Some("tfd:") {
+            continue;
+        }
+        if it.next()?.parse::<c_int>().ok()? != fd {
+            continue;
+        }
+        let (mut events, mut data) = (None, None);
+        while let Some(k) = it.next() {
+            match k {
+                "events:" => events = u32::from_str_radix(it.next()?, 16).ok(),
+                "data:" => data = u64::from_str_radix(it.next()?, 16).ok(),
+                _ => {}
+            }
+        }
+        return Some((events?, data?));
+    }
+    None
+}
+
+/// `fd` just became an SMC-R connection: registrations the program made in its epoll
+/// instances while it was a plain socket (nginx registers an upstream socket before
+/// `connect`) move from the kernel to user space, since the socket itself will never be
+/// readable.
+pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
+    for (epfd, s) in EPOLL_FDS.iter().enumerate() {
+        if s.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            continue;
+        }
+        let epfd = epfd as c_int;
+        let Some((events, data)) = kernel_registration(epfd, fd) else {
+            continue;
+        };
+        let mut ev = epoll_event { events: 0, u64: 0 };
+        // SAFETY: removing the program's registration of the socket.
+        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, &mut ev) };
+        let set = match table::get(epfd).map(|e| match &e.kind {
+            Kind::Epoll(s) => Some(s.clone()),
+            _ => None,
+        }) {
+            Some(Some(s)) => s,
+            _ => {
+                let s = Arc::new(EpollSet::default());
+                if table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).is_err() {
+                    continue;
+                }
+                s
+            }
+        };
+        kernel_notifiers(epfd, fd, conn, true);
+        set.lock().insert(
+            fd,
+            Interest {
+                conn: conn.clone(),
+                events,
+                data,
+                news: true,
+                seen: (0, 0),
+                disabled: false,
+            },
+        );
+        crate::log!("fd {fd}: its registration in epoll {epfd} moved to user space");
+    }
+}

@@ -1,0 +1,761 @@
+//! The fd-level API: SMC-R for a program that owns its TCP sockets as plain file
+//! descriptors, as an interposing library (`crates/smc-preload`, `smc run`) needs it.
+//!
+//! The program keeps its real TCP socket; this module duplicates it for the stack (the
+//! stack's handle of the socket is the duplicate, so the program's number stays the program's),
+//! runs discovery and the CLC rendezvous on it, and afterwards moves the bytes over SMC-R.
+//! What the caller gets:
+//!
+//! - [`listen_mark`]: before `listen()`, marks the port for the eBPF discovery of this
+//!   process's stack and returns the [`Listening`] that later accepts ask.
+//! - [`Listening::accepted`]: right after `accept()`, whether the client offered SMC-R (the
+//!   answer lives in the marking stack's eBPF map, which a forked worker shares).
+//! - [`setup_server`]: the server rendezvous of an accepted socket, in the calling process
+//!   (lazily: the process that first uses the socket, so that a server that accepts and then
+//!   forks a child to serve the connection works).
+//! - [`connect`]: connect a program's socket (discovery, then rendezvous or fallback).
+//! - [`Conn`]: an SMC-R connection's reads, writes, shutdown, readiness (the `tcp_poll()`
+//!   mask an `epoll`/`poll` emulation reports) and the two eventfds its progress signals.
+//!
+//! One stack per process ([`stack`]); a forked child gets a new one ([`forked_child`]): the
+//! parent's is abandoned, never used again, since its threads did not survive the fork.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use smc_proto::endpoint::TcpId;
+
+use crate::config::DiscoveryMode;
+use crate::discovery::Outcome;
+use crate::error::{conn_error, FallbackReason};
+use crate::stack::Notifiers;
+use crate::{Mode, SmcStream, Stack};
+
+/// The stack of this process (made at first use from the environment, as [`Stack::global`];
+/// a forked child makes its own after [`forked_child`]).
+static STACK: Mutex<Option<Stack>> = Mutex::new(None);
+
+/// The `SMC_*` settings the program started with (see [`keep_settings`]).
+static SETTINGS: std::sync::OnceLock<Vec<(std::ffi::OsString, std::ffi::OsString)>> =
+    std::sync::OnceLock::new();
+
+/// Remember the `SMC_*` environment variables now (the library's constructor calls this), so
+/// that a stack made later uses them even if the program cleared its environment meanwhile
+/// (nginx rebuilds its workers' environment, keeping only TZ).
+pub fn keep_settings() {
+    let _ = SETTINGS.set(
+        std::env::vars_os()
+            .filter(|(k, _)| k.to_string_lossy().starts_with("SMC_"))
+            .collect(),
+    );
+}
+
+/// The stack of the calling process, made from the environment at first use.
+pub fn stack() -> io::Result<Stack> {
+    let mut g = STACK.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = g.as_ref() {
+        return Ok(s.clone());
+    }
+    for (k, v) in SETTINGS.get().into_iter().flatten() {
+        if std::env::var_os(k).is_none() {
+            // Before the stack's threads exist; a program that reads its environment from
+            // another thread at this moment is the caveat `docs/preload.md` names.
+            std::env::set_var(k, v);
+        }
+    }
+    let s = Stack::from_env().map_err(io::Error::other)?;
+    *g = Some(s.clone());
+    Ok(s)
+}
+
+std::thread_local! {
+    /// The stack lock held across a `fork()` by the forking thread (see [`fork_prepare`]).
+    static FORK_GUARD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Option<Stack>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Before `fork()` (a `pthread_atfork` prepare handler): hold the stack lock across the
+/// fork, so that the child never inherits it held by a thread it does not have.
+pub fn fork_prepare() {
+    let g = STACK.lock().unwrap_or_else(|p| p.into_inner());
+    FORK_GUARD.with_borrow_mut(|s| *s = Some(g));
+}
+
+/// After `fork()` in the parent: release the lock [`fork_prepare`] took.
+pub fn fork_parent() {
+    FORK_GUARD.with_borrow_mut(|s| drop(s.take()));
+}
+
+/// After `fork()` in the child (one thread): forget the parent's stack without dropping it
+/// (its runtime thread did not survive the fork; its connections belong to the parent), so
+/// that the child's first use makes its own; then release the lock.
+pub fn fork_child() {
+    FORK_GUARD.with_borrow_mut(|s| {
+        if let Some(mut g) = s.take() {
+            if let Some(parent) = g.take() {
+                std::mem::forget(parent);
+            }
+        }
+    });
+}
+
+/// A listening socket whose port the eBPF discovery of the stack that marked it knows.
+#[derive(Debug, Clone)]
+pub struct Listening {
+    stack: Stack,
+    port: u16,
+}
+
+/// Mark the port `fd` is bound to for discovery (call before `listen()`); `None` when
+/// discovery is off (every accepted connection stays TCP).
+pub fn listen_mark(fd: BorrowedFd<'_>) -> io::Result<Option<Listening>> {
+    let stack = stack()?;
+    let local = local_addr(fd)?;
+    match (&stack.inner.discovery, stack.discovery_mode()) {
+        (Some(d), DiscoveryMode::Ebpf) => {
+            d.mark_listener(local.port()).map_err(io::Error::other)?;
+            Ok(Some(Listening {
+                stack: stack.clone(),
+                port: local.port(),
+            }))
+        }
+        // Assert-peer: every client is taken to speak SMC-R (the server waits for its
+        // Proposal at the rendezvous).
+        (_, DiscoveryMode::AssertPeer) => Ok(Some(Listening {
+            stack: stack.clone(),
+            port: local.port(),
+        })),
+        _ => Ok(None),
+    }
+}
+
+impl Listening {
+    /// The port marked.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// For the connection `fd` just accepted on this listener: whether both SYN and SYN-ACK
+    /// carried the SMC option, so that the server rendezvous ([`setup_server`]) follows. Asks
+    /// the map of the stack that marked the port (in a forked worker, the parent's; the map
+    /// is a kernel object both share).
+    pub fn accepted(&self, fd: BorrowedFd<'_>) -> io::Result<bool> {
+        match (&self.stack.inner.discovery, self.stack.discovery_mode()) {
+            (Some(d), DiscoveryMode::Ebpf) => {
+                let local = local_addr(fd)?;
+                let peer = peer_addr(fd)?;
+                Ok(matches!(
+                    d.server_outcome(local, peer),
+                    Ok(Outcome::BothOffered)
+                ))
+            }
+            (_, DiscoveryMode::AssertPeer) => Ok(true),
+            _ => Ok(false),
+        }
+    }
+}
+
+/// What a rendezvous ended in.
+#[derive(Debug)]
+pub enum Setup {
+    /// SMC-R: the program's I/O on the socket goes through the [`Conn`].
+    Smc(Arc<Conn>),
+    /// TCP: the program uses its socket as it is; the [`TcpConn`] only keeps the connection
+    /// listed (`smc ss`) and counted until the program closes it.
+    Tcp(TcpConn),
+}
+
+/// A connection that stayed on (or fell back to) TCP.
+#[derive(Debug)]
+pub struct TcpConn {
+    stream: SmcStream,
+}
+
+impl TcpConn {
+    /// Why it is TCP.
+    pub fn mode(&self) -> Mode {
+        self.stream.mode()
+    }
+}
+
+/// Record that the accepted connection `fd` stays on TCP because its client did not offer
+/// SMC-R (listed by `smc ss`, counted as a fallback).
+pub fn accepted_tcp(fd: BorrowedFd<'_>) -> io::Result<TcpConn> {
+    let stack = stack()?;
+    let sock = Arc::new(dup_stream(fd)?);
+    let reason = match stack.discovery_mode() {
+        DiscoveryMode::Ebpf => FallbackReason::PeerWithoutOption,
+        _ => FallbackReason::DiscoveryOff,
+    };
+    Ok(TcpConn {
+        stream: SmcStream::fallback(&stack, sock, reason, Vec::new(), true),
+    })
+}
+
+/// The server rendezvous of the accepted connection `fd` (whose client offered SMC-R), in
+/// this process's stack. The socket must be in blocking mode for the call (the rendezvous
+/// reads the client's CLC messages from it).
+pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
+    let stack = stack()?;
+    let sock = Arc::new(dup_stream(fd)?);
+    let peer = sock.peer_addr()?;
+    let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
+    Setup::of(s)
+}
+
+/// Connect the program's socket `fd` (unconnected, blocking for the call) to `addr`:
+/// TCP connect, discovery, then the rendezvous or the fallback.
+pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr) -> io::Result<Setup> {
+    let stack = stack()?;
+    let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
+    let s = SmcStream::connect_socket(&stack, dup, addr, None, None)?;
+    Setup::of(s)
+}
+
+impl Setup {
+    fn of(s: SmcStream) -> io::Result<Setup> {
+        match s.smc_id() {
+            None => Ok(Setup::Tcp(TcpConn { stream: s })),
+            Some(id) => Conn::new(s, id).map(|c| Setup::Smc(Arc::new(c))),
+        }
+    }
+}
+
+fn dup_stream(fd: BorrowedFd<'_>) -> io::Result<TcpStream> {
+    let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
+    Ok(TcpStream::from(dup))
+}
+
+fn local_addr(fd: BorrowedFd<'_>) -> io::Result<SocketAddr> {
+    SocketAddr::try_from(rustix::net::getsockname(fd)?)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "not an inet socket"))
+}
+
+fn peer_addr(fd: BorrowedFd<'_>) -> io::Result<SocketAddr> {
+    rustix::net::getpeername(fd)?
+        .and_then(|a| SocketAddr::try_from(a).ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no inet peer"))
+}
+
+/// Readiness of a connection, as Linux's `tcp_poll()` reports it for a TCP socket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ready {
+    /// Data to read, or end of stream (a read does not block).
+    pub readable: bool,
+    /// Room in the peer's RMBE (a write does not block).
+    pub writable: bool,
+    /// The peer is done writing (EPOLLRDHUP).
+    pub read_hup: bool,
+    /// The connection is gone in both directions (EPOLLHUP).
+    pub hup: bool,
+    /// A failure is pending (EPOLLERR).
+    pub error: bool,
+}
+
+/// One handle of an SMC-R connection and the nonblocking mode it was last set to.
+#[derive(Debug)]
+struct Handle {
+    s: SmcStream,
+    nonblocking: bool,
+    /// Bytes a MSG_PEEK read took out of the RMB (the reading handle's only): the next reads
+    /// return them first.
+    peeked: Vec<u8>,
+}
+
+impl Handle {
+    fn mode(&mut self, nonblocking: bool) {
+        if self.nonblocking != nonblocking {
+            self.s.set_nonblocking_calls(nonblocking);
+            self.nonblocking = nonblocking;
+        }
+    }
+}
+
+/// An SMC-R connection of a program: a reading and a writing handle (a read blocked in one
+/// thread does not hold up a write in another), its eventfds, its nonblocking flag.
+#[derive(Debug)]
+pub struct Conn {
+    stack: Stack,
+    id: TcpId,
+    rd: Mutex<Handle>,
+    wr: Mutex<Handle>,
+    notify: Arc<Notifiers>,
+    nonblocking: AtomicBool,
+    /// The peer closed or failed and a write found it: SO_ERROR is reported once.
+    pending_error: Mutex<Option<io::ErrorKind>>,
+    /// SO_RCVTIMEO and SO_SNDTIMEO in microseconds (0: none), as the program set them.
+    timeouts: [std::sync::atomic::AtomicU64; 2],
+    /// How many peeked bytes wait in the reading handle (readiness looks here without its
+    /// lock, which a blocked reader holds).
+    peeked_len: std::sync::atomic::AtomicUsize,
+}
+
+impl Conn {
+    fn new(s: SmcStream, id: TcpId) -> io::Result<Conn> {
+        // Small writes go out at once: an event loop that writes a request and then sleeps
+        // in epoll_wait has no blocked reader to flush a held-back cursor update.
+        s.set_nodelay(true)?;
+        let notify = s
+            .notifiers()?
+            .ok_or_else(|| io::Error::other("SMC-R connection without notifiers"))?;
+        let w = s.try_clone()?;
+        Ok(Conn {
+            stack: s.stack().clone(),
+            id,
+            rd: Mutex::new(Handle {
+                s,
+                nonblocking: false,
+                peeked: Vec::new(),
+            }),
+            wr: Mutex::new(Handle {
+                s: w,
+                nonblocking: false,
+                peeked: Vec::new(),
+            }),
+            peeked_len: std::sync::atomic::AtomicUsize::new(0),
+            timeouts: Default::default(),
+            notify,
+            nonblocking: AtomicBool::new(false),
+            pending_error: Mutex::new(None),
+        })
+    }
+
+    /// Set the connection's nonblocking mode (the program's O_NONBLOCK / FIONBIO).
+    pub fn set_nonblocking(&self, nonblocking: bool) {
+        self.nonblocking.store(nonblocking, Ordering::Relaxed);
+    }
+
+    /// Record SO_RCVTIMEO (`send` false) or SO_SNDTIMEO (`send` true); `None` or zero: none.
+    pub fn set_timeout(&self, send: bool, t: Option<std::time::Duration>) {
+        let us = t.map_or(0, |t| u64::try_from(t.as_micros()).unwrap_or(u64::MAX));
+        self.timeouts[usize::from(send)].store(us, Ordering::Relaxed);
+    }
+
+    /// SO_RCVTIMEO (`send` false) or SO_SNDTIMEO (`send` true) as recorded.
+    pub fn timeout(&self, send: bool) -> Option<std::time::Duration> {
+        match self.timeouts[usize::from(send)].load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(std::time::Duration::from_micros(us)),
+        }
+    }
+
+    /// The nonblocking mode set.
+    pub fn nonblocking(&self) -> bool {
+        self.nonblocking.load(Ordering::Relaxed)
+    }
+
+    /// Read into `buf`; `dontwait`: this call does not block (MSG_DONTWAIT).
+    pub fn read(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
+        let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if !h.peeked.is_empty() {
+            let n = h.peeked.len().min(buf.len());
+            buf[..n].copy_from_slice(&h.peeked[..n]);
+            h.peeked.drain(..n);
+            self.peeked_len.store(h.peeked.len(), Ordering::Relaxed);
+            if n == buf.len() {
+                return Ok(n);
+            }
+            // Then what else is there, without waiting.
+            h.mode(true);
+            return match h.s.read(&mut buf[n..]) {
+                Ok(m) => Ok(n + m),
+                Err(_) => Ok(n),
+            };
+        }
+        h.mode(dontwait || self.nonblocking());
+        h.s.read(buf)
+    }
+
+    /// Read into `buf` without consuming (MSG_PEEK): the bytes stay for the next read. Waits
+    /// (unless nonblocking) for the first byte only, as TCP does.
+    pub fn peek(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
+        let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if h.peeked.len() < buf.len() {
+            let mut more = vec![0u8; buf.len() - h.peeked.len()];
+            let nb = dontwait || self.nonblocking() || !h.peeked.is_empty();
+            h.mode(nb);
+            match h.s.read(&mut more) {
+                Ok(n) => h.peeked.extend_from_slice(&more[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && !h.peeked.is_empty() => {}
+                Err(e) => return Err(e),
+            }
+            self.peeked_len.store(h.peeked.len(), Ordering::Relaxed);
+        }
+        let n = h.peeked.len().min(buf.len());
+        buf[..n].copy_from_slice(&h.peeked[..n]);
+        Ok(n)
+    }
+
+    /// A blocking read whose wait is one `poll` system call on the connection's read eventfd,
+    /// so that a signal handler that ran returns EINTR (`Interrupted`), as a TCP read without
+    /// SA_RESTART does; `timeout` (SO_RCVTIMEO) ends the wait with `WouldBlock`.
+    pub fn read_interruptible(
+        &self,
+        buf: &mut [u8],
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<usize> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            Notifiers::drain(&self.notify.read);
+            match self.read(buf, true) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            wait_fd(self.notify.read.as_fd(), deadline)?;
+        }
+    }
+
+    /// A blocking write whose wait is interruptible (see [`Conn::read_interruptible`]).
+    pub fn write_interruptible(
+        &self,
+        buf: &[u8],
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<usize> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            Notifiers::drain(&self.notify.write);
+            match self.write(buf, true) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            wait_fd(self.notify.write.as_fd(), deadline)?;
+        }
+    }
+
+    /// Read into several buffers in order (readv): what the first read returns, then more
+    /// without blocking while buffers are left.
+    pub fn read_vectored(&self, bufs: &mut [&mut [u8]], dontwait: bool) -> io::Result<usize> {
+        let mut total = 0;
+        for b in bufs.iter_mut() {
+            if b.is_empty() {
+                continue;
+            }
+            let r = self.read(b, dontwait || total > 0);
+            match r {
+                Ok(n) => {
+                    total += n;
+                    if n < b.len() {
+                        break;
+                    }
+                }
+                Err(e) if total > 0 && e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) if total > 0 => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(total)
+    }
+
+    /// Write from `buf` (what the peer's RMBE takes; blocks for room unless nonblocking).
+    pub fn write(&self, buf: &[u8], dontwait: bool) -> io::Result<usize> {
+        let mut h = self.wr.lock().unwrap_or_else(|p| p.into_inner());
+        h.mode(dontwait || self.nonblocking());
+        let r = h.s.write(buf);
+        if let Err(e) = &r {
+            if !matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ) {
+                *self.pending_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.kind());
+            }
+        }
+        r
+    }
+
+    /// Write several buffers in order (writev): blocks (unless nonblocking) until the first
+    /// bytes are taken, then takes what fits without blocking.
+    pub fn write_vectored(&self, bufs: &[&[u8]], dontwait: bool) -> io::Result<usize> {
+        let mut total = 0;
+        for b in bufs {
+            if b.is_empty() {
+                continue;
+            }
+            match self.write(b, dontwait || total > 0) {
+                Ok(n) => {
+                    total += n;
+                    if n < b.len() {
+                        break;
+                    }
+                }
+                Err(_) if total > 0 => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(total)
+    }
+
+    /// shutdown(2).
+    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        if matches!(how, Shutdown::Read | Shutdown::Both) {
+            self.rd
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .s
+                .shutdown(Shutdown::Read)?;
+        }
+        if matches!(how, Shutdown::Write | Shutdown::Both) {
+            self.wr
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .s
+                .shutdown(Shutdown::Write)?;
+        }
+        Ok(())
+    }
+
+    /// SO_ERROR: the failure a write met (once), else the connection's pending failure.
+    pub fn take_error(&self) -> Option<io::Error> {
+        if let Some(k) = self
+            .pending_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            return Some(k.into());
+        }
+        None
+    }
+
+    /// Bytes readable now (FIONREAD / SIOCINQ).
+    pub fn readable_bytes(&self) -> usize {
+        let core = self.stack.inner.lock();
+        self.peeked_len.load(Ordering::Relaxed)
+            + core
+                .ep
+                .connection(self.id)
+                .map_or(0, |c| c.readable() as usize)
+    }
+
+    /// The readiness of this connection now.
+    pub fn ready(&self) -> Ready {
+        let mut out = [Ready::default()];
+        Conn::ready_many(&[self], &mut out);
+        out[0]
+    }
+
+    /// The readiness of several connections (of one stack) under one lock.
+    pub fn ready_many(conns: &[&Conn], out: &mut [Ready]) {
+        let Some(first) = conns.first() else {
+            return;
+        };
+        let core = first.stack.inner.lock();
+        for (c, o) in conns.iter().zip(out.iter_mut()) {
+            if !Arc::ptr_eq(&c.stack.inner, &first.stack.inner) {
+                *o = c.ready();
+                continue;
+            }
+            let err = core.slots.get(&c.id).and_then(|s| s.error);
+            *o = match core.ep.connection(c.id) {
+                None => Ready {
+                    // (End of stream, or the bytes peeked before the connection ended.)
+                    readable: true,
+                    writable: true,
+                    read_hup: true,
+                    hup: true,
+                    error: err.is_some(),
+                },
+                Some(conn) => {
+                    let closed = conn.is_read_closed();
+                    let peeked = c.peeked_len.load(Ordering::Relaxed) > 0;
+                    Ready {
+                        readable: peeked || conn.readable() > 0 || closed || err.is_some(),
+                        writable: conn.write_room() > 0 || err.is_some(),
+                        read_hup: closed,
+                        hup: err.is_some(),
+                        error: err.is_some(),
+                    }
+                }
+            };
+        }
+    }
+
+    /// The eventfd the stack signals when reading may progress (data, end of stream, failure).
+    pub fn read_notifier(&self) -> BorrowedFd<'_> {
+        self.notify.read.as_fd()
+    }
+
+    /// The eventfd the stack signals when writing may progress (room, failure).
+    pub fn write_notifier(&self) -> BorrowedFd<'_> {
+        self.notify.write.as_fd()
+    }
+
+    /// Consume the pending signals of both eventfds (a `poll` emulation does before it
+    /// looks at the readiness, so that a signal after the look wakes it).
+    pub fn drain_notifiers(&self) {
+        Notifiers::drain(&self.notify.read);
+        Notifiers::drain(&self.notify.write);
+    }
+
+    /// How many times the read and the write eventfd were signalled so far.
+    pub fn signal_counts(&self) -> (u64, u64) {
+        (
+            self.notify.read_count.load(Ordering::Acquire),
+            self.notify.write_count.load(Ordering::Acquire),
+        )
+    }
+
+    /// The raw numbers of both eventfds (read, write).
+    pub fn notifier_fds(&self) -> (RawFd, RawFd) {
+        (self.notify.read.as_raw_fd(), self.notify.write.as_raw_fd())
+    }
+
+    /// The failure of the connection, if it has one, as the error a read would return.
+    pub fn failure(&self) -> Option<io::Error> {
+        let core = self.stack.inner.lock();
+        core.slots
+            .get(&self.id)
+            .and_then(|s| s.error)
+            .map(conn_error)
+    }
+}
+
+/// At process exit: wait (at most `max`) until the peers consumed what this process's
+/// connections sent, or those connections ended. The shared-memory fabric notices a peer
+/// process's death and fails its links, and a failed connection's unread bytes are gone;
+/// kernel TCP would still deliver them after the sender exited. Call after closing the
+/// connections the program left open.
+pub fn linger(max: std::time::Duration) {
+    let stack = match STACK.try_lock() {
+        Ok(g) => g.clone(),
+        Err(_) => return,
+    };
+    let Some(stack) = stack else {
+        return;
+    };
+    let deadline = std::time::Instant::now() + max;
+    loop {
+        let pending = {
+            let core = stack.inner.lock();
+            core.slots.iter().any(|(id, s)| {
+                s.error.is_none()
+                    && !s.closed
+                    && core.ep.connection(*id).is_some_and(|c| {
+                        crate::stream::cursor_distance(
+                            c.peer_consumer_cursor(),
+                            c.producer_cursor(),
+                            c.config().peer_rmbe_len,
+                        ) > 0
+                    })
+            })
+        };
+        if !pending || std::time::Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Wait until `fd` (an eventfd) is readable, a signal handler ran (`Interrupted`) or the
+/// deadline passed (`WouldBlock`). Bounded slices: a connection that ends without a signal
+/// (never, the stack signals failures) is looked at again within a second.
+fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Result<()> {
+    let slice = std::time::Duration::from_secs(1);
+    let left = match deadline {
+        Some(d) => {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            left.min(slice)
+        }
+        None => slice,
+    };
+    let ts = rustix::event::Timespec {
+        tv_sec: left.as_secs() as i64,
+        tv_nsec: i64::from(left.subsec_nanos()),
+    };
+    let mut fds = [rustix::event::PollFd::from_borrowed_fd(
+        fd,
+        rustix::event::PollFlags::IN,
+    )];
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(_) => Ok(()),
+        Err(rustix::io::Errno::INTR) => Err(io::ErrorKind::Interrupted.into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What [`poller_prepare`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollerState {
+    /// Another thread polls the completion queues: sleep as usual (its handling signals the
+    /// connections' eventfds).
+    Other,
+    /// Completions were handled just now: look at the connections again before sleeping.
+    Progress,
+    /// The calling thread is the poller and the completion channels are armed: sleep on them
+    /// too (see [`completion_fds`]) and call [`poller_finish`] after.
+    Armed,
+}
+
+/// The completion channels of the calling process's stack, for an event loop's wait: while its
+/// thread is the poller ([`poller_prepare`]), a doorbell wakes it directly rather than through
+/// the stack's runtime thread (one wake-up per message instead of two). Empty when this
+/// process has no stack.
+pub fn completion_fds() -> Vec<RawFd> {
+    let stack = match STACK.try_lock() {
+        Ok(g) => g.clone(),
+        Err(_) => None,
+    };
+    stack.map_or_else(Vec::new, |s| {
+        s.inner.cqs.iter().map(|c| c.fd().as_raw_fd()).collect()
+    })
+}
+
+/// Before an event loop's thread sleeps with the completion channels among what it waits on:
+/// become the stack's poller unless another thread is, handle what is there, arm the channels
+/// and look once more (arm, then recheck, as verbs want).
+pub fn poller_prepare() -> PollerState {
+    let Some(stack) = current_stack() else {
+        return PollerState::Other;
+    };
+    let inner = &stack.inner;
+    let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+    let mut core = inner.lock();
+    if inner.poller.swap(true, Ordering::AcqRel) {
+        return PollerState::Other;
+    }
+    inner.poller_at.store(core.now_micros(), Ordering::Release);
+    if core.poll_completions(&mut wcs) {
+        core.drain();
+        inner.poller.store(false, Ordering::Release);
+        return PollerState::Progress;
+    }
+    for cq in &inner.cqs {
+        cq.req_notify();
+    }
+    if core.poll_completions(&mut wcs) {
+        core.drain();
+        inner.poller.store(false, Ordering::Release);
+        return PollerState::Progress;
+    }
+    PollerState::Armed
+}
+
+/// After the sleep that followed [`PollerState::Armed`]: consume the channels' readiness
+/// (`fired`: which of [`completion_fds`] were readable), handle the completions, stop being the
+/// poller.
+pub fn poller_finish(fired: &[bool]) {
+    let Some(stack) = current_stack() else {
+        return;
+    };
+    let inner = &stack.inner;
+    let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+    let mut core = inner.lock();
+    for (cq, f) in inner.cqs.iter().zip(fired) {
+        if *f {
+            cq.ack_notify();
+        }
+    }
+    inner.poller_at.store(core.now_micros(), Ordering::Release);
+    core.poll_completions(&mut wcs);
+    core.drain();
+    inner.poller.store(false, Ordering::Release);
+}
+
+fn current_stack() -> Option<Stack> {
+    STACK.try_lock().ok().and_then(|g| g.clone())
+}

@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# `smc run` with unmodified Debian programs (docs/preload.md): every payload is verified and
+# every connection is checked to be SMC-R (both ends under `smc run`) or TCP (a plain peer),
+# from the stacks' counters (`smc stats --json`) and the preload library's log (SMC_LOG).
+#
+# Usage: scripts/preload-apps.sh [path/to/smc]   (default: builds and uses target/debug/smc)
+# Needs root (the eBPF discovery of the SMC-R capability) and the programs
+# scripts/install-deps.sh installs; skips with a message otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "preload-apps: skipped (needs root for the eBPF discovery)"
+    exit 0
+fi
+for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx memcached memcslap; do
+    if ! command -v "$p" >/dev/null 2>&1; then
+        echo "preload-apps: skipped ($p missing; run scripts/install-deps.sh)"
+        exit 0
+    fi
+done
+
+SMC=${1:-}
+if [ -z "$SMC" ]; then
+    cargo build -q -p smc-cli --locked
+    SMC=target/debug/smc
+fi
+SMC=$(realpath "$SMC")
+
+work=$(mktemp -d)
+export SMC_FABRIC_DIR="$work/fabric"
+export SMC_LOG="$work/preload.log"
+export SMC_DISCOVERY=ebpf
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+fail() {
+    echo "preload-apps: FAIL: $*" >&2
+    echo "--- preload log (last 40 lines)" >&2
+    tail -n 40 "$SMC_LOG" >&2 || true
+    exit 1
+}
+
+# A stack counter of process $1 (from `smc stats --json`).
+stat_of() {
+    "$SMC" stats --json | python3 -c '
+import json, sys
+pid, key = sys.argv[1], sys.argv[2]
+for s in json.load(sys.stdin):
+    if s["pid"] == pid:
+        print(s["stats"].get(key, 0)); break
+else:
+    print("none")' "$1" "$2"
+}
+
+# Wait until TCP port $1 on 127.0.0.1 accepts connections (plain probe: no preload).
+wait_port() {
+    for _ in $(seq 1 100); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
+        sleep 0.05
+    done
+    fail "nothing listens on port $1"
+}
+
+head -c 4000000 /dev/urandom >"$work/r4m"
+sum() { sha256sum "$1" | cut -d' ' -f1; }
+want=$(sum "$work/r4m")
+
+echo "== negative control: programs without sockets behave as without smc run"
+[ "$("$SMC" run -- sh -c 'echo hello; ls /' )" = "$(sh -c 'echo hello; ls /')" ] || fail "sh/ls output differs"
+"$SMC" run true || fail "true failed"
+if "$SMC" run false; then fail "false succeeded"; fi
+grep -q 'SMC-R\|listening' "$SMC_LOG" && fail "a program without sockets touched SMC"
+
+echo "== socket semantics call by call (scripts/preload-semantics.py, both ends under smc run)"
+"$SMC" run python3 scripts/preload-semantics.py server 19100 "$SMC" >"$work/sem-s.log" 2>&1 &
+sem=$!
+for _ in $(seq 1 100); do grep -q "listening on port 19100" "$SMC_LOG" && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-semantics.py client 19100 "$SMC" >"$work/sem-c.log" 2>&1 \
+    || { cat "$work/sem-c.log"; fail "semantics client"; }
+wait $sem || { cat "$work/sem-s.log"; fail "semantics server"; }
+echo "   $(grep -c '^ok' "$work/sem-s.log" "$work/sem-c.log" | awk -F: '{s+=$2} END {print s}') checks passed"
+
+echo "== python3 http.server + curl"
+mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
+"$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &
+pids+=($!); http=$!
+wait_port 18000
+for i in 1 2 3; do
+    got=$(timeout 20 "$SMC" run curl -sSf "http://127.0.0.1:18000/f" | sha256sum | cut -d' ' -f1) || fail "curl $i failed"
+    [ "$got" = "$want" ] || fail "curl $i over SMC-R: payload differs"
+done
+# A port probe above was one plain connection (TCP); three curls are SMC-R.
+[ "$(stat_of $http smc_connections)" = 3 ] || fail "http.server: $(stat_of $http smc_connections) SMC-R connections, 3 expected"
+fb=$(stat_of $http fallbacks)
+got=$(timeout 20 curl -sSf "http://127.0.0.1:18000/f" | sha256sum | cut -d' ' -f1) || fail "plain curl failed"
+[ "$got" = "$want" ] || fail "plain curl: payload differs"
+[ "$(stat_of $http fallbacks)" = $((fb + 1)) ] || fail "plain curl was not a TCP fallback"
+[ "$(stat_of $http smc_connections)" = 3 ] || fail "plain curl counted as SMC-R"
+echo "   3 curls over SMC-R, 1 plain curl over TCP, payloads verified"
+
+echo "== redis-server + redis-benchmark + redis-cli"
+"$SMC" run redis-server --port 16390 --save '' --appendonly no --dir "$work" >"$work/redis.log" 2>&1 &
+pids+=($!); redis=$!
+wait_port 16390
+timeout 60 "$SMC" run redis-benchmark -p 16390 -t set,get,lpush,lrange_100 -n 20000 -c 20 -q >"$work/bench.out" 2>&1 \
+    || fail "redis-benchmark: $(tail -3 "$work/bench.out")"
+tr '\r' '\n' <"$work/bench.out" | grep "requests per second" | sed 's/^/   /'
+# BGSAVE during load: a forked child inherits every client connection and must leave them
+# alone (it never touches them; its exit must not end them).
+timeout 60 "$SMC" run redis-benchmark -p 16390 -t set -n 30000 -c 10 -q >"$work/bench2.out" 2>&1 &
+b2=$!
+sleep 0.5
+[ "$(timeout 5 "$SMC" run redis-cli -p 16390 bgsave)" = "Background saving started" ] || fail "bgsave"
+wait $b2 || fail "redis-benchmark during BGSAVE: $(tail -3 "$work/bench2.out")"
+for _ in $(seq 1 100); do grep -q "Background saving terminated with success" "$work/redis.log" && break; sleep 0.05; done
+grep -q "Background saving terminated with success" "$work/redis.log" || fail "BGSAVE did not finish"
+[ "$(timeout 5 "$SMC" run redis-cli -p 16390 ping)" = PONG ] || fail "redis after BGSAVE"
+timeout 10 "$SMC" run redis-cli -p 16390 -x set big <"$work/r4m" >/dev/null || fail "redis-cli set"
+got=$(timeout 10 "$SMC" run redis-cli -p 16390 --raw get big | head -c 4000000 | sha256sum | cut -d' ' -f1) \
+    || fail "redis-cli get failed"
+[ "$got" = "$want" ] || fail "redis get: value differs"
+smc=$(stat_of $redis smc_connections)
+[ "$smc" -ge 94 ] || fail "redis: $smc SMC-R connections, at least 94 expected (4 x 20 + 10 + 4)"
+fb=$(stat_of $redis fallbacks)
+[ "$(timeout 5 redis-cli -p 16390 strlen big)" = 4000000 ] || fail "plain redis-cli"
+[ "$(stat_of $redis fallbacks)" = $((fb + 1)) ] || fail "plain redis-cli was not a TCP fallback"
+echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, plain redis-cli over TCP"
+
+echo "== memcached -t 2 (accept thread hands connections to worker threads) + memcslap + a python client"
+"$SMC" run memcached -p 11311 -l 127.0.0.1 -t 2 -U 0 -u root >"$work/memcached.log" 2>&1 &
+pids+=($!); mc=$!
+wait_port 11311
+timeout 30 "$SMC" run memcslap --servers=127.0.0.1:11311 --concurrency=8 --execute-number=2000 >"$work/memcslap.out" 2>&1 \
+    || fail "memcslap: $(tail -3 "$work/memcslap.out")"
+# A 500 kB value set and read back through the text protocol, checked byte for byte.
+timeout 20 "$SMC" run python3 - "$work/r4m" <<'PY' || fail "memcached python client"
+import socket, sys
+data = open(sys.argv[1], "rb").read()[:500_000]
+s = socket.create_connection(("127.0.0.1", 11311))
+f = s.makefile("rb")
+s.sendall(b"set big 0 0 %d\r\n" % len(data) + data + b"\r\n")
+assert f.readline() == b"STORED\r\n"
+s.sendall(b"get big\r\n")
+assert f.readline() == b"VALUE big 0 %d\r\n" % len(data)
+assert f.read(len(data) + 2) == data + b"\r\n"
+assert f.readline() == b"END\r\n"
+PY
+smc=$(stat_of $mc smc_connections)
+[ "$smc" = 9 ] || fail "memcached: $smc SMC-R connections, 9 expected (8 memcslap + 1)"
+[ "$(stat_of $mc fallbacks)" = 1 ] || fail "memcached: the port probe was not the one TCP fallback"
+echo "   9 connections over SMC-R (memcslap x8, python), 500 kB value verified"
+
+echo "== socat fork (accept, then a forked child serves the connection)"
+"$SMC" run socat TCP-LISTEN:17000,reuseaddr,fork SYSTEM:cat >"$work/socat.log" 2>&1 &
+pids+=($!); socat=$!
+wait_port 17000
+for i in 1 2 3; do
+    got=$(timeout 20 "$SMC" run socat -t 5 - TCP:127.0.0.1:17000 <"$work/r4m" | sha256sum | cut -d' ' -f1) \
+        || fail "socat client $i failed"
+    [ "$got" = "$want" ] || fail "socat echo $i: payload differs"
+done
+n=$(grep -E "^smc-preload\[[0-9]+\]: fd [0-9]+: SMC-R" "$SMC_LOG" | grep -vc "\[$http\]\|\[$redis\]" || true)
+# Clients and served children: 3 connections, both ends each.
+[ "$n" -ge 6 ] || fail "socat: $n SMC-R ends logged, 6 expected"
+echo "   3 echoes of 4 MB verified, served by forked children over SMC-R"
+
+echo "== iperf3 (select, two connections) and -R"
+for rev in "" "-R"; do
+    : >"$SMC_LOG.iperf"
+    SMC_LOG="$SMC_LOG.iperf" "$SMC" run iperf3 -s -p 15201 -1 >"$work/iperf-s.log" 2>&1 &
+    pids+=($!); srv=$!
+    # (No probe connection: the one-off server would take it for its client.)
+    for _ in $(seq 1 100); do grep -q "listening on port 15201" "$SMC_LOG.iperf" && break; sleep 0.05; done
+    SMC_LOG="$SMC_LOG.iperf" timeout 30 "$SMC" run iperf3 -c 127.0.0.1 -p 15201 -t 2 $rev >"$work/iperf.out" 2>&1 \
+        || fail "iperf3 $rev: $(tail -3 "$work/iperf.out")"
+    wait $srv || fail "iperf3 server $rev"
+    grep receiver "$work/iperf.out" | sed "s/^/   $rev /"
+    # Control and data connections, SMC-R at both ends.
+    n=$(grep -c ": SMC-R" "$SMC_LOG.iperf" || true)
+    [ "$n" = 4 ] || fail "iperf3 $rev: $n SMC-R ends, 4 expected"
+done
+
+echo "== nginx, 2 workers (listener inherited across fork), sendfile + curl"
+mkdir -p "$work/nginx"
+cat >"$work/nginx/nginx.conf" <<EOF
+daemon off;
+master_process on;
+worker_processes 2;
+user root;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log;
+events { worker_connections 256; }
+http {
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    client_body_temp_path $work/nginx;
+    proxy_temp_path $work/nginx;
+    fastcgi_temp_path $work/nginx;
+    uwsgi_temp_path $work/nginx;
+    scgi_temp_path $work/nginx;
+    server {
+        listen 127.0.0.1:18080;
+        root $work/www;
+    }
+}
+EOF
+: >"$SMC_LOG.nginx"
+SMC_LOG="$SMC_LOG.nginx" "$SMC" run nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
+pids+=($!)
+wait_port 18080
+for i in 1 2 3 4; do
+    got=$(SMC_LOG="$SMC_LOG.nginx" timeout 20 "$SMC" run curl -sSf "http://127.0.0.1:18080/f" | sha256sum | cut -d' ' -f1) \
+        || fail "nginx curl $i failed: $(cat "$work/nginx/error.log")"
+    [ "$got" = "$want" ] || fail "nginx curl $i: payload differs"
+done
+got=$(timeout 20 curl -sSf "http://127.0.0.1:18080/f" | sha256sum | cut -d' ' -f1) || fail "nginx plain curl failed"
+[ "$got" = "$want" ] || fail "nginx plain curl: payload differs"
+n=$(grep -c ": SMC-R" "$SMC_LOG.nginx" || true)
+[ "$n" = 8 ] || fail "nginx: $n SMC-R ends, 8 expected"
+grep -q "TCP (Tcp(PeerWithoutOption))" "$SMC_LOG.nginx" || fail "nginx: the plain curl was not TCP"
+echo "   4 curls over SMC-R (workers' own stacks), 1 plain curl over TCP, payloads verified"
+
+echo "preload-apps: all passed"

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""The socket semantics a program sees under `smc run`, checked call by call (docs/preload.md).
+
+    preload-semantics.py server PORT SMC   (under `smc run`: checks, then exits 0 or 1)
+    preload-semantics.py client PORT SMC   (under `smc run`: does what the server asks)
+
+The server drives: it asks the client, over the connection itself, to send bytes or to shut
+down, and checks what epoll (level- and edge-triggered, one-shot, RDHUP), poll and select
+mixed with a pipe, FIONREAD, dup, nonblocking reads, sendfile and the end of stream report.
+The client connects nonblocking (EINPROGRESS or 0, then POLLOUT and SO_ERROR), checks with
+`smc ss --json` that its connection is SMC-R, and verifies the sendfile payload.
+"""
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+FAILED = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        FAILED.append(what)
+
+
+def ask(conn, line):
+    conn.sendall(line.encode() + b"\n")
+
+
+def wait_readable(conn, timeout=5.0):
+    p = select.poll()
+    p.register(conn, select.POLLIN)
+    return bool(p.poll(timeout * 1000))
+
+
+def smc_mode_of_pid(smc, pid, port):
+    out = subprocess.run([smc, "ss", "--json"], capture_output=True, text=True, check=True).stdout
+    for st in json.loads(out):
+        if st["pid"] == str(pid):
+            for s in st["ss"]:
+                if s.get("peer", "").endswith(f":{port}") or s.get("local", "").endswith(f":{port}"):
+                    return s.get("mode")
+    return None
+
+
+def server(port, smc):
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", port))
+    ls.listen(4)
+    conn, _ = ls.accept()
+    fd = conn.fileno()
+
+    # epoll, level-triggered: stays ready until everything is read.
+    ep = select.epoll()
+    ep.register(fd, select.EPOLLIN)
+    ask(conn, "send 10 a")
+    ev = ep.poll(5)
+    check(ev == [(fd, select.EPOLLIN)], f"LT: EPOLLIN after data ({ev})")
+    check(ep.poll(0.2) == [(fd, select.EPOLLIN)], "LT: still EPOLLIN while unread")
+    check(conn.recv(5) == b"aaaaa", "LT: read 5")
+    check(ep.poll(0.2) == [(fd, select.EPOLLIN)], "LT: EPOLLIN with 5 left")
+    check(conn.recv(5) == b"aaaaa", "LT: read the other 5")
+    check(ep.poll(0.2) == [], "LT: nothing when all is read")
+
+    # The connection is SMC-R in this process's stack (set up at its first use, above).
+    mode = None
+    for _ in range(50):
+        mode = smc_mode_of_pid(smc, os.getpid(), port)
+        if mode:
+            break
+        time.sleep(0.05)
+    check(mode == "SMC-R", f"server side is SMC-R (smc ss says {mode})")
+
+    # Edge-triggered: one report per arrival.
+    ep.modify(fd, select.EPOLLIN | select.EPOLLET)
+    ask(conn, "send 3 b")
+    ev = ep.poll(5)
+    check(ev == [(fd, select.EPOLLIN)], f"ET: EPOLLIN on arrival ({ev})")
+    check(ep.poll(0.2) == [], "ET: no second report without new data")
+    ask(conn, "send 2 b")
+    ev = ep.poll(5)
+    check(ev == [(fd, select.EPOLLIN)], f"ET: EPOLLIN on the next arrival ({ev})")
+    time.sleep(0.05)
+    check(conn.recv(100) == b"bbbbb", "ET: both arrivals read")
+
+    # One-shot: silent after the report until EPOLL_CTL_MOD.
+    ep.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+    ask(conn, "send 1 c")
+    check(ep.poll(5) == [(fd, select.EPOLLIN)], "ONESHOT: reported once")
+    check(ep.poll(0.2) == [], "ONESHOT: silent until re-armed")
+    ep.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+    check(ep.poll(1) == [(fd, select.EPOLLIN)], "ONESHOT: reported after MOD")
+    check(conn.recv(10) == b"c", "ONESHOT: data read")
+    ep.unregister(fd)
+    try:
+        ep.unregister(fd)
+        check(False, "DEL of an unregistered connection fails with ENOENT")
+    except OSError as e:
+        check(e.errno == errno.ENOENT, "DEL of an unregistered connection fails with ENOENT")
+
+    # A kernel fd (pipe) and the connection in one epoll set and in one poll.
+    r, w = os.pipe()
+    ep.register(r, select.EPOLLIN)
+    ep.register(fd, select.EPOLLIN)
+    os.write(w, b"x")
+    check(ep.poll(1) == [(r, select.EPOLLIN)], "epoll: the pipe alone is ready")
+    os.read(r, 1)
+    ask(conn, "send 4 d")
+    check(ep.poll(5) == [(fd, select.EPOLLIN)], "epoll: the connection alone is ready")
+    ep.unregister(fd)
+    p = select.poll()
+    p.register(r, select.POLLIN)
+    p.register(fd, select.POLLIN)
+    got = dict(p.poll(1000))
+    check(got.get(fd) == select.POLLIN and r not in got, f"poll: connection ready, pipe not ({got})")
+    rl, _, _ = select.select([r, fd], [], [], 1)
+    check(rl == [fd], f"select: connection readable ({rl})")
+    _, wl, _ = select.select([], [fd], [], 1)
+    check(wl == [fd], "select: connection writable")
+
+    # MSG_PEEK leaves the bytes for the next read (and readiness stays).
+    check(conn.recv(2, socket.MSG_PEEK) == b"dd", "MSG_PEEK sees 2 bytes")
+    check(conn.recv(2, socket.MSG_PEEK) == b"dd", "MSG_PEEK again sees the same")
+    check(dict(p.poll(0)).get(fd) == select.POLLIN, "readable after a peek")
+
+    # FIONREAD counts the readable bytes.
+    buf = fcntl.ioctl(fd, termios.FIONREAD, struct.pack("i", 0))
+    check(struct.unpack("i", buf)[0] == 4, "FIONREAD = 4")
+    check(conn.recv(4) == b"dddd", "read after FIONREAD")
+
+    # Nonblocking read with nothing there: EAGAIN.
+    conn.setblocking(False)
+    try:
+        conn.recv(10)
+        check(False, "nonblocking read without data: EAGAIN")
+    except BlockingIOError:
+        check(True, "nonblocking read without data: EAGAIN")
+    conn.setblocking(True)
+
+    # A blocking read with nothing to read returns when a signal handler runs (the handler
+    # raises, so Python does not retry the EINTR), and SO_RCVTIMEO ends it with EAGAIN.
+    class Alarm(Exception):
+        pass
+
+    def on_alarm(*_):
+        raise Alarm()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        conn.recv(10)
+        check(False, "blocking read interrupted by a signal (EINTR)")
+    except Alarm:
+        check(time.monotonic() - t0 < 5, "blocking read interrupted by a signal (EINTR)")
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
+    t0 = time.monotonic()
+    try:
+        conn.recv(10)
+        check(False, "SO_RCVTIMEO: EAGAIN after the timeout")
+    except BlockingIOError:
+        check(0.15 < time.monotonic() - t0 < 5, "SO_RCVTIMEO: EAGAIN after the timeout")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+
+    # dup: the new number names the same connection; the connection outlives the first.
+    d = os.dup(fd)
+    ask(conn, "send 6 e")
+    check(wait_readable(conn), "data for the dup")
+    check(os.read(d, 100) == b"eeeeee", "read through the dup")
+    ask(conn, "expect dup-write")
+    os.write(d, b"dup-write\n")
+
+    # sendfile with an offset: the file position stays.
+    data = os.urandom(300_000)
+    path = f"/tmp/preload-semantics-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.write(data)
+    with open(path, "rb") as f:
+        ask(conn, f"recv {len(data) - 1000} {hashlib.sha256(data[1000:]).hexdigest()}")
+        off, left = 1000, len(data) - 1000
+        while left:
+            n = os.sendfile(fd, f.fileno(), off, left)
+            off += n
+            left -= n
+        check(f.tell() == 0, "sendfile with an offset leaves the file position")
+    os.unlink(path)
+    line = conn.makefile("rb").readline()
+    check(line == b"recv ok\n", f"client verified the sendfile payload ({line!r})")
+
+    # The client shuts down writing: EPOLLIN|EPOLLRDHUP, then end of stream.
+    ep2 = select.epoll()
+    ep2.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
+    ask(conn, "shutdown")
+    ev = ep2.poll(5)
+    check(ev and ev[0][1] & select.EPOLLRDHUP and ev[0][1] & select.EPOLLIN,
+          f"EPOLLIN|EPOLLRDHUP after the peer's shutdown ({ev})")
+    check(conn.recv(10) == b"", "end of stream after the peer's shutdown")
+    os.close(d)
+    conn.close()
+    if FAILED:
+        print(f"{len(FAILED)} checks failed", flush=True)
+        sys.exit(1)
+    print("all checks passed", flush=True)
+
+
+def client(port, smc):
+    s = socket.socket()
+    s.setblocking(False)
+    # Registered in epoll before connect (as nginx does for upstream sockets): the
+    # registration must follow the socket to SMC-R.
+    early = select.epoll()
+    early.register(s.fileno(), select.EPOLLIN)
+    rc = s.connect_ex(("127.0.0.1", port))
+    check(rc in (0, errno.EINPROGRESS), f"nonblocking connect: 0 or EINPROGRESS ({rc})")
+    p = select.poll()
+    p.register(s, select.POLLOUT)
+    check(bool(p.poll(5000)), "POLLOUT once connected")
+    check(s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0, "SO_ERROR = 0")
+    s.setblocking(True)
+    mode = smc_mode_of_pid(smc, os.getpid(), port)
+    check(mode == "SMC-R", f"client side is SMC-R (smc ss says {mode})")
+    ev = early.poll(5)
+    check(ev == [(s.fileno(), select.EPOLLIN)], f"epoll registration made before connect reports data ({ev})")
+    f = s.makefile("rb")
+    while True:
+        line = f.readline()
+        if not line:
+            break
+        cmd = line.decode().split()
+        if cmd[0] == "send":
+            s.sendall(cmd[2].encode() * int(cmd[1]))
+        elif cmd[0] == "expect":
+            got = f.readline()
+            check(got == (cmd[1] + "\n").encode(), f"got {cmd[1]} ({got!r})")
+        elif cmd[0] == "recv":
+            n, want = int(cmd[1]), cmd[2]
+            buf = b""
+            while len(buf) < n:
+                chunk = f.read1(n - len(buf)) if hasattr(f, "read1") else f.read(n - len(buf))
+                if not chunk:
+                    break
+                buf += chunk
+            ok = hashlib.sha256(buf).hexdigest() == want
+            check(ok, "sendfile payload")
+            s.sendall(b"recv ok\n" if ok else b"recv bad\n")
+        elif cmd[0] == "shutdown":
+            s.shutdown(socket.SHUT_WR)
+    s.close()
+    sys.exit(1 if FAILED else 0)
+
+
+if __name__ == "__main__":
+    role, port, smc = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    (server if role == "server" else client)(port, smc)
