@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Live SMC-Rv2 interoperability with the Linux 6.12 kernel (issue #23 item 4), using the
+# kernel-peer tool (a QEMU VM with rxe on a tap inside a network namespace, see
+# shared/tools/kernel-peer/README.md). Runs, each with a fresh VM:
+#   a) smc-rs client (`smc nc`, roce device on the tap, eBPF discovery) -> kernel AF_SMC echo
+#      server: the kernel's smc_diag must say SMCR, the echo's SHA-256 must match on both sides;
+#   b) kernel AF_SMC client -> smc-rs server (`smc nc -l --echo`), CONNS connections one after
+#      the other (the 2nd and later reuse the link group): SMCR, data checked by the VM.
+# Usage: scripts/kernel-interop.sh [a|b]...   (default: a b). Root only.
+# Environment: KERNEL_PEER_DIR (default ../shared/tools/kernel-peer next to the repo),
+# SMC_BIN (default target/debug/smc, built if missing), KP_BYTES (1048576), KP_CONNS for b (3),
+# KP_OUT (the tool's output root). Exit 0: all passed; 1: a failure; 77: skipped (no root, no
+# tool, the VM image cannot be built) with the reason on stderr.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+kp=${KERNEL_PEER_DIR:-$repo/../shared/tools/kernel-peer}
+bytes=${KP_BYTES:-1048576}
+conns=${KP_CONNS:-3}
+ueid=KERNEL-PEER-SMCR-TEST
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(a b)
+
+skip() {
+    echo "kernel-interop: SKIP: $*" >&2
+    exit 77
+}
+
+[ "$(id -u)" = 0 ] || skip "needs root (network namespace, tap device, eBPF)"
+[ -x "$kp/run-single.sh" ] || skip "kernel-peer tool not found at $kp (set KERNEL_PEER_DIR)"
+[ -e /dev/net/tun ] || skip "no /dev/net/tun"
+if ! timeout 600 "$kp/build-image.sh" >/tmp/kernel-interop-image.$$.log 2>&1; then
+    tail -5 /tmp/kernel-interop-image.$$.log >&2
+    rm -f /tmp/kernel-interop-image.$$.log
+    skip "the kernel-peer VM image cannot be built (see above)"
+fi
+rm -f /tmp/kernel-interop-image.$$.log
+
+smc=${SMC_BIN:-$repo/target/debug/smc}
+if [ ! -x "$smc" ]; then
+    (cd "$repo" && cargo build -q -p smc-cli)
+fi
+export SMC_BIN_ABS
+SMC_BIN_ABS=$(readlink -f "$smc")
+
+# The stack's environment inside the namespace: one roce device on the tap (GID
+# ::ffff:10.77.0.1), SMC option by eBPF, the VM's UEID, SMC-Rv2 only (rxe has no RoCE v1 GIDs).
+export SMC_FABRIC_DEVICES="roce:r0=kp0" SMC_DISCOVERY=ebpf SMC_UEIDS=$ueid SMC_VERSIONS=2
+
+fail=0
+for phase in "${phases[@]}"; do
+    case $phase in
+    a)
+        # The host command: the data pattern of the tool (seed 0), through `smc nc`, and the
+        # echo compared with it. It also checks that smc-rs saw SMC-R.
+        host_cmd='set -e
+            python3 -c "import sys; sys.path.insert(0, \"$KP_TOOL_DIR\"); import hostpeer; sys.stdout.buffer.write(hostpeer.pattern($KP_BYTES))" > "$KP_RUN_DIR/sent.bin"
+            timeout 60 "$SMC_BIN_ABS" nc -v "$KP_VM_IP" "$KP_PORT" < "$KP_RUN_DIR/sent.bin" > "$KP_RUN_DIR/echo.bin" 2> "$KP_RUN_DIR/smc-nc.log"
+            cat "$KP_RUN_DIR/smc-nc.log"
+            grep -q "over SMC-R" "$KP_RUN_DIR/smc-nc.log"
+            a=$(sha256sum < "$KP_RUN_DIR/sent.bin" | cut -d" " -f1); b=$(sha256sum < "$KP_RUN_DIR/echo.bin" | cut -d" " -f1)
+            echo "KP-HOST sent_sha256=$a echo_sha256=$b"
+            [ "$a" = "$b" ]'
+        args=(--role server --mode echo --conns 1 --bytes "$bytes" --ueid "$ueid" --expect smcr)
+        ;;
+    b)
+        host_cmd='exec timeout 200 "$SMC_BIN_ABS" nc -v -l "$KP_PORT" --echo --bind "$KP_HOST_IP"'
+        args=(--role client --mode echo --conns "$conns" --parallel 1 --bytes "$bytes"
+            --ueid "$ueid" --expect smcr --host-grace 5)
+        ;;
+    *)
+        echo "kernel-interop: unknown phase '$phase' (a or b)" >&2
+        exit 2
+        ;;
+    esac
+    echo "kernel-interop: phase $phase"
+    if "$kp/run-single.sh" "${args[@]}" --timeout 150 --host-cmd "$host_cmd"; then
+        echo "kernel-interop: phase $phase PASS"
+    else
+        echo "kernel-interop: phase $phase FAIL"
+        fail=1
+    fi
+done
+exit $fail
