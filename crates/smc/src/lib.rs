@@ -15,6 +15,7 @@ mod crossing;
 pub mod discovery;
 mod error;
 pub mod fdapi;
+mod lgr_exit;
 pub mod pnet;
 mod stack;
 mod stream;

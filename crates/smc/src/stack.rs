@@ -958,7 +958,7 @@ impl Core {
     }
 
     /// Report failed posts whose link's receive flush was seen (or that waited long enough).
-    fn report_failed_posts(&mut self) -> bool {
+    pub(crate) fn report_failed_posts(&mut self) -> bool {
         if self.failed_posts.is_empty() {
             return false;
         }
@@ -1330,6 +1330,12 @@ impl Stack {
             fabric_unavailable,
             tcp_watch: crate::tcpwatch::TcpWatch::new().map_err(StackError::Thread)?,
         });
+        if devices
+            .iter()
+            .any(|d| matches!(d.kind(), smc_fabric::DeviceKind::Roce { .. }))
+        {
+            crate::lgr_exit::register(&inner);
+        }
         inner
             .tcp_watch
             .spawn(Arc::downgrade(&inner))
