@@ -5,8 +5,10 @@
 #   a) smc-rs client (`smc nc`, roce device on the tap, eBPF discovery) -> kernel AF_SMC echo
 #      server: the kernel's smc_diag must say SMCR, the echo's SHA-256 must match on both sides;
 #   b) kernel AF_SMC client -> smc-rs server (`smc nc -l --echo`), CONNS connections one after
-#      the other (the 2nd and later reuse the link group): SMCR, data checked by the VM.
-# Usage: scripts/kernel-interop.sh [a|b]...   (default: a b). Root only.
+#      the other (the 2nd and later reuse the link group): SMCR, data checked by the VM;
+#   c) CONNS connections of one smc-rs client process (Python under the preload library) to the
+#      kernel echo server, one after the other on one link group: SMCR, SHA-256 on both sides.
+# Usage: scripts/kernel-interop.sh [a|b|c]...   (default: a b c). Root only.
 # Environment: KERNEL_PEER_DIR (default ../shared/tools/kernel-peer next to the repo),
 # SMC_BIN (default target/debug/smc, built if missing), KP_BYTES (1048576), KP_CONNS for b (3),
 # KP_OUT (the tool's output root). Exit 0: all passed; 1: a failure; 77: skipped (no root, no
@@ -19,7 +21,7 @@ bytes=${KP_BYTES:-1048576}
 conns=${KP_CONNS:-3}
 ueid=KERNEL-PEER-SMCR-TEST
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(a b)
+[ ${#phases[@]} -eq 0 ] && phases=(a b c)
 
 skip() {
     echo "kernel-interop: SKIP: $*" >&2
@@ -40,12 +42,39 @@ smc=${SMC_BIN:-$repo/target/debug/smc}
 if [ ! -x "$smc" ]; then
     (cd "$repo" && cargo build -q -p smc-cli)
 fi
-export SMC_BIN_ABS
+export SMC_BIN_ABS SMC_PRELOAD_ABS
 SMC_BIN_ABS=$(readlink -f "$smc")
+preload=${SMC_PRELOAD:-$repo/target/debug/libsmc_preload.so}
+if [[ " ${phases[*]} " == *" c "* && ! -e "$preload" ]]; then
+    (cd "$repo" && cargo build -q -p smc-preload)
+fi
+SMC_PRELOAD_ABS=$(readlink -f "$preload")
 
 # The stack's environment inside the namespace: one roce device on the tap (GID
 # ::ffff:10.77.0.1), SMC option by eBPF, the VM's UEID, SMC-Rv2 only (rxe has no RoCE v1 GIDs).
 export SMC_FABRIC_DEVICES="roce:r0=kp0" SMC_DISCOVERY=ebpf SMC_UEIDS=$ueid SMC_VERSIONS=2
+
+# Phase c's client: the tool's data pattern, checked by SHA-256 against the echo.
+export CLIENT_PY='
+import hashlib, os, socket, sys
+sys.path.insert(0, os.environ["KP_TOOL_DIR"])
+import hostpeer
+n = int(os.environ["KP_BYTES"]); data = hostpeer.pattern(n)
+ok = True
+for i in range(int(os.environ["KP_CONNS"])):
+    s = socket.create_connection((os.environ["KP_VM_IP"], int(os.environ["KP_PORT"])))
+    s.sendall(data); s.shutdown(socket.SHUT_WR)
+    got = bytearray()
+    while True:
+        b = s.recv(65536)
+        if not b: break
+        got += b
+    s.close()
+    a, e = hashlib.sha256(data).hexdigest(), hashlib.sha256(got).hexdigest()
+    print("KP-HOST conn=%d sent_sha256=%s echo_sha256=%s" % (i + 1, a, e), flush=True)
+    ok = ok and a == e
+sys.exit(0 if ok else 1)
+'
 
 fail=0
 for phase in "${phases[@]}"; do
@@ -63,13 +92,21 @@ for phase in "${phases[@]}"; do
             [ "$a" = "$b" ]'
         args=(--role server --mode echo --conns 1 --bytes "$bytes" --ueid "$ueid" --expect smcr)
         ;;
+    c)
+        # Several connections of one smc-rs process on one link group: the tool's own Python
+        # client under the preload library (every socket an smc-rs socket), one after the other.
+        # Blocking sockets, one thread: each connection sends its bytes, half-closes, then
+        # reads the whole echo, so KP_BYTES must fit in the receive buffers (256 KiB here).
+        host_cmd='exec env LD_PRELOAD="$SMC_PRELOAD_ABS" timeout 100 python3 -c "$CLIENT_PY"'
+        args=(--role server --mode echo --conns "$conns" --bytes 262144 --ueid "$ueid" --expect smcr)
+        ;;
     b)
         host_cmd='exec timeout 200 "$SMC_BIN_ABS" nc -v -l "$KP_PORT" --echo --bind "$KP_HOST_IP"'
         args=(--role client --mode echo --conns "$conns" --parallel 1 --bytes "$bytes"
             --ueid "$ueid" --expect smcr --host-grace 5)
         ;;
     *)
-        echo "kernel-interop: unknown phase '$phase' (a or b)" >&2
+        echo "kernel-interop: unknown phase '$phase' (a, b or c)" >&2
         exit 2
         ;;
     esac
