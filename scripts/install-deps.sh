@@ -51,6 +51,21 @@ if [ ${#apps[@]} -gt 0 ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apps[@]}" >/dev/null
 fi
 
+# The kernel-peer VM of scripts/kernel-interop.sh (QEMU, the initramfs's tools); its
+# build-image.sh downloads the kernel package itself with apt-get download.
+vm=()
+for c in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static tcpdump:tcpdump cpio:cpio \
+    modinfo:kmod gcc:gcc xz:xz-utils zstd:zstd gzip:gzip; do
+    command -v "${c%%:*}" >/dev/null 2>&1 || vm+=("${c#*:}")
+done
+[ -f /usr/include/linux/smc.h ] || vm+=(linux-libc-dev)
+[ -f /usr/include/stdio.h ] || vm+=(libc6-dev)
+if [ ${#vm[@]} -gt 0 ]; then
+    echo "install-deps: installing ${vm[*]}" >&2
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${vm[@]}" >/dev/null
+fi
+
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "install-deps: installing cargo-fuzz" >&2
     cargo install --locked cargo-fuzz

@@ -29,6 +29,15 @@ cargo test --workspace --locked 2>&1 | tee "$log"
 echo "== unmodified programs under smc run (scripts/preload-apps.sh)"
 scripts/preload-apps.sh 2>&1 | tee -a "$log"
 
+echo "== live SMC-Rv2 with the Linux 6.12 kernel in a VM (scripts/kernel-interop.sh)"
+rc=0
+timeout 300 scripts/kernel-interop.sh 2>&1 | tee -a "$log" || rc=${PIPESTATUS[0]}
+case $rc in
+0) ;;
+77) echo "kernel interop skipped (reason above)" ;;
+*) echo "kernel interop failed (exit $rc)"; exit 1 ;;
+esac
+
 echo "== loom model of the shm ring and doorbell (smc-fabric)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
     cargo test -p smc-fabric --release --locked --lib loom 2>&1 | tee -a "$log"
