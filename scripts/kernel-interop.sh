@@ -10,7 +10,7 @@
 #      kernel echo server, one after the other on one link group: SMCR, SHA-256 on both sides.
 # Usage: scripts/kernel-interop.sh [a|b|c]...   (default: a b c). Root only.
 # Environment: KERNEL_PEER_DIR (default ../shared/tools/kernel-peer next to the repo),
-# SMC_BIN (default target/debug/smc, built if missing), KP_BYTES (1048576), KP_CONNS for b (3),
+# SMC_BIN, SMC_PRELOAD (default target/debug/smc and libsmc_preload.so, built), KP_BYTES (1048576), KP_CONNS for b (3),
 # KP_OUT (the tool's output root). Exit 0: all passed; 1: a failure; 77: skipped (no root, no
 # tool, the VM image cannot be built) with the reason on stderr.
 set -euo pipefail
@@ -38,16 +38,14 @@ if ! timeout 600 "$kp/build-image.sh" >/tmp/kernel-interop-image.$$.log 2>&1; th
 fi
 rm -f /tmp/kernel-interop-image.$$.log
 
-smc=${SMC_BIN:-$repo/target/debug/smc}
-if [ ! -x "$smc" ]; then
-    (cd "$repo" && cargo build -q -p smc-cli)
+# Without SMC_BIN / SMC_PRELOAD, the debug builds of this tree, brought up to date.
+if [ -z "${SMC_BIN:-}${SMC_PRELOAD:-}" ]; then
+    (cd "$repo" && cargo build -q -p smc-cli -p smc-preload)
 fi
+smc=${SMC_BIN:-$repo/target/debug/smc}
 export SMC_BIN_ABS SMC_PRELOAD_ABS
 SMC_BIN_ABS=$(readlink -f "$smc")
 preload=${SMC_PRELOAD:-$repo/target/debug/libsmc_preload.so}
-if [[ " ${phases[*]} " == *" c "* && ! -e "$preload" ]]; then
-    (cd "$repo" && cargo build -q -p smc-preload)
-fi
 SMC_PRELOAD_ABS=$(readlink -f "$preload")
 
 # The stack's environment inside the namespace: one roce device on the tap (GID
