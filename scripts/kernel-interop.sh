@@ -50,7 +50,8 @@ SMC_PRELOAD_ABS=$(readlink -f "$preload")
 
 # The stack's environment inside the namespace: one roce device on the tap (GID
 # ::ffff:10.77.0.1), SMC option by eBPF, the VM's UEID, SMC-Rv2 only (rxe has no RoCE v1 GIDs).
-export SMC_FABRIC_DEVICES="roce:r0=kp0" SMC_DISCOVERY=ebpf SMC_UEIDS=$ueid SMC_VERSIONS=2
+export SMC_FABRIC_DEVICES="roce:r0=kp0" SMC_DISCOVERY=ebpf SMC_UEIDS=$ueid
+export SMC_VERSIONS=${SMC_VERSIONS:-2}
 
 # Phase c's client: the tool's data pattern, checked by SHA-256 against the echo.
 export CLIENT_PY='
