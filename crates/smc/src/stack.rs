@@ -1260,8 +1260,9 @@ impl Stack {
                 // The path MTU the port offers (a roce device: from its netdev's MTU); the
                 // QP uses the smaller of ours and the peer's.
                 mtu: QpMtu(d.active_mtu().code()),
-                // The shm fabric's GID stands in for a RoCEv2 GID: SMC-Rv2 between smc-rs
-                // processes on shm uses it as the link GID (docs/v2.md).
+                // A roce device's GID is its IPv4-mapped RoCEv2 GID (what the Linux kernel
+                // requires, docs/v2.md "Live interoperability"); the shm fabric's GID stands in
+                // for one: SMC-Rv2 between smc-rs processes on shm uses it as the link GID.
                 roce_v2: true,
             })
             .collect();
