@@ -8,6 +8,8 @@
 #      the other (the 2nd and later reuse the link group): SMCR, data checked by the VM;
 #   c) CONNS connections of one smc-rs client process (Python under the preload library) to the
 #      kernel echo server, one after the other on one link group: SMCR, SHA-256 on both sides.
+# Each capture must decode with `smc decode -r` without error; after a and c (the smc-rs process
+# exits) no kernel RoCEv2 packet may meet a closed port (the exit deletes the link group).
 # Usage: scripts/kernel-interop.sh [a|b|c]...   (default: a b c). Root only.
 # Environment: KERNEL_PEER_DIR (default ../shared/tools/kernel-peer next to the repo),
 # SMC_BIN, SMC_PRELOAD (default target/debug/smc and libsmc_preload.so, built), KP_BYTES (1048576), KP_CONNS for b (3),
@@ -110,10 +112,27 @@ for phase in "${phases[@]}"; do
         ;;
     esac
     echo "kernel-interop: phase $phase"
-    if "$kp/run-single.sh" "${args[@]}" --timeout 150 --host-cmd "$host_cmd"; then
-        echo "kernel-interop: phase $phase PASS"
+    out=${KP_OUT:-/var/tmp/kernel-peer}/runs/interop-$phase-$(date +%Y%m%d-%H%M%S)-$$
+    ok=1
+    "$kp/run-single.sh" "${args[@]}" --timeout 150 --out "$out" --host-cmd "$host_cmd" || ok=0
+    # Every SMC message of the capture decodes (smc decode exits non-zero on any error).
+    if [ $ok = 1 ] && ! "$SMC_BIN_ABS" decode -r "$out/tap.pcap" >"$out/decode.txt"; then
+        echo "kernel-interop: smc decode -r $out/tap.pcap reported errors"
+        ok=0
+    fi
+    # Phases a and c end with the smc-rs process: its exit deletes the link group, so the
+    # kernel's packets never meet a closed port (ICMP port unreachable on the tap).
+    if [ $ok = 1 ] && [ "$phase" != b ]; then
+        unreachable=$(tcpdump -nr "$out/tap.pcap" 2>/dev/null | grep -c 'udp port 4791 unreachable' || true)
+        if [ "$unreachable" != 0 ]; then
+            echo "kernel-interop: $unreachable RoCEv2 packets of the kernel hit a closed port after our exit"
+            ok=0
+        fi
+    fi
+    if [ $ok = 1 ]; then
+        echo "kernel-interop: phase $phase PASS ($out)"
     else
-        echo "kernel-interop: phase $phase FAIL"
+        echo "kernel-interop: phase $phase FAIL ($out)"
         fail=1
     fi
 done
