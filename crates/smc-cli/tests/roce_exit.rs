@@ -1,0 +1,218 @@
+//! A process with roce devices that exits deletes its link groups (DELETE LINK, entire group),
+//! so the peer frees its side at once instead of keeping it for its idle time (root only;
+//! skipped with a message otherwise). The same exit is checked against the Linux kernel by
+//! `scripts/kernel-interop.sh` (docs/v2.md).
+//!
+//! Two namespaces joined by one veth pair, created and removed by the test.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn root_with_ip() -> bool {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+    let ip = Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !root || !ip {
+        eprintln!("skipped: needs root and iproute2 (network namespaces and a veth pair)");
+    }
+    root && ip
+}
+
+fn run(args: &[&str]) {
+    let o = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("run command");
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) on one veth pair; removed on drop.
+struct Net {
+    a: String,
+    b: String,
+    n: u8,
+    tag: String,
+    dir: PathBuf,
+}
+
+impl Net {
+    fn new() -> Net {
+        let pid = std::process::id();
+        let tag = format!("{:x}", pid % 0xFFFF);
+        let n = 90 + (pid % 7) as u8;
+        let net = Net {
+            a: format!("smcxa{tag}"),
+            b: format!("smcxb{tag}"),
+            n,
+            tag: tag.clone(),
+            dir: std::env::temp_dir().join(format!("smc-roce-exit-{tag}")),
+        };
+        let _ = std::fs::create_dir_all(&net.dir);
+        run(&["ip", "netns", "add", &net.a]);
+        run(&["ip", "netns", "add", &net.b]);
+        let (va, vb) = (net.veth('a'), net.veth('b'));
+        run(&[
+            "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
+        ]);
+        run(&["ip", "link", "set", &va, "netns", &net.a]);
+        run(&["ip", "link", "set", &vb, "netns", &net.b]);
+        for (ns, v, host) in [(&net.a, &va, 1), (&net.b, &vb, 2)] {
+            let addr = format!("10.{}.1.{host}/24", net.n);
+            run(&["ip", "-n", ns, "addr", "add", &addr, "dev", v]);
+            run(&["ip", "-n", ns, "link", "set", v, "up"]);
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        net
+    }
+
+    fn veth(&self, side: char) -> String {
+        format!("x{side}{}", self.tag)
+    }
+
+    fn fabric_dir(&self, side: char) -> PathBuf {
+        self.dir.join(side.to_string())
+    }
+
+    /// `smc ARGS` in namespace `side` with a roce device on its veth.
+    fn smc(&self, side: char, args: &[&str], stdin: Stdio) -> Child {
+        let ns = if side == 'a' { &self.a } else { &self.b };
+        Command::new("ip")
+            .args(["netns", "exec", ns, "env"])
+            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side)))
+            .arg(format!(
+                "SMC_FABRIC_DIR={}",
+                self.fabric_dir(side).display()
+            ))
+            .arg("SMC_DISCOVERY=assert-peer")
+            .arg(format!("SMC_IPV4_SUBNETS=10.{}.1.0/24", self.n))
+            .arg(env!("CARGO_BIN_EXE_smc"))
+            .args(args)
+            .stdin(stdin)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn smc")
+    }
+
+    /// The number of link groups of the stacks whose fabric directory is `side`'s.
+    fn link_groups(&self, side: char) -> usize {
+        let o = Command::new(env!("CARGO_BIN_EXE_smc"))
+            .args(["linkgroup", "--json", "--dir"])
+            .arg(self.fabric_dir(side))
+            .output()
+            .expect("smc linkgroup");
+        assert!(o.status.success(), "smc linkgroup: {o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+            panic!(
+                "linkgroup JSON: {e}: {}",
+                String::from_utf8_lossy(&o.stdout)
+            )
+        });
+        count_groups(&v)
+    }
+}
+
+/// Link groups in `smc linkgroup --json`: objects with a `links` member, wherever they are.
+fn count_groups(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::Array(a) => a.iter().map(count_groups).sum(),
+        serde_json::Value::Object(o) if o.contains_key("links") => 1,
+        serde_json::Value::Object(o) => o.values().map(count_groups).sum(),
+        _ => 0,
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn exiting_client_deletes_its_link_group_at_the_server() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = Net::new();
+    let server_addr = format!("10.{}.1.1", net.n);
+    let mut server = net.smc(
+        'a',
+        &["nc", "-v", "-l", "7100", "--echo", "--bind", &server_addr],
+        Stdio::null(),
+    );
+    // The server is up once its stack answers `smc linkgroup`.
+    let end = Instant::now() + Duration::from_secs(20);
+    while !net.fabric_dir('a').exists() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+
+    let mut client = net.smc('b', &["nc", "-v", &server_addr, "7100"], Stdio::piped());
+    let mut stdin = client.stdin.take().expect("stdin");
+    stdin
+        .write_all(b"hello over a roce link group\n")
+        .expect("write");
+    // While the client is connected, the server has its link group.
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut groups = net.link_groups('a');
+    while groups == 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+        groups = net.link_groups('a');
+    }
+    assert_eq!(
+        groups, 1,
+        "the server has no link group with the client connected"
+    );
+    drop(stdin);
+    let out = wait_output(client, Duration::from_secs(30));
+    assert_eq!(out.0, b"hello over a roce link group\n", "echo: {}", out.1);
+    assert!(out.1.contains("over SMC-R"), "client: {}", out.1);
+
+    // The client has exited: its DELETE LINK (entire group) makes the server drop its group.
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut groups = net.link_groups('a');
+    while groups > 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        groups = net.link_groups('a');
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(
+        groups, 0,
+        "the server still has a link group after the client exited"
+    );
+}
+
+fn wait_output(mut c: Child, limit: Duration) -> (Vec<u8>, String) {
+    let end = Instant::now() + limit;
+    loop {
+        if c.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            panic!("smc nc did not finish in {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = c.wait_with_output().expect("output");
+    assert!(
+        o.status.success(),
+        "smc nc: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.stdout, String::from_utf8_lossy(&o.stderr).into_owned())
+}
