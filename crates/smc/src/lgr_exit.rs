@@ -19,8 +19,9 @@ use smc_fabric::WorkCompletion;
 
 use crate::stack::{Core, Inner};
 
-/// The stacks to end at exit.
-static STACKS: Mutex<Vec<Weak<Inner>>> = Mutex::new(Vec::new());
+/// The stacks to end at exit, with the process that made each: a child made by `fork`
+/// inherits the list (and the devices' sockets) but must not end its parent's link groups.
+static STACKS: Mutex<Vec<(u32, Weak<Inner>)>> = Mutex::new(Vec::new());
 static AT_EXIT: Once = Once::new();
 /// Longest the exit handler waits for a stack's lock (a thread may hold it when `exit` runs).
 const LOCK_WAIT: Duration = Duration::from_millis(200);
@@ -33,8 +34,8 @@ const QUIET: Duration = Duration::from_millis(100);
 /// Have the link groups of `inner` deleted at process exit.
 pub(crate) fn register(inner: &Arc<Inner>) {
     let mut s = STACKS.lock().unwrap_or_else(|p| p.into_inner());
-    s.retain(|w| w.strong_count() > 0);
-    s.push(Arc::downgrade(inner));
+    s.retain(|(_, w)| w.strong_count() > 0);
+    s.push((std::process::id(), Arc::downgrade(inner)));
     drop(s);
     AT_EXIT.call_once(|| {
         // SAFETY: registers a plain function with no preconditions.
@@ -44,7 +45,13 @@ pub(crate) fn register(inner: &Arc<Inner>) {
 
 extern "C" fn end_all_at_exit() {
     let stacks: Vec<Arc<Inner>> = match STACKS.try_lock() {
-        Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
+        Ok(s) => {
+            let pid = std::process::id();
+            s.iter()
+                .filter(|(p, _)| *p == pid)
+                .filter_map(|(_, w)| w.upgrade())
+                .collect()
+        }
         Err(_) => return,
     };
     for s in stacks {
