@@ -3,6 +3,8 @@
 #   tshark      – the outside decoder the wire tests check our bytes against
 #   clang, libbpf-dev – build the eBPF TCP-option program (crates/smc/bpf)
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
+#   setpriv (util-linux), mount – the hardening tests run `smc` as another uid and mount a
+#                 tiny tmpfs (crates/smc-cli/tests/hardening_cli.rs)
 set -euo pipefail
 
 as_root() {
@@ -20,6 +22,8 @@ fi
 missing=()
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
+command -v setpriv >/dev/null 2>&1 || missing+=(util-linux)
+command -v mount >/dev/null 2>&1 || missing+=(mount)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "install-deps: installing ${missing[*]}" >&2
     as_root apt-get update -qq
