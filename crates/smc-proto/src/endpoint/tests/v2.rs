@@ -390,6 +390,59 @@ fn client_against_the_kernel_server_of_the_capture() {
         "the Linux client's reject, byte for byte"
     );
     assert!(established(&p, Side::A, T1));
+
+    // A second connection on the same group (smc-rv2.md §12, §13 item 4): the kernel server
+    // confirms a new RMB of its own between our Proposal and its Accept; we answer in v2 form
+    // while the CLC handshake waits, then take its 108-byte Accept naming that RMB.
+    p.act(Side::A, |ep, _, now| ep.connect(T2, now))
+        .expect("connect");
+    p.run();
+    let mut rkey_req = v("llc2_confirm_rkey_req");
+    rkey_req[5..9].copy_from_slice(&0x3b0u32.to_be_bytes());
+    let before = p.host(Side::A).llc_v2_sent.len();
+    p.act(Side::A, |ep, res, now| {
+        ep.handle_message(link, &rkey_req, res, now)
+    });
+    p.run();
+    let mut want = rkey_req.clone();
+    want[3] = 0x80;
+    assert_eq!(
+        p.host(Side::A).llc_v2_sent[before..]
+            .first()
+            .map(|b| b.to_vec()),
+        Some(want),
+        "the CONFIRM RKEY reply is the request with flags 0x80"
+    );
+    let mut accept = v("clc_accept_v2");
+    accept[41..45].copy_from_slice(&0x3b0u32.to_be_bytes());
+    p.inject_tcp(Side::A, T2, accept);
+    p.run();
+    // Our own new RMB, if the connection needs one, is confirmed before the Confirm: answer
+    // every CONFIRM RKEY request we sent as the kernel does (the request with flags 0x80).
+    for _ in 0..4 {
+        let pending: Vec<[u8; 44]> = p.host(Side::A).llc_v2_sent[before..]
+            .iter()
+            .filter(|b| b[0] == 0x26 && b[3] == 0)
+            .copied()
+            .collect();
+        for mut r in pending {
+            r[3] = 0x80;
+            p.act(Side::A, |ep, res, now| {
+                ep.handle_message(link, &r, res, now)
+            });
+        }
+        p.run();
+        if established(&p, Side::A, T2) {
+            break;
+        }
+    }
+    let m = clc(&p);
+    assert!(
+        matches!(m.last(), Some(ClcMessage::Confirm(c)) if c.version == 2 && c.buffer_len() == 108 && c.rmbe_alert_token != 0),
+        "{m:?}"
+    );
+    assert!(established(&p, Side::A, T2));
+    assert_eq!(p.host(Side::A).ep.link_groups().count(), 1);
 }
 
 /// Our server against the Linux 6.12 client of the capture: the kernel's own Proposal (v2
