@@ -54,9 +54,33 @@ const MAX_OPS: usize = 64;
 fuzz_target!(|data: &[u8]| {
     let mut inp = Input(data);
     let devs = inp.byte().unwrap_or(0);
+    // Bits 2–3 (side A) and 4–5 (side B) choose the SMC versions and UEIDs: default (no UEID:
+    // v1), v1 + v2 with a UEID, v2 only, v1 only; bit 6 gives B another UEID (no match).
+    let versioned = |s: Side, code: u8, ueid: &str| {
+        let mut c = smc_proto::lgr_harness::config(
+            s,
+            1 + if s == Side::A {
+                devs & 1
+            } else {
+                (devs >> 1) & 1
+            },
+        );
+        let (v1, v2, with_ueid) = match code & 3 {
+            0 => (true, true, false),
+            1 => (true, true, true),
+            2 => (false, true, true),
+            _ => (true, false, true),
+        };
+        c.versions = smc_proto::endpoint::SmcVersions { v1, v2 };
+        if with_ueid {
+            c.ueids = vec![smc_wire::Eid::ueid(ueid).expect("valid UEID")];
+        }
+        c
+    };
+    let b_ueid = if devs & 0x40 != 0 { "OTHER" } else { "FUZZ" };
     let mut p = EndpointPair::new(
-        smc_proto::lgr_harness::config(Side::A, 1 + (devs & 1)),
-        smc_proto::lgr_harness::config(Side::B, 1 + ((devs >> 1) & 1)),
+        versioned(Side::A, devs >> 2, "FUZZ"),
+        versioned(Side::B, devs >> 4, b_ueid),
         u64::from(devs),
     );
     p.knobs.strict_writes = false;

@@ -15,7 +15,10 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(m) = LlcV2Message::parse(data) {
         let again = m.to_vec();
         assert!(again.len() >= 44 && again.len() <= 8192);
-        assert_eq!(LlcV2Message::parse(&again).expect("re-emitted LLC v2 parses"), m);
+        assert_eq!(
+            LlcV2Message::parse(&again).expect("re-emitted LLC v2 parses"),
+            m
+        );
     }
     let _ = ControlMessage::parse(data);
     let _ = SendMessage::parse(data);

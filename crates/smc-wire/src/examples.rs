@@ -90,7 +90,8 @@ pub const VARIANTS: &[(&str, &str)] = &[
 ];
 
 /// Real Linux 6.12 SMC-Rv2 messages captured between two kernels (shared/spec/smc-rv2.md §17),
-/// and the one hand-assembled version-2 Decline of §17.3.
+/// a version-2 Decline a Linux 6.12 server sent to smc-rs (kernel-peer, docs/v2.md), and the
+/// hand-assembled version-2 Decline of §17.3.
 pub const V2_VECTORS: &[(&str, &str)] = &[
     (
         "clc_proposal_v2_smcr_only",
@@ -167,6 +168,10 @@ pub const V2_VECTORS: &[(&str, &str)] = &[
     (
         "cdc_v2_close",
         "fe2c000600000001000000010000000000000001000000008040000000000000000000000000000000000000",
+    ),
+    (
+        "clc_decline_v2_kernel",
+        "e2d4c3d904002c2016cf525400770002030700002000000000000000000000000000000000000000e2d4c3d9",
     ),
     (
         "clc_decline_v2_handmade",

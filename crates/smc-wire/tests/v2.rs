@@ -450,3 +450,68 @@ fn kernel_capture_decodes_completely() {
     assert!(c("cdc") > 100, "{counts:?}");
     assert!(!counts.keys().any(|k| k.starts_with("llc1")), "{counts:?}");
 }
+
+fn clc_of(file: &str) -> Vec<ClcMessage> {
+    let path = format!("{}/tests/data/{file}", env!("CARGO_MANIFEST_DIR"));
+    let f = std::fs::File::open(path).expect("capture");
+    dissect::read_capture(f)
+        .expect("read capture")
+        .into_iter()
+        .filter_map(|f| match f.found {
+            Found::Clc(b) => Some(ClcMessage::parse(&b).expect("CLC parses").0),
+            Found::ClcError(e) => panic!("frame {}: {e}", f.frame),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Live CLC exchanges between a Linux 6.12 kernel (kernel-peer, single-VM mode) and smc-rs
+/// (`smc nc` with eBPF discovery under `ip netns exec`, UEID `KERNEL-PEER-SMCR-TEST`, the shm
+/// fabric: no RoCE, so link setup cannot complete). Kernel client → smc-rs server: the kernel
+/// takes our 160-byte first-contact Accept and answers with its Confirm echoing our release and
+/// limits (max links 1), then gets our v2 Decline when no CONFIRM LINK can arrive. smc-rs client →
+/// kernel server: the kernel finds our 164-byte v1+v2 Proposal valid (it would drop a malformed
+/// one silently) and declines in version 2 (our 127.0.0.0/8 subnet is not its 10.77.0.0/24).
+#[test]
+fn live_clc_with_the_kernel() {
+    let m = clc_of("linux-6.12-client-vs-smc-rs-server.pcap");
+    assert_eq!(m.len(), 4, "{m:?}");
+    let ClcMessage::Accept(ours) = &m[1] else {
+        panic!()
+    };
+    let ClcMessage::Confirm(theirs) = &m[2] else {
+        panic!()
+    };
+    assert_eq!((ours.buffer_len(), theirs.buffer_len()), (160, 180));
+    let ofce = ours
+        .v2
+        .as_ref()
+        .and_then(|v| v.first_contact_ext)
+        .expect("ours");
+    let tfce = theirs
+        .v2
+        .as_ref()
+        .and_then(|v| v.first_contact_ext)
+        .expect("theirs");
+    assert_eq!(
+        (tfce.release, tfce.max_conns, tfce.max_links),
+        (ofce.release, ofce.max_conns, 1)
+    );
+    assert_eq!(theirs.v2.as_ref().map(|v| v.eid), Some(ueid()));
+    assert!(
+        matches!(&m[3], ClcMessage::Decline(d) if d.version == 2 && d.diagnosis == DeclineCode::TIMEOUT_CL)
+    );
+    let m = clc_of("linux-6.12-server-vs-smc-rs-client.pcap");
+    let ClcMessage::Proposal(p) = &m[0] else {
+        panic!()
+    };
+    assert_eq!((p.version, p.buffer_len()), (2, 164));
+    assert!(p.offers_smcr_v1() && p.offers_smcr_v2());
+    assert!(
+        matches!(&m[1], ClcMessage::Decline(d) if d.version == 2 && d.buffer_len() == 44 && d.diagnosis == DeclineCode::DIFFPREFIX)
+    );
+    assert_eq!(
+        ClcMessage::Decline(Decline::parse(&v("clc_decline_v2_kernel")).expect("parses")).to_vec(),
+        v("clc_decline_v2_kernel")
+    );
+}

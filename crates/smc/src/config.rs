@@ -17,6 +17,7 @@
 //! | `SMC_UEIDS` | comma-separated SMC-Rv2 UEIDs (≤ 4; A–Z 0–9 `.` `-`, upper case, ≤ 32 characters) | none |
 //! | `SMC_VERSIONS` | SMC versions offered and accepted: `1`, `2` or `1,2` | `1,2` |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
+//! | `SMC_CGROUP2` | the cgroup v2 directory eBPF discovery attaches to (read by [`crate::discovery::find_cgroup2`]) | found, or mounted at `/run/smc-rs/cgroup2` |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
 //! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,

@@ -1317,7 +1317,9 @@ impl Endpoint {
             link_user_id: l.local_user_id,
             // The server supplies its maximum; the client answers with the negotiated value,
             // which cannot exceed the server's (§2.2.2).
-            max_links: g.max_links,
+            // SMC-Rv2: the values agreed in CLC, as Linux writes them (our own v2 group may
+            // keep fewer links than a Linux server agreed to, rejecting its ADD LINK).
+            max_links: g.v2.map_or(g.max_links, |a| a.max_links),
             // smc-rv2.md §10.3: byte 35 carries the negotiated max conns in v2.1.
             max_conns: g.v2.map_or(0, |a| a.max_conns),
         }))

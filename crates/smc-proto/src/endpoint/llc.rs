@@ -873,7 +873,7 @@ impl Endpoint {
         //# negative ADD LINK reply with reason code x'2'.
         if !a.mtu.is_known() {
             let reason = AddLinkRejectReason::INVALID_MTU;
-            self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
+            self.client_reject_add_link(lgr, via, a, reason, res, now);
             return;
         }
         // Pick our RNIC: one no link uses (symmetric); else, if the server offers a new RNIC
@@ -904,7 +904,7 @@ impl Endpoint {
             //# If it does not, the client rejects the ADD LINK request from the server,
             //# because the resulting link would be a parallel link
             let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
-            self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
+            self.client_reject_add_link(lgr, via, a, reason, res, now);
             return;
         };
         let Some(dev) = self.device(device) else {
@@ -913,7 +913,7 @@ impl Endpoint {
         let id = self.new_link_id();
         let Ok(qp) = res.create_qp(id, device) else {
             let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
-            self.client_reject_add_link(lgr, via, a.link_num, reason, res, now);
+            self.client_reject_add_link(lgr, via, a, reason, res, now);
             return;
         };
         let user_id = res.random_u32();
@@ -937,7 +937,7 @@ impl Endpoint {
             Err(()) => {
                 self.drop_link(lgr, num, now);
                 let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
-                self.client_reject_add_link(lgr, via, num, reason, res, now);
+                self.client_reject_add_link(lgr, via, a, reason, res, now);
                 return;
             }
         };
@@ -962,17 +962,28 @@ impl Endpoint {
         &mut self,
         lgr: LgrId,
         via: u8,
-        link_num: u8,
+        request: AddLink,
         reason: AddLinkRejectReason,
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
-        let msg = LlcMessage::AddLink(AddLink {
-            reply: true,
-            rejected: true,
-            reject_reason: reason,
-            link_num,
-            ..AddLink::default()
+        let v2 = self.lgrs.get(&lgr).is_some_and(|g| g.v2.is_some());
+        let msg = LlcMessage::AddLink(if v2 {
+            // smc-rv2.md §10.4: a Linux client's v2 reject is the request's first 44 bytes
+            // with flags 0xC0 (and no reason: byte 2 belongs to the length).
+            AddLink {
+                reply: true,
+                rejected: true,
+                ..request
+            }
+        } else {
+            AddLink {
+                reply: true,
+                rejected: true,
+                reject_reason: reason,
+                link_num: request.link_num,
+                ..AddLink::default()
+            }
         });
         self.post_llc(lgr, via, msg, None, now);
         let first_contact = self

@@ -327,3 +327,176 @@ fn unasked_v2_accept_is_declined_0x03040000() {
         Some(Fallback::Declined(DeclineCode::MODEUNSUPP))
     );
 }
+
+/// Our client against the Linux 6.12 server of the capture (smc-rv2.md §12, §13): the kernel's
+/// own first-contact Accept (max links 2), its CONFIRM LINK and its ADD LINK v2 with one rkey
+/// are fed to the client. The client confirms in v2 form with Linux's sizes and flags, echoes
+/// the agreed limits, and rejects the second link exactly as the Linux client did (the
+/// request's first 44 bytes with flags 0xC0), and the connection is established.
+#[test]
+fn client_against_the_kernel_server_of_the_capture() {
+    let mut p = pair(
+        side(Side::A, BOTH, &["KERNEL-PEER-SMCR-TEST"]),
+        side(Side::B, BOTH, &["KERNEL-PEER-SMCR-TEST"]),
+    );
+    // Side B plays no part: the "kernel" is the injected bytes. Our SENDs to it are taken by
+    // its (absent) RNIC and acknowledged, as rxe would.
+    p.knobs.drop = Some(Box::new(|e| {
+        e.from == Side::A && matches!(e.what, Traced::Llc(..) | Traced::Cdc(..))
+    }));
+    p.knobs.silent_drop = true;
+    let now = p.now;
+    p.a.ep.connect(T1, now).expect("connect");
+    p.flush();
+    let v = |n: &str| smc_wire::examples::bytes(n).expect("vector");
+    p.inject_tcp(Side::A, T1, v("clc_accept_v2_first_contact"));
+    p.run();
+    let m = clc(&p);
+    let ClcMessage::Confirm(c) = m.last().expect("a Confirm") else {
+        panic!("{m:?}")
+    };
+    assert_eq!((c.version, c.first_contact, c.buffer_len()), (2, true, 180));
+    let fce =
+        c.v2.as_ref()
+            .and_then(|x| x.first_contact_ext)
+            .expect("extension");
+    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 2));
+    assert_eq!(
+        c.v2.as_ref().map(|x| x.eid),
+        Some(ueid("KERNEL-PEER-SMCR-TEST"))
+    );
+    let link = p.host(Side::A).link(1).expect("link 1");
+    p.act(Side::A, |ep, res, now| {
+        ep.handle_message(link, &v("llc2_confirm_link_req"), res, now)
+    });
+    p.run();
+    let reply = *p
+        .host(Side::A)
+        .llc_v2_sent
+        .last()
+        .expect("CONFIRM LINK reply");
+    assert_eq!(&reply[..4], &[0x21, 0x2c, 0x00, 0x83]);
+    assert_eq!((reply[29], reply[34], reply[35]), (1, 2, 255));
+    let before = p.host(Side::A).llc_v2_sent.len();
+    p.act(Side::A, |ep, res, now| {
+        ep.handle_message(link, &v("llc2_add_link_req_1rkey"), res, now)
+    });
+    p.run();
+    let sent = p.host(Side::A).llc_v2_sent[before..].to_vec();
+    dump(&p);
+    assert_eq!(
+        sent.first().map(|b| b.to_vec()),
+        Some(v("llc2_add_link_reject")),
+        "the Linux client's reject, byte for byte"
+    );
+    assert!(established(&p, Side::A, T1));
+
+    // A second connection on the same group (smc-rv2.md §12, §13 item 4): the kernel server
+    // confirms a new RMB of its own between our Proposal and its Accept; we answer in v2 form
+    // while the CLC handshake waits, then take its 108-byte Accept naming that RMB.
+    p.act(Side::A, |ep, _, now| ep.connect(T2, now))
+        .expect("connect");
+    p.run();
+    let mut rkey_req = v("llc2_confirm_rkey_req");
+    rkey_req[5..9].copy_from_slice(&0x3b0u32.to_be_bytes());
+    let before = p.host(Side::A).llc_v2_sent.len();
+    p.act(Side::A, |ep, res, now| {
+        ep.handle_message(link, &rkey_req, res, now)
+    });
+    p.run();
+    let mut want = rkey_req.clone();
+    want[3] = 0x80;
+    assert_eq!(
+        p.host(Side::A).llc_v2_sent[before..]
+            .first()
+            .map(|b| b.to_vec()),
+        Some(want),
+        "the CONFIRM RKEY reply is the request with flags 0x80"
+    );
+    let mut accept = v("clc_accept_v2");
+    accept[41..45].copy_from_slice(&0x3b0u32.to_be_bytes());
+    p.inject_tcp(Side::A, T2, accept);
+    p.run();
+    // Our own new RMB, if the connection needs one, is confirmed before the Confirm: answer
+    // every CONFIRM RKEY request we sent as the kernel does (the request with flags 0x80).
+    for _ in 0..4 {
+        let pending: Vec<[u8; 44]> = p.host(Side::A).llc_v2_sent[before..]
+            .iter()
+            .filter(|b| b[0] == 0x26 && b[3] == 0)
+            .copied()
+            .collect();
+        for mut r in pending {
+            r[3] = 0x80;
+            p.act(Side::A, |ep, res, now| {
+                ep.handle_message(link, &r, res, now)
+            });
+        }
+        p.run();
+        if established(&p, Side::A, T2) {
+            break;
+        }
+    }
+    let m = clc(&p);
+    assert!(
+        matches!(m.last(), Some(ClcMessage::Confirm(c)) if c.version == 2 && c.buffer_len() == 108 && c.rmbe_alert_token != 0),
+        "{m:?}"
+    );
+    assert!(established(&p, Side::A, T2));
+    assert_eq!(p.host(Side::A).ep.link_groups().count(), 1);
+}
+
+/// Our server against the Linux 6.12 client of the capture: the kernel's own Proposal (v2
+/// only, zero peer ID, max links 2) gets a 160-byte first-contact Accept agreeing on max links
+/// 1; the kernel's Confirm (its extension echoing what we sent) is taken, CONFIRM LINK goes in
+/// v2 form with flags 0x03, the kernel's reply establishes the connection, and no ADD LINK
+/// follows (so a Linux client does not wait for one, smc-rv2.md §13 item 2).
+#[test]
+fn server_against_the_kernel_client_of_the_capture() {
+    let mut p = pair(
+        side(Side::A, BOTH, &["KERNEL-PEER-SMCR-TEST"]),
+        side(Side::B, BOTH, &["OTHER", "KERNEL-PEER-SMCR-TEST"]),
+    );
+    p.knobs.drop = Some(Box::new(|e| {
+        e.from == Side::B && matches!(e.what, Traced::Llc(..) | Traced::Cdc(..))
+    }));
+    p.knobs.silent_drop = true;
+    let v = |n: &str| smc_wire::examples::bytes(n).expect("vector");
+    let now = p.now;
+    p.b.ep.accept(T1, now).expect("accept");
+    p.inject_tcp(Side::B, T1, v("clc_proposal_v2_smcr_only"));
+    p.run();
+    let m = clc(&p);
+    let ClcMessage::Accept(a) = m.last().expect("an Accept") else {
+        panic!("{m:?}")
+    };
+    assert_eq!((a.version, a.first_contact, a.buffer_len()), (2, true, 160));
+    let fce =
+        a.v2.as_ref()
+            .and_then(|x| x.first_contact_ext)
+            .expect("extension");
+    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 1));
+    assert_eq!(
+        a.v2.as_ref().map(|x| x.eid),
+        Some(ueid("KERNEL-PEER-SMCR-TEST"))
+    );
+    // The kernel client's Confirm, echoing our limits (max links 1 at byte 141).
+    let mut confirm = v("clc_confirm_v2_first_contact");
+    confirm[141] = 1;
+    p.inject_tcp(Side::B, T1, confirm);
+    p.run();
+    let cl = *p.host(Side::B).llc_v2_sent.first().expect("CONFIRM LINK");
+    assert_eq!(&cl[..4], &[0x21, 0x2c, 0x00, 0x03]);
+    assert_eq!((cl[34], cl[35]), (1, 255));
+    let link = p.host(Side::B).link(1).expect("link 1");
+    let mut resp = v("llc2_confirm_link_resp");
+    resp[34] = 1;
+    p.act(Side::B, |ep, res, now| {
+        ep.handle_message(link, &resp, res, now)
+    });
+    p.run();
+    assert!(established(&p, Side::B, T1));
+    assert!(
+        !p.host(Side::B).llc_v2_sent.iter().any(|b| b[0] == 0x22),
+        "no ADD LINK"
+    );
+}
