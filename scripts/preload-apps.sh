@@ -125,12 +125,20 @@ timeout 10 "$SMC" run redis-cli -p 16390 -x set big <"$work/r4m" >/dev/null || f
 got=$(timeout 10 "$SMC" run redis-cli -p 16390 --raw get big | head -c 4000000 | sha256sum | cut -d' ' -f1) \
     || fail "redis-cli get failed"
 [ "$got" = "$want" ] || fail "redis get: value differs"
+# A connection handed to an exec'd program (bash's /dev/tcp read by head): a clean error,
+# never a hang on the idle TCP socket.
+out=$(timeout 20 "$SMC" run bash -c 'exec 3<>/dev/tcp/127.0.0.1/16390; printf "PING\r\n" >&3; head -c 7 <&3; echo " head=$?"' 2>&1) \
+    || fail "bash /dev/tcp + head: $out"
+case "$out" in
+    *"Input/output error"*"head=1"*) ;;
+    *) fail "bash /dev/tcp + head: no clean error ($out)" ;;
+esac
 smc=$(stat_of $redis smc_connections)
-[ "$smc" -ge 94 ] || fail "redis: $smc SMC-R connections, at least 94 expected (4 x 20 + 10 + 4)"
+[ "$smc" -ge 95 ] || fail "redis: $smc SMC-R connections, at least 95 expected (4 x 20 + 10 + 5)"
 fb=$(stat_of $redis fallbacks)
 [ "$(timeout 5 redis-cli -p 16390 strlen big)" = 4000000 ] || fail "plain redis-cli"
 [ "$(stat_of $redis fallbacks)" = $((fb + 1)) ] || fail "plain redis-cli was not a TCP fallback"
-echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, plain redis-cli over TCP"
+echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, /dev/tcp handed to head: EIO, plain redis-cli over TCP"
 
 echo "== memcached -t 2 (accept thread hands connections to worker threads) + memcslap + a python client"
 "$SMC" run memcached -p 11311 -l 127.0.0.1 -t 2 -U 0 -u root >"$work/memcached.log" 2>&1 &

@@ -37,6 +37,9 @@ pub(crate) enum Kind {
     Tcp(#[allow(dead_code)] TcpConn),
     /// An epoll instance watching SMC-R connections.
     Epoll(Arc<EpollSet>),
+    /// An SMC-R connection of the process image before an exec (named in
+    /// `SMC_PRELOAD_INHERITED`): unusable here, its calls fail with EIO.
+    Inherited,
 }
 
 /// A managed descriptor: what it is and the process that made the entry (the stack of that

@@ -141,6 +141,11 @@ pub unsafe extern "C" fn epoll_ctl(
 ) -> c_int {
     let conn = match target(fd) {
         Target::Smc(c) => c,
+        Target::Foreign if op != libc::EPOLL_CTL_DEL => {
+            crate::log!("fd {fd}: epoll_ctl on another process's SMC-R connection: EIO");
+            set_errno(libc::EIO);
+            return -1;
+        }
         // SAFETY: passed on unchanged.
         _ => return unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     };
@@ -441,9 +446,25 @@ unsafe fn ppoll_managed(
     if !fds.iter().any(|p| table::maybe(p.fd)) {
         return None;
     }
-    let conns: Vec<Option<Arc<Conn>>> = fds
-        .iter()
-        .map(|p| match target(p.fd) {
+    let targets: Vec<Target> = fds.iter().map(|p| target(p.fd)).collect();
+    if targets.iter().any(|t| matches!(t, Target::Foreign)) {
+        // Another process's connection: its idle TCP socket would never be ready; report
+        // the error at once (the read that follows fails with EIO).
+        let mut n = 0;
+        for (p, t) in fds.iter_mut().zip(&targets) {
+            p.revents = match t {
+                Target::Foreign => libc::POLLERR | libc::POLLHUP,
+                _ => 0,
+            };
+            if p.revents != 0 {
+                n += 1;
+            }
+        }
+        return Some(n);
+    }
+    let conns: Vec<Option<Arc<Conn>>> = targets
+        .into_iter()
+        .map(|t| match t {
             Target::Smc(c) => Some(c),
             _ => None,
         })
