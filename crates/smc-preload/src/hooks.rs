@@ -94,7 +94,14 @@ pub(crate) fn target(fd: c_int) -> Target {
     match &e.kind {
         Kind::Smc(c) if e.ours() => Target::Smc(c.clone()),
         Kind::Smc(_) | Kind::Inherited => Target::Foreign,
-        Kind::Pending => {
+        Kind::Pending(once) => {
+            // One thread runs the rendezvous; another one using the number meanwhile waits
+            // for it and then looks again.
+            let _g = once.lock().unwrap_or_else(|p| p.into_inner());
+            match table::get(fd) {
+                Some(now) if Arc::ptr_eq(&now, &e) => {}
+                _ => return target(fd),
+            }
             let (r, nb) = blocking(fd, || fdapi::setup_server(bfd(fd)));
             match r {
                 Ok(setup) => {
@@ -265,7 +272,7 @@ fn accepted(fd: c_int, new: c_int) {
     };
     guard((), || match l.accepted(bfd(new)) {
         Ok(true) => {
-            if let Ok(Some(old)) = table::set(new, Entry::new(Kind::Pending)) {
+            if let Ok(Some(old)) = table::set(new, Entry::new(Kind::Pending(Default::default()))) {
                 table::release(old);
             }
         }

@@ -29,8 +29,9 @@ pub(crate) enum Kind {
     /// A listening socket whose port discovery knows.
     Listener(Listening),
     /// An accepted connection whose client offered SMC-R; the server rendezvous runs when
-    /// the program first uses it (in whichever process that is).
-    Pending,
+    /// the program first uses it (in whichever process that is; the lock is held while it
+    /// runs).
+    Pending(std::sync::Mutex<()>),
     /// An SMC-R connection.
     Smc(Arc<Conn>),
     /// A connection on TCP (its calls pass through; the entry keeps it listed by `smc ss`).
