@@ -1156,3 +1156,55 @@ pub unsafe extern "C" fn execvp(
     // SAFETY: passed on unchanged.
     unsafe { real::execvp(file, argv) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_addresses_from_c() {
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 6390u16.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_be_bytes([127, 0, 0, 1]).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as socklen_t;
+        let p = &sin as *const libc::sockaddr_in as *const sockaddr;
+        // SAFETY: a valid sockaddr_in of `len` bytes.
+        assert_eq!(
+            unsafe { sockaddr_of(p, len) },
+            Some("127.0.0.1:6390".parse().expect("addr"))
+        );
+        // Too short, or null: not an address we act on.
+        // SAFETY: as above, with a shorter length.
+        assert_eq!(unsafe { sockaddr_of(p, 4) }, None);
+        // SAFETY: null is allowed.
+        assert_eq!(unsafe { sockaddr_of(std::ptr::null(), len) }, None);
+    }
+
+    #[test]
+    fn the_exec_environment_names_the_inherited_connections_once() {
+        let a = std::ffi::CString::new("PATH=/bin").expect("c");
+        let old = std::ffi::CString::new(format!("{INHERITED_VAR}=9")).expect("c");
+        let envp = [a.as_ptr(), old.as_ptr(), std::ptr::null()];
+        let (_owned, env) = env_with(envp.as_ptr(), "3,4");
+        let got: Vec<String> = env
+            .iter()
+            .take_while(|p| !p.is_null())
+            // SAFETY: C strings of the array.
+            .map(|p| {
+                unsafe { std::ffi::CStr::from_ptr(*p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec!["PATH=/bin".to_string(), format!("{INHERITED_VAR}=3,4")]
+        );
+        assert!(env.last().is_some_and(|p| p.is_null()));
+    }
+}
