@@ -125,12 +125,41 @@ timeout 10 "$SMC" run redis-cli -p 16390 -x set big <"$work/r4m" >/dev/null || f
 got=$(timeout 10 "$SMC" run redis-cli -p 16390 --raw get big | head -c 4000000 | sha256sum | cut -d' ' -f1) \
     || fail "redis-cli get failed"
 [ "$got" = "$want" ] || fail "redis get: value differs"
+# A connection handed to an exec'd program (bash's /dev/tcp read by head): a clean error,
+# never a hang on the idle TCP socket.
+out=$(timeout 20 "$SMC" run bash -c 'exec 3<>/dev/tcp/127.0.0.1/16390; printf "PING\r\n" >&3; head -c 7 <&3; echo " head=$?"' 2>&1) \
+    || fail "bash /dev/tcp + head: $out"
+case "$out" in
+    *"Input/output error"*"head=1"*) ;;
+    *) fail "bash /dev/tcp + head: no clean error ($out)" ;;
+esac
 smc=$(stat_of $redis smc_connections)
-[ "$smc" -ge 94 ] || fail "redis: $smc SMC-R connections, at least 94 expected (4 x 20 + 10 + 4)"
+[ "$smc" -ge 95 ] || fail "redis: $smc SMC-R connections, at least 95 expected (4 x 20 + 10 + 5)"
 fb=$(stat_of $redis fallbacks)
 [ "$(timeout 5 redis-cli -p 16390 strlen big)" = 4000000 ] || fail "plain redis-cli"
 [ "$(stat_of $redis fallbacks)" = $((fb + 1)) ] || fail "plain redis-cli was not a TCP fallback"
-echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, plain redis-cli over TCP"
+echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, /dev/tcp handed to head: EIO, plain redis-cli over TCP"
+
+echo "== redis replica (nonblocking connect from an event loop, full sync through a fork)"
+mkdir -p "$work/replica"
+"$SMC" run redis-server --port 16391 --save '' --appendonly no --dir "$work/replica" \
+    --replicaof 127.0.0.1 16390 >"$work/replica.log" 2>&1 &
+pids+=($!); replica=$!
+for _ in $(seq 1 100); do
+    [ "$(timeout 5 "$SMC" run redis-cli -p 16391 strlen big 2>/dev/null)" = 4000000 ] && break
+    sleep 0.1
+done
+[ "$(timeout 5 "$SMC" run redis-cli -p 16391 strlen big)" = 4000000 ] || fail "replica did not sync"
+timeout 5 "$SMC" run redis-cli -p 16390 set after-sync yes >/dev/null
+for _ in $(seq 1 50); do
+    [ "$(timeout 5 "$SMC" run redis-cli -p 16391 get after-sync)" = yes ] && break
+    sleep 0.1
+done
+[ "$(timeout 5 "$SMC" run redis-cli -p 16391 get after-sync)" = yes ] || fail "replica did not follow"
+[ "$(stat_of $replica fallbacks)" = 0 ] || fail "replica: $(stat_of $replica fallbacks) connections fell back"
+n=$(grep -c "^smc-preload\[$replica\]: fd [0-9]*: SMC-R" "$SMC_LOG" || true)
+[ "$n" -ge 1 ] || fail "replica: its connection to the master is not SMC-R"
+echo "   the replica synced 4 MB and follows, over SMC-R"
 
 echo "== memcached -t 2 (accept thread hands connections to worker threads) + memcslap + a python client"
 "$SMC" run memcached -p 11311 -l 127.0.0.1 -t 2 -U 0 -u root >"$work/memcached.log" 2>&1 &

@@ -93,8 +93,15 @@ pub(crate) fn target(fd: c_int) -> Target {
     };
     match &e.kind {
         Kind::Smc(c) if e.ours() => Target::Smc(c.clone()),
-        Kind::Smc(_) => Target::Foreign,
-        Kind::Pending => {
+        Kind::Smc(_) | Kind::Inherited => Target::Foreign,
+        Kind::Pending(once) => {
+            // One thread runs the rendezvous; another one using the number meanwhile waits
+            // for it and then looks again.
+            let _g = once.lock().unwrap_or_else(|p| p.into_inner());
+            match table::get(fd) {
+                Some(now) if Arc::ptr_eq(&now, &e) => {}
+                _ => return target(fd),
+            }
             let (r, nb) = blocking(fd, || fdapi::setup_server(bfd(fd)));
             match r {
                 Ok(setup) => {
@@ -265,7 +272,7 @@ fn accepted(fd: c_int, new: c_int) {
     };
     guard((), || match l.accepted(bfd(new)) {
         Ok(true) => {
-            if let Ok(Some(old)) = table::set(new, Entry::new(Kind::Pending)) {
+            if let Ok(Some(old)) = table::set(new, Entry::new(Kind::Pending(Default::default()))) {
                 table::release(old);
             }
         }
@@ -1013,32 +1020,95 @@ pub unsafe extern "C" fn getsockopt(
     unsafe { real::getsockopt(fd, level, name, val, len) }
 }
 
-/// Before an exec: an SMC-R connection whose number survives the exec (no close-on-exec)
-/// cannot be used by the new program (its state stays in this process's image, which the exec
-/// ends), so its TCP socket is shut down: the new program reads end of stream and its writes
-/// fail (a clean error, never a hang) and the peer learns the connection is over.
-fn before_exec() {
+/// The variable that names, across an exec, the descriptors that are SMC-R connections of
+/// another process (the new program's library fails their calls instead of leaving it to
+/// wait on an idle TCP socket).
+pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
+
+/// Before an exec: an SMC-R connection of this process whose number survives the exec (no
+/// close-on-exec) cannot be used by the new program (its state stays in this image, which the
+/// exec ends), so its TCP socket is shut down: the new program reads end of stream and its
+/// writes fail, and the peer learns the connection is over. A forked child's exec leaves its
+/// parent's connections alone (socat's `SYSTEM:`), but names them to the new program
+/// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
+/// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
+fn before_exec() -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
-        return;
+        return None;
     }
+    let mut inherited = Vec::new();
     for fd in 0..1024 {
         if !table::maybe(fd) {
             continue;
         }
-        if let Some(e) = table::get(fd) {
-            // Only the owner's exec ends the connection's state; a forked child that execs
-            // (socat's SYSTEM:) leaves its parent's connection alone.
-            if let (Kind::Smc(_), true) = (&e.kind, e.ours()) {
-                // SAFETY: plain fcntl.
-                let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
-                if fl >= 0 && fl & libc::FD_CLOEXEC == 0 {
-                    log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
-                    // SAFETY: the connection's TCP socket.
-                    unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
-                }
-            }
+        let Some(e) = table::get(fd) else {
+            continue;
+        };
+        if !matches!(e.kind, Kind::Smc(_) | Kind::Inherited) {
+            continue;
+        }
+        // SAFETY: plain fcntl.
+        let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+        if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
+            continue;
+        }
+        if matches!(e.kind, Kind::Smc(_)) && e.ours() {
+            log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
+            // SAFETY: the connection's TCP socket.
+            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+        } else {
+            inherited.push(fd.to_string());
         }
     }
+    (!inherited.is_empty()).then(|| inherited.join(","))
+}
+
+/// In the constructor: the descriptors the previous image named (see [`before_exec`]).
+pub(crate) fn adopt_inherited() {
+    let Ok(v) = std::env::var(INHERITED_VAR) else {
+        return;
+    };
+    // Only for this image: a later exec names what is still inherited by then.
+    std::env::remove_var(INHERITED_VAR);
+    for fd in v.split(',').filter_map(|x| x.parse::<c_int>().ok()) {
+        if is_inet_stream(fd) {
+            log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO");
+            let _ = table::set(fd, Entry::new(Kind::Inherited));
+        }
+    }
+}
+
+/// The environment for an exec with `envp`, with [`INHERITED_VAR`] set to `value` (the
+/// strings stay alive until the exec, which ends the image, or its failure).
+fn env_with(
+    envp: *const *const libc::c_char,
+    value: &str,
+) -> (Vec<std::ffi::CString>, Vec<*const libc::c_char>) {
+    let mut owned = Vec::new();
+    let mut ptrs = Vec::new();
+    let prefix = format!("{INHERITED_VAR}=");
+    if !envp.is_null() {
+        let mut i = 0;
+        loop {
+            // SAFETY: the caller's NULL-terminated array of C strings.
+            let p = unsafe { *envp.add(i) };
+            if p.is_null() {
+                break;
+            }
+            // SAFETY: a C string of the array.
+            let entry = unsafe { std::ffi::CStr::from_ptr(p) };
+            if !entry.to_bytes().starts_with(prefix.as_bytes()) {
+                ptrs.push(p);
+            }
+            i += 1;
+        }
+    }
+    if let Ok(c) = std::ffi::CString::new(format!("{prefix}{value}")) {
+        ptrs.push(c.as_ptr());
+        owned.push(c);
+    }
+    ptrs.push(std::ptr::null());
+    (owned, ptrs)
 }
 
 #[no_mangle]
@@ -1047,9 +1117,24 @@ pub unsafe extern "C" fn execve(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> c_int {
-    guard((), before_exec);
-    // SAFETY: passed on unchanged.
-    unsafe { real::execve(path, argv, envp) }
+    match guard(None, before_exec) {
+        None => {
+            // SAFETY: passed on unchanged.
+            unsafe { real::execve(path, argv, envp) }
+        }
+        Some(v) => {
+            let (_owned, env) = env_with(envp, &v);
+            // SAFETY: the caller's path and arguments, an environment that lives until then.
+            unsafe { real::execve(path, argv, env.as_ptr()) }
+        }
+    }
+}
+
+/// For the exec calls that use `environ`: name the inherited connections in it.
+fn set_inherited_env() {
+    if let Some(v) = guard(None, before_exec) {
+        std::env::set_var(INHERITED_VAR, v);
+    }
 }
 
 #[no_mangle]
@@ -1057,7 +1142,7 @@ pub unsafe extern "C" fn execv(
     path: *const libc::c_char,
     argv: *const *const libc::c_char,
 ) -> c_int {
-    guard((), before_exec);
+    set_inherited_env();
     // SAFETY: passed on unchanged.
     unsafe { real::execv(path, argv) }
 }
@@ -1067,7 +1152,59 @@ pub unsafe extern "C" fn execvp(
     file: *const libc::c_char,
     argv: *const *const libc::c_char,
 ) -> c_int {
-    guard((), before_exec);
+    set_inherited_env();
     // SAFETY: passed on unchanged.
     unsafe { real::execvp(file, argv) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_addresses_from_c() {
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 6390u16.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_be_bytes([127, 0, 0, 1]).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as socklen_t;
+        let p = &sin as *const libc::sockaddr_in as *const sockaddr;
+        // SAFETY: a valid sockaddr_in of `len` bytes.
+        assert_eq!(
+            unsafe { sockaddr_of(p, len) },
+            Some("127.0.0.1:6390".parse().expect("addr"))
+        );
+        // Too short, or null: not an address we act on.
+        // SAFETY: as above, with a shorter length.
+        assert_eq!(unsafe { sockaddr_of(p, 4) }, None);
+        // SAFETY: null is allowed.
+        assert_eq!(unsafe { sockaddr_of(std::ptr::null(), len) }, None);
+    }
+
+    #[test]
+    fn the_exec_environment_names_the_inherited_connections_once() {
+        let a = std::ffi::CString::new("PATH=/bin").expect("c");
+        let old = std::ffi::CString::new(format!("{INHERITED_VAR}=9")).expect("c");
+        let envp = [a.as_ptr(), old.as_ptr(), std::ptr::null()];
+        let (_owned, env) = env_with(envp.as_ptr(), "3,4");
+        let got: Vec<String> = env
+            .iter()
+            .take_while(|p| !p.is_null())
+            // SAFETY: C strings of the array.
+            .map(|p| {
+                unsafe { std::ffi::CStr::from_ptr(*p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec!["PATH=/bin".to_string(), format!("{INHERITED_VAR}=3,4")]
+        );
+        assert!(env.last().is_some_and(|p| p.is_null()));
+    }
 }

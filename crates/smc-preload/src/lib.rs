@@ -144,6 +144,7 @@ extern "C" fn init() {
     }
     let exe = std::env::current_exe().unwrap_or_default();
     log!("loaded into {}", exe.display());
+    hooks::adopt_inherited();
 }
 
 #[used]

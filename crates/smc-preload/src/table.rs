@@ -29,14 +29,18 @@ pub(crate) enum Kind {
     /// A listening socket whose port discovery knows.
     Listener(Listening),
     /// An accepted connection whose client offered SMC-R; the server rendezvous runs when
-    /// the program first uses it (in whichever process that is).
-    Pending,
+    /// the program first uses it (in whichever process that is; the lock is held while it
+    /// runs).
+    Pending(std::sync::Mutex<()>),
     /// An SMC-R connection.
     Smc(Arc<Conn>),
     /// A connection on TCP (its calls pass through; the entry keeps it listed by `smc ss`).
     Tcp(#[allow(dead_code)] TcpConn),
     /// An epoll instance watching SMC-R connections.
     Epoll(Arc<EpollSet>),
+    /// An SMC-R connection of the process image before an exec (named in
+    /// `SMC_PRELOAD_INHERITED`): unusable here, its calls fail with EIO.
+    Inherited,
 }
 
 /// A managed descriptor: what it is and the process that made the entry (the stack of that

@@ -141,6 +141,11 @@ pub unsafe extern "C" fn epoll_ctl(
 ) -> c_int {
     let conn = match target(fd) {
         Target::Smc(c) => c,
+        Target::Foreign if op != libc::EPOLL_CTL_DEL => {
+            crate::log!("fd {fd}: epoll_ctl on another process's SMC-R connection: EIO");
+            set_errno(libc::EIO);
+            return -1;
+        }
         // SAFETY: passed on unchanged.
         _ => return unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     };
@@ -441,9 +446,25 @@ unsafe fn ppoll_managed(
     if !fds.iter().any(|p| table::maybe(p.fd)) {
         return None;
     }
-    let conns: Vec<Option<Arc<Conn>>> = fds
-        .iter()
-        .map(|p| match target(p.fd) {
+    let targets: Vec<Target> = fds.iter().map(|p| target(p.fd)).collect();
+    if targets.iter().any(|t| matches!(t, Target::Foreign)) {
+        // Another process's connection: its idle TCP socket would never be ready; report
+        // the error at once (the read that follows fails with EIO).
+        let mut n = 0;
+        for (p, t) in fds.iter_mut().zip(&targets) {
+            p.revents = match t {
+                Target::Foreign => libc::POLLERR | libc::POLLHUP,
+                _ => 0,
+            };
+            if p.revents != 0 {
+                n += 1;
+            }
+        }
+        return Some(n);
+    }
+    let conns: Vec<Option<Arc<Conn>>> = targets
+        .into_iter()
+        .map(|t| match t {
             Target::Smc(c) => Some(c),
             _ => None,
         })
@@ -863,5 +884,96 @@ pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
             },
         );
         crate::log!("fd {fd}: its registration in epoll {epfd} moved to user space");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_maps_to_the_masks_tcp_poll_reports() {
+        let r = Ready {
+            readable: true,
+            writable: true,
+            read_hup: true,
+            hup: false,
+            error: false,
+        };
+        let all = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
+        assert_eq!(
+            ready_events(r, all),
+            (libc::EPOLLIN
+                | libc::EPOLLRDNORM
+                | libc::EPOLLOUT
+                | libc::EPOLLWRNORM
+                | libc::EPOLLRDHUP) as u32
+                & (all | libc::EPOLLERR as u32 | libc::EPOLLHUP as u32)
+        );
+        // Only what was asked for, but HUP and ERR always.
+        let failed = Ready {
+            error: true,
+            hup: true,
+            ..Ready::default()
+        };
+        assert_eq!(
+            ready_events(failed, libc::EPOLLIN as u32),
+            (libc::EPOLLERR | libc::EPOLLHUP) as u32
+        );
+        assert_eq!(ready_events(r, libc::EPOLLIN as u32), libc::EPOLLIN as u32);
+        assert_eq!(poll_revents(r, libc::POLLOUT), libc::POLLOUT);
+        assert_eq!(
+            poll_revents(failed, libc::POLLIN),
+            libc::POLLHUP | libc::POLLERR
+        );
+    }
+
+    #[test]
+    fn our_marks_leave_the_programs_events() {
+        let mut evs = [
+            epoll_event { events: 1, u64: 7 },
+            epoll_event {
+                events: 1,
+                u64: MARK | (5 << 1),
+            },
+            epoll_event {
+                events: 1,
+                u64: CHANNEL | 1,
+            },
+            epoll_event { events: 4, u64: 9 },
+        ];
+        let mut fired = [false; 2];
+        let (kept, ours) = filter_marks(&mut evs, &mut fired);
+        assert!(ours);
+        assert_eq!(kept, 2);
+        assert_eq!({ evs[0].u64 }, 7);
+        assert_eq!({ evs[1].u64 }, 9);
+        assert_eq!(fired, [false, true]);
+    }
+
+    #[test]
+    fn a_kernel_registration_is_read_back_from_fdinfo() {
+        let mut p = [0; 2];
+        // SAFETY: plain system calls on descriptors this test owns.
+        unsafe {
+            assert_eq!(libc::pipe(p.as_mut_ptr()), 0);
+            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            assert!(ep >= 0);
+            let mut ev = epoll_event {
+                events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+                u64: 0xdead_beef_0042,
+            };
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, p[0], &mut ev), 0);
+            let (events, data) = kernel_registration(ep, p[0]).expect("registered");
+            assert_eq!(data, 0xdead_beef_0042);
+            assert_eq!(
+                events & (libc::EPOLLIN | libc::EPOLLET) as u32,
+                (libc::EPOLLIN | libc::EPOLLET) as u32
+            );
+            assert!(kernel_registration(ep, p[1]).is_none());
+            libc::close(ep);
+            libc::close(p[0]);
+            libc::close(p[1]);
+        }
     }
 }
