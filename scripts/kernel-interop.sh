@@ -11,7 +11,8 @@
 # Each capture must decode with `smc decode -r` without error; after a and c (the smc-rs process
 # exits) no kernel RoCEv2 packet may meet a closed port (the exit deletes the link group).
 # Usage: scripts/kernel-interop.sh [a|b|c]...   (default: a b c). Root only.
-# Environment: KERNEL_PEER_DIR (default ../shared/tools/kernel-peer next to the repo),
+# Environment: KERNEL_PEER_DIR (default ../shared/tools/kernel-peer next to the repo, else
+# /work/shared/tools/kernel-peer),
 # SMC_BIN, SMC_PRELOAD (default target/debug/smc and libsmc_preload.so, built), KP_BYTES (1048576), KP_CONNS for b (3),
 # KP_OUT (the tool's output root). Exit 0: all passed; 1: a failure; 77: skipped (no root, no
 # tool, the VM image cannot be built) with the reason on stderr.
@@ -19,6 +20,10 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 kp=${KERNEL_PEER_DIR:-$repo/../shared/tools/kernel-peer}
+# The workplace keeps the tool at /work/shared as well; a checkout elsewhere still finds it there.
+if [ -z "${KERNEL_PEER_DIR:-}" ] && [ ! -x "$kp/run-single.sh" ] && [ -x /work/shared/tools/kernel-peer/run-single.sh ]; then
+    kp=/work/shared/tools/kernel-peer
+fi
 bytes=${KP_BYTES:-1048576}
 conns=${KP_CONNS:-3}
 ueid=KERNEL-PEER-SMCR-TEST
