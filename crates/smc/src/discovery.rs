@@ -45,12 +45,12 @@ pub enum DiscoveryError {
     #[error("no cgroup v2 hierarchy found (tried {0:?})")]
     NoCgroup2(Vec<PathBuf>),
     /// Opening the cgroup failed.
-    #[error("cannot open cgroup {path}: {source}")]
+    #[error("cannot open cgroup {path}: {error}")]
     Cgroup {
         /// The cgroup directory.
         path: PathBuf,
         /// The error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// Loading or attaching the program failed (usually missing privileges).
     #[error("cannot load the eBPF program (needs root or CAP_BPF + CAP_NET_ADMIN): {0}")]
@@ -65,7 +65,15 @@ pub enum DiscoveryError {
     },
     /// A socket query (SO_COOKIE, local address) failed.
     #[error("socket: {0}")]
-    Socket(#[from] std::io::Error),
+    Socket(std::io::Error),
+}
+
+// Written by hand rather than `#[from]`, which would also make the error its `source` and so
+// print the cause twice in a chain.
+impl From<std::io::Error> for DiscoveryError {
+    fn from(e: std::io::Error) -> Self {
+        DiscoveryError::Socket(e)
+    }
 }
 
 /// The map key of a passive connection, mirroring `struct smc_flow_key` in the C program:
@@ -113,7 +121,7 @@ pub fn find_cgroup2() -> Result<PathBuf, DiscoveryError> {
         }
         return Err(DiscoveryError::Cgroup {
             path: p,
-            source: std::io::Error::new(
+            error: std::io::Error::new(
                 std::io::ErrorKind::NotFound,
                 "SMC_CGROUP2 is not a cgroup v2 directory (no cgroup.procs)",
             ),
@@ -276,9 +284,9 @@ mod imp {
                 Some(p) => p.to_path_buf(),
                 None => find_cgroup2()?,
             };
-            let dir = std::fs::File::open(&cgroup).map_err(|source| DiscoveryError::Cgroup {
+            let dir = std::fs::File::open(&cgroup).map_err(|error| DiscoveryError::Cgroup {
                 path: cgroup.clone(),
-                source,
+                error,
             })?;
             let mut bpf = Ebpf::load(PROGRAM).map_err(|e| DiscoveryError::Load(chain(&e)))?;
             let prog: &mut SockOps = bpf
