@@ -115,6 +115,7 @@ impl Net {
             .arg(format!("SMC_FABRIC_FAULTS={faults}"))
             .arg("SMC_DISCOVERY=assert-peer")
             .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
+            .arg("SMC_KEEPALIVE_MS=1000")
             .arg(env!("CARGO_BIN_EXE_smc"))
             .arg("nc")
             .args(args)
@@ -248,6 +249,58 @@ fn roce_faults_leave_data_intact() {
         .collect::<Vec<_>>()
         .join(",");
     transfer(&net, 10 << 20, &faults, 0, || {});
+}
+
+/// A peer killed with SIGKILL: the survivor's connection is reset by SMC-R's own timers
+/// (TEST LINK keepalive every second here), not left hanging.
+#[test]
+fn roce_peer_killed_resets_the_survivor() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = Net::new(4);
+    let out = net.dir.join("out");
+    let mut server = net.nc(
+        'a',
+        &["-v", "-l", "7000", "--bind", &net.addr('a', 0)],
+        "",
+        Stdio::null(),
+        Stdio::from(File::create(&out).expect("out")),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    // `ip netns exec` execs the program: the child is smc itself.
+    let mut client = net.nc(
+        'b',
+        &["-v", &net.addr('a', 0), "7000"],
+        "",
+        Stdio::from(File::open("/dev/zero").expect("/dev/zero")),
+        Stdio::null(),
+    );
+    let end = Instant::now() + Duration::from_secs(30);
+    while std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0) < (4 << 20) && Instant::now() < end
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    client.kill().expect("SIGKILL the client");
+    let _ = client.wait();
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(st) = server.try_wait().expect("wait") {
+            break st;
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = server.kill();
+            panic!("the server's connection outlived its dead peer by 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = server.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    assert!(!status.success(), "the survivor reports the reset: {err}");
+    assert!(err.contains("reset"), "{err}");
 }
 
 #[test]
