@@ -13,8 +13,8 @@
 //! | [`QueuePair`] | RC `ibv_qp` | RESET → INIT → RTR → RTS (→ ERROR); post [`SendWr`] and [`RecvWr`] |
 //!
 //! Every object is an enum over backends (the shared-memory backend `shm` and the software
-//! RoCEv2 backend `roce`, see docs/roce.md); a
-//! software-RoCE or libibverbs backend adds a variant without changing callers.
+//! RoCEv2 backend `roce`, see docs/roce.md); a libibverbs backend would add a variant without
+//! changing callers.
 //!
 //! ## Semantics
 //!
