@@ -79,6 +79,9 @@ pub(crate) struct RoceCore {
     pub(crate) mrs: Mutex<HashMap<u32, Arc<RoceMr>>>,
     pub(crate) mrs_gen: AtomicU64,
     next_qpn: AtomicU32,
+    /// This process's QPN range (steer.rs): `qpn_base .. qpn_base + qpn_span`.
+    qpn_base: u32,
+    qpn_span: u32,
     next_key: AtomicU32,
     next_pd: AtomicU32,
     events: Mutex<VecDeque<DeviceEvent>>,
@@ -150,11 +153,13 @@ impl RoceCore {
                 .is_ok()
     }
 
-    /// A QPN for a new QP: never 0 or 1 (special in IB), unique on the device.
+    /// A QPN for a new QP: never 0 or 1 (special in IB), unique on the device, inside this
+    /// process's range (the reuseport program steers the range's datagrams to this socket).
     pub(crate) fn alloc_qpn(&self) -> u32 {
         let qps = lock(&self.qps);
         loop {
-            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & roce::U24_MASK;
+            let n = self.qpn_base
+                + (self.next_qpn.fetch_add(1, Ordering::Relaxed) & (self.qpn_span - 1));
             if n > 1 && !qps.contains_key(&n) {
                 return n;
             }
@@ -333,6 +338,27 @@ pub(crate) struct RoceHandle {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+fn bind_error(entry: &str, ip: Ipv4Addr, e: super::steer::BindError) -> String {
+    use super::steer::BindError;
+    match e {
+        BindError::InUse { shared: true } => format!(
+            "{entry}: UDP port 4791 on {ip} is already owned by a socket outside smc-rs's \
+             shared group (the kernel's rdma_rxe module, which binds 4791 once loaded, or an \
+             smc-rs process that could not load the eBPF steering program)"
+        ),
+        BindError::InUse { shared: false } => format!(
+            "{entry}: UDP port 4791 on {ip} is already owned (the kernel's rdma_rxe module, or \
+             another smc-rs process on this address; sharing an address between smc-rs \
+             processes needs CAP_BPF and CAP_SYS_ADMIN for the eBPF steering program, \
+             otherwise give each its own address or network namespace)"
+        ),
+        BindError::SlotsFull => format!(
+            "{entry}: all 256 QPN ranges of UDP port 4791 on {ip} are held by live processes"
+        ),
+        BindError::Other(detail) => format!("{entry}: {detail}"),
+    }
+}
+
 fn open_err(name: &str, detail: String) -> FabricError {
     FabricError::DeviceOpen {
         device: name.to_owned(),
@@ -400,19 +426,10 @@ impl RoceHandle {
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 8 << 20);
         }
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 4 << 20);
-        let bind = SocketAddr::V4(SocketAddrV4::new(ip, roce::UDP_PORT));
-        if let Err(e) = rustix::net::bind(&sock, &bind) {
-            let why = if e == rustix::io::Errno::ADDRINUSE {
-                format!(
-                    "{entry}: UDP port 4791 on {ip} is already owned (the kernel's rdma_rxe \
-                     module, or another smc-rs process on this address; give each its own \
-                     address or network namespace)"
-                )
-            } else {
-                format!("{entry}: bind {bind}: {e}")
-            };
-            return Err(open_err(name, why));
-        }
+        let binding = match super::steer::bind(&sock, ip, roce::UDP_PORT, &fabric.dir) {
+            Ok(b) => b,
+            Err(e) => return Err(open_err(name, bind_error(&entry, ip, e))),
+        };
         let mtu = netdev::mtu(sock.as_fd(), netdev).unwrap_or(1500);
         if active_mtu(mtu).is_none() {
             return Err(open_err(
@@ -444,6 +461,7 @@ impl RoceHandle {
         gid[10] = 0xFF;
         gid[11] = 0xFF;
         gid[12..].copy_from_slice(&ip.octets());
+        let (qpn_base, qpn_span) = binding.qpn_range();
         let first_qpn = 0x11 + (u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & 0xFFF);
         let core = Arc::new(RoceCore {
             config: config.clone(),
@@ -462,6 +480,8 @@ impl RoceHandle {
             mrs: Mutex::new(HashMap::new()),
             mrs_gen: AtomicU64::new(0),
             next_qpn: AtomicU32::new(first_qpn),
+            qpn_base,
+            qpn_span,
             next_key: AtomicU32::new(1),
             next_pd: AtomicU32::new(1),
             events: Mutex::new(VecDeque::new()),

@@ -15,6 +15,7 @@ mod fault;
 mod mr;
 mod netdev;
 mod qp;
+mod steer;
 
 pub(crate) use cq::RoceCq;
 pub(crate) use device::{snapshot, RoceHandle};
