@@ -352,6 +352,12 @@ fn bind_error(entry: &str, ip: Ipv4Addr, e: super::steer::BindError) -> String {
              processes needs CAP_BPF and CAP_SYS_ADMIN for the eBPF steering program, \
              otherwise give each its own address or network namespace)"
         ),
+        BindError::ForeignGroup { registry } => format!(
+            "{entry}: UDP port 4791 on {ip} is shared by smc-rs processes registered outside \
+             {} (another SMC_FABRIC_DIR); processes sharing an address must share the fabric \
+             directory",
+            registry.display()
+        ),
         BindError::SlotsFull => format!(
             "{entry}: all 256 QPN ranges of UDP port 4791 on {ip} are held by live processes"
         ),

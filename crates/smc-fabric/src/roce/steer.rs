@@ -61,6 +61,9 @@ impl Binding {
 pub(crate) enum BindError {
     /// The port is taken by a socket outside smc-rs's shared group.
     InUse { shared: bool },
+    /// The port is held by a reuseport group this process's registry does not know (smc-rs
+    /// processes with another fabric directory): joining it would break their steering.
+    ForeignGroup { registry: std::path::PathBuf },
     /// All 256 QPN slots are held by live processes.
     SlotsFull,
     /// Any other failure, described.
@@ -99,12 +102,23 @@ pub(crate) fn bind(
             Err(e) => Err(BindError::Other(format!("bind {addr}: {e}"))),
         };
     };
+    // A new map while the port is already bound: either the owner refuses to share (the bind
+    // fails below), or a group registered elsewhere holds it, which must be left alone.
+    let bound_before = fresh && port_is_bound(ip, port);
     rustix::net::sockopt::set_socket_reuseport(sock, true)
         .map_err(|e| BindError::Other(format!("SO_REUSEPORT: {e}")))?;
     match rustix::net::bind(sock, &addr) {
         Ok(()) => {}
         Err(Errno::ADDRINUSE) => return Err(BindError::InUse { shared: true }),
         Err(e) => return Err(BindError::Other(format!("bind {addr}: {e}"))),
+    }
+    if bound_before {
+        return Err(BindError::ForeignGroup {
+            registry: registry
+                .as_ref()
+                .map(|r| r.path.clone())
+                .unwrap_or_default(),
+        });
     }
     let prog = load_program(&map).map_err(BindError::Other)?;
     let fd: libc::c_int = prog.as_raw_fd();
@@ -151,6 +165,7 @@ pub(crate) fn bind(
 /// The registry file, locked for the life of this value.
 struct Registry {
     file: std::fs::File,
+    path: std::path::PathBuf,
 }
 
 impl Registry {
@@ -165,9 +180,9 @@ impl Registry {
             .write(true)
             .create(true)
             .truncate(false)
-            .open(path)?;
+            .open(&path)?;
         rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)?;
-        Ok(Registry { file })
+        Ok(Registry { file, path })
     }
 
     /// The group's map (opened by the stored id), or a new one; `true` when new.
@@ -191,6 +206,34 @@ impl Registry {
         f.rewind()?;
         writeln!(f, "{id}")
     }
+}
+
+/// Whether a UDP socket of this namespace is bound to `ip:port` or to the wildcard address on
+/// `port` (`/proc/net/udp` and `udp6`; a line's local address is `ADDR:PORT` in hex, the IPv4
+/// address as the kernel's network-order word printed in host order).
+fn port_is_bound(ip: Ipv4Addr, port: u16) -> bool {
+    let mut found = false;
+    for (file, v6) in [("/proc/net/udp", false), ("/proc/net/udp6", true)] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let Some(local) = line.split_whitespace().nth(1) else {
+                continue;
+            };
+            let Some((a, p)) = local.split_once(':') else {
+                continue;
+            };
+            if u16::from_str_radix(p, 16).ok() != Some(port) {
+                continue;
+            }
+            let any = a.bytes().all(|b| b == b'0');
+            let same = !v6
+                && u32::from_str_radix(a, 16).is_ok_and(|w| Ipv4Addr::from(w.to_ne_bytes()) == ip);
+            found |= any || same;
+        }
+    }
+    found
 }
 
 // ---- the bpf(2) system call, with the union bpf_attr laid out by hand ----
@@ -538,6 +581,30 @@ mod tests {
         .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(5));
         assert_eq!(recv_one(&again), Some(bth(1 << SLOT_SHIFT | 5)));
+        // A registry elsewhere (another fabric directory) must not take over the group.
+        let other = dir.join("other");
+        let intruder = udp();
+        assert!(matches!(
+            bind(&intruder, ip, port, &other),
+            Err(BindError::ForeignGroup { .. })
+        ));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Root only: a socket that does not share the port (as the kernel's rdma_rxe binds 4791)
+    /// makes the bind fail as "in use".
+    #[test]
+    fn a_port_owned_without_reuseport_is_in_use() {
+        let dir = std::env::temp_dir().join(format!("smc-steer-owned-{}", std::process::id()));
+        let ip = Ipv4Addr::new(127, 0, 0, 1);
+        let owner = std::net::UdpSocket::bind((ip, 0)).unwrap();
+        let port = owner.local_addr().unwrap().port();
+        assert!(port_is_bound(ip, port));
+        let r = bind(&udp(), ip, port, &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        match r {
+            Err(BindError::InUse { .. }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }
