@@ -2,6 +2,7 @@
 # Installs what the smc-rs tests need, only when it is missing (Debian 12, root or sudo).
 #   tshark      – the outside decoder the wire tests check our bytes against (and roce captures)
 #   iproute2    – network namespaces and veth pairs for the roce tests
+#   ethtool     – the roce capture test turns the veth's UDP segmentation offload off
 #   clang, libbpf-dev – build the eBPF TCP-option program (crates/smc/bpf)
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 set -euo pipefail
@@ -21,6 +22,7 @@ fi
 missing=()
 # ip (network namespaces and veth pairs of the roce tests)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v ethtool >/dev/null 2>&1 || [ -x /usr/sbin/ethtool ] || missing+=(ethtool)
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
 if [ ${#missing[@]} -gt 0 ]; then

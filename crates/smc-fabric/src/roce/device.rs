@@ -79,6 +79,8 @@ pub(crate) struct RoceCore {
     pub(crate) mrs: Mutex<HashMap<u32, Arc<RoceMr>>>,
     pub(crate) mrs_gen: AtomicU64,
     next_qpn: AtomicU32,
+    /// Set once the socket refused a `UDP_SEGMENT` send (gso.rs).
+    gso_off: AtomicBool,
     /// This process's QPN range (steer.rs): `qpn_base .. qpn_base + qpn_span`.
     qpn_base: u32,
     qpn_span: u32,
@@ -275,6 +277,56 @@ impl RoceCore {
         self.counters
             .tx_errors
             .fetch_add((pkts.len() - sent) as u64, Ordering::Relaxed);
+    }
+
+    /// Send a QP's kept packets, each with the IPv4 identification its ICRC is sealed for:
+    /// in `UDP_SEGMENT` runs (gso.rs) where the socket can, else one datagram per packet with
+    /// identification 0 (also when faults are injected, which act per packet).
+    pub(crate) fn transmit_pkts(&self, dst: Ipv4Addr, pkts: &mut [(&mut [u8], &mut u16)]) {
+        let mut done = 0;
+        if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
+            let lens: Vec<usize> = pkts.iter().map(|(b, _)| b.len()).collect();
+            let to = SocketAddrV4::new(dst, roce::UDP_PORT);
+            for (start, end) in super::gso::runs(&lens) {
+                for (k, (bytes, id)) in pkts[start..end].iter_mut().enumerate() {
+                    super::gso::reseal(bytes, id, k as u16);
+                }
+                let segs: Vec<&[u8]> = pkts[start..end].iter().map(|(b, _)| &b[..]).collect();
+                let n = (end - start) as u64;
+                let bytes: usize = segs.iter().map(|s| s.len()).sum();
+                match super::gso::send_segments(self.sock.as_fd(), to, &segs, lens[start]) {
+                    Ok(()) => {
+                        self.counters.tx_packets.fetch_add(n, Ordering::Relaxed);
+                        self.counters
+                            .tx_bytes
+                            .fetch_add(bytes as u64, Ordering::Relaxed);
+                    }
+                    Err(e) if super::gso::unsupported(e) => {
+                        tracing::info!(
+                            device = %self.config.name,
+                            error = %e,
+                            "roce: UDP_SEGMENT refused; one datagram per packet from now on"
+                        );
+                        self.gso_off.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    // A full socket buffer or a network that is down loses the run: the RC
+                    // retransmission recovers it.
+                    Err(_) => {
+                        self.counters.tx_errors.fetch_add(n, Ordering::Relaxed);
+                    }
+                }
+                done = end;
+            }
+        }
+        if done == pkts.len() {
+            return;
+        }
+        for (bytes, id) in pkts[done..].iter_mut() {
+            super::gso::reseal(bytes, id, 0);
+        }
+        let rest: Vec<&[u8]> = pkts[done..].iter().map(|(b, _)| &b[..]).collect();
+        self.transmit_batch(dst, &rest);
     }
 
     fn send_raw(&self, dst: Ipv4Addr, pkt: &[u8]) {
@@ -488,6 +540,7 @@ impl RoceHandle {
             next_qpn: AtomicU32::new(first_qpn),
             qpn_base,
             qpn_span,
+            gso_off: AtomicBool::new(std::env::var_os("SMC_ROCE_NO_GSO").is_some()),
             next_key: AtomicU32::new(1),
             next_pd: AtomicU32::new(1),
             events: Mutex::new(VecDeque::new()),

@@ -14,6 +14,7 @@
 mod cq;
 mod device;
 mod fault;
+mod gso;
 mod mr;
 mod netdev;
 mod qp;
