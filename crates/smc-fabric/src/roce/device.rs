@@ -406,8 +406,8 @@ fn bind_error(entry: &str, ip: Ipv4Addr, e: super::steer::BindError) -> String {
         ),
         BindError::ForeignGroup { registry } => format!(
             "{entry}: UDP port 4791 on {ip} is shared by smc-rs processes registered outside \
-             {} (another SMC_FABRIC_DIR); processes sharing an address must share the fabric \
-             directory",
+             {} (another SMC_FABRIC_DIR; processes sharing an address must share the fabric \
+             directory), or this process may not open their eBPF map by id (CAP_SYS_ADMIN)",
             registry.display()
         ),
         BindError::SlotsFull => format!(

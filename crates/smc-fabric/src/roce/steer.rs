@@ -12,7 +12,7 @@
 //!   socket from the map when it closes — a slot of a process that died (even by SIGKILL) is
 //!   free again with nothing to clean up.
 //! * The map is shared through a small registry file in the fabric directory,
-//!   `roce-<netns inode>-<address>.reuseport`, holding the map's id; it is read and written
+//!   `roce-<netns inode>-<address>-4791.reuseport`, holding the map's id; it is read and written
 //!   under `flock`, so joins are serialised. A process opens the map by id (or creates it when
 //!   the id is stale, i.e. no process of the group is left), binds, attaches its own copy of the
 //!   program (every copy is equivalent, so the group's program survives any member's exit), and
@@ -77,7 +77,7 @@ pub(crate) fn bind(
     dir: &Path,
 ) -> Result<Binding, BindError> {
     let addr = SocketAddr::V4(SocketAddrV4::new(ip, port));
-    let registry = match Registry::open(dir, ip) {
+    let registry = match Registry::open(dir, ip, port) {
         Ok(r) => Some(r),
         Err(e) => {
             tracing::debug!(error = %e, "roce: no reuseport registry; binding alone");
@@ -169,12 +169,12 @@ struct Registry {
 }
 
 impl Registry {
-    fn open(dir: &Path, ip: Ipv4Addr) -> std::io::Result<Registry> {
+    fn open(dir: &Path, ip: Ipv4Addr, port: u16) -> std::io::Result<Registry> {
         std::fs::create_dir_all(dir)?;
         let ns = std::fs::metadata("/proc/self/ns/net")
             .map(|m| m.ino())
             .unwrap_or(0);
-        let path = dir.join(format!("roce-{ns}-{ip}.reuseport"));
+        let path = dir.join(format!("roce-{ns}-{ip}-{port}.reuseport"));
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
