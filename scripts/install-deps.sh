@@ -5,6 +5,7 @@
 #   clang, llvm, libbpf-dev – rebuild the eBPF TCP-option program to check that the committed
 #                 object (crates/smc/bpf/smc_tcp_option.bpf.o) matches its source; a build
 #                 of smc-rs itself never needs them
+#   ethtool     – the roce capture test turns the veth's UDP segmentation offload off
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 #   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
 #               libmemcached-tools – the unmodified
@@ -28,6 +29,7 @@ fi
 missing=()
 # ip (network namespaces and veth pairs of the roce tests)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v ethtool >/dev/null 2>&1 || [ -x /usr/sbin/ethtool ] || missing+=(ethtool)
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v llvm-strip >/dev/null 2>&1 || missing+=(llvm)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)

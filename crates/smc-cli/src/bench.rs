@@ -45,6 +45,11 @@ pub struct BenchArgs {
     /// Rounds per measurement point (the median is reported); default 5, 1 with --quick.
     #[arg(long)]
     rounds: Option<usize>,
+    /// `shm`: this host's shared-memory fabric (every workload); `roce`: two network
+    /// namespaces joined by veth with software RoCEv2 devices (root; created and removed by
+    /// the bench): a stream over SMC-R against TCP on the same veth.
+    #[arg(long, default_value = "shm", value_parser = ["shm", "roce"])]
+    fabric: String,
     /// Measure nothing: read the results from a JSON lines file of an earlier run (for the
     /// table and the plot).
     #[arg(long, value_name = "FILE")]
@@ -614,6 +619,13 @@ fn loadavg() -> String {
 
 /// Run `smc bench`.
 pub fn run(args: &BenchArgs) -> Result<ExitCode> {
+    if args.fabric == "roce" {
+        let bytes = if args.quick { 64 << 20 } else { 512 << 20 };
+        return crate::roce_netns::bench(
+            bytes,
+            args.rounds.unwrap_or(if args.quick { 1 } else { 3 }),
+        );
+    }
     if let Some(from) = &args.from {
         let text =
             std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;

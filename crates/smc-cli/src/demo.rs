@@ -42,6 +42,11 @@ pub struct DemoArgs {
     /// SENDs; `smc decode FILE` or Wireshark read it).
     #[arg(long, value_name = "FILE")]
     pcap: Option<PathBuf>,
+    /// `shm`: two processes on this host's shared-memory fabric; `roce`: two network
+    /// namespaces joined by two veth pairs with software RoCEv2 devices (root; created and
+    /// removed by the demo; `--fail-at` takes one veth pair down).
+    #[arg(long, default_value = "shm", value_parser = ["shm", "roce"])]
+    fabric: String,
 }
 
 /// Arguments of the hidden `smc demo-server`.
@@ -222,6 +227,9 @@ fn rate(bytes: u64, d: Duration) -> String {
 
 /// Run `smc demo`.
 pub fn run(args: &DemoArgs) -> Result<ExitCode> {
+    if args.fabric == "roce" {
+        return crate::roce_netns::demo(args.bytes, args.fail_at);
+    }
     let dir = std::env::temp_dir().join(format!("smc-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let result = demo(args, &dir);

@@ -11,6 +11,7 @@ mod decode;
 mod demo;
 mod nc;
 mod observe;
+mod roce_netns;
 mod run;
 mod ueid;
 

@@ -115,6 +115,7 @@ impl Net {
             .arg(format!("SMC_FABRIC_FAULTS={faults}"))
             .arg("SMC_DISCOVERY=assert-peer")
             .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
+            .arg("SMC_KEEPALIVE_MS=1000")
             .arg(env!("CARGO_BIN_EXE_smc"))
             .arg("nc")
             .args(args)
@@ -250,6 +251,58 @@ fn roce_faults_leave_data_intact() {
     transfer(&net, 10 << 20, &faults, 0, || {});
 }
 
+/// A peer killed with SIGKILL: the survivor's connection is reset by SMC-R's own timers
+/// (TEST LINK keepalive every second here), not left hanging.
+#[test]
+fn roce_peer_killed_resets_the_survivor() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = Net::new(4);
+    let out = net.dir.join("out");
+    let mut server = net.nc(
+        'a',
+        &["-v", "-l", "7000", "--bind", &net.addr('a', 0)],
+        "",
+        Stdio::null(),
+        Stdio::from(File::create(&out).expect("out")),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    // `ip netns exec` execs the program: the child is smc itself.
+    let mut client = net.nc(
+        'b',
+        &["-v", &net.addr('a', 0), "7000"],
+        "",
+        Stdio::from(File::open("/dev/zero").expect("/dev/zero")),
+        Stdio::null(),
+    );
+    let end = Instant::now() + Duration::from_secs(30);
+    while std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0) < (4 << 20) && Instant::now() < end
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    client.kill().expect("SIGKILL the client");
+    let _ = client.wait();
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(st) = server.try_wait().expect("wait") {
+            break st;
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = server.kill();
+            panic!("the server's connection outlived its dead peer by 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = server.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    assert!(!status.success(), "the survivor reports the reset: {err}");
+    assert!(err.contains("reset"), "{err}");
+}
+
 #[test]
 fn roce_capture_decodes_and_every_icrc_verifies() {
     if !root_with_ip() {
@@ -259,7 +312,28 @@ fn roce_capture_decodes_and_every_icrc_verifies() {
         eprintln!("skipped: tshark not installed (scripts/install-deps.sh installs it)");
         return;
     }
+    if Command::new("ethtool").arg("--version").output().is_err() {
+        eprintln!("skipped: ethtool not installed (scripts/install-deps.sh installs it)");
+        return;
+    }
     let net = Net::new(3);
+    // A veth passes a UDP_SEGMENT send on as one frame, segmented only at the receiving socket;
+    // without the offload the kernel cuts it into the datagrams a NIC would send, and the
+    // capture shows those.
+    for (ns, side) in [(&net.a, 'a'), (&net.b, 'b')] {
+        let v = net.veth(side, 0);
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "ethtool",
+            "-K",
+            &v,
+            "tx-udp-segmentation",
+            "off",
+        ]);
+    }
     let pcap = net.dir.join("roce.pcap");
     let mut cap = Command::new("ip")
         .args(["netns", "exec", &net.a, "tshark", "-q", "-F", "pcap", "-i"])
@@ -283,12 +357,19 @@ fn roce_capture_decodes_and_every_icrc_verifies() {
     // Our codec: every frame's ICRC from its own IP header.
     let data = std::fs::read(&pcap).expect("capture");
     let mut r = pcap_file::pcap::PcapReader::new(&data[..]).expect("pcap");
-    let (mut frames, mut writes) = (0, 0);
+    let (mut frames, mut writes, mut segmented) = (0, 0, 0);
     while let Some(p) = r.next_packet() {
         let p = p.expect("packet");
         let (h, udp) = smc_wire::roce::icrc_of_ip_packet(&p.data[14..]).expect("IPv4/UDP frame");
         assert!(h.verify(udp), "frame {} ICRC", frames + 1);
-        assert_eq!(h.ipv4_id, 0, "IP_PMTUDISC_DO sends identification 0");
+        // IP_PMTUDISC_DO sends identification 0; segment k of a UDP_SEGMENT send carries k.
+        assert!(
+            h.ipv4_id < 64,
+            "frame {}: identification {}",
+            frames + 1,
+            h.ipv4_id
+        );
+        segmented += usize::from(h.ipv4_id > 0);
         if smc_wire::roce::Packet::parse(udp).is_ok_and(|p| p.bth.opcode.is_write()) {
             writes += 1;
         }
@@ -297,6 +378,10 @@ fn roce_capture_decodes_and_every_icrc_verifies() {
     assert!(
         frames > 100 && writes > 100,
         "{frames} frames, {writes} WRITEs"
+    );
+    assert!(
+        segmented > 0,
+        "no frame of a UDP_SEGMENT send (identification > 0)"
     );
     // tshark: RoCEv2 with BTH fields.
     let o = Command::new("tshark")

@@ -12,8 +12,9 @@
 //! | [`CompletionQueue`] | `ibv_cq` + `ibv_comp_channel` | [`WorkCompletion`]s; busy [`poll`](CompletionQueue::poll), blocking [`wait`](CompletionQueue::wait), or an eventfd for epoll/tokio |
 //! | [`QueuePair`] | RC `ibv_qp` | RESET → INIT → RTR → RTS (→ ERROR); post [`SendWr`] and [`RecvWr`] |
 //!
-//! Every object is an enum over backends (today only the shared-memory backend, `shm`); a
-//! software-RoCE or libibverbs backend adds a variant without changing callers.
+//! Every object is an enum over backends (the shared-memory backend `shm` and the software
+//! RoCEv2 backend `roce`, see docs/roce.md); a libibverbs backend would add a variant without
+//! changing callers.
 //!
 //! ## Semantics
 //!

@@ -636,33 +636,36 @@ impl IcrcHeaders {
         if udp_payload.len() < BTH_LEN + ICRC_LEN {
             return None;
         }
-        let wire = u32::from_le_bytes(*t);
-        // The pseudo-packet is A (8 × FF, then IPv4 bytes 0..6 which hold the identification)
-        // followed by B (the rest). crc(A‖B) = combine(crc(A), crc(B), |B|), linear in crc(A).
-        let mut ph = [0u8; 48];
         let mut base = *self;
         base.ipv4_id = 0;
-        let n = base.pseudo_header(udp_payload.len(), &mut ph);
-        let mut tail = crc32fast::Hasher::new();
-        tail.update(&ph[6..n]);
-        let end = udp_payload.len() - ICRC_LEN;
-        let mut bth = [0u8; BTH_LEN];
-        bth.copy_from_slice(&udp_payload[..BTH_LEN]);
-        bth[4] = 0xFF;
-        tail.update(&bth);
-        tail.update(&udp_payload[BTH_LEN..end]);
-        let head = |id: u16| {
-            let mut a = [0u8; 14];
-            a[..8].copy_from_slice(&LRH_ONES);
-            a[8..12].copy_from_slice(&ph[..4]);
-            a[12..14].copy_from_slice(&id.to_be_bytes());
-            let mut h = crc32fast::Hasher::new();
-            h.update(&a);
-            h
-        };
+        let diff = u32::from_le_bytes(*t) ^ base.compute(udp_payload);
+        Ipv4IdColumns::for_len(udp_payload.len()).solve(diff)
+    }
+}
+
+/// How the ICRC of an IPv4 packet depends on its identification (rocev2.md 13.3): for a UDP
+/// payload of a given length, ICRC(id) = ICRC(0) ⊕ Σ over the set bits j of id of `col[j]`.
+/// The columns depend on the length only (not on addresses, ports or content), so a sender can
+/// re-seal a packet for another identification — segment k of a `UDP_SEGMENT` send carries
+/// identification k (rocev2.md 13.2) — without another pass over it, and a receiver can solve
+/// the identification from the ICRC difference alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ipv4IdColumns([u32; 16]);
+
+impl Ipv4IdColumns {
+    /// The columns for a UDP payload of `udp_payload_len` bytes (ICRC included).
+    pub fn for_len(udp_payload_len: usize) -> Ipv4IdColumns {
+        // The pseudo-packet is 8 × FF, IPv4 bytes 0..4, the identification, then 22 more
+        // header bytes (IPv4 6..20, UDP 0..8) and the payload up to the ICRC. CRC-32 is affine,
+        // so the difference two identifications make is the CRC's linear part of the
+        // identification bytes alone, carried through the bytes after them; any content of
+        // the same length gives the same difference.
+        let tail = 22 + udp_payload_len.saturating_sub(ICRC_LEN) as u64;
         let full = |id: u16| {
-            let mut h = head(id);
-            h.combine(&tail);
+            let mut h = crc32fast::Hasher::new();
+            h.update(&[0u8; 12]);
+            h.update(&id.to_be_bytes());
+            h.combine(&crc32fast::Hasher::new_with_initial_len(0, tail));
             h.finalize()
         };
         let zero = full(0);
@@ -670,7 +673,22 @@ impl IcrcHeaders {
         for (j, c) in cols.iter_mut().enumerate() {
             *c = full(1 << j) ^ zero;
         }
-        solve_gf2(&cols, wire ^ zero)
+        Ipv4IdColumns(cols)
+    }
+
+    /// ICRC(id) ⊕ ICRC(0).
+    pub fn delta(&self, id: u16) -> u32 {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| id & (1 << j) != 0)
+            .fold(0, |acc, (_, c)| acc ^ c)
+    }
+
+    /// The identification whose [`delta`](Self::delta) is `icrc_diff`, or `None` when none
+    /// is (the packet is corrupt).
+    pub fn solve(&self, icrc_diff: u32) -> Option<u16> {
+        solve_gf2(&self.0, icrc_diff)
     }
 }
 

@@ -462,6 +462,25 @@ mod tests {
     }
 
     #[test]
+    fn toml_devices_take_kind_prefixes_and_bad_entries_are_named() {
+        let mut c = StackConfig::new(FabricConfig::with_dir("/nonexistent", 1));
+        c.apply_toml(r#"devices = ["roce:r0=veth0", "roce:r1=veth1+10.88.1.1", "shm:s2"]"#)
+            .expect("valid TOML");
+        assert_eq!(
+            c.fabric.devices[0].kind,
+            smc_fabric::DeviceKind::Roce {
+                netdev: "veth0".into()
+            }
+        );
+        assert_eq!(c.fabric.devices[1].addresses.len(), 1);
+        assert_eq!(c.fabric.devices[2].kind, smc_fabric::DeviceKind::Shm);
+        let e = c
+            .apply_toml(r#"devices = ["shm0", "shm0"]"#)
+            .expect_err("repeated name");
+        assert!(e.to_string().contains("'shm0'"), "{e}");
+    }
+
+    #[test]
     fn toml_settings_apply_and_unknown_ones_are_rejected() {
         let mut c = StackConfig::new(FabricConfig::with_dir("/nonexistent", 1));
         c.apply_toml(

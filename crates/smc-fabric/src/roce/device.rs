@@ -79,6 +79,11 @@ pub(crate) struct RoceCore {
     pub(crate) mrs: Mutex<HashMap<u32, Arc<RoceMr>>>,
     pub(crate) mrs_gen: AtomicU64,
     next_qpn: AtomicU32,
+    /// Set once the socket refused a `UDP_SEGMENT` send (gso.rs).
+    gso_off: AtomicBool,
+    /// This process's QPN range (steer.rs): `qpn_base .. qpn_base + qpn_span`.
+    qpn_base: u32,
+    qpn_span: u32,
     next_key: AtomicU32,
     next_pd: AtomicU32,
     events: Mutex<VecDeque<DeviceEvent>>,
@@ -150,11 +155,13 @@ impl RoceCore {
                 .is_ok()
     }
 
-    /// A QPN for a new QP: never 0 or 1 (special in IB), unique on the device.
+    /// A QPN for a new QP: never 0 or 1 (special in IB), unique on the device, inside this
+    /// process's range (the reuseport program steers the range's datagrams to this socket).
     pub(crate) fn alloc_qpn(&self) -> u32 {
         let qps = lock(&self.qps);
         loop {
-            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & roce::U24_MASK;
+            let n = self.qpn_base
+                + (self.next_qpn.fetch_add(1, Ordering::Relaxed) & (self.qpn_span - 1));
             if n > 1 && !qps.contains_key(&n) {
                 return n;
             }
@@ -272,6 +279,56 @@ impl RoceCore {
             .fetch_add((pkts.len() - sent) as u64, Ordering::Relaxed);
     }
 
+    /// Send a QP's kept packets, each with the IPv4 identification its ICRC is sealed for:
+    /// in `UDP_SEGMENT` runs (gso.rs) where the socket can, else one datagram per packet with
+    /// identification 0 (also when faults are injected, which act per packet).
+    pub(crate) fn transmit_pkts(&self, dst: Ipv4Addr, pkts: &mut [(&mut [u8], &mut u16)]) {
+        let mut done = 0;
+        if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
+            let lens: Vec<usize> = pkts.iter().map(|(b, _)| b.len()).collect();
+            let to = SocketAddrV4::new(dst, roce::UDP_PORT);
+            for (start, end) in super::gso::runs(&lens) {
+                for (k, (bytes, id)) in pkts[start..end].iter_mut().enumerate() {
+                    super::gso::reseal(bytes, id, k as u16);
+                }
+                let segs: Vec<&[u8]> = pkts[start..end].iter().map(|(b, _)| &b[..]).collect();
+                let n = (end - start) as u64;
+                let bytes: usize = segs.iter().map(|s| s.len()).sum();
+                match super::gso::send_segments(self.sock.as_fd(), to, &segs, lens[start]) {
+                    Ok(()) => {
+                        self.counters.tx_packets.fetch_add(n, Ordering::Relaxed);
+                        self.counters
+                            .tx_bytes
+                            .fetch_add(bytes as u64, Ordering::Relaxed);
+                    }
+                    Err(e) if super::gso::unsupported(e) => {
+                        tracing::info!(
+                            device = %self.config.name,
+                            error = %e,
+                            "roce: UDP_SEGMENT refused; one datagram per packet from now on"
+                        );
+                        self.gso_off.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    // A full socket buffer or a network that is down loses the run: the RC
+                    // retransmission recovers it.
+                    Err(_) => {
+                        self.counters.tx_errors.fetch_add(n, Ordering::Relaxed);
+                    }
+                }
+                done = end;
+            }
+        }
+        if done == pkts.len() {
+            return;
+        }
+        for (bytes, id) in pkts[done..].iter_mut() {
+            super::gso::reseal(bytes, id, 0);
+        }
+        let rest: Vec<&[u8]> = pkts[done..].iter().map(|(b, _)| &b[..]).collect();
+        self.transmit_batch(dst, &rest);
+    }
+
     fn send_raw(&self, dst: Ipv4Addr, pkt: &[u8]) {
         let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT));
         match rustix::net::sendto(&self.sock, pkt, rustix::net::SendFlags::DONTWAIT, &addr) {
@@ -331,6 +388,33 @@ extern "C" fn drain_at_exit() {
 pub(crate) struct RoceHandle {
     pub(crate) core: Arc<RoceCore>,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn bind_error(entry: &str, ip: Ipv4Addr, e: super::steer::BindError) -> String {
+    use super::steer::BindError;
+    match e {
+        BindError::InUse { shared: true } => format!(
+            "{entry}: UDP port 4791 on {ip} is already owned by a socket outside smc-rs's \
+             shared group (the kernel's rdma_rxe module, which binds 4791 once loaded, or an \
+             smc-rs process that could not load the eBPF steering program)"
+        ),
+        BindError::InUse { shared: false } => format!(
+            "{entry}: UDP port 4791 on {ip} is already owned (the kernel's rdma_rxe module, or \
+             another smc-rs process on this address; sharing an address between smc-rs \
+             processes needs CAP_BPF and CAP_SYS_ADMIN for the eBPF steering program, \
+             otherwise give each its own address or network namespace)"
+        ),
+        BindError::ForeignGroup { registry } => format!(
+            "{entry}: UDP port 4791 on {ip} is shared by smc-rs processes registered outside \
+             {} (another SMC_FABRIC_DIR; processes sharing an address must share the fabric \
+             directory), or this process may not open their eBPF map by id (CAP_SYS_ADMIN)",
+            registry.display()
+        ),
+        BindError::SlotsFull => format!(
+            "{entry}: all 256 QPN ranges of UDP port 4791 on {ip} are held by live processes"
+        ),
+        BindError::Other(detail) => format!("{entry}: {detail}"),
+    }
 }
 
 fn open_err(name: &str, detail: String) -> FabricError {
@@ -400,19 +484,10 @@ impl RoceHandle {
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 8 << 20);
         }
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 4 << 20);
-        let bind = SocketAddr::V4(SocketAddrV4::new(ip, roce::UDP_PORT));
-        if let Err(e) = rustix::net::bind(&sock, &bind) {
-            let why = if e == rustix::io::Errno::ADDRINUSE {
-                format!(
-                    "{entry}: UDP port 4791 on {ip} is already owned (the kernel's rdma_rxe \
-                     module, or another smc-rs process on this address; give each its own \
-                     address or network namespace)"
-                )
-            } else {
-                format!("{entry}: bind {bind}: {e}")
-            };
-            return Err(open_err(name, why));
-        }
+        let binding = match super::steer::bind(&sock, ip, roce::UDP_PORT, &fabric.dir) {
+            Ok(b) => b,
+            Err(e) => return Err(open_err(name, bind_error(&entry, ip, e))),
+        };
         let mtu = netdev::mtu(sock.as_fd(), netdev).unwrap_or(1500);
         if active_mtu(mtu).is_none() {
             return Err(open_err(
@@ -444,6 +519,7 @@ impl RoceHandle {
         gid[10] = 0xFF;
         gid[11] = 0xFF;
         gid[12..].copy_from_slice(&ip.octets());
+        let (qpn_base, qpn_span) = binding.qpn_range();
         let first_qpn = 0x11 + (u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & 0xFFF);
         let core = Arc::new(RoceCore {
             config: config.clone(),
@@ -462,6 +538,9 @@ impl RoceHandle {
             mrs: Mutex::new(HashMap::new()),
             mrs_gen: AtomicU64::new(0),
             next_qpn: AtomicU32::new(first_qpn),
+            qpn_base,
+            qpn_span,
+            gso_off: AtomicBool::new(std::env::var_os("SMC_ROCE_NO_GSO").is_some()),
             next_key: AtomicU32::new(1),
             next_pd: AtomicU32::new(1),
             events: Mutex::new(VecDeque::new()),

@@ -7,14 +7,18 @@
 //! failure. One UDP socket per device, bound to `<address>:4791`, carries every QP; a progress
 //! thread per device receives, answers (ACK/NAK), places WRITE payloads straight into the
 //! registered regions and runs the timers. Requests are segmented and sent from the posting
-//! thread. The packet codec is `smc_wire::roce`, shared with the capture writer.
+//! thread. The packet codec is `smc_wire::roce`, shared with the capture writer. Several
+//! processes on one address share the port: `steer` steers each datagram by its destination QPN
+//! to the process owning that QPN range.
 
 mod cq;
 mod device;
 mod fault;
+mod gso;
 mod mr;
 mod netdev;
 mod qp;
+mod steer;
 
 pub(crate) use cq::RoceCq;
 pub(crate) use device::{snapshot, RoceHandle};

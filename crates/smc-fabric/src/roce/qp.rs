@@ -61,6 +61,8 @@ struct Conn {
 struct TxPkt {
     psn: u32,
     bytes: Box<[u8]>,
+    /// The IPv4 identification the ICRC in `bytes` is sealed for (gso.rs).
+    ipv4_id: u16,
 }
 
 struct PendingWr {
@@ -503,7 +505,11 @@ impl RoceQp {
             let mut bytes = vec![0u8; repr.buffer_len()].into_boxed_slice();
             let _ = repr.emit(&mut bytes);
             conn.icrc.seal(&mut bytes);
-            sq.pkts.push_back(TxPkt { psn, bytes });
+            sq.pkts.push_back(TxPkt {
+                psn,
+                bytes,
+                ipv4_id: 0,
+            });
             sq.next_psn = psn_add(psn, 1);
         }
         let last_psn = psn_add(sq.next_psn, roce::U24_MASK);
@@ -545,9 +551,13 @@ impl RoceQp {
         if end == start {
             return;
         }
-        // One sendmmsg for the packets the window lets go.
-        let batch: Vec<&[u8]> = sq.pkts.range(start..end).map(|p| &p.bytes[..]).collect();
-        self.core.transmit_batch(conn.ip, &batch);
+        // The packets the window lets go: UDP_SEGMENT runs, else one sendmmsg.
+        let mut batch: Vec<(&mut [u8], &mut u16)> = sq
+            .pkts
+            .range_mut(start..end)
+            .map(|p| (&mut p.bytes[..], &mut p.ipv4_id))
+            .collect();
+        self.core.transmit_pkts(conn.ip, &mut batch);
         sq.next_tx = end;
     }
 
@@ -963,9 +973,14 @@ pub(crate) fn receive(
         }
     };
     // The ICRC: identification 0 (how this engine and any kernel socket with IP_PMTUDISC_DO
-    // send), else the identification solved from it (rxe's hashed ones, rocev2.md 13.3).
+    // send), else the identification solved from it (segment k of a UDP_SEGMENT send carries
+    // k; rxe's are hashed; rocev2.md 13.3) with the columns cached per length.
     let h = IcrcHeaders::new(IpAddr::V4(src), IpAddr::V4(core.ip), src_port);
-    if !h.verify(buf) && h.solve_ipv4_id(buf).is_none() {
+    let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
+    let icrc0 = h.compute(buf);
+    if wire
+        .is_none_or(|w| w != icrc0 && super::gso::id_columns(buf.len()).solve(w ^ icrc0).is_none())
+    {
         bump(&core.counters.drop_icrc);
         return;
     }

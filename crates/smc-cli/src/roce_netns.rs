@@ -1,0 +1,301 @@
+//! `smc demo --fabric roce` and `smc bench --fabric roce`: two network namespaces joined by
+//! two veth pairs, created here and removed at the end (root needed), with `smc nc` (this
+//! binary) on software RoCEv2 devices in each. The demo streams data with a SHA-256 check and
+//! takes one veth pair down mid-stream (the connection fails over to the other link); the
+//! bench streams the same bytes over SMC-R and over TCP on the same veth and compares.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// Two namespaces `a` and `b`, veth pairs 0 and 1 between them (10.N.1.0/24, 10.N.2.0/24).
+struct Net {
+    a: String,
+    b: String,
+    n: u8,
+    tag: String,
+    dir: PathBuf,
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let o = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running ip (iproute2)")?;
+    if !o.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+impl Net {
+    fn new() -> Result<Net> {
+        let uid = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("Uid:"))
+                    .and_then(|l| l.split_whitespace().nth(2).map(str::to_owned))
+            });
+        if uid.as_deref() != Some("0") {
+            bail!(
+                "--fabric roce creates network namespaces and veth pairs: run as root \
+                 (e.g. sudo smc demo --fabric roce)"
+            );
+        }
+        let pid = std::process::id();
+        let tag = format!("{:x}", pid % 0xFFFFF);
+        let net = Net {
+            a: format!("smcdemo-a{tag}"),
+            b: format!("smcdemo-b{tag}"),
+            n: 200 + (pid % 50) as u8,
+            tag,
+            dir: std::env::temp_dir().join(format!("smc-roce-demo-{pid}")),
+        };
+        std::fs::create_dir_all(&net.dir)?;
+        ip(&["netns", "add", &net.a])?;
+        ip(&["netns", "add", &net.b])?;
+        for k in 0..2 {
+            let (va, vb) = (net.veth('a', k), net.veth('b', k));
+            ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+            ip(&["link", "set", &va, "netns", &net.a])?;
+            ip(&["link", "set", &vb, "netns", &net.b])?;
+            for (ns, v, side) in [(&net.a, &va, 'a'), (&net.b, &vb, 'b')] {
+                let addr = format!("{}/24", net.addr(side, k));
+                ip(&["-n", ns, "addr", "add", &addr, "dev", v])?;
+                ip(&["-n", ns, "link", "set", v, "up"])?;
+                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            }
+        }
+        Ok(net)
+    }
+
+    fn veth(&self, side: char, k: u8) -> String {
+        format!("sd{side}{k}{}", self.tag)
+    }
+
+    fn addr(&self, side: char, k: u8) -> String {
+        format!(
+            "10.{}.{}.{}",
+            self.n,
+            k + 1,
+            if side == 'a' { 1 } else { 2 }
+        )
+    }
+
+    fn nc(
+        &self,
+        side: char,
+        smc: bool,
+        args: &[&str],
+        stdin: Stdio,
+        stdout: Stdio,
+    ) -> Result<Child> {
+        let ns = if side == 'a' { &self.a } else { &self.b };
+        let devices = format!(
+            "roce:r0={},roce:r1={}+{}",
+            self.veth(side, 0),
+            self.veth(side, 1),
+            self.addr(side, 0)
+        );
+        let exe = std::env::current_exe().context("locating the smc binary")?;
+        Command::new("ip")
+            .args(["netns", "exec", ns, "env"])
+            .arg(format!("SMC_FABRIC_DEVICES={devices}"))
+            .arg(format!("SMC_FABRIC_DIR={}/{side}", self.dir.display()))
+            .arg(format!(
+                "SMC_DISCOVERY={}",
+                if smc { "assert-peer" } else { "off" }
+            ))
+            .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
+            .arg(exe)
+            .arg("nc")
+            .args(args)
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting smc nc in a namespace")
+    }
+
+    /// Stream `src` from b to a; `during` runs once the receiver has `trigger` bytes.
+    /// Returns the time from the client's start to both ends' exit.
+    fn stream(
+        &self,
+        smc: bool,
+        src: &Path,
+        trigger: u64,
+        during: impl FnOnce() -> Result<()>,
+    ) -> Result<Duration> {
+        let out = self.dir.join("out");
+        let server = self.nc(
+            'a',
+            smc,
+            &["-v", "-l", "7000", "--bind", &self.addr('a', 0)],
+            Stdio::null(),
+            Stdio::from(File::create(&out)?),
+        )?;
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        let client = self.nc(
+            'b',
+            smc,
+            &["-v", &self.addr('a', 0), "7000"],
+            Stdio::from(File::open(src)?),
+            Stdio::null(),
+        )?;
+        let end = Instant::now() + Duration::from_secs(120);
+        while std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0) < trigger
+            && Instant::now() < end
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        during()?;
+        let ce = finish(client, "client")?;
+        let se = finish(server, "server")?;
+        let took = start.elapsed();
+        let want = if smc { "over SMC-R" } else { "over TCP" };
+        if !se.contains(want) || !ce.contains(want) {
+            bail!("the connection did not run {want}:\n{ce}\n{se}");
+        }
+        if sha256(src)? != sha256(&out)? {
+            bail!("SHA-256 of the received bytes differs from the sent ones");
+        }
+        Ok(took)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes the veth ends inside it.
+        let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn finish(mut c: Child, what: &str) -> Result<String> {
+    let end = Instant::now() + Duration::from_secs(180);
+    loop {
+        if let Some(st) = c.try_wait()? {
+            let mut err = String::new();
+            if let Some(mut e) = c.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            if !st.success() {
+                bail!("{what} failed ({st}): {}", err.trim());
+            }
+            return Ok(err);
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            bail!("{what} did not finish in 180 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn sha256(p: &Path) -> Result<Vec<u8>> {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    let mut f = File::open(p)?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().to_vec())
+}
+
+fn input(dir: &Path, len: u64) -> Result<PathBuf> {
+    let p = dir.join("in");
+    let mut f = std::io::BufWriter::new(File::create(&p)?);
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut chunk = vec![0u8; 1 << 16];
+    let mut left = len;
+    while left > 0 {
+        for b in chunk.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        let n = left.min(chunk.len() as u64) as usize;
+        f.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    f.flush()?;
+    Ok(p)
+}
+
+/// `smc demo --fabric roce`.
+pub fn demo(bytes: u64, fail_at: u8) -> Result<ExitCode> {
+    let net = Net::new()?;
+    println!(
+        "namespaces {} and {}: veth pairs {}/{} ({}), {}/{} ({})",
+        net.a,
+        net.b,
+        net.veth('a', 0),
+        net.veth('b', 0),
+        net.addr('a', 0),
+        net.veth('a', 1),
+        net.veth('b', 1),
+        net.addr('a', 1)
+    );
+    let src = input(&net.dir, bytes)?;
+    let trigger = bytes * u64::from(fail_at.min(100)) / 100;
+    let (ns, veth) = (net.a.clone(), net.veth('a', 0));
+    let took = net.stream(true, &src, trigger, || {
+        if fail_at > 0 {
+            println!("taking {veth} down after {trigger} bytes");
+            ip(&["-n", &ns, "link", "set", &veth, "down"])?;
+        }
+        Ok(())
+    })?;
+    println!(
+        "{bytes} bytes over SMC-R on software RoCEv2 in {:.2} s ({:.0} MB/s), SHA-256 equal{}",
+        took.as_secs_f64(),
+        bytes as f64 / took.as_secs_f64() / 1e6,
+        if fail_at > 0 {
+            ", failed over to the second link"
+        } else {
+            ""
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `smc bench --fabric roce`: streaming over SMC-R and TCP on the same veth pair, in the same
+/// run, alternating, `rounds` times each; the median of each is reported.
+pub fn bench(bytes: u64, rounds: usize) -> Result<ExitCode> {
+    let net = Net::new()?;
+    let src = input(&net.dir, bytes)?;
+    let mut smc = Vec::new();
+    let mut tcp = Vec::new();
+    for _ in 0..rounds.max(1) {
+        smc.push(net.stream(true, &src, 0, || Ok(()))?.as_secs_f64());
+        tcp.push(net.stream(false, &src, 0, || Ok(()))?.as_secs_f64());
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (s, t) = (median(&mut smc), median(&mut tcp));
+    let mbs = |secs: f64| bytes as f64 / secs / 1e6;
+    println!("stream of {bytes} bytes between two namespaces over one veth pair (smc nc, median of {} rounds, process start and file I/O included)", smc.len());
+    println!("  SMC-R (software RoCEv2): {:8.1} MB/s", mbs(s));
+    println!("  TCP (same veth)        : {:8.1} MB/s", mbs(t));
+    println!("  ratio SMC-R / TCP      : {:8.2}x", t / s);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,180 @@
+//! UDP generic segmentation offload on the send path (rocev2.md 13.2, 15): the packets of one
+//! QP that a window lets go leave in runs of equal-size packets, each run in one `sendmsg`
+//! with a `UDP_SEGMENT` control message, so the kernel's IP and UDP work is paid once per run
+//! instead of once per packet.
+//!
+//! The kernel numbers the IPv4 identification of segment k of such a send k (0, 1, 2, …; the
+//! socket is unconnected with `IP_PMTUDISC_DO`), and the ICRC covers the identification, so
+//! packet k of a run is re-sealed for identification k before it leaves: the ICRC changes by a
+//! value that depends only on the packet length and k ([`Ipv4IdColumns`]), so re-sealing is
+//! four XORed bytes, not a pass over the packet. A kept packet remembers which identification
+//! its ICRC is sealed for, so a retransmission in another run (or alone, with identification 0)
+//! re-seals it again. The receiver recovers the identification from the ICRC the same way.
+//!
+//! A run is at most [`MAX_SEGMENTS`] packets (the limit of older kernels) and 65,507 bytes, all
+//! of one length except a shorter last one (the kernel cuts the payload into `gso_size` pieces).
+//! All packets of a run belong to one QP, so the whole run has one destination QPN: the
+//! reuseport steering of `steer.rs` (which sees a loopback GSO send as one unit) stays right.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddrV4;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use rustix::io::Errno;
+use smc_wire::roce::{Ipv4IdColumns, ICRC_LEN};
+
+/// Most segments in one send (64 before Linux 6.x raised `UDP_MAX_SEGMENTS` to 128).
+pub(crate) const MAX_SEGMENTS: usize = 64;
+/// Largest UDP payload of one send.
+const MAX_SEND_BYTES: usize = 65_507;
+/// `UDP_SEGMENT` (`SOL_UDP`): the segment size of a GSO send.
+const UDP_SEGMENT: libc::c_int = 103;
+
+thread_local! {
+    static COLUMNS: RefCell<HashMap<usize, Ipv4IdColumns>> = RefCell::new(HashMap::new());
+}
+
+/// The identification columns for a UDP payload of `len` bytes (cached per thread: a
+/// connection uses a handful of lengths).
+pub(crate) fn id_columns(len: usize) -> Ipv4IdColumns {
+    COLUMNS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() > 512 {
+            c.clear();
+        }
+        *c.entry(len).or_insert_with(|| Ipv4IdColumns::for_len(len))
+    })
+}
+
+/// Re-seal a packet whose ICRC is for identification `*id` for identification `to`.
+pub(crate) fn reseal(bytes: &mut [u8], id: &mut u16, to: u16) {
+    if *id == to || bytes.len() < ICRC_LEN {
+        return;
+    }
+    let cols = id_columns(bytes.len());
+    if let Some(tail) = bytes.last_chunk_mut::<ICRC_LEN>() {
+        let icrc = u32::from_le_bytes(*tail) ^ cols.delta(*id) ^ cols.delta(to);
+        *tail = icrc.to_le_bytes();
+    }
+    *id = to;
+}
+
+/// Cut packets of lengths `lens` into runs `(start, end)` that one GSO send can carry.
+pub(crate) fn runs(lens: &[usize]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < lens.len() {
+        let size = lens[start];
+        let mut end = start + 1;
+        let mut total = size;
+        while end < lens.len()
+            && end - start < MAX_SEGMENTS
+            && lens[end] <= size
+            && total + lens[end] <= MAX_SEND_BYTES
+        {
+            total += lens[end];
+            end += 1;
+            if lens[end - 1] < size {
+                break; // only the last segment may be shorter
+            }
+        }
+        out.push((start, end));
+        start = end;
+    }
+    out
+}
+
+/// Whether a failed GSO send means this socket cannot do GSO at all (then the device falls
+/// back to one datagram per packet), rather than a passing condition (a full buffer, a
+/// network that is down) after which the retransmission recovers the run.
+pub(crate) fn unsupported(e: Errno) -> bool {
+    matches!(
+        e,
+        Errno::IO | Errno::INVAL | Errno::NOPROTOOPT | Errno::OPNOTSUPP | Errno::MSGSIZE
+    )
+}
+
+/// One `sendmsg` of `segs` (all `gso_size` bytes but the last) to `dst` with `UDP_SEGMENT`.
+pub(crate) fn send_segments(
+    sock: BorrowedFd<'_>,
+    dst: SocketAddrV4,
+    segs: &[&[u8]],
+    gso_size: usize,
+) -> Result<(), Errno> {
+    let gso = u16::try_from(gso_size).map_err(|_| Errno::INVAL)?;
+    let addr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: dst.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(dst.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let mut iov: Vec<libc::iovec> = segs
+        .iter()
+        .map(|s| libc::iovec {
+            iov_base: s.as_ptr() as *mut libc::c_void,
+            iov_len: s.len(),
+        })
+        .collect();
+    // A control buffer with room for one cmsg carrying a u16, aligned for cmsghdr.
+    let mut ctrl = [0u64; 4];
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+    debug_assert!(space <= std::mem::size_of_val(&ctrl));
+    // SAFETY: msghdr is plain data; every pointer stored in it points to a live local buffer
+    // of the stated length, and the kernel only reads them during the call.
+    let rc = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_name = (&addr as *const libc::sockaddr_in).cast_mut().cast();
+        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        msg.msg_control = ctrl.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_UDP;
+        (*c).cmsg_type = UDP_SEGMENT;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), gso);
+        libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT)
+    };
+    if rc < 0 {
+        Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO))
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_keep_equal_sizes_and_a_shorter_last() {
+        assert_eq!(runs(&[]), Vec::<(usize, usize)>::new());
+        assert_eq!(runs(&[100]), [(0, 1)]);
+        assert_eq!(runs(&[100, 100, 40]), [(0, 3)]);
+        // A shorter packet ends a run; a longer one starts a new run.
+        assert_eq!(runs(&[100, 40, 100, 100, 120]), [(0, 2), (2, 4), (4, 5)]);
+        let many = vec![1000; 150];
+        assert_eq!(runs(&many), [(0, 64), (64, 128), (128, 150)]);
+        let big = vec![4000; 20];
+        let r = runs(&big);
+        assert!(r.iter().all(|(a, b)| (b - a) * 4000 <= MAX_SEND_BYTES));
+        assert_eq!(r.last().map(|x| x.1), Some(20));
+    }
+
+    #[test]
+    fn reseal_round_trips() {
+        let mut p = vec![7u8; 1040];
+        let orig = p.clone();
+        let mut id = 0;
+        reseal(&mut p, &mut id, 5);
+        assert_eq!(id, 5);
+        assert_ne!(p, orig);
+        reseal(&mut p, &mut id, 0);
+        assert_eq!(p, orig);
+    }
+}
