@@ -9,6 +9,8 @@
 #   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
 #               libmemcached-tools – the unmodified
 #               programs `scripts/preload-apps.sh` runs under `smc run`
+#   setpriv (util-linux), mount – the hardening tests run `smc` as another uid and mount a
+#                 tiny tmpfs (crates/smc-cli/tests/hardening_cli.rs)
 set -euo pipefail
 
 as_root() {
@@ -29,6 +31,8 @@ command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v llvm-strip >/dev/null 2>&1 || missing+=(llvm)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
+command -v setpriv >/dev/null 2>&1 || missing+=(util-linux)
+command -v mount >/dev/null 2>&1 || missing+=(mount)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "install-deps: installing ${missing[*]}" >&2
     as_root apt-get update -qq

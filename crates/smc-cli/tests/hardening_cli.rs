@@ -134,9 +134,24 @@ fn is_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
-/// `smc` run as `uid` (with `setpriv`), on fabric directory `fab`.
+/// `smc` run as `uid` (with `setpriv`), on fabric directory `fab`. Another uid runs a copy
+/// of the binary in `/tmp` (the build directory may be closed to it).
 fn smc_as(uid: Option<u32>, fab: &Path) -> Command {
-    let exe = env!("CARGO_BIN_EXE_smc");
+    let exe = match uid {
+        Some(_) => {
+            use std::os::unix::fs::PermissionsExt;
+            let copy = std::env::temp_dir().join(format!("smc-hard-bin-{}", std::process::id()));
+            if !copy.exists() {
+                let tmp = copy.with_extension("tmp");
+                std::fs::copy(env!("CARGO_BIN_EXE_smc"), &tmp).expect("copy smc");
+                std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
+                    .expect("chmod");
+                std::fs::rename(&tmp, &copy).expect("rename");
+            }
+            copy
+        }
+        None => PathBuf::from(env!("CARGO_BIN_EXE_smc")),
+    };
     let mut c = match uid {
         Some(u) => {
             let mut c = Command::new("setpriv");
@@ -144,11 +159,11 @@ fn smc_as(uid: Option<u32>, fab: &Path) -> Command {
                 format!("--reuid={u}"),
                 format!("--regid={u}"),
                 "--clear-groups".into(),
-                exe.into(),
             ]);
+            c.arg(&exe);
             c
         }
-        None => Command::new(exe),
+        None => Command::new(&exe),
     };
     c.env("SMC_FABRIC_DIR", fab)
         .env("SMC_DISCOVERY", "assert-peer")
@@ -254,6 +269,9 @@ fn planted_fabric_directory_falls_back_to_tcp() {
         println!("{}: {}", fab.display(), err.trim());
     }
     let _ = std::fs::remove_dir_all(&top);
+    let _ = std::fs::remove_file(
+        std::env::temp_dir().join(format!("smc-hard-bin-{}", std::process::id())),
+    );
 }
 
 /// A fabric directory on a file system out of inodes (ENOSPC): TCP with a warning.
@@ -276,6 +294,14 @@ fn fabric_directory_out_of_inodes_falls_back_to_tcp() {
         let _ = std::fs::remove_dir_all(&top);
         return;
     }
+    // Unmounted however the test ends.
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
     // Use up the inodes.
     for i in 0.. {
         if std::fs::write(mnt.join(format!("f{i}")), b"").is_err() {
@@ -285,7 +311,7 @@ fn fabric_directory_out_of_inodes_falls_back_to_tcp() {
     let fab = mnt.join("fab");
     let err = echo_over_unusable_fabric(None, &fab);
     println!("{}: {}", fab.display(), err.trim());
-    let _ = Command::new("umount").arg(&mnt).status();
+    drop(_unmount);
     let _ = std::fs::remove_dir_all(&top);
 }
 

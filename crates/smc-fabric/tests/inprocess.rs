@@ -709,10 +709,13 @@ fn world_writable_fabric_directory_is_refused() {
     let dir = test_dir("perm");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let cfg = FabricConfig::with_dir(&dir, 1);
-    assert!(matches!(
-        Device::open(&cfg, "shm0"),
-        Err(FabricError::InvalidArgument(_))
-    ));
+    match Device::open(&cfg, "shm0") {
+        Err(FabricError::UntrustedDirectory { why, .. }) => {
+            assert!(why.contains("writable by others"), "{why}")
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a world-writable fabric directory was used"),
+    }
 }
 
 /// Every SEND the sender saw complete with success was received (RC semantics), even when the

@@ -97,7 +97,7 @@ fn trusted_dir(dir: &Path) -> bool {
 }
 
 /// The control socket of a running stack: its file, and its listening socket (shut down
-/// when the stack goes, which ends the serving thread's `accept`).
+/// when the stack goes, which wakes the serving thread, which then ends).
 pub(crate) struct ControlSocket {
     path: PathBuf,
     listener: Arc<UnixListener>,
@@ -135,6 +135,7 @@ pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<Contro
     let short = smc_fabric::sockpath::SocketPath::new(&path).map_err(std::io::Error::other)?;
     let l = Arc::new(UnixListener::bind(short.as_path())?);
     drop(short);
+    l.set_nonblocking(true)?;
     at_exit::remove(&path);
     let l2 = l.clone();
     let spawned = std::thread::Builder::new()
@@ -148,19 +149,45 @@ pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<Contro
     Ok(sock)
 }
 
-/// Accept clients (blocking: no polling) and answer each in a thread of its own, so that a
-/// client that never sends its query holds up nobody.
+/// Accept clients as they come (sleeping in `poll` until one does: no periodic polling)
+/// and answer each in a thread of its own, so that a client that never sends its query holds
+/// up nobody. The wait is a `poll`, not a blocking `accept`, which would hold a descriptor
+/// number reserved for the whole wait (Linux allots it before it sleeps), and the
+/// listening socket is non-blocking.
 fn serve(l: &UnixListener, inner: Weak<Inner>) {
+    use rustix::event::{PollFd, PollFlags, Timespec};
     let busy = Arc::new(AtomicUsize::new(0));
+    // Only to notice a stack that went away without closing us (the drop shuts the socket
+    // down, which wakes the poll at once).
+    let check = Timespec {
+        tv_sec: 1,
+        tv_nsec: 0,
+    };
     loop {
+        let mut fds = [PollFd::new(l, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&check)) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => {
+                tracing::debug!(%e, "control socket poll failed");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        if inner.strong_count() == 0 {
+            return;
+        }
         let s = match l.accept() {
             Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue
+            }
             Err(e) => {
-                if inner.strong_count() == 0 {
-                    return;
-                }
-                // Out of descriptors: the pending client waits in the backlog meanwhile.
+                // Shut down (the stack is going), or out of descriptors: the pending
+                // client waits in the backlog meanwhile.
                 tracing::debug!(%e, "control socket accept failed");
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
@@ -225,6 +252,7 @@ mod at_exit {
 }
 
 fn answer(stack: &Stack, s: UnixStream) -> std::io::Result<()> {
+    s.set_nonblocking(false)?;
     s.set_read_timeout(Some(QUERY_TIMEOUT))?;
     s.set_write_timeout(Some(QUERY_TIMEOUT))?;
     let mut line = String::new();

@@ -24,6 +24,9 @@ use crate::discovery::Outcome;
 use crate::error::{conn_error, reset_error, FallbackReason, Mode};
 use crate::stack::{Core, Slot, SlotState, Stack, StreamEntry};
 
+mod reactor;
+use reactor::{First, Parked, Reactor, FIRST_BYTES_WAIT, WORKER_WAIT};
+
 /// The CLC eye catcher ("SMCR" in EBCDIC) that starts every CLC message.
 const CLC_EYECATCHER: [u8; 4] = [0xE2, 0xD4, 0xC3, 0xD9];
 /// How long a rendezvous waits for CLC bytes before it looks at its connection's state again
@@ -214,6 +217,8 @@ impl SmcListener {
 impl Drop for SmcListener {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        // Ends the reactor's thread, and with it the handshakes parked there.
+        self.shared.reactor.wake();
         // Wakes the setup workers (accept() fails on a shut-down listening socket).
         let _ = rustix::net::shutdown(&*self.tcp, rustix::net::Shutdown::Both);
         if let Some(d) = &self.stack.inner.discovery {
@@ -250,6 +255,7 @@ fn listen(stack: &Stack, addr: SocketAddr) -> io::Result<SmcListener> {
         queue: std::sync::Mutex::new(AcceptQueue::default()),
         cond: std::sync::Condvar::new(),
         reserve: std::sync::Mutex::new(reserve_fd()),
+        reactor: Reactor::new()?,
     });
     spawn_setup_worker(&shared)?;
     Ok(SmcListener {
@@ -282,7 +288,14 @@ struct AcceptShared {
     /// resources and falls back to TCP, instead of the client waiting in the backlog until
     /// its CLC timer gives up.
     reserve: std::sync::Mutex<Option<OwnedFd>>,
+    /// Where connections whose client is slow wait without a thread of their own.
+    reactor: Reactor,
 }
+
+/// Setup workers at most: each waits at most [`WORKER_WAIT`] for a client before it parks
+/// the connection in the reactor, so a few keep up with any number of handshakes, and a
+/// flood of slow ones makes no thread per connection.
+const MAX_SETUP_WORKERS: usize = 8;
 
 /// A descriptor to keep in reserve (`/dev/null`), if one can be had.
 fn reserve_fd() -> Option<OwnedFd> {
@@ -348,6 +361,11 @@ impl AcceptShared {
     /// A thread of its own finishes the handed handshake `r` (the client is slow, or other
     /// connections wait) and delivers the connection.
     fn finish_elsewhere(self: &Arc<AcceptShared>, r: Box<Rendezvous>) {
+        let r = match self.reactor.park(self, Parked::Handshake(r)) {
+            Ok(()) => return,
+            Err(Parked::Handshake(r)) => r,
+            Err(Parked::FirstBytes { .. }) => return,
+        };
         let shared = self.clone();
         let spawned = std::thread::Builder::new()
             .name("smc-accept".into())
@@ -416,7 +434,7 @@ fn accept_loop(alive: WorkerAlive) {
         }
         match r {
             Ok((sock, peer)) => {
-                if others == 0 {
+                if others == 0 && shared.queue().workers < MAX_SETUP_WORKERS {
                     if let Err(e) = spawn_setup_worker(shared) {
                         // This connection is still set up, here; the next waits for it.
                         tracing::debug!(%e, "no new setup worker");
@@ -426,8 +444,7 @@ fn accept_loop(alive: WorkerAlive) {
                     0 => None,
                     b => Some(b),
                 };
-                let hand_off = &mut |r| shared.hand_off(r);
-                if let Some(r) = setup_accepted(&shared.stack, sock, peer, buffer, hand_off) {
+                if let Some(r) = setup_accepted(shared, sock, peer, buffer) {
                     shared.deliver(r.map(|s| (s, peer)));
                 }
                 {
@@ -460,12 +477,13 @@ fn accept_loop(alive: WorkerAlive) {
 /// the client's rendezvous failed (not the listener's error: the connection is reset) or
 /// `hand_off` took the handshake over.
 fn setup_accepted(
-    stack: &Stack,
+    shared: &Arc<AcceptShared>,
     sock: TcpStream,
     peer: SocketAddr,
     recv_buffer: Option<u32>,
-    hand_off: &mut dyn FnMut(Box<Rendezvous>) -> Result<(), Box<Rendezvous>>,
 ) -> Option<io::Result<SmcStream>> {
+    let stack = &shared.stack;
+    let accepted_at = Instant::now();
     if let Some(b) = recv_buffer {
         // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
         let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, b as usize);
@@ -481,9 +499,45 @@ fn setup_accepted(
             None => Err(FallbackReason::DiscoveryOff),
         },
         DiscoveryMode::AssertPeer => {
-            match starts_with_clc(&sock, stack.config().assert_peer_wait) {
-                Ok(true) => Ok(()),
-                Ok(false) => match sock.set_read_timeout(None) {
+            let wait = stack.config().assert_peer_wait;
+            let mut first = starts_with_clc(&sock, wait.min(FIRST_BYTES_WAIT));
+            if matches!(first, Ok(First::Nothing)) && wait > FIRST_BYTES_WAIT {
+                // A client that says nothing yet waits in the reactor, not in this thread.
+                let parked = Parked::FirstBytes {
+                    sock,
+                    peer,
+                    deadline: accepted_at + wait,
+                    recv_buffer,
+                };
+                match shared.reactor.park(shared, parked) {
+                    Ok(()) => return None,
+                    Err(Parked::FirstBytes { sock: s, .. }) => {
+                        first = starts_with_clc(&s, wait.saturating_sub(accepted_at.elapsed()));
+                        return finish_discovery(shared, s, peer, recv_buffer, first);
+                    }
+                    Err(Parked::Handshake(_)) => return None,
+                }
+            }
+            return finish_discovery(shared, sock, peer, recv_buffer, first);
+        }
+        DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
+    };
+    set_up(shared, sock, peer, recv_buffer, offered)
+}
+
+/// Assert-peer: the rendezvous or the fallback after the client's first bytes said which.
+fn finish_discovery(
+    shared: &Arc<AcceptShared>,
+    sock: TcpStream,
+    peer: SocketAddr,
+    recv_buffer: Option<u32>,
+    first: io::Result<First>,
+) -> Option<io::Result<SmcStream>> {
+    let offered = {
+        {
+            match first {
+                Ok(First::Clc) => Ok(()),
+                Ok(First::Other | First::Nothing) => match sock.set_read_timeout(None) {
                     Ok(()) => Err(FallbackReason::NoProposal),
                     Err(e) => return Some(Err(e)),
                 },
@@ -493,13 +547,36 @@ fn setup_accepted(
                 }
             }
         }
-        DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
     };
+    set_up(shared, sock, peer, recv_buffer, offered)
+}
+
+/// The rendezvous (if SMC-R was offered) or the fallback of an accepted connection. The
+/// rendezvous runs here while the client answers within [`WORKER_WAIT`]; a slower one is
+/// parked in the listener's reactor.
+fn set_up(
+    shared: &Arc<AcceptShared>,
+    sock: TcpStream,
+    peer: SocketAddr,
+    recv_buffer: Option<u32>,
+    offered: Result<(), FallbackReason>,
+) -> Option<io::Result<SmcStream>> {
+    let stack = &shared.stack;
     tracing::debug!(%peer, ?offered, "accepted");
     match offered {
         Ok(()) => {
+            let hand_off = &mut |r| shared.hand_off(r);
             let run = Rendezvous::start(stack, Arc::new(sock), false, recv_buffer, peer)
-                .map(|r| r.run(hand_off));
+                .map(|r| r.run_for(hand_off, Some(WORKER_WAIT)));
+            let run = match run {
+                Ok(Err(slow)) => match shared.reactor.park(shared, Parked::Handshake(slow)) {
+                    Ok(()) => return None,
+                    Err(Parked::Handshake(r)) => Ok(r.run(hand_off)),
+                    Err(Parked::FirstBytes { .. }) => return None,
+                },
+                Ok(Ok(done)) => Ok(done),
+                Err(e) => Err(e),
+            };
             match run {
                 Ok(Some(Ok(s))) => Some(Ok(s)),
                 Ok(None) => None,
@@ -520,21 +597,21 @@ fn setup_accepted(
 }
 
 /// Assert-peer listener: whether the first bytes from the client are a CLC message, waiting
-/// at most `wait` for them. Leaves a read timeout on `sock` (the rendezvous sets its own; a
-/// fallback must clear it).
-fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
+/// at most `wait` for them (`Nothing`: none, or part of an eye catcher, came in that time).
+/// Leaves a read timeout on `sock` (the rendezvous sets its own; a fallback must clear it).
+fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<First> {
     let deadline = Instant::now() + wait;
     let mut buf = [0u8; 4];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Ok(false);
+            return Ok(First::Nothing);
         }
         sock.set_read_timeout(Some(left))?;
         match sock.peek(&mut buf) {
-            Ok(0) => return Ok(false),
-            Ok(n) if buf[..n] != CLC_EYECATCHER[..n] => return Ok(false),
-            Ok(4) => return Ok(true),
+            Ok(0) => return Ok(First::Other),
+            Ok(n) if buf[..n] != CLC_EYECATCHER[..n] => return Ok(First::Other),
+            Ok(4) => return Ok(First::Clc),
             // A partial eye catcher: wait for the rest.
             Ok(_) => std::thread::sleep(Duration::from_millis(1)),
             Err(e)
@@ -543,7 +620,7 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<bool> {
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) =>
             {
-                return Ok(false)
+                return Ok(First::Nothing)
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
@@ -685,9 +762,24 @@ impl Rendezvous {
     /// fails. A server's handshake that waits for the client after answering its Proposal is
     /// offered to `hand_off` first; `None`: taken over (finished elsewhere).
     fn run(
-        mut self: Box<Self>,
+        self: Box<Self>,
         hand_off: &mut dyn FnMut(Box<Rendezvous>) -> Result<(), Box<Rendezvous>>,
     ) -> Option<io::Result<SmcStream>> {
+        match self.run_for(hand_off, None) {
+            Ok(r) => r,
+            // Without a limit the loop ends only with the handshake.
+            Err(_) => Some(Err(io::Error::other("rendezvous stopped"))),
+        }
+    }
+
+    /// [`run`](Self::run) for at most `limit` (if given); `Err`: the handshake still waits
+    /// for its peer after that, given back.
+    fn run_for(
+        mut self: Box<Self>,
+        hand_off: &mut dyn FnMut(Box<Rendezvous>) -> Result<(), Box<Rendezvous>>,
+        limit: Option<Duration>,
+    ) -> Result<Option<io::Result<SmcStream>>, Box<Rendezvous>> {
+        let start = Instant::now();
         let result = loop {
             let answered = match self.progress() {
                 Ok(Progress::Setup { answered }) => answered,
@@ -696,15 +788,25 @@ impl Rendezvous {
             };
             if answered {
                 match hand_off(self) {
-                    Ok(()) => return None,
+                    Ok(()) => return Ok(None),
                     Err(back) => self = back,
                 }
             }
-            if let Err(e) = self.wait_and_read(None) {
+            let slice = match limit {
+                Some(l) => {
+                    let left = l.saturating_sub(start.elapsed());
+                    if left.is_zero() {
+                        return Err(self);
+                    }
+                    Some(left.min(RENDEZVOUS_SLICE))
+                }
+                None => None,
+            };
+            if let Err(e) = self.wait_and_read(slice) {
                 break Err(self.abandon(e));
             }
         };
-        Some(finish(result))
+        Ok(Some(finish(result)))
     }
 
     /// In a thread waiting in `accept`: finish a handshake handed to it, unless the client
