@@ -1,0 +1,136 @@
+//! The stack's side of the one-copy send and of the posts it defers.
+
+use super::*;
+
+/// The stack's side of the one-copy send ([`Core::send_direct`]): each RDMA WRITE is posted
+/// straight from the application's slice, and the CDC that announces them as soon as the
+/// engine built it (see [`smc_proto::endpoint::SendPath`]).
+pub(super) struct DirectSend<'a> {
+    pub(super) fab: &'a Fabric,
+    pub(super) failed_posts: &'a mut Vec<(WrId, LinkId, Instant)>,
+    pub(super) deferred: &'a mut HashMap<LinkId, std::collections::VecDeque<Deferred>>,
+    /// A capture records every SEND: those go through the fabric queue (`Core::fabric_op`).
+    pub(super) capturing: bool,
+}
+
+/// Whether work already waits in software for room in `link`'s send queue (the map's
+/// emptiness first: no hashing in the usual case); what is posted next queues behind it.
+pub(super) fn waits_for_room(
+    deferred: &HashMap<LinkId, std::collections::VecDeque<Deferred>>,
+    link: LinkId,
+) -> bool {
+    !deferred.is_empty() && deferred.get(&link).is_some_and(|q| !q.is_empty())
+}
+
+impl smc_proto::endpoint::SendPath for DirectSend<'_> {
+    fn write(&mut self, t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+        let Some(l) = self.fab.links.get(&t.link) else {
+            self.failed_posts.push((t.wr, t.link, Instant::now()));
+            return WriteOutcome::Failed;
+        };
+        let defer = |deferred: &mut HashMap<LinkId, std::collections::VecDeque<Deferred>>| {
+            deferred
+                .entry(t.link)
+                .or_default()
+                .push_back(Deferred::Write {
+                    wr: t.wr,
+                    rkey: t.rkey,
+                    addr: t.addr,
+                    data: piece.to_vec(),
+                    signaled: false,
+                });
+            // Queued in software: the engine keeps its replay copy until the CDC after it
+            // completes.
+            WriteOutcome::Posted
+        };
+        if waits_for_room(self.deferred, t.link) {
+            // Behind work already waiting for room: keep the order.
+            return defer(self.deferred);
+        }
+        let posted = l.qp.post_send_status(&SendWr::WriteInline {
+            wr_id: t.wr.0,
+            data: piece,
+            remote_addr: t.addr,
+            rkey: t.rkey,
+            // Only a failure is of interest (see `Endpoint::send_with`): no completion
+            // to queue and process per WRITE.
+            signaled: false,
+        });
+        match posted {
+            Ok(PostStatus::Executed) => WriteOutcome::Placed,
+            Ok(PostStatus::Queued) => WriteOutcome::Posted,
+            Err(smc_fabric::FabricError::QueueFull) => defer(self.deferred),
+            Err(_) => {
+                self.failed_posts.push((t.wr, t.link, Instant::now()));
+                WriteOutcome::Failed
+            }
+        }
+    }
+
+    fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
+        if self.capturing || waits_for_room(self.deferred, link) {
+            return false;
+        }
+        let Some(l) = self.fab.links.get(&link) else {
+            return false;
+        };
+        // Anything but a plain success (a full queue, a failure) is left to the fabric
+        // queue, whose handling (`Core::post_or_defer`) defers or fails it.
+        Deferred::Send { wr, msg: *msg }.post(&l.qp).is_ok()
+    }
+}
+
+/// A work request waiting for room in its link's send queue.
+#[derive(Debug)]
+pub(super) enum Deferred {
+    /// An LLC or CDC message.
+    Send { wr: WrId, msg: [u8; 44] },
+    /// An RDMA WRITE of application bytes (copied: the application's slice is gone).
+    Write {
+        wr: WrId,
+        rkey: u32,
+        addr: u64,
+        data: Vec<u8>,
+        /// Whether a success completes too (the direct send path wants only failures).
+        signaled: bool,
+    },
+}
+
+impl Deferred {
+    pub(super) fn wr(&self) -> WrId {
+        match self {
+            Deferred::Send { wr, .. } | Deferred::Write { wr, .. } => *wr,
+        }
+    }
+
+    pub(super) fn post(&self, qp: &smc_fabric::QueuePair) -> smc_fabric::Result<()> {
+        match self {
+            Deferred::Send { wr, msg } => qp.post_send(&SendWr::Send {
+                wr_id: wr.0,
+                data: msg,
+                signaled: true,
+            }),
+            Deferred::Write {
+                wr,
+                rkey,
+                addr,
+                data,
+                signaled,
+            } => qp.post_send(&SendWr::WriteInline {
+                wr_id: wr.0,
+                data,
+                remote_addr: *addr,
+                rkey: *rkey,
+                signaled: *signaled,
+            }),
+        }
+    }
+}
+
+/// Send a RST instead of a FIN when the socket closes (when the stream, which shares the
+/// descriptor, has gone too); the slot lets go of the socket and stops watching it.
+pub(super) fn reset_socket(sock: Option<crate::tcpwatch::SlotSock>) {
+    if let Some(s) = sock {
+        let _ = rustix::net::sockopt::set_socket_linger(s.tcp(), Some(Duration::ZERO));
+    }
+}
