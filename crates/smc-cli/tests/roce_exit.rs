@@ -10,74 +10,22 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn root_with_ip() -> bool {
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
-    let ip = Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !root || !ip {
-        eprintln!("skipped: needs root and iproute2 (network namespaces and a veth pair)");
+mod netns;
+use netns::{root_with_ip, NsPair};
+
+/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) on one veth pair (netns::NsPair).
+struct Net(NsPair);
+
+impl std::ops::Deref for Net {
+    type Target = NsPair;
+    fn deref(&self) -> &NsPair {
+        &self.0
     }
-    root && ip
-}
-
-fn run(args: &[&str]) {
-    let o = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect("run command");
-    assert!(
-        o.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) on one veth pair; removed on drop.
-struct Net {
-    a: String,
-    b: String,
-    n: u8,
-    tag: String,
-    dir: PathBuf,
 }
 
 impl Net {
     fn new() -> Net {
-        let pid = std::process::id();
-        let tag = format!("{:x}", pid % 0xFFFF);
-        let n = 90 + (pid % 7) as u8;
-        let net = Net {
-            a: format!("smcxa{tag}"),
-            b: format!("smcxb{tag}"),
-            n,
-            tag: tag.clone(),
-            dir: std::env::temp_dir().join(format!("smc-roce-exit-{tag}")),
-        };
-        let _ = std::fs::create_dir_all(&net.dir);
-        run(&["ip", "netns", "add", &net.a]);
-        run(&["ip", "netns", "add", &net.b]);
-        let (va, vb) = (net.veth('a'), net.veth('b'));
-        run(&[
-            "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
-        ]);
-        run(&["ip", "link", "set", &va, "netns", &net.a]);
-        run(&["ip", "link", "set", &vb, "netns", &net.b]);
-        for (ns, v, host) in [(&net.a, &va, 1), (&net.b, &vb, 2)] {
-            let addr = format!("10.{}.1.{host}/24", net.n);
-            run(&["ip", "-n", ns, "addr", "add", &addr, "dev", v]);
-            run(&["ip", "-n", ns, "link", "set", v, "up"]);
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-        }
-        net
-    }
-
-    fn veth(&self, side: char) -> String {
-        format!("x{side}{}", self.tag)
+        Net(NsPair::new('x', "", 90 + (std::process::id() % 7) as u8, 1))
     }
 
     fn fabric_dir(&self, side: char) -> PathBuf {
@@ -89,7 +37,7 @@ impl Net {
         let ns = if side == 'a' { &self.a } else { &self.b };
         Command::new("ip")
             .args(["netns", "exec", ns, "env"])
-            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side)))
+            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side, 0)))
             .arg(format!(
                 "SMC_FABRIC_DIR={}",
                 self.fabric_dir(side).display()
@@ -130,14 +78,6 @@ fn count_groups(v: &serde_json::Value) -> usize {
         serde_json::Value::Object(o) if o.contains_key("links") => 1,
         serde_json::Value::Object(o) => o.values().map(count_groups).sum(),
         _ => 0,
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
-        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

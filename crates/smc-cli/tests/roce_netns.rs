@@ -14,88 +14,23 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
+mod netns;
+use netns::{root_with_ip, run, sha256_file, wait, NsPair};
 
-fn root_with_ip() -> bool {
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
-    let ip = Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !root || !ip {
-        eprintln!("skipped: needs root and iproute2 (network namespaces and veth pairs)");
+/// Two namespaces joined by veth pairs 0 and 1 (netns::NsPair), with the `smc nc` of this test.
+struct Net(NsPair);
+
+impl std::ops::Deref for Net {
+    type Target = NsPair;
+    fn deref(&self) -> &NsPair {
+        &self.0
     }
-    root && ip
-}
-
-fn run(args: &[&str]) {
-    let o = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect("run command");
-    assert!(
-        o.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Two namespaces `a` and `b` joined by veth pairs 0 and 1 (subnets 10.N.1.0/24 and
-/// 10.N.2.0/24; `a` is .1, `b` is .2). Removed on drop.
-struct Net {
-    a: String,
-    b: String,
-    n: u8,
-    tag: String,
-    dir: PathBuf,
 }
 
 impl Net {
     fn new(test: u8) -> Net {
-        let pid = std::process::id();
-        let tag = format!("{:x}{test}", pid % 0xFFFF);
-        let n = 60 + test * 3 + (pid % 3) as u8;
-        let net = Net {
-            a: format!("smcra{tag}"),
-            b: format!("smcrb{tag}"),
-            n,
-            tag: tag.clone(),
-            dir: std::env::temp_dir().join(format!("smc-roce-test-{tag}")),
-        };
-        let _ = std::fs::create_dir_all(&net.dir);
-        run(&["ip", "netns", "add", &net.a]);
-        run(&["ip", "netns", "add", &net.b]);
-        for k in 0..2 {
-            let (va, vb) = (net.veth('a', k), net.veth('b', k));
-            run(&[
-                "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
-            ]);
-            run(&["ip", "link", "set", &va, "netns", &net.a]);
-            run(&["ip", "link", "set", &vb, "netns", &net.b]);
-            for (ns, v, host) in [(&net.a, &va, 1), (&net.b, &vb, 2)] {
-                let addr = format!("10.{}.{}.{host}/24", net.n, k + 1);
-                run(&["ip", "-n", ns, "addr", "add", &addr, "dev", v]);
-                run(&["ip", "-n", ns, "link", "set", v, "up"]);
-                run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-            }
-        }
-        net
-    }
-
-    fn veth(&self, side: char, k: u8) -> String {
-        format!("r{side}{k}{}", self.tag)
-    }
-
-    fn addr(&self, side: char, k: u8) -> String {
-        format!(
-            "10.{}.{}.{}",
-            self.n,
-            k + 1,
-            if side == 'a' { 1 } else { 2 }
-        )
+        let n = 60 + test * 3 + (std::process::id() % 3) as u8;
+        Net(NsPair::new('r', &test.to_string(), n, 2))
     }
 
     /// `smc nc` in namespace `side` with roce devices on both veths (r1 also serves the
@@ -127,21 +62,6 @@ impl Net {
     }
 }
 
-impl Drop for Net {
-    fn drop(&mut self) {
-        // Deleting a namespace deletes the veth ends inside it.
-        let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
-        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn sha256_file(p: &Path) -> [u8; 32] {
-    let mut h = Sha256::new();
-    h.update(std::fs::read(p).expect("read"));
-    h.finalize().into()
-}
-
 fn input(dir: &Path, len: usize) -> PathBuf {
     let p = dir.join("in");
     let mut f = File::create(&p).expect("create");
@@ -155,26 +75,6 @@ fn input(dir: &Path, len: usize) -> PathBuf {
     }
     f.write_all(&buf).expect("write");
     p
-}
-
-fn wait(mut c: Child, limit: Duration, what: &str) -> String {
-    let end = Instant::now() + limit;
-    loop {
-        if let Some(st) = c.try_wait().expect("wait") {
-            let mut err = String::new();
-            if let Some(mut e) = c.stderr.take() {
-                use std::io::Read;
-                let _ = e.read_to_string(&mut err);
-            }
-            assert!(st.success(), "{what} failed: {st}: {err}");
-            return err;
-        }
-        if Instant::now() > end {
-            let _ = c.kill();
-            panic!("{what} did not finish in {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Send `len` bytes from namespace b to a; `during` runs once the receiver has `trigger`

@@ -6,85 +6,32 @@
 //! process owning its destination QPN on both sides.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use sha2::{Digest, Sha256};
+mod netns;
+use netns::{root_with_ip, sha256_file, wait, NsPair};
 
-fn root_with_ip() -> bool {
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
-    let ip = Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !root || !ip {
-        eprintln!("skipped: needs root and iproute2 (network namespaces and veth pairs)");
+/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) joined by one veth pair (netns::NsPair).
+struct Net(NsPair);
+
+impl std::ops::Deref for Net {
+    type Target = NsPair;
+    fn deref(&self) -> &NsPair {
+        &self.0
     }
-    root && ip
-}
-
-fn run(args: &[&str]) {
-    let o = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect("run command");
-    assert!(
-        o.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) joined by one veth pair; removed on drop.
-struct Net {
-    a: String,
-    b: String,
-    n: u8,
-    tag: String,
-    dir: PathBuf,
 }
 
 impl Net {
     fn new() -> Net {
-        let pid = std::process::id();
-        let tag = format!("{:x}s", pid % 0xFFFF);
-        let n = 120 + (pid % 7) as u8;
-        let net = Net {
-            a: format!("smcsa{tag}"),
-            b: format!("smcsb{tag}"),
-            n,
-            tag: tag.clone(),
-            dir: std::env::temp_dir().join(format!("smc-roce-shared-{tag}")),
-        };
-        std::fs::create_dir_all(&net.dir).expect("test dir");
-        run(&["ip", "netns", "add", &net.a]);
-        run(&["ip", "netns", "add", &net.b]);
-        let (va, vb) = (net.veth('a'), net.veth('b'));
-        run(&[
-            "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
-        ]);
-        run(&["ip", "link", "set", &va, "netns", &net.a]);
-        run(&["ip", "link", "set", &vb, "netns", &net.b]);
-        for (ns, v, side) in [(&net.a, &va, 'a'), (&net.b, &vb, 'b')] {
-            let addr = format!("{}/24", net.addr(side));
-            run(&["ip", "-n", ns, "addr", "add", &addr, "dev", v]);
-            run(&["ip", "-n", ns, "link", "set", v, "up"]);
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-        }
-        net
-    }
-
-    fn veth(&self, side: char) -> String {
-        format!("s{side}{}", self.tag)
-    }
-
-    fn addr(&self, side: char) -> String {
-        format!("10.{}.1.{}", self.n, if side == 'a' { 1 } else { 2 })
+        Net(NsPair::new(
+            's',
+            "s",
+            120 + (std::process::id() % 7) as u8,
+            1,
+        ))
     }
 
     /// `smc nc` in namespace `side` with one roce device on the veth; every process of a side
@@ -93,7 +40,7 @@ impl Net {
         let ns = if side == 'a' { &self.a } else { &self.b };
         Command::new("ip")
             .args(["netns", "exec", ns, "env"])
-            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side)))
+            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side, 0)))
             .arg(format!("SMC_FABRIC_DIR={}/{side}", self.dir.display()))
             .arg("SMC_DISCOVERY=assert-peer")
             .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
@@ -106,20 +53,6 @@ impl Net {
             .spawn()
             .expect("spawn smc nc")
     }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
-        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn sha256_file(p: &Path) -> [u8; 32] {
-    let mut h = Sha256::new();
-    h.update(std::fs::read(p).expect("read"));
-    h.finalize().into()
 }
 
 /// `len` pseudo-random bytes, different for every `seed`.
@@ -139,26 +72,6 @@ fn input(dir: &Path, seed: u64, len: usize) -> PathBuf {
     p
 }
 
-fn wait(mut c: Child, limit: Duration, what: &str) -> String {
-    let end = Instant::now() + limit;
-    loop {
-        if let Some(st) = c.try_wait().expect("wait") {
-            let mut err = String::new();
-            if let Some(mut e) = c.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
-            assert!(st.success(), "{what} failed: {st}: {err}");
-            return err;
-        }
-        if Instant::now() > end {
-            let _ = c.kill();
-            let _ = c.wait();
-            panic!("{what} did not finish in {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn roce_three_processes_share_one_address() {
     if !root_with_ip() {
@@ -173,7 +86,7 @@ fn roce_three_processes_share_one_address() {
         let port = (7100 + i).to_string();
         let s = net.nc(
             'a',
-            &["-v", "-l", &port, "--bind", &net.addr('a')],
+            &["-v", "-l", &port, "--bind", &net.addr('a', 0)],
             Stdio::null(),
             Stdio::from(File::create(&out).expect("out")),
         );
@@ -194,7 +107,7 @@ fn roce_three_processes_share_one_address() {
         let port = (7100 + i).to_string();
         let c = net.nc(
             'b',
-            &["-v", &net.addr('a'), &port],
+            &["-v", &net.addr('a', 0), &port],
             Stdio::from(File::open(&src).expect("in")),
             Stdio::null(),
         );

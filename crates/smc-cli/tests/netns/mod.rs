@@ -1,0 +1,146 @@
+//! What the root tests of the roce device share: two network namespaces `a` and `b` joined by
+//! veth pairs, and the helpers to run commands and wait for them. Each test binary includes this
+//! module (`mod netns;`) and uses the parts it needs.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+/// Whether this process may create namespaces and veths (root with iproute2); says why not.
+pub fn root_with_ip() -> bool {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+    let ip = Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !root || !ip {
+        eprintln!("skipped: needs root and iproute2 (network namespaces and veth pairs)");
+    }
+    root && ip
+}
+
+/// Run a command that must succeed.
+pub fn run(args: &[&str]) {
+    let o = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("run command");
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Namespaces `a` and `b` joined by `pairs` veth pairs: pair k on 10.N.(k+1).0/24, `a` is .1
+/// and `b` is .2. Everything is removed on drop (deleting a namespace deletes its veth ends).
+pub struct NsPair {
+    pub a: String,
+    pub b: String,
+    pub n: u8,
+    pub dir: PathBuf,
+    letter: char,
+    tag: String,
+}
+
+impl NsPair {
+    /// `letter` tells this test's namespaces, veths and scratch directory from other tests';
+    /// `tag` is appended to the process id in their names; `n` is the second octet.
+    pub fn new(letter: char, tag: &str, n: u8, pairs: u8) -> NsPair {
+        let tag = format!("{:x}{tag}", std::process::id() % 0xFFFF);
+        let net = NsPair {
+            a: format!("smc{letter}a{tag}"),
+            b: format!("smc{letter}b{tag}"),
+            n,
+            dir: std::env::temp_dir().join(format!("smc-roce-{letter}-{tag}")),
+            letter,
+            tag,
+        };
+        std::fs::create_dir_all(&net.dir).expect("test dir");
+        run(&["ip", "netns", "add", &net.a]);
+        run(&["ip", "netns", "add", &net.b]);
+        for k in 0..pairs {
+            let (va, vb) = (net.veth('a', k), net.veth('b', k));
+            run(&[
+                "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
+            ]);
+            run(&["ip", "link", "set", &va, "netns", &net.a]);
+            run(&["ip", "link", "set", &vb, "netns", &net.b]);
+            for side in ['a', 'b'] {
+                let (ns, v) = (net.ns(side), net.veth(side, k));
+                let addr = format!("{}/24", net.addr(side, k));
+                run(&["ip", "-n", ns, "addr", "add", &addr, "dev", &v]);
+                run(&["ip", "-n", ns, "link", "set", &v, "up"]);
+                run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+            }
+        }
+        net
+    }
+
+    /// The namespace of `side` ('a' or 'b').
+    pub fn ns(&self, side: char) -> &str {
+        if side == 'a' {
+            &self.a
+        } else {
+            &self.b
+        }
+    }
+
+    /// The veth of pair `k` on `side`.
+    pub fn veth(&self, side: char, k: u8) -> String {
+        format!("{}{side}{k}{}", self.letter, self.tag)
+    }
+
+    /// The address of `side` on pair `k`.
+    pub fn addr(&self, side: char, k: u8) -> String {
+        format!(
+            "10.{}.{}.{}",
+            self.n,
+            k + 1,
+            if side == 'a' { 1 } else { 2 }
+        )
+    }
+}
+
+impl Drop for NsPair {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The SHA-256 of a file.
+pub fn sha256_file(p: &Path) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(std::fs::read(p).expect("read"));
+    h.finalize().into()
+}
+
+/// Wait at most `limit` for `c` to exit successfully; its stderr.
+pub fn wait(mut c: Child, limit: Duration, what: &str) -> String {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(st) = c.try_wait().expect("wait") {
+            let mut err = String::new();
+            if let Some(mut e) = c.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            assert!(st.success(), "{what} failed: {st}: {err}");
+            return err;
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("{what} did not finish in {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
