@@ -222,7 +222,9 @@ pub fn llc_from_v2(m: LlcV2Message) -> Option<LlcMessage> {
             // the first (the engine only uses the mask to know whether any failed).
             let invalid = d.invalid_count.min(8);
             let error_mask = if d.reply && invalid > 0 {
-                !(0xFFu8 >> invalid)
+                // `invalid` is the peer's and may be 8: a shift by the whole width is not
+                // defined for u8, so 8 invalid rkeys mark all eight.
+                !0xFFu8.checked_shr(u32::from(invalid)).unwrap_or(0)
             } else {
                 0
             };
@@ -243,6 +245,32 @@ mod tests {
     use super::*;
     use smc_wire::examples::bytes;
     use smc_wire::SendMessage;
+
+    #[test]
+    fn delete_rkey_reply_invalid_count_from_the_peer() {
+        // The count of invalid rkeys is the peer's: every value 0..=255 maps to a mask, 8 and
+        // more to all eight (found by the engine fuzz target: a shift by 8 overflowed).
+        for (invalid, mask) in [
+            (0u8, 0u8),
+            (1, 0x80),
+            (3, 0xE0),
+            (7, 0xFE),
+            (8, 0xFF),
+            (255, 0xFF),
+        ] {
+            let m = LlcV2Message::DeleteRkey(DeleteRkeyV2 {
+                reply: true,
+                negative: invalid > 0,
+                count: 8,
+                invalid_count: invalid,
+                rkeys: vec![0; 8],
+            });
+            let Some(LlcMessage::DeleteRkey(d)) = llc_from_v2(m) else {
+                panic!("DELETE RKEY has a v1 view")
+            };
+            assert_eq!(d.error_mask, mask, "invalid {invalid}");
+        }
+    }
 
     #[test]
     fn v2_llc_out_and_back() {
