@@ -1897,7 +1897,11 @@ impl Endpoint {
             let reply = LlcMessage::DeleteRkey(DeleteRkey {
                 reply: true,
                 negative: true,
-                error_mask: 0xFF << (8 - d.valid_rkeys().len().min(8)),
+                // Every rkey the request names failed; a request naming none (the count is the
+                // peer's) has no failed rkey to mark, and a shift by the whole width is undefined.
+                error_mask: 0xFFu8
+                    .checked_shl(8 - d.valid_rkeys().len().min(8) as u32)
+                    .unwrap_or(0),
                 ..d
             });
             self.post_llc(lgr, via, reply, None, now);
