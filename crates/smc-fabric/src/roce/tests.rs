@@ -364,6 +364,11 @@ fn forged_packets() {
     assert_eq!(wait_for(|c| c.remote_access_errors), 1);
     b.rmb.read_at(0, &mut back).expect("read");
     assert_eq!(back, [0u8; 64], "a wrong rkey writes nothing");
+    // The receive thread counts the error before it moves the QP to Error: wait for the state.
+    let end = Instant::now() + Duration::from_secs(5);
+    while b.qp.state() != QpState::Error && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
     assert_eq!(
         b.qp.state(),
         QpState::Error,
