@@ -4,6 +4,7 @@
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -24,6 +25,13 @@ pub struct NcArgs {
     /// Print the connection mode (SMC-R or TCP and why) and addresses on stderr.
     #[arg(short, long)]
     verbose: bool,
+    /// Client: instead of copying stdin, send SIZE bytes and wait for SIZE bytes back (from an
+    /// echo listener), again and again for `--time`; print round-trip latencies on stdout.
+    #[arg(long, value_name = "SIZE", conflicts_with = "listen")]
+    pingpong: Option<usize>,
+    /// How long `--pingpong` runs, in seconds.
+    #[arg(long, default_value_t = 2.0, requires = "pingpong")]
+    time: f64,
     /// Host to connect to.
     host: Option<String>,
     /// Port to connect to.
@@ -42,7 +50,10 @@ pub fn run(args: &NcArgs) -> Result<ExitCode> {
             let s = SmcStream::connect_with(&stack, (host.as_str(), port))
                 .with_context(|| format!("connecting to {host}:{port}"))?;
             report(args, &s);
-            pump(s)?;
+            match args.pingpong {
+                Some(size) => pingpong(s, size, Duration::from_secs_f64(args.time.max(0.0)))?,
+                None => pump(s)?,
+            }
             Ok(ExitCode::SUCCESS)
         }
         _ => bail!("usage: smc nc -l PORT [--echo] | smc nc HOST PORT"),
@@ -143,6 +154,49 @@ fn pump(mut s: SmcStream) -> Result<()> {
     writer
         .join()
         .map_err(|_| anyhow::anyhow!("the stdin thread panicked"))??;
+    Ok(())
+}
+
+/// `--pingpong SIZE`: round trips of SIZE bytes through an echo listener for `time`; the
+/// echoed bytes are checked against the sent ones. Prints one line on stdout:
+/// `pingpong SIZE round_trips N p50_us X p99_us Y mean_us Z`.
+fn pingpong(mut s: SmcStream, size: usize, time: Duration) -> Result<()> {
+    if size == 0 {
+        bail!("--pingpong needs a size of at least one byte");
+    }
+    let _ = s.set_nodelay(true);
+    let mut out = vec![0u8; size];
+    let mut back = vec![0u8; size];
+    let mut rtts: Vec<Duration> = Vec::new();
+    let start = Instant::now();
+    let mut round: u64 = 0;
+    while start.elapsed() < time || rtts.is_empty() {
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = (round as usize).wrapping_add(i) as u8;
+        }
+        let t = Instant::now();
+        s.write_all(&out)
+            .map_err(|e| write_error(e, round * size as u64))?;
+        s.read_exact(&mut back)
+            .context("reading the echo from the connection")?;
+        rtts.push(t.elapsed());
+        if back != out {
+            bail!("round trip {round}: the echoed bytes differ from the sent ones");
+        }
+        round += 1;
+    }
+    let _ = s.shutdown(Shutdown::Write);
+    let total: Duration = rtts.iter().sum();
+    let mean = total / rtts.len() as u32;
+    rtts.sort();
+    let pct = |p: usize| rtts[(rtts.len() * p / 100).min(rtts.len() - 1)];
+    println!(
+        "pingpong {size} round_trips {} p50_us {:.1} p99_us {:.1} mean_us {:.1}",
+        rtts.len(),
+        pct(50).as_secs_f64() * 1e6,
+        pct(99).as_secs_f64() * 1e6,
+        mean.as_secs_f64() * 1e6
+    );
     Ok(())
 }
 

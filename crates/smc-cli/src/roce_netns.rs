@@ -173,6 +173,78 @@ impl Net {
     }
 }
 
+impl Net {
+    /// Round trips of `size` bytes from b to an echo listener in a for `secs`; returns the
+    /// client's line (`pingpong SIZE round_trips N p50_us X p99_us Y mean_us Z`) parsed.
+    fn pingpong(&self, smc: bool, size: usize, secs: f64) -> Result<PingPong> {
+        let mut server = self.nc(
+            'a',
+            smc,
+            &["-v", "-l", "7001", "--echo", "--bind", &self.addr('a', 0)],
+            Stdio::null(),
+            Stdio::null(),
+        )?;
+        std::thread::sleep(Duration::from_millis(300));
+        let size_s = size.to_string();
+        let secs_s = secs.to_string();
+        let client = self.nc(
+            'b',
+            smc,
+            &[
+                "-v",
+                &self.addr('a', 0),
+                "7001",
+                "--pingpong",
+                &size_s,
+                "--time",
+                &secs_s,
+            ],
+            Stdio::null(),
+            Stdio::piped(),
+        );
+        let result = client.and_then(|mut c| {
+            let mut out = String::new();
+            if let Some(mut o) = c.stdout.take() {
+                o.read_to_string(&mut out)?;
+            }
+            let err = finish(c, "ping-pong client")?;
+            let want = if smc { "over SMC-R" } else { "over TCP" };
+            if !err.contains(want) {
+                bail!("the ping-pong connection did not run {want}:\n{err}");
+            }
+            PingPong::parse(&out)
+        });
+        let _ = server.kill();
+        let _ = server.wait();
+        result
+    }
+}
+
+/// One `smc nc --pingpong` result.
+#[derive(Debug, Clone, Copy)]
+struct PingPong {
+    round_trips: u64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+impl PingPong {
+    fn parse(line: &str) -> Result<PingPong> {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let field = |name: &str| -> Result<&str> {
+            f.iter()
+                .position(|w| *w == name)
+                .and_then(|i| f.get(i + 1).copied())
+                .with_context(|| format!("no {name} in the ping-pong output {line:?}"))
+        };
+        Ok(PingPong {
+            round_trips: field("round_trips")?.parse()?,
+            p50_us: field("p50_us")?.parse()?,
+            p99_us: field("p99_us")?.parse()?,
+        })
+    }
+}
+
 impl Drop for Net {
     fn drop(&mut self) {
         // Deleting a namespace deletes the veth ends inside it.
@@ -297,5 +369,34 @@ pub fn bench(bytes: u64, rounds: usize) -> Result<ExitCode> {
     println!("  SMC-R (software RoCEv2): {:8.1} MB/s", mbs(s));
     println!("  TCP (same veth)        : {:8.1} MB/s", mbs(t));
     println!("  ratio SMC-R / TCP      : {:8.2}x", t / s);
+    // Ping-pong: SMC-R and TCP alternate, each round of each size; medians of the p50s.
+    let secs = if bytes <= 64 << 20 { 1.0 } else { 2.0 };
+    println!(
+        "ping-pong between the namespaces (smc nc --pingpong against --echo, {secs} s per round, \
+         median over {} rounds of each round's p50 / p99)",
+        smc.len()
+    );
+    println!(
+        "  {:>7}  {:>12} {:>12}  {:>12} {:>12}  {:>9}",
+        "size", "SMC-R p50", "SMC-R p99", "TCP p50", "TCP p99", "p50 ratio"
+    );
+    for size in [64usize, 1024, 16 * 1024] {
+        let (mut sp, mut tp) = (Vec::new(), Vec::new());
+        for _ in 0..rounds.max(1) {
+            sp.push(net.pingpong(true, size, secs)?);
+            tp.push(net.pingpong(false, size, secs)?);
+        }
+        let med = |v: &[PingPong], f: fn(&PingPong) -> f64| {
+            let mut x: Vec<f64> = v.iter().map(f).collect();
+            median(&mut x)
+        };
+        let (s50, s99) = (med(&sp, |p| p.p50_us), med(&sp, |p| p.p99_us));
+        let (t50, t99) = (med(&tp, |p| p.p50_us), med(&tp, |p| p.p99_us));
+        let n: u64 = sp.iter().chain(&tp).map(|p| p.round_trips).sum();
+        println!(
+            "  {size:>7}  {s50:>9.1} µs {s99:>9.1} µs  {t50:>9.1} µs {t99:>9.1} µs  {:>8.2}x   ({n} round trips)",
+            s50 / t50
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }

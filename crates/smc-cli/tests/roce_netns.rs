@@ -151,6 +151,63 @@ fn roce_faults_leave_data_intact() {
     transfer(&net, 10 << 20, &faults, 0, || {});
 }
 
+/// Request/response (`smc nc --pingpong` against an echo listener), where the thread that
+/// waits for the reply receives the device's datagrams itself: clean and with 1 % loss,
+/// reordering and duplication (retransmissions then come from the device thread's timers);
+/// every echo is checked byte for byte by the client.
+#[test]
+fn roce_pingpong_with_and_without_faults() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = Net::new(5);
+    for (i, faults) in ["", "r0:drop=1,r0:reorder=1,r0:dup=1,r1:drop=1"]
+        .into_iter()
+        .enumerate()
+    {
+        let port = (7100 + i).to_string();
+        let server = net.nc(
+            'a',
+            &["-v", "-l", &port, "--echo", "--bind", &net.addr('a', 0)],
+            faults,
+            Stdio::null(),
+            Stdio::null(),
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        let mut client = net.nc(
+            'b',
+            &[
+                "-v",
+                &net.addr('a', 0),
+                &port,
+                "--pingpong",
+                "3000",
+                "--time",
+                "1",
+            ],
+            faults,
+            Stdio::null(),
+            Stdio::piped(),
+        );
+        let mut out = String::new();
+        std::io::Read::read_to_string(client.stdout.as_mut().expect("stdout"), &mut out)
+            .expect("read");
+        let err = wait(client, Duration::from_secs(60), "ping-pong client");
+        let mut server = server;
+        let _ = server.kill();
+        let _ = server.wait();
+        assert!(err.contains("over SMC-R"), "faults {faults:?}: {err}");
+        let trips: u64 = out
+            .split_whitespace()
+            .skip_while(|w| *w != "round_trips")
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("faults {faults:?}: no round trips in {out:?}"));
+        println!("faults {faults:?}: {out}");
+        assert!(trips > 0, "faults {faults:?}: {out}");
+    }
+}
+
 /// A peer killed with SIGKILL: the survivor's connection is reset by SMC-R's own timers
 /// (TEST LINK keepalive every second here), not left hanging.
 #[test]
@@ -246,7 +303,14 @@ fn roce_capture_decodes_and_every_icrc_verifies() {
         .stderr(Stdio::null())
         .spawn()
         .expect("tshark");
-    std::thread::sleep(Duration::from_millis(1500));
+    // tshark's capture child writes the file's header once it captures: waited for, since a
+    // loaded machine takes seconds to start tshark (a fixed pause captured nothing in CI).
+    let end = Instant::now() + Duration::from_secs(60);
+    while std::fs::metadata(&pcap).map(|m| m.len()).unwrap_or(0) < 24 {
+        assert!(Instant::now() < end, "tshark did not start capturing in 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
     transfer(&net, 1 << 20, "", 0, || {});
     std::thread::sleep(Duration::from_millis(500));
     // SIGINT: tshark writes out what it has and ends.

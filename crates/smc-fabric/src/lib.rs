@@ -709,6 +709,22 @@ impl PrefetchHint {
     }
 }
 
+/// See [`CompletionQueue::receive_wait`]; dropping it ends the promise.
+pub struct ReceiveWait<'a>(roce::ReceiveWait<'a>);
+
+impl<'a> ReceiveWait<'a> {
+    /// Readable when there is something to [`receive`](Self::receive).
+    pub fn fd(&self) -> BorrowedFd<'a> {
+        self.0.fd()
+    }
+
+    /// Receive what is waiting (completions land in their queues); returns how many
+    /// datagrams were received.
+    pub fn receive(&self) -> usize {
+        self.0.receive()
+    }
+}
+
 /// A completion queue with a completion channel.
 ///
 /// Busy polling: call [`poll`](Self::poll) in a loop (no system call while peers are active).
@@ -737,6 +753,18 @@ impl CompletionQueue {
         match &self.inner {
             CqImpl::Shm(c) => c.maybe_ready(),
             CqImpl::Roce(_, c) => c.maybe_ready(),
+        }
+    }
+
+    /// For a thread about to sleep on [`fd`](Self::fd): on a software RoCE device, a promise
+    /// to receive on the device's socket itself — sleep on [`ReceiveWait::fd`] as well and
+    /// call [`ReceiveWait::receive`] when it is readable; the device's own thread leaves the
+    /// socket to it meanwhile (one wake-up on a reply's path instead of two). `None` on the
+    /// shm fabric, whose peers fill the queues themselves.
+    pub fn receive_wait(&self) -> Option<ReceiveWait<'_>> {
+        match &self.inner {
+            CqImpl::Shm(_) => None,
+            CqImpl::Roce(d, c) => Some(ReceiveWait(roce::ReceiveWait::new(&d.core, c))),
         }
     }
 

@@ -7,7 +7,7 @@ use crate::shm::mem;
 use crate::types::WorkCompletion;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,9 @@ pub(crate) struct RoceCq {
     queue: Mutex<VecDeque<WorkCompletion>>,
     queued: AtomicBool,
     cond: Condvar,
+    /// Threads blocked in [`wait`](RoceCq::wait): without one, a push wakes nobody (no
+    /// futex system call on every completion).
+    sleepers: AtomicUsize,
     armed: AtomicBool,
     bell: OwnedFd,
 }
@@ -27,6 +30,7 @@ impl RoceCq {
             queue: Mutex::new(VecDeque::new()),
             queued: AtomicBool::new(false),
             cond: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
             bell: mem::new_eventfd()?,
         })
@@ -44,7 +48,12 @@ impl RoceCq {
             any
         };
         if any {
-            self.cond.notify_all();
+            // A sleeper counts itself under the queue's lock before it looks at the queue,
+            // and the push above was made under that lock: either it saw the completion or
+            // it is counted here.
+            if self.sleepers.load(Ordering::Acquire) > 0 {
+                self.cond.notify_all();
+            }
             // Pairs with the fence in `req_notify`: either the waiter sees `queued` or we see
             // `armed` (a store followed by a load of another location needs a full fence).
             std::sync::atomic::fence(Ordering::SeqCst);
@@ -89,11 +98,13 @@ impl RoceCq {
                 drop(q);
                 return Ok(self.poll(out));
             }
+            self.sleepers.fetch_add(1, Ordering::AcqRel);
             match deadline {
                 None => q = self.cond.wait(q).unwrap_or_else(|e| e.into_inner()),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
+                        self.sleepers.fetch_sub(1, Ordering::AcqRel);
                         return Ok(0);
                     }
                     q = self
@@ -103,7 +114,14 @@ impl RoceCq {
                         .0;
                 }
             }
+            self.sleepers.fetch_sub(1, Ordering::AcqRel);
         }
+    }
+
+    /// Disarm the channel without reading it: for the thread that armed it and is about to
+    /// receive the completions itself (see `ReceiveWait`), whose own pushes need ring nobody.
+    pub(crate) fn disarm(&self) {
+        self.armed.store(false, Ordering::Release);
     }
 
     pub(crate) fn req_notify(&self) {

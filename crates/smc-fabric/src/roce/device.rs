@@ -56,6 +56,11 @@ pub(crate) fn bump(c: &AtomicU64) {
 
 /// Smallest interval at which the progress thread looks at timers while QPs exist.
 pub(crate) const TICK: Duration = Duration::from_millis(2);
+
+/// How long the progress thread leaves a readable socket to an application thread that sleeps
+/// on it ([`ReceiveWait`]) before it looks again: a datagram that arrives just as that thread
+/// stops waiting is received at most this late.
+const HANDOFF: Duration = Duration::from_micros(200);
 /// How often the netdev's state is looked at.
 const PORT_CHECK: Duration = Duration::from_millis(50);
 
@@ -92,6 +97,55 @@ pub(crate) struct RoceCore {
     shutdown: AtomicBool,
     /// Destroyed QPs still delivering their last requests (kept alive here).
     lingering: Mutex<Vec<Arc<RoceQp>>>,
+    /// The receive path's state. Whoever holds it receives: the progress thread after its
+    /// `poll` wakes, or an application thread that slept on the socket ([`ReceiveWait`]).
+    rx: Mutex<RxState>,
+    /// Application threads asleep on the socket that will receive when it wakes them (see
+    /// [`ReceiveWait`]): while there is one, the progress thread leaves the datagrams to it.
+    rx_waiters: AtomicU32,
+}
+
+/// An application thread's promise to receive on a device's socket when it becomes readable
+/// (it sleeps on [`fd`](Self::fd) and calls [`receive`](Self::receive)). While one is held the
+/// device's own thread does not receive, so the reply to a request reaches the thread that
+/// waits for it with one wake-up — the kernel's — instead of two.
+pub(crate) struct ReceiveWait<'a> {
+    core: &'a RoceCore,
+    /// The waiter's completion queue, armed by it before it sleeps.
+    cq: &'a super::RoceCq,
+}
+
+impl<'a> ReceiveWait<'a> {
+    pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
+        core.rx_waiters.fetch_add(1, Ordering::AcqRel);
+        ReceiveWait { core, cq }
+    }
+
+    pub(crate) fn fd(&self) -> rustix::fd::BorrowedFd<'a> {
+        self.core.sock.as_fd()
+    }
+
+    /// Receive what is waiting; returns how many datagrams.
+    pub(crate) fn receive(&self) -> usize {
+        // The waiter polls its queue next: what lands there need not ring its channel.
+        self.cq.disarm();
+        let mut st = lock(&self.core.rx);
+        self.core.receive_pending(&mut st)
+    }
+}
+
+impl Drop for ReceiveWait<'_> {
+    fn drop(&mut self) {
+        self.core.rx_waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What receiving needs: the QP and MR tables as last seen, the `recvmmsg` buffers and the
+/// ACKs the current batch owes.
+pub(crate) struct RxState {
+    tables: Tables,
+    ring: RxRing,
+    batch: RxBatch,
 }
 
 /// The largest path MTU rxe would offer on a netdev of this MTU: the netdev MTU less 80 bytes
@@ -548,6 +602,17 @@ impl RoceHandle {
             faults: any_fault.then(|| Mutex::new(faults)),
             shutdown: AtomicBool::new(false),
             lingering: Mutex::new(Vec::new()),
+            rx: Mutex::new(RxState {
+                tables: Tables {
+                    qps_gen: u64::MAX,
+                    qps: HashMap::new(),
+                    mrs_gen: u64::MAX,
+                    mrs: HashMap::new(),
+                },
+                ring: RxRing::new(),
+                batch: RxBatch::default(),
+            }),
+            rx_waiters: AtomicU32::new(0),
         });
         {
             let mut d = lock(&DEVICES);
@@ -701,19 +766,49 @@ impl RxRing {
     }
 }
 
+impl RoceCore {
+    /// Receive and handle every datagram waiting on the socket (up to [`BATCH`] rounds of one
+    /// `recvmmsg` each), then send the ACKs they owe; returns how many were received.
+    fn receive_pending(&self, st: &mut RxState) -> usize {
+        st.tables.refresh(self);
+        let mut total = 0;
+        for _ in 0..BATCH {
+            let got = st.ring.receive(&self.sock);
+            total += got;
+            for i in 0..got {
+                let (from, data) = st.ring.datagram(i);
+                bump(&self.counters.rx_packets);
+                self.counters
+                    .rx_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+                st.tables.refresh(self);
+                super::qp::receive(
+                    self,
+                    &st.tables,
+                    &mut st.batch,
+                    *from.ip(),
+                    from.port(),
+                    data,
+                );
+            }
+            if got < BATCH {
+                break;
+            }
+        }
+        st.batch.flush(self);
+        total
+    }
+}
+
 fn run(core: Arc<RoceCore>) {
-    let mut tables = Tables {
-        qps_gen: u64::MAX,
-        qps: HashMap::new(),
-        mrs_gen: u64::MAX,
-        mrs: HashMap::new(),
-    };
-    let mut rx = RxRing::new();
-    let mut batch = RxBatch::default();
     let mut last_port_check = Instant::now();
     while !core.shutdown.load(Ordering::Acquire) {
-        tables.refresh(&core);
-        let timeout = if tables.qps.is_empty() {
+        let idle = {
+            let mut st = lock(&core.rx);
+            st.tables.refresh(&core);
+            st.tables.qps.is_empty()
+        };
+        let timeout = if idle {
             Duration::from_millis(20)
         } else {
             TICK
@@ -727,27 +822,22 @@ fn run(core: Arc<RoceCore>) {
             rustix::event::PollFlags::IN,
         )];
         let _ = rustix::event::poll(&mut fds, Some(&ts));
-        // Up to BATCH rounds of one recvmmsg of up to BATCH datagrams each.
-        for _ in 0..BATCH {
-            let got = rx.receive(&core.sock);
-            for i in 0..got {
-                let (from, data) = rx.datagram(i);
-                bump(&core.counters.rx_packets);
-                core.counters
-                    .rx_bytes
-                    .fetch_add(data.len() as u64, Ordering::Relaxed);
-                tables.refresh(&core);
-                super::qp::receive(&core, &tables, &mut batch, *from.ip(), from.port(), data);
-            }
-            if got < BATCH {
-                break;
-            }
+        if !fds[0].revents().is_empty() && core.rx_waiters.load(Ordering::Acquire) > 0 {
+            // An application thread sleeping on the socket was woken by the same datagram
+            // and receives it: stay off the socket (and off the receive lock) a moment.
+            std::thread::sleep(HANDOFF);
         }
-        batch.flush(&core);
-        let now = Instant::now();
-        for qp in tables.qps.values() {
-            qp.on_tick(now);
-        }
+        let now = {
+            let mut st = lock(&core.rx);
+            if core.rx_waiters.load(Ordering::Acquire) == 0 {
+                core.receive_pending(&mut st);
+            }
+            let now = Instant::now();
+            for qp in st.tables.qps.values() {
+                qp.on_tick(now);
+            }
+            now
+        };
         {
             let mut l = lock(&core.lingering);
             if !l.is_empty() {

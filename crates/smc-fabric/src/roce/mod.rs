@@ -21,7 +21,7 @@ mod qp;
 mod steer;
 
 pub(crate) use cq::RoceCq;
-pub(crate) use device::{snapshot, RoceHandle};
+pub(crate) use device::{snapshot, ReceiveWait, RoceHandle};
 pub(crate) use mr::RoceMr;
 pub(crate) use qp::{RoceQp, MAX_SEND};
 

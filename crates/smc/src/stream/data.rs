@@ -264,6 +264,9 @@ impl SmcStream {
             }
             if !core.poll_completions(&mut wcs) {
                 drop(core);
+                // The completion channels, and the sockets of software RoCE devices: a
+                // datagram wakes this thread, which receives it itself (no hop through the
+                // device's thread on the path of a reply).
                 let mut fds: Vec<rustix::event::PollFd<'_>> = inner
                     .cqs
                     .iter()
@@ -274,6 +277,11 @@ impl SmcStream {
                         )
                     })
                     .collect();
+                let receivers: Vec<smc_fabric::ReceiveWait<'_>> =
+                    inner.cqs.iter().filter_map(|c| c.receive_wait()).collect();
+                fds.extend(receivers.iter().map(|r| {
+                    rustix::event::PollFd::from_borrowed_fd(r.fd(), rustix::event::PollFlags::IN)
+                }));
                 let ts = rustix::event::Timespec {
                     tv_sec: wait.as_secs() as i64,
                     tv_nsec: i64::from(wait.subsec_nanos()),
@@ -281,11 +289,17 @@ impl SmcStream {
                 let _ = rustix::event::poll(&mut fds, Some(&ts));
                 let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
                 drop(fds);
-                for (cq, r) in inner.cqs.iter().zip(ready) {
-                    if r {
+                for (cq, r) in inner.cqs.iter().zip(&ready) {
+                    if *r {
                         cq.ack_notify();
                     }
                 }
+                for (r, readable) in receivers.iter().zip(&ready[inner.cqs.len()..]) {
+                    if *readable {
+                        r.receive();
+                    }
+                }
+                drop(receivers);
                 if adaptive {
                     self.spin
                         .slept(spin.unwrap_or_default().min(wait), slept.elapsed());
