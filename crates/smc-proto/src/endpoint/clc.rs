@@ -28,6 +28,7 @@ use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, Peer
 use crate::rmb_pool::{PeerRmbeKey, RmbPool};
 use crate::rmbe::RmbeLayout;
 use crate::time::Timestamp;
+use crate::timer::DeadlineMap;
 
 /// Linux's flag bits in CONFIRM LINK: "no RMBE eye catcher" (wire-formats.md §1 item 1).
 const CONFIRM_LINK_NO_EYECATCHER: bool = true;
@@ -1255,20 +1256,22 @@ impl Endpoint {
         ok: bool,
         now: Timestamp,
     ) {
-        let waiting: Vec<TcpId> = self
-            .entries
-            .iter()
-            .filter_map(|(t, e)| match e {
-                Entry::Setup(h) => match &h.state {
+        // A setup holding an element of the group's RMB is one of the group's connections.
+        let group: Vec<TcpId> = self
+            .lgrs
+            .get(&lgr)
+            .map(|g| g.conns.iter().copied().collect())
+            .unwrap_or_default();
+        let waiting: Vec<TcpId> = group
+            .into_iter()
+            .filter(|t| match self.entries.get(t) {
+                Some(Entry::Setup(h)) => matches!(
+                    &h.state,
                     HsState::ClientAwaitRkey { setup, .. }
                     | HsState::ServerAwaitRkey { setup, .. }
-                        if setup.lgr == lgr && setup.alloc.handle.rmb == rmb =>
-                    {
-                        Some(*t)
-                    }
-                    _ => None,
-                },
-                _ => None,
+                        if setup.lgr == lgr && setup.alloc.handle.rmb == rmb
+                ),
+                _ => false,
             })
             .collect();
         for tcp in waiting {
@@ -1916,7 +1919,7 @@ pub(super) fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
 /// confirming it on every link (nothing could be written over a link lacking its RToken).
 pub(super) fn least_loaded_link(
     g: &LinkGroup,
-    entries: &BTreeMap<TcpId, Entry>,
+    entries: &DeadlineMap<TcpId, Entry>,
     peer_rmb: usize,
 ) -> Option<u8> {
     g.active_links()
@@ -1926,9 +1929,13 @@ pub(super) fn least_loaded_link(
                 .is_some_and(|r| r.tokens.contains_key(&l.num))
         })
         .map(|l| {
-            let n = entries
-                .values()
-                .filter(|e| matches!(e, Entry::Smc(c) if c.lgr == g.id && c.send_link == l.num))
+            // The group's own connections (at most `max_conns_per_lgr`), not the endpoint's.
+            let n = g
+                .conns
+                .iter()
+                .filter(|t| {
+                    matches!(entries.get(t), Some(Entry::Smc(c)) if c.lgr == g.id && c.send_link == l.num)
+                })
                 .count();
             (n, l.num)
         })

@@ -577,11 +577,16 @@ impl Endpoint {
     /// Link `failed` of `lgr` is gone: move every connection that sent on it to a surviving
     /// link.
     pub(super) fn failover_link(&mut self, lgr: LgrId, failed: u8, now: Timestamp) {
-        let moving: Vec<TcpId> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| matches!(e, Entry::Smc(c) if c.lgr == lgr && c.send_link == failed))
-            .map(|(t, _)| *t)
+        let group: Vec<TcpId> = self
+            .lgrs
+            .get(&lgr)
+            .map(|g| g.conns.iter().copied().collect())
+            .unwrap_or_default();
+        let moving: Vec<TcpId> = group
+            .into_iter()
+            .filter(|t| {
+                matches!(self.entries.get(t), Some(Entry::Smc(c)) if c.lgr == lgr && c.send_link == failed)
+            })
             .collect();
         for tcp in moving {
             let Some(g) = self.lgrs.get(&lgr) else {
