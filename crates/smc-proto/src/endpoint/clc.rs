@@ -28,7 +28,6 @@ use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, Peer
 use crate::rmb_pool::{PeerRmbeKey, RmbPool};
 use crate::rmbe::RmbeLayout;
 use crate::time::Timestamp;
-use crate::timer::DeadlineMap;
 
 /// Linux's flag bits in CONFIRM LINK: "no RMBE eye catcher" (wire-formats.md §1 item 1).
 const CONFIRM_LINK_NO_EYECATCHER: bool = true;
@@ -1801,7 +1800,7 @@ impl Endpoint {
         //# with this RMBE.
         let conflict = g.peer_rmbes.claim(peer_key, tcp);
         // Spread connections over the links: each side chooses its own (§2.3).
-        let send_link = least_loaded_link(g, &self.entries, peer_rmb).unwrap_or(peer_link);
+        let send_link = least_loaded_link(g, peer_rmb).unwrap_or(peer_link);
         let peer_element_offset =
             u64::from(peer.rmbe_size.bytes()) * u64::from(peer.rmbe_idx.saturating_sub(1));
         let route = super::SendRoute::of(g, peer_rmb, peer_element_offset, send_link);
@@ -1859,6 +1858,9 @@ impl Endpoint {
                 held: false,
             })),
         );
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.add_sender(send_link);
+        }
         self.alerts.insert(setup.alert, tcp);
         self.stats.established += 1;
         self.events.push_back(EndpointEvent::Established {
@@ -1917,28 +1919,14 @@ pub(super) fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
 /// which the peer's RMB `peer_rmb` is known. With both peers following §3.5.5.2.1 that is
 /// every active link; the filter only guards against a peer that names an RMB in CLC before
 /// confirming it on every link (nothing could be written over a link lacking its RToken).
-pub(super) fn least_loaded_link(
-    g: &LinkGroup,
-    entries: &DeadlineMap<TcpId, Entry>,
-    peer_rmb: usize,
-) -> Option<u8> {
+pub(super) fn least_loaded_link(g: &LinkGroup, peer_rmb: usize) -> Option<u8> {
     g.active_links()
         .filter(|l| {
             g.peer_rmbs
                 .get(peer_rmb)
                 .is_some_and(|r| r.tokens.contains_key(&l.num))
         })
-        .map(|l| {
-            // The group's own connections (at most `max_conns_per_lgr`), not the endpoint's.
-            let n = g
-                .conns
-                .iter()
-                .filter(|t| {
-                    matches!(entries.get(t), Some(Entry::Smc(c)) if c.lgr == g.id && c.send_link == l.num)
-                })
-                .count();
-            (n, l.num)
-        })
+        .map(|l| (g.senders_on(l.num), l.num))
         .min()
         .map(|(_, num)| num)
 }
