@@ -337,6 +337,9 @@ pub struct LinkGroup {
     pub peer_rmbes: PeerRmbeRegistry<TcpId>,
     /// The connections (established or being set up) on this group.
     pub conns: BTreeSet<TcpId>,
+    /// How many established connections of the group send on each link (by link number),
+    /// for choosing the least loaded link without visiting every connection.
+    senders: BTreeMap<u8, usize>,
     /// The link exchange in progress.
     pub link_exchange: Option<LinkExchange>,
     /// Our RKey exchange in progress.
@@ -410,6 +413,7 @@ impl LinkGroup {
             peer_rmbs: Vec::new(),
             peer_rmbes: PeerRmbeRegistry::new(),
             conns: BTreeSet::new(),
+            senders: BTreeMap::new(),
             link_exchange: None,
             rkey_exchange: None,
             pending: VecDeque::new(),
@@ -442,6 +446,26 @@ impl LinkGroup {
     /// Active links, in link-number order.
     pub fn active_links(&self) -> impl Iterator<Item = &Link> {
         self.links.values().filter(|l| l.state == LinkState::Active)
+    }
+
+    /// How many established connections of the group send on link `num`.
+    pub fn senders_on(&self, num: u8) -> usize {
+        self.senders.get(&num).copied().unwrap_or(0)
+    }
+
+    /// An established connection sends on link `num` from now on.
+    pub(crate) fn add_sender(&mut self, num: u8) {
+        *self.senders.entry(num).or_insert(0) += 1;
+    }
+
+    /// An established connection no longer sends on link `num` (moved or gone).
+    pub(crate) fn remove_sender(&mut self, num: u8) {
+        if let Some(n) = self.senders.get_mut(&num) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.senders.remove(&num);
+            }
+        }
     }
 
     /// The number of active links.

@@ -43,11 +43,13 @@ mod fabric;
 mod introspect;
 mod runtime;
 mod send;
+mod slots;
 
 pub(crate) use fabric::Fabric;
 use fabric::{open_fabric, LinkQp};
 use runtime::runtime;
 use send::{reset_socket, waits_for_room, Deferred, DirectSend};
+pub(crate) use slots::{Slot, Slots};
 
 /// Receive buffers posted per QP.
 const RECV_SLOTS: u64 = 128;
@@ -89,60 +91,6 @@ pub(crate) enum SlotState {
     },
     /// Reset during setup.
     Reset(ResetReason),
-}
-
-/// One connection known to the stack.
-#[derive(Debug)]
-pub(crate) struct Slot {
-    pub(crate) state: SlotState,
-    /// The TCP socket (CLC messages are written on it; reset on `SendTcpReset`): the same
-    /// descriptor as the stream's, shared, not a duplicate (one fd per connection). Dropped
-    /// (and taken out of the reset watch) on reset or when the slot goes; the descriptor
-    /// closes when the stream has gone too.
-    pub(crate) sock: Option<crate::tcpwatch::SlotSock>,
-    /// The established connection failed.
-    pub(crate) error: Option<ConnError>,
-    /// The engine reached `Closed`.
-    pub(crate) closed: bool,
-    /// The application dropped its stream.
-    pub(crate) dropped: bool,
-    /// Our alert token (set when established).
-    pub(crate) token: Option<u32>,
-    /// Event loops waiting on this connection (tokio streams), if any.
-    pub(crate) notify: Option<Arc<Notifiers>>,
-    /// Blocked readers and writers of this connection that do not poll the completion
-    /// queues themselves wait here (with the core mutex).
-    pub(crate) cond: Arc<Condvar>,
-    /// How many threads wait on `cond` (it is signalled only then: no system call otherwise).
-    pub(crate) waiters: u32,
-    /// Signalled when the setup ends (established, fell back, reset), for a rendezvous that
-    /// waits for an LLC exchange another thread handles: made only then (an eventfd).
-    pub(crate) setup_waker: Option<Arc<rustix::fd::OwnedFd>>,
-}
-
-impl Slot {
-    /// A new slot in state `Setup` for socket `sock`.
-    pub(crate) fn new(sock: Arc<TcpStream>) -> Slot {
-        Slot {
-            state: SlotState::Setup,
-            sock: Some(crate::tcpwatch::SlotSock::new(sock)),
-            error: None,
-            closed: false,
-            dropped: false,
-            token: None,
-            notify: None,
-            cond: Arc::new(Condvar::new()),
-            waiters: 0,
-            setup_waker: None,
-        }
-    }
-
-    /// Wake the rendezvous thread of this slot, if it sleeps on its waker.
-    fn setup_ended(&self) {
-        if let Some(w) = &self.setup_waker {
-            Notifiers::signal(w);
-        }
-    }
 }
 
 /// Two eventfds per connection, for event loops: one signalled when reading may progress
@@ -229,7 +177,7 @@ fn gid_ip(gid: &[u8; 16]) -> std::net::Ipv4Addr {
 pub(crate) struct Core {
     pub(crate) ep: Endpoint,
     pub(crate) fab: Fabric,
-    pub(crate) slots: HashMap<TcpId, Slot>,
+    pub(crate) slots: Slots,
     pub(crate) stats: StackStats,
     /// The endpoint's clock: the TSC where it is invariant (quanta calibrates it against the
     /// monotonic clock, and falls back to that clock elsewhere). A data-path message needs a
@@ -526,7 +474,7 @@ impl Core {
         let on = self
             .slots
             .get(&tcp)
-            .is_some_and(|s| s.waiters > 0 || s.notify.is_some());
+            .is_some_and(|s| s.waiters > 0 || s.notify().is_some());
         // (Not established yet, or gone: nothing to set; establishment calls this again.)
         let _ = self.ep.set_readable_events(tcp, on);
     }
@@ -553,9 +501,8 @@ impl Core {
     /// application thread does: a rendezvous in progress (its LLC exchanges must not wait for
     /// an application thread) or an event loop waiting on eventfds.
     fn needs_runtime_polling(&self) -> bool {
-        self.slots
-            .values()
-            .any(|s| matches!(s.state, SlotState::Setup) || s.notify.is_some())
+        // Counted by the table, not looked for: the runtime thread asks on every turn.
+        self.slots.any_polled()
     }
 
     /// Wake event loops and threads waiting on connection `tcp`.
@@ -567,7 +514,7 @@ impl Core {
         if s.waiters > 0 {
             s.cond.notify_all();
         }
-        if let Some(n) = s.notify.as_ref() {
+        if let Some(n) = s.notify() {
             if read {
                 n.read_count
                     .fetch_add(1, std::sync::atomic::Ordering::Release);
@@ -618,8 +565,7 @@ impl Core {
                     .ep
                     .connection(tcp)
                     .map(|c| c.config().local_alert_token);
-                if let Some(s) = self.slots.get_mut(&tcp) {
-                    s.state = SlotState::Smc;
+                if let Some(s) = self.slots.set_state(&tcp, SlotState::Smc) {
                     s.token = token;
                     s.setup_ended();
                 }
@@ -631,19 +577,27 @@ impl Core {
                 leftover,
             } => {
                 // Counted when the stream is built (`SmcStream::fallback`).
-                if let Some(s) = self.slots.get_mut(&tcp) {
-                    s.state = SlotState::FellBack {
-                        reason: reason.into(),
-                        leftover,
-                    };
+                let state = SlotState::FellBack {
+                    reason: reason.into(),
+                    leftover,
+                };
+                if let Some(s) = self.slots.set_state(&tcp, state) {
                     s.setup_ended();
                 }
             }
             EndpointEvent::Reset { tcp, reason } => {
                 self.stats.setup_resets += 1;
-                if let Some(s) = self.slots.get_mut(&tcp) {
-                    if matches!(s.state, SlotState::Setup) {
-                        s.state = SlotState::Reset(reason);
+                let setup = self
+                    .slots
+                    .get(&tcp)
+                    .is_some_and(|s| matches!(s.state(), SlotState::Setup));
+                let slot = if setup {
+                    self.slots.set_state(&tcp, SlotState::Reset(reason))
+                } else {
+                    self.slots.get_mut(&tcp)
+                };
+                if let Some(s) = slot {
+                    if setup {
                         s.setup_ended();
                     } else if let ResetReason::Connection(e) = reason {
                         s.error.get_or_insert(e);
@@ -1045,7 +999,7 @@ impl Stack {
         let core = Core {
             ep: Endpoint::new(ec),
             fab,
-            slots: HashMap::new(),
+            slots: Slots::default(),
             stats: StackStats::default(),
             clock: clock.clone(),
             start: clock.raw(),
@@ -1252,7 +1206,7 @@ impl Stack {
     /// How the connection `tcp` runs (internal helper for streams).
     pub(crate) fn slot_mode(&self, tcp: TcpId) -> Option<Mode> {
         let core = self.inner.lock();
-        core.slots.get(&tcp).and_then(|s| match &s.state {
+        core.slots.get(&tcp).and_then(|s| match s.state() {
             SlotState::Smc => Some(Mode::Smc),
             SlotState::FellBack { reason, .. } => Some(Mode::Tcp(*reason)),
             _ => None,

@@ -211,15 +211,11 @@ impl SmcStream {
             return Ok(None);
         };
         let mut core = self.stack.inner.lock();
-        let Some(slot) = core.slots.get_mut(&h.id) else {
+        let Some(notify) = core.slots.notifiers(&h.id)? else {
             return Err(io::ErrorKind::NotConnected.into());
         };
-        if slot.notify.is_none() {
-            slot.notify = Some(Arc::new(crate::stack::Notifiers::new()?));
-        }
-        let notify = slot.notify.clone();
         core.sync_readable_events(h.id);
-        Ok(notify)
+        Ok(Some(notify))
     }
 
     /// Over TCP: the socket and the bytes read during the rendezvous, for event loops. The

@@ -1255,20 +1255,22 @@ impl Endpoint {
         ok: bool,
         now: Timestamp,
     ) {
-        let waiting: Vec<TcpId> = self
-            .entries
-            .iter()
-            .filter_map(|(t, e)| match e {
-                Entry::Setup(h) => match &h.state {
+        // A setup holding an element of the group's RMB is one of the group's connections.
+        let group: Vec<TcpId> = self
+            .lgrs
+            .get(&lgr)
+            .map(|g| g.conns.iter().copied().collect())
+            .unwrap_or_default();
+        let waiting: Vec<TcpId> = group
+            .into_iter()
+            .filter(|t| match self.entries.get(t) {
+                Some(Entry::Setup(h)) => matches!(
+                    &h.state,
                     HsState::ClientAwaitRkey { setup, .. }
                     | HsState::ServerAwaitRkey { setup, .. }
-                        if setup.lgr == lgr && setup.alloc.handle.rmb == rmb =>
-                    {
-                        Some(*t)
-                    }
-                    _ => None,
-                },
-                _ => None,
+                        if setup.lgr == lgr && setup.alloc.handle.rmb == rmb
+                ),
+                _ => false,
             })
             .collect();
         for tcp in waiting {
@@ -1798,7 +1800,7 @@ impl Endpoint {
         //# with this RMBE.
         let conflict = g.peer_rmbes.claim(peer_key, tcp);
         // Spread connections over the links: each side chooses its own (§2.3).
-        let send_link = least_loaded_link(g, &self.entries, peer_rmb).unwrap_or(peer_link);
+        let send_link = least_loaded_link(g, peer_rmb).unwrap_or(peer_link);
         let peer_element_offset =
             u64::from(peer.rmbe_size.bytes()) * u64::from(peer.rmbe_idx.saturating_sub(1));
         let route = super::SendRoute::of(g, peer_rmb, peer_element_offset, send_link);
@@ -1856,6 +1858,9 @@ impl Endpoint {
                 held: false,
             })),
         );
+        if let Some(g) = self.lgrs.get_mut(&lgr) {
+            g.add_sender(send_link);
+        }
         self.alerts.insert(setup.alert, tcp);
         self.stats.established += 1;
         self.events.push_back(EndpointEvent::Established {
@@ -1914,24 +1919,14 @@ pub(super) fn negotiated_max_links(ours: u8, theirs: u8) -> u8 {
 /// which the peer's RMB `peer_rmb` is known. With both peers following §3.5.5.2.1 that is
 /// every active link; the filter only guards against a peer that names an RMB in CLC before
 /// confirming it on every link (nothing could be written over a link lacking its RToken).
-pub(super) fn least_loaded_link(
-    g: &LinkGroup,
-    entries: &BTreeMap<TcpId, Entry>,
-    peer_rmb: usize,
-) -> Option<u8> {
+pub(super) fn least_loaded_link(g: &LinkGroup, peer_rmb: usize) -> Option<u8> {
     g.active_links()
         .filter(|l| {
             g.peer_rmbs
                 .get(peer_rmb)
                 .is_some_and(|r| r.tokens.contains_key(&l.num))
         })
-        .map(|l| {
-            let n = entries
-                .values()
-                .filter(|e| matches!(e, Entry::Smc(c) if c.lgr == g.id && c.send_link == l.num))
-                .count();
-            (n, l.num)
-        })
+        .map(|l| (g.senders_on(l.num), l.num))
         .min()
         .map(|(_, num)| num)
 }

@@ -159,6 +159,7 @@ impl Endpoint {
             let _ = g.pool.release(c.local);
             g.peer_rmbes.release(c.peer_key, tcp);
             g.conns.remove(&tcp);
+            g.remove_sender(c.send_link);
         }
         self.maybe_idle(c.lgr, now);
     }
@@ -577,11 +578,16 @@ impl Endpoint {
     /// Link `failed` of `lgr` is gone: move every connection that sent on it to a surviving
     /// link.
     pub(super) fn failover_link(&mut self, lgr: LgrId, failed: u8, now: Timestamp) {
-        let moving: Vec<TcpId> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| matches!(e, Entry::Smc(c) if c.lgr == lgr && c.send_link == failed))
-            .map(|(t, _)| *t)
+        let group: Vec<TcpId> = self
+            .lgrs
+            .get(&lgr)
+            .map(|g| g.conns.iter().copied().collect())
+            .unwrap_or_default();
+        let moving: Vec<TcpId> = group
+            .into_iter()
+            .filter(|t| {
+                matches!(self.entries.get(t), Some(Entry::Smc(c)) if c.lgr == lgr && c.send_link == failed)
+            })
             .collect();
         for tcp in moving {
             let Some(g) = self.lgrs.get(&lgr) else {
@@ -593,7 +599,7 @@ impl Endpoint {
             let Some(Entry::Smc(c)) = self.entries.get(&tcp) else {
                 continue;
             };
-            let Some(new) = super::clc::least_loaded_link(g, &self.entries, c.peer_rmb) else {
+            let Some(new) = super::clc::least_loaded_link(g, c.peer_rmb) else {
                 // No surviving link knows the peer's RMB: nothing can be written any more.
                 self.conn_link_group_lost(tcp, now);
                 continue;
@@ -609,7 +615,7 @@ impl Endpoint {
             return;
         };
         let lgr = c.lgr;
-        let Some(g) = self.lgrs.get(&lgr) else {
+        let Some(g) = self.lgrs.get_mut(&lgr) else {
             return;
         };
         if !g.links.contains_key(&new) {
@@ -631,6 +637,8 @@ impl Endpoint {
             replay = c.unacked.len(),
             "failover"
         );
+        g.remove_sender(c.send_link);
+        g.add_sender(new);
         c.send_link = new;
         c.route = Some(route);
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.1

@@ -24,6 +24,7 @@ use crate::fabric::{Device, DeviceId, FabricOp, LgrId, LinkId, RemoteQp, Resourc
 use crate::link_group::LinkGroup;
 use crate::rmb_pool::{PeerRmbeKey, RmbPoolConfig, RmbeAllocation, RmbeHandle};
 use crate::time::Timestamp;
+use crate::timer::DeadlineMap;
 
 pub use clc::{subnet_matches, ConnectOptions, Handshake};
 pub use v2::{llc_from_v2 as llc_view_of_v2, LgrV2, SmcVersions, V2_MAX_LINKS};
@@ -399,6 +400,15 @@ enum Entry {
     Smc(Box<SmcConn>),
 }
 
+impl crate::timer::HasDeadline for Entry {
+    fn deadline(&self) -> Option<Timestamp> {
+        match self {
+            Entry::Setup(h) => h.deadline(),
+            Entry::Smc(c) => c.conn.poll_timeout(),
+        }
+    }
+}
+
 /// The RMBE and alert token a connection got during its setup.
 #[derive(Debug, Clone, Copy)]
 struct LocalSetup {
@@ -459,7 +469,10 @@ pub const RETIRED_LINKS: usize = 64;
 pub struct Endpoint {
     config: EndpointConfig,
     lgrs: BTreeMap<LgrId, LinkGroup>,
-    entries: BTreeMap<TcpId, Entry>,
+    /// Indexed by their timers' deadlines: `poll_timeout`, asked after every input, must
+    /// not visit every connection (it did, and setting up 10,000 connections took 0.47 ms
+    /// each instead of 0.28 ms for 2,000).
+    entries: DeadlineMap<TcpId, Entry>,
     /// Alert token → connection (established or awaiting Confirm).
     alerts: BTreeMap<u32, TcpId>,
     /// Link id → (group, link number).
@@ -518,7 +531,7 @@ impl Endpoint {
         Endpoint {
             config,
             lgrs: BTreeMap::new(),
-            entries: BTreeMap::new(),
+            entries: DeadlineMap::new(),
             alerts: BTreeMap::new(),
             links: BTreeMap::new(),
             retired_links: VecDeque::new(),
@@ -619,27 +632,14 @@ impl Endpoint {
         if self.parked.iter().any(|p| self.parked_runnable(p)) {
             return Some(Timestamp::ZERO);
         }
-        let hs = self.entries.values().filter_map(|e| match e {
-            Entry::Setup(h) => h.deadline(),
-            Entry::Smc(c) => c.conn.poll_timeout(),
-        });
         let lg = self.lgrs.values().filter_map(|g| g.next_deadline());
-        hs.chain(lg).min()
+        lg.chain(self.entries.next_deadline()).min()
     }
 
     /// Fire every timer due at `now`.
     pub fn handle_timeout(&mut self, res: &mut dyn Resources, now: Timestamp) {
         self.run_parked(res, now);
-        let due: Vec<TcpId> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| match e {
-                Entry::Setup(h) => h.deadline().is_some_and(|d| d <= now),
-                Entry::Smc(c) => c.conn.poll_timeout().is_some_and(|d| d <= now),
-            })
-            .map(|(t, _)| *t)
-            .collect();
-        for tcp in due {
+        for tcp in self.entries.due(now) {
             match self.entries.get_mut(&tcp) {
                 Some(Entry::Setup(_)) => self.handshake_timeout(tcp, res, now),
                 Some(Entry::Smc(c)) => {

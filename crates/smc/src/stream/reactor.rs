@@ -8,7 +8,7 @@
 //! its handshake ended. Parked handshakes are also looked at every [`SWEEP`], so that one the
 //! runtime ended (a CLC or LLC timer) leaves at once.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsFd, OwnedFd};
@@ -134,6 +134,67 @@ struct Entry {
     waker: Option<Arc<OwnedFd>>,
 }
 
+/// The parked entries by number, and the first-bytes deadlines among them in order: a turn
+/// of the thread finds the next deadline and the expired ones without visiting every parked
+/// connection (a flood parks thousands; each event would otherwise cost a visit of all).
+#[derive(Default)]
+struct ParkedSet {
+    entries: HashMap<u64, Entry>,
+    /// `(deadline, id)` of every `Parked::FirstBytes` entry.
+    first_bytes: BTreeSet<(Instant, u64)>,
+}
+
+impl ParkedSet {
+    fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn first_bytes_deadline(e: &Entry) -> Option<Instant> {
+        match &e.parked {
+            Parked::FirstBytes { deadline, .. } => Some(*deadline),
+            Parked::Handshake(_) => None,
+        }
+    }
+
+    fn insert(&mut self, id: u64, e: Entry) {
+        self.remove(id);
+        if let Some(d) = Self::first_bytes_deadline(&e) {
+            self.first_bytes.insert((d, id));
+        }
+        self.entries.insert(id, e);
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        let e = self.entries.remove(&id)?;
+        if let Some(d) = Self::first_bytes_deadline(&e) {
+            self.first_bytes.remove(&(d, id));
+        }
+        Some(e)
+    }
+
+    /// The earliest first-bytes deadline.
+    fn next_deadline(&self) -> Option<Instant> {
+        self.first_bytes.first().map(|(d, _)| *d)
+    }
+
+    /// The entries whose first bytes did not come by `now`.
+    fn expired(&self, now: Instant) -> impl Iterator<Item = u64> + '_ {
+        self.first_bytes
+            .iter()
+            .take_while(move |(d, _)| *d <= now)
+            .map(|(_, id)| *id)
+    }
+
+    /// The entries that are handshakes.
+    fn handshakes(&self) -> Vec<u64> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| matches!(e.parked, Parked::Handshake(_)))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
 fn run(weak: Weak<AcceptShared>) {
     let Some(shared) = weak.upgrade() else { return };
     // The thread keeps the listener's shared state (and with it the epoll set) until the
@@ -141,7 +202,7 @@ fn run(weak: Weak<AcceptShared>) {
     let ep_owner = shared.clone();
     drop(shared);
     let ep = &ep_owner.reactor.ep;
-    let mut entries: HashMap<u64, Entry> = HashMap::new();
+    let mut entries = ParkedSet::default();
     let mut next: u64 = 1;
     let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
     let mut next_sweep = Instant::now() + SWEEP;
@@ -150,13 +211,7 @@ fn run(weak: Weak<AcceptShared>) {
         let timeout = if entries.is_empty() {
             None
         } else {
-            let first_bytes = entries
-                .values()
-                .filter_map(|e| match &e.parked {
-                    Parked::FirstBytes { deadline, .. } => Some(*deadline),
-                    Parked::Handshake(_) => None,
-                })
-                .min();
+            let first_bytes = entries.next_deadline();
             let until = first_bytes.map_or(next_sweep, |d| d.min(next_sweep));
             Some(until.saturating_duration_since(now))
         };
@@ -208,15 +263,12 @@ fn run(weak: Weak<AcceptShared>) {
         }
         let now = Instant::now();
         // Clients whose first bytes did not come in time.
-        ready.extend(entries.iter().filter_map(|(id, e)| match &e.parked {
-            Parked::FirstBytes { deadline, .. } if *deadline <= now => Some(id << 1),
-            _ => None,
-        }));
+        ready.extend(entries.expired(now).map(|id| id << 1));
         ready.sort_unstable();
         ready.dedup_by_key(|t| *t >> 1);
         for t in ready {
             let id = t >> 1;
-            let Some(e) = entries.remove(&id) else {
+            let Some(e) = entries.remove(id) else {
                 continue;
             };
             if let Some(e) = drive(ep, id, e, &shared, now, true) {
@@ -225,13 +277,8 @@ fn run(weak: Weak<AcceptShared>) {
         }
         if now >= next_sweep {
             next_sweep = now + SWEEP;
-            let ids: Vec<u64> = entries
-                .iter()
-                .filter(|(_, e)| matches!(e.parked, Parked::Handshake(_)))
-                .map(|(id, _)| *id)
-                .collect();
-            for id in ids {
-                let Some(e) = entries.remove(&id) else {
+            for id in entries.handshakes() {
+                let Some(e) = entries.remove(id) else {
                     continue;
                 };
                 if let Some(e) = drive(ep, id, e, &shared, now, false) {
@@ -412,5 +459,50 @@ pub(super) fn peek_first(sock: &TcpStream) -> io::Result<First> {
         Ok(_) => Ok(First::Nothing),
         Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => Ok(First::Nothing),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection whose first bytes are due at `deadline`.
+    fn first_bytes(l: &std::net::TcpListener, deadline: Instant) -> Entry {
+        let sock = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        Entry {
+            parked: Parked::FirstBytes {
+                peer: sock.peer_addr().expect("peer"),
+                sock,
+                deadline,
+                recv_buffer: None,
+            },
+            waker: None,
+        }
+    }
+
+    /// The set answers the next first-bytes deadline and the expired entries as a scan of
+    /// every entry would, as entries come, go and come back with another deadline.
+    #[test]
+    fn parked_set_orders_first_bytes_deadlines() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut set = ParkedSet::default();
+        assert!(set.is_empty() && set.next_deadline().is_none());
+        set.insert(1, first_bytes(&l, at(30)));
+        set.insert(2, first_bytes(&l, at(10)));
+        set.insert(3, first_bytes(&l, at(20)));
+        assert_eq!(set.next_deadline(), Some(at(10)));
+        assert_eq!(set.expired(at(20)).collect::<Vec<_>>(), [2, 3]);
+        assert!(set.remove(2).is_some());
+        assert!(set.remove(2).is_none());
+        assert_eq!(set.next_deadline(), Some(at(20)));
+        // Back under the same number with a later deadline: only the new one counts.
+        set.insert(3, first_bytes(&l, at(40)));
+        assert_eq!(set.expired(at(35)).collect::<Vec<_>>(), [1]);
+        assert_eq!(set.next_deadline(), Some(at(30)));
+        assert!(set.handshakes().is_empty());
+        assert!(set.remove(1).is_some() && set.remove(3).is_some());
+        assert!(set.is_empty() && set.next_deadline().is_none());
     }
 }

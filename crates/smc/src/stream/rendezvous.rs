@@ -174,7 +174,7 @@ impl Rendezvous {
         let inner = &self.stack.inner;
         let id = self.id;
         let mut core = inner.lock();
-        let state = core.slots.get(&id).map(|s| s.state.clone());
+        let state = core.slots.get(&id).map(|s| s.state().clone());
         Ok(match state {
             Some(SlotState::Setup) => {
                 // An LLC exchange (CONFIRM LINK, CONFIRM RKEY) that another thread handles

@@ -61,6 +61,9 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize, link: u8) -> EndpointPa
             "seed {seed} kill_at {kill_at}: B->A bytes differ"
         );
     }
+    for s in [Side::A, Side::B] {
+        assert_senders_counted(&p, s);
+    }
     p
 }
 
@@ -410,6 +413,45 @@ fn second_failure_after_link_readded() {
     assert_eq!(p.a.rx[&T1], b);
     for s in [Side::A, Side::B] {
         assert_eq!(p.host(s).ep.connection_link(T1).map(|x| x.1), Some(3));
+        assert_senders_counted(&p, s);
+    }
+}
+
+/// Each side spreads its connections over the links by the number sending on each (§2.3),
+/// counted as they are established, moved by a failover and closed.
+#[test]
+fn connections_spread_by_senders_counted_per_link() {
+    let mut p = EndpointPair::with_devices(2, 2);
+    let tcps: Vec<TcpId> = (1..=6).map(TcpId).collect();
+    for t in &tcps {
+        p.connect(*t);
+        p.run();
+    }
+    for s in [Side::A, Side::B] {
+        assert_senders_counted(&p, s);
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!((g.senders_on(1), g.senders_on(2)), (3, 3), "{s:?}");
+    }
+    // Two connections close on both sides: the counts follow.
+    for t in [TcpId(1), TcpId(3)] {
+        for s in [Side::A, Side::B] {
+            p.act(s, |ep, _, now| ep.close(t, now)).expect("close");
+        }
+    }
+    p.run();
+    for s in [Side::A, Side::B] {
+        assert_senders_counted(&p, s);
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!(g.senders_on(1) + g.senders_on(2), 4, "{s:?}");
+    }
+    // Link 1 dies: every connection sends on link 2.
+    let l1 = p.b.link(1).expect("link 1");
+    p.kill_link(Side::B, l1);
+    p.run_for(Duration::from_secs(1));
+    for s in [Side::A, Side::B] {
+        assert_senders_counted(&p, s);
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!((g.senders_on(1), g.senders_on(2)), (0, 4), "{s:?}");
     }
 }
 

@@ -27,6 +27,34 @@ pub(super) fn established(p: &EndpointPair, s: Side, tcp: TcpId) -> bool {
         .saw(|e| matches!(e, EndpointEvent::Established { tcp: t, .. } if *t == tcp))
 }
 
+/// Every link group of side `s` counts, for each link, exactly the established connections
+/// sending on it (the count the least loaded link is chosen by).
+pub(super) fn assert_senders_counted(p: &EndpointPair, s: Side) {
+    let ep = &p.host(s).ep;
+    for g in ep.link_groups() {
+        let mut nums: Vec<u8> = g.links.keys().copied().collect();
+        let sending: Vec<u8> = g
+            .conns
+            .iter()
+            .filter_map(|t| ep.connection_link(*t))
+            .filter(|(lgr, _)| *lgr == g.id)
+            .map(|(_, num)| num)
+            .collect();
+        nums.extend(sending.iter().copied());
+        nums.sort_unstable();
+        nums.dedup();
+        for num in nums {
+            let want = sending.iter().filter(|n| **n == num).count();
+            assert_eq!(
+                g.senders_on(num),
+                want,
+                "{s:?} group {:?} link {num}: senders counted",
+                g.id
+            );
+        }
+    }
+}
+
 /// Print the flow (visible with `--nocapture` when a test fails).
 pub(super) fn dump(p: &EndpointPair) {
     for l in p.flow(false) {
