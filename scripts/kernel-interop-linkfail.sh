@@ -12,7 +12,9 @@
 #       LINK (30 s + 2 s), take its only link down, terminate the link group and abort the
 #       connection (its server reports FAIL). Continued (SIGCONT), P2 must end with an error
 #       (the kernel's TCP reset), not hang.
-#   P3  after that: a new connection, 1 MiB, over SMC-R, echo intact.
+#   P3  after that: a new connection, over SMC-R, 512 KiB, 3 s of silence, 512 KiB, echo intact;
+#       with our keepalive at 1 s, so the kernel answers our TEST LINKs meanwhile (else our
+#       2 s LLC timer would take the link down and reset the connection).
 # The outage: a blackhole route to the VM for 3 s while P1 and P2 stream (everything we send is
 # lost; the netdev stays up, so neither side sees a port event).
 # Prints "KP-HOST PASS" at the end when every check passed; "KP-HOST FAIL: why" otherwise.
@@ -127,13 +129,13 @@ echo "KP-HOST P2 ended $(($(date +%s) - tc)) s after SIGCONT with status $rc2: $
 grep -qiE "reset|abort" "$run/p2.err" || fail "P2 did not report a reset: $(cat "$run/p2.err")"
 
 # A new connection afterwards: SMC-R again, echo intact.
-client p3 0-$MiB@0
+SMC_KEEPALIVE_MS=1000 client p3 0-$((MiB / 2))@0 sleep=3 $((MiB / 2))-$MiB@0
 p3=$!
 wait_for 60 gone "$p3" || fail "P3 did not finish in 60 s"
 wait "$p3" || fail "P3 failed: $(cat "$run/p3.err")"
 grep -q "over SMC-R" "$run/p3.err" || fail "P3 not over SMC-R: $(cat "$run/p3.err")"
 [ "$(sha "$run/p3.echo")" = "$(sha "$run/pattern.bin" $MiB)" ] || fail "P3's echo differs ($(size "$run/p3.echo") bytes)"
-echo "KP-HOST P3: 1 MiB echoed over SMC-R, SHA-256 $(sha "$run/p3.echo")"
+echo "KP-HOST P3: 1 MiB echoed over SMC-R across 3 s of our TEST LINKs, SHA-256 $(sha "$run/p3.echo")"
 
 # P1: through the outage and the kernel's TEST LINK, the whole echo.
 wait_for 90 gone "$p1" || fail "P1 did not finish"

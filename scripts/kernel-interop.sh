@@ -13,8 +13,9 @@
 #      link and the kernel ends that connection (TEST LINK after 30 s, 2 s without a reply: its
 #      only link goes, the link group with it); the stopped process, continued, gets the
 #      kernel's TCP reset and exits with an error; a new connection works; the other process's
-#      connection, idle 42 s, is kept because we answer the kernel's TEST LINK in time; the
-#      kernel has no link group left at the end.
+#      connection, idle 42 s, is kept because we answer the kernel's TEST LINK in time, and
+#      the kernel answers ours (keepalive 1 s) in the new one; the kernel has no link group
+#      left at the end.
 # Each capture must decode with `smc decode -r` without error; after a, c and d (the smc-rs
 # processes exit) no kernel RoCEv2 packet may meet a closed port (the exit deletes the link group).
 # Usage: scripts/kernel-interop.sh [a|b|c|d]...   (default: a b c d). Root only.
@@ -157,10 +158,20 @@ for q, k in peer.items():
     print("kernel-interop: d: the kernel's TEST LINK to our QP %d (%d frames): %s" % (
         q, len(asks), "no reply" if first is None else "our reply after %.3f s" % first))
 print("kernel-interop: d: %d link(s) answered the kernel's TEST LINK within 2 s, %d did not" % (answered, late))
-sys.exit(0 if answered else 1)
+# The other way (P3, our keepalive at 1 s): our TEST LINKs to the kernel's QP, each answered
+# by the kernel within 2 s.
+ours = {k: q for q, k in peer.items()}
+mine = [m for m in tl if not m["reply"] and m["dest_qp"] in ours]
+unanswered = 0
+for m in mine:
+    t0 = t[m["frame"]]
+    if not any(r["reply"] and r["dest_qp"] == ours[m["dest_qp"]] and 0 <= t[r["frame"]] - t0 <= 2.0 for r in tl):
+        unanswered += 1
+print("kernel-interop: d: our TEST LINK frames to the kernel: %d, %d without its reply within 2 s" % (len(mine), unanswered))
+sys.exit(0 if answered and mine and not unanswered else 1)
 PY
     then
-        echo "kernel-interop: d: no TEST LINK of the kernel answered by us within 2 s"
+        echo "kernel-interop: d: TEST LINK not answered within 2 s (see above)"
         return 1
     fi
     return 0
