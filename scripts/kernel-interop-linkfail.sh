@@ -142,6 +142,9 @@ wait_for 90 gone "$p1" || fail "P1 did not finish"
 wait "$p1" || fail "P1 failed: $(cat "$run/p1.err")"
 [ "$(sha "$run/p1.echo")" = "$(sha "$run/pattern.bin" $((8 * MiB)))" ] || fail "P1's echo differs ($(size "$run/p1.echo") bytes)"
 echo "KP-HOST P1: 8 MiB echoed over SMC-R across the outage and 42 s of silence, SHA-256 $(sha "$run/p1.echo"); $(($(date +%s) - t0)) s in all"
+# Nothing of ours is left: every stack removed its control socket at exit.
+left=$(ls -A "$SMC_FABRIC_DIR/stacks" 2>/dev/null)
+[ -z "$left" ] || fail "smc-rs stacks still registered in $SMC_FABRIC_DIR/stacks: $left"
 # Our exits have deleted their link groups; give the kernel a moment before it is asked.
 sleep 1
 echo "KP-HOST PASS"
