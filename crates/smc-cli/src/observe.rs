@@ -157,7 +157,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
         }
         Query::LinkGroup => {
             t.set_header(vec![
-                "pid", "lgr", "role", "peer", "conns", "link", "device", "state",
+                "pid", "lgr", "version", "role", "peer", "conns", "link", "device", "state",
             ]);
             for (pid, v) in &answers {
                 for g in v.as_array().into_iter().flatten() {
@@ -165,6 +165,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                         t.add_row(vec![
                             pid.clone(),
                             cell(&g["id"]),
+                            cell(&g["version"]),
                             cell(&g["role"]),
                             cell(&g["peer"]),
                             cell(&g["connections"]),

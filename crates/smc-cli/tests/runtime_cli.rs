@@ -252,6 +252,8 @@ fn ss_linkgroup_device_pnet_stats_query_live_processes() {
     assert_eq!(groups.len(), 2, "one group in each process: {lg}");
     for g in &groups {
         assert_eq!(g["links"].as_array().expect("links").len(), 2, "{lg}");
+        // No UEID configured: SMC-Rv1.
+        assert_eq!(g["version"], 1, "{lg}");
     }
     let dev = json_of(&dir, "device");
     assert_eq!(dev.as_array().expect("array").len(), 2);

@@ -211,14 +211,23 @@ fn unescape_mountinfo(s: &str) -> String {
 fn mount_cgroup2(dir: &Path) -> std::io::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     if !dir.join("cgroup.procs").exists() {
-        rustix::mount::mount(
+        match rustix::mount::mount(
             "none",
             dir,
             "cgroup2",
             rustix::mount::MountFlags::empty(),
             None,
-        )?;
-        tracing::info!(path = %dir.display(), "mounted a cgroup2 hierarchy for discovery");
+        ) {
+            Ok(()) => {
+                tracing::info!(path = %dir.display(), "mounted a cgroup2 hierarchy for discovery")
+            }
+            // Two stacks starting at once in one mount namespace (two processes under one
+            // `ip netns exec`) both find nothing and both mount: the kernel refuses the second
+            // mount of the same hierarchy on the same point (EBUSY), and the first one's
+            // mount is the one to use.
+            Err(_) if dir.join("cgroup.procs").exists() => {}
+            Err(e) => return Err(e.into()),
+        }
     }
     Ok(dir.to_path_buf())
 }

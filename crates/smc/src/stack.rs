@@ -897,6 +897,8 @@ pub struct LinkGroupInfo {
     pub links: Vec<LinkInfo>,
     /// Connections on the group.
     pub connections: usize,
+    /// The SMC-R version the group speaks: 1, or 2 for an SMC-Rv2 group (docs/v2.md).
+    pub version: u8,
 }
 
 impl Stack {
@@ -1174,6 +1176,7 @@ impl Stack {
                     })
                     .collect(),
                 connections: g.conns.len(),
+                version: if g.v2.is_some() { 2 } else { 1 },
             })
             .collect()
     }

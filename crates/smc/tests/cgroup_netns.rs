@@ -1,6 +1,7 @@
 //! Discovery's cgroup v2 lookup under `ip netns exec`, which gives the command its own mount
 //! namespace with a fresh `/sys` and no cgroup tree: `find_cgroup2` must still find (mount)
-//! the cgroup2 hierarchy — the same one the host sees. Needs root and `ip`; skips otherwise.
+//! the cgroup2 hierarchy — the same one the host sees, also when several stacks start at once
+//! there. Needs root and `ip`; skips otherwise.
 #![allow(missing_docs)]
 
 use std::os::unix::fs::MetadataExt;
@@ -11,8 +12,28 @@ fn child_entry() {
     if std::env::var_os("SMC_CG_CHILD").is_none() {
         return;
     }
-    let p = smc::discovery::find_cgroup2().expect("a cgroup2 hierarchy under ip netns exec");
-    let dev = std::fs::metadata(&p).expect("stat").dev();
+    // Several stacks starting at once in one mount namespace (processes under one `ip netns
+    // exec`): each finds nothing and mounts; every one must end with the hierarchy.
+    let start = std::sync::Arc::new(std::sync::Barrier::new(8));
+    let found: Vec<_> = (0..8)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                start.wait();
+                smc::discovery::find_cgroup2()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("thread"))
+        .collect();
+    let mut devs = Vec::new();
+    for r in found {
+        let p = r.expect("a cgroup2 hierarchy under ip netns exec");
+        devs.push((std::fs::metadata(&p).expect("stat").dev(), p));
+    }
+    let (dev, p) = &devs[0];
+    assert!(devs.iter().all(|(d, _)| d == dev), "{devs:?}");
     println!("CGROUP {} DEV {dev}", p.display());
 }
 

@@ -74,6 +74,7 @@ impl Stack {
                     serde_json::json!({
                         "id": g.id,
                         "role": if g.server { "server" } else { "client" },
+                        "version": g.version,
                         "peer": g.peer,
                         "connections": g.connections,
                         "links": g.links.iter().map(|l| serde_json::json!({
