@@ -31,7 +31,7 @@ scripts/preload-apps.sh 2>&1 | tee -a "$log"
 
 echo "== live SMC-Rv2 with the Linux 6.12 kernel in a VM (scripts/kernel-interop.sh)"
 rc=0
-timeout 300 scripts/kernel-interop.sh 2>&1 | tee -a "$log" || rc=${PIPESTATUS[0]}
+timeout 420 scripts/kernel-interop.sh 2>&1 | tee -a "$log" || rc=${PIPESTATUS[0]}
 case $rc in
 0) ;;
 77) echo "kernel interop skipped (reason above)" ;;
