@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 
 FAILED = []
@@ -199,6 +200,42 @@ def server(port, smc):
     line = conn.makefile("rb").readline()
     check(line == b"recv ok\n", f"client verified the sendfile payload ({line!r})")
 
+    # One thread sends a large payload while another reads the echo from the same
+    # connection: with a socket timeout (Python polls before each call: two threads poll
+    # one connection) and blocking (a read and a write blocked at once).
+    for label, timeout in (("polling threads", 20.0), ("blocking threads", None)):
+        data = os.urandom(4 << 20)
+        ask(conn, f"echo {len(data)}")
+        conn.settimeout(timeout)
+        got = bytearray()
+        errors = []
+
+        def reader():
+            try:
+                while len(got) < len(data):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    got.extend(chunk)
+            except OSError as e:
+                errors.append(repr(e))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            conn.sendall(data)
+        except OSError as e:
+            errors.append(repr(e))
+        t.join(30)
+        check(not t.is_alive() and not errors and bytes(got) == data,
+              f"{label}: 4 MiB sent by one thread, its echo read by another "
+              f"({len(got)} bytes back, {errors})")
+        if FAILED:
+            # The stream is out of step with the client: nothing further can be checked.
+            conn.close()
+            sys.exit(1)
+        conn.settimeout(None)
+
     # The client shuts down writing: EPOLLIN|EPOLLRDHUP, then end of stream.
     ep2 = select.epoll()
     ep2.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
@@ -255,6 +292,14 @@ def client(port, smc):
             ok = hashlib.sha256(buf).hexdigest() == want
             check(ok, "sendfile payload")
             s.sendall(b"recv ok\n" if ok else b"recv bad\n")
+        elif cmd[0] == "echo":
+            left = int(cmd[1])
+            while left:
+                chunk = f.read1(min(left, 65536))
+                if not chunk:
+                    break
+                s.sendall(chunk)
+                left -= len(chunk)
         elif cmd[0] == "shutdown":
             s.shutdown(socket.SHUT_WR)
     s.close()

@@ -398,14 +398,28 @@ impl Conn {
         timeout: Option<std::time::Duration>,
     ) -> io::Result<usize> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut waiter: Option<Waiter> = None;
         loop {
-            Notifiers::drain(&self.notify.read);
             match self.read(buf, true) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            wait_fd(self.notify.read.as_fd(), deadline)?;
+            match &waiter {
+                // Subscribed now: look once more before the sleep.
+                None => waiter = Some(self.waiter(true, false)?),
+                Some(w) => {
+                    wait_fd(w.fd(), deadline)?;
+                    w.clear();
+                }
+            }
         }
+    }
+
+    /// A [`Waiter`] watching this connection.
+    fn waiter(&self, read: bool, write: bool) -> io::Result<Waiter> {
+        let mut w = Waiter::new()?;
+        w.watch(self, read, write);
+        Ok(w)
     }
 
     /// A blocking write whose wait is interruptible (see [`Conn::read_interruptible`]).
@@ -415,13 +429,19 @@ impl Conn {
         timeout: Option<std::time::Duration>,
     ) -> io::Result<usize> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut waiter: Option<Waiter> = None;
         loop {
-            Notifiers::drain(&self.notify.write);
             match self.write(buf, true) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            wait_fd(self.notify.write.as_fd(), deadline)?;
+            match &waiter {
+                None => waiter = Some(self.waiter(false, true)?),
+                Some(w) => {
+                    wait_fd(w.fd(), deadline)?;
+                    w.clear();
+                }
+            }
         }
     }
 
@@ -572,23 +592,6 @@ impl Conn {
         }
     }
 
-    /// The eventfd the stack signals when reading may progress (data, end of stream, failure).
-    pub fn read_notifier(&self) -> BorrowedFd<'_> {
-        self.notify.read.as_fd()
-    }
-
-    /// The eventfd the stack signals when writing may progress (room, failure).
-    pub fn write_notifier(&self) -> BorrowedFd<'_> {
-        self.notify.write.as_fd()
-    }
-
-    /// Consume the pending signals of both eventfds (a `poll` emulation does before it
-    /// looks at the readiness, so that a signal after the look wakes it).
-    pub fn drain_notifiers(&self) {
-        Notifiers::drain(&self.notify.read);
-        Notifiers::drain(&self.notify.write);
-    }
-
     /// How many times the read and the write eventfd were signalled so far.
     pub fn signal_counts(&self) -> (u64, u64) {
         (
@@ -597,7 +600,9 @@ impl Conn {
         )
     }
 
-    /// The raw numbers of both eventfds (read, write).
+    /// The raw numbers of both eventfds (read, write). Nobody drains them: each signal is an
+    /// edge for an edge-triggered epoll registration; to sleep until a change, use a
+    /// [`Waiter`] (draining a shared eventfd takes the wake-up from other waiting threads).
     pub fn notifier_fds(&self) -> (RawFd, RawFd) {
         (self.notify.read.as_raw_fd(), self.notify.write.as_raw_fd())
     }
@@ -609,6 +614,80 @@ impl Conn {
             .get(&self.id)
             .and_then(|s| s.error)
             .map(conn_error)
+    }
+}
+
+/// A waiting thread's own wake-up for SMC-R connections: an eventfd that the stack signals
+/// when a watched connection's reading or writing may progress, besides the connection's
+/// shared eventfds. Threads that wait for one connection at the same time (a reader thread
+/// and a writer thread polling one socket) each consume only their own signals: had they
+/// drained the shared eventfd, a signal one consumed would never wake the other (poll looks
+/// at a woken descriptor again and sleeps on when it finds it drained).
+///
+/// Watch the connections first, then look at their readiness, then sleep on [`fd`](Self::fd):
+/// a change after the look is signalled. Dropping the waiter unsubscribes it.
+#[derive(Debug)]
+pub struct Waiter {
+    fd: Arc<OwnedFd>,
+    watched: Vec<Arc<Notifiers>>,
+}
+
+impl Waiter {
+    /// A new waiter (one eventfd) watching nothing yet.
+    pub fn new() -> io::Result<Waiter> {
+        let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
+        Ok(Waiter {
+            fd: Arc::new(rustix::event::eventfd(0, flags)?),
+            watched: Vec::new(),
+        })
+    }
+
+    /// Be signalled when `c`'s reading (`read`) or writing (`write`) may progress (a failure
+    /// signals both).
+    pub fn watch(&mut self, c: &Conn, read: bool, write: bool) {
+        let mut subs = c
+            .notify
+            .subscribers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.watched.iter().any(|n| Arc::ptr_eq(n, &c.notify)) {
+            // Watched already (a number twice in one poll, or a dup): both interests.
+            for s in subs.iter_mut().filter(|s| Arc::ptr_eq(&s.fd, &self.fd)) {
+                s.read |= read;
+                s.write |= write;
+            }
+            return;
+        }
+        subs.push(crate::stack::Subscriber {
+            fd: self.fd.clone(),
+            read,
+            write,
+        });
+        c.notify.subscribed.fetch_add(1, Ordering::AcqRel);
+        drop(subs);
+        self.watched.push(c.notify.clone());
+    }
+
+    /// The eventfd to sleep on (readable once a watched connection was signalled).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Consume the signals received so far (before looking at the connections again).
+    pub fn clear(&self) {
+        Notifiers::drain(&self.fd);
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        for n in self.watched.drain(..) {
+            let mut subs = n.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+            let before = subs.len();
+            subs.retain(|s| !Arc::ptr_eq(&s.fd, &self.fd));
+            n.subscribed
+                .fetch_sub(before - subs.len(), Ordering::AcqRel);
+        }
     }
 }
 
