@@ -204,7 +204,7 @@ def server(port, smc):
     # connection: with a socket timeout (Python polls before each call: two threads poll
     # one connection) and blocking (a read and a write blocked at once).
     for label, timeout in (("polling threads", 20.0), ("blocking threads", None)):
-        data = os.urandom(4 << 20)
+        data = os.urandom(16 << 20)
         ask(conn, f"echo {len(data)}")
         conn.settimeout(timeout)
         got = bytearray()
@@ -228,7 +228,7 @@ def server(port, smc):
             errors.append(repr(e))
         t.join(30)
         check(not t.is_alive() and not errors and bytes(got) == data,
-              f"{label}: 4 MiB sent by one thread, its echo read by another "
+              f"{label}: 16 MiB sent by one thread, its echo read by another "
               f"({len(got)} bytes back, {errors})")
         if FAILED:
             # The stream is out of step with the client: nothing further can be checked.
@@ -246,10 +246,61 @@ def server(port, smc):
     check(conn.recv(10) == b"", "end of stream after the peer's shutdown")
     os.close(d)
     conn.close()
+    self_connect_checks(port + 1)
     if FAILED:
         print(f"{len(FAILED)} checks failed", flush=True)
         sys.exit(1)
     print("all checks passed", flush=True)
+
+
+def self_connect_checks(port):
+    """Connections to a listener of this very process: connect returns before any accept
+    (as TCP's backlog lets it), then the bytes flow once accepted."""
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", port))
+    ls.listen(4)
+    # One thread: connect and write, then accept and read; a blocking and a nonblocking
+    # connect.
+    for blocking in (True, False):
+        c = socket.socket()
+        c.settimeout(10)
+        c.setblocking(blocking)
+        rc = c.connect_ex(("127.0.0.1", port))
+        check(rc in (0, errno.EINPROGRESS), f"self-connect (blocking={blocking}) returns before accept ({rc})")
+        if not blocking:
+            check(bool(select.select([], [c], [], 10)[1]), "self-connect: writable before accept")
+            check(c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0, "self-connect: SO_ERROR = 0")
+        c.setblocking(True)
+        c.settimeout(10)
+        c.sendall(b"before accept")
+        a, _ = ls.accept()
+        a.settimeout(10)
+        got = b""
+        while len(got) < 13:
+            chunk = a.recv(13 - len(got))
+            if not chunk:
+                break
+            got += chunk
+        check(got == b"before accept", f"self-connect: bytes written before accept arrive ({got!r})")
+        a.sendall(b"reply")
+        check(c.recv(5) == b"reply", "self-connect: the accepted end answers")
+        a.close()
+        c.close()
+    # Another thread accepts at once and serves: the bytes flow both ways.
+    def serve():
+        a, _ = ls.accept()
+        a.sendall(a.recv(100).upper())
+        a.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    c = socket.create_connection(("127.0.0.1", port), timeout=10)
+    c.sendall(b"threaded")
+    check(c.recv(100) == b"THREADED", "self-connect with an accepting thread")
+    t.join(10)
+    c.close()
+    ls.close()
 
 
 def client(port, smc):

@@ -229,7 +229,8 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         return unsafe { real::connect(fd, addr, len) };
     }
     guard(-1, || {
-        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to));
+        let own = own_listener(to);
+        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to, own));
         match r {
             Ok(setup) => {
                 install(fd, setup, nb);
@@ -241,6 +242,26 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                 -1
             }
         }
+    })
+}
+
+/// Whether `to` is the address of a listening socket of this process (the same port, and the
+/// same address or a listener on the unspecified address).
+fn own_listener(to: SocketAddr) -> bool {
+    table::listeners().into_iter().any(|l| {
+        // SAFETY: zeroed storage is a valid sockaddr_storage.
+        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+        // SAFETY: the storage and its length.
+        let r = unsafe {
+            libc::getsockname(l, (&mut ss as *mut libc::sockaddr_storage).cast(), &mut len)
+        };
+        // SAFETY: what getsockname filled in, of `len` bytes.
+        let a = (r == 0)
+            .then(|| unsafe { sockaddr_of((&ss as *const libc::sockaddr_storage).cast(), len) });
+        a.flatten().is_some_and(|a| {
+            a.port() == to.port() && (a.ip().is_unspecified() || a.ip() == to.ip())
+        })
     })
 }
 

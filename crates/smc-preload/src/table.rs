@@ -147,6 +147,17 @@ pub(crate) fn take(fd: i32) -> Option<Arc<Entry>> {
     })
 }
 
+/// The descriptors of the listening sockets whose port discovery knows (a `connect` to one of
+/// them is a connection to this process, which may accept only later).
+pub(crate) fn listeners() -> Vec<i32> {
+    with_map(|m| {
+        m.iter()
+            .filter(|(_, e)| matches!(e.kind, Kind::Listener(_)))
+            .map(|(fd, _)| *fd)
+            .collect()
+    })
+}
+
 /// Every epoll instance watching SMC-R connections (for the cleanup when a connection's
 /// number is closed).
 pub(crate) fn epolls() -> Vec<(i32, Arc<EpollSet>)> {

@@ -202,16 +202,74 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
     let stack = stack()?;
     let sock = Arc::new(dup_stream(fd)?);
     let peer = sock.peer_addr()?;
+    if stack.discovery_mode() == DiscoveryMode::Ebpf {
+        if let Some(reason) = leading_decline(&sock, stack.config().clc_timeout)? {
+            return Ok(Setup::Tcp(TcpConn {
+                stream: SmcStream::fallback(&stack, sock, reason, Vec::new(), true),
+            }));
+        }
+    }
     let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
     Setup::of(s)
 }
 
+/// Whether the client's first CLC message, waited for (at most `wait`: it offered SMC-R, so
+/// one comes), is a Decline in place of its Proposal (a client that connects to a listener
+/// of its own process, [`connect`]): then exactly its bytes are read, so that what the
+/// client wrote after it stays in the socket for the program (the rendezvous would read
+/// them with the Decline, and the program reads its own socket, not the stream's leftover).
+/// A Decline with the S flag (out of sync) goes to the rendezvous, which acts on it.
+fn leading_decline(
+    sock: &TcpStream,
+    wait: std::time::Duration,
+) -> io::Result<Option<FallbackReason>> {
+    let mut fds = [rustix::event::PollFd::new(
+        sock,
+        rustix::event::PollFlags::IN,
+    )];
+    let ts = rustix::event::Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: i64::from(wait.subsec_nanos()),
+    };
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(0) | Err(rustix::io::Errno::INTR) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(e.into()),
+    }
+    // A version-2 Decline is 44 bytes, a version-1 one 28.
+    let mut head = [0u8; 64];
+    let n = rustix::net::recv(
+        sock,
+        &mut head,
+        rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+    )
+    .map_or(0, |(n, _)| n);
+    let Ok((smc_wire::ClcMessage::Decline(d), len)) = smc_wire::ClcMessage::parse(&head[..n])
+    else {
+        return Ok(None);
+    };
+    if d.out_of_sync || len > n {
+        return Ok(None);
+    }
+    let mut used = vec![0u8; len];
+    (&*sock).read_exact(&mut used)?;
+    Ok(Some(FallbackReason::PeerDeclined {
+        code: d.diagnosis,
+        out_of_sync: false,
+    }))
+}
+
 /// Connect the program's socket `fd` (unconnected, blocking for the call) to `addr`:
-/// TCP connect, discovery, then the rendezvous or the fallback.
-pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr) -> io::Result<Setup> {
+/// TCP connect, discovery, then the rendezvous or the fallback. `own_listener`: `addr` is a
+/// listener of the calling process, which may accept only after `connect` returned (as TCP
+/// lets it: the kernel's backlog holds the connection); the client cannot wait for the
+/// server's answer then, so it declines in place of its Proposal and the connection stays
+/// TCP (the server, whenever it comes to it, reads the Decline: [`setup_server`]).
+pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::Result<Setup> {
     let stack = stack()?;
     let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
-    let s = SmcStream::connect_socket(&stack, dup, addr, None, None)?;
+    let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
+    let s = SmcStream::connect_socket_declining(&stack, dup, addr, None, None, decline)?;
     Setup::of(s)
 }
 
