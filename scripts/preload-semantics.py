@@ -10,6 +10,7 @@ mixed with a pipe, FIONREAD, dup, nonblocking reads, sendfile and the end of str
 The client connects nonblocking (EINPROGRESS or 0, then POLLOUT and SO_ERROR), checks with
 `smc ss --json` that its connection is SMC-R, and verifies the sendfile payload.
 """
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -200,6 +201,8 @@ def server(port, smc):
     line = conn.makefile("rb").readline()
     check(line == b"recv ok\n", f"client verified the sendfile payload ({line!r})")
 
+    rare_call_checks(conn, fd)
+
     # One thread sends a large payload while another reads the echo from the same
     # connection: with a socket timeout (Python polls before each call: two threads poll
     # one connection) and blocking (a read and a write blocked at once).
@@ -251,6 +254,131 @@ def server(port, smc):
         print(f"{len(FAILED)} checks failed", flush=True)
         sys.exit(1)
     print("all checks passed", flush=True)
+
+
+class MMsgHdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32),
+                ("iov", ctypes.c_void_p), ("iovlen", ctypes.c_size_t),
+                ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int), ("pad", ctypes.c_int), ("len", ctypes.c_uint),
+                ("pad2", ctypes.c_uint)]
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def rare_call_checks(conn, fd):
+    """recvmmsg/sendmmsg, splice, epoll_pwait2, EPOLLEXCLUSIVE, close_range, posix_spawn on
+    the connection: as on TCP (ctypes finds the preloaded functions first, as a C program's
+    calls do)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    # recvmmsg: one recvmsg per header, the second without waiting (MSG_WAITFORONE).
+    ask(conn, "send 6 m")
+    bufs = [ctypes.create_string_buffer(3) for _ in range(2)]
+    iovs = [IoVec(ctypes.cast(b, ctypes.c_void_p), 3) for b in bufs]
+    hdrs = (MMsgHdr * 2)()
+    for h, v in zip(hdrs, iovs):
+        h.iov, h.iovlen = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p), 1
+    check(wait_readable(conn), "data for recvmmsg")
+    time.sleep(0.05)
+    n = libc.recvmmsg(fd, hdrs, 2, 0x10000, None)  # MSG_WAITFORONE
+    check(n == 2 and [h.len for h in hdrs] == [3, 3] and bufs[0].raw + bufs[1].raw == b"mmmmmm",
+          f"recvmmsg: two messages of 3 bytes ({n}, {[h.len for h in hdrs]})")
+    # sendmmsg: two messages, one line at the client.
+    ask(conn, "expect sendmmsg")
+    out = [ctypes.create_string_buffer(b"sendm", 5), ctypes.create_string_buffer(b"msg\n", 4)]
+    iovs = [IoVec(ctypes.cast(b, ctypes.c_void_p), len(b.raw)) for b in out]
+    hdrs = (MMsgHdr * 2)()
+    for h, v in zip(hdrs, iovs):
+        h.iov, h.iovlen = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p), 1
+    n = libc.sendmmsg(fd, hdrs, 2, 0)
+    check(n == 2 and [h.len for h in hdrs] == [5, 4], f"sendmmsg: two messages sent ({n})")
+
+    # splice: connection → pipe, pipe → connection.
+    r, w = os.pipe()
+    ask(conn, "send 5 s")
+    check(wait_readable(conn), "data for splice")
+    n = os.splice(fd, w, 5)
+    check(n == 5 and os.read(r, 5) == b"sssss", f"splice from the connection into a pipe ({n})")
+    ask(conn, "expect spliced")
+    os.write(w, b"spliced\n")
+    n = os.splice(r, fd, 8)
+    check(n == 8, f"splice from a pipe into the connection ({n})")
+    try:
+        os.splice(fd, fd, 1)
+        check(False, "splice between two sockets: EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, f"splice between two sockets: EINVAL ({e.errno})")
+
+    # epoll_pwait2 (nanosecond timeout) reports the connection.
+    ep = select.epoll()
+    ep.register(fd, select.EPOLLIN)
+    ask(conn, "send 1 z")
+    evs = (ctypes.c_uint8 * (12 * 4))()
+    ts = (ctypes.c_long * 2)(5, 0)
+    n = libc.epoll_pwait2(ep.fileno(), evs, 4, ts, None)
+    events = struct.unpack_from("=I", bytes(evs), 0)[0] if n > 0 else 0
+    check(n == 1 and events & select.EPOLLIN, f"epoll_pwait2 reports the connection ({n})")
+    check(conn.recv(1) == b"z", "read after epoll_pwait2")
+    ts = (ctypes.c_long * 2)(0, 20_000_000)
+    check(libc.epoll_pwait2(ep.fileno(), evs, 4, ts, None) == 0, "epoll_pwait2: timeout, nothing")
+    ep.close()
+
+    # EPOLLEXCLUSIVE: at ADD only, with IN/OUT/ERR/HUP/ET; not modifiable.
+    ep = select.epoll()
+    ep.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+    try:
+        ep.modify(fd, select.EPOLLIN)
+        check(False, "EPOLLEXCLUSIVE registration: MOD fails with EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, "EPOLLEXCLUSIVE registration: MOD fails with EINVAL")
+    ep.unregister(fd)
+    try:
+        ep.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE | select.EPOLLONESHOT)
+        check(False, "EPOLLEXCLUSIVE with EPOLLONESHOT: EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, "EPOLLEXCLUSIVE with EPOLLONESHOT: EINVAL")
+    ep.close()
+
+    # close_range forgets the numbers it closes: a pipe that reuses one is a pipe.
+    d2 = os.dup(fd)
+    os.closerange(d2, d2 + 1)
+    r2, w2 = os.pipe()
+    os.set_blocking(r2, False)
+    os.write(w2, b"p")
+    try:
+        got = os.read(r2, 1)
+    except OSError as e:
+        got = repr(e)
+    check(r2 != d2 or got == b"p", f"close_range: the reused number {r2} is a pipe ({got!r})")
+    for x in (r, w, r2, w2):
+        os.close(x)
+
+    # posix_spawn: a program started with the connection inherited gets a clean error on
+    # it, never a wait on the idle TCP socket; this process keeps using it.
+    os.set_inheritable(fd, True)
+    code = "import os,sys\ntry:\n os.read(int(sys.argv[1]),1); print('read')\nexcept OSError as e: print(e.errno)"
+    rp, wp = os.pipe()
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code, str(fd)], os.environ,
+                         file_actions=[(os.POSIX_SPAWN_DUP2, wp, 1)])
+    os.close(wp)
+    os.set_inheritable(fd, False)
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    out = os.read(rp, 100).strip()
+    os.close(rp)
+    check(out == str(errno.EIO).encode(), f"posix_spawn: the inherited connection fails with EIO ({out!r})")
+    ask(conn, "send 3 k")
+    check(wait_readable(conn) and conn.recv(3) == b"kkk", "the connection still works after posix_spawn")
 
 
 def self_connect_checks(port):

@@ -22,7 +22,7 @@ pub(crate) enum Target {
 }
 
 /// Borrow a raw descriptor for a call that does not outlive it.
-fn bfd<'a>(fd: c_int) -> BorrowedFd<'a> {
+pub(crate) fn bfd<'a>(fd: c_int) -> BorrowedFd<'a> {
     // SAFETY: the program's descriptor, open for the duration of the call.
     unsafe { BorrowedFd::borrow_raw(fd) }
 }
@@ -122,13 +122,13 @@ pub(crate) fn target(fd: c_int) -> Target {
 }
 
 /// Fail a call on another process's connection.
-fn foreign(fd: c_int) -> ssize_t {
+pub(crate) fn foreign(fd: c_int) -> ssize_t {
     log!("fd {fd}: an SMC-R connection of another process (inherited); the call fails with EIO");
     set_errno(libc::EIO);
     -1
 }
 
-fn io_result(r: std::io::Result<usize>) -> ssize_t {
+pub(crate) fn io_result(r: std::io::Result<usize>) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
@@ -139,7 +139,7 @@ fn io_result(r: std::io::Result<usize>) -> ssize_t {
 }
 
 /// A write's failure: EPIPE also raises SIGPIPE unless MSG_NOSIGNAL, as for TCP.
-fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t {
+pub(crate) fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
@@ -345,7 +345,7 @@ unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
 }
 
 /// recv on an SMC-R connection with flags.
-fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
     if flags & libc::MSG_PEEK != 0 {
         let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
             return 0;
@@ -405,7 +405,7 @@ fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
 }
 
 /// send on an SMC-R connection with flags.
-fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
+pub(crate) fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
     if flags & libc::MSG_OOB != 0 {
         log!("send(MSG_OOB) through smc run is not supported: EOPNOTSUPP");
         set_errno(libc::EOPNOTSUPP);
@@ -848,7 +848,7 @@ pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: 
 /// Forget `fd`'s entry (its number is being closed or reused): out of every epoll set, then
 /// dropped (which closes an SMC-R connection when no other number names it).
 pub(crate) fn forget(fd: c_int) {
-    if !table::maybe(fd) {
+    if !table::maybe(fd) || table::borrowed_memory() {
         return;
     }
     let Some(e) = table::take(fd) else {
@@ -901,7 +901,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
 
 /// After a successful dup of `old` onto `new`: `new` names what `old` does.
 fn duplicated(old: c_int, new: c_int) {
-    if new < 0 {
+    if new < 0 || table::borrowed_memory() {
         return;
     }
     forget(new);
@@ -1054,6 +1054,13 @@ pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 /// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
 /// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
 fn before_exec() -> Option<String> {
+    surviving_connections(false)
+}
+
+/// The SMC-R connections whose numbers a new program inherits, as [`before_exec`] names them;
+/// `spawn`: the new program is another process (`posix_spawn`), so this one keeps its own
+/// connections as they are and names them too.
+pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
     }
@@ -1073,7 +1080,7 @@ fn before_exec() -> Option<String> {
         if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
             continue;
         }
-        if matches!(e.kind, Kind::Smc(_)) && e.ours() {
+        if matches!(e.kind, Kind::Smc(_)) && e.ours() && !spawn {
             log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
             // SAFETY: the connection's TCP socket.
             unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
@@ -1101,7 +1108,7 @@ pub(crate) fn adopt_inherited() {
 
 /// The environment for an exec with `envp`, with [`INHERITED_VAR`] set to `value` (the
 /// strings stay alive until the exec, which ends the image, or its failure).
-fn env_with(
+pub(crate) fn env_with(
     envp: *const *const libc::c_char,
     value: &str,
 ) -> (Vec<std::ffi::CString>, Vec<*const libc::c_char>) {

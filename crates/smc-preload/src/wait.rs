@@ -181,6 +181,24 @@ pub unsafe extern "C" fn epoll_ctl(
                 }
                 // SAFETY: the caller's event.
                 let e = unsafe { ev.read_unaligned() };
+                // EPOLLEXCLUSIVE as the kernel takes it: only at ADD, with only these other
+                // events, and such a registration cannot be modified.
+                let excl = libc::EPOLLEXCLUSIVE as u32;
+                let excl_ok = (libc::EPOLLIN
+                    | libc::EPOLLOUT
+                    | libc::EPOLLERR
+                    | libc::EPOLLHUP
+                    | libc::EPOLLWAKEUP
+                    | libc::EPOLLET) as u32
+                    | excl;
+                if e.events & excl != 0 && (op == libc::EPOLL_CTL_MOD || e.events & !excl_ok != 0) {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+                if op == libc::EPOLL_CTL_MOD && m.get(&fd).is_some_and(|i| i.events & excl != 0) {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
                 let exists = m.contains_key(&fd);
                 if op == libc::EPOLL_CTL_ADD && exists {
                     set_errno(libc::EEXIST);
@@ -310,17 +328,18 @@ fn remaining_ms(deadline: Option<Instant>) -> c_int {
     }
 }
 
-unsafe fn epoll_wait_managed(
+/// epoll_wait on an instance watching SMC-R connections; `timeout` `None`: no limit.
+pub(crate) unsafe fn epoll_wait_managed(
     epfd: c_int,
     set: &EpollSet,
     evs: *mut epoll_event,
     max: c_int,
-    timeout: c_int,
+    timeout: Option<Duration>,
     mask: *const sigset_t,
 ) -> c_int {
     // SAFETY: the caller's array of `max` events.
     let out = unsafe { std::slice::from_raw_parts_mut(evs, max as usize) };
-    let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
+    let deadline = timeout.map(|t| Instant::now() + t);
     loop {
         let n = harvest(set, out);
         if n == out.len() {
@@ -388,6 +407,7 @@ pub unsafe extern "C" fn epoll_pwait(
             if let Kind::Epoll(set) = &e.kind {
                 let set = set.clone();
                 // SAFETY: the caller's arguments.
+                let timeout = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
                 return guard(-1, || unsafe {
                     epoll_wait_managed(epfd, &set, evs, max, timeout, mask)
                 });
@@ -808,7 +828,7 @@ fn note_epoll(fd: c_int) {
 /// The number `fd` is closed (or reused): it is no longer an epoll instance of ours.
 pub(crate) fn closed(fd: c_int) {
     if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
-        if s.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+        if s.load(std::sync::atomic::Ordering::Relaxed) != 0 && !table::borrowed_memory() {
             s.store(0, std::sync::atomic::Ordering::Relaxed);
         }
     }

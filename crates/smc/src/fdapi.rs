@@ -607,6 +607,14 @@ impl Conn {
                 .map_or(0, |c| c.readable() as usize)
     }
 
+    /// Bytes a write takes now without waiting (room in the peer's RMBE).
+    pub fn write_room(&self) -> usize {
+        let core = self.stack.inner.lock();
+        core.ep
+            .connection(self.id)
+            .map_or(0, |c| c.write_room() as usize)
+    }
+
     /// The readiness of this connection now.
     pub fn ready(&self) -> Ready {
         let mut out = [Ready::default()];
