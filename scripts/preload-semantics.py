@@ -355,6 +355,17 @@ def rare_call_checks(conn, fd):
     for x in (r, w, r2, w2):
         os.close(x)
 
+    # Urgent data over SMC-R (docs/preload.md): sending it is refused before any byte moves
+    # (EOPNOTSUPP); nothing urgent ever waits, so MSG_OOB reads give TCP's EINVAL.
+    for what, call in (("send(MSG_OOB)", lambda: conn.send(b"!", socket.MSG_OOB)),
+                       ("recv(MSG_OOB)", lambda: conn.recv(1, socket.MSG_OOB))):
+        try:
+            call()
+            check(False, f"{what} on an SMC-R connection fails")
+        except OSError as e:
+            want = errno.EOPNOTSUPP if what.startswith("send") else errno.EINVAL
+            check(e.errno == want, f"{what} on an SMC-R connection: {errno.errorcode.get(e.errno)}")
+
     # posix_spawn: a program started with the connection inherited gets a clean error on
     # it, never a wait on the idle TCP socket; this process keeps using it.
     os.set_inheritable(fd, True)
@@ -413,6 +424,14 @@ def self_connect_checks(port):
         check(got == b"before accept", f"self-connect: bytes written before accept arrive ({got!r})")
         a.sendall(b"reply")
         check(c.recv(5) == b"reply", "self-connect: the accepted end answers")
+        # These stayed TCP: urgent data out of band, as the program left SO_OOBINLINE (off).
+        check(c.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == 0
+              and a.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == 0,
+              "self-connect (TCP): SO_OOBINLINE as the program left it")
+        c.send(b"x!", socket.MSG_OOB)
+        select.select([], [], [a], 10)
+        check(a.recv(1, socket.MSG_OOB) == b"!" and a.recv(10) == b"x",
+              "self-connect (TCP): the urgent byte out of band")
         a.close()
         c.close()
     # Another thread accepts at once and serves: the bytes flow both ways.

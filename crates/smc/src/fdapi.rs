@@ -190,9 +190,21 @@ pub fn accepted_tcp(fd: BorrowedFd<'_>) -> io::Result<TcpConn> {
         DiscoveryMode::Ebpf => FallbackReason::PeerWithoutOption,
         _ => FallbackReason::DiscoveryOff,
     };
-    Ok(TcpConn {
-        stream: SmcStream::fallback(&stack, sock, reason, Vec::new(), true),
-    })
+    let was = oobinline(fd);
+    let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
+    set_oobinline(fd, was);
+    Ok(TcpConn { stream })
+}
+
+/// SO_OOBINLINE of the program's socket. A stream that falls back turns it on (its own API
+/// delivers urgent data in line, as over SMC-R); the program's TCP connection keeps the
+/// program's setting, so its urgent data stays out of band (`recv(MSG_OOB)`), as TCP's.
+fn oobinline(fd: BorrowedFd<'_>) -> bool {
+    rustix::net::sockopt::socket_oobinline(fd).unwrap_or(false)
+}
+
+fn set_oobinline(fd: BorrowedFd<'_>, on: bool) {
+    let _ = rustix::net::sockopt::set_socket_oobinline(fd, on);
 }
 
 /// The server rendezvous of the accepted connection `fd` (whose client offered SMC-R), in
@@ -202,14 +214,16 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
     let stack = stack()?;
     let sock = Arc::new(dup_stream(fd)?);
     let peer = sock.peer_addr()?;
+    let was = oobinline(fd);
     if stack.discovery_mode() == DiscoveryMode::Ebpf {
         if let Some(reason) = leading_decline(&sock, stack.config().clc_timeout)? {
-            return Ok(Setup::Tcp(TcpConn {
-                stream: SmcStream::fallback(&stack, sock, reason, Vec::new(), true),
-            }));
+            let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
+            set_oobinline(fd, was);
+            return Ok(Setup::Tcp(TcpConn { stream }));
         }
     }
     let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
+    set_oobinline(fd, was);
     Setup::of(s)
 }
 
@@ -269,7 +283,9 @@ pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::
     let stack = stack()?;
     let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
     let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
+    let was = oobinline(fd);
     let s = SmcStream::connect_socket_declining(&stack, dup, addr, None, None, decline)?;
+    set_oobinline(fd, was);
     Setup::of(s)
 }
 
