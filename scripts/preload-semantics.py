@@ -391,6 +391,36 @@ def rare_call_checks(conn, fd):
     ask(conn, "send 3 k")
     check(wait_readable(conn) and conn.recv(3) == b"kkk", "the connection still works after posix_spawn")
 
+    # execvpe and fexecve in a forked child: the new program gets EIO on the connection.
+    for how in ("execvpe", "fexecve"):
+        rp, wp = os.pipe()
+        os.set_inheritable(fd, True)
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(wp, 1)
+            argv = (ctypes.c_char_p * 5)(sys.executable.encode(), b"-c", code.encode(),
+                                         str(fd).encode(), None)
+            env = [f"{k}={v}".encode() for k, v in os.environ.items()]
+            envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)
+            if how == "execvpe":
+                libc.execvpe(sys.executable.encode(), argv, envp)
+            else:
+                libc.fexecve(os.open(sys.executable, os.O_RDONLY), argv, envp)
+            os._exit(127)
+        os.close(wp)
+        os.set_inheritable(fd, False)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        out = os.read(rp, 100).strip()
+        os.close(rp)
+        check(out == str(errno.EIO).encode(), f"{how} in a child: the inherited connection fails with EIO ({out!r})")
+
 
 def self_connect_checks(port):
     """Connections to a listener of this very process: connect returns before any accept

@@ -1053,7 +1053,7 @@ pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 /// parent's connections alone (socat's `SYSTEM:`), but names them to the new program
 /// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
 /// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
-fn before_exec() -> Option<String> {
+pub(crate) fn before_exec() -> Option<String> {
     surviving_connections(false)
 }
 

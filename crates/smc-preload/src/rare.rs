@@ -1,5 +1,6 @@
 //! The less common calls a program may make on an SMC-R connection: `recvmmsg`/`sendmmsg`,
-//! `splice`, `epoll_pwait2`, `close_range`/`closefrom`, `posix_spawn`/`posix_spawnp`. Each
+//! `splice`, `epoll_pwait2`, `close_range`/`closefrom`, `posix_spawn`/`posix_spawnp`,
+//! `execvpe`/`fexecve`. Each
 //! behaves on an SMC-R connection as on a TCP socket (or gives the errno TCP would give);
 //! without a managed descriptor among the arguments it goes straight to the C library.
 
@@ -361,18 +362,6 @@ type Spawn = unsafe extern "C" fn(
     *const *mut c_char,
 ) -> c_int;
 
-/// The C library's `name` (resolved at first use).
-fn real_spawn(slot: &std::sync::atomic::AtomicUsize, name: &std::ffi::CStr) -> Option<Spawn> {
-    let mut p = slot.load(std::sync::atomic::Ordering::Relaxed);
-    if p == 0 {
-        // SAFETY: a NUL-terminated name.
-        p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
-        slot.store(p, std::sync::atomic::Ordering::Relaxed);
-    }
-    // SAFETY: dlsym's address of a function of this type.
-    (p != 0).then(|| unsafe { std::mem::transmute::<usize, Spawn>(p) })
-}
-
 /// posix_spawn and posix_spawnp: the C library runs the new program's exec itself (not
 /// through `execve`), so the SMC-R connections it inherits are named here, in its
 /// environment, as for a forked child's exec: their calls fail with EIO there, never a wait
@@ -425,7 +414,7 @@ pub unsafe extern "C" fn posix_spawn(
     // SAFETY: the caller's arguments.
     unsafe {
         spawn(
-            real_spawn(&SPAWN, c"posix_spawn"),
+            resolve::<Spawn>(&SPAWN, c"posix_spawn"),
             pid,
             path,
             actions,
@@ -448,7 +437,7 @@ pub unsafe extern "C" fn posix_spawnp(
     // SAFETY: the caller's arguments.
     unsafe {
         spawn(
-            real_spawn(&SPAWNP, c"posix_spawnp"),
+            resolve::<Spawn>(&SPAWNP, c"posix_spawnp"),
             pid,
             file,
             actions,
@@ -456,5 +445,69 @@ pub unsafe extern "C" fn posix_spawnp(
             argv,
             envp,
         )
+    }
+}
+
+type ExecWithEnv =
+    unsafe extern "C" fn(*const c_char, *const *const c_char, *const *const c_char) -> c_int;
+type FdExec = unsafe extern "C" fn(c_int, *const *const c_char, *const *const c_char) -> c_int;
+
+/// The C library's function `name` (resolved at first use), as a `T`.
+fn resolve<T: Copy>(slot: &std::sync::atomic::AtomicUsize, name: &std::ffi::CStr) -> Option<T> {
+    let mut p = slot.load(std::sync::atomic::Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+        slot.store(p, std::sync::atomic::Ordering::Relaxed);
+    }
+    // SAFETY: dlsym's address of a function whose C type `T` is (a function pointer, the
+    // size of a usize).
+    (p != 0).then(|| unsafe { std::mem::transmute_copy::<usize, T>(&p) })
+}
+
+static EXECVPE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static FEXECVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// execvpe and fexecve as execve (`hooks::before_exec`): the C library's `execvp` reaches
+/// `execvpe` inside itself, but a program may call these directly.
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(real) = resolve::<ExecWithEnv>(&EXECVPE, c"execvpe") else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    match guard(None, hooks::before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real(file, argv, envp) },
+        Some(v) => {
+            let (_owned, env) = hooks::env_with(envp, &v);
+            // SAFETY: the caller's arguments, an environment that lives until the exec.
+            unsafe { real(file, argv, env.as_ptr()) }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fexecve(
+    fd: c_int,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(real) = resolve::<FdExec>(&FEXECVE, c"fexecve") else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    match guard(None, hooks::before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real(fd, argv, envp) },
+        Some(v) => {
+            let (_owned, env) = hooks::env_with(envp, &v);
+            // SAFETY: the caller's arguments, an environment that lives until the exec.
+            unsafe { real(fd, argv, env.as_ptr()) }
+        }
     }
 }
