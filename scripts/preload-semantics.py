@@ -427,7 +427,8 @@ def self_connect_checks(port):
     (as TCP's backlog lets it), then the bytes flow once accepted."""
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    ls.bind(("127.0.0.1", port))
+    # (On the unspecified address: the library recognises its port on a local address.)
+    ls.bind(("0.0.0.0", port))
     ls.listen(4)
     # One thread: connect and write, then accept and read; a blocking and a nonblocking
     # connect.

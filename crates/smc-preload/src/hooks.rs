@@ -260,9 +260,50 @@ fn own_listener(to: SocketAddr) -> bool {
         let a = (r == 0)
             .then(|| unsafe { sockaddr_of((&ss as *const libc::sockaddr_storage).cast(), len) });
         a.flatten().is_some_and(|a| {
-            a.port() == to.port() && (a.ip().is_unspecified() || a.ip() == to.ip())
+            a.port() == to.port()
+                && (a.ip() == to.ip() || (a.ip().is_unspecified() && is_local_address(to.ip())))
         })
     })
+}
+
+/// Whether `ip` is an address of this host (a loopback address, or one of an interface's).
+fn is_local_address(ip: std::net::IpAddr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills in a list that freeifaddrs releases.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return false;
+    }
+    let mut found = false;
+    let mut at = list;
+    while !at.is_null() {
+        // SAFETY: an entry of the list.
+        let e = unsafe { &*at };
+        if !e.ifa_addr.is_null() {
+            let len = match c_int::from(
+                // SAFETY: the entry's address.
+                unsafe { (*e.ifa_addr).sa_family },
+            ) {
+                libc::AF_INET => std::mem::size_of::<libc::sockaddr_in>(),
+                libc::AF_INET6 => std::mem::size_of::<libc::sockaddr_in6>(),
+                _ => 0,
+            };
+            // SAFETY: an address of its family's length.
+            if len > 0
+                && unsafe { sockaddr_of(e.ifa_addr, len as socklen_t) }
+                    .is_some_and(|a| a.ip() == ip)
+            {
+                found = true;
+                break;
+            }
+        }
+        at = e.ifa_next;
+    }
+    // SAFETY: the list getifaddrs made.
+    unsafe { libc::freeifaddrs(list) };
+    found
 }
 
 #[no_mangle]
