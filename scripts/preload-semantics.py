@@ -355,16 +355,38 @@ def rare_call_checks(conn, fd):
     for x in (r, w, r2, w2):
         os.close(x)
 
-    # Urgent data over SMC-R (docs/preload.md): sending it is refused before any byte moves
-    # (EOPNOTSUPP); nothing urgent ever waits, so MSG_OOB reads give TCP's EINVAL.
-    for what, call in (("send(MSG_OOB)", lambda: conn.send(b"!", socket.MSG_OOB)),
-                       ("recv(MSG_OOB)", lambda: conn.recv(1, socket.MSG_OOB))):
-        try:
-            call()
-            check(False, f"{what} on an SMC-R connection fails")
-        except OSError as e:
-            want = errno.EOPNOTSUPP if what.startswith("send") else errno.EINVAL
-            check(e.errno == want, f"{what} on an SMC-R connection: {errno.errorcode.get(e.errno)}")
+    # Urgent data (MSG_OOB), as TCP without SO_OOBINLINE: the last byte sent with MSG_OOB is
+    # out of band (POLLPRI, recv(MSG_OOB)), the others in line; SIOCATMARK at the mark.
+    ask(conn, "oob abc")
+    _, _, xl = select.select([], [], [fd], 5)
+    check(xl == [fd], "urgent data: exceptional condition (POLLPRI)")
+    check(conn.recv(1, socket.MSG_OOB | socket.MSG_PEEK) == b"c", "recv(MSG_OOB|MSG_PEEK): the urgent byte")
+    check(conn.recv(1, socket.MSG_OOB) == b"c", "recv(MSG_OOB) before the bytes in front of it")
+    check(conn.recv(10) == b"ab", "the bytes in front of the urgent byte, in line")
+    try:
+        conn.recv(1, socket.MSG_OOB)
+        check(False, "recv(MSG_OOB) once the urgent byte was read: EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, "recv(MSG_OOB) once the urgent byte was read: EINVAL")
+    ask(conn, "oob xyz")
+    select.select([], [], [fd], 5)
+    check(conn.recv(10) == b"xy", "a read stops in front of the urgent byte")
+    mark = struct.unpack("i", fcntl.ioctl(fd, 0x8905, struct.pack("i", 0)))[0]  # SIOCATMARK
+    check(mark == 1, f"SIOCATMARK at the mark ({mark})")
+    check(conn.recv(1, socket.MSG_OOB) == b"z", "recv(MSG_OOB) at the mark")
+    ask(conn, "send 2 q")
+    check(wait_readable(conn) and conn.recv(10) == b"qq", "the urgent byte is not in line")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE, 1)
+    ask(conn, "oob mn")
+    got = b""
+    while len(got) < 2 and wait_readable(conn):
+        got += conn.recv(10)
+    check(got == b"mn", f"SO_OOBINLINE: the urgent byte in line ({got!r})")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE, 0)
+    ask(conn, "oobrecv")
+    conn.send(b"Q", socket.MSG_OOB)
+    line = conn.makefile("rb").readline()
+    check(line == b"oob Q\n", f"the client got the urgent byte out of band ({line!r})")
 
     # posix_spawn: a program started with the connection inherited gets a clean error on
     # it, never a wait on the idle TCP socket; this process keeps using it.
@@ -521,6 +543,12 @@ def client(port, smc):
             ok = hashlib.sha256(buf).hexdigest() == want
             check(ok, "sendfile payload")
             s.sendall(b"recv ok\n" if ok else b"recv bad\n")
+        elif cmd[0] == "oob":
+            s.send(cmd[1].encode(), socket.MSG_OOB)
+        elif cmd[0] == "oobrecv":
+            select.select([], [], [s], 5)
+            b = s.recv(1, socket.MSG_OOB)
+            s.sendall(b"oob " + b + b"\n")
         elif cmd[0] == "echo":
             left = int(cmd[1])
             while left:

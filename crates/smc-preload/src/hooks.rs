@@ -387,16 +387,24 @@ unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
 
 /// recv on an SMC-R connection with flags.
 pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        // The urgent byte, out of band as TCP keeps it without SO_OOBINLINE.
+        let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
+            return 0;
+        };
+        return match c.read_urgent(flags & libc::MSG_PEEK != 0) {
+            Ok(b) => {
+                first[0] = b;
+                1
+            }
+            Err(e) => io_result(Err(e)),
+        };
+    }
     if flags & libc::MSG_PEEK != 0 {
         let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
             return 0;
         };
         return io_result(c.peek(first, flags & libc::MSG_DONTWAIT != 0));
-    }
-    if flags & libc::MSG_OOB != 0 {
-        // No urgent byte waits out of line (urgent data is in line over SMC-R).
-        set_errno(libc::EINVAL);
-        return -1;
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let timeout = c.timeout(false);
@@ -447,13 +455,13 @@ pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_
 
 /// send on an SMC-R connection with flags.
 pub(crate) fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        log!("send(MSG_OOB) through smc run is not supported: EOPNOTSUPP");
-        set_errno(libc::EOPNOTSUPP);
-        return -1;
-    }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    if flags & libc::MSG_OOB != 0 {
+        // Urgent data: the last byte is urgent (SMC-R's urgent data, RFC 7609 §4.7.5).
+        let all: Vec<u8> = bufs.concat();
+        return write_result(c.write_urgent(&all, dontwait), nosignal);
+    }
     if dontwait || c.nonblocking() {
         return write_result(c.write_vectored(bufs, true), nosignal);
     }
@@ -546,6 +554,18 @@ pub unsafe extern "C" fn setsockopt(
 ) -> c_int {
     // SAFETY: passed on unchanged.
     let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+    if r == 0
+        && level == libc::SOL_SOCKET
+        && name == libc::SO_OOBINLINE
+        && !val.is_null()
+        && len as usize >= std::mem::size_of::<c_int>()
+        && table::maybe(fd)
+    {
+        if let Target::Smc(c) = target(fd) {
+            // SAFETY: the caller's int.
+            c.set_oobinline(unsafe { (val as *const c_int).read_unaligned() } != 0);
+        }
+    }
     if r == 0
         && level == libc::SOL_SOCKET
         && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
@@ -1019,6 +1039,9 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     unsafe { fcntl(fd, cmd, arg) }
 }
 
+/// SIOCATMARK (`linux/sockios.h`).
+const SIOCATMARK: c_ulong = 0x8905;
+
 #[no_mangle]
 pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
     if table::maybe(fd) {
@@ -1032,6 +1055,17 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                     let n = c_int::try_from(c.readable_bytes()).unwrap_or(c_int::MAX);
                     // SAFETY: the caller's int.
                     unsafe { (arg as *mut c_int).write_unaligned(n) };
+                    return 0;
+                }
+            }
+            SIOCATMARK => {
+                if let Target::Smc(c) = target(fd) {
+                    if arg == 0 {
+                        set_errno(libc::EFAULT);
+                        return -1;
+                    }
+                    // SAFETY: the caller's int.
+                    unsafe { (arg as *mut c_int).write_unaligned(c_int::from(c.at_mark())) };
                     return 0;
                 }
             }

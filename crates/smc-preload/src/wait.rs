@@ -111,6 +111,9 @@ fn ready_events(r: Ready, events: u32) -> u32 {
     if r.error {
         m |= libc::EPOLLERR as u32;
     }
+    if r.urgent {
+        m |= libc::EPOLLPRI as u32;
+    }
     m & want
 }
 
@@ -440,6 +443,9 @@ fn poll_revents(r: Ready, events: i16) -> i16 {
     }
     if r.read_hup {
         m |= libc::POLLRDHUP;
+    }
+    if r.urgent {
+        m |= libc::POLLPRI;
     }
     m &= events;
     if r.hup {

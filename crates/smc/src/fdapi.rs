@@ -327,6 +327,8 @@ pub struct Ready {
     pub hup: bool,
     /// A failure is pending (EPOLLERR).
     pub error: bool,
+    /// Urgent data is pending or its byte not yet read with `MSG_OOB` (EPOLLPRI).
+    pub urgent: bool,
 }
 
 /// One handle of an SMC-R connection and the nonblocking mode it was last set to.
@@ -365,10 +367,13 @@ pub struct Conn {
     /// How many peeked bytes wait in the reading handle (readiness looks here without its
     /// lock, which a blocked reader holds).
     peeked_len: std::sync::atomic::AtomicUsize,
+    /// The urgent byte out of band (TCP without SO_OOBINLINE), shared with the reading
+    /// handle's stream, which takes it out when a read reaches it.
+    urgent: Arc<crate::stream::UrgentSlot>,
 }
 
 impl Conn {
-    fn new(s: SmcStream, id: TcpId) -> io::Result<Conn> {
+    fn new(mut s: SmcStream, id: TcpId) -> io::Result<Conn> {
         // Small writes go out at once: an event loop that writes a request and then sleeps
         // in epoll_wait has no blocked reader to flush a held-back cursor update.
         s.set_nodelay(true)?;
@@ -376,7 +381,10 @@ impl Conn {
             .notifiers()?
             .ok_or_else(|| io::Error::other("SMC-R connection without notifiers"))?;
         let w = s.try_clone()?;
+        let urgent = Arc::new(crate::stream::UrgentSlot::default());
+        s.urgent_slot = Some(urgent.clone());
         Ok(Conn {
+            urgent,
             stack: s.stack().clone(),
             id,
             rd: Mutex::new(Handle {
@@ -395,6 +403,104 @@ impl Conn {
             nonblocking: AtomicBool::new(false),
             pending_error: Mutex::new(None),
         })
+    }
+
+    /// SO_OOBINLINE as the program set it: urgent data in line (`true`) or out of band.
+    pub fn set_oobinline(&self, on: bool) {
+        use crate::stream::UrgentSlot;
+        let _ = self
+            .urgent
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(if on {
+                    v | UrgentSlot::INLINE
+                } else {
+                    v & !UrgentSlot::INLINE
+                })
+            });
+    }
+
+    /// SIOCATMARK: whether the next byte of the stream is the urgent byte.
+    pub fn at_mark(&self) -> bool {
+        let core = self.stack.inner.lock();
+        core.ep.urgent_offset(self.id) == Some(0)
+    }
+
+    /// `recv(MSG_OOB)` (`peek`: with MSG_PEEK): the urgent byte, as TCP without SO_OOBINLINE
+    /// returns it, even before the bytes in front of it were read (those are kept for the
+    /// next reads, as MSG_PEEK keeps bytes). `InvalidInput` (EINVAL) when no urgent byte is
+    /// there to read (none sent, already read, or SO_OOBINLINE on), as TCP's.
+    pub fn read_urgent(&self, peek: bool) -> io::Result<u8> {
+        use crate::stream::UrgentSlot;
+        let take = |peek: bool| -> Option<u8> {
+            let v = self.urgent.state.load(Ordering::Acquire);
+            if v & UrgentSlot::PRESENT == 0 {
+                return None;
+            }
+            if !peek {
+                self.urgent
+                    .state
+                    .fetch_and(!(UrgentSlot::PRESENT | 0xFF), Ordering::AcqRel);
+            }
+            Some(v as u8)
+        };
+        let none = || io::Error::from(io::ErrorKind::InvalidInput);
+        if self.urgent.state.load(Ordering::Acquire) & UrgentSlot::INLINE != 0 {
+            return Err(none());
+        }
+        if let Some(b) = take(peek) {
+            return Ok(b);
+        }
+        // Not taken out yet: read up to it (the bytes in front go to the peeked ones), then
+        // one more read takes it out.
+        let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        for _ in 0..64 {
+            if let Some(b) = take(peek) {
+                return Ok(b);
+            }
+            let Some(k) = ({
+                let core = self.stack.inner.lock();
+                core.ep.urgent_offset(self.id)
+            }) else {
+                return take(peek).ok_or_else(none);
+            };
+            let mut tmp = vec![0u8; (k as usize).max(1)];
+            h.mode(true);
+            match h.s.read(&mut tmp) {
+                Ok(n) => h.peeked.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            self.peeked_len.store(h.peeked.len(), Ordering::Relaxed);
+        }
+        take(peek).ok_or_else(|| io::ErrorKind::WouldBlock.into())
+    }
+
+    /// `send(MSG_OOB)`: `buf`, its last byte urgent (TCP's urgent pointer), the bytes in front
+    /// written as usual; blocks unless nonblocking. Returns what was taken.
+    pub fn write_urgent(&self, buf: &[u8], dontwait: bool) -> io::Result<usize> {
+        let Some((last, front)) = buf.split_last() else {
+            return Ok(0);
+        };
+        let nb = dontwait || self.nonblocking();
+        let mut off = 0;
+        while off < front.len() {
+            match self.write(&front[off..], nb) {
+                Ok(n) => off += n,
+                Err(_) if off > 0 => return Ok(off),
+                Err(e) => return Err(e),
+            }
+            if nb && off < front.len() {
+                return Ok(off);
+            }
+        }
+        let mut h = self.wr.lock().unwrap_or_else(|p| p.into_inner());
+        h.mode(nb);
+        match h.s.send_urgent(std::slice::from_ref(last)) {
+            Ok(()) => Ok(buf.len()),
+            Err(_) if off > 0 => Ok(off),
+            Err(e) => Err(e),
+        }
     }
 
     /// Set the connection's nonblocking mode (the program's O_NONBLOCK / FIONBIO).
@@ -658,6 +764,9 @@ impl Conn {
                     read_hup: true,
                     hup: true,
                     error: err.is_some(),
+                    urgent: c.urgent.state.load(Ordering::Relaxed)
+                        & crate::stream::UrgentSlot::PRESENT
+                        != 0,
                 },
                 Some(conn) => {
                     let closed = conn.is_read_closed();
@@ -668,6 +777,10 @@ impl Conn {
                         read_hup: closed,
                         hup: err.is_some(),
                         error: err.is_some(),
+                        urgent: core.ep.urgent_offset(c.id).is_some()
+                            || c.urgent.state.load(Ordering::Relaxed)
+                                & crate::stream::UrgentSlot::PRESENT
+                                != 0,
                     }
                 }
             };

@@ -206,6 +206,7 @@ impl SmcStream {
             spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
             last_read: 1,
             nodelay: Default::default(),
+            urgent_slot: None,
         }
     }
 
