@@ -940,6 +940,7 @@ mod tests {
             read_hup: true,
             hup: false,
             error: false,
+            urgent: false,
         };
         let all = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
         assert_eq!(
@@ -966,6 +967,17 @@ mod tests {
         assert_eq!(
             poll_revents(failed, libc::POLLIN),
             libc::POLLHUP | libc::POLLERR
+        );
+        // Urgent data: PRI when asked for (select's exceptfds asks POLLPRI).
+        let urgent = Ready {
+            urgent: true,
+            ..Ready::default()
+        };
+        assert_eq!(poll_revents(urgent, libc::POLLPRI), libc::POLLPRI);
+        assert_eq!(poll_revents(urgent, libc::POLLIN), 0);
+        assert_eq!(
+            ready_events(urgent, (libc::EPOLLIN | libc::EPOLLPRI) as u32),
+            libc::EPOLLPRI as u32
         );
     }
 
