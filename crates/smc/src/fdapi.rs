@@ -578,28 +578,41 @@ impl Conn {
         timeout: Option<std::time::Duration>,
     ) -> io::Result<usize> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
-        let mut waiter: Option<Waiter> = None;
+        let mut waiter = None;
         loop {
             match self.read(buf, true) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            match &waiter {
-                // Subscribed now: look once more before the sleep.
-                None => waiter = Some(self.waiter(true, false)?),
-                Some(w) => {
-                    wait_fd(w.fd(), deadline)?;
-                    w.clear();
-                }
-            }
+            self.wait_step(&mut waiter, true, deadline)?;
         }
     }
 
-    /// A [`Waiter`] watching this connection.
-    fn waiter(&self, read: bool, write: bool) -> io::Result<Waiter> {
-        let mut w = Waiter::new()?;
-        w.watch(self, read, write);
-        Ok(w)
+    /// One step of a blocking call's wait for reading (`read`) or writing: the first makes
+    /// the thread's [`Waiter`] (then the caller looks again: a change after that look is
+    /// signalled to it), the next ones sleep on it. Without a descriptor for its eventfd
+    /// (EMFILE), short sleeps that look again: a read or write does not fail for that.
+    fn wait_step(
+        &self,
+        waiter: &mut Option<Option<Waiter>>,
+        read: bool,
+        deadline: Option<std::time::Instant>,
+    ) -> io::Result<()> {
+        match waiter {
+            None => {
+                *waiter = Some(Waiter::new().ok().map(|mut w| {
+                    w.watch(self, read, !read);
+                    w
+                }));
+                Ok(())
+            }
+            Some(Some(w)) => {
+                wait_fd(Some(w.fd()), deadline)?;
+                w.clear();
+                Ok(())
+            }
+            Some(None) => wait_fd(None, deadline),
+        }
     }
 
     /// A blocking write whose wait is interruptible (see [`Conn::read_interruptible`]).
@@ -609,19 +622,13 @@ impl Conn {
         timeout: Option<std::time::Duration>,
     ) -> io::Result<usize> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
-        let mut waiter: Option<Waiter> = None;
+        let mut waiter = None;
         loop {
             match self.write(buf, true) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            match &waiter {
-                None => waiter = Some(self.waiter(false, true)?),
-                Some(w) => {
-                    wait_fd(w.fd(), deadline)?;
-                    w.clear();
-                }
-            }
+            self.wait_step(&mut waiter, false, deadline)?;
         }
     }
 
@@ -924,9 +931,14 @@ pub fn linger(max: std::time::Duration) {
 
 /// Wait until `fd` (an eventfd) is readable, a signal handler ran (`Interrupted`) or the
 /// deadline passed (`WouldBlock`). Bounded slices: a connection that ends without a signal
-/// (never, the stack signals failures) is looked at again within a second.
-fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Result<()> {
-    let slice = std::time::Duration::from_secs(1);
+/// (never, the stack signals failures) is looked at again within a second; without `fd`,
+/// within 10 ms.
+fn wait_fd(fd: Option<BorrowedFd<'_>>, deadline: Option<std::time::Instant>) -> io::Result<()> {
+    let slice = if fd.is_some() {
+        std::time::Duration::from_secs(1)
+    } else {
+        std::time::Duration::from_millis(10)
+    };
     let left = match deadline {
         Some(d) => {
             let left = d.saturating_duration_since(std::time::Instant::now());
@@ -941,10 +953,10 @@ fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Resu
         tv_sec: left.as_secs() as i64,
         tv_nsec: i64::from(left.subsec_nanos()),
     };
-    let mut fds = [rustix::event::PollFd::from_borrowed_fd(
-        fd,
-        rustix::event::PollFlags::IN,
-    )];
+    let mut fds: Vec<rustix::event::PollFd<'_>> = fd
+        .into_iter()
+        .map(|fd| rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN))
+        .collect();
     match rustix::event::poll(&mut fds, Some(&ts)) {
         Ok(_) => Ok(()),
         Err(rustix::io::Errno::INTR) => Err(io::ErrorKind::Interrupted.into()),
