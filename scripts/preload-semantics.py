@@ -10,6 +10,7 @@ mixed with a pipe, FIONREAD, dup, nonblocking reads, sendfile and the end of str
 The client connects nonblocking (EINPROGRESS or 0, then POLLOUT and SO_ERROR), checks with
 `smc ss --json` that its connection is SMC-R, and verifies the sendfile payload.
 """
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -22,6 +23,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 
 FAILED = []
@@ -199,6 +201,44 @@ def server(port, smc):
     line = conn.makefile("rb").readline()
     check(line == b"recv ok\n", f"client verified the sendfile payload ({line!r})")
 
+    rare_call_checks(conn, fd)
+
+    # One thread sends a large payload while another reads the echo from the same
+    # connection: with a socket timeout (Python polls before each call: two threads poll
+    # one connection) and blocking (a read and a write blocked at once).
+    for label, timeout in (("polling threads", 20.0), ("blocking threads", None)):
+        data = os.urandom(16 << 20)
+        ask(conn, f"echo {len(data)}")
+        conn.settimeout(timeout)
+        got = bytearray()
+        errors = []
+
+        def reader():
+            try:
+                while len(got) < len(data):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    got.extend(chunk)
+            except OSError as e:
+                errors.append(repr(e))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            conn.sendall(data)
+        except OSError as e:
+            errors.append(repr(e))
+        t.join(30)
+        check(not t.is_alive() and not errors and bytes(got) == data,
+              f"{label}: 16 MiB sent by one thread, its echo read by another "
+              f"({len(got)} bytes back, {errors})")
+        if FAILED:
+            # The stream is out of step with the client: nothing further can be checked.
+            conn.close()
+            sys.exit(1)
+        conn.settimeout(None)
+
     # The client shuts down writing: EPOLLIN|EPOLLRDHUP, then end of stream.
     ep2 = select.epoll()
     ep2.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
@@ -209,10 +249,258 @@ def server(port, smc):
     check(conn.recv(10) == b"", "end of stream after the peer's shutdown")
     os.close(d)
     conn.close()
+    self_connect_checks(port + 1)
     if FAILED:
         print(f"{len(FAILED)} checks failed", flush=True)
         sys.exit(1)
     print("all checks passed", flush=True)
+
+
+class MMsgHdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32),
+                ("iov", ctypes.c_void_p), ("iovlen", ctypes.c_size_t),
+                ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int), ("pad", ctypes.c_int), ("len", ctypes.c_uint),
+                ("pad2", ctypes.c_uint)]
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def rare_call_checks(conn, fd):
+    """recvmmsg/sendmmsg, splice, epoll_pwait2, EPOLLEXCLUSIVE, close_range, posix_spawn on
+    the connection: as on TCP (ctypes finds the preloaded functions first, as a C program's
+    calls do)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    # recvmmsg: one recvmsg per header, the second without waiting (MSG_WAITFORONE).
+    ask(conn, "send 6 m")
+    bufs = [ctypes.create_string_buffer(3) for _ in range(2)]
+    iovs = [IoVec(ctypes.cast(b, ctypes.c_void_p), 3) for b in bufs]
+    hdrs = (MMsgHdr * 2)()
+    for h, v in zip(hdrs, iovs):
+        h.iov, h.iovlen = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p), 1
+    check(wait_readable(conn), "data for recvmmsg")
+    time.sleep(0.05)
+    n = libc.recvmmsg(fd, hdrs, 2, 0x10000, None)  # MSG_WAITFORONE
+    check(n == 2 and [h.len for h in hdrs] == [3, 3] and bufs[0].raw + bufs[1].raw == b"mmmmmm",
+          f"recvmmsg: two messages of 3 bytes ({n}, {[h.len for h in hdrs]})")
+    # sendmmsg: two messages, one line at the client.
+    ask(conn, "expect sendmmsg")
+    out = [ctypes.create_string_buffer(b"sendm", 5), ctypes.create_string_buffer(b"msg\n", 4)]
+    iovs = [IoVec(ctypes.cast(b, ctypes.c_void_p), len(b.raw)) for b in out]
+    hdrs = (MMsgHdr * 2)()
+    for h, v in zip(hdrs, iovs):
+        h.iov, h.iovlen = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p), 1
+    n = libc.sendmmsg(fd, hdrs, 2, 0)
+    check(n == 2 and [h.len for h in hdrs] == [5, 4], f"sendmmsg: two messages sent ({n})")
+
+    # splice: connection → pipe, pipe → connection.
+    r, w = os.pipe()
+    ask(conn, "send 5 s")
+    check(wait_readable(conn), "data for splice")
+    n = os.splice(fd, w, 5)
+    check(n == 5 and os.read(r, 5) == b"sssss", f"splice from the connection into a pipe ({n})")
+    ask(conn, "expect spliced")
+    os.write(w, b"spliced\n")
+    n = os.splice(r, fd, 8)
+    check(n == 8, f"splice from a pipe into the connection ({n})")
+    try:
+        os.splice(fd, fd, 1)
+        check(False, "splice between two sockets: EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, f"splice between two sockets: EINVAL ({e.errno})")
+
+    # epoll_pwait2 (nanosecond timeout) reports the connection.
+    ep = select.epoll()
+    ep.register(fd, select.EPOLLIN)
+    ask(conn, "send 1 z")
+    evs = (ctypes.c_uint8 * (12 * 4))()
+    ts = (ctypes.c_long * 2)(5, 0)
+    n = libc.epoll_pwait2(ep.fileno(), evs, 4, ts, None)
+    events = struct.unpack_from("=I", bytes(evs), 0)[0] if n > 0 else 0
+    check(n == 1 and events & select.EPOLLIN, f"epoll_pwait2 reports the connection ({n})")
+    check(conn.recv(1) == b"z", "read after epoll_pwait2")
+    ts = (ctypes.c_long * 2)(0, 20_000_000)
+    check(libc.epoll_pwait2(ep.fileno(), evs, 4, ts, None) == 0, "epoll_pwait2: timeout, nothing")
+    ep.close()
+
+    # EPOLLEXCLUSIVE: at ADD only, with IN/OUT/ERR/HUP/ET; not modifiable.
+    ep = select.epoll()
+    ep.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+    try:
+        ep.modify(fd, select.EPOLLIN)
+        check(False, "EPOLLEXCLUSIVE registration: MOD fails with EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, "EPOLLEXCLUSIVE registration: MOD fails with EINVAL")
+    ep.unregister(fd)
+    try:
+        ep.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE | select.EPOLLONESHOT)
+        check(False, "EPOLLEXCLUSIVE with EPOLLONESHOT: EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, "EPOLLEXCLUSIVE with EPOLLONESHOT: EINVAL")
+    ep.close()
+
+    # close_range forgets the numbers it closes: a pipe that reuses one is a pipe.
+    d2 = os.dup(fd)
+    os.closerange(d2, d2 + 1)
+    r2, w2 = os.pipe()
+    os.set_blocking(r2, False)
+    os.write(w2, b"p")
+    try:
+        got = os.read(r2, 1)
+    except OSError as e:
+        got = repr(e)
+    check(r2 != d2 or got == b"p", f"close_range: the reused number {r2} is a pipe ({got!r})")
+    for x in (r, w, r2, w2):
+        os.close(x)
+
+    # Urgent data (MSG_OOB), as TCP without SO_OOBINLINE: the last byte sent with MSG_OOB is
+    # out of band (POLLPRI, recv(MSG_OOB)), the others in line; SIOCATMARK at the mark.
+    ask(conn, "oob abc")
+    _, _, xl = select.select([], [], [fd], 5)
+    check(xl == [fd], "urgent data: exceptional condition (POLLPRI)")
+    check(conn.recv(1, socket.MSG_OOB | socket.MSG_PEEK) == b"c", "recv(MSG_OOB|MSG_PEEK): the urgent byte")
+    check(conn.recv(1, socket.MSG_OOB) == b"c", "recv(MSG_OOB) before the bytes in front of it")
+    check(conn.recv(10) == b"ab", "the bytes in front of the urgent byte, in line")
+    try:
+        conn.recv(1, socket.MSG_OOB)
+        check(False, "recv(MSG_OOB) once the urgent byte was read: EINVAL")
+    except OSError as e:
+        check(e.errno == errno.EINVAL, "recv(MSG_OOB) once the urgent byte was read: EINVAL")
+    ask(conn, "oob xyz")
+    select.select([], [], [fd], 5)
+    check(conn.recv(10) == b"xy", "a read stops in front of the urgent byte")
+    mark = struct.unpack("i", fcntl.ioctl(fd, 0x8905, struct.pack("i", 0)))[0]  # SIOCATMARK
+    check(mark == 1, f"SIOCATMARK at the mark ({mark})")
+    check(conn.recv(1, socket.MSG_OOB) == b"z", "recv(MSG_OOB) at the mark")
+    ask(conn, "send 2 q")
+    check(wait_readable(conn) and conn.recv(10) == b"qq", "the urgent byte is not in line")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE, 1)
+    ask(conn, "oob mn")
+    got = b""
+    while len(got) < 2 and wait_readable(conn):
+        got += conn.recv(10)
+    check(got == b"mn", f"SO_OOBINLINE: the urgent byte in line ({got!r})")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE, 0)
+    ask(conn, "oobrecv")
+    conn.send(b"Q", socket.MSG_OOB)
+    line = conn.makefile("rb").readline()
+    check(line == b"oob Q\n", f"the client got the urgent byte out of band ({line!r})")
+
+    # posix_spawn: a program started with the connection inherited gets a clean error on
+    # it, never a wait on the idle TCP socket; this process keeps using it.
+    os.set_inheritable(fd, True)
+    code = "import os,sys\ntry:\n os.read(int(sys.argv[1]),1); print('read')\nexcept OSError as e: print(e.errno)"
+    rp, wp = os.pipe()
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code, str(fd)], os.environ,
+                         file_actions=[(os.POSIX_SPAWN_DUP2, wp, 1)])
+    os.close(wp)
+    os.set_inheritable(fd, False)
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    out = os.read(rp, 100).strip()
+    os.close(rp)
+    check(out == str(errno.EIO).encode(), f"posix_spawn: the inherited connection fails with EIO ({out!r})")
+    ask(conn, "send 3 k")
+    check(wait_readable(conn) and conn.recv(3) == b"kkk", "the connection still works after posix_spawn")
+
+    # execvpe and fexecve in a forked child: the new program gets EIO on the connection.
+    for how in ("execvpe", "fexecve"):
+        rp, wp = os.pipe()
+        os.set_inheritable(fd, True)
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(wp, 1)
+            argv = (ctypes.c_char_p * 5)(sys.executable.encode(), b"-c", code.encode(),
+                                         str(fd).encode(), None)
+            env = [f"{k}={v}".encode() for k, v in os.environ.items()]
+            envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)
+            if how == "execvpe":
+                libc.execvpe(sys.executable.encode(), argv, envp)
+            else:
+                libc.fexecve(os.open(sys.executable, os.O_RDONLY), argv, envp)
+            os._exit(127)
+        os.close(wp)
+        os.set_inheritable(fd, False)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        out = os.read(rp, 100).strip()
+        os.close(rp)
+        check(out == str(errno.EIO).encode(), f"{how} in a child: the inherited connection fails with EIO ({out!r})")
+
+
+def self_connect_checks(port):
+    """Connections to a listener of this very process: connect returns before any accept
+    (as TCP's backlog lets it), then the bytes flow once accepted."""
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # (On the unspecified address: the library recognises its port on a local address.)
+    ls.bind(("0.0.0.0", port))
+    ls.listen(4)
+    # One thread: connect and write, then accept and read; a blocking and a nonblocking
+    # connect.
+    for blocking in (True, False):
+        c = socket.socket()
+        c.settimeout(10)
+        c.setblocking(blocking)
+        rc = c.connect_ex(("127.0.0.1", port))
+        check(rc in (0, errno.EINPROGRESS), f"self-connect (blocking={blocking}) returns before accept ({rc})")
+        if not blocking:
+            check(bool(select.select([], [c], [], 10)[1]), "self-connect: writable before accept")
+            check(c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0, "self-connect: SO_ERROR = 0")
+        c.setblocking(True)
+        c.settimeout(10)
+        c.sendall(b"before accept")
+        a, _ = ls.accept()
+        a.settimeout(10)
+        got = b""
+        while len(got) < 13:
+            chunk = a.recv(13 - len(got))
+            if not chunk:
+                break
+            got += chunk
+        check(got == b"before accept", f"self-connect: bytes written before accept arrive ({got!r})")
+        a.sendall(b"reply")
+        check(c.recv(5) == b"reply", "self-connect: the accepted end answers")
+        # These stayed TCP: urgent data out of band, as the program left SO_OOBINLINE (off).
+        check(c.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == 0
+              and a.getsockopt(socket.SOL_SOCKET, socket.SO_OOBINLINE) == 0,
+              "self-connect (TCP): SO_OOBINLINE as the program left it")
+        c.send(b"x!", socket.MSG_OOB)
+        select.select([], [], [a], 10)
+        check(a.recv(1, socket.MSG_OOB) == b"!" and a.recv(10) == b"x",
+              "self-connect (TCP): the urgent byte out of band")
+        a.close()
+        c.close()
+    # Another thread accepts at once and serves: the bytes flow both ways.
+    def serve():
+        a, _ = ls.accept()
+        a.sendall(a.recv(100).upper())
+        a.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    c = socket.create_connection(("127.0.0.1", port), timeout=10)
+    c.sendall(b"threaded")
+    check(c.recv(100) == b"THREADED", "self-connect with an accepting thread")
+    t.join(10)
+    c.close()
+    ls.close()
 
 
 def client(port, smc):
@@ -255,6 +543,20 @@ def client(port, smc):
             ok = hashlib.sha256(buf).hexdigest() == want
             check(ok, "sendfile payload")
             s.sendall(b"recv ok\n" if ok else b"recv bad\n")
+        elif cmd[0] == "oob":
+            s.send(cmd[1].encode(), socket.MSG_OOB)
+        elif cmd[0] == "oobrecv":
+            select.select([], [], [s], 5)
+            b = s.recv(1, socket.MSG_OOB)
+            s.sendall(b"oob " + b + b"\n")
+        elif cmd[0] == "echo":
+            left = int(cmd[1])
+            while left:
+                chunk = f.read1(min(left, 65536))
+                if not chunk:
+                    break
+                s.sendall(chunk)
+                left -= len(chunk)
         elif cmd[0] == "shutdown":
             s.shutdown(socket.SHUT_WR)
     s.close()

@@ -22,7 +22,7 @@ pub(crate) enum Target {
 }
 
 /// Borrow a raw descriptor for a call that does not outlive it.
-fn bfd<'a>(fd: c_int) -> BorrowedFd<'a> {
+pub(crate) fn bfd<'a>(fd: c_int) -> BorrowedFd<'a> {
     // SAFETY: the program's descriptor, open for the duration of the call.
     unsafe { BorrowedFd::borrow_raw(fd) }
 }
@@ -122,13 +122,13 @@ pub(crate) fn target(fd: c_int) -> Target {
 }
 
 /// Fail a call on another process's connection.
-fn foreign(fd: c_int) -> ssize_t {
+pub(crate) fn foreign(fd: c_int) -> ssize_t {
     log!("fd {fd}: an SMC-R connection of another process (inherited); the call fails with EIO");
     set_errno(libc::EIO);
     -1
 }
 
-fn io_result(r: std::io::Result<usize>) -> ssize_t {
+pub(crate) fn io_result(r: std::io::Result<usize>) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
@@ -139,7 +139,7 @@ fn io_result(r: std::io::Result<usize>) -> ssize_t {
 }
 
 /// A write's failure: EPIPE also raises SIGPIPE unless MSG_NOSIGNAL, as for TCP.
-fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t {
+pub(crate) fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
@@ -229,7 +229,8 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         return unsafe { real::connect(fd, addr, len) };
     }
     guard(-1, || {
-        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to));
+        let own = own_listener(to);
+        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to, own));
         match r {
             Ok(setup) => {
                 install(fd, setup, nb);
@@ -242,6 +243,67 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             }
         }
     })
+}
+
+/// Whether `to` is the address of a listening socket of this process (the same port, and the
+/// same address or a listener on the unspecified address).
+fn own_listener(to: SocketAddr) -> bool {
+    table::listeners().into_iter().any(|l| {
+        // SAFETY: zeroed storage is a valid sockaddr_storage.
+        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+        // SAFETY: the storage and its length.
+        let r = unsafe {
+            libc::getsockname(l, (&mut ss as *mut libc::sockaddr_storage).cast(), &mut len)
+        };
+        // SAFETY: what getsockname filled in, of `len` bytes.
+        let a = (r == 0)
+            .then(|| unsafe { sockaddr_of((&ss as *const libc::sockaddr_storage).cast(), len) });
+        a.flatten().is_some_and(|a| {
+            a.port() == to.port()
+                && (a.ip() == to.ip() || (a.ip().is_unspecified() && is_local_address(to.ip())))
+        })
+    })
+}
+
+/// Whether `ip` is an address of this host (a loopback address, or one of an interface's).
+fn is_local_address(ip: std::net::IpAddr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills in a list that freeifaddrs releases.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return false;
+    }
+    let mut found = false;
+    let mut at = list;
+    while !at.is_null() {
+        // SAFETY: an entry of the list.
+        let e = unsafe { &*at };
+        if !e.ifa_addr.is_null() {
+            let len = match c_int::from(
+                // SAFETY: the entry's address.
+                unsafe { (*e.ifa_addr).sa_family },
+            ) {
+                libc::AF_INET => std::mem::size_of::<libc::sockaddr_in>(),
+                libc::AF_INET6 => std::mem::size_of::<libc::sockaddr_in6>(),
+                _ => 0,
+            };
+            // SAFETY: an address of its family's length.
+            if len > 0
+                && unsafe { sockaddr_of(e.ifa_addr, len as socklen_t) }
+                    .is_some_and(|a| a.ip() == ip)
+            {
+                found = true;
+                break;
+            }
+        }
+        at = e.ifa_next;
+    }
+    // SAFETY: the list getifaddrs made.
+    unsafe { libc::freeifaddrs(list) };
+    found
 }
 
 #[no_mangle]
@@ -324,17 +386,25 @@ unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
 }
 
 /// recv on an SMC-R connection with flags.
-fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        // The urgent byte, out of band as TCP keeps it without SO_OOBINLINE.
+        let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
+            return 0;
+        };
+        return match c.read_urgent(flags & libc::MSG_PEEK != 0) {
+            Ok(b) => {
+                first[0] = b;
+                1
+            }
+            Err(e) => io_result(Err(e)),
+        };
+    }
     if flags & libc::MSG_PEEK != 0 {
         let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
             return 0;
         };
         return io_result(c.peek(first, flags & libc::MSG_DONTWAIT != 0));
-    }
-    if flags & libc::MSG_OOB != 0 {
-        // No urgent byte waits out of line (urgent data is in line over SMC-R).
-        set_errno(libc::EINVAL);
-        return -1;
     }
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let timeout = c.timeout(false);
@@ -384,14 +454,14 @@ fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
 }
 
 /// send on an SMC-R connection with flags.
-fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        log!("send(MSG_OOB) through smc run is not supported: EOPNOTSUPP");
-        set_errno(libc::EOPNOTSUPP);
-        return -1;
-    }
+pub(crate) fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let nosignal = flags & libc::MSG_NOSIGNAL != 0;
+    if flags & libc::MSG_OOB != 0 {
+        // Urgent data: the last byte is urgent (SMC-R's urgent data, RFC 7609 §4.7.5).
+        let all: Vec<u8> = bufs.concat();
+        return write_result(c.write_urgent(&all, dontwait), nosignal);
+    }
     if dontwait || c.nonblocking() {
         return write_result(c.write_vectored(bufs, true), nosignal);
     }
@@ -484,6 +554,18 @@ pub unsafe extern "C" fn setsockopt(
 ) -> c_int {
     // SAFETY: passed on unchanged.
     let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+    if r == 0
+        && level == libc::SOL_SOCKET
+        && name == libc::SO_OOBINLINE
+        && !val.is_null()
+        && len as usize >= std::mem::size_of::<c_int>()
+        && table::maybe(fd)
+    {
+        if let Target::Smc(c) = target(fd) {
+            // SAFETY: the caller's int.
+            c.set_oobinline(unsafe { (val as *const c_int).read_unaligned() } != 0);
+        }
+    }
     if r == 0
         && level == libc::SOL_SOCKET
         && (name == libc::SO_RCVTIMEO || name == libc::SO_SNDTIMEO)
@@ -827,7 +909,7 @@ pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: 
 /// Forget `fd`'s entry (its number is being closed or reused): out of every epoll set, then
 /// dropped (which closes an SMC-R connection when no other number names it).
 pub(crate) fn forget(fd: c_int) {
-    if !table::maybe(fd) {
+    if !table::maybe(fd) || table::borrowed_memory() {
         return;
     }
     let Some(e) = table::take(fd) else {
@@ -880,7 +962,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
 
 /// After a successful dup of `old` onto `new`: `new` names what `old` does.
 fn duplicated(old: c_int, new: c_int) {
-    if new < 0 {
+    if new < 0 || table::borrowed_memory() {
         return;
     }
     forget(new);
@@ -957,6 +1039,9 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     unsafe { fcntl(fd, cmd, arg) }
 }
 
+/// SIOCATMARK (`linux/sockios.h`).
+const SIOCATMARK: c_ulong = 0x8905;
+
 #[no_mangle]
 pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
     if table::maybe(fd) {
@@ -970,6 +1055,17 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                     let n = c_int::try_from(c.readable_bytes()).unwrap_or(c_int::MAX);
                     // SAFETY: the caller's int.
                     unsafe { (arg as *mut c_int).write_unaligned(n) };
+                    return 0;
+                }
+            }
+            SIOCATMARK => {
+                if let Target::Smc(c) = target(fd) {
+                    if arg == 0 {
+                        set_errno(libc::EFAULT);
+                        return -1;
+                    }
+                    // SAFETY: the caller's int.
+                    unsafe { (arg as *mut c_int).write_unaligned(c_int::from(c.at_mark())) };
                     return 0;
                 }
             }
@@ -1032,7 +1128,14 @@ pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 /// parent's connections alone (socat's `SYSTEM:`), but names them to the new program
 /// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
 /// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
-fn before_exec() -> Option<String> {
+pub(crate) fn before_exec() -> Option<String> {
+    surviving_connections(false)
+}
+
+/// The SMC-R connections whose numbers a new program inherits, as [`before_exec`] names them;
+/// `spawn`: the new program is another process (`posix_spawn`), so this one keeps its own
+/// connections as they are and names them too.
+pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
     }
@@ -1052,7 +1155,7 @@ fn before_exec() -> Option<String> {
         if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
             continue;
         }
-        if matches!(e.kind, Kind::Smc(_)) && e.ours() {
+        if matches!(e.kind, Kind::Smc(_)) && e.ours() && !spawn {
             log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
             // SAFETY: the connection's TCP socket.
             unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
@@ -1080,7 +1183,7 @@ pub(crate) fn adopt_inherited() {
 
 /// The environment for an exec with `envp`, with [`INHERITED_VAR`] set to `value` (the
 /// strings stay alive until the exec, which ends the image, or its failure).
-fn env_with(
+pub(crate) fn env_with(
     envp: *const *const libc::c_char,
     value: &str,
 ) -> (Vec<std::ffi::CString>, Vec<*const libc::c_char>) {

@@ -18,6 +18,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod hooks;
+mod rare;
 mod real;
 mod table;
 mod wait;

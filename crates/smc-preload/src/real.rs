@@ -84,6 +84,11 @@ reals! {
     ppoll(fds: *mut pollfd, n: nfds_t, t: *const timespec, mask: *const sigset_t) -> c_int = libc::SYS_ppoll;
     select(n: c_int, r: *mut fd_set, w: *mut fd_set, e: *mut fd_set, t: *mut timeval) -> c_int = libc::SYS_select;
     pselect(n: c_int, r: *mut fd_set, w: *mut fd_set, e: *mut fd_set, t: *const timespec, mask: *const sigset_t) -> c_int = libc::SYS_pselect6;
+    recvmmsg(fd: c_int, v: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int, t: *mut timespec) -> c_int = libc::SYS_recvmmsg;
+    sendmmsg(fd: c_int, v: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int) -> c_int = libc::SYS_sendmmsg;
+    splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: libc::c_uint) -> ssize_t = libc::SYS_splice;
+    epoll_pwait2(epfd: c_int, evs: *mut epoll_event, max: c_int, t: *const timespec, mask: *const sigset_t) -> c_int = libc::SYS_epoll_pwait2;
+    close_range(first: libc::c_uint, last: libc::c_uint, flags: c_int) -> c_int = libc::SYS_close_range;
     execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int = libc::SYS_execve;
     execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int = libc::SYS_execve;
     execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int = libc::SYS_execve;

@@ -23,6 +23,17 @@ pub(crate) static ANY: AtomicBool = AtomicBool::new(false);
 /// This process's id (updated in a forked child).
 pub(crate) static PID: AtomicI32 = AtomicI32::new(0);
 
+/// Whether the calling thread runs in a process that shares this library's memory without
+/// being the process it belongs to: the child of a `vfork` (or a `clone` with shared memory,
+/// as `posix_spawn` and Python's subprocess make) between its start and its exec, in which
+/// no fork handler ran. Its closes and dups must not change the table, which is its
+/// parent's.
+pub(crate) fn borrowed_memory() -> bool {
+    // SAFETY: getpid has no preconditions (the system call: no cached value).
+    let pid = unsafe { libc::syscall(libc::SYS_getpid) } as i32;
+    pid != PID.load(Ordering::Relaxed)
+}
+
 /// What a managed descriptor is.
 #[derive(Debug)]
 pub(crate) enum Kind {
@@ -144,6 +155,17 @@ pub(crate) fn take(fd: i32) -> Option<Arc<Entry>> {
         let e = m.remove(&fd);
         s.store(0, Ordering::Relaxed);
         e
+    })
+}
+
+/// The descriptors of the listening sockets whose port discovery knows (a `connect` to one of
+/// them is a connection to this process, which may accept only later).
+pub(crate) fn listeners() -> Vec<i32> {
+    with_map(|m| {
+        m.iter()
+            .filter(|(_, e)| matches!(e.kind, Kind::Listener(_)))
+            .map(|(fd, _)| *fd)
+            .collect()
     })
 }
 

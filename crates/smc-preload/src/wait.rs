@@ -111,6 +111,9 @@ fn ready_events(r: Ready, events: u32) -> u32 {
     if r.error {
         m |= libc::EPOLLERR as u32;
     }
+    if r.urgent {
+        m |= libc::EPOLLPRI as u32;
+    }
     m & want
 }
 
@@ -181,6 +184,24 @@ pub unsafe extern "C" fn epoll_ctl(
                 }
                 // SAFETY: the caller's event.
                 let e = unsafe { ev.read_unaligned() };
+                // EPOLLEXCLUSIVE as the kernel takes it: only at ADD, with only these other
+                // events, and such a registration cannot be modified.
+                let excl = libc::EPOLLEXCLUSIVE as u32;
+                let excl_ok = (libc::EPOLLIN
+                    | libc::EPOLLOUT
+                    | libc::EPOLLERR
+                    | libc::EPOLLHUP
+                    | libc::EPOLLWAKEUP
+                    | libc::EPOLLET) as u32
+                    | excl;
+                if e.events & excl != 0 && (op == libc::EPOLL_CTL_MOD || e.events & !excl_ok != 0) {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+                if op == libc::EPOLL_CTL_MOD && m.get(&fd).is_some_and(|i| i.events & excl != 0) {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
                 let exists = m.contains_key(&fd);
                 if op == libc::EPOLL_CTL_ADD && exists {
                     set_errno(libc::EEXIST);
@@ -310,17 +331,18 @@ fn remaining_ms(deadline: Option<Instant>) -> c_int {
     }
 }
 
-unsafe fn epoll_wait_managed(
+/// epoll_wait on an instance watching SMC-R connections; `timeout` `None`: no limit.
+pub(crate) unsafe fn epoll_wait_managed(
     epfd: c_int,
     set: &EpollSet,
     evs: *mut epoll_event,
     max: c_int,
-    timeout: c_int,
+    timeout: Option<Duration>,
     mask: *const sigset_t,
 ) -> c_int {
     // SAFETY: the caller's array of `max` events.
     let out = unsafe { std::slice::from_raw_parts_mut(evs, max as usize) };
-    let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
+    let deadline = timeout.map(|t| Instant::now() + t);
     loop {
         let n = harvest(set, out);
         if n == out.len() {
@@ -388,6 +410,7 @@ pub unsafe extern "C" fn epoll_pwait(
             if let Kind::Epoll(set) = &e.kind {
                 let set = set.clone();
                 // SAFETY: the caller's arguments.
+                let timeout = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
                 return guard(-1, || unsafe {
                     epoll_wait_managed(epfd, &set, evs, max, timeout, mask)
                 });
@@ -420,6 +443,9 @@ fn poll_revents(r: Ready, events: i16) -> i16 {
     }
     if r.read_hup {
         m |= libc::POLLRDHUP;
+    }
+    if r.urgent {
+        m |= libc::POLLPRI;
     }
     m &= events;
     if r.hup {
@@ -473,17 +499,21 @@ unsafe fn ppoll_managed(
         return None;
     }
     let deadline = timeout.map(|t| Instant::now() + t);
+    let list: Vec<&Conn> = conns.iter().flatten().map(|c| &**c).collect();
+    // Made before the first sleep: this thread's own wake-up (see `smc::fdapi::Waiter`).
+    let mut waiter: Option<smc::fdapi::Waiter> = None;
+    // Without one (no descriptor left for its eventfd): short sleeps that look again.
+    let mut no_waiter = false;
     Some(guard(-1, || loop {
-        for c in conns.iter().flatten() {
-            c.drain_notifiers();
+        if let Some(w) = &waiter {
+            w.clear();
         }
-        let list: Vec<&Conn> = conns.iter().flatten().map(|c| &**c).collect();
         let mut ready = vec![Ready::default(); list.len()];
         Conn::ready_many(&list, &mut ready);
         let mut ready = ready.into_iter();
-        // The real poll's array: the other descriptors as given, each connection replaced
-        // by its eventfds.
-        let mut real_fds: Vec<pollfd> = Vec::with_capacity(fds.len() + 2);
+        // The real poll's array: the other descriptors as given, then the waiter's eventfd
+        // (for the connections) and the completion channels.
+        let mut real_fds: Vec<pollfd> = Vec::with_capacity(fds.len() + 3);
         let mut smc_ready = 0;
         let mut smc_revents = vec![0i16; fds.len()];
         for (i, (p, c)) in fds.iter().zip(&conns).enumerate() {
@@ -493,30 +523,40 @@ unsafe fn ppoll_managed(
                     events: p.events,
                     revents: 0,
                 }),
-                Some(c) => {
+                Some(_) => {
                     let r = poll_revents(ready.next().unwrap_or_default(), p.events);
                     smc_revents[i] = r;
                     if r != 0 {
                         smc_ready += 1;
                     }
-                    let (rd, wr) = c.notifier_fds();
-                    real_fds.push(pollfd {
-                        fd: rd,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    });
-                    if p.events & libc::POLLOUT != 0 {
-                        real_fds.push(pollfd {
-                            fd: wr,
-                            events: libc::POLLIN,
-                            revents: 0,
-                        });
-                    }
                 }
             }
         }
+        let sleeps = smc_ready == 0 && deadline.is_none_or(|d| d > Instant::now());
+        if sleeps && waiter.is_none() && !no_waiter {
+            // Subscribe, then look again: a change after that look is signalled to it.
+            match smc::fdapi::Waiter::new() {
+                Ok(mut w) => {
+                    for (p, c) in fds.iter().zip(&conns) {
+                        if let Some(c) = c {
+                            w.watch(c, true, p.events & libc::POLLOUT != 0);
+                        }
+                    }
+                    waiter = Some(w);
+                }
+                Err(_) => no_waiter = true,
+            }
+            continue;
+        }
+        if let Some(w) = &waiter {
+            real_fds.push(pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&w.fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
         // About to sleep: become the stack's poller (see `epoll_wait_managed`).
-        let state = if smc_ready == 0 && deadline.is_none_or(|d| d > Instant::now()) {
+        let state = if sleeps {
             smc::fdapi::poller_prepare()
         } else {
             smc::fdapi::PollerState::Other
@@ -534,24 +574,25 @@ unsafe fn ppoll_managed(
                 });
             }
         }
-        let ts;
-        let t: *const timespec = if smc_ready > 0 {
-            ts = timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            &ts
+        let left = if smc_ready > 0 {
+            Some(Duration::ZERO)
         } else {
-            match deadline {
-                None => std::ptr::null(),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    ts = timespec {
-                        tv_sec: left.as_secs() as libc::time_t,
-                        tv_nsec: libc::c_long::from(left.subsec_nanos() as i32),
-                    };
-                    &ts
-                }
+            deadline.map(|d| d.saturating_duration_since(Instant::now()))
+        };
+        let left = if no_waiter {
+            Some(left.map_or(NO_WAITER_SLICE, |l| l.min(NO_WAITER_SLICE)))
+        } else {
+            left
+        };
+        let ts;
+        let t: *const timespec = match left {
+            None => std::ptr::null(),
+            Some(left) => {
+                ts = timespec {
+                    tv_sec: left.as_secs() as libc::time_t,
+                    tv_nsec: libc::c_long::from(left.subsec_nanos() as i32),
+                };
+                &ts
             }
         };
         // SAFETY: our array and a valid or null timeout.
@@ -579,10 +620,7 @@ unsafe fn ppoll_managed(
                     p.revents = if k < 0 { 0 } else { real_fds[j].revents };
                     j += 1;
                 }
-                Some(_) => {
-                    p.revents = smc_revents[i];
-                    j += if p.events & libc::POLLOUT != 0 { 2 } else { 1 };
-                }
+                Some(_) => p.revents = smc_revents[i],
             }
             if p.revents != 0 {
                 total += 1;
@@ -591,15 +629,18 @@ unsafe fn ppoll_managed(
         if total > 0 {
             return total;
         }
-        if k == 0 {
+        if k == 0 && !no_waiter {
             return 0;
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return 0;
         }
-        // Only eventfds: look again.
+        // Only our eventfd or a channel: look again.
     }))
 }
+
+/// How long a poll sleeps between looks when it could not make its waiter's eventfd.
+const NO_WAITER_SLICE: Duration = Duration::from_millis(10);
 
 #[no_mangle]
 pub unsafe extern "C" fn ppoll(
@@ -793,7 +834,7 @@ fn note_epoll(fd: c_int) {
 /// The number `fd` is closed (or reused): it is no longer an epoll instance of ours.
 pub(crate) fn closed(fd: c_int) {
     if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
-        if s.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+        if s.load(std::sync::atomic::Ordering::Relaxed) != 0 && !table::borrowed_memory() {
             s.store(0, std::sync::atomic::Ordering::Relaxed);
         }
     }
@@ -899,6 +940,7 @@ mod tests {
             read_hup: true,
             hup: false,
             error: false,
+            urgent: false,
         };
         let all = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
         assert_eq!(
@@ -925,6 +967,17 @@ mod tests {
         assert_eq!(
             poll_revents(failed, libc::POLLIN),
             libc::POLLHUP | libc::POLLERR
+        );
+        // Urgent data: PRI when asked for (select's exceptfds asks POLLPRI).
+        let urgent = Ready {
+            urgent: true,
+            ..Ready::default()
+        };
+        assert_eq!(poll_revents(urgent, libc::POLLPRI), libc::POLLPRI);
+        assert_eq!(poll_revents(urgent, libc::POLLIN), 0);
+        assert_eq!(
+            ready_events(urgent, (libc::EPOLLIN | libc::EPOLLPRI) as u32),
+            libc::EPOLLPRI as u32
         );
     }
 

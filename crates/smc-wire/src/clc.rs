@@ -126,6 +126,9 @@ wire_enum! {
         ERR_RDYLNK = 0x0999_0002 => "ib ready link failed",
         /// Internal error: buffer registration.
         ERR_REGBUF = 0x0999_0003 => "reg rdma bufs failed",
+        /// smc-rs: the client stopped waiting for the Accept (the server's application did
+        /// not accept the TCP connection in time; a program connecting to its own listener).
+        NOACCEPT = 0x0999_0100 => "no accept in time (connection to a listener of the same process)",
     }
 }
 

@@ -190,9 +190,21 @@ pub fn accepted_tcp(fd: BorrowedFd<'_>) -> io::Result<TcpConn> {
         DiscoveryMode::Ebpf => FallbackReason::PeerWithoutOption,
         _ => FallbackReason::DiscoveryOff,
     };
-    Ok(TcpConn {
-        stream: SmcStream::fallback(&stack, sock, reason, Vec::new(), true),
-    })
+    let was = oobinline(fd);
+    let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
+    set_oobinline(fd, was);
+    Ok(TcpConn { stream })
+}
+
+/// SO_OOBINLINE of the program's socket. A stream that falls back turns it on (its own API
+/// delivers urgent data in line, as over SMC-R); the program's TCP connection keeps the
+/// program's setting, so its urgent data stays out of band (`recv(MSG_OOB)`), as TCP's.
+fn oobinline(fd: BorrowedFd<'_>) -> bool {
+    rustix::net::sockopt::socket_oobinline(fd).unwrap_or(false)
+}
+
+fn set_oobinline(fd: BorrowedFd<'_>, on: bool) {
+    let _ = rustix::net::sockopt::set_socket_oobinline(fd, on);
 }
 
 /// The server rendezvous of the accepted connection `fd` (whose client offered SMC-R), in
@@ -202,16 +214,78 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
     let stack = stack()?;
     let sock = Arc::new(dup_stream(fd)?);
     let peer = sock.peer_addr()?;
+    let was = oobinline(fd);
+    if stack.discovery_mode() == DiscoveryMode::Ebpf {
+        if let Some(reason) = leading_decline(&sock, stack.config().clc_timeout)? {
+            let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
+            set_oobinline(fd, was);
+            return Ok(Setup::Tcp(TcpConn { stream }));
+        }
+    }
     let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
+    set_oobinline(fd, was);
     Setup::of(s)
 }
 
+/// Whether the client's first CLC message, waited for (at most `wait`: it offered SMC-R, so
+/// one comes), is a Decline in place of its Proposal (a client that connects to a listener
+/// of its own process, [`connect`]): then exactly its bytes are read, so that what the
+/// client wrote after it stays in the socket for the program (the rendezvous would read
+/// them with the Decline, and the program reads its own socket, not the stream's leftover).
+/// A Decline with the S flag (out of sync) goes to the rendezvous, which acts on it.
+fn leading_decline(
+    sock: &TcpStream,
+    wait: std::time::Duration,
+) -> io::Result<Option<FallbackReason>> {
+    let mut fds = [rustix::event::PollFd::new(
+        sock,
+        rustix::event::PollFlags::IN,
+    )];
+    let ts = rustix::event::Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: i64::from(wait.subsec_nanos()),
+    };
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(0) | Err(rustix::io::Errno::INTR) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(e.into()),
+    }
+    // A version-2 Decline is 44 bytes, a version-1 one 28.
+    let mut head = [0u8; 64];
+    let n = rustix::net::recv(
+        sock,
+        &mut head,
+        rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+    )
+    .map_or(0, |(n, _)| n);
+    let Ok((smc_wire::ClcMessage::Decline(d), len)) = smc_wire::ClcMessage::parse(&head[..n])
+    else {
+        return Ok(None);
+    };
+    if d.out_of_sync || len > n {
+        return Ok(None);
+    }
+    let mut used = vec![0u8; len];
+    (&*sock).read_exact(&mut used)?;
+    Ok(Some(FallbackReason::PeerDeclined {
+        code: d.diagnosis,
+        out_of_sync: false,
+    }))
+}
+
 /// Connect the program's socket `fd` (unconnected, blocking for the call) to `addr`:
-/// TCP connect, discovery, then the rendezvous or the fallback.
-pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr) -> io::Result<Setup> {
+/// TCP connect, discovery, then the rendezvous or the fallback. `own_listener`: `addr` is a
+/// listener of the calling process, which may accept only after `connect` returned (as TCP
+/// lets it: the kernel's backlog holds the connection); the client cannot wait for the
+/// server's answer then, so it declines in place of its Proposal and the connection stays
+/// TCP (the server, whenever it comes to it, reads the Decline: [`setup_server`]).
+pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::Result<Setup> {
     let stack = stack()?;
     let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
-    let s = SmcStream::connect_socket(&stack, dup, addr, None, None)?;
+    let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
+    let was = oobinline(fd);
+    let s = SmcStream::connect_socket_declining(&stack, dup, addr, None, None, decline)?;
+    set_oobinline(fd, was);
     Setup::of(s)
 }
 
@@ -253,6 +327,8 @@ pub struct Ready {
     pub hup: bool,
     /// A failure is pending (EPOLLERR).
     pub error: bool,
+    /// Urgent data is pending or its byte not yet read with `MSG_OOB` (EPOLLPRI).
+    pub urgent: bool,
 }
 
 /// One handle of an SMC-R connection and the nonblocking mode it was last set to.
@@ -291,10 +367,13 @@ pub struct Conn {
     /// How many peeked bytes wait in the reading handle (readiness looks here without its
     /// lock, which a blocked reader holds).
     peeked_len: std::sync::atomic::AtomicUsize,
+    /// The urgent byte out of band (TCP without SO_OOBINLINE), shared with the reading
+    /// handle's stream, which takes it out when a read reaches it.
+    urgent: Arc<crate::stream::UrgentSlot>,
 }
 
 impl Conn {
-    fn new(s: SmcStream, id: TcpId) -> io::Result<Conn> {
+    fn new(mut s: SmcStream, id: TcpId) -> io::Result<Conn> {
         // Small writes go out at once: an event loop that writes a request and then sleeps
         // in epoll_wait has no blocked reader to flush a held-back cursor update.
         s.set_nodelay(true)?;
@@ -302,7 +381,10 @@ impl Conn {
             .notifiers()?
             .ok_or_else(|| io::Error::other("SMC-R connection without notifiers"))?;
         let w = s.try_clone()?;
+        let urgent = Arc::new(crate::stream::UrgentSlot::default());
+        s.urgent_slot = Some(urgent.clone());
         Ok(Conn {
+            urgent,
             stack: s.stack().clone(),
             id,
             rd: Mutex::new(Handle {
@@ -321,6 +403,104 @@ impl Conn {
             nonblocking: AtomicBool::new(false),
             pending_error: Mutex::new(None),
         })
+    }
+
+    /// SO_OOBINLINE as the program set it: urgent data in line (`true`) or out of band.
+    pub fn set_oobinline(&self, on: bool) {
+        use crate::stream::UrgentSlot;
+        let _ = self
+            .urgent
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(if on {
+                    v | UrgentSlot::INLINE
+                } else {
+                    v & !UrgentSlot::INLINE
+                })
+            });
+    }
+
+    /// SIOCATMARK: whether the next byte of the stream is the urgent byte.
+    pub fn at_mark(&self) -> bool {
+        let core = self.stack.inner.lock();
+        core.ep.urgent_offset(self.id) == Some(0)
+    }
+
+    /// `recv(MSG_OOB)` (`peek`: with MSG_PEEK): the urgent byte, as TCP without SO_OOBINLINE
+    /// returns it, even before the bytes in front of it were read (those are kept for the
+    /// next reads, as MSG_PEEK keeps bytes). `InvalidInput` (EINVAL) when no urgent byte is
+    /// there to read (none sent, already read, or SO_OOBINLINE on), as TCP's.
+    pub fn read_urgent(&self, peek: bool) -> io::Result<u8> {
+        use crate::stream::UrgentSlot;
+        let take = |peek: bool| -> Option<u8> {
+            let v = self.urgent.state.load(Ordering::Acquire);
+            if v & UrgentSlot::PRESENT == 0 {
+                return None;
+            }
+            if !peek {
+                self.urgent
+                    .state
+                    .fetch_and(!(UrgentSlot::PRESENT | 0xFF), Ordering::AcqRel);
+            }
+            Some(v as u8)
+        };
+        let none = || io::Error::from(io::ErrorKind::InvalidInput);
+        if self.urgent.state.load(Ordering::Acquire) & UrgentSlot::INLINE != 0 {
+            return Err(none());
+        }
+        if let Some(b) = take(peek) {
+            return Ok(b);
+        }
+        // Not taken out yet: read up to it (the bytes in front go to the peeked ones), then
+        // one more read takes it out.
+        let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        for _ in 0..64 {
+            if let Some(b) = take(peek) {
+                return Ok(b);
+            }
+            let Some(k) = ({
+                let core = self.stack.inner.lock();
+                core.ep.urgent_offset(self.id)
+            }) else {
+                return take(peek).ok_or_else(none);
+            };
+            let mut tmp = vec![0u8; (k as usize).max(1)];
+            h.mode(true);
+            match h.s.read(&mut tmp) {
+                Ok(n) => h.peeked.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            self.peeked_len.store(h.peeked.len(), Ordering::Relaxed);
+        }
+        take(peek).ok_or_else(|| io::ErrorKind::WouldBlock.into())
+    }
+
+    /// `send(MSG_OOB)`: `buf`, its last byte urgent (TCP's urgent pointer), the bytes in front
+    /// written as usual; blocks unless nonblocking. Returns what was taken.
+    pub fn write_urgent(&self, buf: &[u8], dontwait: bool) -> io::Result<usize> {
+        let Some((last, front)) = buf.split_last() else {
+            return Ok(0);
+        };
+        let nb = dontwait || self.nonblocking();
+        let mut off = 0;
+        while off < front.len() {
+            match self.write(&front[off..], nb) {
+                Ok(n) => off += n,
+                Err(_) if off > 0 => return Ok(off),
+                Err(e) => return Err(e),
+            }
+            if nb && off < front.len() {
+                return Ok(off);
+            }
+        }
+        let mut h = self.wr.lock().unwrap_or_else(|p| p.into_inner());
+        h.mode(nb);
+        match h.s.send_urgent(std::slice::from_ref(last)) {
+            Ok(()) => Ok(buf.len()),
+            Err(_) if off > 0 => Ok(off),
+            Err(e) => Err(e),
+        }
     }
 
     /// Set the connection's nonblocking mode (the program's O_NONBLOCK / FIONBIO).
@@ -398,13 +578,40 @@ impl Conn {
         timeout: Option<std::time::Duration>,
     ) -> io::Result<usize> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut waiter = None;
         loop {
-            Notifiers::drain(&self.notify.read);
             match self.read(buf, true) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            wait_fd(self.notify.read.as_fd(), deadline)?;
+            self.wait_step(&mut waiter, true, deadline)?;
+        }
+    }
+
+    /// One step of a blocking call's wait for reading (`read`) or writing: the first makes
+    /// the thread's [`Waiter`] (then the caller looks again: a change after that look is
+    /// signalled to it), the next ones sleep on it. Without a descriptor for its eventfd
+    /// (EMFILE), short sleeps that look again: a read or write does not fail for that.
+    fn wait_step(
+        &self,
+        waiter: &mut Option<Option<Waiter>>,
+        read: bool,
+        deadline: Option<std::time::Instant>,
+    ) -> io::Result<()> {
+        match waiter {
+            None => {
+                *waiter = Some(Waiter::new().ok().map(|mut w| {
+                    w.watch(self, read, !read);
+                    w
+                }));
+                Ok(())
+            }
+            Some(Some(w)) => {
+                wait_fd(Some(w.fd()), deadline)?;
+                w.clear();
+                Ok(())
+            }
+            Some(None) => wait_fd(None, deadline),
         }
     }
 
@@ -415,13 +622,13 @@ impl Conn {
         timeout: Option<std::time::Duration>,
     ) -> io::Result<usize> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut waiter = None;
         loop {
-            Notifiers::drain(&self.notify.write);
             match self.write(buf, true) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            wait_fd(self.notify.write.as_fd(), deadline)?;
+            self.wait_step(&mut waiter, false, deadline)?;
         }
     }
 
@@ -529,6 +736,14 @@ impl Conn {
                 .map_or(0, |c| c.readable() as usize)
     }
 
+    /// Bytes a write takes now without waiting (room in the peer's RMBE).
+    pub fn write_room(&self) -> usize {
+        let core = self.stack.inner.lock();
+        core.ep
+            .connection(self.id)
+            .map_or(0, |c| c.write_room() as usize)
+    }
+
     /// The readiness of this connection now.
     pub fn ready(&self) -> Ready {
         let mut out = [Ready::default()];
@@ -556,6 +771,9 @@ impl Conn {
                     read_hup: true,
                     hup: true,
                     error: err.is_some(),
+                    urgent: c.urgent.state.load(Ordering::Relaxed)
+                        & crate::stream::UrgentSlot::PRESENT
+                        != 0,
                 },
                 Some(conn) => {
                     let closed = conn.is_read_closed();
@@ -566,27 +784,14 @@ impl Conn {
                         read_hup: closed,
                         hup: err.is_some(),
                         error: err.is_some(),
+                        urgent: core.ep.urgent_offset(c.id).is_some()
+                            || c.urgent.state.load(Ordering::Relaxed)
+                                & crate::stream::UrgentSlot::PRESENT
+                                != 0,
                     }
                 }
             };
         }
-    }
-
-    /// The eventfd the stack signals when reading may progress (data, end of stream, failure).
-    pub fn read_notifier(&self) -> BorrowedFd<'_> {
-        self.notify.read.as_fd()
-    }
-
-    /// The eventfd the stack signals when writing may progress (room, failure).
-    pub fn write_notifier(&self) -> BorrowedFd<'_> {
-        self.notify.write.as_fd()
-    }
-
-    /// Consume the pending signals of both eventfds (a `poll` emulation does before it
-    /// looks at the readiness, so that a signal after the look wakes it).
-    pub fn drain_notifiers(&self) {
-        Notifiers::drain(&self.notify.read);
-        Notifiers::drain(&self.notify.write);
     }
 
     /// How many times the read and the write eventfd were signalled so far.
@@ -597,7 +802,9 @@ impl Conn {
         )
     }
 
-    /// The raw numbers of both eventfds (read, write).
+    /// The raw numbers of both eventfds (read, write). Nobody drains them: each signal is an
+    /// edge for an edge-triggered epoll registration; to sleep until a change, use a
+    /// [`Waiter`] (draining a shared eventfd takes the wake-up from other waiting threads).
     pub fn notifier_fds(&self) -> (RawFd, RawFd) {
         (self.notify.read.as_raw_fd(), self.notify.write.as_raw_fd())
     }
@@ -609,6 +816,80 @@ impl Conn {
             .get(&self.id)
             .and_then(|s| s.error)
             .map(conn_error)
+    }
+}
+
+/// A waiting thread's own wake-up for SMC-R connections: an eventfd that the stack signals
+/// when a watched connection's reading or writing may progress, besides the connection's
+/// shared eventfds. Threads that wait for one connection at the same time (a reader thread
+/// and a writer thread polling one socket) each consume only their own signals: had they
+/// drained the shared eventfd, a signal one consumed would never wake the other (poll looks
+/// at a woken descriptor again and sleeps on when it finds it drained).
+///
+/// Watch the connections first, then look at their readiness, then sleep on [`fd`](Self::fd):
+/// a change after the look is signalled. Dropping the waiter unsubscribes it.
+#[derive(Debug)]
+pub struct Waiter {
+    fd: Arc<OwnedFd>,
+    watched: Vec<Arc<Notifiers>>,
+}
+
+impl Waiter {
+    /// A new waiter (one eventfd) watching nothing yet.
+    pub fn new() -> io::Result<Waiter> {
+        let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
+        Ok(Waiter {
+            fd: Arc::new(rustix::event::eventfd(0, flags)?),
+            watched: Vec::new(),
+        })
+    }
+
+    /// Be signalled when `c`'s reading (`read`) or writing (`write`) may progress (a failure
+    /// signals both).
+    pub fn watch(&mut self, c: &Conn, read: bool, write: bool) {
+        let mut subs = c
+            .notify
+            .subscribers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.watched.iter().any(|n| Arc::ptr_eq(n, &c.notify)) {
+            // Watched already (a number twice in one poll, or a dup): both interests.
+            for s in subs.iter_mut().filter(|s| Arc::ptr_eq(&s.fd, &self.fd)) {
+                s.read |= read;
+                s.write |= write;
+            }
+            return;
+        }
+        subs.push(crate::stack::Subscriber {
+            fd: self.fd.clone(),
+            read,
+            write,
+        });
+        c.notify.subscribed.fetch_add(1, Ordering::AcqRel);
+        drop(subs);
+        self.watched.push(c.notify.clone());
+    }
+
+    /// The eventfd to sleep on (readable once a watched connection was signalled).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Consume the signals received so far (before looking at the connections again).
+    pub fn clear(&self) {
+        Notifiers::drain(&self.fd);
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        for n in self.watched.drain(..) {
+            let mut subs = n.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+            let before = subs.len();
+            subs.retain(|s| !Arc::ptr_eq(&s.fd, &self.fd));
+            n.subscribed
+                .fetch_sub(before - subs.len(), Ordering::AcqRel);
+        }
     }
 }
 
@@ -650,9 +931,14 @@ pub fn linger(max: std::time::Duration) {
 
 /// Wait until `fd` (an eventfd) is readable, a signal handler ran (`Interrupted`) or the
 /// deadline passed (`WouldBlock`). Bounded slices: a connection that ends without a signal
-/// (never, the stack signals failures) is looked at again within a second.
-fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Result<()> {
-    let slice = std::time::Duration::from_secs(1);
+/// (never, the stack signals failures) is looked at again within a second; without `fd`,
+/// within 10 ms.
+fn wait_fd(fd: Option<BorrowedFd<'_>>, deadline: Option<std::time::Instant>) -> io::Result<()> {
+    let slice = if fd.is_some() {
+        std::time::Duration::from_secs(1)
+    } else {
+        std::time::Duration::from_millis(10)
+    };
     let left = match deadline {
         Some(d) => {
             let left = d.saturating_duration_since(std::time::Instant::now());
@@ -667,10 +953,10 @@ fn wait_fd(fd: BorrowedFd<'_>, deadline: Option<std::time::Instant>) -> io::Resu
         tv_sec: left.as_secs() as i64,
         tv_nsec: i64::from(left.subsec_nanos()),
     };
-    let mut fds = [rustix::event::PollFd::from_borrowed_fd(
-        fd,
-        rustix::event::PollFlags::IN,
-    )];
+    let mut fds: Vec<rustix::event::PollFd<'_>> = fd
+        .into_iter()
+        .map(|fd| rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN))
+        .collect();
     match rustix::event::poll(&mut fds, Some(&ts)) {
         Ok(_) => Ok(()),
         Err(rustix::io::Errno::INTR) => Err(io::ErrorKind::Interrupted.into()),

@@ -103,6 +103,20 @@ pub(crate) struct Notifiers {
     /// events from ones it already reported by these).
     pub(crate) read_count: std::sync::atomic::AtomicU64,
     pub(crate) write_count: std::sync::atomic::AtomicU64,
+    /// Threads that wait for this connection with an eventfd of their own (`fdapi::Waiter`):
+    /// signalled too. A shared eventfd drained by one waiting thread would take the wake-up
+    /// from another one sleeping on it (poll re-reads a woken descriptor's state).
+    pub(crate) subscribers: Mutex<Vec<Subscriber>>,
+    /// How many `subscribers` there are (the signal looks at the list only then).
+    pub(crate) subscribed: AtomicUsize,
+}
+
+/// One waiting thread's eventfd, and what it waits for.
+#[derive(Debug)]
+pub(crate) struct Subscriber {
+    pub(crate) fd: Arc<rustix::fd::OwnedFd>,
+    pub(crate) read: bool,
+    pub(crate) write: bool,
 }
 
 impl Notifiers {
@@ -114,7 +128,20 @@ impl Notifiers {
             write: rustix::event::eventfd(0, flags)?,
             read_count: Default::default(),
             write_count: Default::default(),
+            subscribers: Mutex::new(Vec::new()),
+            subscribed: AtomicUsize::new(0),
         })
+    }
+
+    /// Signal the subscribers that wait for reading (`read`) or writing (`write`).
+    fn signal_subscribers(&self, read: bool, write: bool) {
+        let subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        for s in subs
+            .iter()
+            .filter(|s| (read && s.read) || (write && s.write))
+        {
+            Notifiers::signal(&s.fd);
+        }
     }
 
     fn signal(fd: &rustix::fd::OwnedFd) {
@@ -524,6 +551,11 @@ impl Core {
                 n.write_count
                     .fetch_add(1, std::sync::atomic::Ordering::Release);
                 Notifiers::signal(&n.write);
+            }
+            // (Read under the core lock, as the subscriber's look at the connection after
+            // it subscribed: a change it did not see is signalled to it here.)
+            if n.subscribed.load(Ordering::Acquire) > 0 {
+                n.signal_subscribers(read, write);
             }
         }
     }

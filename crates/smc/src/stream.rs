@@ -97,8 +97,26 @@ pub struct SmcStream {
     /// keep the stream small.
     spin: Box<AdaptiveSpin>,
     nodelay: std::sync::atomic::AtomicBool,
+    /// Urgent data out of band (see [`UrgentSlot`]); `None`: in line.
+    pub(crate) urgent_slot: Option<Arc<UrgentSlot>>,
     /// The entry in the stack's socket table (shared by clones).
     _reg: Arc<Registration>,
+}
+
+/// Urgent data out of band, as a TCP socket without SO_OOBINLINE keeps it (the fd-level API's
+/// emulation of TCP for programs, `crate::fdapi`): a read that reaches the urgent byte takes
+/// it out of the stream into this slot (under the core lock, so that a byte arriving while the
+/// read waits is taken out too), where `recv(MSG_OOB)` finds it.
+#[derive(Debug, Default)]
+pub(crate) struct UrgentSlot {
+    /// `PRESENT | byte` when an urgent byte was taken out and not yet read; `INLINE`: the
+    /// program turned SO_OOBINLINE on (the urgent byte stays in the stream).
+    pub(crate) state: std::sync::atomic::AtomicU16,
+}
+
+impl UrgentSlot {
+    pub(crate) const PRESENT: u16 = 0x100;
+    pub(crate) const INLINE: u16 = 0x200;
 }
 
 /// A stream's entry in the stack's socket table, removed when the last clone goes.
@@ -171,6 +189,7 @@ impl SmcStream {
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),
             ),
+            urgent_slot: None,
         })
     }
 

@@ -386,6 +386,33 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Start the client side of a connection whose SYN/SYN-ACK both carried the SMC-R option
+    /// with a Decline in place of the Proposal, and fall back to TCP at once: for a client
+    /// that cannot wait for the server's answer (a program connecting to its own listener
+    /// accepts only after `connect` returned). The server falls back on reading it.
+    pub fn connect_declined(
+        &mut self,
+        tcp: TcpId,
+        code: DeclineCode,
+        now: Timestamp,
+    ) -> Result<(), EndpointError> {
+        if self.entries.contains_key(&tcp) {
+            return Err(EndpointError::DuplicateConnection);
+        }
+        self.begin_handshake(
+            tcp,
+            Role::Client,
+            HsState::ExpectProposal,
+            ConnectOptions::default(),
+            now,
+        );
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.1
+        //# when an SMC Decline is sent in lieu of an expected CLC message, no confirmation is
+        //# required, and the TCP connection immediately falls back to using the IP fabric.
+        self.decline(tcp, code, false, now);
+        Ok(())
+    }
+
     /// Track `tcp` as a CLC handshake starting in `state`; the C.5 timer runs from `now`.
     fn begin_handshake(
         &mut self,

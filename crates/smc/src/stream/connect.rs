@@ -99,6 +99,21 @@ impl SmcStream {
         timeout: Option<Duration>,
         recv_buffer: Option<u32>,
     ) -> io::Result<SmcStream> {
+        SmcStream::connect_socket_declining(stack, fd, addr, timeout, recv_buffer, None)
+    }
+
+    /// [`connect_socket`](Self::connect_socket); `decline`: when discovery found SMC-R on
+    /// both ends, a Decline with this code in place of the Proposal, and TCP (for a program
+    /// that connects to its own listener and accepts only after `connect` returned: it
+    /// cannot wait for the server's answer).
+    pub(crate) fn connect_socket_declining(
+        stack: &Stack,
+        fd: OwnedFd,
+        addr: SocketAddr,
+        timeout: Option<Duration>,
+        recv_buffer: Option<u32>,
+        decline: Option<smc_wire::DeclineCode>,
+    ) -> io::Result<SmcStream> {
         if let Some(b) = recv_buffer {
             // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&fd, b as usize);
@@ -128,7 +143,10 @@ impl SmcStream {
             DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
         };
         match offered {
-            Ok(()) => SmcStream::rendezvous(stack, sock, true, recv_buffer, addr),
+            Ok(()) => handed(
+                Rendezvous::start_with(stack, sock, true, recv_buffer, addr, decline)?
+                    .run(&mut |r| Err(r)),
+            ),
             Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new(), false)),
         }
     }
@@ -188,6 +206,7 @@ impl SmcStream {
             spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
             last_read: 1,
             nodelay: Default::default(),
+            urgent_slot: None,
         }
     }
 
@@ -200,10 +219,13 @@ impl SmcStream {
         recv_buffer: Option<u32>,
         peer: SocketAddr,
     ) -> io::Result<SmcStream> {
-        Rendezvous::start(stack, sock, client, recv_buffer, peer)?
-            .run(&mut |r| Err(r))
-            .unwrap_or_else(|| Err(io::Error::other("rendezvous handed off")))
+        handed(Rendezvous::start(stack, sock, client, recv_buffer, peer)?.run(&mut |r| Err(r)))
     }
+}
+
+/// The end of a rendezvous run that hands off nothing.
+fn handed(r: Option<io::Result<SmcStream>>) -> io::Result<SmcStream> {
+    r.unwrap_or_else(|| Err(io::Error::other("rendezvous handed off")))
 }
 
 fn tcp_connect(fd: OwnedFd, addr: SocketAddr, timeout: Option<Duration>) -> io::Result<TcpStream> {

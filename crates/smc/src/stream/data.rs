@@ -348,6 +348,22 @@ impl SmcStream {
         let mut core = inner.lock();
         let mut now = core.now();
         let result = loop {
+            // Out of band (SO_OOBINLINE off): the urgent byte, when the read reached it, goes
+            // to the slot rather than to `buf`.
+            if let Some(slot) = &self.urgent_slot {
+                let state = slot.state.load(Ordering::Acquire);
+                if state & UrgentSlot::INLINE == 0 && core.ep.urgent_offset(id) == Some(0) {
+                    let mut b = [0u8; 1];
+                    let Core { ep, fab, .. } = &mut *core;
+                    if let Ok(Ok(1)) =
+                        ep.read_with(id, 1, now, |t, n| copy_out(fab, t, &mut b[..n as usize]))
+                    {
+                        slot.state
+                            .store(UrgentSlot::PRESENT | u16::from(b[0]), Ordering::Release);
+                        continue;
+                    }
+                }
+            }
             // One pass: copied straight into `buf`, consumed, stopped in front of the urgent
             // byte as TCP does (so that `at_mark` can tell the next read starts with it).
             let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);

@@ -47,6 +47,19 @@ impl Rendezvous {
         recv_buffer: Option<u32>,
         peer: SocketAddr,
     ) -> io::Result<Box<Rendezvous>> {
+        Rendezvous::start_with(stack, sock, client, recv_buffer, peer, None)
+    }
+
+    /// [`start`](Self::start); a client with `decline` sends a Decline with that code in
+    /// place of its Proposal and falls back at once.
+    pub(super) fn start_with(
+        stack: &Stack,
+        sock: Arc<TcpStream>,
+        client: bool,
+        recv_buffer: Option<u32>,
+        peer: SocketAddr,
+        decline: Option<smc_wire::DeclineCode>,
+    ) -> io::Result<Box<Rendezvous>> {
         let inner = &stack.inner;
         let local = sock.local_addr().ok();
         let opts = smc_proto::endpoint::ConnectOptions {
@@ -64,7 +77,9 @@ impl Rendezvous {
             let mut core = inner.lock();
             core.slots.insert(id, Slot::new(sock.clone()));
             let now = core.now();
-            let started = if client {
+            let started = if let (true, Some(code)) = (client, decline) {
+                core.ep.connect_declined(id, code, now)
+            } else if client {
                 core.ep.connect_with(id, opts, now)
             } else {
                 core.ep.accept_with(id, opts, now)

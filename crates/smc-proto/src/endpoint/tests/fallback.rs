@@ -41,6 +41,35 @@ fn server_declines_on_subnet_mismatch() {
     assert_eq!(p.b.ep.link_groups().count(), 0);
 }
 
+/// A client that declines in place of its Proposal (C.1): one Decline on the wire, both
+/// sides fall back, no link group is made and no RDMA data moves.
+#[test]
+fn client_declines_in_place_of_the_proposal() {
+    let mut p = EndpointPair::new(config(Side::A, 1), config(Side::B, 1), 1);
+    let now = p.now;
+    p.b.ep.accept(T1, now).expect("accept");
+    p.a.ep
+        .connect_declined(T1, DeclineCode::NOACCEPT, now)
+        .expect("declined");
+    p.flush();
+    p.run();
+    assert_eq!(p.flow(true), ["A->B SMC Decline(0x09990100)"]);
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(DeclineCode::NOACCEPT))
+    );
+    assert_eq!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::PeerDeclined {
+            code: DeclineCode::NOACCEPT,
+            out_of_sync: false
+        })
+    );
+    assert_eq!(p.a.ep.link_groups().count(), 0);
+    assert_eq!(p.b.ep.link_groups().count(), 0);
+    assert!(no_rdma_data(&p));
+}
+
 /// The IPv6 prefix list matches even when IPv4 does not.
 #[test]
 fn ipv6_prefix_match_accepts() {

@@ -1,0 +1,513 @@
+//! The less common calls a program may make on an SMC-R connection: `recvmmsg`/`sendmmsg`,
+//! `splice`, `epoll_pwait2`, `close_range`/`closefrom`, `posix_spawn`/`posix_spawnp`,
+//! `execvpe`/`fexecve`. Each
+//! behaves on an SMC-R connection as on a TCP socket (or gives the errno TCP would give);
+//! without a managed descriptor among the arguments it goes straight to the C library.
+
+use std::time::Duration;
+
+use libc::{c_char, c_int, c_uint, epoll_event, loff_t, mmsghdr, sigset_t, size_t, ssize_t};
+use libc::{pid_t, posix_spawn_file_actions_t, posix_spawnattr_t, timespec};
+use smc::fdapi::Conn;
+
+use crate::hooks::{self, target, Target};
+use crate::table::{self, Kind};
+use crate::{guard, log, real, set_errno};
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    v: *mut mmsghdr,
+    n: c_uint,
+    flags: c_int,
+    t: *mut timespec,
+) -> c_int {
+    if !matches!(target(fd), Target::Smc(_) | Target::Foreign) {
+        // SAFETY: passed on unchanged.
+        return unsafe { real::recvmmsg(fd, v, n, flags, t) };
+    }
+    if v.is_null() {
+        set_errno(libc::EFAULT);
+        return -1;
+    }
+    // As the kernel does for a stream socket: one recvmsg per header, each blocking as the
+    // flags say; MSG_WAITFORONE makes those after the first nonblocking. (The timeout is
+    // looked at only between messages, as the kernel does; here each recvmsg decides.)
+    let mut done = 0;
+    for i in 0..n as usize {
+        let f = if flags & libc::MSG_WAITFORONE != 0 && done > 0 {
+            (flags & !libc::MSG_WAITFORONE) | libc::MSG_DONTWAIT
+        } else {
+            flags & !libc::MSG_WAITFORONE
+        };
+        // SAFETY: the caller's array of `n` headers.
+        let m = unsafe { &mut *v.add(i) };
+        // SAFETY: the header's message (our recvmsg checks what the connection needs).
+        let r = unsafe { hooks::recvmsg(fd, &mut m.msg_hdr, f) };
+        if r < 0 {
+            if done == 0 {
+                return -1;
+            }
+            break;
+        }
+        m.msg_len = r as c_uint;
+        done += 1;
+    }
+    done
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmmsg(fd: c_int, v: *mut mmsghdr, n: c_uint, flags: c_int) -> c_int {
+    if !matches!(target(fd), Target::Smc(_) | Target::Foreign) {
+        // SAFETY: passed on unchanged.
+        return unsafe { real::sendmmsg(fd, v, n, flags) };
+    }
+    if v.is_null() {
+        set_errno(libc::EFAULT);
+        return -1;
+    }
+    let mut done = 0;
+    for i in 0..n as usize {
+        // SAFETY: the caller's array of `n` headers.
+        let m = unsafe { &mut *v.add(i) };
+        // SAFETY: the header's message.
+        let r = unsafe { hooks::sendmsg(fd, &m.msg_hdr, flags) };
+        if r < 0 {
+            if done == 0 {
+                return -1;
+            }
+            break;
+        }
+        m.msg_len = r as c_uint;
+        done += 1;
+    }
+    done
+}
+
+/// Whether `fd` is a pipe (or FIFO).
+fn is_pipe(fd: c_int) -> bool {
+    // SAFETY: a stat buffer for fstat to fill.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: plain fstat.
+    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFIFO }
+}
+
+/// Free room in pipe `fd` (its capacity less what it holds).
+fn pipe_room(fd: c_int) -> usize {
+    // SAFETY: plain fcntl.
+    let size = unsafe { real::fcntl(fd, libc::F_GETPIPE_SZ, 0) };
+    let mut held: c_int = 0;
+    // SAFETY: FIONREAD fills in an int.
+    let r = unsafe { real::ioctl(fd, libc::FIONREAD, &mut held as *mut c_int as usize) };
+    if size < 0 || r < 0 {
+        return 0;
+    }
+    (size.max(0) as usize).saturating_sub(held.max(0) as usize)
+}
+
+/// Wait until `fd` is ready for `events` (a signal ends the wait with EINTR, as the
+/// kernel's pipe wait does).
+fn wait_for(fd: c_int, events: i16) -> Result<(), c_int> {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: one pollfd.
+    match unsafe { real::poll(&mut p, 1, -1) } {
+        r if r >= 0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINTR)),
+    }
+}
+
+/// splice from SMC-R connection `c` into pipe `out`: what the pipe has room for, read from
+/// the connection (blocking as the connection and the flags say), then written to the pipe.
+fn splice_from(c: &Conn, out: c_int, len: size_t, nonblock: bool) -> ssize_t {
+    let room = loop {
+        let room = pipe_room(out);
+        if room > 0 {
+            break room;
+        }
+        if nonblock {
+            set_errno(libc::EAGAIN);
+            return -1;
+        }
+        if let Err(e) = wait_for(out, libc::POLLOUT) {
+            set_errno(e);
+            return -1;
+        }
+    };
+    let mut buf = vec![0u8; len.min(room).min(1 << 20)];
+    let flags = if nonblock { libc::MSG_DONTWAIT } else { 0 };
+    let n = hooks::smc_recv(c, &mut [&mut buf[..]], flags);
+    if n <= 0 {
+        return n;
+    }
+    let n = n as usize;
+    let mut off = 0;
+    while off < n {
+        // SAFETY: our buffer; the pipe has room for it (nobody else writes it meanwhile, or
+        // the write waits for room, as a splice into a full pipe does).
+        let w = unsafe { real::write(out, buf[off..n].as_ptr().cast(), n - off) };
+        if w < 0 {
+            let e = std::io::Error::last_os_error().raw_os_error();
+            if e == Some(libc::EAGAIN) && wait_for(out, libc::POLLOUT).is_ok() {
+                continue;
+            }
+            // The bytes read from the connection cannot go back: report what moved.
+            log!("splice into pipe {out} failed after {off} of {n} bytes: {e:?}");
+            return if off > 0 { off as ssize_t } else { -1 };
+        }
+        off += w as usize;
+    }
+    n as ssize_t
+}
+
+/// splice from pipe `inp` into SMC-R connection `c`: no more than the connection takes
+/// without waiting when it (or the call) is nonblocking, read from the pipe, then written.
+fn splice_to(c: &Conn, inp: c_int, len: size_t, nonblock: bool) -> ssize_t {
+    let nonblock = nonblock || c.nonblocking();
+    let mut want = len.min(1 << 20);
+    if nonblock {
+        want = want.min(c.write_room());
+        if want == 0 {
+            set_errno(libc::EAGAIN);
+            return -1;
+        }
+        let mut p = libc::pollfd {
+            fd: inp,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, no wait.
+        if unsafe { real::poll(&mut p, 1, 0) } == 0 {
+            set_errno(libc::EAGAIN);
+            return -1;
+        }
+    }
+    let mut buf = vec![0u8; want];
+    // SAFETY: our buffer of `want` bytes.
+    let n = unsafe { real::read(inp, buf.as_mut_ptr().cast(), want) };
+    if n <= 0 {
+        return n;
+    }
+    let n = n as usize;
+    let mut off = 0;
+    while off < n {
+        // Blocking for the rest: the bytes taken from the pipe must all go out (in the
+        // nonblocking case they fit the room looked at above).
+        match c.write(&buf[off..n], false) {
+            Ok(w) => off += w,
+            Err(e) if off > 0 => {
+                log!("splice into an SMC-R connection failed after {off} of {n} bytes: {e}");
+                break;
+            }
+            Err(e) => return hooks::write_result(Err(e), false),
+        }
+    }
+    off as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn splice(
+    fd_in: c_int,
+    off_in: *mut loff_t,
+    fd_out: c_int,
+    off_out: *mut loff_t,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    let (tin, tout) = (target(fd_in), target(fd_out));
+    if matches!(tin, Target::Pass) && matches!(tout, Target::Pass) {
+        // SAFETY: passed on unchanged.
+        return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) };
+    }
+    if matches!(tin, Target::Foreign) {
+        return hooks::foreign(fd_in);
+    }
+    if matches!(tout, Target::Foreign) {
+        return hooks::foreign(fd_out);
+    }
+    guard(-1, || {
+        let nonblock = flags & libc::SPLICE_F_NONBLOCK != 0;
+        match (tin, tout) {
+            (Target::Smc(c), Target::Pass) => {
+                // As for a TCP socket: an offset on the socket's side is ESPIPE, the other
+                // end must be a pipe.
+                if !off_in.is_null() {
+                    set_errno(libc::ESPIPE);
+                    return -1;
+                }
+                if !is_pipe(fd_out) {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+                if len == 0 {
+                    return 0;
+                }
+                splice_from(&c, fd_out, len, nonblock || c.nonblocking())
+            }
+            (Target::Pass, Target::Smc(c)) => {
+                if !off_out.is_null() {
+                    set_errno(libc::ESPIPE);
+                    return -1;
+                }
+                if !is_pipe(fd_in) {
+                    set_errno(libc::EINVAL);
+                    return -1;
+                }
+                if len == 0 {
+                    return 0;
+                }
+                splice_to(&c, fd_in, len, nonblock)
+            }
+            // Two sockets: neither is a pipe.
+            _ => {
+                set_errno(libc::EINVAL);
+                -1
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    evs: *mut epoll_event,
+    max: c_int,
+    t: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    if max > 0 && table::maybe(epfd) {
+        if let Some(e) = table::get(epfd) {
+            if let Kind::Epoll(set) = &e.kind {
+                let set = set.clone();
+                let timeout = if t.is_null() {
+                    None
+                } else {
+                    // SAFETY: the caller's timeout.
+                    let t = unsafe { t.read_unaligned() };
+                    if t.tv_sec < 0 || !(0..1_000_000_000).contains(&t.tv_nsec) {
+                        set_errno(libc::EINVAL);
+                        return -1;
+                    }
+                    Some(Duration::new(t.tv_sec as u64, t.tv_nsec as u32))
+                };
+                // SAFETY: the caller's arguments.
+                return guard(-1, || unsafe {
+                    crate::wait::epoll_wait_managed(epfd, &set, evs, max, timeout, mask)
+                });
+            }
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::epoll_pwait2(epfd, evs, max, t, mask) }
+}
+
+/// Forget the entries of the numbers from `first` to `last` (they are being closed).
+fn forget_range(first: c_uint, last: c_uint) {
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || table::borrowed_memory() {
+        return;
+    }
+    let last = (last as usize).min(table::MAX_FD - 1);
+    for fd in first as usize..=last {
+        let fd = fd as c_int;
+        crate::wait::closed(fd);
+        if table::maybe(fd) {
+            hooks::forget(fd);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    // CLOSE_RANGE_CLOEXEC only marks the numbers; anything else closes them.
+    if flags as c_uint & libc::CLOSE_RANGE_CLOEXEC == 0 && first <= last {
+        guard((), || forget_range(first, last));
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::close_range(first, last, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(first: c_int) {
+    type F = unsafe extern "C" fn(c_int);
+    static P: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    guard((), || forget_range(first.max(0) as c_uint, c_uint::MAX));
+    let mut p = P.load(std::sync::atomic::Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, c"closefrom".as_ptr()) } as usize;
+        P.store(p, std::sync::atomic::Ordering::Relaxed);
+    }
+    if p == 0 {
+        // SAFETY: the system call closefrom is made of.
+        unsafe { real::close_range(first.max(0) as c_uint, c_uint::MAX, 0) };
+        return;
+    }
+    // SAFETY: dlsym's address of closefrom.
+    let f: F = unsafe { std::mem::transmute(p) };
+    // SAFETY: passed on unchanged.
+    unsafe { f(first) }
+}
+
+type Spawn = unsafe extern "C" fn(
+    *mut pid_t,
+    *const c_char,
+    *const posix_spawn_file_actions_t,
+    *const posix_spawnattr_t,
+    *const *mut c_char,
+    *const *mut c_char,
+) -> c_int;
+
+/// posix_spawn and posix_spawnp: the C library runs the new program's exec itself (not
+/// through `execve`), so the SMC-R connections it inherits are named here, in its
+/// environment, as for a forked child's exec: their calls fail with EIO there, never a wait
+/// on the idle TCP socket. This process keeps them as they are.
+unsafe fn spawn(
+    real: Option<Spawn>,
+    pid: *mut pid_t,
+    path: *const c_char,
+    actions: *const posix_spawn_file_actions_t,
+    attr: *const posix_spawnattr_t,
+    argv: *const *mut c_char,
+    envp: *const *mut c_char,
+) -> c_int {
+    let Some(real) = real else {
+        return libc::ENOSYS;
+    };
+    match guard(None, || hooks::surviving_connections(true)) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real(pid, path, actions, attr, argv, envp) },
+        Some(v) => {
+            log!("posix_spawn: SMC-R connections {v} named to the new program");
+            let (_owned, env) = hooks::env_with(envp as *const *const c_char, &v);
+            // SAFETY: the caller's arguments, an environment that lives until the call ends.
+            unsafe {
+                real(
+                    pid,
+                    path,
+                    actions,
+                    attr,
+                    argv,
+                    env.as_ptr() as *const *mut c_char,
+                )
+            }
+        }
+    }
+}
+
+static SPAWN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static SPAWNP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawn(
+    pid: *mut pid_t,
+    path: *const c_char,
+    actions: *const posix_spawn_file_actions_t,
+    attr: *const posix_spawnattr_t,
+    argv: *const *mut c_char,
+    envp: *const *mut c_char,
+) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe {
+        spawn(
+            resolve::<Spawn>(&SPAWN, c"posix_spawn"),
+            pid,
+            path,
+            actions,
+            attr,
+            argv,
+            envp,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawnp(
+    pid: *mut pid_t,
+    file: *const c_char,
+    actions: *const posix_spawn_file_actions_t,
+    attr: *const posix_spawnattr_t,
+    argv: *const *mut c_char,
+    envp: *const *mut c_char,
+) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe {
+        spawn(
+            resolve::<Spawn>(&SPAWNP, c"posix_spawnp"),
+            pid,
+            file,
+            actions,
+            attr,
+            argv,
+            envp,
+        )
+    }
+}
+
+type ExecWithEnv =
+    unsafe extern "C" fn(*const c_char, *const *const c_char, *const *const c_char) -> c_int;
+type FdExec = unsafe extern "C" fn(c_int, *const *const c_char, *const *const c_char) -> c_int;
+
+/// The C library's function `name` (resolved at first use), as a `T`.
+fn resolve<T: Copy>(slot: &std::sync::atomic::AtomicUsize, name: &std::ffi::CStr) -> Option<T> {
+    let mut p = slot.load(std::sync::atomic::Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+        slot.store(p, std::sync::atomic::Ordering::Relaxed);
+    }
+    // SAFETY: dlsym's address of a function whose C type `T` is (a function pointer, the
+    // size of a usize).
+    (p != 0).then(|| unsafe { std::mem::transmute_copy::<usize, T>(&p) })
+}
+
+static EXECVPE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static FEXECVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// execvpe and fexecve as execve (`hooks::before_exec`): the C library's `execvp` reaches
+/// `execvpe` inside itself, but a program may call these directly.
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(real) = resolve::<ExecWithEnv>(&EXECVPE, c"execvpe") else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    match guard(None, hooks::before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real(file, argv, envp) },
+        Some(v) => {
+            let (_owned, env) = hooks::env_with(envp, &v);
+            // SAFETY: the caller's arguments, an environment that lives until the exec.
+            unsafe { real(file, argv, env.as_ptr()) }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fexecve(
+    fd: c_int,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(real) = resolve::<FdExec>(&FEXECVE, c"fexecve") else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    match guard(None, hooks::before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real(fd, argv, envp) },
+        Some(v) => {
+            let (_owned, env) = hooks::env_with(envp, &v);
+            // SAFETY: the caller's arguments, an environment that lives until the exec.
+            unsafe { real(fd, argv, env.as_ptr()) }
+        }
+    }
+}
