@@ -307,7 +307,10 @@ fn roce_capture_decodes_and_every_icrc_verifies() {
     // loaded machine takes seconds to start tshark (a fixed pause captured nothing in CI).
     let end = Instant::now() + Duration::from_secs(60);
     while std::fs::metadata(&pcap).map(|m| m.len()).unwrap_or(0) < 24 {
-        assert!(Instant::now() < end, "tshark did not start capturing in 60 s");
+        assert!(
+            Instant::now() < end,
+            "tshark did not start capturing in 60 s"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(300));
