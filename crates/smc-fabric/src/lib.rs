@@ -901,6 +901,26 @@ impl QueuePair {
             QpImpl::Roce(_, q) => q.post_send(wr),
         }
     }
+    /// Post a send-queue work request whose transmission may wait for the doorbell: the
+    /// next [`QueuePair::post_send`] on this QP, [`QueuePair::doorbell`], or at the latest a
+    /// few milliseconds (the roce device's progress tick). Ringing once for several posts
+    /// lets their packets leave in one system call, and an unsignaled WRITE so followed by a
+    /// SEND needs no acknowledgement of its own. The caller should ring (post or doorbell)
+    /// when its batch is complete. The shm backend executes at once, as `post_send_status`.
+    pub fn post_send_held(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.post_send(wr),
+            QpImpl::Roce(_, q) => q.post_send_held(wr),
+        }
+    }
+    /// Transmit what [`QueuePair::post_send_held`] left waiting (nothing to do if nothing
+    /// waits).
+    pub fn doorbell(&self) {
+        match &self.inner {
+            QpImpl::Shm(_) => {}
+            QpImpl::Roce(_, q) => q.doorbell(),
+        }
+    }
     /// Post a receive buffer for one incoming SEND.
     pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
         match &self.inner {

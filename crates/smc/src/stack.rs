@@ -481,6 +481,7 @@ impl Core {
             failed_posts,
             deferred,
             capturing: capture.is_some(),
+            held: Vec::new(),
         };
         if urgent {
             ep.send_urgent_with(id, buf, now, path)

@@ -334,28 +334,51 @@ impl RoceCore {
     }
 
     /// Send a QP's kept packets, each with the IPv4 identification its ICRC is sealed for:
-    /// in `UDP_SEGMENT` runs (gso.rs) where the socket can, else one datagram per packet with
-    /// identification 0 (also when faults are injected, which act per packet).
+    /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
+    /// can, else one datagram per packet with identification 0 (also when faults are
+    /// injected, which act per packet).
     pub(crate) fn transmit_pkts(&self, dst: Ipv4Addr, pkts: &mut [(&mut [u8], &mut u16)]) {
         let mut done = 0;
         if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
             let lens: Vec<usize> = pkts.iter().map(|(b, _)| b.len()).collect();
             let to = SocketAddrV4::new(dst, roce::UDP_PORT);
-            for (start, end) in super::gso::runs(&lens) {
+            let runs = super::gso::runs(&lens);
+            for &(start, end) in &runs {
                 for (k, (bytes, id)) in pkts[start..end].iter_mut().enumerate() {
                     super::gso::reseal(bytes, id, k as u16);
                 }
-                let segs: Vec<&[u8]> = pkts[start..end].iter().map(|(b, _)| &b[..]).collect();
-                let n = (end - start) as u64;
-                let bytes: usize = segs.iter().map(|s| s.len()).sum();
-                match super::gso::send_segments(self.sock.as_fd(), to, &segs, lens[start]) {
-                    Ok(()) => {
-                        self.counters.tx_packets.fetch_add(n, Ordering::Relaxed);
+            }
+            let msgs: Vec<super::gso::Run<'_>> = runs
+                .iter()
+                .map(|&(start, end)| super::gso::Run {
+                    segs: pkts[start..end].iter().map(|(b, _)| &b[..]).collect(),
+                    // A run longer than one packet is cut by the kernel at the first length.
+                    gso_size: if end - start > 1 {
+                        u16::try_from(lens[start]).ok()
+                    } else {
+                        None
+                    },
+                })
+                .collect();
+            let mut next = 0;
+            while next < msgs.len() {
+                match super::gso::send_runs(self.sock.as_fd(), to, &msgs[next..]) {
+                    Ok(k) => {
+                        let (n, bytes) = msgs[next..next + k].iter().fold((0, 0), |(n, b), m| {
+                            (
+                                n + m.segs.len(),
+                                b + m.segs.iter().map(|s| s.len()).sum::<usize>(),
+                            )
+                        });
+                        self.counters
+                            .tx_packets
+                            .fetch_add(n as u64, Ordering::Relaxed);
                         self.counters
                             .tx_bytes
                             .fetch_add(bytes as u64, Ordering::Relaxed);
+                        next += k;
                     }
-                    Err(e) if super::gso::unsupported(e) => {
+                    Err(e) if msgs[next].gso_size.is_some() && super::gso::unsupported(e) => {
                         tracing::info!(
                             device = %self.config.name,
                             error = %e,
@@ -364,14 +387,17 @@ impl RoceCore {
                         self.gso_off.store(true, Ordering::Relaxed);
                         break;
                     }
-                    // A full socket buffer or a network that is down loses the run: the RC
-                    // retransmission recovers it.
+                    // A full socket buffer or a network that is down loses the message: the
+                    // RC retransmission recovers it.
                     Err(_) => {
+                        let n = msgs[next].segs.len() as u64;
                         self.counters.tx_errors.fetch_add(n, Ordering::Relaxed);
+                        next += 1;
                     }
                 }
-                done = end;
             }
+            done = runs.get(next).map_or(pkts.len(), |r| r.0);
+            drop(msgs);
         }
         if done == pkts.len() {
             return;

@@ -1,7 +1,8 @@
 //! UDP generic segmentation offload on the send path (rocev2.md 13.2, 15): the packets of one
-//! QP that a window lets go leave in runs of equal-size packets, each run in one `sendmsg`
-//! with a `UDP_SEGMENT` control message, so the kernel's IP and UDP work is paid once per run
-//! instead of once per packet.
+//! QP that a window lets go leave in runs of equal-size packets, each run one message with a
+//! `UDP_SEGMENT` control message (a run of one packet has none), all runs of one transmission
+//! in one `sendmmsg`, so the kernel's IP and UDP work is paid once per run and the system call
+//! once per transmission (a WRITE and the CDC SEND after it: one call).
 //!
 //! The kernel numbers the IPv4 identification of segment k of such a send k (0, 1, 2, …; the
 //! socket is unconnected with `IP_PMTUDISC_DO`), and the ICRC covers the identification, so
@@ -95,55 +96,86 @@ pub(crate) fn unsupported(e: Errno) -> bool {
     )
 }
 
-/// One `sendmsg` of `segs` (all `gso_size` bytes but the last) to `dst` with `UDP_SEGMENT`.
-pub(crate) fn send_segments(
+/// One message of [`send_runs`]: its packets, and the `UDP_SEGMENT` size when it has more
+/// than one.
+pub(crate) struct Run<'a> {
+    pub(crate) segs: Vec<&'a [u8]>,
+    pub(crate) gso_size: Option<u16>,
+}
+
+/// Send several runs to `dst` with one `sendmmsg`: each run is one message, with its own
+/// `UDP_SEGMENT` control message when it holds several packets. Returns how many messages
+/// the kernel took (at least one), or the error of the first.
+pub(crate) fn send_runs(
     sock: BorrowedFd<'_>,
     dst: SocketAddrV4,
-    segs: &[&[u8]],
-    gso_size: usize,
-) -> Result<(), Errno> {
-    let gso = u16::try_from(gso_size).map_err(|_| Errno::INVAL)?;
-    let addr = libc::sockaddr_in {
+    runs: &[Run<'_>],
+) -> Result<usize, Errno> {
+    if runs.is_empty() {
+        return Ok(0);
+    }
+    let addr = sockaddr(dst);
+    let mut iovs: Vec<Vec<libc::iovec>> = runs
+        .iter()
+        .map(|r| {
+            r.segs
+                .iter()
+                .map(|s| libc::iovec {
+                    iov_base: s.as_ptr() as *mut libc::c_void,
+                    iov_len: s.len(),
+                })
+                .collect()
+        })
+        .collect();
+    // One control buffer per message, room for one cmsg carrying a u16, aligned for cmsghdr.
+    let mut ctrls: Vec<[u64; 4]> = vec![[0u64; 4]; runs.len()];
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+    debug_assert!(space <= std::mem::size_of::<[u64; 4]>());
+    // SAFETY: mmsghdr is plain data; every pointer stored in it points to a live local buffer
+    // of the stated length (`addr`, `iovs`, `ctrls` outlive the call), and the kernel only
+    // reads them during the call.
+    let rc = unsafe {
+        let mut msgs: Vec<libc::mmsghdr> = Vec::with_capacity(runs.len());
+        for ((run, iov), ctrl) in runs.iter().zip(iovs.iter_mut()).zip(ctrls.iter_mut()) {
+            let mut m: libc::mmsghdr = std::mem::zeroed();
+            m.msg_hdr.msg_name = (&addr as *const libc::sockaddr_in).cast_mut().cast();
+            m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            m.msg_hdr.msg_iov = iov.as_mut_ptr();
+            m.msg_hdr.msg_iovlen = iov.len() as _;
+            if let Some(gso) = run.gso_size {
+                m.msg_hdr.msg_control = ctrl.as_mut_ptr().cast();
+                m.msg_hdr.msg_controllen = space as _;
+                let c = libc::CMSG_FIRSTHDR(&m.msg_hdr);
+                (*c).cmsg_level = libc::SOL_UDP;
+                (*c).cmsg_type = UDP_SEGMENT;
+                (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), gso);
+            }
+            msgs.push(m);
+        }
+        libc::sendmmsg(
+            sock.as_raw_fd(),
+            msgs.as_mut_ptr(),
+            msgs.len() as libc::c_uint,
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if rc <= 0 {
+        Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO))
+    } else {
+        Ok(rc as usize)
+    }
+}
+
+fn sockaddr(dst: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: dst.port().to_be(),
         sin_addr: libc::in_addr {
             s_addr: u32::from_ne_bytes(dst.ip().octets()),
         },
         sin_zero: [0; 8],
-    };
-    let mut iov: Vec<libc::iovec> = segs
-        .iter()
-        .map(|s| libc::iovec {
-            iov_base: s.as_ptr() as *mut libc::c_void,
-            iov_len: s.len(),
-        })
-        .collect();
-    // A control buffer with room for one cmsg carrying a u16, aligned for cmsghdr.
-    let mut ctrl = [0u64; 4];
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
-    debug_assert!(space <= std::mem::size_of_val(&ctrl));
-    // SAFETY: msghdr is plain data; every pointer stored in it points to a live local buffer
-    // of the stated length, and the kernel only reads them during the call.
-    let rc = unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_name = (&addr as *const libc::sockaddr_in).cast_mut().cast();
-        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        msg.msg_iov = iov.as_mut_ptr();
-        msg.msg_iovlen = iov.len() as _;
-        msg.msg_control = ctrl.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_UDP;
-        (*c).cmsg_type = UDP_SEGMENT;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), gso);
-        libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT)
-    };
-    if rc < 0 {
-        Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO))
-    } else {
-        Ok(())
     }
 }
 

@@ -30,6 +30,8 @@ pub(crate) const MAX_SEND: usize = 8192;
 const WINDOW: i32 = 128;
 /// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
 const ACKREQ_EVERY: u32 = 64;
+/// Where the AckReq bit lives in a sealed packet: BTH byte 8, bit 7 (rocev2.md 3.1).
+const BTH_ACKREQ: (usize, u8) = (8, 0x80);
 /// QP attribute `timeout` as Linux SMC-R sets it: 4.096 µs × 2^15 = 134 ms (rocev2.md 10.2).
 pub(crate) const TIMEOUT_CODE: u32 = 15;
 /// QP attributes `retry_cnt` and `rnr_retry` as Linux SMC-R sets them; rxe treats 7 as
@@ -42,6 +44,9 @@ const MIN_RNR_TIMER: u8 = 5;
 /// rxe waits at least one jiffy after an RNR NAK whatever the code (4 ms at HZ 250); the
 /// progress thread's tick is the floor here.
 const RNR_FLOOR: Duration = Duration::from_millis(1);
+/// Longest that packets of held posts wait for a doorbell before the progress thread sends
+/// them itself (a caller that holds is expected to ring at once; this is the safety net).
+const HOLD_MAX: Duration = Duration::from_millis(5);
 /// How long a destroyed QP keeps delivering its unacknowledged requests.
 pub(crate) const LINGER: Duration = Duration::from_secs(2);
 
@@ -63,6 +68,8 @@ struct TxPkt {
     bytes: Box<[u8]>,
     /// The IPv4 identification the ICRC in `bytes` is sealed for (gso.rs).
     ipv4_id: u16,
+    /// Whether the BTH's AckReq bit is set in `bytes`.
+    ack_req: bool,
 }
 
 struct PendingWr {
@@ -85,6 +92,8 @@ struct SendQueue {
     last_progress: Instant,
     rnr_until: Option<Instant>,
     since_ackreq: u32,
+    /// Since when packets of held posts wait for the doorbell ([`RoceQp::post_send_held`]).
+    held_since: Option<Instant>,
     /// Transport retries left before the QP fails (unused while `retry_cnt` is 7: forever).
     retries_left: u8,
     /// RNR retries left (unused while `rnr_retry` is 7: forever).
@@ -182,6 +191,7 @@ impl RoceQp {
                 last_progress: Instant::now(),
                 rnr_until: None,
                 since_ackreq: 0,
+                held_since: None,
                 retries_left: RETRY_CNT,
                 rnr_retries_left: RNR_RETRY,
             }),
@@ -391,7 +401,34 @@ impl RoceQp {
         Ok(())
     }
 
+    /// Post a send WR and transmit what the window lets go (the doorbell rings at once).
     pub(crate) fn post_send(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
+        self.post(wr, true)
+    }
+
+    /// Post a send WR whose packets wait for the doorbell: the next post on this QP that
+    /// rings it, [`RoceQp::doorbell`], or at the latest the progress thread's next tick, so
+    /// that the WRITE and the CDC SEND of one SMC-R update leave in one system call and the
+    /// WRITE needs no acknowledgement of its own.
+    pub(crate) fn post_send_held(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
+        self.post(wr, false)
+    }
+
+    /// Transmit the packets that held posts left waiting.
+    pub(crate) fn doorbell(&self) {
+        if self.state() != QpState::Rts {
+            return;
+        }
+        let Some(conn) = self.conn.get().copied() else {
+            return;
+        };
+        let mut sq = lock(&self.sq);
+        if sq.next_tx < sq.pkts.len() {
+            self.pump(&mut sq, &conn);
+        }
+    }
+
+    fn post(&self, wr: &SendWr<'_>, ring: bool) -> Result<PostStatus> {
         match self.state() {
             QpState::Rts => {}
             QpState::Error => {
@@ -474,7 +511,13 @@ impl RoceQp {
             let chunk = &data[(i * conn.mtu).min(data.len())..((i + 1) * conn.mtu).min(data.len())];
             let last = i + 1 == count;
             sq.since_ackreq += 1;
-            let ack_req = last || sq.since_ackreq > ACKREQ_EVERY;
+            // AckReq (rocev2.md 8.1) on the last packet of a message whose completion is
+            // wanted or that ends what this post transmits, and every ACKREQ_EVERY packets.
+            // ACKs are cumulative: an unsignaled message whose packets leave with a later
+            // one is acknowledged by the later one's ACK. `pump` makes sure the last packet
+            // of every transmission asks for an ACK, so no packet is ever left waiting for
+            // the retransmission timer for want of one.
+            let ack_req = (last && (signaled || ring)) || sq.since_ackreq > ACKREQ_EVERY;
             if ack_req {
                 sq.since_ackreq = 0;
             }
@@ -509,6 +552,7 @@ impl RoceQp {
                 psn,
                 bytes,
                 ipv4_id: 0,
+                ack_req,
             });
             sq.next_psn = psn_add(psn, 1);
         }
@@ -520,12 +564,17 @@ impl RoceQp {
             last_psn,
             signaled,
         });
-        self.pump(&mut sq, &conn);
+        if ring {
+            self.pump(&mut sq, &conn);
+        } else if sq.held_since.is_none() {
+            sq.held_since = Some(Instant::now());
+        }
         Ok(PostStatus::Queued)
     }
 
     /// Transmit queued packets while the window allows.
     fn pump(&self, sq: &mut SendQueue, conn: &Conn) {
+        sq.held_since = None;
         if sq.rnr_until.is_some() {
             return;
         }
@@ -550,6 +599,18 @@ impl RoceQp {
         }
         if end == start {
             return;
+        }
+        // The last packet of a transmission always asks for an ACK (a held post's last
+        // packet, or one the window cut a run before, may not yet): re-sealed once, and the
+        // kept copy keeps the bit for any retransmission.
+        if let Some(p) = sq.pkts.get_mut(end - 1) {
+            if !p.ack_req {
+                p.bytes[BTH_ACKREQ.0] |= BTH_ACKREQ.1;
+                conn.icrc.seal(&mut p.bytes);
+                p.ipv4_id = 0;
+                p.ack_req = true;
+                sq.since_ackreq = 0;
+            }
         }
         // The packets the window lets go: UDP_SEGMENT runs, else one sendmmsg.
         let mut batch: Vec<(&mut [u8], &mut u16)> = sq
@@ -676,6 +737,13 @@ impl RoceQp {
                 self.pump(&mut sq, &conn);
             }
             return;
+        }
+        if sq
+            .held_since
+            .is_some_and(|t| now.duration_since(t) >= HOLD_MAX)
+        {
+            // Held packets nobody rang the doorbell for: never stranded.
+            self.pump(&mut sq, &conn);
         }
         if sq.next_tx > 0 && now.duration_since(sq.last_progress) >= retransmit_timeout() {
             bump(&self.core.counters.timeouts);

@@ -11,6 +11,20 @@ pub(super) struct DirectSend<'a> {
     pub(super) deferred: &'a mut HashMap<LinkId, std::collections::VecDeque<Deferred>>,
     /// A capture records every SEND: those go through the fabric queue (`Core::fabric_op`).
     pub(super) capturing: bool,
+    /// Links with WRITEs posted held (`post_send_held`) and no CDC posted after them yet:
+    /// their doorbell rings when this path is dropped, so nothing waits for the device's
+    /// progress tick.
+    pub(super) held: Vec<LinkId>,
+}
+
+impl Drop for DirectSend<'_> {
+    fn drop(&mut self) {
+        for link in self.held.drain(..) {
+            if let Some(l) = self.fab.links.get(&link) {
+                l.qp.doorbell();
+            }
+        }
+    }
 }
 
 /// Whether work already waits in software for room in `link`'s send queue (the map's
@@ -47,7 +61,9 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
             // Behind work already waiting for room: keep the order.
             return defer(self.deferred);
         }
-        let posted = l.qp.post_send_status(&SendWr::WriteInline {
+        // Held: the WRITE leaves with the CDC SEND posted next (one system call on the roce
+        // backend, and one acknowledgement for both), or when this path is dropped.
+        let posted = l.qp.post_send_held(&SendWr::WriteInline {
             wr_id: t.wr.0,
             data: piece,
             remote_addr: t.addr,
@@ -58,7 +74,12 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         });
         match posted {
             Ok(PostStatus::Executed) => WriteOutcome::Placed,
-            Ok(PostStatus::Queued) => WriteOutcome::Posted,
+            Ok(PostStatus::Queued) => {
+                if !self.held.contains(&t.link) {
+                    self.held.push(t.link);
+                }
+                WriteOutcome::Posted
+            }
             Err(smc_fabric::FabricError::QueueFull) => defer(self.deferred),
             Err(_) => {
                 self.failed_posts.push((t.wr, t.link, Instant::now()));
@@ -76,7 +97,12 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         };
         // Anything but a plain success (a full queue, a failure) is left to the fabric
         // queue, whose handling (`Core::post_or_defer`) defers or fails it.
-        Deferred::Send { wr, msg: *msg }.post(&l.qp).is_ok()
+        let ok = Deferred::Send { wr, msg: *msg }.post(&l.qp).is_ok();
+        if ok {
+            // This post rang the doorbell for the WRITEs held before it.
+            self.held.retain(|h| *h != link);
+        }
+        ok
     }
 }
 
