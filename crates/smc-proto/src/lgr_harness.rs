@@ -164,7 +164,7 @@ pub struct Host {
     /// Outstanding work requests: id → link.
     pub outstanding: BTreeMap<WrId, LinkId>,
     /// LLC messages posted in their version-2 form (type `0x2X`), and their bytes.
-    pub llc_v2_sent: Vec<[u8; smc_wire::MSG44_LEN]>,
+    pub llc_v2_sent: Vec<crate::fabric::SendMsg>,
     /// LLC messages posted in their version-1 form.
     pub llc_v1_sent: usize,
 }
@@ -315,7 +315,7 @@ enum Item {
         from: Side,
         link: LinkId,
         wr: WrId,
-        msg: [u8; smc_wire::MSG44_LEN],
+        msg: crate::fabric::SendMsg,
     },
     Write {
         from: Side,
@@ -656,7 +656,7 @@ impl EndpointPair {
             }
             FabricOp::PostSend { link, wr, msg } => {
                 let what = if smc_wire::llc_v2::is_v2_type(msg[0]) {
-                    self.host_mut(s).llc_v2_sent.push(msg);
+                    self.host_mut(s).llc_v2_sent.push(msg.clone());
                     match smc_wire::llc_v2::LlcV2Message::parse(&msg)
                         .ok()
                         .and_then(crate::endpoint::llc_view_of_v2)
@@ -867,7 +867,14 @@ impl EndpointPair {
         }
         // Posted after the WRITEs, as the engine did.
         for (link, wr, msg) in cdcs {
-            self.fabric_op(s, FabricOp::PostSend { link, wr, msg });
+            self.fabric_op(
+                s,
+                FabricOp::PostSend {
+                    link,
+                    wr,
+                    msg: msg.into(),
+                },
+            );
         }
         // Executed WRITEs are unsignaled: no completion.
         for wr in failed {
@@ -963,7 +970,13 @@ impl EndpointPair {
             );
             if next_is_cdc {
                 return match self.queue.pop_front() {
-                    Some((_, Item::Send { msg, .. })) => Some(msg),
+                    Some((
+                        _,
+                        Item::Send {
+                            msg: crate::fabric::SendMsg::Msg44(msg),
+                            ..
+                        },
+                    )) => Some(msg),
                     _ => None,
                 };
             }

@@ -29,7 +29,7 @@ use smc_fabric::{
 };
 use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId, WriteOutcome};
 use smc_proto::fabric::{
-    DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
+    DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, SendMsg, WrId,
 };
 use smc_proto::rmb_pool::RmbId;
 use smc_proto::{ConnError, Endpoint, EndpointConfig, Timestamp};

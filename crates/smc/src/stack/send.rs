@@ -76,15 +76,20 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         };
         // Anything but a plain success (a full queue, a failure) is left to the fabric
         // queue, whose handling (`Core::post_or_defer`) defers or fails it.
-        Deferred::Send { wr, msg: *msg }.post(&l.qp).is_ok()
+        Deferred::Send {
+            wr,
+            msg: (*msg).into(),
+        }
+        .post(&l.qp)
+        .is_ok()
     }
 }
 
 /// A work request waiting for room in its link's send queue.
 #[derive(Debug)]
 pub(super) enum Deferred {
-    /// An LLC or CDC message.
-    Send { wr: WrId, msg: [u8; 44] },
+    /// An LLC or CDC message (44 bytes inline, an LLC v2 message up to 8192).
+    Send { wr: WrId, msg: SendMsg },
     /// An RDMA WRITE of application bytes (copied: the application's slice is gone).
     Write {
         wr: WrId,

@@ -370,11 +370,12 @@ fn client_against_the_kernel_server_of_the_capture() {
         ep.handle_message(link, &v("llc2_confirm_link_req"), res, now)
     });
     p.run();
-    let reply = *p
+    let reply = p
         .host(Side::A)
         .llc_v2_sent
         .last()
-        .expect("CONFIRM LINK reply");
+        .expect("CONFIRM LINK reply")
+        .clone();
     assert_eq!(&reply[..4], &[0x21, 0x2c, 0x00, 0x83]);
     assert_eq!((reply[29], reply[34], reply[35]), (1, 2, 255));
     let before = p.host(Side::A).llc_v2_sent.len();
@@ -420,10 +421,10 @@ fn client_against_the_kernel_server_of_the_capture() {
     // Our own new RMB, if the connection needs one, is confirmed before the Confirm: answer
     // every CONFIRM RKEY request we sent as the kernel does (the request with flags 0x80).
     for _ in 0..4 {
-        let pending: Vec<[u8; 44]> = p.host(Side::A).llc_v2_sent[before..]
+        let pending: Vec<Vec<u8>> = p.host(Side::A).llc_v2_sent[before..]
             .iter()
             .filter(|b| b[0] == 0x26 && b[3] == 0)
-            .copied()
+            .map(|b| b.to_vec())
             .collect();
         for mut r in pending {
             r[3] = 0x80;
@@ -484,7 +485,7 @@ fn server_against_the_kernel_client_of_the_capture() {
     confirm[141] = 1;
     p.inject_tcp(Side::B, T1, confirm);
     p.run();
-    let cl = *p.host(Side::B).llc_v2_sent.first().expect("CONFIRM LINK");
+    let cl = p.host(Side::B).llc_v2_sent[0].clone();
     assert_eq!(&cl[..4], &[0x21, 0x2c, 0x00, 0x03]);
     assert_eq!((cl[34], cl[35]), (1, 255));
     let link = p.host(Side::B).link(1).expect("link 1");
