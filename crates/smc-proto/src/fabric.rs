@@ -132,8 +132,14 @@ pub struct ResourceError(pub &'static str);
 /// RFC wants random (link user IDs, alert tokens) come from [`random_u32`](Self::random_u32);
 /// the peer-ID instance is chosen by the caller before the endpoint is created.
 pub trait Resources {
-    /// Create an RC QP on `device` for `link` (reset → init); return its number and initial PSN.
-    fn create_qp(&mut self, link: LinkId, device: DeviceId) -> Result<QpInfo, ResourceError>;
+    /// Create an RC QP on `device` for `link` (reset → init), with receive buffers for the
+    /// messages of LLC version `llc`; return its number and initial PSN.
+    fn create_qp(
+        &mut self,
+        link: LinkId,
+        device: DeviceId,
+        llc: LlcVersion,
+    ) -> Result<QpInfo, ResourceError>;
     /// Allocate (once per `rmb`) and register RMB `rmb` of link group `lgr`, `len` bytes, for
     /// remote write on `link` (on `device`); return the rkey and address on that link.
     fn register_rmb(
@@ -213,6 +219,27 @@ impl core::ops::Deref for SendMsg {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         self.as_bytes()
+    }
+}
+
+/// The LLC version of a link's group, which sizes the receive buffers of its QP: every SEND
+/// of a v1 link is 44 bytes; a v2 link receives LLC v2 messages of up to 8192 bytes (spec
+/// §10.2: a receive buffer shorter than the SEND fails the QP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LlcVersion {
+    /// SMC-R v1 (RFC 7609): 44-byte messages.
+    V1,
+    /// SMC-Rv2: LLC v2 messages up to 8192 bytes.
+    V2,
+}
+
+impl LlcVersion {
+    /// The longest SEND a link of this version receives.
+    pub fn max_recv(self) -> usize {
+        match self {
+            LlcVersion::V1 => smc_wire::MSG44_LEN,
+            LlcVersion::V2 => smc_wire::llc_v2::LLC_V2_MAX_LEN,
+        }
     }
 }
 

@@ -21,7 +21,8 @@ use crate::endpoint::{
     Endpoint, EndpointConfig, EndpointEvent, RdmaWriteTarget, SendPath, TcpId, WriteOutcome,
 };
 use crate::fabric::{
-    Device, DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
+    Device, DeviceId, FabricOp, LgrId, LinkId, LlcVersion, MrInfo, QpInfo, ResourceError,
+    Resources, WrId,
 };
 use crate::harness::Side;
 use crate::rmb_pool::RmbId;
@@ -62,6 +63,8 @@ pub struct FakeResources {
     next_vaddr: u64,
     /// QP number of each link.
     pub qps: BTreeMap<LinkId, QpInfo>,
+    /// LLC version each link's QP was created for (its receive buffers).
+    pub qp_llc: BTreeMap<LinkId, LlcVersion>,
     /// RMB memory by (group, RMB).
     pub memory: BTreeMap<(LgrId, RmbId), (u64, Vec<u8>)>,
     /// rkey → (group, RMB, link).
@@ -85,6 +88,7 @@ impl FakeResources {
             qps: BTreeMap::new(),
             memory: BTreeMap::new(),
             mrs: BTreeMap::new(),
+            qp_llc: BTreeMap::new(),
             fail_create_qp: 0,
             fail_register_rmb: None,
         }
@@ -92,7 +96,12 @@ impl FakeResources {
 }
 
 impl Resources for FakeResources {
-    fn create_qp(&mut self, link: LinkId, _device: DeviceId) -> Result<QpInfo, ResourceError> {
+    fn create_qp(
+        &mut self,
+        link: LinkId,
+        _device: DeviceId,
+        llc: LlcVersion,
+    ) -> Result<QpInfo, ResourceError> {
         if self.fail_create_qp > 0 {
             self.fail_create_qp -= 1;
             return Err(ResourceError("no QP"));
@@ -103,6 +112,7 @@ impl Resources for FakeResources {
         };
         self.next_qpn += 1;
         self.qps.insert(link, qp);
+        self.qp_llc.insert(link, llc);
         Ok(qp)
     }
 

@@ -7,6 +7,7 @@ use smc_wire::{ClcMessage, DeclineCode, Eid};
 
 use super::*;
 use crate::endpoint::{EndpointConfig, SmcVersions};
+use crate::fabric::LlcVersion;
 use crate::lgr_harness::{config, Traced};
 
 fn ueid(s: &str) -> Eid {
@@ -105,6 +106,10 @@ fn both_versions_shared_ueid_gives_v2() {
         assert!(g.v2.is_some());
         assert_eq!(g.active_count(), 1);
         assert_eq!(g.max_links, 1);
+        // Every QP of a v2 group has receive buffers for 8192-byte LLC v2 messages.
+        assert!(!h.res.qp_llc.is_empty());
+        assert!(h.res.qp_llc.values().all(|v| *v == LlcVersion::V2), "{s:?}");
+        assert_eq!(g.llc_version().max_recv(), 8192);
     }
     // CONFIRM LINK carries max links / max conns (smc-rv2.md §10.3).
     let cl = &p.host(Side::B).llc_v2_sent[0];
@@ -145,6 +150,10 @@ fn no_shared_ueid_falls_back_to_v1() {
     assert!(matches!(&m[2], ClcMessage::Confirm(c) if c.version == 1 && !c.first_contact));
     assert_eq!(p.host(Side::A).llc_v2_sent.len(), 0);
     assert!(p.host(Side::A).ep.link_groups().all(|g| g.v2.is_none()));
+    for s in [Side::A, Side::B] {
+        let qps = &p.host(s).res.qp_llc;
+        assert!(!qps.is_empty() && qps.values().all(|v| *v == LlcVersion::V1));
+    }
 }
 
 /// SMC_VERSIONS=1 on either side: plain v1 as before (a version-1 Proposal from a v1 client).
