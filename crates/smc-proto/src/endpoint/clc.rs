@@ -863,7 +863,12 @@ impl Endpoint {
         let Some(g) = self.lgrs.get(&lgr) else {
             return Err(());
         };
-        if g.max_links < 2 {
+        // (A v2 group's limit is set after this, by `make_v2_group`.)
+        let max_links = match llc {
+            LlcVersion::V1 => g.max_links,
+            LlcVersion::V2 => g.max_links.min(super::V2_MAX_LINKS),
+        };
+        if max_links < 2 {
             return Ok(());
         }
         let Some(device) = g.unused_device(n).or_else(|| g.first_device()) else {

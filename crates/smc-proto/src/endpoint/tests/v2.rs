@@ -106,8 +106,9 @@ fn both_versions_shared_ueid_gives_v2() {
         assert!(g.v2.is_some());
         assert_eq!(g.active_count(), 1);
         assert_eq!(g.max_links, 1);
-        // Every QP of a v2 group has receive buffers for 8192-byte LLC v2 messages.
-        assert!(!h.res.qp_llc.is_empty());
+        // Every QP of a v2 group has receive buffers for 8192-byte LLC v2 messages; a
+        // single-link group has one QP (the server makes no spare for a second link).
+        assert_eq!(h.res.qp_llc.len(), 1, "{s:?}");
         assert!(h.res.qp_llc.values().all(|v| *v == LlcVersion::V2), "{s:?}");
         assert_eq!(g.llc_version().max_recv(), 8192);
     }
