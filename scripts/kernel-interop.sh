@@ -105,7 +105,8 @@ linkfail_verdict() {
     if ! awk -v p2="10.77.0.1:$p2port" '
         { for (i = 1; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = substr($i, length(kv[1]) + 2) } }
         f["mode"] != "SMCR" || f["data"] != "pattern" { bad = 1 }
-        f["peer"] == p2 { p2n++; if (f["rx"] >= 16777216) bad = 1; next }
+        # (`+ 0`: a field cut out by substr is a string, compared as one otherwise.)
+        f["peer"] == p2 { p2n++; if (f["rx"] + 0 >= 16777216) bad = 1; next }
         f["status"] == "OK" && f["rx"] == 8388608 && f["tx"] == 8388608 { p1n++; next }
         f["status"] == "OK" && f["rx"] == 1048576 && f["tx"] == 1048576 { p3n++; next }
         { bad = 1 }

@@ -132,8 +132,14 @@ pub struct ResourceError(pub &'static str);
 /// RFC wants random (link user IDs, alert tokens) come from [`random_u32`](Self::random_u32);
 /// the peer-ID instance is chosen by the caller before the endpoint is created.
 pub trait Resources {
-    /// Create an RC QP on `device` for `link` (reset → init); return its number and initial PSN.
-    fn create_qp(&mut self, link: LinkId, device: DeviceId) -> Result<QpInfo, ResourceError>;
+    /// Create an RC QP on `device` for `link` (reset → init), with receive buffers for the
+    /// messages of LLC version `llc`; return its number and initial PSN.
+    fn create_qp(
+        &mut self,
+        link: LinkId,
+        device: DeviceId,
+        llc: LlcVersion,
+    ) -> Result<QpInfo, ResourceError>;
     /// Allocate (once per `rmb`) and register RMB `rmb` of link group `lgr`, `len` bytes, for
     /// remote write on `link` (on `device`); return the rkey and address on that link.
     fn register_rmb(
@@ -170,6 +176,73 @@ pub struct RemoteQp {
     pub mtu: QpMtu,
 }
 
+/// The bytes of one SEND: 44 (every v1 LLC message and every CDC message, kept inline so that
+/// the data path allocates nothing) or an LLC v2 message of up to
+/// [`LLC_V2_MAX_LEN`](smc_wire::llc_v2::LLC_V2_MAX_LEN) bytes (spec §10.2: an LLC v2 message is
+/// never longer than 8192 bytes).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SendMsg {
+    /// A 44-byte message.
+    Msg44([u8; smc_wire::MSG44_LEN]),
+    /// A longer LLC v2 message (more than 44, at most 8192 bytes).
+    Long(Box<[u8]>),
+}
+
+impl SendMsg {
+    /// `bytes` as a SEND: inline when 44 bytes long; `None` when shorter than 44 or longer than
+    /// 8192 bytes (no SMC-R message is).
+    pub fn new(bytes: &[u8]) -> Option<SendMsg> {
+        if let Ok(b) = <[u8; smc_wire::MSG44_LEN]>::try_from(bytes) {
+            return Some(SendMsg::Msg44(b));
+        }
+        (smc_wire::MSG44_LEN..=smc_wire::llc_v2::LLC_V2_MAX_LEN)
+            .contains(&bytes.len())
+            .then(|| SendMsg::Long(bytes.into()))
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            SendMsg::Msg44(b) => b,
+            SendMsg::Long(b) => b,
+        }
+    }
+}
+
+impl From<[u8; smc_wire::MSG44_LEN]> for SendMsg {
+    fn from(b: [u8; smc_wire::MSG44_LEN]) -> SendMsg {
+        SendMsg::Msg44(b)
+    }
+}
+
+impl core::ops::Deref for SendMsg {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+/// The LLC version of a link's group, which sizes the receive buffers of its QP: every SEND
+/// of a v1 link is 44 bytes; a v2 link receives LLC v2 messages of up to 8192 bytes (spec
+/// §10.2: a receive buffer shorter than the SEND fails the QP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LlcVersion {
+    /// SMC-R v1 (RFC 7609): 44-byte messages.
+    V1,
+    /// SMC-Rv2: LLC v2 messages up to 8192 bytes.
+    V2,
+}
+
+impl LlcVersion {
+    /// The longest SEND a link of this version receives.
+    pub fn max_recv(self) -> usize {
+        match self {
+            LlcVersion::V1 => smc_wire::MSG44_LEN,
+            LlcVersion::V2 => smc_wire::llc_v2::LLC_V2_MAX_LEN,
+        }
+    }
+}
+
 /// A fabric operation the runtime must perform, in the order given.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum FabricOp {
@@ -182,14 +255,14 @@ pub enum FabricOp {
         /// The peer's QP.
         remote: RemoteQp,
     },
-    /// Post an IB SEND of a 44-byte LLC or CDC message on `link`.
+    /// Post an IB SEND of an LLC or CDC message on `link`.
     PostSend {
         /// The link.
         link: LinkId,
         /// Completion id.
         wr: WrId,
         /// The message.
-        msg: [u8; smc_wire::MSG44_LEN],
+        msg: SendMsg,
     },
     /// Post an RDMA WRITE of `data` to the peer's memory `(rkey, addr)` on `link`.
     ///
@@ -219,4 +292,25 @@ pub enum FabricOp {
         /// The RMB.
         rmb: RmbId,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SendMsg;
+
+    #[test]
+    fn send_msg_lengths() {
+        // 44 bytes stay inline; 45..=8192 are an LLC v2 message; nothing else is a SEND.
+        assert!(matches!(SendMsg::new(&[7; 44]), Some(SendMsg::Msg44(b)) if b == [7; 44]));
+        for len in [45, 88, 72 + 16 * 255, 8192] {
+            let m = SendMsg::new(&vec![3; len]).expect("a v2 length");
+            assert!(matches!(m, SendMsg::Long(_)));
+            assert_eq!(m.as_bytes(), &vec![3; len][..]);
+            assert_eq!(m.len(), len);
+        }
+        for len in [0, 1, 43, 8193, 65536] {
+            assert_eq!(SendMsg::new(&vec![0; len]), None, "{len}");
+        }
+        assert_eq!(SendMsg::from([1; 44]).as_bytes(), &[1; 44]);
+    }
 }

@@ -21,7 +21,8 @@ use crate::endpoint::{
     Endpoint, EndpointConfig, EndpointEvent, RdmaWriteTarget, SendPath, TcpId, WriteOutcome,
 };
 use crate::fabric::{
-    Device, DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
+    Device, DeviceId, FabricOp, LgrId, LinkId, LlcVersion, MrInfo, QpInfo, ResourceError,
+    Resources, WrId,
 };
 use crate::harness::Side;
 use crate::rmb_pool::RmbId;
@@ -62,6 +63,8 @@ pub struct FakeResources {
     next_vaddr: u64,
     /// QP number of each link.
     pub qps: BTreeMap<LinkId, QpInfo>,
+    /// LLC version each link's QP was created for (its receive buffers).
+    pub qp_llc: BTreeMap<LinkId, LlcVersion>,
     /// RMB memory by (group, RMB).
     pub memory: BTreeMap<(LgrId, RmbId), (u64, Vec<u8>)>,
     /// rkey → (group, RMB, link).
@@ -85,6 +88,7 @@ impl FakeResources {
             qps: BTreeMap::new(),
             memory: BTreeMap::new(),
             mrs: BTreeMap::new(),
+            qp_llc: BTreeMap::new(),
             fail_create_qp: 0,
             fail_register_rmb: None,
         }
@@ -92,7 +96,12 @@ impl FakeResources {
 }
 
 impl Resources for FakeResources {
-    fn create_qp(&mut self, link: LinkId, _device: DeviceId) -> Result<QpInfo, ResourceError> {
+    fn create_qp(
+        &mut self,
+        link: LinkId,
+        _device: DeviceId,
+        llc: LlcVersion,
+    ) -> Result<QpInfo, ResourceError> {
         if self.fail_create_qp > 0 {
             self.fail_create_qp -= 1;
             return Err(ResourceError("no QP"));
@@ -103,6 +112,7 @@ impl Resources for FakeResources {
         };
         self.next_qpn += 1;
         self.qps.insert(link, qp);
+        self.qp_llc.insert(link, llc);
         Ok(qp)
     }
 
@@ -164,7 +174,7 @@ pub struct Host {
     /// Outstanding work requests: id → link.
     pub outstanding: BTreeMap<WrId, LinkId>,
     /// LLC messages posted in their version-2 form (type `0x2X`), and their bytes.
-    pub llc_v2_sent: Vec<[u8; smc_wire::MSG44_LEN]>,
+    pub llc_v2_sent: Vec<crate::fabric::SendMsg>,
     /// LLC messages posted in their version-1 form.
     pub llc_v1_sent: usize,
 }
@@ -315,7 +325,7 @@ enum Item {
         from: Side,
         link: LinkId,
         wr: WrId,
-        msg: [u8; smc_wire::MSG44_LEN],
+        msg: crate::fabric::SendMsg,
     },
     Write {
         from: Side,
@@ -656,7 +666,7 @@ impl EndpointPair {
             }
             FabricOp::PostSend { link, wr, msg } => {
                 let what = if smc_wire::llc_v2::is_v2_type(msg[0]) {
-                    self.host_mut(s).llc_v2_sent.push(msg);
+                    self.host_mut(s).llc_v2_sent.push(msg.clone());
                     match smc_wire::llc_v2::LlcV2Message::parse(&msg)
                         .ok()
                         .and_then(crate::endpoint::llc_view_of_v2)
@@ -867,7 +877,14 @@ impl EndpointPair {
         }
         // Posted after the WRITEs, as the engine did.
         for (link, wr, msg) in cdcs {
-            self.fabric_op(s, FabricOp::PostSend { link, wr, msg });
+            self.fabric_op(
+                s,
+                FabricOp::PostSend {
+                    link,
+                    wr,
+                    msg: msg.into(),
+                },
+            );
         }
         // Executed WRITEs are unsignaled: no completion.
         for wr in failed {
@@ -963,7 +980,13 @@ impl EndpointPair {
             );
             if next_is_cdc {
                 return match self.queue.pop_front() {
-                    Some((_, Item::Send { msg, .. })) => Some(msg),
+                    Some((
+                        _,
+                        Item::Send {
+                            msg: crate::fabric::SendMsg::Msg44(msg),
+                            ..
+                        },
+                    )) => Some(msg),
                     _ => None,
                 };
             }

@@ -14,7 +14,7 @@ use smc_wire::llc::RtokenPair;
 use smc_wire::{LlcMessage, PeerId, QpMtu};
 
 use crate::endpoint::TcpId;
-use crate::fabric::{DeviceId, DeviceSet, LgrId, LinkId, MrInfo, QpInfo, RemoteQp};
+use crate::fabric::{DeviceId, DeviceSet, LgrId, LinkId, LlcVersion, MrInfo, QpInfo, RemoteQp};
 use crate::rmb_pool::{PeerRmbeRegistry, RmbId, RmbPool};
 use crate::time::Timestamp;
 use crate::timer::{TimerKind, TimerTable};
@@ -554,6 +554,15 @@ impl LinkGroup {
         self.links
             .values()
             .any(|l| l.device == device && l.remote.is_some_and(|r| r.gid == peer_gid))
+    }
+
+    /// The LLC version of the group's links (which sizes their receive buffers).
+    pub fn llc_version(&self) -> LlcVersion {
+        if self.v2.is_some() {
+            LlcVersion::V2
+        } else {
+            LlcVersion::V1
+        }
     }
 
     /// Symmetric links (asymmetric ones are not counted toward the maximum).

@@ -29,7 +29,7 @@ use smc_fabric::{
 };
 use smc_proto::endpoint::{EndpointEvent, ResetReason, TcpId, WriteOutcome};
 use smc_proto::fabric::{
-    DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, WrId,
+    DeviceId, FabricOp, LgrId, LinkId, MrInfo, QpInfo, ResourceError, Resources, SendMsg, WrId,
 };
 use smc_proto::rmb_pool::RmbId;
 use smc_proto::{ConnError, Endpoint, EndpointConfig, Timestamp};
@@ -53,8 +53,12 @@ pub(crate) use slots::{Slot, Slots};
 
 /// Receive buffers posted per QP.
 const RECV_SLOTS: u64 = 128;
-/// Bytes per receive slot (messages are 44 bytes).
+/// Bytes per receive slot of a v1 link (its messages are 44 bytes).
 const RECV_SLOT_LEN: usize = 64;
+/// Bytes per receive slot of a v2 link: an LLC v2 message reaches 8192 bytes, and a SEND
+/// longer than the buffer it lands in fails the QP (spec §10.2). Every slot of a v2 link is
+/// this long, since a sender cannot steer its SEND to a large slot.
+const RECV_SLOT_LEN_V2: usize = smc_wire::llc_v2::LLC_V2_MAX_LEN;
 /// Work-request ids of receives carry this bit; the rest is `link << 8 | slot`.
 const RECV_FLAG: u64 = 1 << 63;
 /// The runtime thread sleeps at most this long (device events are polled, not signalled).
@@ -788,30 +792,29 @@ impl Core {
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
         }
-        let mut buf = [0u8; RECV_SLOT_LEN];
-        let len = (wc.byte_len as usize).min(RECV_SLOT_LEN);
+        // 44-byte messages (every CDC) are copied to the stack; an LLC v2 message longer
+        // than a v1 slot, rare, to the heap.
+        let mut small = [0u8; RECV_SLOT_LEN];
+        let mut large = Vec::new();
         let Some(l) = self.fab.links.get(&link) else {
             // A message that arrived on a link before its removal.
             if let Some((l, _)) = self.retired.get(&link) {
-                if l.rx
-                    .read_at(slot as usize * RECV_SLOT_LEN, &mut buf[..len])
-                    .is_ok()
-                {
-                    self.ep
-                        .handle_message(link, &buf[..len], &mut self.fab, now);
+                let buf = l.message_buf(wc.byte_len, &mut small, &mut large);
+                if l.rx.read_at(l.slot_offset(slot), buf).is_ok() {
+                    self.ep.handle_message(link, buf, &mut self.fab, now);
                 }
             }
             return;
         };
-        let read = l.rx.read_at(slot as usize * RECV_SLOT_LEN, &mut buf[..len]);
+        let buf = l.message_buf(wc.byte_len, &mut small, &mut large);
+        let read = l.rx.read_at(l.slot_offset(slot), buf);
         if read.is_err() {
             self.ep.handle_link_failure(link, &mut self.fab, now);
             return;
         }
         // Posted again at the next poll (see `repost_receives`).
         self.reposts.push((link, slot));
-        self.ep
-            .handle_message(link, &buf[..len], &mut self.fab, now);
+        self.ep.handle_message(link, buf, &mut self.fab, now);
     }
 
     /// A device event. Port-down and QP-fatal events are not turned into link failures here:

@@ -23,7 +23,7 @@ use super::{
     TcpId,
 };
 use crate::conn::{Connection, ConnectionConfig};
-use crate::fabric::{DeviceId, DeviceSet, LgrId, MrInfo, RemoteQp, Resources};
+use crate::fabric::{DeviceId, DeviceSet, LgrId, LlcVersion, MrInfo, RemoteQp, Resources};
 use crate::link_group::{Link, LinkGroup, LinkState, LocalRequest, LocalRmb, PeerRmb, Role};
 use crate::rmb_pool::{PeerRmbeKey, RmbPool};
 use crate::rmbe::RmbeLayout;
@@ -757,7 +757,13 @@ impl Endpoint {
             .find(|d| res.reaches(*d, client_gid))
             .or(candidates.first().copied())
             .unwrap_or(first_device);
-        let group = self.first_contact_group(tcp, Role::Server, p.peer_id, first_device, res, now);
+        let llc = if agreed.is_some() {
+            LlcVersion::V2
+        } else {
+            LlcVersion::V1
+        };
+        let group =
+            self.first_contact_group(tcp, Role::Server, p.peer_id, (first_device, llc), res, now);
         if let Some((lgr, setup)) = group {
             if let Some(a) = agreed {
                 self.make_v2_group(lgr, a);
@@ -803,12 +809,12 @@ impl Endpoint {
         tcp: TcpId,
         role: Role,
         peer_id: smc_wire::PeerId,
-        device: DeviceId,
+        (device, llc): (DeviceId, LlcVersion),
         res: &mut dyn Resources,
         now: Timestamp,
     ) -> Option<(LgrId, LocalSetup)> {
         let opts = self.setup_options(tcp);
-        let Ok(lgr) = self.new_link_group(role, peer_id, device, 1, res, now) else {
+        let Ok(lgr) = self.new_link_group(role, peer_id, (device, llc), 1, res, now) else {
             self.decline(tcp, DeclineCode::MEM, false, now);
             return None;
         };
@@ -823,7 +829,7 @@ impl Endpoint {
         // (C.7.1: "CONFIRM LINK reply from client (first contact) Timer waits for: ADD LINK
         // from server"): the QP of the second link is made now, while a shortage can still
         // be a Decline.
-        if role == Role::Server && self.reserve_second_qp(lgr, res).is_err() {
+        if role == Role::Server && self.reserve_second_qp(lgr, llc, res).is_err() {
             self.destroy_link_group(lgr, now);
             self.decline(tcp, DeclineCode::MEM, false, now);
             return None;
@@ -847,19 +853,29 @@ impl Endpoint {
     /// Server, first contact: create the QP the second link will use (on the RNIC
     /// `start_add_link` will choose: one no link uses, else the first link's for an
     /// asymmetric offer) and keep it in the group ([`LinkGroup::spare`]).
-    fn reserve_second_qp(&mut self, lgr: LgrId, res: &mut dyn Resources) -> Result<(), ()> {
+    fn reserve_second_qp(
+        &mut self,
+        lgr: LgrId,
+        llc: LlcVersion,
+        res: &mut dyn Resources,
+    ) -> Result<(), ()> {
         let n = self.config.devices.len();
         let Some(g) = self.lgrs.get(&lgr) else {
             return Err(());
         };
-        if g.max_links < 2 {
+        // (A v2 group's limit is set after this, by `make_v2_group`.)
+        let max_links = match llc {
+            LlcVersion::V1 => g.max_links,
+            LlcVersion::V2 => g.max_links.min(super::V2_MAX_LINKS),
+        };
+        if max_links < 2 {
             return Ok(());
         }
         let Some(device) = g.unused_device(n).or_else(|| g.first_device()) else {
             return Ok(());
         };
         let id = self.new_link_id();
-        let qp = res.create_qp(id, device).map_err(|_| ())?;
+        let qp = res.create_qp(id, device, llc).map_err(|_| ())?;
         if let Some(g) = self.lgrs.get_mut(&lgr) {
             g.spare = Some(crate::link_group::SpareQp { id, device, qp });
         }
@@ -1190,7 +1206,12 @@ impl Endpoint {
             return;
         }
         // First contact (possibly a parallel link group the server chose to create).
-        let group = self.first_contact_group(tcp, Role::Client, a.peer_id, device, res, now);
+        let llc = if agreed.is_some() {
+            LlcVersion::V2
+        } else {
+            LlcVersion::V1
+        };
+        let group = self.first_contact_group(tcp, Role::Client, a.peer_id, (device, llc), res, now);
         let Some((lgr, setup)) = group else {
             return;
         };
@@ -1710,7 +1731,7 @@ impl Endpoint {
         &mut self,
         role: Role,
         peer_id: smc_wire::PeerId,
-        device: DeviceId,
+        (device, llc): (DeviceId, LlcVersion),
         num: u8,
         res: &mut dyn Resources,
         now: Timestamp,
@@ -1723,7 +1744,7 @@ impl Endpoint {
         .map_err(|_| ())?;
         let id = self.new_lgr_id();
         let link_id = self.new_link_id();
-        let qp = res.create_qp(link_id, device).map_err(|_| ())?;
+        let qp = res.create_qp(link_id, device, llc).map_err(|_| ())?;
         let user_id = res.random_u32();
         let max_links = self.config.max_links.clamp(2, 8);
         let mut g = LinkGroup::new(id, role, peer_id, max_links, pool, dev.mtu);

@@ -84,7 +84,7 @@ impl Endpoint {
                 fabric_out.push_back(FabricOp::PostSend {
                     link: link.id,
                     wr,
-                    msg,
+                    msg: msg.into(),
                 });
             }
             // (Recorded after the post: its completion is handled later, by a call of ours.)
@@ -688,7 +688,7 @@ impl Endpoint {
         self.fabric_out.push_back(FabricOp::PostSend {
             link,
             wr,
-            msg: validation.to_bytes(),
+            msg: validation.to_bytes().into(),
         });
         //= https://www.rfc-editor.org/rfc/rfc7609#section-4.6.2
         //# the sender must replay any RDMA writes (and their associated CDC messages) that

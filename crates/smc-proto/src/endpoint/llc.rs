@@ -595,6 +595,7 @@ impl Endpoint {
             return false;
         }
         let has_asym = g.links.values().any(|l| l.asymmetric);
+        let llc = g.llc_version();
         let free = g.unused_device(self.config.devices.len());
         // Without a free RNIC of our own, offer the same RNIC: the client may have a second
         // one (an asymmetric link, at most one per group).
@@ -628,7 +629,7 @@ impl Endpoint {
             Some(s) => (s.id, s.qp),
             None => {
                 let id = self.new_link_id();
-                let Ok(qp) = res.create_qp(id, device) else {
+                let Ok(qp) = res.create_qp(id, device, llc) else {
                     // Out of resources for an added link: the group goes on with the links
                     // it has and tries again later (App. C.8).
                     if first_contact {
@@ -889,6 +890,7 @@ impl Endpoint {
             .values()
             .any(|l| l.remote.is_some_and(|r| r.gid == a.sender_gid));
         let has_asym = g.links.values().any(|l| l.asymmetric);
+        let llc = g.llc_version();
         let device = match free {
             Some(d) => Some(d),
             None if server_new_rnic && !has_asym => {
@@ -911,7 +913,7 @@ impl Endpoint {
             return;
         };
         let id = self.new_link_id();
-        let Ok(qp) = res.create_qp(id, device) else {
+        let Ok(qp) = res.create_qp(id, device, llc) else {
             let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
             self.client_reject_add_link(lgr, via, a, reason, res, now);
             return;

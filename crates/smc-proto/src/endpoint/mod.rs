@@ -723,7 +723,7 @@ impl Endpoint {
         self.fabric_out.push_back(FabricOp::PostSend {
             link: id,
             wr,
-            msg: v2::llc_to_wire(&msg, v2_group),
+            msg: v2::llc_to_wire(&msg, v2_group).into(),
         });
         Some(wr)
     }

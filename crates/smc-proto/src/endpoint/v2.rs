@@ -2,10 +2,11 @@
 //! server's negotiation as Linux 6.12 does it (§9.1), the client's checks of a v2 Accept
 //! (§9.2), and the LLC messages of a v2 link group in their v2 form (§10).
 //!
-//! A v2 link group here has exactly one link: the fabric's SENDs carry 44 bytes, and an ADD
-//! LINK v2 (72 + 16·n bytes, the rkeys inside) does not fit, so we negotiate max links 1,
-//! which §13 item 2 names as the way to spare a Linux client its 3 s wait for an ADD LINK.
-//! A peer's ADD LINK is answered with a reject.
+//! A v2 link group here has exactly one link: the engine does not build or read an ADD LINK
+//! v2's rkeys (72 + 16·n bytes), and shm SENDs stop at 56 bytes (the SEND op and the receive
+//! slots of a v2 link carry 8192), so we negotiate max links 1, which §13 item 2 names as the
+//! way to spare a Linux client its 3 s wait for an ADD LINK. A peer's ADD LINK is answered
+//! with a reject (docs/v2.md "Not done yet").
 
 use smc_wire::clc::{DeclineCode, Proposal};
 use smc_wire::clc_v2::{FirstContactExt, MIN_MAX_CONNS, OS_TYPE_LINUX, SMC_RELEASE};

@@ -1,11 +1,51 @@
 //! The fabric objects the endpoint allocates from (devices, QPs, RMBs) and their opening.
 
 use super::*;
+use smc_proto::fabric::LlcVersion;
 
 /// A link's QP and its receive buffers.
 pub(super) struct LinkQp {
     pub(super) qp: QueuePair,
+    /// The receive slots, `RECV_SLOTS` of `slot_len` bytes.
     pub(super) rx: MemoryRegion,
+    /// Bytes per receive slot: [`RECV_SLOT_LEN`] on a v1 link, [`RECV_SLOT_LEN_V2`] on a v2
+    /// link.
+    pub(super) slot_len: usize,
+}
+
+impl LinkQp {
+    /// Offset of receive slot `slot` in `rx`.
+    pub(super) fn slot_offset(&self, slot: u64) -> usize {
+        slot as usize * self.slot_len
+    }
+
+    /// The buffer a message received in one of our slots is copied into (see
+    /// [`message_buf`]).
+    pub(super) fn message_buf<'a>(
+        &self,
+        byte_len: u32,
+        small: &'a mut [u8; RECV_SLOT_LEN],
+        large: &'a mut Vec<u8>,
+    ) -> &'a mut [u8] {
+        message_buf(self.slot_len, byte_len, small, large)
+    }
+}
+
+/// The buffer a received message of `byte_len` bytes (the completion's, capped at the slot's
+/// `slot_len`) is copied into: `small` when it fits, else `large`, grown to the message.
+fn message_buf<'a>(
+    slot_len: usize,
+    byte_len: u32,
+    small: &'a mut [u8; RECV_SLOT_LEN],
+    large: &'a mut Vec<u8>,
+) -> &'a mut [u8] {
+    let len = (byte_len as usize).min(slot_len);
+    if len <= small.len() {
+        &mut small[..len]
+    } else {
+        large.resize(len, 0);
+        large
+    }
 }
 
 /// The fabric objects of the stack: the [`Resources`] the endpoint allocates from.
@@ -35,8 +75,7 @@ impl Fabric {
     }
 
     pub(super) fn post_recv(&self, link: LinkId, l: &LinkQp, slot: u64) -> smc_fabric::Result<()> {
-        let sge =
-            l.rx.sge(slot as usize * RECV_SLOT_LEN, RECV_SLOT_LEN as u32)?;
+        let sge = l.rx.sge(l.slot_offset(slot), l.slot_len as u32)?;
         l.qp.post_recv(&RecvWr {
             wr_id: RECV_FLAG | u64::from(link.0) << 8 | slot,
             sge,
@@ -45,7 +84,12 @@ impl Fabric {
 }
 
 impl Resources for Fabric {
-    fn create_qp(&mut self, link: LinkId, device: DeviceId) -> Result<QpInfo, ResourceError> {
+    fn create_qp(
+        &mut self,
+        link: LinkId,
+        device: DeviceId,
+        llc: LlcVersion,
+    ) -> Result<QpInfo, ResourceError> {
         let d = usize::from(device.0);
         let (pd, cq) = match (self.pds.get(d), self.cqs.get(d)) {
             (Some(p), Some(c)) => (p, c),
@@ -59,14 +103,16 @@ impl Resources for Fabric {
             .create_qp(cq, cq, caps)
             .map_err(|_| ResourceError("QP creation failed"))?;
         qp.to_init().map_err(|_| ResourceError("QP init failed"))?;
+        let slot_len = match llc {
+            LlcVersion::V1 => RECV_SLOT_LEN,
+            LlcVersion::V2 => RECV_SLOT_LEN_V2,
+        };
+        debug_assert!(slot_len >= llc.max_recv());
         let rx = pd
-            .register(
-                RECV_SLOTS as usize * RECV_SLOT_LEN,
-                AccessFlags::LOCAL_WRITE,
-            )
+            .register(RECV_SLOTS as usize * slot_len, AccessFlags::LOCAL_WRITE)
             .map_err(|_| ResourceError("receive buffer registration failed"))?;
         let info = qp.local_info();
-        let l = LinkQp { qp, rx };
+        let l = LinkQp { qp, rx, slot_len };
         for slot in 0..RECV_SLOTS {
             self.post_recv(link, &l, slot)
                 .map_err(|_| ResourceError("posting receives failed"))?;
@@ -144,4 +190,31 @@ pub(super) fn open_fabric(
         devices.push(d);
     }
     Ok((devices, pds, cqs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn received_message_buffers() {
+        let mut small = [0u8; RECV_SLOT_LEN];
+        let mut large = Vec::new();
+        // A CDC or v1 LLC message: on the stack, on either kind of link.
+        for slot_len in [RECV_SLOT_LEN, RECV_SLOT_LEN_V2] {
+            assert_eq!(message_buf(slot_len, 44, &mut small, &mut large).len(), 44);
+            assert!(large.is_empty());
+        }
+        // A v1 slot never yields more than it holds, whatever the completion claims.
+        let b = message_buf(RECV_SLOT_LEN, 8192, &mut small, &mut large);
+        assert_eq!(b.len(), RECV_SLOT_LEN);
+        // The kernel's 88-byte ADD LINK v2 and the longest LLC v2 message on a v2 link.
+        for len in [88u32, 8192] {
+            let b = message_buf(RECV_SLOT_LEN_V2, len, &mut small, &mut large);
+            assert_eq!(b.len(), len as usize);
+        }
+        // Capped at the slot.
+        let b = message_buf(RECV_SLOT_LEN_V2, u32::MAX, &mut small, &mut large);
+        assert_eq!(b.len(), RECV_SLOT_LEN_V2);
+    }
 }

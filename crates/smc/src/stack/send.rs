@@ -97,7 +97,12 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         };
         // Anything but a plain success (a full queue, a failure) is left to the fabric
         // queue, whose handling (`Core::post_or_defer`) defers or fails it.
-        let ok = Deferred::Send { wr, msg: *msg }.post(&l.qp).is_ok();
+        let ok = Deferred::Send {
+            wr,
+            msg: (*msg).into(),
+        }
+        .post(&l.qp)
+        .is_ok();
         if ok {
             // This post rang the doorbell for the WRITEs held before it.
             self.held.retain(|h| *h != link);
@@ -109,8 +114,8 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
 /// A work request waiting for room in its link's send queue.
 #[derive(Debug)]
 pub(super) enum Deferred {
-    /// An LLC or CDC message.
-    Send { wr: WrId, msg: [u8; 44] },
+    /// An LLC or CDC message (44 bytes inline, an LLC v2 message up to 8192).
+    Send { wr: WrId, msg: SendMsg },
     /// An RDMA WRITE of application bytes (copied: the application's slice is gone).
     Write {
         wr: WrId,

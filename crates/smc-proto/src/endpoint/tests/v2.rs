@@ -7,6 +7,7 @@ use smc_wire::{ClcMessage, DeclineCode, Eid};
 
 use super::*;
 use crate::endpoint::{EndpointConfig, SmcVersions};
+use crate::fabric::LlcVersion;
 use crate::lgr_harness::{config, Traced};
 
 fn ueid(s: &str) -> Eid {
@@ -105,6 +106,11 @@ fn both_versions_shared_ueid_gives_v2() {
         assert!(g.v2.is_some());
         assert_eq!(g.active_count(), 1);
         assert_eq!(g.max_links, 1);
+        // Every QP of a v2 group has receive buffers for 8192-byte LLC v2 messages; a
+        // single-link group has one QP (the server makes no spare for a second link).
+        assert_eq!(h.res.qp_llc.len(), 1, "{s:?}");
+        assert!(h.res.qp_llc.values().all(|v| *v == LlcVersion::V2), "{s:?}");
+        assert_eq!(g.llc_version().max_recv(), 8192);
     }
     // CONFIRM LINK carries max links / max conns (smc-rv2.md §10.3).
     let cl = &p.host(Side::B).llc_v2_sent[0];
@@ -145,6 +151,10 @@ fn no_shared_ueid_falls_back_to_v1() {
     assert!(matches!(&m[2], ClcMessage::Confirm(c) if c.version == 1 && !c.first_contact));
     assert_eq!(p.host(Side::A).llc_v2_sent.len(), 0);
     assert!(p.host(Side::A).ep.link_groups().all(|g| g.v2.is_none()));
+    for s in [Side::A, Side::B] {
+        let qps = &p.host(s).res.qp_llc;
+        assert!(!qps.is_empty() && qps.values().all(|v| *v == LlcVersion::V1));
+    }
 }
 
 /// SMC_VERSIONS=1 on either side: plain v1 as before (a version-1 Proposal from a v1 client).
@@ -370,11 +380,12 @@ fn client_against_the_kernel_server_of_the_capture() {
         ep.handle_message(link, &v("llc2_confirm_link_req"), res, now)
     });
     p.run();
-    let reply = *p
+    let reply = p
         .host(Side::A)
         .llc_v2_sent
         .last()
-        .expect("CONFIRM LINK reply");
+        .expect("CONFIRM LINK reply")
+        .clone();
     assert_eq!(&reply[..4], &[0x21, 0x2c, 0x00, 0x83]);
     assert_eq!((reply[29], reply[34], reply[35]), (1, 2, 255));
     let before = p.host(Side::A).llc_v2_sent.len();
@@ -420,10 +431,10 @@ fn client_against_the_kernel_server_of_the_capture() {
     // Our own new RMB, if the connection needs one, is confirmed before the Confirm: answer
     // every CONFIRM RKEY request we sent as the kernel does (the request with flags 0x80).
     for _ in 0..4 {
-        let pending: Vec<[u8; 44]> = p.host(Side::A).llc_v2_sent[before..]
+        let pending: Vec<Vec<u8>> = p.host(Side::A).llc_v2_sent[before..]
             .iter()
             .filter(|b| b[0] == 0x26 && b[3] == 0)
-            .copied()
+            .map(|b| b.to_vec())
             .collect();
         for mut r in pending {
             r[3] = 0x80;
@@ -484,7 +495,7 @@ fn server_against_the_kernel_client_of_the_capture() {
     confirm[141] = 1;
     p.inject_tcp(Side::B, T1, confirm);
     p.run();
-    let cl = *p.host(Side::B).llc_v2_sent.first().expect("CONFIRM LINK");
+    let cl = p.host(Side::B).llc_v2_sent[0].clone();
     assert_eq!(&cl[..4], &[0x21, 0x2c, 0x00, 0x03]);
     assert_eq!((cl[34], cl[35]), (1, 255));
     let link = p.host(Side::B).link(1).expect("link 1");
