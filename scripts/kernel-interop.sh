@@ -53,6 +53,18 @@ if ! timeout 600 "$kp/build-image.sh" >/tmp/kernel-interop-image.$$.log 2>&1; th
 fi
 rm -f /tmp/kernel-interop-image.$$.log
 
+# The tool's namespace `kpeer` left behind by a run that was killed (no process in it) is
+# removed; one with processes in it is another run in progress: two runs cannot share it.
+if ip netns list | grep -qw kpeer; then
+    if [ -z "$(ip netns pids kpeer 2>/dev/null)" ]; then
+        echo "kernel-interop: removing the stale network namespace kpeer (no process in it)"
+        ip netns del kpeer
+    else
+        echo "kernel-interop: network namespace kpeer is in use by another run (pids: $(ip netns pids kpeer | tr '\n' ' ')); runs cannot overlap" >&2
+        exit 1
+    fi
+fi
+
 # Without SMC_BIN / SMC_PRELOAD, the debug builds of this tree, brought up to date.
 if [ -z "${SMC_BIN:-}${SMC_PRELOAD:-}" ]; then
     (cd "$repo" && cargo build -q -p smc-cli -p smc-preload)
