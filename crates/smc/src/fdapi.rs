@@ -66,6 +66,7 @@ pub fn stack() -> io::Result<Stack> {
             std::env::set_var(k, v);
         }
     }
+    smc_fabric::fdplace::keep_high();
     let s = Stack::from_env().map_err(io::Error::other)?;
     *g = Some(s.clone());
     Ok(s)
@@ -281,7 +282,7 @@ fn leading_decline(
 /// TCP (the server, whenever it comes to it, reads the Decline: [`setup_server`]).
 pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::Result<Setup> {
     let stack = stack()?;
-    let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
+    let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
     let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
     let was = oobinline(fd);
     let s = SmcStream::connect_socket_declining(&stack, dup, addr, None, None, decline)?;
@@ -299,7 +300,7 @@ impl Setup {
 }
 
 fn dup_stream(fd: BorrowedFd<'_>) -> io::Result<TcpStream> {
-    let dup: OwnedFd = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
+    let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
     Ok(TcpStream::from(dup))
 }
 
