@@ -136,7 +136,7 @@ seconds() {
     python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.3f}")' "$t0" "$t1"
 }
 
-loop='sum(i * i for i in range(3000000))'
+loop='sum(i * i for i in range(10000000))'
 echo "# load average: $(cut -d' ' -f1-3 /proc/loadavg); smc: $SMC; $(nproc) cores"
 declare -a ps pg rs rg pi ri pi4 ri4 pw rw pp rp pd rd py ry
 for r in $(seq 1 "$ROUNDS"); do
