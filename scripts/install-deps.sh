@@ -8,7 +8,7 @@
 #   ethtool     – the roce capture test turns the veth's UDP segmentation offload off
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 #   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
-#               libmemcached-tools – the unmodified
+#               libmemcached-tools, wrk, sockperf – the unmodified
 #               programs `scripts/preload-apps.sh` runs under `smc run`
 #   setpriv (util-linux), mount – the hardening tests run `smc` as another uid and mount a
 #                 tiny tmpfs (crates/smc-cli/tests/hardening_cli.rs)
@@ -44,7 +44,8 @@ fi
 # The programs of scripts/preload-apps.sh (services must not start on install: policy-rc.d).
 apps=()
 for c in redis-server:redis-server redis-cli:redis-tools python3:python3 curl:curl \
-    socat:socat iperf3:iperf3 nginx:nginx-light memcached:memcached memcslap:libmemcached-tools; do
+    socat:socat iperf3:iperf3 nginx:nginx-light memcached:memcached memcslap:libmemcached-tools \
+    wrk:wrk sockperf:sockperf; do
     command -v "${c%%:*}" >/dev/null 2>&1 || apps+=("${c#*:}")
 done
 if [ ${#apps[@]} -gt 0 ]; then

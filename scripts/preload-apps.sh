@@ -13,7 +13,8 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "preload-apps: skipped (needs root for the eBPF discovery)"
     exit 0
 fi
-for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx memcached memcslap; do
+for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx memcached memcslap \
+    wrk sockperf; do
     if ! command -v "$p" >/dev/null 2>&1; then
         echo "preload-apps: skipped ($p missing; run scripts/install-deps.sh)"
         exit 0
@@ -199,8 +200,8 @@ n=$(grep -E "^smc-preload\[[0-9]+\]: fd [0-9]+: SMC-R" "$SMC_LOG" | grep -vc "\[
 [ "$n" -ge 6 ] || fail "socat: $n SMC-R ends logged, 6 expected"
 echo "   3 echoes of 4 MB verified, served by forked children over SMC-R"
 
-echo "== iperf3 (select, two connections) and -R"
-for rev in "" "-R"; do
+echo "== iperf3 (select, two connections), -R, and -P 4 (four data streams)"
+for rev in "" "-R" "-P 4"; do
     : >"$SMC_LOG.iperf"
     SMC_LOG="$SMC_LOG.iperf" "$SMC" run iperf3 -s -p 15201 -1 >"$work/iperf-s.log" 2>&1 &
     pids+=($!); srv=$!
@@ -209,10 +210,13 @@ for rev in "" "-R"; do
     SMC_LOG="$SMC_LOG.iperf" timeout 30 "$SMC" run iperf3 -c 127.0.0.1 -p 15201 -t 2 $rev >"$work/iperf.out" 2>&1 \
         || fail "iperf3 $rev: $(tail -3 "$work/iperf.out")"
     wait $srv || fail "iperf3 server $rev"
-    grep receiver "$work/iperf.out" | sed "s/^/   $rev /"
+    grep receiver "$work/iperf.out" | tail -1 | sed "s/^/   $rev /"
     # Control and data connections, SMC-R at both ends.
+    want_ends=4
+    [ "$rev" = "-P 4" ] && want_ends=10
     n=$(grep -c ": SMC-R" "$SMC_LOG.iperf" || true)
-    [ "$n" = 4 ] || fail "iperf3 $rev: $n SMC-R ends, 4 expected"
+    [ "$n" = "$want_ends" ] || fail "iperf3 $rev: $n SMC-R ends, $want_ends expected"
+    ! grep -q "]: fd [0-9]*: TCP" "$SMC_LOG.iperf" || fail "iperf3 $rev: a connection is TCP"
 done
 
 echo "== nginx, 2 workers (listener inherited across fork), sendfile + curl"
@@ -255,5 +259,84 @@ n=$(grep -c ": SMC-R" "$SMC_LOG.nginx" || true)
 [ "$n" = 8 ] || fail "nginx: $n SMC-R ends, 8 expected"
 grep -q "TCP (Tcp(PeerWithoutOption))" "$SMC_LOG.nginx" || fail "nginx: the plain curl was not TCP"
 echo "   4 curls over SMC-R (workers' own stacks), 1 plain curl over TCP, payloads verified"
+
+echo "== nginx (the 2 workers above) + wrk (2 threads, 16 connections, 3 s), every 1 KiB body checked"
+head -c 1024 /dev/urandom >"$work/www/k1"
+# wrk's Lua hooks: each thread compares every response's status and body with the file and
+# counts; done() sums the threads' counts.
+cat >"$work/wrk-check.lua" <<'LUA'
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args)
+    local f = assert(io.open(os.getenv("WRK_EXPECT"), "rb"))
+    expected = f:read("*a")
+    f:close()
+    good, bad = 0, 0
+end
+function response(status, headers, body)
+    if status == 200 and body == expected then good = good + 1 else bad = bad + 1 end
+end
+function done(summary, latency, requests)
+    local g, b = 0, 0
+    for _, t in ipairs(threads) do g = g + t:get("good"); b = b + t:get("bad") end
+    io.write(string.format("checked %d bad %d requests %d\n", g, b, summary.requests))
+end
+LUA
+ng_before=$(grep -c ": SMC-R" "$SMC_LOG.nginx" || true)
+: >"$SMC_LOG.wrk"
+SMC_LOG="$SMC_LOG.wrk" WRK_EXPECT="$work/www/k1" timeout 30 "$SMC" run \
+    wrk -t2 -c16 -d3s -s "$work/wrk-check.lua" "http://127.0.0.1:18080/k1" >"$work/wrk.out" 2>&1 \
+    || fail "wrk: $(cat "$work/wrk.out")"
+# wrk prints these lines only when there were any.
+! grep -q "Socket errors\|Non-2xx" "$work/wrk.out" || fail "wrk: $(cat "$work/wrk.out")"
+read -r good bad total < <(awk '/^checked/ {print $2, $4, $6}' "$work/wrk.out")
+[ "${bad:-x}" = 0 ] && [ "${good:-0}" -gt 1000 ] && [ "$good" -ge "$total" ] \
+    || fail "wrk: bodies checked ${good:-?}, wrong ${bad:-?}, requests ${total:-?}"
+# Every connection wrk made (16, and a new one after each 1000 requests: nginx's
+# keepalive_requests) is SMC-R at both ends.
+conns=$(grep -c ": SMC-R" "$SMC_LOG.wrk" || true)
+! grep -q "]: fd [0-9]*: TCP" "$SMC_LOG.wrk" || fail "wrk: a connection is TCP"
+[ "$conns" -ge 16 ] || fail "wrk: $conns SMC-R connections, at least 16 expected"
+for _ in $(seq 1 40); do
+    [ $(( $(grep -c ": SMC-R" "$SMC_LOG.nginx") - ng_before )) = "$conns" ] && break
+    sleep 0.05
+done
+ng_n=$(( $(grep -c ": SMC-R" "$SMC_LOG.nginx") - ng_before ))
+[ "$ng_n" = "$conns" ] || fail "wrk: $conns SMC-R connections, nginx's workers logged $ng_n"
+echo "   $(grep Requests/sec "$work/wrk.out" | tr -s ' '), $good bodies verified, $conns connections SMC-R at both ends"
+
+echo "== sockperf ping-pong (--tcp, 64 B): blocking recvfrom, then select, poll and epoll servers"
+# sockperf binds without SO_REUSEADDR, and a connection's TCP socket may stay in TIME-WAIT at the
+# server's port (docs/preload.md, Limits): fresh ports for each server and each run.
+spp=$((11000 + RANDOM % 400 * 8))
+: >"$SMC_LOG.sp"
+SMC_LOG="$SMC_LOG.sp" "$SMC" run sockperf sr --tcp -i 127.0.0.1 -p $spp >"$work/sr.out" 2>&1 &
+pids+=($!); sp=$!
+for _ in $(seq 1 100); do grep -q "listening on port $spp" "$SMC_LOG.sp" && break; sleep 0.05; done
+SMC_LOG="$SMC_LOG.sp" timeout 30 "$SMC" run sockperf pp --tcp -i 127.0.0.1 -p $spp -t 2 -m 64 \
+    >"$work/pp.out" 2>&1 || fail "sockperf pp: $(tail -5 "$work/pp.out")"
+kill $sp; wait $sp 2>/dev/null || true
+# sockperf numbers its messages and counts what came back lost, twice or out of order.
+grep -q "# dropped messages = 0; # duplicated messages = 0; # out-of-order messages = 0" "$work/pp.out" \
+    || fail "sockperf pp: $(grep -i "messages" "$work/pp.out")"
+[ "$(grep -c ": SMC-R" "$SMC_LOG.sp")" = 2 ] || fail "sockperf: not SMC-R at both ends"
+echo "   blocking: $(grep -o "percentile 50.000 = *[0-9.]*" "$work/pp.out") us, no message lost"
+for mux in s p e; do
+    spp=$((spp + 2))
+    printf 'T:127.0.0.1:%d\nT:127.0.0.1:%d\n' $spp $((spp + 1)) >"$work/feed.txt"
+    : >"$SMC_LOG.sp"
+    SMC_LOG="$SMC_LOG.sp" "$SMC" run sockperf sr -f "$work/feed.txt" -F $mux >"$work/sr.out" 2>&1 &
+    pids+=($!); sp=$!
+    for _ in $(seq 1 100); do grep -q "listening on port $((spp + 1))" "$SMC_LOG.sp" && break; sleep 0.05; done
+    SMC_LOG="$SMC_LOG.sp" timeout 30 "$SMC" run sockperf pp -f "$work/feed.txt" -t 1 -m 64 \
+        >"$work/pp.out" 2>&1 || fail "sockperf pp -F $mux: $(tail -5 "$work/pp.out")"
+    kill $sp; wait $sp 2>/dev/null || true
+    grep -q "# dropped messages = 0; # duplicated messages = 0; # out-of-order messages = 0" "$work/pp.out" \
+        || fail "sockperf pp -F $mux: $(grep -i "messages" "$work/pp.out")"
+    [ "$(grep -c ": SMC-R" "$SMC_LOG.sp")" = 4 ] || fail "sockperf -F $mux: 2 connections not SMC-R at both ends"
+    grep -q "using $(case $mux in s) echo select;; p) echo poll;; e) echo epoll;; esac)()" "$work/sr.out" \
+        || fail "sockperf sr -F $mux: $(grep using "$work/sr.out")"
+    echo "   -F $mux, 2 connections: $(grep -o "percentile 50.000 = *[0-9.]*" "$work/pp.out") us, no message lost"
+done
 
 echo "preload-apps: all passed"

@@ -124,6 +124,7 @@
 
 pub mod config;
 mod error;
+pub mod fdplace;
 mod ring;
 mod roce;
 mod shm;

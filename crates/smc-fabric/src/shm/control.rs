@@ -37,6 +37,7 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
         SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
         None,
     )
+    .map(crate::fdplace::placed)
     .map_err(|e| FabricError::os("socket", e))?;
     let short = crate::sockpath::SocketPath::new(path)?;
     let addr =
@@ -54,6 +55,7 @@ pub(crate) fn connect(path: &Path) -> Result<OwnedFd> {
         SocketFlags::CLOEXEC,
         None,
     )
+    .map(crate::fdplace::placed)
     .map_err(|e| FabricError::os("socket", e))?;
     let short = crate::sockpath::SocketPath::new(path)?;
     let addr = SocketAddrUnix::new(short.as_path())
@@ -175,7 +177,10 @@ pub(crate) fn run(core: Arc<DeviceCore>, listener: OwnedFd) {
                     &listener,
                     SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
                 ) {
-                    Ok(sock) => incoming.push(Incoming { sock, qpn: None }),
+                    Ok(sock) => incoming.push(Incoming {
+                        sock: crate::fdplace::placed(sock),
+                        qpn: None,
+                    }),
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(_) => break,
                 }

@@ -72,7 +72,7 @@ pub(crate) fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
         .map_err(|e| FabricError::os("memfd_create", e))?;
     rustix::fs::ftruncate(&fd, len as u64).map_err(|e| FabricError::os("ftruncate", e))?;
     rustix::fs::fcntl_add_seals(&fd, SEALS).map_err(|e| FabricError::os("add seals", e))?;
-    Ok(fd)
+    Ok(crate::fdplace::placed(fd))
 }
 
 /// Check that a memfd received from a peer is sealed against shrinking and holds at least `len`
@@ -96,6 +96,7 @@ pub(crate) fn validate_peer_memfd(fd: BorrowedFd<'_>, len: usize) -> Result<()> 
 pub(crate) fn new_eventfd() -> Result<OwnedFd> {
     use rustix::event::EventfdFlags;
     rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+        .map(crate::fdplace::placed)
         .map_err(|e| FabricError::os("eventfd", e))
 }
 

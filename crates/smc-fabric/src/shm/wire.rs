@@ -194,7 +194,7 @@ pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
     let mut fds = Vec::new();
     for m in control.drain() {
         if let RecvAncillaryMessage::ScmRights(it) = m {
-            fds.extend(it);
+            fds.extend(it.map(crate::fdplace::placed));
         }
     }
     if r.bytes == 0 {
