@@ -961,6 +961,24 @@ fn wait_fd(fd: Option<BorrowedFd<'_>>, deadline: Option<std::time::Instant>) -> 
     } else {
         std::time::Duration::from_millis(10)
     };
+    let ts = slice_left(deadline, slice)?;
+    let mut fds: Vec<rustix::event::PollFd<'_>> = fd
+        .into_iter()
+        .map(|fd| rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN))
+        .collect();
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(_) => Ok(()),
+        Err(rustix::io::Errno::INTR) => Err(io::ErrorKind::Interrupted.into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// How long one bounded wait may sleep: `slice`, or less when `deadline` comes first;
+/// `WouldBlock` once it has passed.
+fn slice_left(
+    deadline: Option<std::time::Instant>,
+    slice: std::time::Duration,
+) -> io::Result<rustix::event::Timespec> {
     let left = match deadline {
         Some(d) => {
             let left = d.saturating_duration_since(std::time::Instant::now());
@@ -971,19 +989,10 @@ fn wait_fd(fd: Option<BorrowedFd<'_>>, deadline: Option<std::time::Instant>) -> 
         }
         None => slice,
     };
-    let ts = rustix::event::Timespec {
+    Ok(rustix::event::Timespec {
         tv_sec: left.as_secs() as i64,
         tv_nsec: i64::from(left.subsec_nanos()),
-    };
-    let mut fds: Vec<rustix::event::PollFd<'_>> = fd
-        .into_iter()
-        .map(|fd| rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN))
-        .collect();
-    match rustix::event::poll(&mut fds, Some(&ts)) {
-        Ok(_) => Ok(()),
-        Err(rustix::io::Errno::INTR) => Err(io::ErrorKind::Interrupted.into()),
-        Err(e) => Err(e.into()),
-    }
+    })
 }
 
 /// [`wait_fd`] on `fd` and the completion channels `channels` (while the caller is the
@@ -998,20 +1007,7 @@ fn wait_fds(
         return wait_fd(Some(fd), deadline);
     }
     let slice = std::time::Duration::from_secs(1);
-    let left = match deadline {
-        Some(d) => {
-            let left = d.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            left.min(slice)
-        }
-        None => slice,
-    };
-    let ts = rustix::event::Timespec {
-        tv_sec: left.as_secs() as i64,
-        tv_nsec: i64::from(left.subsec_nanos()),
-    };
+    let ts = slice_left(deadline, slice)?;
     // SAFETY: the channels are the stack's completion channels, open while the stack is (the
     // process-wide stack is never dropped).
     let borrowed: Vec<BorrowedFd<'_>> = channels
