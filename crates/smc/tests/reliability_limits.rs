@@ -265,8 +265,11 @@ fn client_out_of_descriptors_declines() {
     let st = stack(&dir);
     let server = smc::SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
     let port = server.local_addr().expect("addr").port();
-    let acceptor = std::thread::spawn(move || {
-        for s in server.incoming().take(2 * CLIENTS as usize) {
+    // Accept for as long as the test runs: how many connections a client gets under its
+    // limit depends on how many descriptors its start-up took (a CI runner's differ from a
+    // shell's), so no count is right here; the thread ends with the test process.
+    std::thread::spawn(move || {
+        for s in server.incoming() {
             match s {
                 Ok(s) => {
                     std::thread::spawn(move || echo(s));
@@ -292,6 +295,5 @@ fn client_out_of_descriptors_declines() {
             "client under ulimit -n {nofile}: {status}"
         );
     }
-    drop(acceptor);
     let _ = std::fs::remove_dir_all(&dir);
 }
