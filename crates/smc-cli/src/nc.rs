@@ -40,6 +40,7 @@ pub struct NcArgs {
 
 /// Run `smc nc`.
 pub fn run(args: &NcArgs) -> Result<ExitCode> {
+    exit_on_termination_signals()?;
     let stack = Stack::global().context("starting the SMC-R stack")?;
     if let Some(why) = stack.fabric_unavailable() {
         eprintln!("smc nc: warning: SMC-R unavailable, connections use TCP: {why}");
@@ -58,6 +59,26 @@ pub fn run(args: &NcArgs) -> Result<ExitCode> {
         }
         _ => bail!("usage: smc nc -l PORT [--echo] | smc nc HOST PORT"),
     }
+}
+
+/// SIGTERM, SIGINT and SIGHUP end `smc nc` through `exit`, as its normal end does, instead
+/// of the signals' default action: `exit` runs the stack's exit handler, which sends the
+/// peer a DELETE LINK for every RoCE link group (and resets the connections still on them),
+/// so that a killed listener's clients learn it at once rather than after the keepalive
+/// timeout. The exit status is the shell's for a death by that signal (128 + number).
+fn exit_on_termination_signals() -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+        .context("installing the SIGTERM/SIGINT/SIGHUP handlers")?;
+    std::thread::Builder::new()
+        .name("smc-nc-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                std::process::exit(128 + sig);
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
 }
 
 fn report(args: &NcArgs, s: &SmcStream) {

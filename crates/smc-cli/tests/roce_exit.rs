@@ -24,8 +24,14 @@ impl std::ops::Deref for Net {
 }
 
 impl Net {
-    fn new() -> Net {
-        Net(NsPair::new('x', "", 90 + (std::process::id() % 7) as u8, 1))
+    /// Each test its own namespaces (`test` tells them apart: the tests run at once).
+    fn new(test: u8) -> Net {
+        Net(NsPair::new(
+            'x',
+            &test.to_string(),
+            90 + (std::process::id() % 7) as u8,
+            1,
+        ))
     }
 
     fn fabric_dir(&self, side: char) -> PathBuf {
@@ -86,7 +92,7 @@ fn exiting_client_deletes_its_link_group_at_the_server() {
     if !root_with_ip() {
         return;
     }
-    let net = Net::new();
+    let net = Net::new(0);
     let server_addr = format!("10.{}.1.1", net.n);
     let mut server = net.smc(
         'a',
@@ -133,6 +139,75 @@ fn exiting_client_deletes_its_link_group_at_the_server() {
     assert_eq!(
         groups, 0,
         "the server still has a link group after the client exited"
+    );
+}
+
+/// A listener ended by SIGTERM (as `kill`, systemd or a container runtime end it) goes
+/// through the same exit handler: its clients' link groups go at once, not at a keepalive
+/// that may never come (none is configured here), and the client's connection ends.
+#[test]
+fn terminated_listener_deletes_its_link_group_at_the_client() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = Net::new(1);
+    let server_addr = format!("10.{}.1.1", net.n);
+    let mut server = net.smc(
+        'a',
+        &["nc", "-v", "-l", "7101", "--echo", "--bind", &server_addr],
+        Stdio::null(),
+    );
+    let end = Instant::now() + Duration::from_secs(20);
+    while !net.fabric_dir('a').exists() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+
+    let mut client = net.smc('b', &["nc", "-v", &server_addr, "7101"], Stdio::piped());
+    let mut stdin = client.stdin.take().expect("stdin");
+    stdin.write_all(b"still here\n").expect("write");
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut groups = net.link_groups('b');
+    while groups == 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+        groups = net.link_groups('b');
+    }
+    assert_eq!(groups, 1, "the client has no link group while connected");
+
+    // `ip netns exec` and `env` exec the command: the child's pid is the listener's.
+    let pid = rustix::process::Pid::from_child(&server);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+    let status = server.wait().expect("wait server");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        None,
+        "the listener died by the signal instead of exiting: {status}"
+    );
+    assert_eq!(status.code(), Some(128 + 15), "listener: {status}");
+
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut groups = net.link_groups('b');
+    while groups > 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        groups = net.link_groups('b');
+    }
+    assert_eq!(
+        groups, 0,
+        "the client still has a link group after the listener was terminated"
+    );
+    // Its connection is over too: `smc nc` ends without being told anything more.
+    let end = Instant::now() + Duration::from_secs(10);
+    while client.try_wait().expect("wait").is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ended = client.try_wait().expect("wait");
+    let _ = client.kill();
+    let out = client.wait_with_output().expect("client output");
+    drop(stdin);
+    assert!(
+        ended.is_some(),
+        "the client's connection outlived the listener: {}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 
