@@ -247,9 +247,10 @@ for phase in "${phases[@]}"; do
         echo "kernel-interop: smc decode -r $out/tap.pcap reported errors"
         ok=0
     fi
-    # Phases a and c end with the smc-rs process: its exit deletes the link group, so the
+    # Every phase ends with the smc-rs process (phase b's listener by SIGTERM, which `smc nc`
+    # turns into exit): its exit deletes the link group, so the
     # kernel's packets never meet a closed port (ICMP port unreachable on the tap).
-    if [ $ok = 1 ] && [ "$phase" != b ]; then
+    if [ $ok = 1 ]; then
         unreachable=$(tcpdump -nr "$out/tap.pcap" 2>/dev/null | grep -c 'udp port 4791 unreachable' || true)
         if [ "$unreachable" != 0 ]; then
             echo "kernel-interop: $unreachable RoCEv2 packets of the kernel hit a closed port after our exit"
