@@ -1116,9 +1116,13 @@ pub unsafe extern "C" fn getsockopt(
     unsafe { real::getsockopt(fd, level, name, val, len) }
 }
 
-/// The variable that names, across an exec, the descriptors that are SMC-R connections of
+/// The variable that names, across an exec, the sockets that are SMC-R connections of
 /// another process (the new program's library fails their calls instead of leaving it to
-/// wait on an idle TCP socket).
+/// wait on an idle TCP socket). Its value lists them as `device:inode` of the TCP socket,
+/// not by descriptor number: the number the new program gets may be another one, made by a
+/// `dup2` the table never saw — in the child of a `vfork` (Python's `subprocess` with
+/// `stdin=sock`), which must leave its parent's table alone, or by `posix_spawn`'s file
+/// actions.
 pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 
 /// Before an exec: an SMC-R connection of this process whose number survives the exec (no
@@ -1132,49 +1136,74 @@ pub(crate) fn before_exec() -> Option<String> {
     surviving_connections(false)
 }
 
-/// The SMC-R connections whose numbers a new program inherits, as [`before_exec`] names them;
-/// `spawn`: the new program is another process (`posix_spawn`), so this one keeps its own
-/// connections as they are and names them too.
+/// The SMC-R connections a new program may inherit, as [`before_exec`] names them; `spawn`:
+/// the new program is another process (`posix_spawn`), so this one keeps its own
+/// connections as they are and names them too. The child of a `vfork` counts as a spawn:
+/// the connections are its parent's.
 pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
     }
-    let mut inherited = Vec::new();
-    for fd in 0..1024 {
-        if !table::maybe(fd) {
-            continue;
-        }
-        let Some(e) = table::get(fd) else {
-            continue;
-        };
-        if !matches!(e.kind, Kind::Smc(_) | Kind::Inherited) {
-            continue;
-        }
-        // SAFETY: plain fcntl.
-        let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
-        if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
-            continue;
-        }
-        if matches!(e.kind, Kind::Smc(_)) && e.ours() && !spawn {
-            log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
-            // SAFETY: the connection's TCP socket.
-            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
-        } else {
-            inherited.push(fd.to_string());
+    let spawn = spawn || table::borrowed_memory();
+    // Connections shut down here: the new program reads their end of stream (not named).
+    let mut ended = Vec::new();
+    if !spawn {
+        for fd in 0..1024 {
+            if !table::maybe(fd) {
+                continue;
+            }
+            let Some(e) = table::get(fd) else {
+                continue;
+            };
+            if !matches!(e.kind, Kind::Smc(_)) || !e.ours() {
+                continue;
+            }
+            // SAFETY: plain fcntl.
+            let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+            if fl >= 0 && fl & libc::FD_CLOEXEC == 0 {
+                log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
+                // SAFETY: the connection's TCP socket.
+                unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+                ended.extend(e.socket.get().copied());
+            }
         }
     }
-    (!inherited.is_empty()).then(|| inherited.join(","))
+    // Every connection is named, close-on-exec or not, open here or not: a copy of it may
+    // survive under another number.
+    let named: Vec<String> = table::connection_sockets()
+        .into_iter()
+        .filter(|id| !ended.contains(id))
+        .map(|(dev, ino)| format!("{dev}:{ino}"))
+        .collect();
+    (!named.is_empty()).then(|| named.join(","))
 }
 
-/// In the constructor: the descriptors the previous image named (see [`before_exec`]).
+/// In the constructor: the sockets the previous image named (see [`before_exec`]), under
+/// whichever numbers this image has them.
 pub(crate) fn adopt_inherited() {
     let Ok(v) = std::env::var(INHERITED_VAR) else {
         return;
     };
     // Only for this image: a later exec names what is still inherited by then.
     std::env::remove_var(INHERITED_VAR);
-    for fd in v.split(',').filter_map(|x| x.parse::<c_int>().ok()) {
-        if is_inet_stream(fd) {
+    let ids: Vec<(u64, u64)> = v
+        .split(',')
+        .filter_map(|x| {
+            let (d, i) = x.split_once(':')?;
+            Some((d.parse().ok()?, i.parse().ok()?))
+        })
+        .collect();
+    if ids.is_empty() {
+        return;
+    }
+    let fds: Vec<c_int> = match std::fs::read_dir("/proc/self/fd") {
+        Ok(dir) => dir
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect(),
+        Err(_) => (0..1024).collect(),
+    };
+    for fd in fds {
+        if table::socket_id(fd).is_some_and(|id| ids.contains(&id)) && is_inet_stream(fd) {
             log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO");
             let _ = table::set(fd, Entry::new(Kind::Inherited));
         }

@@ -60,6 +60,10 @@ pub(crate) enum Kind {
 pub(crate) struct Entry {
     pub(crate) kind: Kind,
     pub(crate) pid: i32,
+    /// Device and inode of the socket, from the first number the entry was set on: what an
+    /// exec names it by (a `vfork` child may have closed every number of it before its exec,
+    /// and the new program may have it under another one).
+    pub(crate) socket: std::sync::OnceLock<(u64, u64)>,
 }
 
 impl Entry {
@@ -67,6 +71,7 @@ impl Entry {
         Arc::new(Entry {
             kind,
             pid: PID.load(Ordering::Relaxed),
+            socket: std::sync::OnceLock::new(),
         })
     }
 
@@ -118,6 +123,32 @@ fn slot(fd: i32) -> Option<&'static AtomicU8> {
     usize::try_from(fd).ok().and_then(|i| MAYBE.get(i))
 }
 
+/// The socket's identity: device and inode of what `fd` names (`None`: not a socket).
+pub(crate) fn socket_id(fd: i32) -> Option<(u64, u64)> {
+    // SAFETY: fstat into a zeroed struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return None;
+    }
+    Some((st.st_dev, st.st_ino))
+}
+
+/// The socket identities of the entries that are SMC-R connections (this process's or an
+/// inherited one), each once.
+pub(crate) fn connection_sockets() -> Vec<(u64, u64)> {
+    with_map(|m| {
+        let mut ids: Vec<(u64, u64)> = m
+            .values()
+            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited))
+            .filter_map(|e| e.socket.get().copied())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    })
+}
+
 /// The entry of `fd`, if it has one.
 #[inline]
 pub(crate) fn get(fd: i32) -> Option<Arc<Entry>> {
@@ -142,6 +173,11 @@ pub(crate) fn set(fd: i32, e: Arc<Entry>) -> Result<Option<Arc<Entry>>, Arc<Entr
     };
     ANY.store(true, Ordering::Relaxed);
     s.store(1, Ordering::Relaxed);
+    if e.socket.get().is_none() {
+        if let Some(id) = socket_id(fd) {
+            let _ = e.socket.set(id);
+        }
+    }
     Ok(with_map(|m| m.insert(fd, e)))
 }
 
