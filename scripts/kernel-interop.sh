@@ -223,7 +223,7 @@ for phase in "${phases[@]}"; do
         ;;
     b)
         host_cmd='exec timeout 200 "$SMC_BIN_ABS" nc -v -l "$KP_PORT" --echo --bind "$KP_HOST_IP"'
-        args=(--role client --mode echo --conns "$conns" --parallel 1 --bytes "$bytes"
+        args=(--role client --mode echo --conns "$conns" --parallel "${KP_PARALLEL:-1}" --bytes "$bytes"
             --ueid "$ueid" --expect smcr --host-grace 5)
         ;;
     *)

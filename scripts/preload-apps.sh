@@ -134,12 +134,24 @@ case "$out" in
     *"Input/output error"*"head=1"*) ;;
     *) fail "bash /dev/tcp + head: no clean error ($out)" ;;
 esac
+# A write the library cannot see (bash's printf goes through glibc's stdio, which calls an
+# internal write) lands on the idle TCP socket: the server's stack aborts the connection, so
+# bash's read (a real read the library serves) fails with a reset instead of waiting forever.
+aborts=$(stat_of $redis tcp_data_aborts)
+out=$(timeout 20 "$SMC" run bash -c 'exec 3<>/dev/tcp/127.0.0.1/16390; printf "PING\r\n" >&3; read -r l <&3; echo "read=$?"' 2>&1) \
+    || fail "bash /dev/tcp + printf + read: no error in 20 s ($out)"
+case "$out" in
+    *"Connection reset by peer"*"read=1"*) ;;
+    *) fail "bash /dev/tcp + printf + read: no reset ($out)" ;;
+esac
+[ "$(stat_of $redis tcp_data_aborts)" -gt "$aborts" ] || fail "redis: the bytes on TCP were not counted"
 smc=$(stat_of $redis smc_connections)
 [ "$smc" -ge 95 ] || fail "redis: $smc SMC-R connections, at least 95 expected (4 x 20 + 10 + 5)"
 fb=$(stat_of $redis fallbacks)
 [ "$(timeout 5 redis-cli -p 16390 strlen big)" = 4000000 ] || fail "plain redis-cli"
 [ "$(stat_of $redis fallbacks)" = $((fb + 1)) ] || fail "plain redis-cli was not a TCP fallback"
-echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, /dev/tcp handed to head: EIO, plain redis-cli over TCP"
+echo "   $smc connections over SMC-R, BGSAVE under load, 4 MB value verified, /dev/tcp handed to head: EIO,"
+echo "   printf to /dev/tcp (stdio, past the library): reset, plain redis-cli over TCP"
 
 echo "== redis replica (nonblocking connect from an event loop, full sync through a fork)"
 mkdir -p "$work/replica"
@@ -198,7 +210,25 @@ done
 n=$(grep -E "^smc-preload\[[0-9]+\]: fd [0-9]+: SMC-R" "$SMC_LOG" | grep -vc "\[$http\]\|\[$redis\]" || true)
 # Clients and served children: 3 connections, both ends each.
 [ "$n" -ge 6 ] || fail "socat: $n SMC-R ends logged, 6 expected"
-echo "   3 echoes of 4 MB verified, served by forked children over SMC-R"
+# Python's subprocess hands the connection to a program as its stdin (vfork, dup2 the table
+# never sees, close every other descriptor, exec): the program's reads fail with EIO at once,
+# and the parent's connection goes on working.
+out=$(timeout 30 "$SMC" run python3 -c '
+import socket, subprocess
+s = socket.create_connection(("127.0.0.1", 17000))
+r = subprocess.run(["head", "-c", "4"], stdin=s.fileno(), capture_output=True, timeout=10)
+print("child rc=%d err=%s" % (r.returncode, r.stderr.decode().strip()))
+s.sendall(b"still here")
+got = b""
+while len(got) < 10:
+    got += s.recv(10 - len(got))
+print("parent got %s" % got.decode())' 2>&1) || fail "python subprocess with a connection as stdin: $out"
+case "$out" in
+    *"child rc=1"*"Input/output error"*"parent got still here"*) ;;
+    *) fail "python subprocess with a connection as stdin: $out" ;;
+esac
+echo "   3 echoes of 4 MB verified, served by forked children over SMC-R; a connection as a"
+echo "   subprocess's stdin: EIO in the child, the parent's echo intact"
 
 echo "== iperf3 (select, two connections), -R, and -P 4 (four data streams)"
 for rev in "" "-R" "-P 4"; do

@@ -179,6 +179,9 @@ pub struct StackStats {
     pub links_up: u64,
     /// SMC-R connections aborted because their TCP connection was reset (§4.8.2).
     pub tcp_resets: u64,
+    /// SMC-R connections aborted because bytes arrived on their TCP connection, which stays
+    /// silent once SMC-R runs: the peer program wrote past the stack (see `tcpwatch`).
+    pub tcp_data_aborts: u64,
 }
 
 /// A socket as `smc ss` shows it.

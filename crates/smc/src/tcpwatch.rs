@@ -12,6 +12,13 @@
 //! One thread per stack waits (epoll, edge-triggered) for error and hang-up events on those
 //! sockets and hands a pending socket error to the endpoint as a TCP reset. A FIN alone is
 //! left to the SMC-R close protocol.
+//!
+//! Bytes arriving on that TCP connection mean the peer program wrote to its socket past its
+//! SMC-R stack: a preloaded program whose write the library could not see (glibc's stdio
+//! writes through an internal entry point; raw system calls; io_uring). Those bytes can never
+//! be placed in order with the stream's SMC-R bytes, and the program's reads wait on SMC-R for
+//! an answer that will not come. So the connection is aborted (PeerConnAbort to the peer, and
+//! the reset is counted as `tcp_data_aborts`): both programs get an error instead of a hang.
 
 use std::io;
 use std::net::TcpStream;
@@ -86,9 +93,12 @@ impl TcpWatch {
             return Ok(());
         }
         // A RST or a keepalive timeout sets the socket error (EPOLLERR; the connection is
-        // closed: EPOLLHUP). A FIN alone (EPOLLRDHUP) is not watched: it is left to the
-        // SMC-R close protocol and only woke this thread at every ordinary close.
-        let flags = epoll::EventFlags::HUP | epoll::EventFlags::ERR | epoll::EventFlags::ET;
+        // closed: EPOLLHUP). Bytes make it readable (EPOLLIN); so does a FIN, which is left to
+        // the SMC-R close protocol (a peek tells them apart).
+        let flags = epoll::EventFlags::HUP
+            | epoll::EventFlags::ERR
+            | epoll::EventFlags::IN
+            | epoll::EventFlags::ET;
         epoll::add(
             &*self.epoll,
             &*sock.sock,
@@ -107,6 +117,19 @@ impl TcpWatch {
             .spawn(move || run(weak, &epoll))?;
         Ok(())
     }
+}
+
+/// Whether bytes wait on `sock` (not only its FIN): a peek that takes nothing.
+fn has_bytes(sock: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(
+        rustix::net::recv(
+            sock,
+            &mut b[..],
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        ),
+        Ok((n, _)) if n > 0
+    )
 }
 
 /// The watcher thread of a stack; ends when the stack goes.
@@ -146,6 +169,13 @@ fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
                 core.ep.handle_tcp_reset(id, now);
                 core.stats.tcp_resets += 1;
                 reset.push(id);
+            } else if { ev.flags }.contains(epoll::EventFlags::IN) && has_bytes(sock.tcp()) {
+                tracing::debug!(?id, "bytes on the TCP connection of an SMC-R connection");
+                let now = core.now();
+                if core.ep.abort(id, now).is_ok() {
+                    core.stats.tcp_data_aborts += 1;
+                    reset.push(id);
+                }
             }
         }
         if !reset.is_empty() {

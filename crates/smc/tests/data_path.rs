@@ -166,3 +166,72 @@ fn nodelay_one_byte_writes_against_a_paused_reader() {
     assert_eq!(a.stats().links_down + b.stats().links_down, 0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Bytes written on the TCP connection under an SMC-R connection (a preloaded program's write
+/// that went past the library) cannot be ordered with the SMC-R stream: the receiving stack
+/// aborts the connection and counts it, so both ends get an error instead of waiting forever.
+#[test]
+fn bytes_on_the_silent_tcp_connection_abort_the_smc_connection() {
+    use std::os::fd::BorrowedFd;
+    let dir = test_dir("tcpbytes");
+    let (a, b, mut server, mut client) = pair(&dir, 64 * 1024);
+    client.write_all(b"over SMC-R").expect("write");
+    let mut got = [0u8; 10];
+    server.read_exact(&mut got).expect("read");
+    assert_eq!(&got, b"over SMC-R");
+
+    // The client's TCP socket: the descriptor whose addresses are the connection's.
+    let (local, peer) = (
+        client.local_addr().expect("local"),
+        client.peer_addr().expect("peer"),
+    );
+    let tcp = (3..4096)
+        .find(|&fd| {
+            // SAFETY: only looked at while this test's stacks keep their descriptors open.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            let addr = |r: rustix::io::Result<Option<rustix::net::SocketAddrAny>>| {
+                r.ok()
+                    .flatten()
+                    .and_then(|a| std::net::SocketAddr::try_from(a).ok())
+            };
+            rustix::io::fcntl_getfd(fd).is_ok()
+                && addr(rustix::net::getsockname(fd).map(Some)) == Some(local)
+                && addr(rustix::net::getpeername(fd)) == Some(peer)
+        })
+        .expect("the client's TCP socket");
+    // SAFETY: as above.
+    let fd = unsafe { BorrowedFd::borrow_raw(tcp) };
+    assert_eq!(
+        rustix::io::write(fd, b"past the stack").expect("raw write"),
+        14
+    );
+
+    // The server's read ends with an error (it was aborted), and so does the client's.
+    server
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let e = server
+        .read(&mut got)
+        .expect_err("server read after the abort");
+    assert_ne!(e.kind(), std::io::ErrorKind::WouldBlock, "no abort: {e}");
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let e = client
+        .read(&mut got)
+        .expect_err("client read after the abort");
+    assert_ne!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock,
+        "no abort at the client: {e}"
+    );
+    assert_eq!(
+        a.stats().tcp_data_aborts,
+        1,
+        "server stats: {:?}",
+        a.stats()
+    );
+    assert_eq!(b.stats().tcp_data_aborts, 0);
+    drop((server, client));
+    let _ = std::fs::remove_dir_all(&dir);
+}

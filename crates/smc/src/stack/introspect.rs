@@ -155,6 +155,7 @@ impl Stack {
             "setup_resets": s.setup_resets,
             "links_up": s.links_up,
             "tcp_resets": s.tcp_resets,
+            "tcp_data_aborts": s.tcp_data_aborts,
             "links_down": s.links_down,
             "failovers": e.failovers,
             "link_failures": e.link_failures,
