@@ -456,6 +456,23 @@ impl Drop for SmcHandle {
         let id = self.id;
         let mut core = self.stack.inner.lock();
         let now = core.now();
+        // The application closes first (active close: the peer has not closed): its TCP
+        // connection ends now too, as Linux ends it at an active close, so that TCP's
+        // TIME-WAIT stays on this side (the active closer's, as with TCP). Left to the end
+        // of the SMC-R close, the peer's stack, whose application closes in turn within
+        // microseconds, would often close its socket first and keep the wait on its port.
+        // The FIN goes before the closing CDC so that it wins that race; nothing but the
+        // termination segments travels on the TCP connection any more (RFC 7609 §4.5.3),
+        // and neither end's close processing depends on it.
+        use smc_proto::conn::State;
+        if matches!(
+            core.ep.connection(id).map(|c| c.state()),
+            Some(State::Active | State::PeerCloseWait1 | State::PeerCloseWait2)
+        ) {
+            if let Some(sock) = core.slots.get(&id).and_then(|s| s.sock.as_ref()) {
+                let _ = sock.tcp().shutdown(Shutdown::Both);
+            }
+        }
         let _ = core.ep.close(id, now);
         core.drain();
         let gone = core.ep.connection(id).is_none();

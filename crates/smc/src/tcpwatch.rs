@@ -13,6 +13,10 @@
 //! sockets and hands a pending socket error to the endpoint as a TCP reset. A FIN alone is
 //! left to the SMC-R close protocol.
 //!
+//! > Typically, once a TCP connection has completed the SMC-R Rendezvous processing and is
+//! > using SMC-R for data flows, no new inbound TCP segments are expected on that TCP
+//! > connection, other than TCP termination segments (FIN, RST, etc.). (§4.5.3)
+//!
 //! Bytes arriving on that TCP connection mean the peer program wrote to its socket past its
 //! SMC-R stack: a preloaded program whose write the library could not see (glibc's stdio
 //! writes through an internal entry point; raw system calls; io_uring). Those bytes can never

@@ -235,3 +235,59 @@ fn bytes_on_the_silent_tcp_connection_abort_the_smc_connection() {
     drop((server, client));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// TCP's TIME-WAIT stays with the side that closed first, as with TCP: the client's stack
+/// ends its TCP connection when its application closes first, not the server's after its
+/// application closes in turn (which would leave the wait on the server's port, where a
+/// restarted server that binds without SO_REUSEADDR would find it).
+#[test]
+fn time_wait_stays_with_the_side_that_closed_first() {
+    let dir = test_dir("timewait");
+    let (_a, _b, mut server, mut client) = pair(&dir, 64 * 1024);
+    let (cport, sport) = (
+        client.local_addr().expect("local").port(),
+        client.peer_addr().expect("peer").port(),
+    );
+    client.write_all(b"bye").expect("write");
+    drop(client);
+    let mut got = Vec::new();
+    server.read_to_end(&mut got).expect("read to the end");
+    assert_eq!(got, b"bye");
+    drop(server);
+    // TIME-WAIT sockets of this pair of ports, by the local port they are on.
+    let waits = || -> Vec<u16> {
+        let mut v = Vec::new();
+        for l in std::fs::read_to_string("/proc/net/tcp")
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+        {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let port = |a: &str| {
+                a.rsplit(':')
+                    .next()
+                    .and_then(|p| u16::from_str_radix(p, 16).ok())
+            };
+            if f.len() > 3 && f[3] == "06" {
+                let (lp, rp) = (port(f[1]), port(f[2]));
+                if (lp, rp) == (Some(cport), Some(sport)) || (lp, rp) == (Some(sport), Some(cport))
+                {
+                    v.extend(lp);
+                }
+            }
+        }
+        v
+    };
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    let mut w = waits();
+    while w.is_empty() && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        w = waits();
+    }
+    assert_eq!(
+        w,
+        vec![cport],
+        "TIME-WAIT on local ports {w:?} (client {cport}, server {sport})"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
