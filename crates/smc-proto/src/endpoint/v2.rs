@@ -200,7 +200,7 @@ pub(crate) fn llc_to_wire(msg: &LlcMessage, v2: bool) -> [u8; MSG44_LEN] {
                 m.valid_rkeys().to_vec()
             },
         }),
-        // No v2 form (never sent in a v2 group: single link, no continuations).
+        // No v2 form (never sent in a v2 group: no continuations in v2, §10.4).
         LlcMessage::AddLinkCont(_)
         | LlcMessage::ConfirmRkeyCont(_)
         | LlcMessage::Optional { .. } => return msg.to_bytes(),

@@ -301,7 +301,7 @@ impl Endpoint {
         // they are installed before CONFIRM LINK goes over it. A reply without them (shorter
         // than 72 bytes, or the v1 form) cannot set the link up.
         let installed = match &ext {
-            Some(e) => self.install_peer_pairs(lgr, via, new, &e.rtokens),
+            Some(e) => self.install_peer_pairs(lgr, via, new, v2_entries(&e)),
             None => false,
         };
         if !installed {
@@ -599,7 +599,7 @@ impl Endpoint {
             // the server's left out (its count may say more than the message holds: we read
             // min(count, (length - 72) / 16) entries, §10.4), or more RMBs of ours than an
             // ADD LINK v2 carries, and the link is refused.
-            let complete = self.install_peer_pairs(lgr, via, num, &ext.rtokens)
+            let complete = self.install_peer_pairs(lgr, via, num, v2_entries(&ext))
                 && self
                     .lgrs
                     .get(&lgr)
@@ -904,4 +904,10 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// The rkey entries of an ADD LINK v2 that count: the message's `min(count, (length − 72) / 16)`
+/// (the parser's), at most 255 (smc-rv2.md §10.4: Linux "uses at most 255 entries").
+fn v2_entries(e: &AddLinkV2Ext) -> &[RtokenPair] {
+    &e.rtokens[..e.rtokens.len().min(ADD_LINK_V2_MAX_RKEYS)]
 }

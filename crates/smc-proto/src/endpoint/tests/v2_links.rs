@@ -386,3 +386,37 @@ fn req_add_link_v2_to_a_full_group_is_answered() {
     assert_eq!(&answers[0][..4], &[0x25, 44, 0, 0x80]);
     assert!(answers[0][4..].iter().all(|b| *b == 0));
 }
+
+/// A v2 client that gains an RNIC tells the server with REQ ADD LINK v2 (its GIDs, the current
+/// link's first, smc-rv2.md §10.9) instead of v1's ADD LINK "FYI"; the server starts ADD
+/// LINK v2, and the group gets its second link.
+#[test]
+fn new_client_rnic_sends_req_add_link_v2_and_gets_a_second_link() {
+    let mut p = EndpointPair::new(v2_side(Side::A, 1, "U"), v2_side(Side::B, 1, "U"), 9);
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::A, T1));
+    let g = p.host(Side::A).ep.link_groups().next().expect("group");
+    assert_eq!(g.active_count(), 1, "the asymmetric offer was rejected");
+    let dev = crate::lgr_harness::device(Side::A, 1);
+    p.act(Side::A, |ep, res, now| ep.add_device(dev, res, now));
+    p.run();
+    let req = sent_type(&p, Side::A, 0x25);
+    assert_eq!(req.len(), 1);
+    let Ok(SendMessage::LlcV2(LlcV2Message::ReqAddLink(r))) = SendMessage::parse(&req[0]) else {
+        panic!("REQ ADD LINK v2")
+    };
+    assert!(!r.reply);
+    assert_eq!(
+        r.gids,
+        vec![crate::lgr_harness::device(Side::A, 0).gid, dev.gid]
+    );
+    for s in [Side::A, Side::B] {
+        let g = p.host(s).ep.link_groups().next().expect("group");
+        assert_eq!(g.active_count(), 2, "{s:?}");
+    }
+    let a = pattern(100_000, 4);
+    p.app_send(Side::A, T1, &a);
+    p.run();
+    assert!(p.b.rx[&T1] == a);
+}
