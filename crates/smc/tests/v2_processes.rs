@@ -210,9 +210,10 @@ fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 }
 
 /// SMC_VERSIONS=2 with two shm devices on each side: the v2 group gets its second link from
-/// one ADD LINK v2 exchange (request and accepting reply 88 bytes each, the rkey of the one
-/// RMB inside: SENDs longer than a ring slot; the client's capture shows its reply), and when the client's first port goes down
-/// mid-echo the connection fails over to the other link without losing a byte.
+/// one ADD LINK v2 exchange (request and accepting reply 88 bytes each, the rkey of the one RMB
+/// inside: SENDs longer than a ring slot; the client's capture shows its reply), and when the
+/// client's first port goes down mid-echo the connection fails over to the other link
+/// (counted by one of the two stacks) without losing a byte.
 #[test]
 fn two_link_v2_group_fails_over_on_shm() {
     if std::env::var_os("SMC_V2_CHILD").is_some() {
@@ -274,6 +275,14 @@ fn two_link_v2_group_fails_over_on_shm() {
         data.len()
     );
     assert!(st.stats().links_down > links_down, "a link went down");
+    // Both stacks (this one and the server process): the connection moved off the lost link
+    // on at least one side (`failovers`).
+    let failovers: u64 = smc::control::list_sockets(&dir)
+        .iter()
+        .filter_map(|sock| smc::control::query(sock, "stats", Duration::from_secs(5)).ok())
+        .filter_map(|v| v.get("failovers").and_then(|f| f.as_u64()))
+        .sum();
+    assert!(failovers > 0, "no connection failed over");
     drop(s);
     st.stop_capture().expect("stop capture");
     drop(srv);
