@@ -301,7 +301,7 @@ impl Endpoint {
         // they are installed before CONFIRM LINK goes over it. A reply without them (shorter
         // than 72 bytes, or the v1 form) cannot set the link up.
         let installed = match &ext {
-            Some(e) => self.install_peer_pairs(lgr, via, new, v2_entries(&e)),
+            Some(e) => self.install_peer_pairs(lgr, via, new, v2_entries(e)),
             None => false,
         };
         if !installed {
