@@ -4,15 +4,18 @@
 //! other, each configured only by `SMC_VERSIONS` / `SMC_UEIDS` as a deployment would be. For
 //! each setting the version both stacks' link groups speak (`smc linkgroup --json`, field
 //! `version`) is the one Linux's rules give (docs/v2.md), and 1 MiB is echoed byte for byte.
+//! And with two roce devices on each side (two veth pairs), `SMC_VERSIONS=2`: a two-link v2
+//! group that fails over when a veth goes down, no byte lost.
 //! Root only; skipped with a message otherwise.
 
+use std::fs::File;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod netns;
-use netns::{root_with_ip, NsPair};
+use netns::{root_with_ip, run, wait, NsPair};
 
 /// `SMC_VERSIONS` (None: unset, the default `1,2`) and `SMC_UEIDS` of one side.
 #[derive(Clone, Copy)]
@@ -254,4 +257,170 @@ fn roce_v1_and_v2_between_processes() {
         case(&net, 5, default("SMC-RS.TEST"), default("ANOTHER")),
         (vec![1], vec![1])
     );
+}
+
+/// Two namespaces joined by two veth pairs, a roce device on each veth (as `roce_netns.rs`),
+/// both stacks `SMC_VERSIONS=2` with a shared UEID: b sends 16 MiB to a; once half of it
+/// arrived, both stacks report one
+/// v2 link group with two active links; veth pair 0 goes down on a's side, and the test waits
+/// until both stacks saw their link on it go down and a connection failed over (`smc stats`)
+/// before b sends 48 MiB more over the surviving link. The SHA-256 of what arrived is that of
+/// what was sent.
+#[test]
+fn roce_v2_two_link_group_fails_over_when_a_veth_goes_down() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = NsPair::new('w', "", 130 + (std::process::id() % 7) as u8, 2);
+    let nc = |side: char, args: &[&str], stdin: Stdio, stdout: Stdio| -> Child {
+        let devices = format!(
+            "roce:r0={},roce:r1={}+{}",
+            net.veth(side, 0),
+            net.veth(side, 1),
+            net.addr(side, 0)
+        );
+        Command::new("ip")
+            .args(["netns", "exec", net.ns(side), "env"])
+            .arg(format!("SMC_FABRIC_DEVICES={devices}"))
+            .arg(format!("SMC_FABRIC_DIR={}/{side}", net.dir.display()))
+            .arg("SMC_DISCOVERY=assert-peer")
+            .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", net.n))
+            .arg("SMC_VERSIONS=2")
+            .arg("SMC_UEIDS=SMC-RS.TEST")
+            .arg("SMC_KEEPALIVE_MS=1000")
+            .arg(env!("CARGO_BIN_EXE_smc"))
+            .arg("nc")
+            .args(args)
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn smc nc")
+    };
+    let query = |side: char, what: &str| -> serde_json::Value {
+        let o = Command::new(env!("CARGO_BIN_EXE_smc"))
+            .args([what, "--json", "--dir"])
+            .arg(net.dir.join(side.to_string()))
+            .output()
+            .expect("smc query");
+        serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null)
+    };
+    let counter = |v: &serde_json::Value, key: &str| -> u64 {
+        let mut n = 0;
+        sum_key(v, key, &mut n);
+        n
+    };
+    let data: Vec<u8> = (0..64u64 << 20)
+        .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 29) as u8)
+        .collect();
+    let out = net.dir.join("out");
+    let addr = net.addr('a', 0);
+    let server = nc(
+        'a',
+        &["-v", "-l", "7400", "--bind", &addr],
+        Stdio::null(),
+        Stdio::from(File::create(&out).expect("out")),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = nc('b', &["-v", &addr, "7400"], Stdio::piped(), Stdio::null());
+    let mut stdin = client.stdin.take().expect("stdin");
+    let first = 16usize << 20;
+    stdin.write_all(&data[..first]).expect("write");
+    // (`smc nc` may hold the tail of what it received until more comes.)
+    let arrived = poll(Duration::from_secs(60), || {
+        (std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0) >= first as u64 / 2).then_some(())
+    });
+    assert!(arrived.is_some(), "8 MiB did not arrive in 60 s");
+    // Both stacks: one v2 group, two active links.
+    for side in ['a', 'b'] {
+        let v = query(side, "linkgroup");
+        let mut versions = Vec::new();
+        collect_versions(&v, &mut versions);
+        let mut active = Vec::new();
+        collect_active_links(&v, &mut active);
+        assert_eq!((versions, active), (vec![2], vec![2]), "{side}: {v}");
+    }
+    let before: Vec<(u64, u64)> = ['a', 'b']
+        .iter()
+        .map(|s| {
+            let v = query(*s, "stats");
+            (counter(&v, "links_down"), counter(&v, "failovers"))
+        })
+        .collect();
+    let va = net.veth('a', 0);
+    run(&["ip", "-n", &net.a, "link", "set", &va, "down"]);
+    // Both stacks lose the link on veth pair 0 (a by its netdev going down, b by its QP
+    // failing or a's DELETE LINK), keep the group on the other link, and the connection
+    // moved off the lost link on at least one side.
+    let failed_over = poll(Duration::from_secs(30), || {
+        let now: Vec<(u64, u64)> = ['a', 'b']
+            .iter()
+            .map(|s| {
+                let v = query(*s, "stats");
+                (counter(&v, "links_down"), counter(&v, "failovers"))
+            })
+            .collect();
+        let down = now.iter().zip(&before).all(|(n, b)| n.0 > b.0);
+        let moved = now.iter().zip(&before).any(|(n, b)| n.1 > b.1);
+        (down && moved).then_some(now)
+    });
+    assert!(
+        failed_over.is_some(),
+        "no failover: {} / {}",
+        query('a', "stats"),
+        query('b', "stats")
+    );
+    for side in ['a', 'b'] {
+        let v = query(side, "linkgroup");
+        let mut active = Vec::new();
+        collect_active_links(&v, &mut active);
+        assert_eq!(active, vec![1], "{side}: {v}");
+    }
+    stdin.write_all(&data[first..]).expect("write");
+    drop(stdin);
+    let ce = wait(client, Duration::from_secs(120), "client");
+    let se = wait(server, Duration::from_secs(120), "server");
+    assert!(se.contains("over SMC-R"), "server: {se}");
+    assert!(ce.contains("over SMC-R"), "client: {ce}");
+    let got = std::fs::read(&out).expect("read output");
+    assert!(
+        got.len() == data.len() && got == data,
+        "what arrived differs ({} of {} bytes)",
+        got.len(),
+        data.len()
+    );
+}
+
+/// The sum of every number named `key` in `v`.
+fn sum_key(v: &serde_json::Value, key: &str, out: &mut u64) {
+    match v {
+        serde_json::Value::Array(a) => a.iter().for_each(|x| sum_key(x, key, out)),
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                if k == key {
+                    *out += x.as_u64().unwrap_or(0);
+                } else {
+                    sum_key(x, key, out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The number of active links of every link group in `smc linkgroup --json`.
+fn collect_active_links(v: &serde_json::Value, out: &mut Vec<usize>) {
+    match v {
+        serde_json::Value::Array(a) => a.iter().for_each(|x| collect_active_links(x, out)),
+        serde_json::Value::Object(o) if o.contains_key("links") => {
+            let n = o.get("links").and_then(|l| l.as_array()).map_or(0, |l| {
+                l.iter()
+                    .filter(|x| x.get("state").and_then(|s| s.as_str()) == Some("active"))
+                    .count()
+            });
+            out.push(n);
+        }
+        serde_json::Value::Object(o) => o.values().for_each(|x| collect_active_links(x, out)),
+        _ => {}
+    }
 }

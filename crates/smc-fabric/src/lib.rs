@@ -99,7 +99,9 @@
 //!
 //! ## Limits of the shm backend
 //!
-//! - SEND payloads are at most [`MAX_INLINE`] (56) bytes (SMC-R's LLC and CDC messages are 44).
+//! - SEND payloads are at most [`MAX_SEND`] (8192) bytes, an SMC-Rv2 LLC message's maximum
+//!   (CDC and v1 LLC messages are 44). Up to [`MAX_INLINE`] (56) bytes take one 64-byte slot of
+//!   the peer's receive ring; a longer SEND is split over consecutive slots (`ring.rs`).
 //! - A QP in the error state stays there (no ERROR → RESET recycling); create a new QP.
 //! - QP state transitions of one QP must not be issued concurrently from several threads
 //!   (as with verbs `modify_qp`); posting and polling may run on any threads.
@@ -134,7 +136,7 @@ mod types;
 
 pub use config::{DeviceConfig, DeviceKind, FabricConfig, Fault};
 pub use error::{FabricError, Result};
-pub use ring::MAX_INLINE;
+pub use ring::{MAX_INLINE, MAX_SEND};
 pub use types::{
     AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, PostStatus, QpCaps, QpState,
     RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
@@ -350,7 +352,7 @@ impl Device {
     /// Largest SEND payload in bytes.
     pub fn max_inline(&self) -> usize {
         match &self.inner {
-            DeviceImpl::Shm(_) => MAX_INLINE,
+            DeviceImpl::Shm(_) => MAX_SEND,
             DeviceImpl::Roce(_) => roce::MAX_SEND,
         }
     }

@@ -46,10 +46,10 @@ fn device_identity_and_state_machine() {
     assert!(matches!(
         a.qp.post_send(&SendWr::Send {
             wr_id: 1,
-            data: &[0u8; 57],
+            data: &[0u8; MAX_SEND + 1],
             signaled: true
         }),
-        Err(FabricError::MessageTooLarge { .. })
+        Err(FabricError::MessageTooLarge { max: MAX_SEND, .. })
     ));
 }
 
@@ -397,8 +397,8 @@ fn ring_full_sends_wait_and_deliver_in_order() {
     let a = Side::new(&cfg, "shm0", 4096);
     let b = Side::new(&cfg, "shm0", 4096);
     connect(&a, &b);
-    // No receives posted: the ring (64 slots) fills, the rest waits in the send queue.
-    for i in 0..200u64 {
+    // No receives posted: the ring (256 slots) fills, the rest waits in the send queue.
+    for i in 0..400u64 {
         a.qp.post_send(&SendWr::Send {
             wr_id: i,
             data: &i.to_le_bytes(),
@@ -408,12 +408,12 @@ fn ring_full_sends_wait_and_deliver_in_order() {
     }
     let mut next_send = 0u64;
     let mut next_recv = 0u64;
-    while next_recv < 200 {
+    while next_recv < 400 {
         for slot in 0..RX_SLOTS {
             b.post_rx(slot);
         }
         for _ in 0..RX_SLOTS {
-            if next_recv == 200 {
+            if next_recv == 400 {
                 break;
             }
             let wc = b.next_wc();
@@ -431,10 +431,75 @@ fn ring_full_sends_wait_and_deliver_in_order() {
             }
         }
     }
-    while next_send < 200 {
+    while next_send < 400 {
         let w = a.next_wc();
         assert_eq!((w.wr_id, w.status), (next_send, WcStatus::Success));
         next_send += 1;
+    }
+}
+
+/// SENDs of up to 8192 bytes (an SMC-Rv2 LLC message) are split over ring slots and arrive
+/// whole, in order with short ones, through a ring that wraps many times and fills (the sender
+/// waits for the slots a long message needs).
+#[test]
+fn long_sends_arrive_whole_and_in_order() {
+    let cfg = cfg("long");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    const BUFS: usize = 8;
+    let rx =
+        b.pd.register(BUFS * MAX_SEND, AccessFlags::LOCAL_WRITE)
+            .unwrap();
+    let post = |i: usize| {
+        let sge = rx.sge(i * MAX_SEND, MAX_SEND as u32).unwrap();
+        b.qp.post_recv(&RecvWr {
+            wr_id: i as u64,
+            sge,
+        })
+        .unwrap();
+    };
+    let msg = |n: usize| -> Vec<u8> {
+        let len = [57, 88, MAX_SEND, 44, 1000, 72 + 16 * 255, 56, MAX_SEND - 1][n % 8];
+        (0..len).map(|k| (n * 31 + k * 7 + k / 251) as u8).collect()
+    };
+    const N: usize = 60;
+    for n in 0..N {
+        a.qp.post_send(&SendWr::Send {
+            wr_id: n as u64,
+            data: &msg(n),
+            signaled: true,
+        })
+        .unwrap();
+    }
+    for i in 0..BUFS {
+        post(i);
+    }
+    // The sender's queue moves on as it polls its CQ (the ring fills at every 8192-byte SEND).
+    let (mut received, mut completed) = (0, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut wcs = [WorkCompletion::EMPTY; 8];
+    while received < N || completed < N {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{received} received, {completed} sent"
+        );
+        let n = a.cq.poll(&mut wcs);
+        for w in &wcs[..n] {
+            assert_eq!((w.wr_id, w.status), (completed as u64, WcStatus::Success));
+            completed += 1;
+        }
+        let n = b.cq.poll(&mut wcs);
+        for w in &wcs[..n] {
+            let n = received;
+            assert_eq!(w.status, WcStatus::Success, "message {n}");
+            assert_eq!(w.wr_id as usize, n % BUFS);
+            let mut got = vec![0u8; w.byte_len as usize];
+            rx.read_at(n % BUFS * MAX_SEND, &mut got).unwrap();
+            assert!(got == msg(n), "message {n} ({} bytes) differs", got.len());
+            post(n % BUFS);
+            received += 1;
+        }
     }
 }
 

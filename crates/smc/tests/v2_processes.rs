@@ -2,7 +2,8 @@
 //! this test binary re-executed with its configuration from the environment, as a deployment
 //! would set it (`SMC_VERSIONS`, `SMC_UEIDS`); the client records its traffic and the capture
 //! shows which version was spoken. SMC_VERSIONS=1 and =2 both carry data, checked byte for
-//! byte.
+//! byte. With two shm devices on each side a v2 group has two links (ADD LINK v2 with its rkeys,
+//! longer than a ring slot) and fails over when a port goes down.
 #![allow(missing_docs)]
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -69,11 +70,15 @@ struct Server {
 
 impl Server {
     fn spawn(dir: &Path, versions: &str, ueids: &str) -> Server {
+        Self::spawn_on(dir, "shm0", versions, ueids)
+    }
+
+    fn spawn_on(dir: &Path, devices: &str, versions: &str, ueids: &str) -> Server {
         let mut child = Command::new(std::env::current_exe().expect("exe"))
             .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
             .env("SMC_V2_CHILD", "1")
             .env("SMC_FABRIC_DIR", dir)
-            .env("SMC_FABRIC_DEVICES", "shm0")
+            .env("SMC_FABRIC_DEVICES", devices)
             .env("SMC_DISCOVERY", "assert-peer")
             .env("SMC_VERSIONS", versions)
             .env("SMC_UEIDS", ueids)
@@ -190,4 +195,114 @@ fn smc_versions_1_and_2_between_processes() {
     let (clc, llc) = run("no-ueid", ("1,2", "SMC-RS.TEST"), ("1,2", ""));
     assert_eq!(accept_version(&clc), 1);
     assert!(llc.iter().all(|m| matches!(m, SendMessage::Llc(_))));
+}
+
+/// Poll `f` for at most `limit`.
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < end {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    f()
+}
+
+/// SMC_VERSIONS=2 with two shm devices on each side: the v2 group gets its second link from
+/// one ADD LINK v2 exchange (request and accepting reply 88 bytes each, the rkey of the one RMB
+/// inside: SENDs longer than a ring slot; the client's capture shows its reply), and when the
+/// client's first port goes down mid-echo the connection fails over to the other link
+/// (counted by one of the two stacks) without losing a byte.
+#[test]
+fn two_link_v2_group_fails_over_on_shm() {
+    if std::env::var_os("SMC_V2_CHILD").is_some() {
+        return;
+    }
+    let dir = test_dir("links");
+    let srv = Server::spawn_on(&dir, "shm0,shm1", "2", "SMC-RS.TEST");
+    let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
+    c.discovery = DiscoveryMode::AssertPeer;
+    c.clc_timeout = Duration::from_secs(20);
+    c.versions = smc::config::parse_versions("2").expect("versions");
+    c.ueids = smc::config::parse_ueids("SMC-RS.TEST").expect("ueids");
+    let st = Stack::new(c).expect("stack");
+    let pcap = dir.join("client.pcap");
+    st.start_capture(&pcap).expect("capture");
+    let mut s = SmcStream::connect_with(&st, ("127.0.0.1", srv.port)).expect("connect");
+    assert_eq!(s.mode(), Mode::Smc);
+    let both = || {
+        let g = st.link_groups();
+        g.len() == 1 && g[0].links.len() == 2 && g[0].links.iter().all(|l| l.active)
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), both),
+        "{:?}",
+        st.link_groups()
+    );
+    let data: Vec<u8> = (0..24_000_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let mut w = s.try_clone().expect("clone");
+    let out = data.clone();
+    let t = std::thread::spawn(move || {
+        for chunk in out.chunks(64 * 1024) {
+            w.write_all(chunk).expect("write");
+        }
+        w.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    });
+    let mut back = Vec::with_capacity(data.len());
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut downed = false;
+    let links_down = st.stats().links_down;
+    loop {
+        let n = s.read(&mut buf).expect("read echo");
+        if n == 0 {
+            break;
+        }
+        back.extend_from_slice(&buf[..n]);
+        if !downed && back.len() >= 4 << 20 {
+            assert!(st.set_port_state("shm0", smc::PortState::Down));
+            downed = true;
+        }
+    }
+    t.join().expect("writer");
+    assert!(downed);
+    assert!(
+        back == data,
+        "the echo differs ({} of {} bytes)",
+        back.len(),
+        data.len()
+    );
+    assert!(st.stats().links_down > links_down, "a link went down");
+    // Both stacks (this one and the server process): the connection moved off the lost link
+    // on at least one side (`failovers`).
+    let failovers: u64 = smc::control::list_sockets(&dir)
+        .iter()
+        .filter_map(|sock| smc::control::query(sock, "stats", Duration::from_secs(5)).ok())
+        .filter_map(|v| v.get("failovers").and_then(|f| f.as_u64()))
+        .sum();
+    assert!(failovers > 0, "no connection failed over");
+    drop(s);
+    st.stop_capture().expect("stop capture");
+    drop(srv);
+    // The client's side of the ADD LINK v2 exchange (the capture holds what it sent): its
+    // accepting reply with the one rkey (72 + 16 bytes), and no ADD LINK CONTINUATION.
+    let f = std::fs::File::open(&pcap).expect("capture file");
+    let mut adds = Vec::new();
+    let mut conts = 0;
+    for f in dissect::read_capture(f).expect("read capture") {
+        if let Found::Send(b) = f.found {
+            match SendMessage::parse(&b) {
+                Ok(SendMessage::LlcV2(smc_wire::llc_v2::LlcV2Message::AddLink(a))) => {
+                    adds.push((b.len(), a.base.reply, a.ext.map(|e| e.rtokens.len())));
+                }
+                Ok(SendMessage::Llc(smc_wire::LlcMessage::AddLinkCont(_))) => conts += 1,
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(adds, vec![(88, true, Some(1))]);
+    assert_eq!(conts, 0);
+    let _ = std::fs::remove_dir_all(&dir);
 }

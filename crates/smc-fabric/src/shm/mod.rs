@@ -130,23 +130,23 @@ mod tests {
             let hdr = b.qp.inbound_header();
             match scribble {
                 0 => {
-                    // Slot 1 published as the second message, with a length beyond the slot
+                    // Slot 1 published as the second message, with a length beyond any SEND
                     // (after "hi" in slot 0).
                     // SAFETY: slot 1 lies inside b's ring mapping, which outlives this write.
                     unsafe {
                         let p =
                             b.qp.inbound_ptr()
                                 .add(crate::ring::HEADER_SIZE + crate::ring::SLOT_SIZE);
-                        std::ptr::write_unaligned(p.cast::<u32>(), 1000);
+                        std::ptr::write_unaligned(p.cast::<u32>(), 9000);
                         std::ptr::write_unaligned(p.add(4).cast::<u32>(), 2);
                     }
                 }
                 1 => {
-                    // Slot 0 length field beyond the slot.
+                    // Slot 0 length field beyond any SEND.
                     // SAFETY: slot 0 lies inside b's ring mapping, which outlives this write.
                     unsafe {
                         let p = b.qp.inbound_ptr().add(crate::ring::HEADER_SIZE);
-                        std::ptr::write_unaligned(p.cast::<u32>(), 1000);
+                        std::ptr::write_unaligned(p.cast::<u32>(), 9000);
                     }
                 }
                 _ => {
@@ -171,12 +171,14 @@ mod tests {
                 if scribble == 2 {
                     // A scribbled head is noticed by the producer when it reads the shared
                     // head, which it does once its own copy says the ring is full (b does not
-                    // consume meanwhile, so the ring fills).
-                    let _ = a.qp.post_send(&SendWr::Send {
-                        wr_id: 2,
-                        data: b"x",
-                        signaled: true,
-                    });
+                    // consume meanwhile, so the ring's 256 slots fill).
+                    for _ in 0..4 {
+                        let _ = a.qp.post_send(&SendWr::Send {
+                            wr_id: 2,
+                            data: b"x",
+                            signaled: true,
+                        });
+                    }
                 }
                 if seen.iter().any(|w| w.status == WcStatus::WrFlushError) {
                     break;

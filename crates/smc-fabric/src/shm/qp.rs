@@ -9,6 +9,7 @@ use super::wire::{self, Msg, Received};
 use crate::error::{FabricError, Result};
 use crate::ring::{
     ring_bytes, Consumer, Producer, RawSlots, RingHeader, SlotMem as _, HEADER_SIZE, MAX_INLINE,
+    MAX_SEND, MAX_SEND_SLOTS,
 };
 use crate::types::{
     Gid, LocalQpInfo, Mtu, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
@@ -61,7 +62,7 @@ struct Outbound {
     epoch: u64,
     /// SENDs placed into the peer's ring.
     sent: u64,
-    /// SENDs known to have a receive WR at the peer (consumed, or covered by its credits).
+    /// SENDs known to have a receive WR at the peer (covered by its credits, or consumed).
     acked: u64,
     /// Executed work requests whose completion waits for `acked` (in order).
     inflight: VecDeque<Inflight>,
@@ -76,6 +77,9 @@ struct Inflight {
     len: u32,
     signaled: bool,
     seq: u64,
+    /// The ring's tail (in slots) after the SENDs up to `seq`: the peer consumed them once its
+    /// `head` reached it.
+    slot_end: u64,
 }
 
 impl Outbound {
@@ -103,11 +107,35 @@ enum WriteSrc {
     Bytes(Vec<u8>),
 }
 
+/// The bytes of a queued SEND: a short one inline, a long one (an SMC-Rv2 LLC message) on
+/// the heap.
+enum SendBytes {
+    Inline([u8; MAX_INLINE], usize),
+    Long(Box<[u8]>),
+}
+
+impl SendBytes {
+    fn new(data: &[u8]) -> SendBytes {
+        if data.len() <= MAX_INLINE {
+            let mut buf = [0u8; MAX_INLINE];
+            buf[..data.len()].copy_from_slice(data);
+            SendBytes::Inline(buf, data.len())
+        } else {
+            SendBytes::Long(data.into())
+        }
+    }
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            SendBytes::Inline(buf, len) => &buf[..*len],
+            SendBytes::Long(b) => b,
+        }
+    }
+}
+
 enum Pending {
     Send {
         wr_id: u64,
-        data: [u8; MAX_INLINE],
-        len: usize,
+        data: SendBytes,
         signaled: bool,
     },
     Write {
@@ -251,7 +279,7 @@ impl QpShared {
         }
         let cap = caps
             .max_recv_wr
-            .max(16)
+            .max(MAX_SEND_SLOTS)
             .next_power_of_two()
             .min(MAX_RING_CAP);
         let inbound_fd = mem::sealed_memfd("smc-fabric-ring", ring_bytes(cap))?;
@@ -581,10 +609,10 @@ impl QpShared {
         let mut local_mr = None;
         match *wr {
             SendWr::Send { data, .. } => {
-                if data.len() > MAX_INLINE {
+                if data.len() > MAX_SEND {
                     return Err(FabricError::MessageTooLarge {
                         len: data.len(),
-                        max: MAX_INLINE,
+                        max: MAX_SEND,
                     });
                 }
             }
@@ -703,16 +731,11 @@ impl QpShared {
                     signaled,
                 },
                 _,
-            ) => {
-                let mut buf = [0u8; MAX_INLINE];
-                buf[..data.len()].copy_from_slice(data);
-                Pending::Send {
-                    wr_id,
-                    data: buf,
-                    len: data.len(),
-                    signaled,
-                }
-            }
+            ) => Pending::Send {
+                wr_id,
+                data: SendBytes::new(data),
+                signaled,
+            },
             (
                 SendWr::Write {
                     wr_id,
@@ -764,22 +787,15 @@ impl QpShared {
             let wr_id = p.wr_id();
             let opcode = p.opcode();
             let res = match p {
-                Pending::Send {
-                    data,
-                    len,
-                    signaled,
-                    ..
-                } => {
-                    let data = *data;
-                    let (len, signaled) = (*len, *signaled);
-                    self.exec(
-                        out,
-                        wr_id,
-                        Op::Send { data: &data[..len] },
-                        opcode,
-                        signaled,
-                    )
-                }
+                Pending::Send { data, signaled, .. } => self.exec(
+                    out,
+                    wr_id,
+                    Op::Send {
+                        data: data.as_slice(),
+                    },
+                    opcode,
+                    *signaled,
+                ),
                 Pending::Write {
                     src,
                     remote_addr,
@@ -859,22 +875,28 @@ impl QpShared {
         // The head only when the credits do not cover everything sent (they usually do): the
         // consumer writes its head for every message, and a read of ours here would make
         // that write wait for the line to come back (its full fence follows it), on the path
-        // of every message it receives.
+        // of every message it receives. The head counts slots (a long SEND takes several).
+        let mut consumed = 0;
         if level < o.sent {
             let head = hdr.head.load(Ordering::Acquire);
-            if head <= o.sent {
-                level = level.max(head);
+            if head <= o.producer.tail() {
+                consumed = head;
             }
         }
-        o.acked = level;
-        while o.inflight.front().is_some_and(|f| f.seq <= level) {
+        while o
+            .inflight
+            .front()
+            .is_some_and(|f| f.seq <= level || f.slot_end <= consumed)
+        {
             if let Some(f) = o.inflight.pop_front() {
+                level = level.max(f.seq);
                 if f.signaled {
                     self.send_cq
                         .push(wc(f.wr_id, WcStatus::Success, f.opcode, f.len, self.qpn));
                 }
             }
         }
+        o.acked = level;
     }
 
     /// Before a failure completes: complete what the peer accepted, flush the rest.
@@ -924,6 +946,7 @@ impl QpShared {
                             len: data.len() as u32,
                             signaled,
                             seq: o.sent,
+                            slot_end: o.producer.tail(),
                         });
                         self.reap_fenced(o, true);
                         Exec::Done(None)
@@ -992,6 +1015,7 @@ impl QpShared {
                         len: len as u32,
                         signaled,
                         seq: o.sent,
+                        slot_end: o.producer.tail(),
                     });
                     return Exec::Written(None);
                 }
@@ -1137,10 +1161,18 @@ impl QpShared {
             .consumer
             .peek(&self.inbound_slots(), &mut buf)
             .map_err(|_| ())?;
+        // A long SEND (an SMC-Rv2 LLC message) continues in the slots after the first.
+        let long = (len > MAX_INLINE).then(|| {
+            let mut v = vec![0u8; len];
+            v[..MAX_INLINE].copy_from_slice(&buf);
+            r.consumer
+                .peek_rest(&self.inbound_slots(), len, &mut v[MAX_INLINE..]);
+            v
+        });
         let Some(p) = r.posted.pop_front() else {
             return Ok(None);
         };
-        let ring_space_wanted = r.consumer.advance(hdr);
+        let ring_space_wanted = r.consumer.advance(hdr, len);
         self.rx_next
             .store(rx_next_word(&r.consumer), Ordering::Relaxed);
         if ring_space_wanted {
@@ -1150,7 +1182,11 @@ impl QpShared {
         }
         let status = if len > p.len as usize {
             WcStatus::LocalLengthError
-        } else if p.mr.write_at(p.off, &buf[..len]).is_err() {
+        } else if p
+            .mr
+            .write_at(p.off, long.as_deref().unwrap_or_else(|| &buf[..len]))
+            .is_err()
+        {
             WcStatus::LocalProtectionError
         } else {
             WcStatus::Success

@@ -726,6 +726,15 @@ impl Endpoint {
         let Some(Entry::Setup(h)) = self.entries.get(&tcp) else {
             return;
         };
+        // An SMC-Rv2 client that waited its 2 s for the server's ADD LINK goes on with one
+        // link, as a Linux client does (smc-rv2.md §13 item 2, §14).
+        if let HsState::ExpectSecondLink { setup, .. } = &h.state {
+            let lgr = setup.lgr;
+            if self.lgrs.get(&lgr).is_some_and(|g| g.v2.is_some()) {
+                self.first_contact_done(lgr, now);
+                return;
+            }
+        }
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.5
         //# If the TCP and/or CLC handshakes time out, the TCP connection must be terminated
         //# as it would be in a legacy IP environment

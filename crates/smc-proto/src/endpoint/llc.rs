@@ -66,7 +66,14 @@ impl Endpoint {
             .first()
             .is_some_and(|&t| smc_wire::llc_v2::is_v2_type(t))
         {
-            match smc_wire::llc_v2::LlcV2Message::parse(bytes) {
+            use smc_wire::llc_v2::LlcV2Message;
+            match LlcV2Message::parse(bytes) {
+                // ADD LINK v2 carries the rkeys of the new link itself (smc-rv2.md §10.4).
+                Ok(LlcV2Message::AddLink(a)) => {
+                    let m = LlcMessage::AddLink(a.base);
+                    self.handle_llc_ext(lgr, num, m, a.ext, res, now)
+                }
+                Ok(LlcV2Message::ReqAddLink(r)) => self.on_req_add_link_v2(lgr, num, r, res, now),
                 Ok(m) => match super::v2::llc_from_v2(m) {
                     Some(m) => self.handle_llc(lgr, num, m, res, now),
                     None => self.stats.llc_discarded += 1,
@@ -190,8 +197,23 @@ impl Endpoint {
                     qpn: smc_wire::U24::truncate(0),
                     psn: smc_wire::U24::truncate(0),
                 };
-                let msg = add_link(false, dev, no_qp, 0, dev.mtu);
-                self.post_llc(lgr, via, msg, None, now);
+                if g.v2.is_some() {
+                    // SMC-Rv2: REQ ADD LINK v2 with our RoCEv2 GIDs, the current link's
+                    // first (smc-rv2.md §10.9).
+                    let current = g
+                        .links
+                        .get(&via)
+                        .and_then(|l| devices.get(usize::from(l.device.0)))
+                        .map(|d| d.gid);
+                    let gids = current.into_iter().chain([dev.gid]).collect();
+                    let m = smc_wire::llc_v2::LlcV2Message::ReqAddLink(
+                        smc_wire::llc_v2::ReqAddLinkV2 { reply: false, gids },
+                    );
+                    self.post_llc_v2(lgr, via, &m, now);
+                } else {
+                    let msg = add_link(false, dev, no_qp, 0, dev.mtu);
+                    self.post_llc(lgr, via, LlcMessage::AddLink(msg), None, now);
+                }
             }
         }
         Ok(())
@@ -325,6 +347,20 @@ impl Endpoint {
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
+        self.handle_llc_ext(lgr, via, m, None, res, now)
+    }
+
+    /// [`handle_llc`](Self::handle_llc); `add_link_ext`: the rkey extension of an ADD LINK v2
+    /// (one of 72 bytes or more).
+    fn handle_llc_ext(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        m: LlcMessage,
+        add_link_ext: Option<smc_wire::llc_v2::AddLinkV2Ext>,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
         let Some(g) = self.lgrs.get(&lgr) else {
             return;
         };
@@ -353,9 +389,13 @@ impl Endpoint {
                 self.on_confirm_link(lgr, via, c, res, now)
             }
             LlcMessage::AddLink(a) => match (role, a.reply) {
-                (Role::Client, false) => self.client_on_add_link(lgr, via, a, res, now),
+                (Role::Client, false) => {
+                    self.client_on_add_link(lgr, via, a, add_link_ext, res, now)
+                }
                 (Role::Server, false) => self.server_on_client_add_link(lgr, via, a, res, now),
-                (Role::Server, true) => self.server_on_add_link_reply(lgr, via, a, res, now),
+                (Role::Server, true) => {
+                    self.server_on_add_link_reply(lgr, via, a, add_link_ext, res, now)
+                }
                 (Role::Client, true) => self.stats.llc_discarded += 1,
             },
             LlcMessage::AddLinkCont(c) => self.on_add_link_cont(lgr, via, c, res, now),
@@ -903,8 +943,8 @@ impl Endpoint {
 
 /// ADD LINK (request, or positive reply when `reply`) for link `link_num` offering our RNIC
 /// `dev` and QP `qp`.
-fn add_link(reply: bool, dev: Device, qp: QpInfo, link_num: u8, mtu: QpMtu) -> LlcMessage {
-    LlcMessage::AddLink(AddLink {
+fn add_link(reply: bool, dev: Device, qp: QpInfo, link_num: u8, mtu: QpMtu) -> AddLink {
+    AddLink {
         reply,
         rejected: false,
         reject_reason: AddLinkRejectReason(0),
@@ -914,7 +954,7 @@ fn add_link(reply: bool, dev: Device, qp: QpInfo, link_num: u8, mtu: QpMtu) -> L
         link_num,
         mtu,
         initial_psn: qp.psn,
-    })
+    }
 }
 
 /// The peer's QP as its ADD LINK (request or reply) offers it, on a path of MTU `mtu`.

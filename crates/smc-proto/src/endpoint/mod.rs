@@ -512,6 +512,10 @@ pub struct EndpointStats {
     pub failovers: u64,
     /// LLC messages received and discarded (optional types, stale links).
     pub llc_discarded: u64,
+    /// SMC-Rv2 ADD LINK requests and accepting replies refused because their rkeys were
+    /// missing (shorter than 72 bytes), named an RMB not known on the link they came over, or
+    /// would not fit (more than 255 RMBs of ours).
+    pub llc_v2_add_link_invalid: u64,
     /// CDCs handled after their link was removed (they arrived before it failed).
     pub cdc_on_retired_link: u64,
     /// Links that failed.
@@ -726,6 +730,61 @@ impl Endpoint {
             msg: v2::llc_to_wire(&msg, v2_group).into(),
         });
         Some(wr)
+    }
+
+    /// Post an LLC v2 message in its own form (an ADD LINK v2 with rkeys, a REQ ADD LINK v2:
+    /// longer than 44 bytes, up to 8192) on link `num` of the v2 group `lgr`.
+    fn post_llc_v2(
+        &mut self,
+        lgr: LgrId,
+        num: u8,
+        msg: &smc_wire::llc_v2::LlcV2Message,
+        now: Timestamp,
+    ) -> Option<WrId> {
+        // At most 8192 bytes: ADD LINK v2 carries at most 255 rkeys (4152 bytes), REQ ADD
+        // LINK v2 our few GIDs.
+        let bytes = crate::fabric::SendMsg::new(&msg.to_vec())?;
+        let link = self
+            .lgrs
+            .get_mut(&lgr)
+            .and_then(|g| g.links.get_mut(&num))?;
+        link.last_activity = now;
+        let id = link.id;
+        tracing::trace!(?lgr, num, ?msg, "post LLC v2");
+        let wr = self.new_wr(WrPurpose::Llc {
+            lgr,
+            link: id,
+            confirm_for: None,
+        });
+        self.fabric_out.push_back(FabricOp::PostSend {
+            link: id,
+            wr,
+            msg: bytes,
+        });
+        Some(wr)
+    }
+
+    /// Post ADD LINK v2 `base` (request or accepting reply) with the extension carrying our
+    /// RToken `pairs` for the new link (smc-rv2.md §10.4) on link `via`.
+    fn post_add_link_v2(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        base: smc_wire::llc::AddLink,
+        pairs: Vec<smc_wire::llc::RtokenPair>,
+        now: Timestamp,
+    ) {
+        // "target GID: the GID the peer should connect the new link to; Linux fills the
+        // sender's own new-link GID"; v2 direct: one LAN, no gateway.
+        let ext = smc_wire::llc_v2::AddLinkV2Ext::new(true, base.sender_gid, pairs);
+        let m = smc_wire::llc_v2::LlcV2Message::AddLink(smc_wire::llc_v2::AddLinkV2 {
+            base: smc_wire::llc::AddLink {
+                reject_reason: smc_wire::llc::AddLinkRejectReason(0),
+                ..base
+            },
+            ext: Some(ext),
+        });
+        self.post_llc_v2(lgr, via, &m, now);
     }
 
     /// Connect our QP of link `num` of `lgr` to the peer's QP `remote`. False when there is no

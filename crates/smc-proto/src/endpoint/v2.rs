@@ -2,11 +2,11 @@
 //! server's negotiation as Linux 6.12 does it (§9.1), the client's checks of a v2 Accept
 //! (§9.2), and the LLC messages of a v2 link group in their v2 form (§10).
 //!
-//! A v2 link group here has exactly one link: the engine does not build or read an ADD LINK
-//! v2's rkeys (72 + 16·n bytes), and shm SENDs stop at 56 bytes (the SEND op and the receive
-//! slots of a v2 link carry 8192), so we negotiate max links 1, which §13 item 2 names as the
-//! way to spare a Linux client its 3 s wait for an ADD LINK. A peer's ADD LINK is answered
-//! with a reject (docs/v2.md "Not done yet").
+//! A v2 link group has up to [`V2_MAX_LINKS`] (2) links: the server runs ADD LINK right after
+//! CONFIRM LINK as Linux does (§13 items 1–2), with the rkeys of its RMBs in the ADD LINK v2
+//! itself (§10.4, 72 + 16·n bytes; no ADD LINK CONTINUATION in v2), and a client that accepts
+//! answers with its own (`llc/add_link.rs`). A client whose first contact agreed max links 2
+//! waits up to [`V2_ADD_LINK_WAIT`] for that ADD LINK, as a Linux client does.
 
 use smc_wire::clc::{DeclineCode, Proposal};
 use smc_wire::clc_v2::{FirstContactExt, MIN_MAX_CONNS, OS_TYPE_LINUX, SMC_RELEASE};
@@ -30,8 +30,17 @@ impl Default for SmcVersions {
     }
 }
 
-/// Links per v2 link group we negotiate (module documentation).
-pub const V2_MAX_LINKS: u8 = 1;
+/// Links per v2 link group we negotiate at most (the CLC range is 1..=2, smc-rv2.md §9.2).
+pub const V2_MAX_LINKS: u8 = 2;
+
+/// How long a v2 client whose first contact agreed max links 2 waits for the server's ADD
+/// LINK after its CONFIRM LINK reply before it finishes with one link (smc-rv2.md §14: "client
+/// waits for ADD LINK after CONFIRM LINK (max links > 1) | 2 s").
+pub const V2_ADD_LINK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Most rkey entries in an ADD LINK v2 (smc-rv2.md §10.4: the receiver "uses at most 255
+/// entries").
+pub(crate) const ADD_LINK_V2_MAX_RKEYS: usize = 255;
 
 /// What a v2 link group agreed on (the Accept's first-contact extension).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,7 +200,7 @@ pub(crate) fn llc_to_wire(msg: &LlcMessage, v2: bool) -> [u8; MSG44_LEN] {
                 m.valid_rkeys().to_vec()
             },
         }),
-        // No v2 form (never sent in a v2 group: single link, no continuations).
+        // No v2 form (never sent in a v2 group: no continuations in v2, §10.4).
         LlcMessage::AddLinkCont(_)
         | LlcMessage::ConfirmRkeyCont(_)
         | LlcMessage::Optional { .. } => return msg.to_bytes(),
@@ -203,12 +212,12 @@ pub(crate) fn llc_to_wire(msg: &LlcMessage, v2: bool) -> [u8; MSG44_LEN] {
 }
 
 /// The v1 view of a received LLC v2 message, for the link-group engine (and traces); `None` for what it
-/// has no use for (REQ ADD LINK: we never add a second link to a v2 group; a DELETE RKEY of
-/// more than 8 rkeys, which Linux never sends).
+/// has no use for (REQ ADD LINK, which the engine takes in its v2 form; a DELETE RKEY of more
+/// than 8 rkeys, which Linux never sends). An ADD LINK's rkeys are not in the view: the engine
+/// takes them from the v2 form too.
 pub fn llc_from_v2(m: LlcV2Message) -> Option<LlcMessage> {
     Some(match m {
         LlcV2Message::ConfirmLink(c) => LlcMessage::ConfirmLink(c),
-        // The v2 extension's rkeys are for a second link we will reject.
         LlcV2Message::AddLink(a) => LlcMessage::AddLink(a.base),
         LlcV2Message::DeleteLink(d) => LlcMessage::DeleteLink(d),
         LlcV2Message::ConfirmRkey(c) => LlcMessage::ConfirmRkey(c),
@@ -310,7 +319,7 @@ mod tests {
         let p =
             Proposal::parse(&bytes("clc_proposal_v2_smcr_only").expect("vector")).expect("parses");
         let ok = negotiate_server(&p, &[ueid], 255, true).expect("agrees");
-        assert_eq!((ok.release, ok.max_conns, ok.max_links), (1, 255, 1));
+        assert_eq!((ok.release, ok.max_conns, ok.max_links), (1, 255, 2));
         assert_eq!(ok.eid, ueid);
         let other = Eid::ueid("OTHER").expect("ueid");
         assert_eq!(

@@ -160,6 +160,7 @@ impl Stack {
             "failovers": e.failovers,
             "link_failures": e.link_failures,
             "llc_discarded": e.llc_discarded,
+            "llc_v2_add_link_invalid": e.llc_v2_add_link_invalid,
             "test_links_sent": e.test_links_sent,
             "open_sockets": core.streams.len(),
         })

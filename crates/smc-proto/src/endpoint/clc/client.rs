@@ -450,15 +450,16 @@ impl Endpoint {
                 //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                 //# LLC message: CONFIRM LINK reply from client (first contact) Timer waits
                 //# for: ADD LINK from server.
-                h.llc_deadline = Some(now + self.config.llc_timeout_first_contact);
-                // SMC-Rv2 with max links 1 agreed: no ADD LINK comes (a Linux client waits
-                // for one only when the negotiated max links is above 1, smc-rv2.md §9.2).
-                let single = self
-                    .lgrs
-                    .get(&setup.lgr)
-                    .and_then(|g| g.v2)
-                    .is_some_and(|a| a.max_links <= 1);
-                if single {
+                let v2 = self.lgrs.get(&setup.lgr).and_then(|g| g.v2);
+                // SMC-Rv2: as a Linux client, wait 2 s for the ADD LINK, then go on with one
+                // link (smc-rv2.md §14); with max links 1 agreed none comes (a Linux client
+                // waits for one only when the negotiated max links is above 1, §9.2).
+                let wait = match v2 {
+                    Some(_) => crate::endpoint::v2::V2_ADD_LINK_WAIT,
+                    None => self.config.llc_timeout_first_contact,
+                };
+                h.llc_deadline = Some(now + wait);
+                if v2.is_some_and(|a| a.max_links <= 1) {
                     let lgr = setup.lgr;
                     h.state = HsState::ExpectSecondLink { setup, peer, link };
                     self.first_contact_done(lgr, now);

@@ -379,11 +379,16 @@ impl Endpoint {
         })
     }
 
-    /// Make the new group `lgr` an SMC-Rv2 group: its agreement, its link limit.
+    /// Make the new group `lgr` an SMC-Rv2 group: its agreement, its link limit (the agreed
+    /// max links, 1..=2; one link with release 0, which negotiates no limits).
     pub(super) fn make_v2_group(&mut self, lgr: LgrId, a: crate::endpoint::LgrV2) {
         if let Some(g) = self.lgrs.get_mut(&lgr) {
             g.v2 = Some(a);
-            g.max_links = crate::endpoint::V2_MAX_LINKS;
+            g.max_links = if a.release >= 1 {
+                a.max_links.clamp(1, crate::endpoint::V2_MAX_LINKS)
+            } else {
+                1
+            };
         }
     }
 

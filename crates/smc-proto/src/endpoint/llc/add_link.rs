@@ -2,6 +2,8 @@
 //! App. C.7): a second link for a link group, its QP and its rtokens.
 
 use super::*;
+use crate::endpoint::v2::ADD_LINK_V2_MAX_RKEYS;
+use smc_wire::llc_v2::AddLinkV2Ext;
 
 impl Endpoint {
     /// Start the next local request if no configuration exchange is in progress
@@ -153,15 +155,34 @@ impl Endpoint {
                 return false;
             }
         };
-        let mtu = self.lgrs.get(&lgr).map_or(dev.mtu, |g| g.mtu);
-        let msg = add_link(false, dev, qp, num, mtu);
-        self.post_llc(lgr, via, msg, None, now);
+        let (mtu, v2) = self
+            .lgrs
+            .get(&lgr)
+            .map_or((dev.mtu, false), |g| (g.mtu, g.v2.is_some()));
+        let request = add_link(false, dev, qp, num, mtu);
+        let ours_left = if v2 {
+            // smc-rv2.md §10.4: "Both the server's request and a client's accepting reply
+            // carry the extension with their own RMBs; there is no ADD LINK CONTINUATION
+            // exchange in v2."
+            if pairs.len() > ADD_LINK_V2_MAX_RKEYS {
+                self.drop_link(lgr, num, now);
+                if first_contact {
+                    self.first_contact_done(lgr, now);
+                }
+                return false;
+            }
+            self.post_add_link_v2(lgr, via, request, pairs, now);
+            Vec::new()
+        } else {
+            self.post_llc(lgr, via, LlcMessage::AddLink(request), None, now);
+            pairs
+        };
         let ex = LinkExchange::ServerAddLink {
             new: num,
             via,
             step: ServerAddStep::SentAddLink,
             first_contact,
-            ours_left: pairs,
+            ours_left,
         };
         //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
         //# LLC message: ADD LINK from server (first contact) Timer waits for: ADD LINK
@@ -204,11 +225,14 @@ impl Endpoint {
         Ok(pairs)
     }
 
+    /// Server: the client's reply to our ADD LINK; `ext`: the rkey extension of an ADD LINK v2
+    /// reply.
     pub(super) fn server_on_add_link_reply(
         &mut self,
         lgr: LgrId,
         via: u8,
         a: AddLink,
+        ext: Option<AddLinkV2Ext>,
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
@@ -265,10 +289,100 @@ impl Endpoint {
         if let Some(l) = g.links.get_mut(&new) {
             l.asymmetric = l.asymmetric || client_reuses;
         }
+        let v2 = g.v2.is_some();
         if !self.connect_link(lgr, new, add_link_qp(&a, mtu)) {
             return;
         }
-        self.server_send_cont(lgr, new, via, first_contact, ours_left, timeout, now);
+        if !v2 {
+            self.server_send_cont(lgr, new, via, first_contact, ours_left, timeout, now);
+            return;
+        }
+        // SMC-Rv2: the accepting reply carries the client's rkeys on the new link (§10.4);
+        // they are installed before CONFIRM LINK goes over it. A reply without them (shorter
+        // than 72 bytes, or the v1 form) cannot set the link up.
+        let installed = match &ext {
+            Some(e) => self.install_peer_pairs(lgr, via, new, v2_entries(e)),
+            None => false,
+        };
+        if !installed {
+            self.stats.llc_v2_add_link_invalid += 1;
+            self.server_abandon_add_link(lgr, new, first_contact, res, now);
+            return;
+        }
+        self.server_confirm_new_link(lgr, new, via, first_contact, res, timeout, now);
+    }
+
+    /// The peer's RToken pairs for the new link `new`, received over `via`: its RMB known on
+    /// `via` by `reference_rkey` is known on `new` by (`new_rkey`, `new_vaddr`). False when a
+    /// pair names an RMB we do not know on `via`.
+    pub(super) fn install_peer_pairs(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        new: u8,
+        pairs: &[RtokenPair],
+    ) -> bool {
+        let Some(g) = self.lgrs.get_mut(&lgr) else {
+            return false;
+        };
+        let mut known = true;
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.3
+        //# the first RToken in each RToken pair will be the RToken for the RMB as known on
+        //# the SMC-R link over which the LLC message is being sent.
+        for p in pairs {
+            match g.peer_rmb_index(via, p.reference_rkey) {
+                Some(i) => {
+                    if let Some(r) = g.peer_rmbs.get_mut(i) {
+                        r.tokens.insert(
+                            new,
+                            MrInfo {
+                                rkey: p.new_rkey,
+                                vaddr: p.new_vaddr,
+                            },
+                        );
+                    }
+                }
+                None => known = false,
+            }
+        }
+        known
+    }
+
+    /// Server: every RToken for link `new` is exchanged: verify the link with CONFIRM LINK over
+    /// it (Fig. 9), or give it up when an RMB of the client is not known on it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn server_confirm_new_link(
+        &mut self,
+        lgr: LgrId,
+        new: u8,
+        via: u8,
+        first_contact: bool,
+        res: &mut dyn Resources,
+        timeout: Duration,
+        now: Timestamp,
+    ) {
+        if !self
+            .lgrs
+            .get(&lgr)
+            .is_some_and(|g| g.peer_rmbs_known_on(new))
+        {
+            self.server_abandon_add_link(lgr, new, first_contact, res, now);
+            return;
+        }
+        if let Some(msg) = self.confirm_link_msg(lgr, new, false) {
+            self.post_llc(lgr, new, msg, None, now);
+        }
+        let ex = LinkExchange::ServerAddLink {
+            new,
+            via,
+            step: ServerAddStep::SentConfirmLink,
+            first_contact,
+            ours_left: Vec::new(),
+        };
+        //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+        //# LLC message: CONFIRM LINK from server (first contact, second link in the
+        //# link group) Timer waits for: CONFIRM LINK reply from client.
+        self.await_link_exchange(lgr, ex, timeout, now);
     }
 
     /// Server: send our next ADD LINK CONTINUATION for link `new` over `via`; the client's
@@ -337,13 +451,49 @@ impl Endpoint {
         }
     }
 
+    /// Server: a client's REQ ADD LINK v2 (smc-rv2.md §10.9: "Sent by a Linux client ... to
+    /// ask the server to start ADD LINK"). "A Linux server either starts ADD LINK ... or
+    /// answers with the same type, flags 0x80, data zeroed, 44 bytes": so do we, answering
+    /// when the group has all its links. Anything else (a reply, a client receiving one, a v1
+    /// group) is discarded.
+    pub(super) fn on_req_add_link_v2(
+        &mut self,
+        lgr: LgrId,
+        via: u8,
+        r: smc_wire::llc_v2::ReqAddLinkV2,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
+        let Some(g) = self.lgrs.get(&lgr) else {
+            return;
+        };
+        if r.reply || g.role != Role::Server || g.v2.is_none() {
+            self.stats.llc_discarded += 1;
+            return;
+        }
+        if g.symmetric_count() >= usize::from(g.max_links) {
+            let answer =
+                smc_wire::llc_v2::LlcV2Message::ReqAddLink(smc_wire::llc_v2::ReqAddLinkV2 {
+                    reply: true,
+                    gids: Vec::new(),
+                });
+            self.post_llc_v2(lgr, via, &answer, now);
+            return;
+        }
+        // As a v1 client's ADD LINK request (an "FYI", App. C.8): start ADD LINK when no
+        // exchange is in progress, else after it.
+        self.server_on_client_add_link(lgr, via, AddLink::default(), res, now);
+    }
+
     // ----- ADD LINK (client side) ------------------------------------------------------------
 
+    /// Client: the server's ADD LINK request; `ext`: the rkey extension of an ADD LINK v2.
     pub(super) fn client_on_add_link(
         &mut self,
         lgr: LgrId,
         via: u8,
         a: AddLink,
+        ext: Option<AddLinkV2Ext>,
         res: &mut dyn Resources,
         now: Timestamp,
     ) {
@@ -363,6 +513,16 @@ impl Endpoint {
         //# negative ADD LINK reply with reason code x'2'.
         if !a.mtu.is_known() {
             let reason = AddLinkRejectReason::INVALID_MTU;
+            self.client_reject_add_link(lgr, via, a, reason, res, now);
+            return;
+        }
+        // SMC-Rv2: the request carries the server's rkeys on the new link (§10.4: no ADD LINK
+        // CONTINUATION in v2); one without them (shorter than 72 bytes, or the v1 form)
+        // cannot set a link up.
+        let v2 = g.v2.is_some();
+        if v2 && ext.is_none() {
+            self.stats.llc_v2_add_link_invalid += 1;
+            let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
             self.client_reject_add_link(lgr, via, a, reason, res, now);
             return;
         }
@@ -433,7 +593,38 @@ impl Endpoint {
             }
         };
         let reply = add_link(true, dev, qp, num, mtu);
-        self.post_llc(lgr, via, reply, None, now);
+        if let (true, Some(ext)) = (v2, ext) {
+            // The server's rkeys on the new link go in before its CONFIRM LINK over it can
+            // arrive; our reply carries ours. A pair naming an RMB we do not know, an RMB of
+            // the server's left out (its count may say more than the message holds: we read
+            // min(count, (length - 72) / 16) entries, §10.4), or more RMBs of ours than an
+            // ADD LINK v2 carries, and the link is refused.
+            let complete = self.install_peer_pairs(lgr, via, num, v2_entries(&ext))
+                && self
+                    .lgrs
+                    .get(&lgr)
+                    .is_some_and(|g| g.peer_rmbs_known_on(num));
+            if !complete || pairs.len() > ADD_LINK_V2_MAX_RKEYS {
+                self.stats.llc_v2_add_link_invalid += 1;
+                self.drop_link(lgr, num, now);
+                let reason = AddLinkRejectReason::NO_ALTERNATE_PATH;
+                self.client_reject_add_link(lgr, via, a, reason, res, now);
+                return;
+            }
+            self.post_add_link_v2(lgr, via, reply, pairs, now);
+            let ex = LinkExchange::ClientAddLink {
+                new: num,
+                via,
+                step: ClientAddStep::SentCont { server_owes: false },
+                first_contact,
+                ours_left: Vec::new(),
+            };
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
+            //# Timer waits for: CONFIRM LINK from the server, over the new link.
+            self.await_link_exchange(lgr, ex, timeout, now);
+            return;
+        }
+        self.post_llc(lgr, via, LlcMessage::AddLink(reply), None, now);
         let ex = LinkExchange::ClientAddLink {
             new: num,
             via,
@@ -536,27 +727,7 @@ impl Endpoint {
         }
         // Store the peer's pairs: its RMB known on `via` by reference_rkey is known on the
         // new link by (new_rkey, new_vaddr).
-        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.3
-        //# the first RToken in each RToken pair will be the RToken for the RMB as known on
-        //# the SMC-R link over which the LLC message is being sent.
-        let mut unknown = false;
-        for p in c.valid_pairs() {
-            match g.peer_rmb_index(via, p.reference_rkey) {
-                Some(i) => {
-                    if let Some(r) = g.peer_rmbs.get_mut(i) {
-                        r.tokens.insert(
-                            new,
-                            MrInfo {
-                                rkey: p.new_rkey,
-                                vaddr: p.new_vaddr,
-                            },
-                        );
-                    }
-                }
-                None => unknown = true,
-            }
-        }
-        if unknown {
+        if !self.install_peer_pairs(lgr, via, new, c.valid_pairs()) {
             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
             //# Number of RMBs provided doesn't match count given on initial ADD LINK or ADD
             //# LINK reply message.  Recovery action: Protocol error.  Treat as if detected
@@ -571,6 +742,9 @@ impl Endpoint {
             return;
         }
         let peer_more = usize::from(c.num_rtokens) > c.valid_pairs().len();
+        let Some(g) = self.lgrs.get_mut(&lgr) else {
+            return;
+        };
         g.timers.stop(LgrTimer::LinkExchange);
         if server {
             if !ours_left.is_empty() || peer_more {
@@ -578,24 +752,7 @@ impl Endpoint {
                 return;
             }
             // Every RToken is exchanged: verify the new link with CONFIRM LINK over it.
-            if !g.peer_rmbs_known_on(new) {
-                self.server_abandon_add_link(lgr, new, first_contact, res, now);
-                return;
-            }
-            if let Some(msg) = self.confirm_link_msg(lgr, new, false) {
-                self.post_llc(lgr, new, msg, None, now);
-            }
-            let ex = LinkExchange::ServerAddLink {
-                new,
-                via,
-                step: ServerAddStep::SentConfirmLink,
-                first_contact,
-                ours_left,
-            };
-            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
-            //# LLC message: CONFIRM LINK from server (first contact, second link in the
-            //# link group) Timer waits for: CONFIRM LINK reply from client.
-            self.await_link_exchange(lgr, ex, timeout, now);
+            self.server_confirm_new_link(lgr, new, via, first_contact, res, timeout, now);
         } else {
             let ex = LinkExchange::ClientAddLink {
                 new,
@@ -747,4 +904,10 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// The rkey entries of an ADD LINK v2 that count: the message's `min(count, (length − 72) / 16)`
+/// (the parser's), at most 255 (smc-rv2.md §10.4: Linux "uses at most 255 entries").
+fn v2_entries(e: &AddLinkV2Ext) -> &[RtokenPair] {
+    &e.rtokens[..e.rtokens.len().min(ADD_LINK_V2_MAX_RKEYS)]
 }

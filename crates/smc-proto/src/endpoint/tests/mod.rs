@@ -12,6 +12,7 @@ mod reads;
 mod rendezvous;
 mod rtoken_set;
 mod v2;
+mod v2_links;
 
 use crate::endpoint::{EndpointEvent, Fallback, ResetReason, TcpId};
 use crate::harness::Side;

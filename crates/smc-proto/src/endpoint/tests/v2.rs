@@ -47,7 +47,9 @@ fn clc(p: &EndpointPair) -> Vec<ClcMessage> {
 
 /// Both offer v1 and v2 and share a UEID: SMC-Rv2 with Linux's message sizes (Proposal with
 /// IP area and extension, 160-byte first-contact Accept, 180-byte Confirm), every LLC message
-/// in v2 form, one link, data both ways; a second connection reuses the group (108 bytes).
+/// in v2 form, max links 2 agreed; with one RNIC each the server's ADD LINK v2 (an asymmetric
+/// link on its one RNIC) is rejected as a Linux client does (§13 item 1) and the group keeps
+/// one link; data both ways; a second connection reuses the group (108 bytes).
 #[test]
 fn both_versions_shared_ueid_gives_v2() {
     let mut p = pair(
@@ -70,7 +72,7 @@ fn both_versions_shared_ueid_gives_v2() {
     assert_eq!(prop.buffer_len(), 80 + 8 + 40 + 32 + 4);
     let ext = prop.v2_ext.as_ref().expect("v2 extension");
     assert_eq!(ext.eids, vec![ueid("SMC-RS-TEST")]);
-    assert_eq!((ext.release, ext.max_links), (1, 1));
+    assert_eq!((ext.release, ext.max_links), (1, 2));
     let ClcMessage::Accept(acc) = &m[1] else {
         panic!("{m:?}")
     };
@@ -81,7 +83,7 @@ fn both_versions_shared_ueid_gives_v2() {
     let v2 = acc.v2.as_ref().expect("v2 part");
     assert_eq!(v2.eid, ueid("SMC-RS-TEST"));
     let fce = v2.first_contact_ext.expect("first-contact extension");
-    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 1));
+    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 2));
     assert!(fce.v2_direct);
     let ClcMessage::Confirm(con) = &m[2] else {
         panic!("{m:?}")
@@ -94,27 +96,42 @@ fn both_versions_shared_ueid_gives_v2() {
         con.v2.as_ref().and_then(|v| v.gid_list.clone()),
         Some(vec![con.gid])
     );
-    // Every LLC message of the group in its v2 form, length 44 little-endian.
+    // Every LLC message of the group in its v2 form, length 44 little-endian, but the
+    // server's ADD LINK v2 (72 bytes + 16 per RMB, here one).
     for s in [Side::A, Side::B] {
         let h = p.host(s);
         assert_eq!(h.llc_v1_sent, 0, "{s:?}");
         assert!(!h.llc_v2_sent.is_empty(), "{s:?}");
         for b in &h.llc_v2_sent {
-            assert_eq!(&b[1..3], &[44, 0]);
+            if b[0] == 0x22 && b[3] == 0 {
+                assert_eq!(
+                    (s, &b[1..3], &b[70..72]),
+                    (Side::B, &[88, 0][..], &[1, 0][..])
+                );
+            } else {
+                assert_eq!(&b[1..3], &[44, 0]);
+            }
         }
         let g = h.ep.link_groups().next().expect("group");
         assert!(g.v2.is_some());
         assert_eq!(g.active_count(), 1);
-        assert_eq!(g.max_links, 1);
-        // Every QP of a v2 group has receive buffers for 8192-byte LLC v2 messages; a
-        // single-link group has one QP (the server makes no spare for a second link).
-        assert_eq!(h.res.qp_llc.len(), 1, "{s:?}");
+        assert_eq!(g.max_links, 2);
+        // Every QP of a v2 group has receive buffers for 8192-byte LLC v2 messages (the
+        // server's second is the one it offered for the rejected link).
         assert!(h.res.qp_llc.values().all(|v| *v == LlcVersion::V2), "{s:?}");
         assert_eq!(g.llc_version().max_recv(), 8192);
     }
+    // The client's reject: 44 bytes, flags 0xC0, the request's link number.
+    let reject = p
+        .host(Side::A)
+        .llc_v2_sent
+        .iter()
+        .find(|b| b[0] == 0x22)
+        .expect("ADD LINK reject");
+    assert_eq!((&reject[1..4], reject[31]), (&[44, 0, 0xC0][..], 2));
     // CONFIRM LINK carries max links / max conns (smc-rv2.md §10.3).
     let cl = &p.host(Side::B).llc_v2_sent[0];
-    assert_eq!((cl[0], cl[3], cl[34], cl[35]), (0x21, 0x03, 1, 255));
+    assert_eq!((cl[0], cl[3], cl[34], cl[35]), (0x21, 0x03, 2, 255));
     let a: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
     p.app_send(Side::A, T1, &a);
     p.app_send(Side::B, T1, &a[..50_000]);
@@ -458,9 +475,11 @@ fn client_against_the_kernel_server_of_the_capture() {
 
 /// Our server against the Linux 6.12 client of the capture: the kernel's own Proposal (v2
 /// only, zero peer ID, max links 2) gets a 160-byte first-contact Accept agreeing on max links
-/// 1; the kernel's Confirm (its extension echoing what we sent) is taken, CONFIRM LINK goes in
-/// v2 form with flags 0x03, the kernel's reply establishes the connection, and no ADD LINK
-/// follows (so a Linux client does not wait for one, smc-rv2.md §13 item 2).
+/// 2; the kernel's Confirm (echoing what we sent) is taken, CONFIRM LINK goes in v2 form with
+/// flags 0x03; on the kernel's reply our ADD LINK v2 follows at once (so a Linux client does
+/// not wait for it, smc-rv2.md §13 item 2): with our one RNIC, an asymmetric link on it, which
+/// the kernel client rejects as in the capture (§10.4). On that reject the group keeps its one
+/// link, the connection is established, and no DELETE LINK goes out.
 #[test]
 fn server_against_the_kernel_client_of_the_capture() {
     let mut p = pair(
@@ -485,29 +504,48 @@ fn server_against_the_kernel_client_of_the_capture() {
         a.v2.as_ref()
             .and_then(|x| x.first_contact_ext)
             .expect("extension");
-    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 1));
+    assert_eq!((fce.release, fce.max_conns, fce.max_links), (1, 255, 2));
     assert_eq!(
         a.v2.as_ref().map(|x| x.eid),
         Some(ueid("KERNEL-PEER-SMCR-TEST"))
     );
-    // The kernel client's Confirm, echoing our limits (max links 1 at byte 141).
-    let mut confirm = v("clc_confirm_v2_first_contact");
-    confirm[141] = 1;
+    // The kernel client's Confirm, echoing our limits (max links 2 at byte 141).
+    let confirm = v("clc_confirm_v2_first_contact");
+    assert_eq!(confirm[141], 2);
     p.inject_tcp(Side::B, T1, confirm);
     p.run();
     let cl = p.host(Side::B).llc_v2_sent[0].clone();
     assert_eq!(&cl[..4], &[0x21, 0x2c, 0x00, 0x03]);
-    assert_eq!((cl[34], cl[35]), (1, 255));
+    assert_eq!((cl[34], cl[35]), (2, 255));
     let link = p.host(Side::B).link(1).expect("link 1");
-    let mut resp = v("llc2_confirm_link_resp");
-    resp[34] = 1;
     p.act(Side::B, |ep, res, now| {
-        ep.handle_message(link, &resp, res, now)
+        ep.handle_message(link, &v("llc2_confirm_link_resp"), res, now)
+    });
+    p.run();
+    let add = p
+        .host(Side::B)
+        .llc_v2_sent
+        .iter()
+        .find(|b| b[0] == 0x22)
+        .expect("ADD LINK v2")
+        .clone();
+    // 72 + 16 bytes: our one RMB; link 2; our own GID (the one RNIC) as sender and target.
+    assert_eq!((&add[..4], add[31]), (&[0x22, 88, 0, 0][..], 2));
+    assert_eq!(&add[12..28], &add[46..62]);
+    assert_eq!(&add[70..72], &[1, 0]);
+    // The kernel's reject: the request's first 44 bytes, flags 0xC0.
+    let mut reject = add[..44].to_vec();
+    reject[1] = 44;
+    reject[3] = 0xC0;
+    p.act(Side::B, |ep, res, now| {
+        ep.handle_message(link, &reject, res, now)
     });
     p.run();
     assert!(established(&p, Side::B, T1));
+    let g = p.host(Side::B).ep.link_groups().next().expect("group");
+    assert_eq!((g.active_count(), g.links.len()), (1, 1));
     assert!(
-        !p.host(Side::B).llc_v2_sent.iter().any(|b| b[0] == 0x22),
-        "no ADD LINK"
+        !p.host(Side::B).llc_v2_sent.iter().any(|b| b[0] == 0x24),
+        "no DELETE LINK"
     );
 }
