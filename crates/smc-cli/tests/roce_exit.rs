@@ -7,7 +7,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 mod netns;
@@ -40,50 +40,23 @@ impl Net {
 
     /// `smc ARGS` in namespace `side` with a roce device on its veth.
     fn smc(&self, side: char, args: &[&str], stdin: Stdio) -> Child {
-        let ns = if side == 'a' { &self.a } else { &self.b };
-        Command::new("ip")
-            .args(["netns", "exec", ns, "env"])
-            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side, 0)))
-            .arg(format!(
-                "SMC_FABRIC_DIR={}",
-                self.fabric_dir(side).display()
-            ))
-            .arg("SMC_DISCOVERY=assert-peer")
-            .arg(format!("SMC_IPV4_SUBNETS=10.{}.1.0/24", self.n))
-            .arg(env!("CARGO_BIN_EXE_smc"))
-            .args(args)
-            .stdin(stdin)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn smc")
+        self.smc_cmd(
+            side,
+            &self.roce_devices(side, 1),
+            &self.fabric_dir(side),
+            &[],
+        )
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn smc")
     }
 
     /// The number of link groups of the stacks whose fabric directory is `side`'s.
     fn link_groups(&self, side: char) -> usize {
-        let o = Command::new(env!("CARGO_BIN_EXE_smc"))
-            .args(["linkgroup", "--json", "--dir"])
-            .arg(self.fabric_dir(side))
-            .output()
-            .expect("smc linkgroup");
-        assert!(o.status.success(), "smc linkgroup: {o:?}");
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
-            panic!(
-                "linkgroup JSON: {e}: {}",
-                String::from_utf8_lossy(&o.stdout)
-            )
-        });
-        count_groups(&v)
-    }
-}
-
-/// Link groups in `smc linkgroup --json`: objects with a `links` member, wherever they are.
-fn count_groups(v: &serde_json::Value) -> usize {
-    match v {
-        serde_json::Value::Array(a) => a.iter().map(count_groups).sum(),
-        serde_json::Value::Object(o) if o.contains_key("links") => 1,
-        serde_json::Value::Object(o) => o.values().map(count_groups).sum(),
-        _ => 0,
+        netns::link_groups(&netns::query(&self.fabric_dir(side), "linkgroup")).len()
     }
 }
 

@@ -36,22 +36,12 @@ impl Net {
     /// `smc nc` in namespace `side` with roce devices on both veths (r1 also serves the
     /// TCP address of veth 0, so that both devices form the connection's link group).
     fn nc(&self, side: char, args: &[&str], faults: &str, stdin: Stdio, stdout: Stdio) -> Child {
-        let ns = if side == 'a' { &self.a } else { &self.b };
-        let devices = format!(
-            "roce:r0={},roce:r1={}+{}",
-            self.veth(side, 0),
-            self.veth(side, 1),
-            self.addr(side, 0)
-        );
-        Command::new("ip")
-            .args(["netns", "exec", ns, "env"])
-            .arg(format!("SMC_FABRIC_DEVICES={devices}"))
-            .arg(format!("SMC_FABRIC_DIR={}/{side}", self.dir.display()))
-            .arg(format!("SMC_FABRIC_FAULTS={faults}"))
-            .arg("SMC_DISCOVERY=assert-peer")
-            .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
-            .arg("SMC_KEEPALIVE_MS=1000")
-            .arg(env!("CARGO_BIN_EXE_smc"))
+        let env = [
+            format!("SMC_FABRIC_FAULTS={faults}"),
+            "SMC_KEEPALIVE_MS=1000".to_string(),
+        ];
+        let dir = self.dir.join(side.to_string());
+        self.smc_cmd(side, &self.roce_devices(side, 2), &dir, &env)
             .arg("nc")
             .args(args)
             .stdin(stdin)

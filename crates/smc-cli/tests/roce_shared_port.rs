@@ -8,7 +8,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 mod netns;
@@ -37,14 +37,8 @@ impl Net {
     /// `smc nc` in namespace `side` with one roce device on the veth; every process of a side
     /// shares the fabric directory (and so the reuseport registry).
     fn nc(&self, side: char, args: &[&str], stdin: Stdio, stdout: Stdio) -> Child {
-        let ns = if side == 'a' { &self.a } else { &self.b };
-        Command::new("ip")
-            .args(["netns", "exec", ns, "env"])
-            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side, 0)))
-            .arg(format!("SMC_FABRIC_DIR={}/{side}", self.dir.display()))
-            .arg("SMC_DISCOVERY=assert-peer")
-            .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
-            .arg(env!("CARGO_BIN_EXE_smc"))
+        let dir = self.dir.join(side.to_string());
+        self.smc_cmd(side, &self.roce_devices(side, 1), &dir, &[])
             .arg("nc")
             .args(args)
             .stdin(stdin)

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod netns;
-use netns::{root_with_ip, run, wait, NsPair};
+use netns::{active_links, link_groups, query, root_with_ip, run, sum_key, wait, NsPair};
 
 /// `SMC_VERSIONS` (None: unset, the default `1,2`) and `SMC_UEIDS` of one side.
 #[derive(Clone, Copy)]
@@ -50,46 +50,26 @@ impl Net {
 
     /// `smc nc ARGS` in namespace `side` with a roce device on its veth and `cfg`.
     fn nc(&self, side: char, case: usize, cfg: Side, args: &[&str]) -> Child {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", self.ns(side), "env", "-u", "SMC_VERSIONS"])
-            .arg(format!("SMC_FABRIC_DEVICES=roce:r0={}", self.veth(side, 0)))
-            .arg(format!(
-                "SMC_FABRIC_DIR={}",
-                self.fabric_dir(side, case).display()
-            ))
-            .arg("SMC_DISCOVERY=assert-peer")
-            .arg(format!("SMC_IPV4_SUBNETS=10.{}.1.0/24", self.n))
-            .arg(format!("SMC_UEIDS={}", cfg.ueids));
-        if let Some(v) = cfg.versions {
-            c.arg(format!("SMC_VERSIONS={v}"));
-        }
-        c.arg(env!("CARGO_BIN_EXE_smc"))
-            .arg("nc")
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn smc nc")
+        let mut env = vec![format!("SMC_UEIDS={}", cfg.ueids)];
+        env.extend(cfg.versions.map(|v| format!("SMC_VERSIONS={v}")));
+        self.smc_cmd(
+            side,
+            &self.roce_devices(side, 1),
+            &self.fabric_dir(side, case),
+            &env,
+        )
+        .arg("nc")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn smc nc")
     }
 
     /// The `version` of every link group of the stacks in `side`'s fabric directory.
     fn versions(&self, side: char, case: usize) -> Vec<u64> {
-        let o = Command::new(env!("CARGO_BIN_EXE_smc"))
-            .args(["linkgroup", "--json", "--dir"])
-            .arg(self.fabric_dir(side, case))
-            .output()
-            .expect("smc linkgroup");
-        assert!(o.status.success(), "smc linkgroup: {o:?}");
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
-            panic!(
-                "linkgroup JSON: {e}: {}",
-                String::from_utf8_lossy(&o.stdout)
-            )
-        });
-        let mut out = Vec::new();
-        collect_versions(&v, &mut out);
-        out
+        versions(&query(&self.fabric_dir(side, case), "linkgroup"))
     }
 
     /// Whether something listens on TCP `port` in namespace `side`.
@@ -102,16 +82,12 @@ impl Net {
     }
 }
 
-/// The `version` of every link group (an object with `links`) in `smc linkgroup --json`.
-fn collect_versions(v: &serde_json::Value, out: &mut Vec<u64>) {
-    match v {
-        serde_json::Value::Array(a) => a.iter().for_each(|x| collect_versions(x, out)),
-        serde_json::Value::Object(o) if o.contains_key("links") => {
-            out.push(o.get("version").and_then(|v| v.as_u64()).unwrap_or(0));
-        }
-        serde_json::Value::Object(o) => o.values().for_each(|x| collect_versions(x, out)),
-        _ => {}
-    }
+/// The `version` of every link group in `smc linkgroup --json` output.
+fn versions(v: &serde_json::Value) -> Vec<u64> {
+    link_groups(v)
+        .iter()
+        .map(|g| g.get("version").and_then(|v| v.as_u64()).unwrap_or(0))
+        .collect()
 }
 
 /// Poll `f` until it returns Some, at most `limit`.
@@ -273,22 +249,13 @@ fn roce_v2_two_link_group_fails_over_when_a_veth_goes_down() {
     }
     let net = NsPair::new('w', "", 130 + (std::process::id() % 7) as u8, 2);
     let nc = |side: char, args: &[&str], stdin: Stdio, stdout: Stdio| -> Child {
-        let devices = format!(
-            "roce:r0={},roce:r1={}+{}",
-            net.veth(side, 0),
-            net.veth(side, 1),
-            net.addr(side, 0)
-        );
-        Command::new("ip")
-            .args(["netns", "exec", net.ns(side), "env"])
-            .arg(format!("SMC_FABRIC_DEVICES={devices}"))
-            .arg(format!("SMC_FABRIC_DIR={}/{side}", net.dir.display()))
-            .arg("SMC_DISCOVERY=assert-peer")
-            .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", net.n))
-            .arg("SMC_VERSIONS=2")
-            .arg("SMC_UEIDS=SMC-RS.TEST")
-            .arg("SMC_KEEPALIVE_MS=1000")
-            .arg(env!("CARGO_BIN_EXE_smc"))
+        let env = [
+            "SMC_VERSIONS=2".to_string(),
+            "SMC_UEIDS=SMC-RS.TEST".to_string(),
+            "SMC_KEEPALIVE_MS=1000".to_string(),
+        ];
+        let dir = net.dir.join(side.to_string());
+        net.smc_cmd(side, &net.roce_devices(side, 2), &dir, &env)
             .arg("nc")
             .args(args)
             .stdin(stdin)
@@ -297,18 +264,10 @@ fn roce_v2_two_link_group_fails_over_when_a_veth_goes_down() {
             .spawn()
             .expect("spawn smc nc")
     };
-    let query = |side: char, what: &str| -> serde_json::Value {
-        let o = Command::new(env!("CARGO_BIN_EXE_smc"))
-            .args([what, "--json", "--dir"])
-            .arg(net.dir.join(side.to_string()))
-            .output()
-            .expect("smc query");
-        serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null)
-    };
-    let counter = |v: &serde_json::Value, key: &str| -> u64 {
-        let mut n = 0;
-        sum_key(v, key, &mut n);
-        n
+    let query = |side: char, what: &str| query(&net.dir.join(side.to_string()), what);
+    let counter = sum_key;
+    let active = |v: &serde_json::Value| -> Vec<usize> {
+        link_groups(v).into_iter().map(active_links).collect()
     };
     let data: Vec<u8> = (0..64u64 << 20)
         .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 29) as u8)
@@ -334,11 +293,11 @@ fn roce_v2_two_link_group_fails_over_when_a_veth_goes_down() {
     // Both stacks: one v2 group, two active links.
     for side in ['a', 'b'] {
         let v = query(side, "linkgroup");
-        let mut versions = Vec::new();
-        collect_versions(&v, &mut versions);
-        let mut active = Vec::new();
-        collect_active_links(&v, &mut active);
-        assert_eq!((versions, active), (vec![2], vec![2]), "{side}: {v}");
+        assert_eq!(
+            (versions(&v), active(&v)),
+            (vec![2], vec![2]),
+            "{side}: {v}"
+        );
     }
     let before: Vec<(u64, u64)> = ['a', 'b']
         .iter()
@@ -372,9 +331,7 @@ fn roce_v2_two_link_group_fails_over_when_a_veth_goes_down() {
     );
     for side in ['a', 'b'] {
         let v = query(side, "linkgroup");
-        let mut active = Vec::new();
-        collect_active_links(&v, &mut active);
-        assert_eq!(active, vec![1], "{side}: {v}");
+        assert_eq!(active(&v), vec![1], "{side}: {v}");
     }
     stdin.write_all(&data[first..]).expect("write");
     drop(stdin);
@@ -389,38 +346,4 @@ fn roce_v2_two_link_group_fails_over_when_a_veth_goes_down() {
         got.len(),
         data.len()
     );
-}
-
-/// The sum of every number named `key` in `v`.
-fn sum_key(v: &serde_json::Value, key: &str, out: &mut u64) {
-    match v {
-        serde_json::Value::Array(a) => a.iter().for_each(|x| sum_key(x, key, out)),
-        serde_json::Value::Object(o) => {
-            for (k, x) in o {
-                if k == key {
-                    *out += x.as_u64().unwrap_or(0);
-                } else {
-                    sum_key(x, key, out);
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
-/// The number of active links of every link group in `smc linkgroup --json`.
-fn collect_active_links(v: &serde_json::Value, out: &mut Vec<usize>) {
-    match v {
-        serde_json::Value::Array(a) => a.iter().for_each(|x| collect_active_links(x, out)),
-        serde_json::Value::Object(o) if o.contains_key("links") => {
-            let n = o.get("links").and_then(|l| l.as_array()).map_or(0, |l| {
-                l.iter()
-                    .filter(|x| x.get("state").and_then(|s| s.as_str()) == Some("active"))
-                    .count()
-            });
-            out.push(n);
-        }
-        serde_json::Value::Object(o) => o.values().for_each(|x| collect_active_links(x, out)),
-        _ => {}
-    }
 }

@@ -97,6 +97,39 @@ impl NsPair {
         format!("{}{side}{k}{}", self.letter, self.tag)
     }
 
+    /// `SMC_FABRIC_DEVICES` for `side` with one roce device per veth pair: `r0` on pair 0,
+    /// and every further device also serving pair 0's TCP address, so that all of them form
+    /// one link group (`roce:r0=VETH0,roce:r1=VETH1+ADDR0`).
+    pub fn roce_devices(&self, side: char, pairs: u8) -> String {
+        (0..pairs)
+            .map(|k| {
+                if k == 0 {
+                    format!("roce:r0={}", self.veth(side, 0))
+                } else {
+                    format!("roce:r{k}={}+{}", self.veth(side, k), self.addr(side, 0))
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// A command that runs `smc` in namespace `side`: roce devices `devices`, control sockets
+    /// in `fabric_dir`, the SMC-R capability asserted, this pair's subnets, and `env`
+    /// (`NAME=VALUE` settings) — with no `SMC_VERSIONS`/`SMC_UEIDS` of the test's own
+    /// environment. The `smc` subcommand and its arguments come next.
+    pub fn smc_cmd(&self, side: char, devices: &str, fabric_dir: &Path, env: &[String]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", self.ns(side), "env"])
+            .args(["-u", "SMC_VERSIONS", "-u", "SMC_UEIDS"])
+            .arg(format!("SMC_FABRIC_DEVICES={devices}"))
+            .arg(format!("SMC_FABRIC_DIR={}", fabric_dir.display()))
+            .arg("SMC_DISCOVERY=assert-peer")
+            .arg(format!("SMC_IPV4_SUBNETS=10.{}.0.0/16", self.n))
+            .args(env)
+            .arg(env!("CARGO_BIN_EXE_smc"));
+        c
+    }
+
     /// The address of `side` on pair `k`.
     pub fn addr(&self, side: char, k: u8) -> String {
         format!(
@@ -113,6 +146,60 @@ impl Drop for NsPair {
         let _ = Command::new("ip").args(["netns", "del", &self.a]).status();
         let _ = Command::new("ip").args(["netns", "del", &self.b]).status();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `smc WHAT --json --dir DIR` about the stacks whose control sockets are in `dir`; `null`
+/// when none answers.
+pub fn query(dir: &Path, what: &str) -> serde_json::Value {
+    Command::new(env!("CARGO_BIN_EXE_smc"))
+        .args([what, "--json", "--dir"])
+        .arg(dir)
+        .output()
+        .ok()
+        .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// The link groups (objects with `links`) anywhere in `smc linkgroup --json` output.
+pub fn link_groups(v: &serde_json::Value) -> Vec<&serde_json::Value> {
+    let mut out = Vec::new();
+    fn walk<'a>(v: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+        match v {
+            serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+            serde_json::Value::Object(o) if o.contains_key("links") => out.push(v),
+            serde_json::Value::Object(o) => o.values().for_each(|x| walk(x, out)),
+            _ => {}
+        }
+    }
+    walk(v, &mut out);
+    out
+}
+
+/// The active links of link group `g`.
+pub fn active_links(g: &serde_json::Value) -> usize {
+    g.get("links").and_then(|l| l.as_array()).map_or(0, |l| {
+        l.iter()
+            .filter(|x| x.get("state").and_then(|s| s.as_str()) == Some("active"))
+            .count()
+    })
+}
+
+/// The sum of every number named `key` anywhere in `v` (a counter over all stacks).
+pub fn sum_key(v: &serde_json::Value, key: &str) -> u64 {
+    match v {
+        serde_json::Value::Array(a) => a.iter().map(|x| sum_key(x, key)).sum(),
+        serde_json::Value::Object(o) => o
+            .iter()
+            .map(|(k, x)| {
+                if k == key {
+                    x.as_u64().unwrap_or(0)
+                } else {
+                    sum_key(x, key)
+                }
+            })
+            .sum(),
+        _ => 0,
     }
 }
 
