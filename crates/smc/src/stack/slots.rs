@@ -36,6 +36,10 @@ pub(crate) struct Slot {
     /// Signalled when the setup ends (established, fell back, reset), for a rendezvous that
     /// waits for an LLC exchange another thread handles: made only then (an eventfd).
     pub(crate) setup_waker: Option<Arc<rustix::fd::OwnedFd>>,
+    /// A reader of this connection copies its unread bytes out of the RMBE without the
+    /// core lock (see `SmcStream::smc_read`): until it has consumed them, no other read of
+    /// the connection may take the same bytes.
+    pub(crate) copying_out: bool,
 }
 
 impl Slot {
@@ -52,6 +56,7 @@ impl Slot {
             cond: Arc::new(Condvar::new()),
             waiters: 0,
             setup_waker: None,
+            copying_out: false,
         }
     }
 

@@ -348,6 +348,15 @@ impl SmcStream {
         let mut core = inner.lock();
         let mut now = core.now();
         let result = loop {
+            if core.slots.get(&id).is_some_and(|s| s.copying_out) {
+                // Another read of this connection copies without the lock (see
+                // `unlocked_read`): the bytes it copies are not ours; wait until consumed.
+                drop(core);
+                std::thread::yield_now();
+                core = inner.lock();
+                now = core.now();
+                continue;
+            }
             // Out of band (SO_OOBINLINE off): the urgent byte, when the read reached it, goes
             // to the slot rather than to `buf`.
             if let Some(slot) = &self.urgent_slot {
@@ -364,9 +373,27 @@ impl SmcStream {
                     }
                 }
             }
+            let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+            // A large read copies without the core lock (other connections' reads and
+            // writes, and the completions, go on meanwhile).
+            if max >= UNLOCKED_COPY_MIN {
+                let (c, outcome) = unlocked_read(inner, core, id, buf, now);
+                core = c;
+                match outcome {
+                    Unlocked::NotTaken => {}
+                    Unlocked::Done(Ok(n)) => {
+                        self.spin.after_write.store(false, Ordering::Relaxed);
+                        self.last_read = n;
+                        break Ok(n);
+                    }
+                    Unlocked::Done(Err(e)) => break Err(e),
+                    // Consumed failed: the connection failed or went meanwhile; the checks
+                    // below say how.
+                    Unlocked::Failed => now = core.now(),
+                }
+            }
             // One pass: copied straight into `buf`, consumed, stopped in front of the urgent
             // byte as TCP does (so that `at_mark` can tell the next read starts with it).
-            let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
             let Core { ep, fab, .. } = &mut *core;
             match ep.read_with(id, max, now, |target, n| {
                 copy_out(fab, target, &mut buf[..n as usize])
@@ -565,6 +592,80 @@ fn tcp_at_mark(sock: &TcpStream) -> io::Result<bool> {
     Ok(at != 0)
 }
 
+/// Reads of at least this many bytes copy without the core lock ([`unlocked_read`]); below
+/// it, the two more lock round trips cost more than the copy holds the lock (the ping-pong
+/// path stays as it was).
+const UNLOCKED_COPY_MIN: u32 = 4096;
+
+/// What [`unlocked_read`] did.
+enum Unlocked {
+    /// Less than [`UNLOCKED_COPY_MIN`] unread bytes (or none, or an urgent byte next, or a
+    /// failure): the read goes the locked way, which also reports what is wrong.
+    NotTaken,
+    /// Copied and consumed (or the copy failed: nothing consumed).
+    Done(io::Result<usize>),
+    /// Copied, but the connection failed or went before the bytes were consumed.
+    Failed,
+}
+
+/// Read the unread bytes of connection `id` into `buf` with the copy outside the core lock:
+/// under the lock, where they are (and that no other read copies them: `copying_out`);
+/// without it, the copy out of our RMBE; under it again, consumed. The bytes between the
+/// consumer cursor and the producer cursor are ours until consumed: the peer writes only
+/// past the producer cursor (RFC 7609 §4.5.1, the free space is what the consumer cursor
+/// returns), so they cannot change meanwhile, and the RMB's registration is held (`Arc`)
+/// even if the connection goes. Urgent data (out of band, or a read stopping in front of
+/// the urgent byte) is left to the locked path.
+fn unlocked_read<'a>(
+    inner: &'a crate::stack::Inner,
+    mut core: std::sync::MutexGuard<'a, Core>,
+    id: TcpId,
+    buf: &mut [u8],
+    now: smc_proto::Timestamp,
+) -> (std::sync::MutexGuard<'a, Core>, Unlocked) {
+    let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+    // (The caller saw that no other read of the connection copies.)
+    if core.slots.get(&id).is_none() {
+        return (core, Unlocked::NotTaken);
+    }
+    if core.ep.connection(id).map_or(0, |c| c.readable()) < UNLOCKED_COPY_MIN
+        || core.ep.urgent_offset(id).is_some()
+    {
+        return (core, Unlocked::NotTaken);
+    }
+    let Ok(target) = core.ep.read_target(id, now) else {
+        return (core, Unlocked::NotTaken);
+    };
+    let n = target.regions.total().min(max);
+    let Some(mr) = core
+        .fab
+        .rmbs
+        .get(&(target.lgr, target.rmb))
+        .and_then(|r| r.iter().flatten().next())
+        .cloned()
+    else {
+        return (core, Unlocked::NotTaken);
+    };
+    if let Some(s) = core.slots.get_mut(&id) {
+        s.copying_out = true;
+    }
+    drop(core);
+    let copied = copy_regions(&mr, &target, &mut buf[..n as usize]);
+    drop(mr);
+    let mut core = inner.lock();
+    if let Some(s) = core.slots.get_mut(&id) {
+        s.copying_out = false;
+    }
+    if let Err(e) = copied {
+        return (core, Unlocked::Done(Err(e)));
+    }
+    let now = core.now();
+    match core.ep.consumed(id, n, now) {
+        Ok(()) => (core, Unlocked::Done(Ok(n as usize))),
+        Err(_) => (core, Unlocked::Failed),
+    }
+}
+
 /// Copy the first `out.len()` unread bytes of connection `id` out of our RMB (one copy,
 /// straight into the application's buffer). Every device's registration of the RMB is the
 /// same memory, so any of them serves.
@@ -573,12 +674,21 @@ fn copy_out(
     target: &smc_proto::endpoint::ReadTarget,
     out: &mut [u8],
 ) -> io::Result<()> {
-    let regions: &Regions = &target.regions;
     let mr = fab
         .rmbs
         .get(&(target.lgr, target.rmb))
         .and_then(|r| r.iter().flatten().next())
         .ok_or_else(|| io::Error::other("RMB missing"))?;
+    copy_regions(mr, target, out)
+}
+
+/// Copy the first `out.len()` bytes of `target`'s regions out of `mr`, our RMB.
+fn copy_regions(
+    mr: &smc_fabric::MemoryRegion,
+    target: &smc_proto::endpoint::ReadTarget,
+    out: &mut [u8],
+) -> io::Result<()> {
+    let regions: &Regions = &target.regions;
     let mut done = 0usize;
     for r in regions.iter() {
         if done == out.len() {
