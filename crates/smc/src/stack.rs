@@ -494,6 +494,58 @@ impl Core {
         }
     }
 
+    /// Where a write of up to `max` bytes on connection `tcp` would go, and the handle that
+    /// places it without the core lock, when that is possible: the link's QP places WRITEs
+    /// at post (shm), no work waits for room on it, and no capture records the traffic.
+    pub(crate) fn plan_unlocked_write(
+        &self,
+        tcp: TcpId,
+        max: u32,
+    ) -> Option<(smc_proto::endpoint::WritePlan, smc_fabric::WritePlacer)> {
+        if self.capture.is_some() {
+            return None;
+        }
+        let plan = self.ep.write_plan(tcp, max)?;
+        if send::waits_for_room(&self.deferred, plan.link) {
+            return None;
+        }
+        let placer = self.fab.links.get(&plan.link)?.qp.placer()?;
+        Some((plan, placer))
+    }
+
+    /// [`send_direct`](Self::send_direct) of exactly the bytes of `plan` (made by
+    /// [`plan_unlocked_write`](Self::plan_unlocked_write)), whose pieces `placed` are already
+    /// in the peer's RMBE: those are not copied again.
+    pub(crate) fn send_preplaced(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        plan: smc_proto::endpoint::WritePlan,
+        placed: [bool; 2],
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        let Core {
+            ep,
+            fab,
+            failed_posts,
+            deferred,
+            capture,
+            ..
+        } = self;
+        let path = send::PrePlaced {
+            direct: DirectSend {
+                fab: &*fab,
+                failed_posts,
+                deferred,
+                capturing: capture.is_some(),
+                held: Vec::new(),
+            },
+            plan,
+            placed,
+        };
+        ep.send_with(id, buf, now, path)
+    }
+
     /// Whether the engine queues a `Readable` event for each CDC of `tcp` that brings data:
     /// only while a thread sleeps on the slot's condition variable or an event loop watches
     /// its eventfds, the only ones the event reaches (see `signal`). A reader that polls

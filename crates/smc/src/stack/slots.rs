@@ -40,6 +40,10 @@ pub(crate) struct Slot {
     /// core lock (see `SmcStream::smc_read`): until it has consumed them, no other read of
     /// the connection may take the same bytes.
     pub(crate) copying_out: bool,
+    /// A writer of this connection copies into the peer's RMBE without the core lock (see
+    /// `Core::send_preplaced`): until its bytes are produced, no other write of the
+    /// connection may plan the same free space.
+    pub(crate) copying_in: bool,
 }
 
 impl Slot {
@@ -57,6 +61,7 @@ impl Slot {
             waiters: 0,
             setup_waker: None,
             copying_out: false,
+            copying_in: false,
         }
     }
 

@@ -472,9 +472,21 @@ impl SmcStream {
                 core.drain();
                 return Err(conn_error(e));
             }
+            if core.slots.get(&id).is_some_and(|s| s.copying_in) {
+                // Another write of this connection copies without the lock into the space
+                // this one would take (see `unlocked_write`): wait until it is produced.
+                drop(core);
+                std::thread::yield_now();
+                core = inner.lock();
+                continue;
+            }
             let now = core.now();
             let sent = if urgent {
                 core.send_urgent_direct(id, buf, now)
+            } else if buf.len() >= UNLOCKED_COPY_MIN as usize {
+                let (c, sent) = unlocked_write(inner, core, id, buf, now);
+                core = c;
+                sent
             } else {
                 send_in_pieces(&mut core, id, buf, now)
             };
@@ -542,6 +554,84 @@ fn send_in_pieces(
         }
     }
     Ok(total)
+}
+
+/// [`send_in_pieces`] with each piece copied into the peer's RMBE outside the core lock:
+/// under the lock, where the piece goes ([`Endpoint::write_plan`]) and that no other write of
+/// the connection plans the same space (`copying_in`); without it, the copy
+/// ([`smc_fabric::WritePlacer`]: neither the core lock nor the QP's send lock is held, so
+/// the writers of many connections copy at once); under it again, the same bytes sent with
+/// the pieces that were placed reported as such (the CDC announces them, RFC 7609 §4.5.1:
+/// the peer reads only what a CDC's producer cursor covers, so bytes in the free space before
+/// it are not seen). Where the plan is small or the fabric cannot place without its lock,
+/// the piece goes the locked way.
+///
+/// [`Endpoint::write_plan`]: smc_proto::Endpoint::write_plan
+fn unlocked_write<'a>(
+    inner: &'a crate::stack::Inner,
+    mut core: std::sync::MutexGuard<'a, Core>,
+    id: TcpId,
+    buf: &[u8],
+    mut now: smc_proto::Timestamp,
+) -> (
+    std::sync::MutexGuard<'a, Core>,
+    Result<usize, smc_proto::endpoint::EndpointError>,
+) {
+    let piece = core.ep.connection(id).map_or(buf.len(), |c| {
+        (c.config().peer_rmbe_len as usize / 4).max(PIECE_MIN)
+    });
+    let mut total = 0usize;
+    while total < buf.len() {
+        let want = u32::try_from((buf.len() - total).min(piece)).unwrap_or(u32::MAX);
+        let planned = core
+            .plan_unlocked_write(id, want)
+            .filter(|(plan, _)| plan.total() >= UNLOCKED_COPY_MIN);
+        let Some((plan, placer)) = planned else {
+            // The locked way (it also reports why nothing can be written).
+            let rest = &buf[total..];
+            let end = rest.len().min(piece);
+            return match core.send_direct(id, &rest[..end], now) {
+                Ok(n) => (core, Ok(total + n)),
+                Err(_) if total > 0 => (core, Ok(total)),
+                Err(e) => (core, Err(e)),
+            };
+        };
+        if let Some(s) = core.slots.get_mut(&id) {
+            s.copying_in = true;
+        }
+        drop(core);
+        let bytes = &buf[total..total + plan.total() as usize];
+        let mut placed = [false; 2];
+        let mut off = 0usize;
+        for (done, &(addr, len)) in placed.iter_mut().zip(&plan.pieces) {
+            let len = len as usize;
+            if len == 0 || !placer.place(&bytes[off..off + len], addr, plan.rkey) {
+                break;
+            }
+            *done = true;
+            off += len;
+        }
+        drop(placer);
+        core = inner.lock();
+        if let Some(s) = core.slots.get_mut(&id) {
+            s.copying_in = false;
+        }
+        now = core.now();
+        match core.send_preplaced(id, bytes, plan, placed, now) {
+            Ok(n) => {
+                total += n;
+                if n < bytes.len() {
+                    break;
+                }
+                // Post this piece's CDC before copying the next one.
+                core.drain();
+            }
+            // What was taken stays taken; the failure shows at the next call.
+            Err(_) if total > 0 => break,
+            Err(e) => return (core, Err(e)),
+        }
+    }
+    (core, Ok(total))
 }
 
 /// Smallest piece a large write is cut into (see [`send_in_pieces`]).
