@@ -220,7 +220,9 @@ fn concurrent_readers_and_writers_of_one_connection_take_each_byte_once() {
     for w in writers {
         w.join().expect("writer");
     }
-    client.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    client
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
     let mut counts = [0usize; 256];
     for r in readers {
         for (c, n) in counts.iter_mut().zip(r.join().expect("reader")) {
