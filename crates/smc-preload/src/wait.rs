@@ -344,6 +344,8 @@ pub(crate) unsafe fn epoll_wait_managed(
     let out = unsafe { std::slice::from_raw_parts_mut(evs, max as usize) };
     let deadline = timeout.map(|t| Instant::now() + t);
     loop {
+        // What arrived since the last call, handled here rather than by the runtime thread.
+        smc::fdapi::poll_before_wait();
         let n = harvest(set, out);
         if n == out.len() {
             return n as c_int;
@@ -508,6 +510,8 @@ unsafe fn ppoll_managed(
         if let Some(w) = &waiter {
             w.clear();
         }
+        // What arrived since the last call, handled here rather than by the runtime thread.
+        smc::fdapi::poll_before_wait();
         let mut ready = vec![Ready::default(); list.len()];
         Conn::ready_many(&list, &mut ready);
         let mut ready = ready.into_iter();

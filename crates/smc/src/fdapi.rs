@@ -1061,6 +1061,29 @@ pub fn completion_fds() -> Vec<RawFd> {
     })
 }
 
+/// At the start of an event loop's wait call (epoll, poll, select): handle what the completion
+/// queues hold now, unless another thread polls them, and note that this loop does so (see
+/// `Inner::loop_polled_at`): while the loop calls this regularly, the runtime thread stays
+/// off the channels (no doorbell wakes it, and the peer rings none while nobody sleeps on
+/// them), and the loop's readiness check that follows sees the news of its connections.
+pub fn poll_before_wait() {
+    let Some(stack) = current_stack() else {
+        return;
+    };
+    let inner = &stack.inner;
+    if inner.poller.load(Ordering::Acquire) {
+        return;
+    }
+    let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+    let mut core = inner.lock();
+    if core.poll_completions(&mut wcs) {
+        core.drain();
+    }
+    inner
+        .loop_polled_at
+        .store(core.now_micros(), Ordering::Release);
+}
+
 /// Before an event loop's thread sleeps with the completion channels among what it waits on:
 /// become the stack's poller unless another thread is, handle what is there, arm the channels
 /// and look once more (arm, then recheck, as verbs want).

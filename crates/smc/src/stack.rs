@@ -69,6 +69,11 @@ const PARK_SLICE: Duration = Duration::from_millis(2);
 /// An application thread that became the poller this recently counts as polling (it is
 /// likely between two waits).
 const POLLER_RECENT: Duration = Duration::from_millis(20);
+/// An event loop that handled the completions at a wait call this recently counts as
+/// handling them (see `Inner::loop_polled_at`): short, since a loop that stops calling (it
+/// computes, or blocks elsewhere) leaves its connections' news to the runtime thread again
+/// within this and one [`PARK_SLICE`].
+const LOOP_RECENT: Duration = Duration::from_millis(2);
 /// Longest time a small send's producer-cursor update is held back without TCP_NODELAY
 /// (RFC 7609 §4.5.2: coalescing needs a timer that ensures the data is eventually sent).
 const COALESCING_DELAY: Duration = Duration::from_micros(500);
@@ -917,6 +922,12 @@ pub(crate) struct Inner {
     /// application that waits again and again keeps the runtime thread off the channels
     /// also between its waits.
     pub(crate) poller_at: AtomicU64,
+    /// When an event loop of the preload library last handled the completions itself at the
+    /// start of a wait call (µs on the core's clock, see `fdapi::poll_before_wait`): while it
+    /// does so regularly, the runtime thread stays off the completion channels although the
+    /// loop's connections have eventfds (it would otherwise take every doorbell, wake, and
+    /// signal the loop's eventfds: two wake-ups and a system call per message).
+    pub(crate) loop_polled_at: AtomicU64,
     pub(crate) discovery: Option<TcpOptionDiscovery>,
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
@@ -1116,6 +1127,7 @@ impl Stack {
             poller: AtomicBool::new(false),
             followers: AtomicUsize::new(0),
             poller_at: AtomicU64::new(0),
+            loop_polled_at: AtomicU64::new(0),
             discovery,
             peer_id,
             next_tcp: AtomicU64::new(1),
