@@ -21,9 +21,11 @@ const SPIN_GROW_START: Duration = Duration::from_micros(5);
 /// costs no CPU, and so does one whose peer cannot answer while this thread spins (a loaded
 /// machine: the spin takes the CPU the peer needs).
 #[derive(Debug)]
-pub(super) struct AdaptiveSpin {
+pub(crate) struct AdaptiveSpin {
     /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
     pub(super) max: Option<Duration>,
+    /// The budget after a short sleep without a spin.
+    start: Duration,
     /// Current budget in nanoseconds.
     budget_ns: std::sync::atomic::AtomicU64,
     /// The stream wrote since its last read returned data: a read now likely waits for a
@@ -32,8 +34,15 @@ pub(super) struct AdaptiveSpin {
 }
 
 impl AdaptiveSpin {
-    pub(super) fn new(max: Option<Duration>) -> AdaptiveSpin {
+    pub(crate) fn new(max: Option<Duration>) -> AdaptiveSpin {
+        AdaptiveSpin::with_start(max, SPIN_GROW_START)
+    }
+
+    /// A spin whose budget starts at `start` after a short sleep (instead of
+    /// [`SPIN_GROW_START`]).
+    pub(crate) fn with_start(max: Option<Duration>, start: Duration) -> AdaptiveSpin {
         AdaptiveSpin {
+            start,
             max: max.filter(|m| !m.is_zero()),
             budget_ns: std::sync::atomic::AtomicU64::new(0),
             after_write: std::sync::atomic::AtomicBool::new(false),
@@ -41,7 +50,7 @@ impl AdaptiveSpin {
     }
 
     /// How long to spin now; `None`: sleep at once.
-    fn budget(&self) -> Option<Duration> {
+    pub(crate) fn budget(&self) -> Option<Duration> {
         self.max?;
         match self.budget_ns.load(Ordering::Relaxed) {
             0 => None,
@@ -50,7 +59,7 @@ impl AdaptiveSpin {
     }
 
     /// A blocked call slept for `d` after its spin of `spun` (zero: none) found nothing.
-    fn slept(&self, spun: Duration, d: Duration) {
+    pub(crate) fn slept(&self, spun: Duration, d: Duration) {
         let Some(max) = self.max else {
             return;
         };
@@ -60,7 +69,7 @@ impl AdaptiveSpin {
             // No spin: start one when the sleep was short. A sleep includes this thread's
             // own wake-up, which a loaded machine stretches well beyond the spin.
             if d <= max.saturating_mul(SPIN_GROW_WINDOW) {
-                ns(SPIN_GROW_START).min(ns(max))
+                ns(self.start).min(ns(max))
             } else {
                 cur
             }
