@@ -183,7 +183,7 @@ fn concurrent_readers_and_writers_of_one_connection_take_each_byte_once() {
             let mut w = client.try_clone().expect("clone");
             std::thread::spawn(move || {
                 let big = vec![value; 8192];
-                let small = vec![value; 100];
+                let small = [value; 100];
                 let mut sent = 0usize;
                 let mut i = 0usize;
                 while sent < PER_WRITER {
