@@ -916,6 +916,15 @@ impl QueuePair {
             QpImpl::Roce(_, q) => q.post_send_held(wr),
         }
     }
+    /// A handle that places this QP's unsignaled RDMA WRITEs with the copy outside its send
+    /// queue's lock, usable without a reference to the QP (see [`WritePlacer`]); `None` on a
+    /// backend whose WRITEs do not execute at post (software RoCE).
+    pub fn placer(&self) -> Option<WritePlacer> {
+        match &self.inner {
+            QpImpl::Shm(q) => Some(WritePlacer { qp: q.clone() }),
+            QpImpl::Roce(..) => None,
+        }
+    }
     /// Transmit what [`QueuePair::post_send_held`] left waiting (nothing to do if nothing
     /// waits).
     pub fn doorbell(&self) {
@@ -930,6 +939,35 @@ impl QueuePair {
             QpImpl::Shm(q) => q.post_recv(wr),
             QpImpl::Roce(_, q) => q.post_recv(wr),
         }
+    }
+}
+
+/// Places the bytes of unsignaled RDMA WRITEs of one QP (shm backend) with the copy outside
+/// the QP's send lock, so that WRITEs of many connections over one link copy at the same
+/// time (a post copies under the lock). What [`place`](Self::place) placed counts as a WRITE
+/// executed at post (it needs no completion); the caller orders it before the SEND that
+/// announces it by posting that SEND afterwards from the same thread. Holding a placer keeps
+/// no QP alive: once the QP is destroyed, nothing is placed.
+#[derive(Clone)]
+pub struct WritePlacer {
+    qp: Arc<shm::QpShared>,
+}
+
+impl WritePlacer {
+    /// Place `data` at `remote_addr` of the peer's region `rkey` now. `true`: done; `false`:
+    /// nothing was done (not ready, work queued before it, the region not yet known to this
+    /// QP, a fault being injected, or out of bounds): post the WRITE instead, which reports
+    /// any failure.
+    pub fn place(&self, data: &[u8], remote_addr: u64, rkey: u32) -> bool {
+        self.qp.place_unlocked(data, remote_addr, rkey)
+    }
+}
+
+impl std::fmt::Debug for WritePlacer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WritePlacer")
+            .field("qpn", &self.qp.qpn)
+            .finish()
     }
 }
 

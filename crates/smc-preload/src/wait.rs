@@ -52,6 +52,9 @@ pub(crate) struct EpollSet {
     interests: Mutex<BTreeMap<c_int, Interest>>,
     /// How many of the stack's completion channels are registered in the kernel instance.
     channels: std::sync::atomic::AtomicUsize,
+    /// The spin before a sleep of this instance's waits (made at the first wait: the stack
+    /// may not exist when the instance is created).
+    spin: std::sync::OnceLock<smc::fdapi::LoopSpin>,
 }
 
 /// The data word of completion channel `i` in a kernel instance (bit 31 of the lower half
@@ -344,11 +347,31 @@ pub(crate) unsafe fn epoll_wait_managed(
     let out = unsafe { std::slice::from_raw_parts_mut(evs, max as usize) };
     let deadline = timeout.map(|t| Instant::now() + t);
     loop {
+        // What arrived since the last call, handled here rather than by the runtime thread.
+        smc::fdapi::poll_before_wait();
         let n = harvest(set, out);
         if n == out.len() {
             return n as c_int;
         }
         let t = if n > 0 { 0 } else { remaining_ms(deadline) };
+        // Nothing ready and about to sleep: first spin a little for the connections' news
+        // (the adaptive budget), when this instance watches connections.
+        let spin = set.spin.get_or_init(smc::fdapi::LoopSpin::new);
+        let mut spun = Duration::ZERO;
+        if t != 0 && !set.lock().is_empty() {
+            if let Some(budget) = spin.budget() {
+                let start = Instant::now();
+                let until = deadline.map_or(start + budget, |d| d.min(start + budget));
+                let mut found = 0;
+                if spin.spin(until, || {
+                    found = harvest(set, out);
+                    found > 0
+                }) {
+                    return found as c_int;
+                }
+                spun = start.elapsed();
+            }
+        }
         // About to sleep: become the stack's poller, so that a doorbell wakes this thread
         // rather than the runtime thread, which would then wake this one.
         let channels = if t != 0 {
@@ -365,8 +388,12 @@ pub(crate) unsafe fn epoll_wait_managed(
             continue;
         }
         let rest = &mut out[n..];
+        let slept = Instant::now();
         // SAFETY: the rest of the caller's array.
         let k = unsafe { real::epoll_pwait(epfd, rest.as_mut_ptr(), rest.len() as c_int, t, mask) };
+        if t != 0 && n == 0 {
+            spin.slept(spun, slept.elapsed());
+        }
         let mut fired = [false; 8];
         let (kept, ours) = if k > 0 {
             filter_marks(&mut rest[..k as usize], &mut fired)
@@ -508,6 +535,8 @@ unsafe fn ppoll_managed(
         if let Some(w) = &waiter {
             w.clear();
         }
+        // What arrived since the last call, handled here rather than by the runtime thread.
+        smc::fdapi::poll_before_wait();
         let mut ready = vec![Ready::default(); list.len()];
         Conn::ready_many(&list, &mut ready);
         let mut ready = ready.into_iter();

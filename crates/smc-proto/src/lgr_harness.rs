@@ -801,7 +801,12 @@ impl EndpointPair {
         // CDCs the engine posted at once (see `DirectCdcs`).
         let mut cdcs = Vec::new();
         let h = self.host_mut(s);
+        // Where the engine says the WRITEs go, asked before: `send_with` must write there.
+        let plan =
+            h.ep.write_plan(tcp, u32::try_from(data.len()).unwrap_or(u32::MAX));
+        let mut seen: Vec<(RdmaWriteTarget, usize)> = Vec::new();
         let write = |t: RdmaWriteTarget, piece: &[u8]| {
+            seen.push((t, piece.len()));
             if !alive.get(&t.link).copied().unwrap_or(false) {
                 h.outstanding.insert(t.wr, t.link);
                 traced.push(TraceEntry {
@@ -848,6 +853,22 @@ impl EndpointPair {
                 cdcs: &mut cdcs,
             },
         );
+        match plan {
+            Some(p) => {
+                for ((t, len), (addr, plen)) in seen.iter().zip(p.pieces) {
+                    assert_eq!(
+                        (t.link, t.rkey, t.addr, *len as u64),
+                        (p.link, p.rkey, addr, u64::from(plen)),
+                        "a WRITE of send_with differs from write_plan"
+                    );
+                }
+                assert!(seen.len() <= p.pieces.iter().filter(|(_, l)| *l > 0).count());
+            }
+            None => assert!(
+                seen.is_empty(),
+                "send_with wrote where write_plan saw no room"
+            ),
+        }
         self.knobs.drop = drop;
         self.trace.extend(traced);
         let peer = self.host_mut(s.other());

@@ -69,6 +69,11 @@ const PARK_SLICE: Duration = Duration::from_millis(2);
 /// An application thread that became the poller this recently counts as polling (it is
 /// likely between two waits).
 const POLLER_RECENT: Duration = Duration::from_millis(20);
+/// An event loop that handled the completions at a wait call this recently counts as
+/// handling them (see `Inner::loop_polled_at`): short, since a loop that stops calling (it
+/// computes, or blocks elsewhere) leaves its connections' news to the runtime thread again
+/// within this and one [`PARK_SLICE`].
+const LOOP_RECENT: Duration = Duration::from_millis(2);
 /// Longest time a small send's producer-cursor update is held back without TCP_NODELAY
 /// (RFC 7609 §4.5.2: coalescing needs a timer that ensures the data is eventually sent).
 const COALESCING_DELAY: Duration = Duration::from_micros(500);
@@ -497,6 +502,58 @@ impl Core {
         }
     }
 
+    /// Where a write of up to `max` bytes on connection `tcp` would go, and the handle that
+    /// places it without the core lock, when that is possible: the link's QP places WRITEs
+    /// at post (shm), no work waits for room on it, and no capture records the traffic.
+    pub(crate) fn plan_unlocked_write(
+        &self,
+        tcp: TcpId,
+        max: u32,
+    ) -> Option<(smc_proto::endpoint::WritePlan, smc_fabric::WritePlacer)> {
+        if self.capture.is_some() {
+            return None;
+        }
+        let plan = self.ep.write_plan(tcp, max)?;
+        if send::waits_for_room(&self.deferred, plan.link) {
+            return None;
+        }
+        let placer = self.fab.links.get(&plan.link)?.qp.placer()?;
+        Some((plan, placer))
+    }
+
+    /// [`send_direct`](Self::send_direct) of exactly the bytes of `plan` (made by
+    /// [`plan_unlocked_write`](Self::plan_unlocked_write)), whose pieces `placed` are already
+    /// in the peer's RMBE: those are not copied again.
+    pub(crate) fn send_preplaced(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        plan: smc_proto::endpoint::WritePlan,
+        placed: [bool; 2],
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        let Core {
+            ep,
+            fab,
+            failed_posts,
+            deferred,
+            capture,
+            ..
+        } = self;
+        let path = send::PrePlaced {
+            direct: DirectSend {
+                fab: &*fab,
+                failed_posts,
+                deferred,
+                capturing: capture.is_some(),
+                held: Vec::new(),
+            },
+            plan,
+            placed,
+        };
+        ep.send_with(id, buf, now, path)
+    }
+
     /// Whether the engine queues a `Readable` event for each CDC of `tcp` that brings data:
     /// only while a thread sleeps on the slot's condition variable or an event loop watches
     /// its eventfds, the only ones the event reaches (see `signal`). A reader that polls
@@ -868,6 +925,12 @@ pub(crate) struct Inner {
     /// application that waits again and again keeps the runtime thread off the channels
     /// also between its waits.
     pub(crate) poller_at: AtomicU64,
+    /// When an event loop of the preload library last handled the completions itself at the
+    /// start of a wait call (µs on the core's clock, see `fdapi::poll_before_wait`): while it
+    /// does so regularly, the runtime thread stays off the completion channels although the
+    /// loop's connections have eventfds (it would otherwise take every doorbell, wake, and
+    /// signal the loop's eventfds: two wake-ups and a system call per message).
+    pub(crate) loop_polled_at: AtomicU64,
     pub(crate) discovery: Option<TcpOptionDiscovery>,
     pub(crate) peer_id: PeerId,
     next_tcp: AtomicU64,
@@ -1067,6 +1130,7 @@ impl Stack {
             poller: AtomicBool::new(false),
             followers: AtomicUsize::new(0),
             poller_at: AtomicU64::new(0),
+            loop_polled_at: AtomicU64::new(0),
             discovery,
             peer_id,
             next_tcp: AtomicU64::new(1),

@@ -32,7 +32,7 @@ mod listener;
 mod rendezvous;
 
 pub use connect::ConnectOptions;
-use data::AdaptiveSpin;
+pub(crate) use data::AdaptiveSpin;
 pub use listener::SmcListener;
 use listener::{setup_waker, wait_socket_or_waker, AcceptShared};
 use rendezvous::{finish, Progress, Rendezvous};
@@ -47,7 +47,7 @@ const RENDEZVOUS_SLICE: Duration = Duration::from_millis(10);
 const POLL_SLICE: Duration = Duration::from_millis(50);
 /// A spinning poller looks at the completion queues' lock-free readiness hint this many times
 /// (a few µs) before it takes the core lock again to read the clock and its connection.
-const SPINS_BETWEEN_LOOKS: u32 = 64;
+pub(crate) const SPINS_BETWEEN_LOOKS: u32 = 64;
 
 /// Signed distance in bytes from cursor `a` to cursor `b` in a ring of `len` bytes.
 pub(crate) fn cursor_distance(a: Cursor, b: Cursor, len: u32) -> i64 {

@@ -291,3 +291,76 @@ fn time_wait_stays_with_the_side_that_closed_first() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two writers and two readers on the handles of one connection at once, with reads and
+/// writes large enough to copy outside the stack's lock and small ones that copy under it:
+/// no byte is taken twice or overwritten (each writer sends only its own byte value, so a
+/// read of the same bytes by both readers, or a writer's copy over bytes another writer had
+/// already announced, changes the counts).
+#[test]
+fn concurrent_readers_and_writers_of_one_connection_take_each_byte_once() {
+    let dir = test_dir("concurrent");
+    let (_a, _b, server, mut client) = pair(&dir, 64 * 1024);
+    const PER_WRITER: usize = 4 << 20;
+    let writers: Vec<_> = [1u8, 2u8]
+        .into_iter()
+        .map(|value| {
+            let mut w = client.try_clone().expect("clone");
+            std::thread::spawn(move || {
+                let big = vec![value; 8192];
+                let small = [value; 100];
+                let mut sent = 0usize;
+                let mut i = 0usize;
+                while sent < PER_WRITER {
+                    let piece = if i % 3 == 2 { &small[..] } else { &big[..] };
+                    let piece = &piece[..piece.len().min(PER_WRITER - sent)];
+                    w.write_all(piece).expect("write");
+                    sent += piece.len();
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    let readers: Vec<_> = [32 * 1024usize, 1000]
+        .into_iter()
+        .map(|len| {
+            let mut r = server.try_clone().expect("clone");
+            r.set_read_timeout(Some(Duration::from_secs(60)))
+                .expect("timeout");
+            std::thread::spawn(move || {
+                let mut counts = [0usize; 256];
+                let mut buf = vec![0u8; len];
+                loop {
+                    let n = r.read(&mut buf).expect("read");
+                    if n == 0 {
+                        return counts;
+                    }
+                    for b in &buf[..n] {
+                        counts[usize::from(*b)] += 1;
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().expect("writer");
+    }
+    client
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
+    let mut counts = [0usize; 256];
+    for r in readers {
+        for (c, n) in counts.iter_mut().zip(r.join().expect("reader")) {
+            *c += n;
+        }
+    }
+    assert_eq!(counts[1], PER_WRITER, "bytes of writer 1");
+    assert_eq!(counts[2], PER_WRITER, "bytes of writer 2");
+    assert_eq!(
+        counts.iter().sum::<usize>(),
+        2 * PER_WRITER,
+        "no other bytes"
+    );
+    drop((server, client));
+    let _ = std::fs::remove_dir_all(&dir);
+}

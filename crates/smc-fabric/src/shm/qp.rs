@@ -58,7 +58,8 @@ struct Outbound {
     capacity: u32,
     producer: Producer,
     rx_bell: OwnedFd,
-    mrs: HashMap<u32, RemoteMr>,
+    /// Shared: a WRITE placed outside the send lock keeps its mapping while it copies.
+    mrs: HashMap<u32, Arc<RemoteMr>>,
     epoch: u64,
     /// SENDs placed into the peer's ring.
     sent: u64,
@@ -970,7 +971,7 @@ impl QpShared {
                 if !o.mrs.contains_key(&rkey) {
                     match request_mr(o, rkey, core.fabric.max_mr_size) {
                         Ok(m) => {
-                            o.mrs.insert(rkey, m);
+                            o.mrs.insert(rkey, Arc::new(m));
                         }
                         Err(status) => return fail(status),
                     }
@@ -1024,6 +1025,54 @@ impl QpShared {
                 )
             }
         }
+    }
+
+    /// Place the bytes of an unsignaled RDMA WRITE into the peer's region `rkey` at
+    /// `remote_addr` with the copy outside the send lock (see
+    /// [`WritePlacer`](crate::WritePlacer)): under the lock only the checks a post makes
+    /// (ready to send, nothing queued before it, the region known, in bounds), then the copy
+    /// without it, so that WRITEs of different connections over one QP copy at once. `false`:
+    /// nothing was done (the QP is not ready, work waits in its queue, the region is not
+    /// known yet, a failure is being injected, or the bounds do not hold): post the WRITE as
+    /// usual, which reports what is wrong.
+    pub(crate) fn place_unlocked(&self, data: &[u8], remote_addr: u64, rkey: u32) -> bool {
+        if self.state() != QpState::Rts || self.core().fail_next.load(Ordering::Relaxed) > 0 {
+            return false;
+        }
+        let (m, off) = {
+            let s = lock(&self.send);
+            if !s.pending.is_empty() {
+                return false;
+            }
+            let Some(o) = s.out.as_ref() else {
+                return false;
+            };
+            // A region the peer re-registered since (a new epoch) is looked up again by
+            // the posting path.
+            if o.header().epoch.load(Ordering::Acquire) != o.epoch {
+                return false;
+            }
+            let Some(m) = o.mrs.get(&rkey) else {
+                return false;
+            };
+            let Some(off) = remote_addr.checked_sub(m.vaddr) else {
+                return false;
+            };
+            let in_bounds = off
+                .checked_add(data.len() as u64)
+                .is_some_and(|end| end <= m.mapping.len() as u64);
+            if !in_bounds {
+                return false;
+            }
+            (m.clone(), off as usize)
+        };
+        // SAFETY: [off, off + len) was checked to lie inside the mapping of the granted
+        // region, which `m` keeps mapped during the copy; `data` is a readable slice. The
+        // destination is shared memory the peer owns: written only with a raw copy, never
+        // referenced (as `exec` places a WRITE, non-temporal from `mem::NON_TEMPORAL_MIN`
+        // on, with the closing fence that orders the bytes before a later SEND).
+        unsafe { mem::place(data.as_ptr(), m.mapping.ptr().add(off), data.len()) };
+        true
     }
 
     /// Move queued sends forward (called from CQ polling).

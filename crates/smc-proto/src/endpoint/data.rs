@@ -257,6 +257,31 @@ impl Endpoint {
         self.send_inner(tcp, data, false, now, path)
     }
 
+    /// Where a [`send_with`](Self::send_with) of up to `max` bytes on connection `tcp` would
+    /// write them now, changing nothing: a runtime can copy them into the peer's RMBE
+    /// beforehand, outside its own lock, and then, in `send_with` of exactly that many bytes,
+    /// report the WRITEs whose target and length match as placed. The free space between our
+    /// producer cursor and the peer's consumer cursor is ours to write (the peer reads only
+    /// what a CDC announces), and a `send_with` with the same producer cursor and at most the
+    /// window planned here cuts the same pieces. `None`: nothing to write now (no window, not
+    /// established, no route).
+    pub fn write_plan(&self, tcp: TcpId, max: u32) -> Option<super::WritePlan> {
+        let Some(Entry::Smc(c)) = self.entries.get(&tcp) else {
+            return None;
+        };
+        let regions = c.conn.write_regions();
+        let n = regions.total().min(max);
+        if n == 0 {
+            return None;
+        }
+        let super::SendRoute { link, rkey, base } = send_route(&self.lgrs, c)?;
+        let mut pieces = [(0u64, 0u32); 2];
+        for (slot, r) in pieces.iter_mut().zip(regions.truncate(n).iter()) {
+            *slot = (base + u64::from(r.offset), r.len);
+        }
+        Some(super::WritePlan { link, rkey, pieces })
+    }
+
     /// [`send_with`](Self::send_with) for urgent data (MSG_OOB): the last byte of `data` is
     /// the urgent byte. All of `data` is written at once or nothing is: when it does not fit
     /// in the peer's RMBE now, the peer is told that urgent data is pending (the P flag) and

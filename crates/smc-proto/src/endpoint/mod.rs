@@ -246,6 +246,26 @@ pub struct RdmaWriteTarget {
     pub addr: u64,
 }
 
+/// Where a [`send_with`](Endpoint::send_with) of connection `tcp` would write its bytes now
+/// (see [`Endpoint::write_plan`]): the link, the peer's rkey on it, and up to two pieces
+/// (remote address, length), the second where the free space wraps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WritePlan {
+    /// The link (QP) the WRITEs go over.
+    pub link: LinkId,
+    /// The peer's rkey of its RMB on that link.
+    pub rkey: u32,
+    /// (remote address, length) of each piece; `len == 0` for an unused second piece.
+    pub pieces: [(u64, u32); 2],
+}
+
+impl WritePlan {
+    /// Bytes of both pieces.
+    pub fn total(&self) -> u32 {
+        self.pieces[0].1 + self.pieces[1].1
+    }
+}
+
 /// The runtime's side of [`Endpoint::send_with`]: it posts each RDMA WRITE straight from the
 /// application's slice and may post the CDC that announces them at once. Any
 /// `FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome` is one that posts only the WRITEs (the CDC

@@ -57,7 +57,9 @@ pub(crate) struct Fabric {
     /// RMB memory per (group, RMB): one registration per device, all of the same memory
     /// (the first is registered, the others are aliases of it), so WRITEs that arrive over
     /// either link land in one buffer.
-    pub(crate) rmbs: HashMap<(LgrId, RmbId), Vec<Option<MemoryRegion>>>,
+    /// Shared handles: a reader copying out of its RMBE without the core lock keeps the
+    /// registration (and its mapping) alive while it copies, even if the RMB is freed then.
+    pub(crate) rmbs: HashMap<(LgrId, RmbId), Vec<Option<Arc<MemoryRegion>>>>,
     pub(super) rng: u64,
     /// The fabric's directory, where each open port has a socket `<device>/<gid>.sock`.
     pub(super) dir: std::path::PathBuf,
@@ -146,7 +148,7 @@ impl Resources for Fabric {
                 None => pd.register(len, access),
             }
             .map_err(|_| ResourceError("RMB registration failed"))?;
-            slots[d] = Some(mr);
+            slots[d] = Some(Arc::new(mr));
         }
         let mr = slots[d].as_ref().ok_or(ResourceError("RMB missing"))?;
         Ok(MrInfo {

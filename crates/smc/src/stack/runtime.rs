@@ -59,12 +59,16 @@ pub(super) fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<Completi
                 let recent = now.saturating_duration_since(Timestamp::from_duration(
                     Duration::from_micros(inner.poller_at.load(Ordering::Acquire)),
                 )) < POLLER_RECENT;
+                // An event loop that handles the completions at every wait call (the
+                // preload's epoll, poll and select) sees its connections' news itself.
+                let loop_recent = now.saturating_duration_since(Timestamp::from_duration(
+                    Duration::from_micros(inner.loop_polled_at.load(Ordering::Acquire)),
+                )) < LOOP_RECENT;
                 // A poller handles every completion (and wakes whoever waits for it); one
                 // that polled recently will likely poll again soon, unless others wait.
                 let park = inner.poller.load(Ordering::Acquire)
-                    || (recent
-                        && inner.followers.load(Ordering::Acquire) == 0
-                        && !core.needs_runtime_polling());
+                    || (inner.followers.load(Ordering::Acquire) == 0
+                        && (loop_recent || (recent && !core.needs_runtime_polling())));
                 Some((sleep, park))
             };
             (deadline, closing)

@@ -111,6 +111,39 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
     }
 }
 
+/// The send path of a write whose bytes were placed into the peer's RMBE beforehand, outside
+/// the core lock (see [`Core::send_preplaced`]): a WRITE whose target and length are those of
+/// a placed piece of the plan is reported placed without a copy; any other (the route
+/// changed meanwhile, a piece that was not placed) goes the direct way.
+pub(super) struct PrePlaced<'a> {
+    pub(super) direct: DirectSend<'a>,
+    pub(super) plan: smc_proto::endpoint::WritePlan,
+    /// Which pieces of `plan` are in place.
+    pub(super) placed: [bool; 2],
+}
+
+impl smc_proto::endpoint::SendPath for PrePlaced<'_> {
+    fn write(&mut self, t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+        let len = u32::try_from(piece.len()).unwrap_or(u32::MAX);
+        for (placed, &(addr, plen)) in self.placed.iter_mut().zip(&self.plan.pieces) {
+            if *placed
+                && t.link == self.plan.link
+                && t.rkey == self.plan.rkey
+                && t.addr == addr
+                && len == plen
+            {
+                *placed = false;
+                return WriteOutcome::Placed;
+            }
+        }
+        self.direct.write(t, piece)
+    }
+
+    fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
+        self.direct.post_cdc(link, wr, msg)
+    }
+}
+
 /// A work request waiting for room in its link's send queue.
 #[derive(Debug)]
 pub(super) enum Deferred {

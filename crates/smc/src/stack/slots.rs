@@ -36,6 +36,14 @@ pub(crate) struct Slot {
     /// Signalled when the setup ends (established, fell back, reset), for a rendezvous that
     /// waits for an LLC exchange another thread handles: made only then (an eventfd).
     pub(crate) setup_waker: Option<Arc<rustix::fd::OwnedFd>>,
+    /// A reader of this connection copies its unread bytes out of the RMBE without the
+    /// core lock (see `SmcStream::smc_read`): until it has consumed them, no other read of
+    /// the connection may take the same bytes.
+    pub(crate) copying_out: bool,
+    /// A writer of this connection copies into the peer's RMBE without the core lock (see
+    /// `Core::send_preplaced`): until its bytes are produced, no other write of the
+    /// connection may plan the same free space.
+    pub(crate) copying_in: bool,
 }
 
 impl Slot {
@@ -52,6 +60,8 @@ impl Slot {
             cond: Arc::new(Condvar::new()),
             waiters: 0,
             setup_waker: None,
+            copying_out: false,
+            copying_in: false,
         }
     }
 

@@ -21,9 +21,11 @@ const SPIN_GROW_START: Duration = Duration::from_micros(5);
 /// costs no CPU, and so does one whose peer cannot answer while this thread spins (a loaded
 /// machine: the spin takes the CPU the peer needs).
 #[derive(Debug)]
-pub(super) struct AdaptiveSpin {
+pub(crate) struct AdaptiveSpin {
     /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
     pub(super) max: Option<Duration>,
+    /// The budget after a short sleep without a spin.
+    start: Duration,
     /// Current budget in nanoseconds.
     budget_ns: std::sync::atomic::AtomicU64,
     /// The stream wrote since its last read returned data: a read now likely waits for a
@@ -32,8 +34,15 @@ pub(super) struct AdaptiveSpin {
 }
 
 impl AdaptiveSpin {
-    pub(super) fn new(max: Option<Duration>) -> AdaptiveSpin {
+    pub(crate) fn new(max: Option<Duration>) -> AdaptiveSpin {
+        AdaptiveSpin::with_start(max, SPIN_GROW_START)
+    }
+
+    /// A spin whose budget starts at `start` after a short sleep (instead of
+    /// [`SPIN_GROW_START`]).
+    pub(crate) fn with_start(max: Option<Duration>, start: Duration) -> AdaptiveSpin {
         AdaptiveSpin {
+            start,
             max: max.filter(|m| !m.is_zero()),
             budget_ns: std::sync::atomic::AtomicU64::new(0),
             after_write: std::sync::atomic::AtomicBool::new(false),
@@ -41,7 +50,7 @@ impl AdaptiveSpin {
     }
 
     /// How long to spin now; `None`: sleep at once.
-    fn budget(&self) -> Option<Duration> {
+    pub(crate) fn budget(&self) -> Option<Duration> {
         self.max?;
         match self.budget_ns.load(Ordering::Relaxed) {
             0 => None,
@@ -50,7 +59,7 @@ impl AdaptiveSpin {
     }
 
     /// A blocked call slept for `d` after its spin of `spun` (zero: none) found nothing.
-    fn slept(&self, spun: Duration, d: Duration) {
+    pub(crate) fn slept(&self, spun: Duration, d: Duration) {
         let Some(max) = self.max else {
             return;
         };
@@ -60,7 +69,7 @@ impl AdaptiveSpin {
             // No spin: start one when the sleep was short. A sleep includes this thread's
             // own wake-up, which a loaded machine stretches well beyond the spin.
             if d <= max.saturating_mul(SPIN_GROW_WINDOW) {
-                ns(SPIN_GROW_START).min(ns(max))
+                ns(self.start).min(ns(max))
             } else {
                 cur
             }
@@ -348,6 +357,15 @@ impl SmcStream {
         let mut core = inner.lock();
         let mut now = core.now();
         let result = loop {
+            if core.slots.get(&id).is_some_and(|s| s.copying_out) {
+                // Another read of this connection copies without the lock (see
+                // `unlocked_read`): the bytes it copies are not ours; wait until consumed.
+                drop(core);
+                std::thread::yield_now();
+                core = inner.lock();
+                now = core.now();
+                continue;
+            }
             // Out of band (SO_OOBINLINE off): the urgent byte, when the read reached it, goes
             // to the slot rather than to `buf`.
             if let Some(slot) = &self.urgent_slot {
@@ -364,9 +382,27 @@ impl SmcStream {
                     }
                 }
             }
+            let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+            // A large read copies without the core lock (other connections' reads and
+            // writes, and the completions, go on meanwhile).
+            if max >= UNLOCKED_COPY_MIN {
+                let (c, outcome) = unlocked_read(inner, core, id, buf, now);
+                core = c;
+                match outcome {
+                    Unlocked::NotTaken => {}
+                    Unlocked::Done(Ok(n)) => {
+                        self.spin.after_write.store(false, Ordering::Relaxed);
+                        self.last_read = n;
+                        break Ok(n);
+                    }
+                    Unlocked::Done(Err(e)) => break Err(e),
+                    // Consumed failed: the connection failed or went meanwhile; the checks
+                    // below say how.
+                    Unlocked::Failed => now = core.now(),
+                }
+            }
             // One pass: copied straight into `buf`, consumed, stopped in front of the urgent
             // byte as TCP does (so that `at_mark` can tell the next read starts with it).
-            let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
             let Core { ep, fab, .. } = &mut *core;
             match ep.read_with(id, max, now, |target, n| {
                 copy_out(fab, target, &mut buf[..n as usize])
@@ -445,9 +481,21 @@ impl SmcStream {
                 core.drain();
                 return Err(conn_error(e));
             }
+            if core.slots.get(&id).is_some_and(|s| s.copying_in) {
+                // Another write of this connection copies without the lock into the space
+                // this one would take (see `unlocked_write`): wait until it is produced.
+                drop(core);
+                std::thread::yield_now();
+                core = inner.lock();
+                continue;
+            }
             let now = core.now();
             let sent = if urgent {
                 core.send_urgent_direct(id, buf, now)
+            } else if buf.len() >= UNLOCKED_COPY_MIN as usize {
+                let (c, sent) = unlocked_write(inner, core, id, buf, now);
+                core = c;
+                sent
             } else {
                 send_in_pieces(&mut core, id, buf, now)
             };
@@ -517,6 +565,84 @@ fn send_in_pieces(
     Ok(total)
 }
 
+/// [`send_in_pieces`] with each piece copied into the peer's RMBE outside the core lock:
+/// under the lock, where the piece goes ([`Endpoint::write_plan`]) and that no other write of
+/// the connection plans the same space (`copying_in`); without it, the copy
+/// ([`smc_fabric::WritePlacer`]: neither the core lock nor the QP's send lock is held, so
+/// the writers of many connections copy at once); under it again, the same bytes sent with
+/// the pieces that were placed reported as such (the CDC announces them, RFC 7609 §4.5.1:
+/// the peer reads only what a CDC's producer cursor covers, so bytes in the free space before
+/// it are not seen). Where the plan is small or the fabric cannot place without its lock,
+/// the piece goes the locked way.
+///
+/// [`Endpoint::write_plan`]: smc_proto::Endpoint::write_plan
+fn unlocked_write<'a>(
+    inner: &'a crate::stack::Inner,
+    mut core: std::sync::MutexGuard<'a, Core>,
+    id: TcpId,
+    buf: &[u8],
+    mut now: smc_proto::Timestamp,
+) -> (
+    std::sync::MutexGuard<'a, Core>,
+    Result<usize, smc_proto::endpoint::EndpointError>,
+) {
+    let piece = core.ep.connection(id).map_or(buf.len(), |c| {
+        (c.config().peer_rmbe_len as usize / 4).max(PIECE_MIN)
+    });
+    let mut total = 0usize;
+    while total < buf.len() {
+        let want = u32::try_from((buf.len() - total).min(piece)).unwrap_or(u32::MAX);
+        let planned = core
+            .plan_unlocked_write(id, want)
+            .filter(|(plan, _)| plan.total() >= UNLOCKED_COPY_MIN);
+        let Some((plan, placer)) = planned else {
+            // The locked way (it also reports why nothing can be written).
+            let rest = &buf[total..];
+            let end = rest.len().min(piece);
+            return match core.send_direct(id, &rest[..end], now) {
+                Ok(n) => (core, Ok(total + n)),
+                Err(_) if total > 0 => (core, Ok(total)),
+                Err(e) => (core, Err(e)),
+            };
+        };
+        if let Some(s) = core.slots.get_mut(&id) {
+            s.copying_in = true;
+        }
+        drop(core);
+        let bytes = &buf[total..total + plan.total() as usize];
+        let mut placed = [false; 2];
+        let mut off = 0usize;
+        for (done, &(addr, len)) in placed.iter_mut().zip(&plan.pieces) {
+            let len = len as usize;
+            if len == 0 || !placer.place(&bytes[off..off + len], addr, plan.rkey) {
+                break;
+            }
+            *done = true;
+            off += len;
+        }
+        drop(placer);
+        core = inner.lock();
+        if let Some(s) = core.slots.get_mut(&id) {
+            s.copying_in = false;
+        }
+        now = core.now();
+        match core.send_preplaced(id, bytes, plan, placed, now) {
+            Ok(n) => {
+                total += n;
+                if n < bytes.len() {
+                    break;
+                }
+                // Post this piece's CDC before copying the next one.
+                core.drain();
+            }
+            // What was taken stays taken; the failure shows at the next call.
+            Err(_) if total > 0 => break,
+            Err(e) => return (core, Err(e)),
+        }
+    }
+    (core, Ok(total))
+}
+
 /// Smallest piece a large write is cut into (see [`send_in_pieces`]).
 const PIECE_MIN: usize = 16 * 1024;
 
@@ -565,6 +691,80 @@ fn tcp_at_mark(sock: &TcpStream) -> io::Result<bool> {
     Ok(at != 0)
 }
 
+/// Reads of at least this many bytes copy without the core lock ([`unlocked_read`]); below
+/// it, the two more lock round trips cost more than the copy holds the lock (the ping-pong
+/// path stays as it was).
+const UNLOCKED_COPY_MIN: u32 = 4096;
+
+/// What [`unlocked_read`] did.
+enum Unlocked {
+    /// Less than [`UNLOCKED_COPY_MIN`] unread bytes (or none, or an urgent byte next, or a
+    /// failure): the read goes the locked way, which also reports what is wrong.
+    NotTaken,
+    /// Copied and consumed (or the copy failed: nothing consumed).
+    Done(io::Result<usize>),
+    /// Copied, but the connection failed or went before the bytes were consumed.
+    Failed,
+}
+
+/// Read the unread bytes of connection `id` into `buf` with the copy outside the core lock:
+/// under the lock, where they are (and that no other read copies them: `copying_out`);
+/// without it, the copy out of our RMBE; under it again, consumed. The bytes between the
+/// consumer cursor and the producer cursor are ours until consumed: the peer writes only
+/// past the producer cursor (RFC 7609 §4.5.1, the free space is what the consumer cursor
+/// returns), so they cannot change meanwhile, and the RMB's registration is held (`Arc`)
+/// even if the connection goes. Urgent data (out of band, or a read stopping in front of
+/// the urgent byte) is left to the locked path.
+fn unlocked_read<'a>(
+    inner: &'a crate::stack::Inner,
+    mut core: std::sync::MutexGuard<'a, Core>,
+    id: TcpId,
+    buf: &mut [u8],
+    now: smc_proto::Timestamp,
+) -> (std::sync::MutexGuard<'a, Core>, Unlocked) {
+    let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+    // (The caller saw that no other read of the connection copies.)
+    if core.slots.get(&id).is_none() {
+        return (core, Unlocked::NotTaken);
+    }
+    if core.ep.connection(id).map_or(0, |c| c.readable()) < UNLOCKED_COPY_MIN
+        || core.ep.urgent_offset(id).is_some()
+    {
+        return (core, Unlocked::NotTaken);
+    }
+    let Ok(target) = core.ep.read_target(id, now) else {
+        return (core, Unlocked::NotTaken);
+    };
+    let n = target.regions.total().min(max);
+    let Some(mr) = core
+        .fab
+        .rmbs
+        .get(&(target.lgr, target.rmb))
+        .and_then(|r| r.iter().flatten().next())
+        .cloned()
+    else {
+        return (core, Unlocked::NotTaken);
+    };
+    if let Some(s) = core.slots.get_mut(&id) {
+        s.copying_out = true;
+    }
+    drop(core);
+    let copied = copy_regions(&mr, &target, &mut buf[..n as usize]);
+    drop(mr);
+    let mut core = inner.lock();
+    if let Some(s) = core.slots.get_mut(&id) {
+        s.copying_out = false;
+    }
+    if let Err(e) = copied {
+        return (core, Unlocked::Done(Err(e)));
+    }
+    let now = core.now();
+    match core.ep.consumed(id, n, now) {
+        Ok(()) => (core, Unlocked::Done(Ok(n as usize))),
+        Err(_) => (core, Unlocked::Failed),
+    }
+}
+
 /// Copy the first `out.len()` unread bytes of connection `id` out of our RMB (one copy,
 /// straight into the application's buffer). Every device's registration of the RMB is the
 /// same memory, so any of them serves.
@@ -573,12 +773,21 @@ fn copy_out(
     target: &smc_proto::endpoint::ReadTarget,
     out: &mut [u8],
 ) -> io::Result<()> {
-    let regions: &Regions = &target.regions;
     let mr = fab
         .rmbs
         .get(&(target.lgr, target.rmb))
         .and_then(|r| r.iter().flatten().next())
         .ok_or_else(|| io::Error::other("RMB missing"))?;
+    copy_regions(mr, target, out)
+}
+
+/// Copy the first `out.len()` bytes of `target`'s regions out of `mr`, our RMB.
+fn copy_regions(
+    mr: &smc_fabric::MemoryRegion,
+    target: &smc_proto::endpoint::ReadTarget,
+    out: &mut [u8],
+) -> io::Result<()> {
+    let regions: &Regions = &target.regions;
     let mut done = 0usize;
     for r in regions.iter() {
         if done == out.len() {
