@@ -15,7 +15,7 @@ use rustix::net::{AddressFamily, SocketType};
 use smc_wire::roce;
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -57,10 +57,14 @@ pub(crate) fn bump(c: &AtomicU64) {
 /// Smallest interval at which the progress thread looks at timers while QPs exist.
 pub(crate) const TICK: Duration = Duration::from_millis(2);
 
-/// How long the progress thread leaves a readable socket to an application thread that sleeps
-/// on it ([`ReceiveWait`]) before it looks again: a datagram that arrives just as that thread
-/// stops waiting is received at most this late.
-const HANDOFF: Duration = Duration::from_micros(200);
+/// How long the progress thread stays off the socket while an application thread sleeps on it
+/// ([`ReceiveWait`]) and receives what arrives itself: it sleeps that long without watching the
+/// socket (no wake-up per datagram), then looks again. A datagram that arrives just as no
+/// application thread waits any more is received at most this late (by the next waiter, or by
+/// the progress thread). The lease doubles, up to [`TICK`], while the progress thread finds
+/// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
+/// no more wake-ups than the timers do), and starts again at this when it finds none.
+const LEASE: Duration = Duration::from_micros(250);
 /// How often the netdev's state is looked at.
 const PORT_CHECK: Duration = Duration::from_millis(50);
 
@@ -103,6 +107,8 @@ pub(crate) struct RoceCore {
     /// Application threads asleep on the socket that will receive when it wakes them (see
     /// [`ReceiveWait`]): while there is one, the progress thread leaves the datagrams to it.
     rx_waiters: AtomicU32,
+    /// How many QPs hold back an ACK (qp.rs, `ACK_DELAY`): a sleeper sends them first.
+    pub(crate) acks_owed: AtomicUsize,
 }
 
 /// An application thread's promise to receive on a device's socket when it becomes readable
@@ -118,6 +124,10 @@ pub(crate) struct ReceiveWait<'a> {
 impl<'a> ReceiveWait<'a> {
     pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
         core.rx_waiters.fetch_add(1, Ordering::AcqRel);
+        // A thread that goes to sleep has no reply to send now: the ACKs held back for one
+        // leave before it sleeps (a reader waiting for more of a stream ACKs what it has),
+        // unless they are young enough to ride with the next request (qp.rs).
+        core.flush_owed_acks(Some(super::qp::ACK_COALESCE));
         ReceiveWait { core, cq }
     }
 
@@ -269,6 +279,18 @@ impl RoceCore {
 
     fn live_qps(&self) -> Vec<Arc<RoceQp>> {
         lock(&self.qps).values().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Send the ACKs held back for a reply (qp.rs, `ACK_DELAY`): all, or those at least
+    /// `age` old.
+    pub(crate) fn flush_owed_acks(&self, age: Option<Duration>) {
+        if self.acks_owed.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let now = Instant::now();
+        for qp in self.live_qps() {
+            qp.flush_owed_ack(age.map(|a| (now, a)));
+        }
     }
 
     /// Send one UDP payload to `dst:4791` (through the injected faults, if any).
@@ -451,6 +473,9 @@ extern "C" fn drain_at_exit() {
             Ok(d) => d.iter().filter_map(Weak::upgrade).collect(),
             Err(_) => return,
         };
+        for c in &cores {
+            c.flush_owed_acks(None);
+        }
         let busy = cores.iter().any(|c| {
             c.live_qps().iter().any(|q| q.has_unacked()) || !lock(&c.lingering).is_empty()
         });
@@ -639,6 +664,7 @@ impl RoceHandle {
                 batch: RxBatch::default(),
             }),
             rx_waiters: AtomicU32::new(0),
+            acks_owed: AtomicUsize::new(0),
         });
         {
             let mut d = lock(&DEVICES);
@@ -828,30 +854,44 @@ impl RoceCore {
 
 fn run(core: Arc<RoceCore>) {
     let mut last_port_check = Instant::now();
+    // When the oldest ACK held back for a reply falls due (qp.rs, `ACK_DELAY`).
+    let mut ack_due: Option<Instant> = None;
+    let mut lease = LEASE;
     while !core.shutdown.load(Ordering::Acquire) {
         let idle = {
             let mut st = lock(&core.rx);
             st.tables.refresh(&core);
             st.tables.qps.is_empty()
         };
-        let timeout = if idle {
+        let mut timeout = if idle {
             Duration::from_millis(20)
         } else {
             TICK
         };
-        let ts = rustix::event::Timespec {
-            tv_sec: 0,
-            tv_nsec: timeout.as_nanos() as _,
-        };
-        let mut fds = [rustix::event::PollFd::new(
-            &core.sock,
-            rustix::event::PollFlags::IN,
-        )];
-        let _ = rustix::event::poll(&mut fds, Some(&ts));
-        if !fds[0].revents().is_empty() && core.rx_waiters.load(Ordering::Acquire) > 0 {
-            // An application thread sleeping on the socket was woken by the same datagram
-            // and receives it: stay off the socket (and off the receive lock) a moment.
-            std::thread::sleep(HANDOFF);
+        if let Some(t) = ack_due {
+            timeout = timeout.min(t.saturating_duration_since(Instant::now()));
+        }
+        if core.rx_waiters.load(Ordering::Acquire) > 0 {
+            // An application thread sleeps on the socket and receives what arrives itself:
+            // stay off the socket, so that its datagrams wake that thread only.
+            std::thread::sleep(timeout.min(lease));
+            lease = (lease * 2).min(TICK);
+        } else {
+            lease = LEASE;
+            let ts = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: timeout.as_nanos() as _,
+            };
+            let mut fds = [rustix::event::PollFd::new(
+                &core.sock,
+                rustix::event::PollFlags::IN,
+            )];
+            let _ = rustix::event::poll(&mut fds, Some(&ts));
+            if !fds[0].revents().is_empty() && core.rx_waiters.load(Ordering::Acquire) > 0 {
+                // An application thread began to sleep on the socket meanwhile, woken by the
+                // same datagram: leave it to that thread.
+                continue;
+            }
         }
         let now = {
             let mut st = lock(&core.rx);
@@ -859,8 +899,12 @@ fn run(core: Arc<RoceCore>) {
                 core.receive_pending(&mut st);
             }
             let now = Instant::now();
+            ack_due = None;
             for qp in st.tables.qps.values() {
                 qp.on_tick(now);
+                if let Some(t) = qp.flush_owed_ack(Some((now, super::qp::ACK_DELAY))) {
+                    ack_due = Some(ack_due.map_or(t, |d| d.min(t)));
+                }
             }
             now
         };
@@ -881,6 +925,7 @@ fn run(core: Arc<RoceCore>) {
             check_port(&core);
         }
     }
+    core.flush_owed_acks(None);
 }
 
 /// Follow the netdev: down (or gone, or without carrier) is a port failure, as an RNIC's port
