@@ -90,6 +90,8 @@ pub(crate) struct RoceCore {
     next_qpn: AtomicU32,
     /// Set once the socket refused a `UDP_SEGMENT` send (gso.rs).
     gso_off: AtomicBool,
+    /// Whether the socket coalesces received packets (`UDP_GRO`, rx.rs).
+    gro: AtomicBool,
     /// This process's QPN range (steer.rs): `qpn_base .. qpn_base + qpn_span`.
     qpn_base: u32,
     qpn_span: u32,
@@ -154,7 +156,7 @@ impl Drop for ReceiveWait<'_> {
 /// ACKs the current batch owes.
 pub(crate) struct RxState {
     tables: Tables,
-    ring: RxRing,
+    ring: super::rx::RxRing,
     batch: RxBatch,
 }
 
@@ -626,6 +628,9 @@ impl RoceHandle {
         gid[12..].copy_from_slice(&ip.octets());
         let (qpn_base, qpn_span) = binding.qpn_range();
         let first_qpn = 0x11 + (u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & 0xFFF);
+        // rx.rs: received packets coalesced per UDP_SEGMENT send (off with SMC_ROCE_NO_GRO).
+        let gro =
+            std::env::var_os("SMC_ROCE_NO_GRO").is_none() && super::rx::set_gro(sock.as_fd(), true);
         let core = Arc::new(RoceCore {
             config: config.clone(),
             netdev: netdev.clone(),
@@ -646,6 +651,7 @@ impl RoceHandle {
             qpn_base,
             qpn_span,
             gso_off: AtomicBool::new(std::env::var_os("SMC_ROCE_NO_GSO").is_some()),
+            gro: AtomicBool::new(gro),
             next_key: AtomicU32::new(1),
             next_pd: AtomicU32::new(1),
             events: Mutex::new(VecDeque::new()),
@@ -660,7 +666,7 @@ impl RoceHandle {
                     mrs_gen: u64::MAX,
                     mrs: HashMap::new(),
                 },
-                ring: RxRing::new(),
+                ring: super::rx::RxRing::new(),
                 batch: RxBatch::default(),
             }),
             rx_waiters: AtomicU32::new(0),
@@ -742,113 +748,61 @@ impl Tables {
     }
 }
 
-const BATCH: usize = 64;
-const RX_BUF: usize = 9216;
-
-/// Buffers for one `recvmmsg` of up to [`BATCH`] datagrams.
-struct RxRing {
-    bufs: Vec<u8>,
-    addrs: Vec<libc::sockaddr_in>,
-    iovs: Vec<libc::iovec>,
-    hdrs: Vec<libc::mmsghdr>,
-}
-
-// SAFETY: the raw pointers inside point into the ring's own vectors, used by one thread.
-unsafe impl Send for RxRing {}
-
-impl RxRing {
-    fn new() -> RxRing {
-        // SAFETY: sockaddr_in, iovec and mmsghdr are plain old data; all-zero is valid.
-        let zero_addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-        RxRing {
-            bufs: vec![0u8; BATCH * RX_BUF],
-            addrs: vec![zero_addr; BATCH],
-            iovs: Vec::with_capacity(BATCH),
-            // SAFETY: as above.
-            hdrs: (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect(),
-        }
-    }
-
-    /// Receive up to [`BATCH`] datagrams without blocking; returns how many.
-    fn receive(&mut self, sock: &OwnedFd) -> usize {
-        use rustix::fd::AsRawFd;
-        let base = self.bufs.as_mut_ptr();
-        self.iovs.clear();
-        for i in 0..BATCH {
-            self.iovs.push(libc::iovec {
-                // SAFETY: slot i lies inside `bufs` (BATCH * RX_BUF bytes).
-                iov_base: unsafe { base.add(i * RX_BUF) }.cast(),
-                iov_len: RX_BUF,
-            });
-        }
-        for i in 0..BATCH {
-            let h = &mut self.hdrs[i].msg_hdr;
-            h.msg_name = (&mut self.addrs[i] as *mut libc::sockaddr_in).cast();
-            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            h.msg_iov = &mut self.iovs[i];
-            h.msg_iovlen = 1;
-            h.msg_control = std::ptr::null_mut();
-            h.msg_controllen = 0;
-            h.msg_flags = 0;
-            self.hdrs[i].msg_len = 0;
-        }
-        // SAFETY: every header points at a live iovec, buffer slot and address of this ring,
-        // which outlive the call; the kernel writes at most the lengths given.
-        let n = unsafe {
-            libc::recvmmsg(
-                sock.as_raw_fd(),
-                self.hdrs.as_mut_ptr(),
-                BATCH as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        usize::try_from(n).unwrap_or(0).min(BATCH)
-    }
-
-    /// Sender and bytes of datagram `i` of the last `receive`.
-    fn datagram(&self, i: usize) -> (SocketAddrV4, &[u8]) {
-        let a = &self.addrs[i];
-        let from = SocketAddrV4::new(
-            Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
-            u16::from_be(a.sin_port),
-        );
-        let len = (self.hdrs[i].msg_len as usize).min(RX_BUF);
-        (from, &self.bufs[i * RX_BUF..i * RX_BUF + len])
-    }
-}
-
 impl RoceCore {
     /// Receive and handle every datagram waiting on the socket (up to [`BATCH`] rounds of one
     /// `recvmmsg` each), then send the ACKs they owe; returns how many were received.
     fn receive_pending(&self, st: &mut RxState) -> usize {
-        st.tables.refresh(self);
+        let RxState {
+            tables,
+            ring,
+            batch,
+        } = st;
+        tables.refresh(self);
         let mut total = 0;
-        for _ in 0..BATCH {
-            let got = st.ring.receive(&self.sock);
+        for _ in 0..super::rx::ROUNDS {
+            let got = ring.receive(&self.sock);
             total += got;
             for i in 0..got {
-                let (from, data) = st.ring.datagram(i);
-                bump(&self.counters.rx_packets);
+                let (from, data, seg) = ring.datagram(i);
                 self.counters
                     .rx_bytes
                     .fetch_add(data.len() as u64, Ordering::Relaxed);
-                st.tables.refresh(self);
-                super::qp::receive(
-                    self,
-                    &st.tables,
-                    &mut st.batch,
-                    *from.ip(),
-                    from.port(),
-                    data,
-                );
+                tables.refresh(self);
+                // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
+                // (the last one may be shorter): each is a packet of its own.
+                for pkt in super::rx::packets(data, seg) {
+                    bump(&self.counters.rx_packets);
+                    if seg.is_some() && !self.owns_qpn(pkt) {
+                        self.gro_off("a coalesced datagram held another process's packets");
+                    }
+                    super::qp::receive(self, tables, batch, *from.ip(), from.port(), pkt);
+                }
             }
-            if got < BATCH {
+            if got < super::rx::BATCH {
                 break;
             }
         }
-        st.batch.flush(self);
+        batch.flush(self);
         total
+    }
+
+    /// Whether the packet's destination QPN (BTH bytes 5–7) is in this process's range (a
+    /// packet too short for a BTH counts as ours: the checks drop it).
+    fn owns_qpn(&self, pkt: &[u8]) -> bool {
+        let Some(b) = pkt.get(5..8) else {
+            return true;
+        };
+        let qpn = u32::from_be_bytes([0, b[0], b[1], b[2]]);
+        qpn.wrapping_sub(self.qpn_base) < self.qpn_span
+    }
+
+    /// Stop coalescing on receive (see rx.rs): the kernel's GRO may merge packets of QPs of
+    /// other processes sharing the port into one datagram, which is steered as a unit.
+    fn gro_off(&self, why: &str) {
+        if self.gro.swap(false, Ordering::AcqRel) {
+            tracing::info!(device = %self.config.name, why, "roce: UDP_GRO off");
+            super::rx::set_gro(self.sock.as_fd(), false);
+        }
     }
 }
 
