@@ -770,12 +770,14 @@ impl RoceCore {
                 tables.refresh(self);
                 // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
                 // (the last one may be shorter): each is a packet of its own.
-                for pkt in super::rx::packets(data, seg) {
+                for (k, pkt) in super::rx::packets(data, seg).enumerate() {
                     bump(&self.counters.rx_packets);
                     if seg.is_some() && !self.owns_qpn(pkt) {
                         self.gro_off("a coalesced datagram held another process's packets");
                     }
-                    super::qp::receive(self, tables, batch, *from.ip(), from.port(), pkt);
+                    // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
+                    let id = if seg.is_some() { k as u16 } else { 0 };
+                    super::qp::receive(self, tables, batch, (*from.ip(), from.port(), id), pkt);
                 }
             }
             if got < super::rx::BATCH {
