@@ -771,6 +771,15 @@ impl CompletionQueue {
         }
     }
 
+    /// Whether completions reach this queue only when some thread receives them on the
+    /// device's behalf (software RoCE: datagrams on a socket, which the device's thread leaves
+    /// to a thread sleeping in [`receive_wait`](Self::receive_wait)), so that spinning on
+    /// [`poll`](Self::poll) in place of sleeping there only delays them. `false` on the shm
+    /// fabric, whose peers fill the queues themselves.
+    pub fn needs_receiver(&self) -> bool {
+        matches!(self.inner, CqImpl::Roce(..))
+    }
+
     /// Spin on [`poll`](Self::poll) for up to `spins` iterations; returns on the first completion.
     pub fn poll_busy(&self, out: &mut [WorkCompletion], spins: u64) -> usize {
         for _ in 0..spins {

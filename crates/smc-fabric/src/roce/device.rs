@@ -15,7 +15,7 @@ use rustix::net::{AddressFamily, SocketType};
 use smc_wire::roce;
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -57,10 +57,14 @@ pub(crate) fn bump(c: &AtomicU64) {
 /// Smallest interval at which the progress thread looks at timers while QPs exist.
 pub(crate) const TICK: Duration = Duration::from_millis(2);
 
-/// How long the progress thread leaves a readable socket to an application thread that sleeps
-/// on it ([`ReceiveWait`]) before it looks again: a datagram that arrives just as that thread
-/// stops waiting is received at most this late.
-const HANDOFF: Duration = Duration::from_micros(200);
+/// How long the progress thread stays off the socket while an application thread sleeps on it
+/// ([`ReceiveWait`]) and receives what arrives itself: it sleeps that long without watching the
+/// socket (no wake-up per datagram), then looks again. A datagram that arrives just as no
+/// application thread waits any more is received at most this late (by the next waiter, or by
+/// the progress thread). The lease doubles, up to [`TICK`], while the progress thread finds
+/// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
+/// no more wake-ups than the timers do), and starts again at this when it finds none.
+const LEASE: Duration = Duration::from_micros(250);
 /// How often the netdev's state is looked at.
 const PORT_CHECK: Duration = Duration::from_millis(50);
 
@@ -86,6 +90,8 @@ pub(crate) struct RoceCore {
     next_qpn: AtomicU32,
     /// Set once the socket refused a `UDP_SEGMENT` send (gso.rs).
     gso_off: AtomicBool,
+    /// Whether the socket coalesces received packets (`UDP_GRO`, rx.rs).
+    gro: AtomicBool,
     /// This process's QPN range (steer.rs): `qpn_base .. qpn_base + qpn_span`.
     qpn_base: u32,
     qpn_span: u32,
@@ -103,6 +109,8 @@ pub(crate) struct RoceCore {
     /// Application threads asleep on the socket that will receive when it wakes them (see
     /// [`ReceiveWait`]): while there is one, the progress thread leaves the datagrams to it.
     rx_waiters: AtomicU32,
+    /// How many QPs hold back an ACK (qp.rs, `ACK_DELAY`): a sleeper sends them first.
+    pub(crate) acks_owed: AtomicUsize,
 }
 
 /// An application thread's promise to receive on a device's socket when it becomes readable
@@ -118,6 +126,10 @@ pub(crate) struct ReceiveWait<'a> {
 impl<'a> ReceiveWait<'a> {
     pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
         core.rx_waiters.fetch_add(1, Ordering::AcqRel);
+        // A thread that goes to sleep has no reply to send now: the ACKs held back for one
+        // leave before it sleeps (a reader waiting for more of a stream ACKs what it has),
+        // unless they are young enough to ride with the next request (qp.rs).
+        core.flush_owed_acks(Some(super::qp::ACK_COALESCE));
         ReceiveWait { core, cq }
     }
 
@@ -144,7 +156,7 @@ impl Drop for ReceiveWait<'_> {
 /// ACKs the current batch owes.
 pub(crate) struct RxState {
     tables: Tables,
-    ring: RxRing,
+    ring: super::rx::RxRing,
     batch: RxBatch,
 }
 
@@ -269,6 +281,18 @@ impl RoceCore {
 
     fn live_qps(&self) -> Vec<Arc<RoceQp>> {
         lock(&self.qps).values().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Send the ACKs held back for a reply (qp.rs, `ACK_DELAY`): all, or those at least
+    /// `age` old.
+    pub(crate) fn flush_owed_acks(&self, age: Option<Duration>) {
+        if self.acks_owed.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let now = Instant::now();
+        for qp in self.live_qps() {
+            qp.flush_owed_ack(age.map(|a| (now, a)));
+        }
     }
 
     /// Send one UDP payload to `dst:4791` (through the injected faults, if any).
@@ -451,6 +475,9 @@ extern "C" fn drain_at_exit() {
             Ok(d) => d.iter().filter_map(Weak::upgrade).collect(),
             Err(_) => return,
         };
+        for c in &cores {
+            c.flush_owed_acks(None);
+        }
         let busy = cores.iter().any(|c| {
             c.live_qps().iter().any(|q| q.has_unacked()) || !lock(&c.lingering).is_empty()
         });
@@ -601,6 +628,9 @@ impl RoceHandle {
         gid[12..].copy_from_slice(&ip.octets());
         let (qpn_base, qpn_span) = binding.qpn_range();
         let first_qpn = 0x11 + (u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & 0xFFF);
+        // rx.rs: received packets coalesced per UDP_SEGMENT send (off with SMC_ROCE_NO_GRO).
+        let gro =
+            std::env::var_os("SMC_ROCE_NO_GRO").is_none() && super::rx::set_gro(sock.as_fd(), true);
         let core = Arc::new(RoceCore {
             config: config.clone(),
             netdev: netdev.clone(),
@@ -621,6 +651,7 @@ impl RoceHandle {
             qpn_base,
             qpn_span,
             gso_off: AtomicBool::new(std::env::var_os("SMC_ROCE_NO_GSO").is_some()),
+            gro: AtomicBool::new(gro),
             next_key: AtomicU32::new(1),
             next_pd: AtomicU32::new(1),
             events: Mutex::new(VecDeque::new()),
@@ -635,10 +666,11 @@ impl RoceHandle {
                     mrs_gen: u64::MAX,
                     mrs: HashMap::new(),
                 },
-                ring: RxRing::new(),
+                ring: super::rx::RxRing::new(),
                 batch: RxBatch::default(),
             }),
             rx_waiters: AtomicU32::new(0),
+            acks_owed: AtomicUsize::new(0),
         });
         {
             let mut d = lock(&DEVICES);
@@ -716,142 +748,106 @@ impl Tables {
     }
 }
 
-const BATCH: usize = 64;
-const RX_BUF: usize = 9216;
-
-/// Buffers for one `recvmmsg` of up to [`BATCH`] datagrams.
-struct RxRing {
-    bufs: Vec<u8>,
-    addrs: Vec<libc::sockaddr_in>,
-    iovs: Vec<libc::iovec>,
-    hdrs: Vec<libc::mmsghdr>,
-}
-
-// SAFETY: the raw pointers inside point into the ring's own vectors, used by one thread.
-unsafe impl Send for RxRing {}
-
-impl RxRing {
-    fn new() -> RxRing {
-        // SAFETY: sockaddr_in, iovec and mmsghdr are plain old data; all-zero is valid.
-        let zero_addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-        RxRing {
-            bufs: vec![0u8; BATCH * RX_BUF],
-            addrs: vec![zero_addr; BATCH],
-            iovs: Vec::with_capacity(BATCH),
-            // SAFETY: as above.
-            hdrs: (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect(),
-        }
-    }
-
-    /// Receive up to [`BATCH`] datagrams without blocking; returns how many.
-    fn receive(&mut self, sock: &OwnedFd) -> usize {
-        use rustix::fd::AsRawFd;
-        let base = self.bufs.as_mut_ptr();
-        self.iovs.clear();
-        for i in 0..BATCH {
-            self.iovs.push(libc::iovec {
-                // SAFETY: slot i lies inside `bufs` (BATCH * RX_BUF bytes).
-                iov_base: unsafe { base.add(i * RX_BUF) }.cast(),
-                iov_len: RX_BUF,
-            });
-        }
-        for i in 0..BATCH {
-            let h = &mut self.hdrs[i].msg_hdr;
-            h.msg_name = (&mut self.addrs[i] as *mut libc::sockaddr_in).cast();
-            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            h.msg_iov = &mut self.iovs[i];
-            h.msg_iovlen = 1;
-            h.msg_control = std::ptr::null_mut();
-            h.msg_controllen = 0;
-            h.msg_flags = 0;
-            self.hdrs[i].msg_len = 0;
-        }
-        // SAFETY: every header points at a live iovec, buffer slot and address of this ring,
-        // which outlive the call; the kernel writes at most the lengths given.
-        let n = unsafe {
-            libc::recvmmsg(
-                sock.as_raw_fd(),
-                self.hdrs.as_mut_ptr(),
-                BATCH as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        usize::try_from(n).unwrap_or(0).min(BATCH)
-    }
-
-    /// Sender and bytes of datagram `i` of the last `receive`.
-    fn datagram(&self, i: usize) -> (SocketAddrV4, &[u8]) {
-        let a = &self.addrs[i];
-        let from = SocketAddrV4::new(
-            Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
-            u16::from_be(a.sin_port),
-        );
-        let len = (self.hdrs[i].msg_len as usize).min(RX_BUF);
-        (from, &self.bufs[i * RX_BUF..i * RX_BUF + len])
-    }
-}
-
 impl RoceCore {
     /// Receive and handle every datagram waiting on the socket (up to [`BATCH`] rounds of one
     /// `recvmmsg` each), then send the ACKs they owe; returns how many were received.
     fn receive_pending(&self, st: &mut RxState) -> usize {
-        st.tables.refresh(self);
+        let RxState {
+            tables,
+            ring,
+            batch,
+        } = st;
+        tables.refresh(self);
         let mut total = 0;
-        for _ in 0..BATCH {
-            let got = st.ring.receive(&self.sock);
+        for _ in 0..super::rx::ROUNDS {
+            let got = ring.receive(&self.sock);
             total += got;
             for i in 0..got {
-                let (from, data) = st.ring.datagram(i);
-                bump(&self.counters.rx_packets);
+                let (from, data, seg) = ring.datagram(i);
                 self.counters
                     .rx_bytes
                     .fetch_add(data.len() as u64, Ordering::Relaxed);
-                st.tables.refresh(self);
-                super::qp::receive(
-                    self,
-                    &st.tables,
-                    &mut st.batch,
-                    *from.ip(),
-                    from.port(),
-                    data,
-                );
+                tables.refresh(self);
+                // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
+                // (the last one may be shorter): each is a packet of its own.
+                for (k, pkt) in super::rx::packets(data, seg).enumerate() {
+                    bump(&self.counters.rx_packets);
+                    if seg.is_some() && !self.owns_qpn(pkt) {
+                        self.gro_off("a coalesced datagram held another process's packets");
+                    }
+                    // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
+                    let id = if seg.is_some() { k as u16 } else { 0 };
+                    super::qp::receive(self, tables, batch, (*from.ip(), from.port(), id), pkt);
+                }
             }
-            if got < BATCH {
+            if got < super::rx::BATCH {
                 break;
             }
         }
-        st.batch.flush(self);
+        batch.flush(self);
         total
+    }
+
+    /// Whether the packet's destination QPN (BTH bytes 5–7) is in this process's range (a
+    /// packet too short for a BTH counts as ours: the checks drop it).
+    fn owns_qpn(&self, pkt: &[u8]) -> bool {
+        let Some(b) = pkt.get(5..8) else {
+            return true;
+        };
+        let qpn = u32::from_be_bytes([0, b[0], b[1], b[2]]);
+        qpn.wrapping_sub(self.qpn_base) < self.qpn_span
+    }
+
+    /// Stop coalescing on receive (see rx.rs): the kernel's GRO may merge packets of QPs of
+    /// other processes sharing the port into one datagram, which is steered as a unit.
+    fn gro_off(&self, why: &str) {
+        if self.gro.swap(false, Ordering::AcqRel) {
+            tracing::info!(device = %self.config.name, why, "roce: UDP_GRO off");
+            super::rx::set_gro(self.sock.as_fd(), false);
+        }
     }
 }
 
 fn run(core: Arc<RoceCore>) {
     let mut last_port_check = Instant::now();
+    // When the oldest ACK held back for a reply falls due (qp.rs, `ACK_DELAY`).
+    let mut ack_due: Option<Instant> = None;
+    let mut lease = LEASE;
     while !core.shutdown.load(Ordering::Acquire) {
         let idle = {
             let mut st = lock(&core.rx);
             st.tables.refresh(&core);
             st.tables.qps.is_empty()
         };
-        let timeout = if idle {
+        let mut timeout = if idle {
             Duration::from_millis(20)
         } else {
             TICK
         };
-        let ts = rustix::event::Timespec {
-            tv_sec: 0,
-            tv_nsec: timeout.as_nanos() as _,
-        };
-        let mut fds = [rustix::event::PollFd::new(
-            &core.sock,
-            rustix::event::PollFlags::IN,
-        )];
-        let _ = rustix::event::poll(&mut fds, Some(&ts));
-        if !fds[0].revents().is_empty() && core.rx_waiters.load(Ordering::Acquire) > 0 {
-            // An application thread sleeping on the socket was woken by the same datagram
-            // and receives it: stay off the socket (and off the receive lock) a moment.
-            std::thread::sleep(HANDOFF);
+        if let Some(t) = ack_due {
+            timeout = timeout.min(t.saturating_duration_since(Instant::now()));
+        }
+        if core.rx_waiters.load(Ordering::Acquire) > 0 {
+            // An application thread sleeps on the socket and receives what arrives itself:
+            // stay off the socket, so that its datagrams wake that thread only.
+            std::thread::sleep(timeout.min(lease));
+            lease = (lease * 2).min(TICK);
+        } else {
+            lease = LEASE;
+            let ts = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: timeout.as_nanos() as _,
+            };
+            let mut fds = [rustix::event::PollFd::new(
+                &core.sock,
+                rustix::event::PollFlags::IN,
+            )];
+            let _ = rustix::event::poll(&mut fds, Some(&ts));
+            if !fds[0].revents().is_empty() && core.rx_waiters.load(Ordering::Acquire) > 0 {
+                // An application thread began to sleep on the socket meanwhile, woken by the
+                // same datagram: leave it to that thread.
+                continue;
+            }
         }
         let now = {
             let mut st = lock(&core.rx);
@@ -859,8 +855,12 @@ fn run(core: Arc<RoceCore>) {
                 core.receive_pending(&mut st);
             }
             let now = Instant::now();
+            ack_due = None;
             for qp in st.tables.qps.values() {
                 qp.on_tick(now);
+                if let Some(t) = qp.flush_owed_ack(Some((now, super::qp::ACK_DELAY))) {
+                    ack_due = Some(ack_due.map_or(t, |d| d.min(t)));
+                }
             }
             now
         };
@@ -881,6 +881,7 @@ fn run(core: Arc<RoceCore>) {
             check_port(&core);
         }
     }
+    core.flush_owed_acks(None);
 }
 
 /// Follow the netdev: down (or gone, or without carrier) is a port failure, as an RNIC's port

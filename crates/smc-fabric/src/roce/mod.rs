@@ -18,6 +18,7 @@ mod gso;
 mod mr;
 mod netdev;
 mod qp;
+mod rx;
 mod steer;
 
 pub(crate) use cq::RoceCq;

@@ -20,7 +20,7 @@ use smc_wire::roce::{
 };
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,8 @@ pub(crate) const MAX_SEND: usize = 8192;
 const WINDOW: i32 = 128;
 /// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
 const ACKREQ_EVERY: u32 = 64;
+/// Bytes of an Acknowledge packet: BTH, AETH, ICRC.
+const ACK_LEN: usize = roce::BTH_LEN + roce::AETH_LEN + roce::ICRC_LEN;
 /// Where the AckReq bit lives in a sealed packet: BTH byte 8, bit 7 (rocev2.md 3.1).
 const BTH_ACKREQ: (usize, u8) = (8, 0x80);
 /// QP attribute `timeout` as Linux SMC-R sets it: 4.096 µs × 2^15 = 134 ms (rocev2.md 10.2).
@@ -49,6 +51,19 @@ const RNR_FLOOR: Duration = Duration::from_millis(1);
 const HOLD_MAX: Duration = Duration::from_millis(5);
 /// How long a destroyed QP keeps delivering its unacknowledged requests.
 pub(crate) const LINGER: Duration = Duration::from_secs(2);
+/// Longest a responder holds back an ACK that a request asked for, hoping to send it in the
+/// same system call as a request of its own on the QP (the reply; rocev2.md 8.3: coalescing is
+/// allowed well inside the peer's retransmission timeout, 134 ms for SMC-R). The progress
+/// thread sends what is still owed after this (its wake-up granularity comes on top).
+pub(crate) const ACK_DELAY: Duration = Duration::from_micros(200);
+/// A responder ACKs at once when this many PSNs or more would be left unacknowledged, so a
+/// held-back ACK never closes the requester's window of [`WINDOW`] PSNs (a stream of large
+/// messages is ACKed as before, message by message).
+const ACK_SPAN: i32 = WINDOW / 4;
+/// A held-back ACK younger than this does not ride along with the QP's next transmission nor
+/// leave when the receiving thread sleeps: in a fast request/response exchange one ACK then
+/// answers several requests (ACKs are cumulative), and most round trips carry none.
+pub(crate) const ACK_COALESCE: Duration = Duration::from_micros(50);
 
 fn retransmit_timeout() -> Duration {
     Duration::from_nanos(4096 << TIMEOUT_CODE)
@@ -127,6 +142,17 @@ struct Responder {
     ack_pending: Option<u32>,
 }
 
+/// The ACK a responder owes but holds back ([`ACK_DELAY`]): it leaves with the QP's next
+/// transmission (one `sendmmsg` with the reply), when the receiving thread goes to sleep, or
+/// from the progress thread once it is [`ACK_DELAY`] old. A leaf lock (taken under `sq` or
+/// `resp`, never the other way round).
+struct OwedAck {
+    /// PSN and MSN of the ACK owed, and since when the oldest request it covers waits.
+    owed: Option<(u32, u32, Instant)>,
+    /// The PSN of the last ACK sent (for [`ACK_SPAN`]).
+    sent_psn: u32,
+}
+
 pub(crate) struct RoceQp {
     pub(crate) qpn: u32,
     pub(crate) pd: u32,
@@ -140,6 +166,9 @@ pub(crate) struct RoceQp {
     sq: Mutex<SendQueue>,
     rq: Mutex<VecDeque<RecvEntry>>,
     resp: Mutex<Responder>,
+    ack: Mutex<OwedAck>,
+    /// Whether `ack.owed` is set (read without the lock on the send path).
+    ack_owed: AtomicBool,
     /// Set when destroyed with unacknowledged requests (see [`RoceQp::destroy`]).
     linger_until: Mutex<Option<Instant>>,
 }
@@ -203,6 +232,11 @@ impl RoceQp {
                 cursor: None,
                 ack_pending: None,
             }),
+            ack: Mutex::new(OwedAck {
+                owed: None,
+                sent_psn: 0,
+            }),
+            ack_owed: AtomicBool::new(false),
             linger_until: Mutex::new(None),
         });
         core.add_qp(&qp);
@@ -277,6 +311,7 @@ impl RoceQp {
             return Err(FabricError::InvalidArgument("QP already connected"));
         }
         lock(&self.resp).epsn = remote.psn;
+        lock(&self.ack).sent_psn = psn_add(remote.psn, roce::U24_MASK);
         self.transition(QpState::Init, QpState::Rtr)
     }
 
@@ -292,6 +327,7 @@ impl RoceQp {
             return;
         }
         tracing::debug!(qpn = self.qpn, reason, "roce QP error");
+        self.take_owed_ack(Duration::ZERO);
         self.core
             .push_event(crate::DeviceEvent::QpFatal { qp_num: self.qpn });
         let wcs: Vec<WorkCompletion> = {
@@ -333,6 +369,7 @@ impl RoceQp {
     /// socket's data going: SMC-R closes a connection by posting its last CDC, and the process
     /// may exit right after. Then it leaves the table and flushes.
     pub(crate) fn destroy(self: &Arc<Self>) {
+        self.flush_owed_ack(None);
         let pending = self.state() == QpState::Rts && !lock(&self.sq).pkts.is_empty();
         if pending && self.core.port_state() == crate::PortState::Active {
             *lock(&self.linger_until) = Some(Instant::now() + LINGER);
@@ -618,6 +655,16 @@ impl RoceQp {
             .range_mut(start..end)
             .map(|p| (&mut p.bytes[..], &mut p.ipv4_id))
             .collect();
+        // An ACK this QP owes as responder leaves in the same system call, after the requests
+        // (the peer, woken by the first datagram, finds the reply first). RoCE has no
+        // piggybacked acknowledgement: it is an ACK packet of its own, but no datagram of
+        // its own costs a system call and a wake-up on either side.
+        let mut ack = [0u8; ACK_LEN];
+        let mut ack_id = 0u16;
+        if let Some((psn, msn)) = self.take_owed_ack(ACK_COALESCE) {
+            self.ack_packet(conn, AethKind::Ack { credit: 31 }, psn, msn, &mut ack);
+            batch.push((&mut ack[..], &mut ack_id));
+        }
         self.core.transmit_pkts(conn.ip, &mut batch);
         sq.next_tx = end;
     }
@@ -761,6 +808,20 @@ impl RoceQp {
     }
 
     fn send_ack(&self, conn: &Conn, kind: AethKind, psn: u32, msn: u32) {
+        let mut b = [0u8; ACK_LEN];
+        self.ack_packet(conn, kind, psn, msn, &mut b);
+        self.core.transmit(conn.ip, &b);
+    }
+
+    /// An Acknowledge packet (ACK, NAK or RNR NAK) for the peer, sealed for identification 0,
+    /// counted as sent.
+    fn ack_packet(&self, conn: &Conn, kind: AethKind, psn: u32, msn: u32, b: &mut [u8; ACK_LEN]) {
+        if matches!(kind, AethKind::Ack { .. }) {
+            let mut a = lock(&self.ack);
+            if psn_diff(psn, a.sent_psn) > 0 {
+                a.sent_psn = psn;
+            }
+        }
         let repr = PacketRepr {
             bth: Bth {
                 opcode: Opcode::ACKNOWLEDGE,
@@ -774,15 +835,13 @@ impl RoceQp {
             immdt: None,
             payload: &[],
         };
-        let mut b = [0u8; roce::BTH_LEN + roce::AETH_LEN + roce::ICRC_LEN];
-        let _ = repr.emit(&mut b);
-        conn.icrc.seal(&mut b);
+        let _ = repr.emit(b);
+        conn.icrc.seal(b);
         match kind {
             AethKind::Ack { .. } => bump(&self.core.counters.acks_sent),
             AethKind::RnrNak { .. } => bump(&self.core.counters.rnr_naks_sent),
             _ => bump(&self.core.counters.naks_sent),
         }
-        self.core.transmit(conn.ip, &b);
     }
 
     /// A request packet for this QP (responder side), in the order of rocev2.md 9.1 steps 2–8.
@@ -975,15 +1034,78 @@ impl RoceQp {
         }
     }
 
-    fn flush_ack(&self) {
+    /// The end of a receive batch: the ACK the batch's AckReq packets call for (one, for the
+    /// highest; ACKs are cumulative) is held back for a reply to carry it ([`ACK_DELAY`]),
+    /// unless that would leave [`ACK_SPAN`] PSNs or more unacknowledged.
+    fn flush_ack(&self, now: Instant) {
         let Some(conn) = self.conn.get().copied() else {
             return;
         };
         let mut r = lock(&self.resp);
-        if let Some(psn) = r.ack_pending.take() {
-            let msn = r.msn;
+        let Some(psn) = r.ack_pending.take() else {
+            return;
+        };
+        let msn = r.msn;
+        let mut a = lock(&self.ack);
+        if psn_diff(psn, a.sent_psn) >= ACK_SPAN {
+            if a.owed.take().is_some() {
+                self.ack_owed.store(false, Ordering::Release);
+                self.core.acks_owed.fetch_sub(1, Ordering::AcqRel);
+            }
+            drop(a);
+            drop(r);
+            self.send_ack(&conn, AethKind::Ack { credit: 31 }, psn, msn);
+            return;
+        }
+        let since = match a.owed {
+            Some((_, _, since)) => since,
+            None => {
+                self.ack_owed.store(true, Ordering::Release);
+                self.core.acks_owed.fetch_add(1, Ordering::AcqRel);
+                now
+            }
+        };
+        a.owed = Some((psn, msn, since));
+    }
+
+    /// Take the ACK owed (if any, and at least `age` old) to send it: PSN and MSN.
+    fn take_owed_ack(&self, age: Duration) -> Option<(u32, u32)> {
+        if !self.ack_owed.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut a = lock(&self.ack);
+        let (psn, msn, since) = a.owed?;
+        if !age.is_zero() && since.elapsed() < age {
+            return None;
+        }
+        a.owed = None;
+        self.ack_owed.store(false, Ordering::Release);
+        self.core.acks_owed.fetch_sub(1, Ordering::AcqRel);
+        Some((psn, msn))
+    }
+
+    /// Send the ACK owed: any (`due` is `None`), or only one owed since `due.0 - due.1` or
+    /// earlier. Returns when a younger one falls due.
+    pub(crate) fn flush_owed_ack(&self, due: Option<(Instant, Duration)>) -> Option<Instant> {
+        if !self.ack_owed.load(Ordering::Acquire) {
+            return None;
+        }
+        let conn = self.conn.get().copied()?;
+        let mut a = lock(&self.ack);
+        let (psn, msn, since) = a.owed?;
+        if let Some((now, delay)) = due {
+            if now.saturating_duration_since(since) < delay {
+                return Some(since + delay);
+            }
+        }
+        a.owed = None;
+        self.ack_owed.store(false, Ordering::Release);
+        self.core.acks_owed.fetch_sub(1, Ordering::AcqRel);
+        drop(a);
+        if self.state() != QpState::Error {
             self.send_ack(&conn, AethKind::Ack { credit: 31 }, psn, msn);
         }
+        None
     }
 }
 
@@ -1017,20 +1139,24 @@ pub(crate) struct RxBatch {
 
 impl RxBatch {
     pub(crate) fn flush(&mut self, _core: &RoceCore) {
+        if self.acks.is_empty() {
+            return;
+        }
+        let now = Instant::now();
         for qp in self.acks.drain(..) {
-            qp.flush_ack();
+            qp.flush_ack(now);
         }
     }
 }
 
-/// One received UDP payload from `src:src_port`: packet checks (rocev2.md 9.1 step 1), then the
+/// One received UDP payload from `src:src_port`, likely sent with IPv4 identification `id`
+/// (packet k of a coalesced datagram: k): packet checks (rocev2.md 9.1 step 1), then the
 /// requester or responder side of its QP.
 pub(crate) fn receive(
     core: &RoceCore,
     tables: &Tables,
     batch: &mut RxBatch,
-    src: Ipv4Addr,
-    src_port: u16,
+    (src, src_port, id): (Ipv4Addr, u16, u16),
     buf: &[u8],
 ) {
     let p = match Packet::parse(buf) {
@@ -1041,14 +1167,20 @@ pub(crate) fn receive(
         }
     };
     // The ICRC: identification 0 (how this engine and any kernel socket with IP_PMTUDISC_DO
-    // send), else the identification solved from it (segment k of a UDP_SEGMENT send carries
-    // k; rxe's are hashed; rocev2.md 13.3) with the columns cached per length.
+    // send) or the one expected (segment k of a UDP_SEGMENT send carries k), else the
+    // identification solved from it (rxe's are hashed; rocev2.md 13.3) with the columns cached
+    // per length. The expected one costs a few XORs; solving, an elimination.
     let h = IcrcHeaders::new(IpAddr::V4(src), IpAddr::V4(core.ip), src_port);
     let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
     let icrc0 = h.compute(buf);
-    if wire
-        .is_none_or(|w| w != icrc0 && super::gso::id_columns(buf.len()).solve(w ^ icrc0).is_none())
-    {
+    let fits = |w: u32| {
+        if w == icrc0 {
+            return true;
+        }
+        let cols = super::gso::id_columns(buf.len());
+        (id != 0 && w ^ icrc0 == cols.delta(id)) || cols.solve(w ^ icrc0).is_some()
+    };
+    if !wire.is_some_and(fits) {
         bump(&core.counters.drop_icrc);
         return;
     }

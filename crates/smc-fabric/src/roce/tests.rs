@@ -603,3 +603,62 @@ fn held_writes_then_send_complete() {
     }
     assert!(!a.qp.has_unacked());
 }
+
+/// Held-back ACKs (qp.rs, `ACK_DELAY`): a SEND nobody answers still completes (the progress
+/// thread sends the ACK), and in a ping-pong every SEND on both sides completes while no side
+/// sends more ACKs than it received requests (they ride with replies or are coalesced).
+#[test]
+fn held_back_acks_complete_every_send() {
+    let (a, b) = pair(9, Vec::new(), 32);
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 100,
+        data: b"lonely",
+        signaled: true,
+    })
+    .expect("send");
+    assert_eq!(collect(&b.cq, 1)[0].status, WcStatus::Success);
+    let done = collect(&a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (100, WcStatus::Success));
+    let rounds = 20u64;
+    for i in 0..rounds {
+        a.qp.post_send(&SendWr::Send {
+            wr_id: i,
+            data: b"ping",
+            signaled: true,
+        })
+        .expect("ping");
+        let mut got = Vec::new();
+        while !got
+            .iter()
+            .any(|w: &WorkCompletion| w.opcode == WcOpcode::Recv)
+        {
+            let w = collect(&b.cq, 1);
+            assert!(!w.is_empty(), "round {i}: no ping at b");
+            got.extend(w);
+        }
+        b.qp.post_send(&SendWr::Send {
+            wr_id: 1000 + i,
+            data: b"pong",
+            signaled: true,
+        })
+        .expect("pong");
+        let mut got = Vec::new();
+        while !got
+            .iter()
+            .any(|w: &WorkCompletion| w.opcode == WcOpcode::Recv)
+        {
+            let w = collect(&a.cq, 1);
+            assert!(!w.is_empty(), "round {i}: no pong at a");
+            got.extend(w);
+        }
+        assert!(got.iter().all(|w| w.status == WcStatus::Success));
+    }
+    let end_t = Instant::now() + Duration::from_secs(5);
+    while (a.qp.has_unacked() || b.qp.has_unacked()) && Instant::now() < end_t {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(!a.qp.has_unacked() && !b.qp.has_unacked());
+    let acks = |e: &End| e.dev.core.counters.acks_sent.load(Ordering::Relaxed);
+    assert!(acks(&b) <= rounds + 1, "b sent {} ACKs", acks(&b));
+    assert!(acks(&a) <= rounds, "a sent {} ACKs", acks(&a));
+}
