@@ -834,7 +834,9 @@ impl Conn {
                     let peeked = c.peeked_len.load(Ordering::Relaxed) > 0;
                     Ready {
                         readable: peeked || conn.readable() > 0 || closed || err.is_some(),
-                        writable: conn.write_room() > 0 || err.is_some(),
+                        // As `tcp_poll`: writable also once writing has ended (the peer
+                        // closed, or this side shut writing down): a write does not block.
+                        writable: conn.write_room() > 0 || conn.write_ended() || err.is_some(),
                         read_hup: closed,
                         hup: err.is_some(),
                         error: err.is_some(),

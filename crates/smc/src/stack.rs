@@ -630,9 +630,12 @@ impl Core {
         match &ev {
             EndpointEvent::Conn { tcp, event } => match event {
                 smc_proto::Event::Readable
-                | smc_proto::Event::ReadClosed
                 | smc_proto::Event::UrgentPending
                 | smc_proto::Event::UrgentData { .. } => self.signal(*tcp, true, false),
+                // The peer's close also makes the connection writable for good (a write no
+                // longer waits: it is taken or fails, as on TCP after the peer's FIN), and
+                // a TCP socket's wake-up at the FIN reports EPOLLOUT too.
+                smc_proto::Event::ReadClosed => self.signal(*tcp, true, true),
                 smc_proto::Event::Writable => self.signal(*tcp, false, true),
                 smc_proto::Event::StateChanged { .. } => {}
                 _ => self.signal(*tcp, true, true),

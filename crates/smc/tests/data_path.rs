@@ -364,3 +364,46 @@ fn concurrent_readers_and_writers_of_one_connection_take_each_byte_once() {
     drop((server, client));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Writes after the peer closed (its last bytes unread here) go as with TCP — the first is
+/// taken, the peer's RST turns the next into EPIPE — never "would block", on which an event
+/// loop would spin; and the bytes the peer sent before closing are still read, then the end
+/// of stream (before: the write reset the connection and those bytes were lost).
+#[test]
+fn a_write_after_the_peer_closed_fails_and_keeps_what_the_peer_sent() {
+    let dir = test_dir("peerclosed");
+    let (_a, _b, mut server, mut client) = pair(&dir, 64 * 1024);
+    let msg = pattern(1020, 9);
+    server.write_all(&msg).expect("server write");
+    drop(server);
+    std::thread::sleep(Duration::from_millis(300));
+    client.set_nonblocking(true).expect("nonblocking");
+    // As TCP: the first write is taken, the next ones fail with EPIPE.
+    assert_eq!(client.write(b"GET x\r\n").expect("first write"), 7);
+    for i in 1..3 {
+        let e = client
+            .write(b"GET x\r\n")
+            .expect_err("a write after the first");
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "write {i}: {e}");
+    }
+    client.set_nonblocking(false).expect("blocking");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match client.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => {
+                assert!(
+                    got.len() == msg.len(),
+                    "read error {e} after {} of {} bytes",
+                    got.len(),
+                    msg.len()
+                );
+                break;
+            }
+        }
+    }
+    assert_eq!(got, msg, "the bytes sent before the close");
+    let _ = std::fs::remove_dir_all(&dir);
+}

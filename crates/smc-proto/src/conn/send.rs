@@ -12,7 +12,20 @@ impl Connection {
             && !self.peer_closed
     }
 
-    pub(super) fn check_write(&self) -> Result<(), ApiError> {
+    /// Whether the peer closed the connection (PeerConnectionClosed received): nothing
+    /// written from now on can be delivered.
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
+    }
+
+    /// Whether no write can succeed any more — the connection failed, this side shut down
+    /// writing or closed, or the peer closed — as opposed to a full window, which the peer's
+    /// consumption reopens.
+    pub fn write_ended(&self) -> bool {
+        !self.can_write()
+    }
+
+    pub(crate) fn check_write(&self) -> Result<(), ApiError> {
         if let Some(e) = self.error {
             return Err(ApiError::Failed(e));
         }

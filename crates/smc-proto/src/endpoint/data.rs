@@ -325,6 +325,16 @@ impl Endpoint {
             .total()
             .min(u32::try_from(data.len()).unwrap_or(u32::MAX));
         if n == 0 {
+            // Nothing will ever fit (the peer closed, or this side shut writing down): the
+            // write fails. Recording it as waiting data would make it "pending data" when
+            // the peer has closed, which resets the connection (§4.8.1) and takes the bytes
+            // the peer sent before its close with it.
+            if c.conn.write_ended() {
+                c.conn.check_write()?;
+                return Err(EndpointError::Conn(crate::conn::ApiError::InvalidState(
+                    c.conn.state(),
+                )));
+            }
             c.conn.set_send_backlog(data.len() as u64, now);
             self.after_conn(tcp, now);
             return Ok(0);

@@ -44,6 +44,9 @@ pub(crate) struct Slot {
     /// `Core::send_preplaced`): until its bytes are produced, no other write of the
     /// connection may plan the same free space.
     pub(crate) copying_in: bool,
+    /// A write came after the peer closed and was taken (and dropped), as TCP takes the
+    /// first one before the peer's RST is back: the next one fails with EPIPE.
+    pub(crate) wrote_after_peer_close: bool,
 }
 
 impl Slot {
@@ -62,6 +65,7 @@ impl Slot {
             setup_waker: None,
             copying_out: false,
             copying_in: false,
+            wrote_after_peer_close: false,
         }
     }
 
