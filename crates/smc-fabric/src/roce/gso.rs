@@ -37,15 +37,19 @@ thread_local! {
 }
 
 /// The identification columns for a UDP payload of `len` bytes (cached per thread: a
-/// connection uses a handful of lengths).
+/// connection uses a handful of lengths). Computed afresh when the thread's cache is gone: a
+/// process's exit handlers (the link groups' DELETE LINK at `exit`) run after the C library
+/// has destroyed the exiting thread's thread-locals.
 pub(crate) fn id_columns(len: usize) -> Ipv4IdColumns {
-    COLUMNS.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.len() > 512 {
-            c.clear();
-        }
-        *c.entry(len).or_insert_with(|| Ipv4IdColumns::for_len(len))
-    })
+    COLUMNS
+        .try_with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() > 512 {
+                c.clear();
+            }
+            *c.entry(len).or_insert_with(|| Ipv4IdColumns::for_len(len))
+        })
+        .unwrap_or_else(|_| Ipv4IdColumns::for_len(len))
 }
 
 /// Re-seal a packet whose ICRC is for identification `*id` for identification `to`.
@@ -182,6 +186,35 @@ fn sockaddr(dst: SocketAddrV4) -> libc::sockaddr_in {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// At `exit` the C library destroys the exiting thread's thread-locals before the exit
+    /// handlers run, and the link groups' DELETE LINK is sent from such a handler: the cache
+    /// may be gone then. Modelled by a thread-local registered before the cache whose
+    /// destructor (run after the cache's) needs the columns. Before the fix this panicked in
+    /// a destructor, which aborts the process (redis-benchmark under `smc run` died of SIGABRT
+    /// at exit).
+    #[test]
+    fn id_columns_after_the_thread_cache_is_gone() {
+        struct AtExit(std::sync::mpsc::Sender<Ipv4IdColumns>);
+        impl Drop for AtExit {
+            fn drop(&mut self) {
+                let _ = self.0.send(id_columns(100));
+            }
+        }
+        thread_local! {
+            static EXIT: RefCell<Option<AtExit>> = const { RefCell::new(None) };
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            EXIT.with(|e| *e.borrow_mut() = Some(AtExit(tx)));
+            // The cache is made after the handler's thread-local: destroyed before it.
+            let _ = id_columns(100);
+        })
+        .join()
+        .expect("thread");
+        let got = rx.recv().expect("the destructor ran");
+        assert!(got == Ipv4IdColumns::for_len(100));
+    }
 
     #[test]
     fn runs_keep_equal_sizes_and_a_shorter_last() {
