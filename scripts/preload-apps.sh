@@ -336,8 +336,22 @@ ng_n=$(( $(grep -c ": SMC-R" "$SMC_LOG.nginx") - ng_before ))
 echo "   $(grep Requests/sec "$work/wrk.out" | tr -s ' '), $good bodies verified, $conns connections SMC-R at both ends"
 
 echo "== sockperf ping-pong (--tcp, 64 B): blocking recvfrom, then select, poll and epoll servers"
-# sockperf binds without SO_REUSEADDR, and a connection's TCP socket may stay in TIME-WAIT at the
-# server's port (docs/preload.md, Limits): fresh ports for each server and each run.
+# Stop the server of the round just measured. A server that is gone already ended on its own
+# after its client left (seen once in CI with the epoll server, not reproduced in 60 rounds by
+# hand, issue #22's note): said loudly with its exit status and last words, not failed on —
+# the client's checks above (every message back, in order, SMC-R at both ends) are the test.
+sockperf_server_stop() {
+    if ! kill "$sp" 2>/dev/null; then
+        local st=0
+        wait "$sp" 2>/dev/null || st=$?
+        echo "   WARNING: the sockperf server ($1) had exited by itself, status $st: $(tail -3 "$work/sr.out" | tr '\n' ' ')"
+        grep -v "loaded into" "$SMC_LOG.sp" | tail -5 | sed "s/^/   WARNING: /" || true
+    else
+        wait "$sp" 2>/dev/null || true
+    fi
+}
+# sockperf binds without SO_REUSEADDR: fresh ports for each server and each run (a port of a
+# run that was killed may still be taken).
 spp=$((11000 + RANDOM % 400 * 8))
 : >"$SMC_LOG.sp"
 SMC_LOG="$SMC_LOG.sp" "$SMC" run sockperf sr --tcp -i 127.0.0.1 -p $spp >"$work/sr.out" 2>&1 &
@@ -345,7 +359,8 @@ pids+=($!); sp=$!
 for _ in $(seq 1 100); do grep -q "listening on port $spp" "$SMC_LOG.sp" && break; sleep 0.05; done
 SMC_LOG="$SMC_LOG.sp" timeout 30 "$SMC" run sockperf pp --tcp -i 127.0.0.1 -p $spp -t 2 -m 64 \
     >"$work/pp.out" 2>&1 || fail "sockperf pp: $(tail -5 "$work/pp.out")"
-kill $sp; wait $sp 2>/dev/null || true
+sockperf_server_stop "blocking"
+
 # sockperf numbers its messages and counts what came back lost, twice or out of order.
 grep -q "# dropped messages = 0; # duplicated messages = 0; # out-of-order messages = 0" "$work/pp.out" \
     || fail "sockperf pp: $(grep -i "messages" "$work/pp.out")"
@@ -360,7 +375,7 @@ for mux in s p e; do
     for _ in $(seq 1 100); do grep -q "listening on port $((spp + 1))" "$SMC_LOG.sp" && break; sleep 0.05; done
     SMC_LOG="$SMC_LOG.sp" timeout 30 "$SMC" run sockperf pp -f "$work/feed.txt" -t 1 -m 64 \
         >"$work/pp.out" 2>&1 || fail "sockperf pp -F $mux: $(tail -5 "$work/pp.out")"
-    kill $sp; wait $sp 2>/dev/null || true
+    sockperf_server_stop "-F $mux"
     grep -q "# dropped messages = 0; # duplicated messages = 0; # out-of-order messages = 0" "$work/pp.out" \
         || fail "sockperf pp -F $mux: $(grep -i "messages" "$work/pp.out")"
     [ "$(grep -c ": SMC-R" "$SMC_LOG.sp")" = 4 ] || fail "sockperf -F $mux: 2 connections not SMC-R at both ends"
