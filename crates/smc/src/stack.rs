@@ -473,13 +473,8 @@ impl Core {
         self.send_direct_inner(id, buf, false, now)
     }
 
-    fn send_direct_inner(
-        &mut self,
-        id: TcpId,
-        buf: &[u8],
-        urgent: bool,
-        now: Timestamp,
-    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+    /// The endpoint and the one-copy send path over this core's fabric (split borrows).
+    fn direct_path(&mut self) -> (&mut Endpoint, DirectSend<'_>) {
         let Core {
             ep,
             fab,
@@ -495,6 +490,17 @@ impl Core {
             capturing: capture.is_some(),
             held: Vec::new(),
         };
+        (ep, path)
+    }
+
+    fn send_direct_inner(
+        &mut self,
+        id: TcpId,
+        buf: &[u8],
+        urgent: bool,
+        now: Timestamp,
+    ) -> Result<usize, smc_proto::endpoint::EndpointError> {
+        let (ep, path) = self.direct_path();
         if urgent {
             ep.send_urgent_with(id, buf, now, path)
         } else {
@@ -532,22 +538,9 @@ impl Core {
         placed: [bool; 2],
         now: Timestamp,
     ) -> Result<usize, smc_proto::endpoint::EndpointError> {
-        let Core {
-            ep,
-            fab,
-            failed_posts,
-            deferred,
-            capture,
-            ..
-        } = self;
+        let (ep, direct) = self.direct_path();
         let path = send::PrePlaced {
-            direct: DirectSend {
-                fab: &*fab,
-                failed_posts,
-                deferred,
-                capturing: capture.is_some(),
-                held: Vec::new(),
-            },
+            direct,
             plan,
             placed,
         };

@@ -732,13 +732,27 @@ impl Endpoint {
         now: Timestamp,
     ) -> Option<WrId> {
         let v2_group = self.lgrs.get(&lgr).is_some_and(|g| g.v2.is_some());
+        tracing::trace!(?lgr, num, ?msg, "post LLC");
+        let bytes = v2::llc_to_wire(&msg, v2_group).into();
+        self.post_llc_bytes(lgr, num, bytes, confirm_for, now)
+    }
+
+    /// Post the LLC message `bytes` on link `num` of `lgr` (its activity stamped, the work
+    /// request recorded as an LLC one).
+    fn post_llc_bytes(
+        &mut self,
+        lgr: LgrId,
+        num: u8,
+        bytes: crate::fabric::SendMsg,
+        confirm_for: Option<TcpId>,
+        now: Timestamp,
+    ) -> Option<WrId> {
         let link = self
             .lgrs
             .get_mut(&lgr)
             .and_then(|g| g.links.get_mut(&num))?;
         link.last_activity = now;
         let id = link.id;
-        tracing::trace!(?lgr, num, ?msg, "post LLC");
         let wr = self.new_wr(WrPurpose::Llc {
             lgr,
             link: id,
@@ -747,7 +761,7 @@ impl Endpoint {
         self.fabric_out.push_back(FabricOp::PostSend {
             link: id,
             wr,
-            msg: v2::llc_to_wire(&msg, v2_group).into(),
+            msg: bytes,
         });
         Some(wr)
     }
@@ -764,24 +778,8 @@ impl Endpoint {
         // At most 8192 bytes: ADD LINK v2 carries at most 255 rkeys (4152 bytes), REQ ADD
         // LINK v2 our few GIDs.
         let bytes = crate::fabric::SendMsg::new(&msg.to_vec())?;
-        let link = self
-            .lgrs
-            .get_mut(&lgr)
-            .and_then(|g| g.links.get_mut(&num))?;
-        link.last_activity = now;
-        let id = link.id;
         tracing::trace!(?lgr, num, ?msg, "post LLC v2");
-        let wr = self.new_wr(WrPurpose::Llc {
-            lgr,
-            link: id,
-            confirm_for: None,
-        });
-        self.fabric_out.push_back(FabricOp::PostSend {
-            link: id,
-            wr,
-            msg: bytes,
-        });
-        Some(wr)
+        self.post_llc_bytes(lgr, num, bytes, None, now)
     }
 
     /// Post ADD LINK v2 `base` (request or accepting reply) with the extension carrying our
