@@ -87,6 +87,23 @@ timeout 60 "$SMC" run python3 scripts/preload-semantics.py client 19100 "$SMC" >
 wait $sem || { cat "$work/sem-s.log"; fail "semantics server"; }
 echo "   $(grep -c '^ok' "$work/sem-s.log" "$work/sem-c.log" | awk -F: '{s+=$2} END {print s}') checks passed"
 
+echo "== a peer's reset (scripts/preload-reset.py): plain TCP first, then both ends under smc run"
+for mode in plain smc; do
+    run=(); [ $mode = smc ] && run=("$SMC" run)
+    before=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+    "${run[@]}" python3 scripts/preload-reset.py server 19180 >"$work/reset-s.log" 2>&1 &
+    rs=$!
+    for _ in $(seq 1 100); do ss -ltn 'sport = :19180' | grep -q 19180 && break; sleep 0.05; done
+    timeout 60 "${run[@]}" python3 scripts/preload-reset.py client 19180 >"$work/reset-c.log" 2>&1 \
+        || { cat "$work/reset-c.log" "$work/reset-s.log"; fail "reset semantics ($mode)"; }
+    wait $rs || { cat "$work/reset-s.log"; fail "reset server ($mode)"; }
+    after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+    if [ $mode = smc ] && [ $((after - before)) -ne 6 ]; then
+        fail "reset semantics: $((after - before)) SMC-R connection ends, 6 expected"
+    fi
+done
+echo "   answer read before the reset, ECONNRESET once (read, write or SO_ERROR), then EOF/EPIPE: as TCP"
+
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 "$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &

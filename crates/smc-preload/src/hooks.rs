@@ -138,17 +138,14 @@ pub(crate) fn io_result(r: std::io::Result<usize>) -> ssize_t {
     }
 }
 
-/// A write's failure: EPIPE also raises SIGPIPE unless MSG_NOSIGNAL, as for TCP.
+/// A write's failure: EPIPE also raises SIGPIPE unless MSG_NOSIGNAL, as for TCP (the first
+/// write to meet a reset gets ECONNRESET and no signal; the later ones EPIPE, see
+/// `smc::fdapi::Conn::write`).
 pub(crate) fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
             let n = errno_of(&e);
-            let n = if n == libc::ECONNRESET || n == libc::ECONNABORTED {
-                libc::EPIPE
-            } else {
-                n
-            };
             if n == libc::EPIPE && !nosignal {
                 // SAFETY: raising a signal on the calling thread.
                 unsafe { libc::raise(libc::SIGPIPE) };

@@ -361,8 +361,10 @@ pub struct Conn {
     wr: Mutex<Handle>,
     notify: Arc<Notifiers>,
     nonblocking: AtomicBool,
-    /// The peer closed or failed and a write found it: SO_ERROR is reported once.
-    pending_error: Mutex<Option<io::ErrorKind>>,
+    /// The connection's failure (a reset, an abort, a timeout) was reported once, by a
+    /// read, a write or SO_ERROR: as TCP's pending socket error, which the first of them
+    /// takes. After it reads return end of stream and writes EPIPE.
+    failure_reported: AtomicBool,
     /// SO_RCVTIMEO and SO_SNDTIMEO in microseconds (0: none), as the program set them.
     timeouts: [std::sync::atomic::AtomicU64; 2],
     /// How many peeked bytes wait in the reading handle (readiness looks here without its
@@ -410,7 +412,7 @@ impl Conn {
             timeouts: Default::default(),
             notify,
             nonblocking: AtomicBool::new(false),
-            pending_error: Mutex::new(None),
+            failure_reported: AtomicBool::new(false),
         })
     }
 
@@ -555,7 +557,33 @@ impl Conn {
             };
         }
         h.mode(dontwait || self.nonblocking());
-        h.s.read(buf)
+        let r = h.s.read(buf);
+        self.failure_once(r, false)
+    }
+
+    /// A read's or write's result as TCP reports a failed connection: the first call that
+    /// meets the failure gets its error (ECONNRESET, ECONNABORTED, ETIMEDOUT; a write
+    /// then raises no SIGPIPE), later reads end of stream and later writes EPIPE.
+    fn failure_once(&self, r: io::Result<usize>, write: bool) -> io::Result<usize> {
+        match r {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::TimedOut
+                ) =>
+            {
+                if !self.failure_reported.swap(true, Ordering::AcqRel) {
+                    Err(e)
+                } else if write {
+                    Err(io::ErrorKind::BrokenPipe.into())
+                } else {
+                    Ok(0)
+                }
+            }
+            r => r,
+        }
     }
 
     /// Read into `buf` without consuming (MSG_PEEK): the bytes stay for the next read. Waits
@@ -715,15 +743,7 @@ impl Conn {
         let mut h = self.wr.lock().unwrap_or_else(|p| p.into_inner());
         h.mode(dontwait || self.nonblocking());
         let r = h.s.write(buf);
-        if let Err(e) = &r {
-            if !matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-            ) {
-                *self.pending_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.kind());
-            }
-        }
-        r
+        self.failure_once(r, true)
     }
 
     /// Write several buffers in order (writev): blocks (unless nonblocking) until the first
@@ -767,17 +787,10 @@ impl Conn {
         Ok(())
     }
 
-    /// SO_ERROR: the failure a write met (once), else the connection's pending failure.
+    /// SO_ERROR: the connection's failure, if no read, write or SO_ERROR reported it yet.
     pub fn take_error(&self) -> Option<io::Error> {
-        if let Some(k) = self
-            .pending_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            return Some(k.into());
-        }
-        None
+        let e = self.failure()?;
+        (!self.failure_reported.swap(true, Ordering::AcqRel)).then_some(e)
     }
 
     /// Bytes readable now (FIONREAD / SIOCINQ).
@@ -788,6 +801,10 @@ impl Conn {
                 .ep
                 .connection(self.id)
                 .map_or(0, |c| c.readable() as usize)
+            + core
+                .slots
+                .get(&self.id)
+                .map_or(0, |s| s.left_by_reset.len())
     }
 
     /// Bytes a write takes now without waiting (room in the peer's RMBE).

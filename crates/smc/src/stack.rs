@@ -45,7 +45,7 @@ mod runtime;
 mod send;
 mod slots;
 
-pub(crate) use fabric::Fabric;
+pub(crate) use fabric::{copy_regions, Fabric};
 use fabric::{open_fabric, LinkQp};
 use runtime::runtime;
 use send::{reset_socket, waits_for_room, Deferred, DirectSend};
@@ -187,6 +187,9 @@ pub struct StackStats {
     /// SMC-R connections aborted because bytes arrived on their TCP connection, which stays
     /// silent once SMC-R runs: the peer program wrote past the stack (see `tcpwatch`).
     pub tcp_data_aborts: u64,
+    /// Bytes the peer wrote before it reset a connection, kept for the application to read
+    /// ahead of the reset (as TCP does).
+    pub bytes_kept_at_reset: u64,
 }
 
 /// A socket as `smc ss` shows it.
@@ -696,6 +699,18 @@ impl Core {
                         s.error.get_or_insert(e);
                     }
                     reset_socket(s.sock.take());
+                }
+            }
+            EndpointEvent::UnreadAtReset { tcp, target } => {
+                // What the peer wrote before it reset the connection stays readable ahead of
+                // the error, as over TCP; taken out of the RMBE now, before the element can
+                // be given to another connection.
+                let mut b = vec![0u8; target.regions.total() as usize];
+                if self.fab.copy_unread(&target, &mut b).is_ok() {
+                    if let Some(s) = self.slots.get_mut(&tcp) {
+                        self.stats.bytes_kept_at_reset += b.len() as u64;
+                        s.left_by_reset = b;
+                    }
                 }
             }
             EndpointEvent::Conn { tcp, event } => match event {

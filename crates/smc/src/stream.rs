@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketType};
 use smc_proto::endpoint::TcpId;
-use smc_proto::rmbe::Regions;
 use smc_wire::Cursor;
 
 use crate::config::DiscoveryMode;

@@ -159,7 +159,25 @@ fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
         if events.is_empty() {
             continue;
         }
+        // What the fabric brought before the reset first: a peer that resets its TCP
+        // connection posts its last CDCs (the producer cursor of the bytes it wrote, its
+        // PeerConnAbort) before its RST leaves, but over software RoCE they wait on the
+        // device's socket for whoever receives next, while the RST is here already. Handled
+        // now, the bytes stay readable ahead of the reset as over TCP (otherwise our abort
+        // would come first and make us ignore them, RFC 7609 §4.8.2).
+        for cq in &inner.cqs {
+            if let Some(r) = cq.receive_wait() {
+                r.receive();
+            }
+        }
         let mut core = inner.lock();
+        let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+        for _ in 0..8 {
+            if !core.poll_completions(&mut wcs) {
+                break;
+            }
+        }
+        core.drain();
         let mut reset = Vec::new();
         for ev in &events {
             let id = TcpId(ev.data.u64());

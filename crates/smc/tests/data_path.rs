@@ -407,3 +407,36 @@ fn a_write_after_the_peer_closed_fails_and_keeps_what_the_peer_sent() {
     assert_eq!(got, msg, "the bytes sent before the close");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A peer that closes with our request unread resets the connection (as TCP sends a RST):
+/// what it wrote before — its answer — is still read, whole and first, and then the reset,
+/// as over TCP (a program reading a server's last words must see them). Here the reset has
+/// arrived, and the RMBE element is gone back to the pool, before the client reads at all.
+#[test]
+fn bytes_the_peer_wrote_before_it_reset_are_read_before_the_reset() {
+    let dir = test_dir("keptatreset");
+    let (_a, b, mut server, mut client) = pair(&dir, 64 * 1024);
+    client.write_all(b"PING\r\n").expect("client write");
+    let msg = pattern(3000, 5);
+    server.write_all(&msg).expect("server write");
+    // Closing with the client's request unread is an abortive close (PeerConnAbort).
+    std::thread::sleep(Duration::from_millis(100));
+    drop(server);
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while b.stats().bytes_kept_at_reset == 0 && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(b.stats().bytes_kept_at_reset, msg.len() as u64);
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1000];
+    let err = loop {
+        match client.read(&mut buf) {
+            Ok(0) => panic!("end of stream after {} bytes, not the reset", got.len()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(got, msg, "the bytes written before the reset");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -18,6 +18,27 @@ impl Connection {
             .unwrap_or(0)
     }
 
+    /// After the peer reset the connection (its PeerConnAbort, a TCP RST, or its close
+    /// while we still had data to write): the bytes it had written and announced before,
+    /// still unread in our RMBE. A TCP receiver reads what arrived ahead of a reset before
+    /// it sees the reset, so these are handed to the application ahead of the error; the
+    /// runtime copies them out when the failure is reported (the RMBE goes back to the pool
+    /// with the connection). `None` for every other failure: after a protocol violation or
+    /// a local abort the cursors are not to be trusted, or the bytes were thrown away.
+    pub fn unread_at_reset(&self) -> Option<Regions> {
+        let Some(ConnError::Reset(
+            AbortReason::PeerAbort | AbortReason::TcpReset | AbortReason::PeerClosedWithPendingData,
+        )) = self.error
+        else {
+            return None;
+        };
+        if self.discarding() {
+            return None;
+        }
+        let n = self.local_ring.distance(self.cons, self.peer_prod).ok()?;
+        (n > 0).then(|| self.local_ring.regions(self.cons, n))
+    }
+
     /// Whether reads have reached end of stream (the peer is done writing and everything was
     /// read, or reading was shut down).
     pub fn is_read_closed(&self) -> bool {
@@ -183,6 +204,19 @@ impl Connection {
             _ => {}
         }
         if msg.conn_flags.peer_abnormal_close {
+            // Every CDC carries the peer's producer cursor, the abort's too (Linux sends
+            // its current cursors with PeerConnAbort): bytes it wrote just before it
+            // aborted, announced by this very message, are as valid as any (a peer that
+            // answers and then closes with our request unread). A cursor that does not
+            // validate is ignored: the connection ends anyway.
+            if self.error.is_none() && !self.discarding() {
+                if let Ok((new_bytes, _)) = self.validate(&msg) {
+                    if new_bytes > 0 {
+                        self.peer_prod = msg.producer;
+                        self.stats.bytes_received += u64::from(new_bytes);
+                    }
+                }
+            }
             self.passive_abort(now);
             return;
         }

@@ -105,6 +105,17 @@ impl Endpoint {
         let mut closed = false;
         while let Some(e) = c.conn.poll_event() {
             closed |= e == Event::Closed;
+            if let (Event::Failed(_), Some(regions)) = (e, c.conn.unread_at_reset()) {
+                events.push_back(EndpointEvent::UnreadAtReset {
+                    tcp,
+                    target: ReadTarget {
+                        lgr: c.lgr,
+                        rmb: c.local.rmb,
+                        element_offset: c.local_element_offset,
+                        regions,
+                    },
+                });
+            }
             events.push_back(EndpointEvent::Conn { tcp, event: e });
         }
         if closed {

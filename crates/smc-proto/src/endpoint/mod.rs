@@ -184,6 +184,16 @@ pub enum EndpointEvent {
         /// Why.
         reason: ResetReason,
     },
+    /// The peer reset connection `tcp` with bytes it had written before still unread in our
+    /// RMBE (see [`Connection::unread_at_reset`](crate::conn::Connection::unread_at_reset)):
+    /// the runtime copies them out now, before the element goes back to the pool, for the
+    /// application to read ahead of the reset. Comes just before the connection's `Failed`.
+    UnreadAtReset {
+        /// The connection.
+        tcp: TcpId,
+        /// Where the bytes are.
+        target: ReadTarget,
+    },
     /// An event of an established connection (data, close states).
     Conn {
         /// The connection.

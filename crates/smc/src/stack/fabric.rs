@@ -2,6 +2,7 @@
 
 use super::*;
 use smc_proto::fabric::LlcVersion;
+use std::io;
 
 /// A link's QP and its receive buffers.
 pub(super) struct LinkQp {
@@ -83,6 +84,44 @@ impl Fabric {
             sge,
         })
     }
+}
+
+impl Fabric {
+    /// Copy the first `out.len()` unread bytes of a connection out of our RMB (one copy,
+    /// straight into the application's buffer). Every device's registration of the RMB is
+    /// the same memory, so any of them serves.
+    pub(crate) fn copy_unread(
+        &self,
+        target: &smc_proto::endpoint::ReadTarget,
+        out: &mut [u8],
+    ) -> io::Result<()> {
+        let mr = self
+            .rmbs
+            .get(&(target.lgr, target.rmb))
+            .and_then(|r| r.iter().flatten().next())
+            .ok_or_else(|| io::Error::other("RMB missing"))?;
+        copy_regions(mr, target, out)
+    }
+}
+
+/// Copy the first `out.len()` bytes of `target`'s regions out of `mr`, our RMB.
+pub(crate) fn copy_regions(
+    mr: &MemoryRegion,
+    target: &smc_proto::endpoint::ReadTarget,
+    out: &mut [u8],
+) -> io::Result<()> {
+    let mut done = 0usize;
+    for r in target.regions.iter() {
+        if done == out.len() {
+            break;
+        }
+        let take = (r.len as usize).min(out.len() - done);
+        let at = target.element_offset as usize + r.offset as usize;
+        mr.read_at(at, &mut out[done..done + take])
+            .map_err(io::Error::other)?;
+        done += take;
+    }
+    Ok(())
 }
 
 impl Resources for Fabric {

@@ -156,6 +156,7 @@ impl Stack {
             "links_up": s.links_up,
             "tcp_resets": s.tcp_resets,
             "tcp_data_aborts": s.tcp_data_aborts,
+            "bytes_kept_at_reset": s.bytes_kept_at_reset,
             "links_down": s.links_down,
             "failovers": e.failovers,
             "link_failures": e.link_failures,

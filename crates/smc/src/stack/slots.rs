@@ -47,6 +47,9 @@ pub(crate) struct Slot {
     /// A write came after the peer closed and was taken (and dropped), as TCP takes the
     /// first one before the peer's RST is back: the next one fails with EPIPE.
     pub(crate) wrote_after_peer_close: bool,
+    /// The bytes the peer wrote before it reset the connection, unread then (copied out of
+    /// the RMBE when the reset came): reads take them before they see the error.
+    pub(crate) left_by_reset: Vec<u8>,
 }
 
 impl Slot {
@@ -66,6 +69,7 @@ impl Slot {
             copying_out: false,
             copying_in: false,
             wrote_after_peer_close: false,
+            left_by_reset: Vec::new(),
         }
     }
 

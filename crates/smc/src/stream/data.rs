@@ -379,7 +379,7 @@ impl SmcStream {
                     let mut b = [0u8; 1];
                     let Core { ep, fab, .. } = &mut *core;
                     if let Ok(Ok(1)) =
-                        ep.read_with(id, 1, now, |t, n| copy_out(fab, t, &mut b[..n as usize]))
+                        ep.read_with(id, 1, now, |t, n| fab.copy_unread(t, &mut b[..n as usize]))
                     {
                         slot.state
                             .store(UrgentSlot::PRESENT | u16::from(b[0]), Ordering::Release);
@@ -410,7 +410,7 @@ impl SmcStream {
             // byte as TCP does (so that `at_mark` can tell the next read starts with it).
             let Core { ep, fab, .. } = &mut *core;
             match ep.read_with(id, max, now, |target, n| {
-                copy_out(fab, target, &mut buf[..n as usize])
+                fab.copy_unread(target, &mut buf[..n as usize])
             }) {
                 Ok(Ok(0)) | Err(_) => {}
                 Ok(Ok(n)) => {
@@ -419,6 +419,16 @@ impl SmcStream {
                     break Ok(n as usize);
                 }
                 Ok(Err(e)) => break Err(e),
+            }
+            // What the peer wrote before it reset the connection comes before the reset.
+            if let Some(s) = core.slots.get_mut(&id) {
+                if !s.left_by_reset.is_empty() {
+                    let n = s.left_by_reset.len().min(buf.len());
+                    buf[..n].copy_from_slice(&s.left_by_reset[..n]);
+                    s.left_by_reset.drain(..n);
+                    self.last_read = n;
+                    break Ok(n);
+                }
             }
             // The end of stream the peer sent comes before a later failure (the peer said
             // it was done; a reset after that loses nothing).
@@ -767,7 +777,7 @@ fn unlocked_read<'a>(
         s.copying_out = true;
     }
     drop(core);
-    let copied = copy_regions(&mr, &target, &mut buf[..n as usize]);
+    let copied = crate::stack::copy_regions(&mr, &target, &mut buf[..n as usize]);
     drop(mr);
     let mut core = inner.lock();
     if let Some(s) = core.slots.get_mut(&id) {
@@ -781,43 +791,6 @@ fn unlocked_read<'a>(
         Ok(()) => (core, Unlocked::Done(Ok(n as usize))),
         Err(_) => (core, Unlocked::Failed),
     }
-}
-
-/// Copy the first `out.len()` unread bytes of connection `id` out of our RMB (one copy,
-/// straight into the application's buffer). Every device's registration of the RMB is the
-/// same memory, so any of them serves.
-fn copy_out(
-    fab: &crate::stack::Fabric,
-    target: &smc_proto::endpoint::ReadTarget,
-    out: &mut [u8],
-) -> io::Result<()> {
-    let mr = fab
-        .rmbs
-        .get(&(target.lgr, target.rmb))
-        .and_then(|r| r.iter().flatten().next())
-        .ok_or_else(|| io::Error::other("RMB missing"))?;
-    copy_regions(mr, target, out)
-}
-
-/// Copy the first `out.len()` bytes of `target`'s regions out of `mr`, our RMB.
-fn copy_regions(
-    mr: &smc_fabric::MemoryRegion,
-    target: &smc_proto::endpoint::ReadTarget,
-    out: &mut [u8],
-) -> io::Result<()> {
-    let regions: &Regions = &target.regions;
-    let mut done = 0usize;
-    for r in regions.iter() {
-        if done == out.len() {
-            break;
-        }
-        let take = (r.len as usize).min(out.len() - done);
-        let at = target.element_offset as usize + r.offset as usize;
-        mr.read_at(at, &mut out[done..done + take])
-            .map_err(io::Error::other)?;
-        done += take;
-    }
-    Ok(())
 }
 
 impl Read for SmcStream {

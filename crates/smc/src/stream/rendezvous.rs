@@ -282,8 +282,17 @@ impl Rendezvous {
         match (&*self.sock).read(&mut self.buf) {
             Ok(0) => {
                 let mut core = inner.lock();
-                let now = core.now();
-                core.ep.handle_tcp_reset(id, now);
+                if core.ep.connection(id).is_some() {
+                    // The connection was established meanwhile (by an LLC exchange another
+                    // thread handled) and the peer has already closed it: a closing peer
+                    // shuts its TCP connection down first (a FIN, not a reset), and the
+                    // SMC-R close follows over the link. The stream takes it from here.
+                    tracing::debug!(?id, client, "TCP FIN right after the handshake");
+                } else {
+                    // The TCP connection ended before the handshake did: it cannot finish.
+                    let now = core.now();
+                    core.ep.handle_tcp_reset(id, now);
+                }
                 core.drain();
             }
             Ok(n) => {

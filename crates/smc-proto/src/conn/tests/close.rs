@@ -851,3 +851,42 @@ fn close_indication_is_sent_again_after_a_failover() {
         assert!(p.peer_mut(side).conn.poll_transmit().is_none());
     }
 }
+
+/// The cursor of a PeerConnAbort counts: bytes the peer wrote and announced with the very
+/// CDC that aborts (its last, as Linux sends its current cursors with the abort) are kept
+/// for the application ahead of the reset, as TCP delivers what came before a RST. A cursor
+/// that does not validate announces nothing; the connection is reset all the same.
+#[test]
+fn a_peer_abort_keeps_the_bytes_its_cursor_announces() {
+    for forged in [false, true] {
+        let mut p = pair();
+        let t = now(&p);
+        p.a.conn.set_nodelay(true, t);
+        p.a.conn.produced(100, t).expect("produce");
+        let mut m = p.a.conn.poll_transmit().expect("the data CDC");
+        m.conn_flags.peer_abnormal_close = true;
+        if forged {
+            // Past what our RMBE can hold unread: an overrun.
+            m.producer = smc_wire::Cursor {
+                wrap: m.producer.wrap.wrapping_add(3),
+                ..m.producer
+            };
+        }
+        p.b.conn.handle_cdc(m, t);
+        assert_eq!(
+            p.b.conn.error(),
+            Some(ConnError::Reset(AbortReason::PeerAbort))
+        );
+        assert_eq!(
+            p.b.conn.readable(),
+            0,
+            "reads go through the runtime's copy"
+        );
+        let kept = p.b.conn.unread_at_reset().map(|r| r.total());
+        assert_eq!(
+            kept,
+            if forged { None } else { Some(100) },
+            "forged: {forged}"
+        );
+    }
+}
