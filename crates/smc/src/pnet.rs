@@ -76,7 +76,11 @@ pub fn device_set(table: &[PnetEntry], netdev: Option<&str>, local: IpAddr) -> D
 /// The endpoint's devices (ports, `(fabric device, GID)` by `DeviceId`) for a connection with
 /// local address `local` served by the fabric devices in `serving`: one port per serving
 /// device, of the local address's IP version where the device has one (see the module docs).
-pub fn ports_for(ports: &[(usize, smc_fabric::Gid)], serving: DeviceSet, local: IpAddr) -> DeviceSet {
+pub fn ports_for(
+    ports: &[(usize, smc_fabric::Gid)],
+    serving: DeviceSet,
+    local: IpAddr,
+) -> DeviceSet {
     let v6 = match local {
         IpAddr::V6(a) if a.to_ipv4_mapped().is_none() => Some(a),
         _ => None,
@@ -189,17 +193,40 @@ mod tests {
             (2, g("fd02::1")),
         ];
         let all = DeviceSet::from_ids([DeviceId(0), DeviceId(1), DeviceId(2)]);
-        let ids = |s: DeviceSet| (0..6u8).filter(|i| s.contains(DeviceId(*i))).collect::<Vec<_>>();
+        let ids = |s: DeviceSet| {
+            (0..6u8)
+                .filter(|i| s.contains(DeviceId(*i)))
+                .collect::<Vec<_>>()
+        };
         // IPv4 (and an IPv4-mapped IPv6 address): the IPv4-mapped GIDs.
-        assert_eq!(ids(ports_for(&ports, all, "10.0.0.1".parse().unwrap())), [0, 3, 4]);
-        assert_eq!(ids(ports_for(&ports, all, "::ffff:10.0.0.1".parse().unwrap())), [0, 3, 4]);
+        assert_eq!(
+            ids(ports_for(&ports, all, "10.0.0.1".parse().unwrap())),
+            [0, 3, 4]
+        );
+        assert_eq!(
+            ids(ports_for(&ports, all, "::ffff:10.0.0.1".parse().unwrap())),
+            [0, 3, 4]
+        );
         // IPv6: the GID equal to the address, else the first IPv6 GID, else the IPv4 one.
-        assert_eq!(ids(ports_for(&ports, all, "2001:db8::1".parse().unwrap())), [2, 3, 5]);
-        assert_eq!(ids(ports_for(&ports, all, "fd09::9".parse().unwrap())), [1, 3, 5]);
+        assert_eq!(
+            ids(ports_for(&ports, all, "2001:db8::1".parse().unwrap())),
+            [2, 3, 5]
+        );
+        assert_eq!(
+            ids(ports_for(&ports, all, "fd09::9".parse().unwrap())),
+            [1, 3, 5]
+        );
         // Only serving devices.
         let r2 = DeviceSet::from_ids([DeviceId(2)]);
         assert_eq!(ids(ports_for(&ports, r2, "fd02::1".parse().unwrap())), [5]);
-        assert_eq!(ids(ports_for(&ports, DeviceSet::EMPTY, "fd02::1".parse().unwrap())), Vec::<u8>::new());
+        assert_eq!(
+            ids(ports_for(
+                &ports,
+                DeviceSet::EMPTY,
+                "fd02::1".parse().unwrap()
+            )),
+            Vec::<u8>::new()
+        );
     }
 
     #[test]

@@ -133,7 +133,9 @@ impl Resources for Fabric {
         device: DeviceId,
         llc: LlcVersion,
     ) -> Result<QpInfo, ResourceError> {
-        let d = self.dev_index(device).ok_or(ResourceError("no such device"))?;
+        let d = self
+            .dev_index(device)
+            .ok_or(ResourceError("no such device"))?;
         let (pd, cq) = match (self.pds.get(d), self.cqs.get(d)) {
             (Some(p), Some(c)) => (p, c),
             _ => return Err(ResourceError("no such device")),
@@ -176,7 +178,9 @@ impl Resources for Fabric {
         device: DeviceId,
     ) -> Result<MrInfo, ResourceError> {
         let d = usize::from(device.0);
-        let dev = self.dev_index(device).ok_or(ResourceError("no such device"))?;
+        let dev = self
+            .dev_index(device)
+            .ok_or(ResourceError("no such device"))?;
         let pd = self.pds.get(dev).ok_or(ResourceError("no such device"))?;
         let len = usize::try_from(len).map_err(|_| ResourceError("RMB too large"))?;
         let slots = self
@@ -202,8 +206,10 @@ impl Resources for Fabric {
     fn reaches(&self, device: smc_proto::fabric::DeviceId, gid: smc_wire::Gid) -> bool {
         // On the shm fabric a device is one LAN: the port is reachable when it is open on the
         // same device name.
-        let (Some(d), Some(p)) = (self.port_device(device), self.ports.get(usize::from(device.0)))
-        else {
+        let (Some(d), Some(p)) = (
+            self.port_device(device),
+            self.ports.get(usize::from(device.0)),
+        ) else {
             return false;
         };
         // A software RoCE port reaches the GIDs on its netdev's subnet, of its own IP version
@@ -223,15 +229,13 @@ impl Resources for Fabric {
         let p = self.ports.get(usize::from(device.0))?;
         let d = self.devices.get(p.dev)?;
         // A shm port is the device's only one and its GID tells no IP version.
-        if d.reaches(smc_fabric::Gid(gid.0)).is_none() || gid_is_v4(&p.gid.0) == gid_is_v4(&gid.0)
-        {
+        if d.reaches(smc_fabric::Gid(gid.0)).is_none() || gid_is_v4(&p.gid.0) == gid_is_v4(&gid.0) {
             return Some(device);
         }
         // Another GID of the same RNIC, of the peer's IP version: one on the peer's LAN first.
         let twins: Vec<usize> = (0..self.ports.len())
             .filter(|&i| {
-                self.ports[i].dev == p.dev
-                    && gid_is_v4(&self.ports[i].gid.0) == gid_is_v4(&gid.0)
+                self.ports[i].dev == p.dev && gid_is_v4(&self.ports[i].gid.0) == gid_is_v4(&gid.0)
             })
             .collect();
         let pick = twins

@@ -75,7 +75,10 @@ impl Endpoint {
         let members = (0..ndev.min(256))
             .map(|d| DeviceId(d as u8))
             .filter(|d| opts.pnet.contains(*d));
-        if members.clone().any(|d| res.port_for(d, client_gid) != Some(d)) {
+        if members
+            .clone()
+            .any(|d| res.port_for(d, client_gid) != Some(d))
+        {
             opts.pnet = DeviceSet::from_ids(members.filter_map(|d| res.port_for(d, client_gid)));
         }
         if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
