@@ -66,6 +66,9 @@ pub(crate) const TICK: Duration = Duration::from_millis(2);
 /// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
 /// no more wake-ups than the timers do), and starts again at this when it finds none.
 const LEASE: Duration = Duration::from_micros(250);
+/// Most IPv6 GIDs (and sockets) of one device: a GID index is a `u8`, and every socket is
+/// looked at on each receive.
+const MAX_V6_GIDS: usize = 32;
 /// How often the netdev's state is looked at.
 const PORT_CHECK: Duration = Duration::from_millis(50);
 
@@ -733,7 +736,15 @@ impl RoceHandle {
             super::steer::Binding::Exclusive => super::steer::Slot::Alone,
         };
         let mut v6 = Vec::new();
-        for (a, prefix) in ipv6.unwrap_or_else(|| info.ipv6_gids()) {
+        let mut v6_addrs = ipv6.unwrap_or_else(|| info.ipv6_gids());
+        if v6_addrs.len() > MAX_V6_GIDS {
+            tracing::warn!(
+                device = name,
+                "roce: only the first {MAX_V6_GIDS} IPv6 addresses become GIDs"
+            );
+            v6_addrs.truncate(MAX_V6_GIDS);
+        }
+        for (a, prefix) in v6_addrs {
             match open_v6(a, &fabric.dir, slot) {
                 Ok(sock) => v6.push(V6Sock {
                     ip: a,
