@@ -183,7 +183,7 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                 "device",
                 "kind",
                 "netdev",
-                "gid",
+                "gids",
                 "mac",
                 "mtu",
                 "port",
@@ -216,7 +216,11 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                         cell(&d["name"]),
                         cell(&d["kind"]),
                         cell(&d["netdev"]),
-                        cell(&d["gid"]),
+                        // The GID table, one per line (a roce device: IPv4-mapped, then IPv6).
+                        d["gids"].as_array().map_or_else(
+                            || cell(&d["gid"]),
+                            |g| g.iter().map(cell).collect::<Vec<_>>().join("\n"),
+                        ),
                         cell(&d["mac"]),
                         cell(&d["mtu"]),
                         cell(&d["port"]),

@@ -3,7 +3,9 @@
 //! (so one UDP port 4791), three clients in another namespace, also sharing one address,
 //! connect to one server each at the same time. Every transfer must go over SMC-R and arrive
 //! with the SHA-256 it left with — which needs the eBPF program steering each datagram to the
-//! process owning its destination QPN on both sides.
+//! process owning its destination QPN on both sides. Once over IPv4, once over IPv6 TCP and
+//! the devices' IPv6 GIDs, whose sockets take the QPN slot of their IPv4 socket in the IPv6
+//! address's group.
 
 use std::fs::File;
 use std::io::Write;
@@ -12,7 +14,7 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 
 mod netns;
-use netns::{root_with_ip, sha256_file, wait, NsPair};
+use netns::{root_with_ip, run, sha256_file, wait, NsPair};
 
 /// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) joined by one veth pair (netns::NsPair).
 struct Net(NsPair);
@@ -25,13 +27,35 @@ impl std::ops::Deref for Net {
 }
 
 impl Net {
-    fn new() -> Net {
-        Net(NsPair::new(
-            's',
-            "s",
-            120 + (std::process::id() % 7) as u8,
-            1,
-        ))
+    /// With `v6`, the veth also carries `fdNN:1::1/64` and `::2` (so the devices have IPv6
+    /// GIDs).
+    fn new(v6: bool) -> Net {
+        let tag = if v6 { "6" } else { "s" };
+        let n = 120 + (std::process::id() % 7) as u8 + if v6 { 10 } else { 0 };
+        let net = Net(NsPair::new('s', tag, n, 1));
+        if v6 {
+            for side in ['a', 'b'] {
+                let addr = format!("{}/64", net.addr6(side));
+                let v = net.veth(side, 0);
+                run(&[
+                    "ip",
+                    "-n",
+                    net.ns(side),
+                    "addr",
+                    "add",
+                    &addr,
+                    "dev",
+                    &v,
+                    "nodad",
+                ]);
+            }
+        }
+        net
+    }
+
+    /// The IPv6 address of `side`.
+    fn addr6(&self, side: char) -> String {
+        format!("fd{:02x}:1::{}", self.n, if side == 'a' { 1 } else { 2 })
     }
 
     /// `smc nc` in namespace `side` with one roce device on the veth; every process of a side
@@ -71,7 +95,20 @@ fn roce_three_processes_share_one_address() {
     if !root_with_ip() {
         return;
     }
-    let net = Net::new();
+    three_processes_share_one_address(false);
+}
+
+#[test]
+fn roce_three_processes_share_one_ipv6_address() {
+    if !root_with_ip() {
+        return;
+    }
+    three_processes_share_one_address(true);
+}
+
+fn three_processes_share_one_address(v6: bool) {
+    let net = Net::new(v6);
+    let server_addr = if v6 { net.addr6('a') } else { net.addr('a', 0) };
     const N: u64 = 3;
     let len = 8 << 20;
     let mut servers = Vec::new();
@@ -80,28 +117,43 @@ fn roce_three_processes_share_one_address() {
         let port = (7100 + i).to_string();
         let s = net.nc(
             'a',
-            &["-v", "-l", &port, "--bind", &net.addr('a', 0)],
+            &["-v", "-l", &port, "--bind", &server_addr],
             Stdio::null(),
             Stdio::from(File::create(&out).expect("out")),
         );
         servers.push((s, out));
     }
     std::thread::sleep(Duration::from_millis(500));
-    // The servers joined the shared group: its registry names the steering map.
-    let registry = std::fs::read_dir(net.dir.join("a"))
+    // The servers joined the shared group (IPv6: also the IPv6 address's): its registry
+    // names the steering map.
+    let registries: Vec<_> = std::fs::read_dir(net.dir.join("a"))
         .expect("fabric dir")
         .filter_map(|e| e.ok())
-        .find(|e| e.file_name().to_string_lossy().ends_with(".reuseport"))
-        .expect("no reuseport registry: the servers did not share the port");
-    let id = std::fs::read_to_string(registry.path()).expect("registry");
-    assert!(id.trim().parse::<u32>().is_ok(), "registry holds {id:?}");
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".reuseport"))
+        .collect();
+    assert_eq!(
+        registries.len(),
+        if v6 { 2 } else { 1 },
+        "reuseport registries: the servers did not share the port"
+    );
+    for registry in registries {
+        let id = std::fs::read_to_string(registry.path()).expect("registry");
+        assert!(id.trim().parse::<u32>().is_ok(), "registry holds {id:?}");
+    }
+    if v6 {
+        // Every server's device has the IPv6 GID (its socket got its QPN slot there too).
+        let a: std::net::Ipv6Addr = server_addr.parse().expect("addr");
+        let gid: Vec<String> = a.segments().iter().map(|s| format!("{s:04x}")).collect();
+        let devices = netns::query(&net.dir.join("a"), "device").to_string();
+        assert_eq!(devices.matches(&gid.join(":")).count(), 3, "{devices}");
+    }
     let mut clients = Vec::new();
     for i in 0..N {
         let src = input(&net.dir, i, len);
         let port = (7100 + i).to_string();
         let c = net.nc(
             'b',
-            &["-v", &net.addr('a', 0), &port],
+            &["-v", &server_addr, &port],
             Stdio::from(File::open(&src).expect("in")),
             Stdio::null(),
         );

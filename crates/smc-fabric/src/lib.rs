@@ -301,7 +301,8 @@ impl Device {
     }
 
     /// Whether this port can reach the port with GID `gid` (roce: the peer's IPv4 address is
-    /// on the netdev's subnet); `None` when the backend cannot tell from the GID (shm).
+    /// on the netdev's subnet, or its IPv6 address on the prefix of one of our IPv6 GIDs);
+    /// `None` when the backend cannot tell from the GID (shm).
     pub fn reaches(&self, gid: Gid) -> Option<bool> {
         match &self.inner {
             DeviceImpl::Shm(_) => None,
@@ -325,11 +326,21 @@ impl Device {
         }
     }
 
-    /// GID of this port (unique per process and device).
+    /// GID of this port (unique per process and device): index 0 of [`gids`](Self::gids).
     pub fn gid(&self) -> Gid {
         match &self.inner {
             DeviceImpl::Shm(d) => d.core.gid,
             DeviceImpl::Roce(d) => d.core.gid,
+        }
+    }
+
+    /// The port's GID table: a shm port has one GID; a roce port has `::ffff:a.b.c.d` of its
+    /// netdev's IPv4 address first, then one GID per global or unique-local IPv6 address
+    /// the netdev had when the device was opened (docs/roce.md, "IPv6 GIDs").
+    pub fn gids(&self) -> Vec<Gid> {
+        match &self.inner {
+            DeviceImpl::Shm(d) => vec![d.core.gid],
+            DeviceImpl::Roce(d) => d.core.gids.clone(),
         }
     }
 
@@ -882,7 +893,17 @@ impl QueuePair {
     pub fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
         match &self.inner {
             QpImpl::Shm(q) => q.to_rtr(remote),
-            QpImpl::Roce(_, q) => q.to_rtr(remote),
+            QpImpl::Roce(_, q) => q.to_rtr(None, remote),
+        }
+    }
+    /// [`to_rtr`](Self::to_rtr) from our GID `local`, one of [`Device::gids`] (the verbs
+    /// address vector's source GID index): a roce device sends from and receives on that
+    /// GID's address. An error when `local` is not the device's, or is of another IP version
+    /// than the peer's GID. The shm backend has one GID per port and ignores it.
+    pub fn to_rtr_from(&self, local: Gid, remote: RemoteQpInfo) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.to_rtr(remote),
+            QpImpl::Roce(_, q) => q.to_rtr(Some(local), remote),
         }
     }
     /// RTR → RTS (sends may be posted from now on).

@@ -159,6 +159,16 @@ pub trait Resources {
         let _ = (device, gid);
         true
     }
+
+    /// The device that speaks to the RoCE port `gid` from the RNIC of our `device`: `device`
+    /// itself when its GID suits (the default), another GID of the same RNIC (a RoCEv2 RNIC
+    /// with an IPv4-mapped and an IPv6 GID is one device per GID to the endpoint, and a
+    /// peer's GID of one kind is reached only from a GID of that kind), or `None` when the
+    /// RNIC has no GID for it.
+    fn port_for(&self, device: DeviceId, gid: Gid) -> Option<DeviceId> {
+        let _ = gid;
+        Some(device)
+    }
 }
 
 /// The peer side of a QP, to move our QP to ready-to-send.

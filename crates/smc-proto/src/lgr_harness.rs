@@ -74,6 +74,9 @@ pub struct FakeResources {
     /// Fail one RMB registration after this many more succeed (resource exhaustion knob;
     /// `Some(1)`: an RMB of a two-link group is registered on the first link only).
     pub fail_register_rmb: Option<usize>,
+    /// [`Resources::port_for`] (several GIDs of one RNIC as devices): `None` keeps the
+    /// default, every device speaks to every GID.
+    pub port_for: Option<fn(DeviceId, Gid) -> Option<DeviceId>>,
 }
 
 impl FakeResources {
@@ -91,6 +94,7 @@ impl FakeResources {
             qp_llc: BTreeMap::new(),
             fail_create_qp: 0,
             fail_register_rmb: None,
+            port_for: None,
         }
     }
 }
@@ -149,6 +153,13 @@ impl Resources for FakeResources {
 
     fn random_u32(&mut self) -> u32 {
         self.rng.next_u64() as u32
+    }
+
+    fn port_for(&self, device: DeviceId, gid: Gid) -> Option<DeviceId> {
+        match self.port_for {
+            Some(f) => f(device, gid),
+            None => Some(device),
+        }
     }
 }
 

@@ -11,6 +11,14 @@
 //! address; the devices serving that interface or address form the connection's device set.
 //! With none, the connection falls back to TCP with Decline "no SMC-R device found"
 //! (0x03030002), sent by whichever side found no device.
+//!
+//! A roce device with IPv6 GIDs is one endpoint device (a "port") per GID. Of each device
+//! serving a connection, one port goes into its set: over an IPv6 TCP connection the port of
+//! the IPv6 GID equal to the local address, else of the device's first IPv6 GID, else (a
+//! device without one) its IPv4-mapped GID; over IPv4 the IPv4-mapped GID. A server then
+//! re-expresses the set in the kind of GID the client proposed (`Resources::port_for`), so an
+//! IPv4-mapped-only client is still answered, and declines with "no SMC-R device found" when
+//! no serving device has a GID of that kind.
 
 use std::net::IpAddr;
 
@@ -65,6 +73,41 @@ pub fn device_set(table: &[PnetEntry], netdev: Option<&str>, local: IpAddr) -> D
     )
 }
 
+/// The endpoint's devices (ports, `(fabric device, GID)` by `DeviceId`) for a connection with
+/// local address `local` served by the fabric devices in `serving`: one port per serving
+/// device, of the local address's IP version where the device has one (see the module docs).
+pub fn ports_for(
+    ports: &[(usize, smc_fabric::Gid)],
+    serving: DeviceSet,
+    local: IpAddr,
+) -> DeviceSet {
+    let v6 = match local {
+        IpAddr::V6(a) if a.to_ipv4_mapped().is_none() => Some(a),
+        _ => None,
+    };
+    let is_v4 = |g: &smc_fabric::Gid| std::net::Ipv6Addr::from(g.0).to_ipv4_mapped().is_some();
+    let mut out = DeviceSet::EMPTY;
+    let mut devs: Vec<usize> = ports.iter().map(|p| p.0).collect();
+    devs.dedup();
+    for dev in devs {
+        if u8::try_from(dev).map_or(true, |d| !serving.contains(DeviceId(d))) {
+            continue;
+        }
+        let mine = || ports.iter().enumerate().filter(|(_, p)| p.0 == dev);
+        let pick = v6
+            .and_then(|a| {
+                mine()
+                    .find(|(_, p)| p.1 .0 == a.octets())
+                    .or_else(|| mine().find(|(_, p)| !is_v4(&p.1)))
+            })
+            .or_else(|| mine().next());
+        if let Some(id) = pick.and_then(|(i, _)| u8::try_from(i).ok()) {
+            out.insert(DeviceId(id));
+        }
+    }
+    out
+}
+
 /// Whether the device set of a connection under `table` depends on its network interface
 /// (some device serves only listed interfaces).
 pub fn needs_interface(table: &[PnetEntry]) -> bool {
@@ -100,7 +143,11 @@ impl crate::Stack {
         let netdev = needs_interface(&table)
             .then(|| interface_of(local))
             .flatten();
-        device_set(&table, netdev.as_deref(), local)
+        ports_for(
+            &self.inner.ports,
+            device_set(&table, netdev.as_deref(), local),
+            local,
+        )
     }
 
     /// `pnet`: the PNET table.
@@ -131,6 +178,55 @@ mod tests {
             netdevs: netdevs.iter().map(|s| s.to_string()).collect(),
             addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
         }
+    }
+
+    #[test]
+    fn one_port_per_device_of_the_connections_ip_version() {
+        let g = |s: &str| smc_fabric::Gid(s.parse::<std::net::Ipv6Addr>().unwrap().octets());
+        // r0: IPv4 and two IPv6 GIDs; r1: IPv4 only; r2: IPv4 and one IPv6 GID.
+        let ports = vec![
+            (0, g("::ffff:10.0.0.1")),
+            (0, g("fd00::1")),
+            (0, g("2001:db8::1")),
+            (1, g("::ffff:10.1.0.1")),
+            (2, g("::ffff:10.2.0.1")),
+            (2, g("fd02::1")),
+        ];
+        let all = DeviceSet::from_ids([DeviceId(0), DeviceId(1), DeviceId(2)]);
+        let ids = |s: DeviceSet| {
+            (0..6u8)
+                .filter(|i| s.contains(DeviceId(*i)))
+                .collect::<Vec<_>>()
+        };
+        // IPv4 (and an IPv4-mapped IPv6 address): the IPv4-mapped GIDs.
+        assert_eq!(
+            ids(ports_for(&ports, all, "10.0.0.1".parse().unwrap())),
+            [0, 3, 4]
+        );
+        assert_eq!(
+            ids(ports_for(&ports, all, "::ffff:10.0.0.1".parse().unwrap())),
+            [0, 3, 4]
+        );
+        // IPv6: the GID equal to the address, else the first IPv6 GID, else the IPv4 one.
+        assert_eq!(
+            ids(ports_for(&ports, all, "2001:db8::1".parse().unwrap())),
+            [2, 3, 5]
+        );
+        assert_eq!(
+            ids(ports_for(&ports, all, "fd09::9".parse().unwrap())),
+            [1, 3, 5]
+        );
+        // Only serving devices.
+        let r2 = DeviceSet::from_ids([DeviceId(2)]);
+        assert_eq!(ids(ports_for(&ports, r2, "fd02::1".parse().unwrap())), [5]);
+        assert_eq!(
+            ids(ports_for(
+                &ports,
+                DeviceSet::EMPTY,
+                "fd02::1".parse().unwrap()
+            )),
+            Vec::<u8>::new()
+        );
     }
 
     #[test]

@@ -311,12 +311,15 @@ impl Core {
         let Some(remote) = l.remote else {
             return;
         };
-        let Some(dev) = self.fab.devices.get(usize::from(l.device.0)) else {
+        let Some(dev) = self.fab.port_device(l.device) else {
+            return;
+        };
+        let Some(port) = self.fab.ports.get(usize::from(l.device.0)) else {
             return;
         };
         let ours = smc_wire::capture::RoceEndpoint {
             mac: smc_wire::Mac(dev.mac().0),
-            ip: gid_ip(&dev.gid().0),
+            ip: gid_ip(&port.gid.0),
         };
         let theirs = smc_wire::capture::RoceEndpoint {
             mac: remote.mac,
@@ -389,23 +392,29 @@ impl Core {
         match op {
             FabricOp::ConnectQp {
                 link,
-                device: _,
+                device,
                 remote,
             } => {
-                let ok = match self.fab.links.get(&link) {
-                    Some(l) => {
+                let port = self.fab.ports.get(usize::from(device.0)).copied();
+                let ok = match (self.fab.links.get(&link), port) {
+                    (Some(l), Some(port)) => {
                         let mtu = smc_fabric::Mtu::from_code(remote.mtu.0)
                             .unwrap_or(smc_fabric::Mtu::Mtu1024);
-                        l.qp.to_rtr(RemoteQpInfo {
-                            gid: smc_fabric::Gid(remote.gid.0),
-                            qp_num: remote.qpn.get(),
-                            psn: remote.psn.get(),
-                            mtu,
-                        })
+                        // From the GID the endpoint announced for this port (a roce device
+                        // with IPv6 GIDs is one port per GID).
+                        l.qp.to_rtr_from(
+                            port.gid,
+                            RemoteQpInfo {
+                                gid: smc_fabric::Gid(remote.gid.0),
+                                qp_num: remote.qpn.get(),
+                                psn: remote.psn.get(),
+                                mtu,
+                            },
+                        )
                         .and_then(|_| l.qp.to_rts())
                         .is_ok()
                     }
-                    None => false,
+                    _ => false,
                 };
                 if !ok {
                     tracing::debug!(%link, "connecting QP failed");
@@ -944,6 +953,9 @@ pub(crate) struct Inner {
     pub(crate) loop_polled_at: AtomicU64,
     pub(crate) discovery: Option<TcpOptionDiscovery>,
     pub(crate) peer_id: PeerId,
+    /// The endpoint's devices as (fabric device index, GID), by `DeviceId` (fixed at start;
+    /// read without the lock to choose a connection's device set, `pnet::ports_for`).
+    pub(crate) ports: Vec<(usize, smc_fabric::Gid)>,
     next_tcp: AtomicU64,
     stop: AtomicBool,
     /// Where the control socket goes, if the stack has one.
@@ -993,6 +1005,10 @@ pub struct LinkInfo {
     pub num: u8,
     /// Our device name.
     pub device: String,
+    /// Our GID on the link (one of the device's, `smc device` lists them).
+    pub gid: String,
+    /// The peer's GID on the link, once known.
+    pub peer_gid: Option<String>,
     /// Whether the link is confirmed and carries traffic.
     pub active: bool,
 }
@@ -1072,10 +1088,13 @@ impl Stack {
             instance,
             mac: smc_wire::Mac(mac),
         };
-        let proto_devices = devices
+        let ports = fabric::ports_of(&devices);
+        let port_list = ports.iter().map(|p| (p.dev, p.gid)).collect();
+        let proto_devices = ports
             .iter()
-            .map(|d| smc_proto::fabric::Device {
-                gid: smc_wire::Gid(d.gid().0),
+            .map(|p| (p, &devices[p.dev]))
+            .map(|(p, d)| smc_proto::fabric::Device {
+                gid: smc_wire::Gid(p.gid.0),
                 mac: smc_wire::Mac(d.mac().0),
                 // The path MTU the port offers (a roce device: from its netdev's MTU); the
                 // QP uses the smaller of ours and the peer's.
@@ -1103,6 +1122,7 @@ impl Stack {
         ec.lgr_idle_timeout = config.lgr_idle_timeout;
         let fab = Fabric {
             devices: devices.clone(),
+            ports,
             pds,
             cqs: cqs.clone(),
             links: HashMap::new(),
@@ -1144,6 +1164,7 @@ impl Stack {
             loop_polled_at: AtomicU64::new(0),
             discovery,
             peer_id,
+            ports: port_list,
             next_tcp: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             // No control socket in a fabric directory we refused (it may be another user's).
@@ -1282,10 +1303,16 @@ impl Stack {
                         num: l.num,
                         device: core
                             .fab
-                            .devices
-                            .get(usize::from(l.device.0))
+                            .port_device(l.device)
                             .map(|d| d.name().to_string())
                             .unwrap_or_default(),
+                        gid: core
+                            .fab
+                            .ports
+                            .get(usize::from(l.device.0))
+                            .map(|p| p.gid.to_string())
+                            .unwrap_or_default(),
+                        peer_gid: l.remote.map(|r| smc_fabric::Gid(r.gid.0).to_string()),
                         active: matches!(l.state, smc_proto::link_group::LinkState::Active),
                     })
                     .collect(),

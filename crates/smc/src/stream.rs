@@ -217,7 +217,7 @@ impl SmcStream {
         let core = self.stack.inner.lock();
         let (lgr, num) = core.ep.connection_link(h.id)?;
         let dev = core.ep.link_group(lgr)?.links.get(&num)?.device;
-        let name = core.fab.devices.get(usize::from(dev.0))?.name().to_string();
+        let name = core.fab.port_device(dev)?.name().to_string();
         Some((lgr.0, name))
     }
 

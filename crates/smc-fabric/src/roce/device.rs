@@ -1,6 +1,7 @@
-//! A software RoCEv2 device: one UDP socket bound to `<netdev IPv4>:4791`, tables of QPs and
-//! memory regions, counters, injected faults, and the progress thread that receives packets,
-//! answers them, and runs the retransmission and port-state timers.
+//! A software RoCEv2 device: one UDP socket bound to `<netdev IPv4>:4791` and one more per
+//! IPv6 GID (`[<netdev IPv6>]:4791`), tables of QPs and memory regions, counters, injected
+//! faults, and the progress thread that receives packets, answers them, and runs the
+//! retransmission and port-state timers.
 
 use super::fault::Faults;
 use super::mr::RoceMr;
@@ -14,7 +15,7 @@ use rustix::fd::{AsFd, OwnedFd};
 use rustix::net::{AddressFamily, SocketType};
 use smc_wire::roce;
 use std::collections::VecDeque;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
@@ -65,8 +66,28 @@ pub(crate) const TICK: Duration = Duration::from_millis(2);
 /// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
 /// no more wake-ups than the timers do), and starts again at this when it finds none.
 const LEASE: Duration = Duration::from_micros(250);
+/// Most IPv6 GIDs (and sockets) of one device: a GID index is a `u8`, and every socket is
+/// looked at on each receive.
+const MAX_V6_GIDS: usize = 32;
 /// How often the netdev's state is looked at.
 const PORT_CHECK: Duration = Duration::from_millis(50);
+
+/// Where a packet goes: the peer's address, and which of the device's sockets (of its GIDs)
+/// it leaves from and arrives on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dest {
+    pub(crate) ip: IpAddr,
+    /// 0: the IPv4 socket (GID index 0); k ≥ 1: the socket of IPv6 GID k (`v6[k - 1]`).
+    pub(crate) via: u8,
+}
+
+/// The device's socket on one of its netdev's IPv6 addresses: one IPv6 GID.
+pub(crate) struct V6Sock {
+    pub(crate) ip: Ipv6Addr,
+    /// Prefix length of `ip` on the netdev: the LAN this GID reaches.
+    pub(crate) prefix: u8,
+    pub(crate) sock: OwnedFd,
+}
 
 pub(crate) struct RoceCore {
     pub(crate) config: DeviceConfig,
@@ -74,7 +95,16 @@ pub(crate) struct RoceCore {
     pub(crate) ip: Ipv4Addr,
     /// Prefix length of `ip` on the netdev: the LAN this port reaches.
     pub(crate) prefix: u8,
+    /// GID index 0: `::ffff:<ip>`.
     pub(crate) gid: Gid,
+    /// The GID table: `gid`, then one IPv6 GID per entry of `v6`.
+    pub(crate) gids: Vec<Gid>,
+    /// The sockets of the IPv6 GIDs.
+    pub(crate) v6: Vec<V6Sock>,
+    /// With IPv6 GIDs: an epoll instance holding every socket of the device, readable when one
+    /// of them is (what the progress thread and [`ReceiveWait`] sleep on). Without, they sleep
+    /// on `sock` itself.
+    waitset: Option<OwnedFd>,
     pub(crate) mac: Mac,
     pub(crate) netdev_mtu: AtomicU32,
     pub(crate) sock: OwnedFd,
@@ -134,7 +164,7 @@ impl<'a> ReceiveWait<'a> {
     }
 
     pub(crate) fn fd(&self) -> rustix::fd::BorrowedFd<'a> {
-        self.core.sock.as_fd()
+        self.core.wait_fd()
     }
 
     /// Receive what is waiting; returns how many datagrams.
@@ -185,16 +215,68 @@ impl RoceCore {
     }
 
     /// Whether a peer port with this GID is on this port's LAN (its IPv4 address inside the
-    /// netdev's subnet): RFC 7609 §2.1.2 wants RoCE links between RNICs of one layer-2
-    /// network, and Linux SMC-R sends with TTL 1 (rocev2.md 2.2).
+    /// netdev's subnet, or its IPv6 address inside the prefix of one of our IPv6 GIDs): RFC
+    /// 7609 §2.1.2 wants RoCE links between RNICs of one layer-2 network, and Linux SMC-R
+    /// sends with TTL 1 (rocev2.md 2.2).
     pub(crate) fn reaches(&self, gid: Gid) -> bool {
         let Some(peer) = gid_ipv4(gid) else {
-            return false;
+            let peer = Ipv6Addr::from(gid.0);
+            return self
+                .v6
+                .iter()
+                .any(|s| same_prefix(s.ip, peer, s.prefix) && s.ip != peer);
         };
         let mask = u32::MAX
             .checked_shl(32 - u32::from(self.prefix.min(32)))
             .unwrap_or(0);
         u32::from(peer) & mask == u32::from(self.ip) & mask && peer != self.ip
+    }
+
+    /// What the progress thread and a [`ReceiveWait`] sleep on: readable when a datagram
+    /// waits on any of the device's sockets.
+    pub(crate) fn wait_fd(&self) -> rustix::fd::BorrowedFd<'_> {
+        self.waitset.as_ref().unwrap_or(&self.sock).as_fd()
+    }
+
+    /// The socket of GID index `via` (the IPv4 socket for an index the table does not have).
+    pub(crate) fn sock_of(&self, via: u8) -> &OwnedFd {
+        match usize::from(via).checked_sub(1).and_then(|k| self.v6.get(k)) {
+            Some(s) => &s.sock,
+            None => &self.sock,
+        }
+    }
+
+    /// The address of GID index `via`.
+    pub(crate) fn local_ip(&self, via: u8) -> IpAddr {
+        match usize::from(via).checked_sub(1).and_then(|k| self.v6.get(k)) {
+            Some(s) => IpAddr::V6(s.ip),
+            None => IpAddr::V4(self.ip),
+        }
+    }
+
+    /// The GID index of `gid` in this device's table.
+    pub(crate) fn gid_index(&self, gid: Gid) -> Option<u8> {
+        self.gids
+            .iter()
+            .position(|g| *g == gid)
+            .and_then(|i| u8::try_from(i).ok())
+    }
+
+    /// The GID index a QP uses to speak to the peer GID `peer` when it is not told one: the
+    /// IPv4 GID for an IPv4-mapped peer; for an IPv6 peer, the IPv6 GID on its prefix, else
+    /// the first IPv6 GID; `None` without IPv6 GIDs (rocev2.md 11.1: a packet to a v4-mapped
+    /// GID is IPv4, to any other GID IPv6, and source and destination are of one family).
+    pub(crate) fn source_for(&self, peer: Gid) -> Option<u8> {
+        if gid_ipv4(peer).is_some() {
+            return Some(0);
+        }
+        let p = Ipv6Addr::from(peer.0);
+        let k = self
+            .v6
+            .iter()
+            .position(|s| same_prefix(s.ip, p, s.prefix))
+            .or((!self.v6.is_empty()).then_some(0))?;
+        u8::try_from(k + 1).ok()
     }
 
     pub(crate) fn active_mtu(&self) -> Mtu {
@@ -296,7 +378,7 @@ impl RoceCore {
     }
 
     /// Send one UDP payload to `dst:4791` (through the injected faults, if any).
-    pub(crate) fn transmit(&self, dst: Ipv4Addr, pkt: &[u8]) {
+    pub(crate) fn transmit(&self, dst: Dest, pkt: &[u8]) {
         if let Some(f) = &self.faults {
             let out = lock(f).on_transmit(dst, pkt);
             if out.dropped {
@@ -312,7 +394,7 @@ impl RoceCore {
 
     /// Send several UDP payloads to `dst:4791` with one `sendmmsg` per batch (faults, when
     /// configured, apply per packet).
-    pub(crate) fn transmit_batch(&self, dst: Ipv4Addr, pkts: &[&[u8]]) {
+    pub(crate) fn transmit_batch(&self, dst: Dest, pkts: &[&[u8]]) {
         if self.faults.is_some() || pkts.len() == 1 {
             for p in pkts {
                 self.transmit(dst, p);
@@ -321,7 +403,7 @@ impl RoceCore {
         }
         use rustix::net::addr::SocketAddrArg as _;
         use rustix::net::{MMsgHdr, SendAncillaryBuffer};
-        let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT)).as_any();
+        let addr = SocketAddr::new(dst.ip, roce::UDP_PORT).as_any();
         let iovs: Vec<[std::io::IoSlice<'_>; 1]> =
             pkts.iter().map(|p| [std::io::IoSlice::new(p)]).collect();
         let mut ctrls: Vec<SendAncillaryBuffer<'_, '_, '_>> = pkts
@@ -336,7 +418,7 @@ impl RoceCore {
         let mut sent = 0;
         while sent < msgs.len() {
             match rustix::net::sendmmsg(
-                &self.sock,
+                self.sock_of(dst.via),
                 &mut msgs[sent..],
                 rustix::net::SendFlags::DONTWAIT,
             ) {
@@ -360,14 +442,15 @@ impl RoceCore {
     /// Send a QP's kept packets, each with the IPv4 identification its ICRC is sealed for:
     /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
     /// can, else one datagram per packet with identification 0 (also when faults are
-    /// injected, which act per packet).
-    pub(crate) fn transmit_pkts(&self, dst: Ipv4Addr, pkts: &mut [(&mut [u8], &mut u16)]) {
+    /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed.
+    pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [(&mut [u8], &mut u16)]) {
         let mut done = 0;
+        let v4 = dst.ip.is_ipv4();
         if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
             let lens: Vec<usize> = pkts.iter().map(|(b, _)| b.len()).collect();
-            let to = SocketAddrV4::new(dst, roce::UDP_PORT);
+            let to = SocketAddr::new(dst.ip, roce::UDP_PORT);
             let runs = super::gso::runs(&lens);
-            for &(start, end) in &runs {
+            for &(start, end) in runs.iter().filter(|_| v4) {
                 for (k, (bytes, id)) in pkts[start..end].iter_mut().enumerate() {
                     super::gso::reseal(bytes, id, k as u16);
                 }
@@ -386,7 +469,7 @@ impl RoceCore {
                 .collect();
             let mut next = 0;
             while next < msgs.len() {
-                match super::gso::send_runs(self.sock.as_fd(), to, &msgs[next..]) {
+                match super::gso::send_runs(self.sock_of(dst.via).as_fd(), to, &msgs[next..]) {
                     Ok(k) => {
                         let (n, bytes) = msgs[next..next + k].iter().fold((0, 0), |(n, b), m| {
                             (
@@ -426,16 +509,17 @@ impl RoceCore {
         if done == pkts.len() {
             return;
         }
-        for (bytes, id) in pkts[done..].iter_mut() {
+        for (bytes, id) in pkts[done..].iter_mut().filter(|_| v4) {
             super::gso::reseal(bytes, id, 0);
         }
         let rest: Vec<&[u8]> = pkts[done..].iter().map(|(b, _)| &b[..]).collect();
         self.transmit_batch(dst, &rest);
     }
 
-    fn send_raw(&self, dst: Ipv4Addr, pkt: &[u8]) {
-        let addr = SocketAddr::V4(SocketAddrV4::new(dst, roce::UDP_PORT));
-        match rustix::net::sendto(&self.sock, pkt, rustix::net::SendFlags::DONTWAIT, &addr) {
+    fn send_raw(&self, dst: Dest, pkt: &[u8]) {
+        let addr = SocketAddr::new(dst.ip, roce::UDP_PORT);
+        let sock = self.sock_of(dst.via);
+        match rustix::net::sendto(sock, pkt, rustix::net::SendFlags::DONTWAIT, &addr) {
             Ok(_) => {
                 bump(&self.counters.tx_packets);
                 self.counters
@@ -497,7 +581,7 @@ pub(crate) struct RoceHandle {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-fn bind_error(entry: &str, ip: Ipv4Addr, e: super::steer::BindError) -> String {
+fn bind_error(entry: &str, ip: IpAddr, e: super::steer::BindError) -> String {
     use super::steer::BindError;
     match e {
         BindError::InUse { shared: true } => format!(
@@ -519,6 +603,10 @@ fn bind_error(entry: &str, ip: Ipv4Addr, e: super::steer::BindError) -> String {
         ),
         BindError::SlotsFull => format!(
             "{entry}: all 256 QPN ranges of UDP port 4791 on {ip} are held by live processes"
+        ),
+        BindError::SlotTaken(k) => format!(
+            "{entry}: QPN range {k} of UDP port 4791 on {ip} is held by another process (a \
+             process that shares this IPv6 address but not the device's IPv4 address)"
         ),
         BindError::Other(detail) => format!("{entry}: {detail}"),
     }
@@ -542,6 +630,17 @@ impl RoceHandle {
         fabric: &FabricConfig,
         name: &str,
         address: Option<Ipv4Addr>,
+    ) -> Result<Arc<RoceHandle>> {
+        Self::open_with(fabric, name, address, None)
+    }
+
+    /// [`open_at`](Self::open_at) with the IPv6 GIDs (address, prefix length) given instead of
+    /// taken from the netdev (tests put one on `::1`, which is never a GID otherwise).
+    pub(crate) fn open_with(
+        fabric: &FabricConfig,
+        name: &str,
+        address: Option<Ipv4Addr>,
+        ipv6: Option<Vec<(Ipv6Addr, u8)>>,
     ) -> Result<Arc<RoceHandle>> {
         let (_, config) = fabric.device(name)?;
         let crate::config::DeviceKind::Roce { netdev } = &config.kind else {
@@ -591,9 +690,15 @@ impl RoceHandle {
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 8 << 20);
         }
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 4 << 20);
-        let binding = match super::steer::bind(&sock, ip, roce::UDP_PORT, &fabric.dir) {
+        let binding = match super::steer::bind(
+            &sock,
+            IpAddr::V4(ip),
+            roce::UDP_PORT,
+            &fabric.dir,
+            super::steer::Slot::Any,
+        ) {
             Ok(b) => b,
-            Err(e) => return Err(open_err(name, bind_error(&entry, ip, e))),
+            Err(e) => return Err(open_err(name, bind_error(&entry, IpAddr::V4(ip), e))),
         };
         let mtu = netdev::mtu(sock.as_fd(), netdev).unwrap_or(1500);
         if active_mtu(mtu).is_none() {
@@ -622,21 +727,79 @@ impl RoceHandle {
                 }
             }
         }
-        let mut gid = [0u8; 16];
-        gid[10] = 0xFF;
-        gid[11] = 0xFF;
-        gid[12..].copy_from_slice(&ip.octets());
+        let gid = ip.to_ipv6_mapped().octets();
+        // The IPv6 GIDs: one socket each, in the QPN range of the IPv4 socket. One that
+        // cannot be had is left out of the table (the device still speaks IPv4), said in
+        // the log.
+        let slot = match binding {
+            super::steer::Binding::Shared { slot } => super::steer::Slot::Exactly(slot),
+            super::steer::Binding::Exclusive => super::steer::Slot::Alone,
+        };
+        let mut v6 = Vec::new();
+        let mut v6_addrs = ipv6.unwrap_or_else(|| info.ipv6_gids());
+        if v6_addrs.len() > MAX_V6_GIDS {
+            tracing::warn!(
+                device = name,
+                "roce: only the first {MAX_V6_GIDS} IPv6 addresses become GIDs"
+            );
+            v6_addrs.truncate(MAX_V6_GIDS);
+        }
+        for (a, prefix) in v6_addrs {
+            match open_v6(a, &fabric.dir, slot) {
+                Ok(sock) => v6.push(V6Sock {
+                    ip: a,
+                    prefix,
+                    sock,
+                }),
+                Err(e) => {
+                    let why = match e {
+                        V6Error::Os(what, e) => format!("{entry}: {what}: {e}"),
+                        V6Error::Bind(e) => bind_error(&entry, IpAddr::V6(a), e),
+                    };
+                    tracing::warn!(device = name, address = %a, "roce: no IPv6 GID: {why}");
+                }
+            }
+        }
+        let mut gids = vec![Gid(gid)];
+        gids.extend(v6.iter().map(|s| Gid(s.ip.octets())));
+        let waitset = if v6.is_empty() {
+            None
+        } else {
+            let ep = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
+                .map_err(|e| FabricError::os("epoll_create", e))?;
+            for (via, s) in std::iter::once(&sock)
+                .chain(v6.iter().map(|s| &s.sock))
+                .enumerate()
+            {
+                rustix::event::epoll::add(
+                    &ep,
+                    s,
+                    rustix::event::epoll::EventData::new_u64(via as u64),
+                    rustix::event::epoll::EventFlags::IN,
+                )
+                .map_err(|e| FabricError::os("epoll_ctl", e))?;
+            }
+            Some(ep)
+        };
         let (qpn_base, qpn_span) = binding.qpn_range();
         let first_qpn = 0x11 + (u32::from_ne_bytes(crate::shm::mem::random_bytes::<4>()) & 0xFFF);
         // rx.rs: received packets coalesced per UDP_SEGMENT send (off with SMC_ROCE_NO_GRO).
         let gro =
             std::env::var_os("SMC_ROCE_NO_GRO").is_none() && super::rx::set_gro(sock.as_fd(), true);
+        if gro {
+            for s in &v6 {
+                super::rx::set_gro(s.sock.as_fd(), true);
+            }
+        }
         let core = Arc::new(RoceCore {
             config: config.clone(),
             netdev: netdev.clone(),
             ip,
             prefix,
             gid: Gid(gid),
+            gids,
+            v6,
+            waitset,
             mac: Mac(info.mac),
             netdev_mtu: AtomicU32::new(mtu),
             sock,
@@ -758,9 +921,25 @@ impl RoceCore {
             batch,
         } = st;
         tables.refresh(self);
+        let mut total = self.receive_socket(0, tables, ring, batch);
+        for via in 1..=self.v6.len() {
+            total += self.receive_socket(via as u8, tables, ring, batch);
+        }
+        batch.flush(self);
+        total
+    }
+
+    /// Receive what waits on the socket of GID index `via`; returns how many datagrams.
+    fn receive_socket(
+        &self,
+        via: u8,
+        tables: &mut Tables,
+        ring: &mut super::rx::RxRing,
+        batch: &mut RxBatch,
+    ) -> usize {
         let mut total = 0;
         for _ in 0..super::rx::ROUNDS {
-            let got = ring.receive(&self.sock);
+            let got = ring.receive(self.sock_of(via));
             total += got;
             for i in 0..got {
                 let (from, data, seg) = ring.datagram(i);
@@ -777,14 +956,14 @@ impl RoceCore {
                     }
                     // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
                     let id = if seg.is_some() { k as u16 } else { 0 };
-                    super::qp::receive(self, tables, batch, (*from.ip(), from.port(), id), pkt);
+                    let from = (from.ip(), from.port(), id, via);
+                    super::qp::receive(self, tables, batch, from, pkt);
                 }
             }
             if got < super::rx::BATCH {
                 break;
             }
         }
-        batch.flush(self);
         total
     }
 
@@ -804,6 +983,9 @@ impl RoceCore {
         if self.gro.swap(false, Ordering::AcqRel) {
             tracing::info!(device = %self.config.name, why, "roce: UDP_GRO off");
             super::rx::set_gro(self.sock.as_fd(), false);
+            for s in &self.v6 {
+                super::rx::set_gro(s.sock.as_fd(), false);
+            }
         }
     }
 }
@@ -838,8 +1020,8 @@ fn run(core: Arc<RoceCore>) {
                 tv_sec: 0,
                 tv_nsec: timeout.as_nanos() as _,
             };
-            let mut fds = [rustix::event::PollFd::new(
-                &core.sock,
+            let mut fds = [rustix::event::PollFd::from_borrowed_fd(
+                core.wait_fd(),
                 rustix::event::PollFlags::IN,
             )];
             let _ = rustix::event::poll(&mut fds, Some(&ts));
@@ -931,8 +1113,84 @@ pub(crate) fn snapshot(core: &RoceCore) -> crate::DeviceCounters {
     }
 }
 
-/// The IP address a peer GID stands for, if it is an IPv4-mapped one (the only kind this
-/// backend speaks).
+/// The IP address a peer GID stands for, if it is an IPv4-mapped one.
 pub(crate) fn gid_ipv4(gid: Gid) -> Option<Ipv4Addr> {
     roce::gid_ipv4(gid.0)
+}
+
+/// Whether `a` and `b` share their first `prefix` bits.
+pub(crate) fn same_prefix(a: Ipv6Addr, b: Ipv6Addr, prefix: u8) -> bool {
+    let mask = u128::MAX
+        .checked_shl(128 - u32::from(prefix.min(128)))
+        .unwrap_or(0);
+    u128::from(a) & mask == u128::from(b) & mask
+}
+
+/// Why the socket of an IPv6 GID could not be had.
+enum V6Error {
+    Os(&'static str, rustix::io::Errno),
+    Bind(super::steer::BindError),
+}
+
+/// Set an integer socket option rustix has no call for.
+fn setsockopt_int(sock: &OwnedFd, level: i32, name: i32, value: i32) -> rustix::io::Result<()> {
+    use rustix::fd::AsRawFd as _;
+    // SAFETY: a plain setsockopt with a pointer to a live c_int and its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            level,
+            name,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(
+            rustix::io::Errno::from_io_error(&std::io::Error::last_os_error())
+                .unwrap_or(rustix::io::Errno::INVAL),
+        )
+    }
+}
+
+/// The socket of IPv6 GID `a`: bound to `[a]:4791` in QPN slot `slot` of that address's
+/// group (steer.rs).
+fn open_v6(
+    a: Ipv6Addr,
+    dir: &std::path::Path,
+    slot: super::steer::Slot,
+) -> std::result::Result<OwnedFd, V6Error> {
+    let sock = rustix::net::socket_with(
+        AddressFamily::INET6,
+        SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| V6Error::Os("socket", e))?;
+    rustix::net::sockopt::set_ipv6_v6only(&sock, true)
+        .map_err(|e| V6Error::Os("IPV6_V6ONLY", e))?;
+    // rocev2.md 15.1: never fragment (an IPv6 packet carries no identification the ICRC
+    // covers, so this is only about the path MTU).
+    setsockopt_int(
+        &sock,
+        libc::IPPROTO_IPV6,
+        libc::IPV6_MTU_DISCOVER,
+        libc::IPV6_PMTUDISC_DO,
+    )
+    .map_err(|e| V6Error::Os("IPV6_MTU_DISCOVER", e))?;
+    // rocev2.md 2.4: rxe sends UDP checksum 0 over IPv6 too, which a Linux socket drops
+    // without this option.
+    setsockopt_int(&sock, libc::IPPROTO_UDP, libc::UDP_NO_CHECK6_RX, 1)
+        .map_err(|e| V6Error::Os("UDP_NO_CHECK6_RX", e))?;
+    // An address still in duplicate address detection (tentative) can be bound all the same:
+    // it answers once DAD ends, and the retransmission covers the meantime.
+    let _ = setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_FREEBIND, 1);
+    if rustix::net::sockopt::set_socket_recv_buffer_size_force(&sock, 8 << 20).is_err() {
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 8 << 20);
+    }
+    let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 4 << 20);
+    super::steer::bind(&sock, IpAddr::V6(a), roce::UDP_PORT, dir, slot).map_err(V6Error::Bind)?;
+    Ok(sock)
 }

@@ -2,8 +2,8 @@
 //! corrupt and delay, applied to every packet the device transmits. The random numbers come
 //! from a xorshift generator seeded from the kernel, so runs differ.
 
+use super::device::Dest;
 use crate::config::Fault;
-use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 #[derive(Default)]
@@ -15,15 +15,15 @@ pub(crate) struct Faults {
     delay: Option<Duration>,
     rng: u64,
     /// A packet held back to be sent after the next one.
-    held: Option<(Ipv4Addr, Vec<u8>)>,
+    held: Option<(Dest, Vec<u8>)>,
     /// Delayed packets and when they are due, in order.
-    delayed: Vec<(Instant, Ipv4Addr, Vec<u8>)>,
+    delayed: Vec<(Instant, Dest, Vec<u8>)>,
 }
 
 /// What to do with one transmitted packet.
 pub(crate) struct Outcome {
     /// Packets to send now, in order.
-    pub(crate) send: Vec<(Ipv4Addr, Vec<u8>)>,
+    pub(crate) send: Vec<(Dest, Vec<u8>)>,
     /// Whether the packet was dropped on purpose.
     pub(crate) dropped: bool,
 }
@@ -56,7 +56,7 @@ impl Faults {
         p > 0.0 && ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
     }
 
-    pub(crate) fn on_transmit(&mut self, dst: Ipv4Addr, pkt: &[u8]) -> Outcome {
+    pub(crate) fn on_transmit(&mut self, dst: Dest, pkt: &[u8]) -> Outcome {
         let mut out = Outcome {
             send: Vec::new(),
             dropped: false,
@@ -92,7 +92,7 @@ impl Faults {
     }
 
     /// Packets whose delay is over, and a held-back packet that no later one released.
-    pub(crate) fn due(&mut self, now: Instant) -> Vec<(Ipv4Addr, Vec<u8>)> {
+    pub(crate) fn due(&mut self, now: Instant) -> Vec<(Dest, Vec<u8>)> {
         let mut out = Vec::new();
         let n = self
             .delayed

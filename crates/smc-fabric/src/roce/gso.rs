@@ -19,7 +19,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use rustix::io::Errno;
@@ -112,13 +112,13 @@ pub(crate) struct Run<'a> {
 /// the kernel took (at least one), or the error of the first.
 pub(crate) fn send_runs(
     sock: BorrowedFd<'_>,
-    dst: SocketAddrV4,
+    dst: SocketAddr,
     runs: &[Run<'_>],
 ) -> Result<usize, Errno> {
     if runs.is_empty() {
         return Ok(0);
     }
-    let addr = sockaddr(dst);
+    let (addr, addr_len) = sockaddr(dst);
     let mut iovs: Vec<Vec<libc::iovec>> = runs
         .iter()
         .map(|r| {
@@ -143,8 +143,8 @@ pub(crate) fn send_runs(
         let mut msgs: Vec<libc::mmsghdr> = Vec::with_capacity(runs.len());
         for ((run, iov), ctrl) in runs.iter().zip(iovs.iter_mut()).zip(ctrls.iter_mut()) {
             let mut m: libc::mmsghdr = std::mem::zeroed();
-            m.msg_hdr.msg_name = (&addr as *const libc::sockaddr_in).cast_mut().cast();
-            m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            m.msg_hdr.msg_name = (&addr as *const libc::sockaddr_in6).cast_mut().cast();
+            m.msg_hdr.msg_namelen = addr_len;
             m.msg_hdr.msg_iov = iov.as_mut_ptr();
             m.msg_hdr.msg_iovlen = iov.len() as _;
             if let Some(gso) = run.gso_size {
@@ -172,14 +172,39 @@ pub(crate) fn send_runs(
     }
 }
 
-fn sockaddr(dst: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: dst.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(dst.ip().octets()),
-        },
-        sin_zero: [0; 8],
+/// `dst` as a socket address for the kernel, in a `sockaddr_in6` (which has room for a
+/// `sockaddr_in`), with the length of the one it holds.
+fn sockaddr(dst: SocketAddr) -> (libc::sockaddr_in6, libc::socklen_t) {
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
+    let mut out: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    match dst {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(v4.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: a sockaddr_in fits in the sockaddr_in6 and needs no stricter alignment.
+            unsafe { std::ptr::write((&mut out as *mut libc::sockaddr_in6).cast(), sin) };
+            (
+                out,
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        }
+        SocketAddr::V6(v6) => {
+            out.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            out.sin6_port = v6.port().to_be();
+            out.sin6_addr.s6_addr = v6.ip().octets();
+            out.sin6_flowinfo = v6.flowinfo();
+            out.sin6_scope_id = v6.scope_id();
+            (
+                out,
+                std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+            )
+        }
     }
 }
 

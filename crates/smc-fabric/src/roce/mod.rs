@@ -2,9 +2,10 @@
 //! byte-exact with Linux's Soft-RoCE (rdma_rxe) as shared/spec/rocev2.md describes it, so that
 //! two smc-rs hosts (or network namespaces) speak SMC-R over any IP network.
 //!
-//! A device lives on a netdev (`roce:r0=veth0`): its GID is `::ffff:a.b.c.d` of the netdev's
-//! IPv4 address, its path MTU follows the netdev's MTU, and the netdev going down is a port
-//! failure. One UDP socket per device, bound to `<address>:4791`, carries every QP; a progress
+//! A device lives on a netdev (`roce:r0=veth0`): its first GID is `::ffff:a.b.c.d` of the
+//! netdev's IPv4 address, followed by its global and unique-local IPv6 addresses (docs/roce.md,
+//! "IPv6 GIDs"), its path MTU follows the netdev's MTU, and the netdev going down is a port
+//! failure. One UDP socket per GID, bound to `<address>:4791`, carries every QP; a progress
 //! thread per device receives, answers (ACK/NAK), places WRITE payloads straight into the
 //! registered regions and runs the timers. Requests are segmented and sent from the posting
 //! thread. The packet codec is `smc_wire::roce`, shared with the capture writer. Several

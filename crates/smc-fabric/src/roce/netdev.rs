@@ -1,5 +1,5 @@
-//! What the roce backend needs to know about a network interface: its IPv4 address (the GID),
-//! MAC, MTU and whether it is up. Read with `getifaddrs` and interface ioctls, which answer for
+//! What the roce backend needs to know about a network interface: its IPv4 and IPv6 addresses
+//! (the GIDs), MAC, MTU and whether it is up. Read with `getifaddrs` and interface ioctls, which answer for
 //! the network namespace of the calling thread (unlike `/sys/class/net`, which shows the
 //! namespace sysfs was mounted in).
 
@@ -17,6 +17,8 @@ pub(crate) struct NetdevInfo {
     pub(crate) ipv4_prefix: Vec<u8>,
     /// IPv6 addresses.
     pub(crate) ipv6: Vec<Ipv6Addr>,
+    /// Prefix length of each of `ipv6`.
+    pub(crate) ipv6_prefix: Vec<u8>,
     /// Hardware address (zero for interfaces without one, such as loopback).
     pub(crate) mac: [u8; 6],
     /// Whether the interface exists at all.
@@ -69,6 +71,14 @@ pub(crate) fn info(name: &str) -> std::io::Result<NetdevInfo> {
                 // SAFETY: family AF_INET6 means a sockaddr_in6.
                 let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
                 out.ipv6.push(Ipv6Addr::from(sin6.sin6_addr.s6_addr));
+                let prefix = if ifa.ifa_netmask.is_null() {
+                    128
+                } else {
+                    // SAFETY: the netmask of an AF_INET6 address is a sockaddr_in6.
+                    let m = unsafe { &*(ifa.ifa_netmask as *const libc::sockaddr_in6) };
+                    u128::from_be_bytes(m.sin6_addr.s6_addr).count_ones() as u8
+                };
+                out.ipv6_prefix.push(prefix);
             }
             libc::AF_PACKET => {
                 // SAFETY: family AF_PACKET means a sockaddr_ll.
@@ -83,6 +93,38 @@ pub(crate) fn info(name: &str) -> std::io::Result<NetdevInfo> {
     // SAFETY: `head` came from getifaddrs and is freed once.
     unsafe { libc::freeifaddrs(head) };
     Ok(out)
+}
+
+impl NetdevInfo {
+    /// The IPv6 addresses that become RoCEv2 GIDs of a device on this interface, with their
+    /// prefix lengths, in the interface's order: global and unique-local unicast addresses.
+    /// Link-local addresses (`fe80::/10`) are left out: a GID has no room for the scope (the
+    /// interface) a link-local address needs, the one interface is already named by the
+    /// device, and Linux SMC-R skips them too (rocev2.md 11.1). So are loopback, multicast,
+    /// unspecified and IPv4-mapped addresses.
+    pub(crate) fn ipv6_gids(&self) -> Vec<(Ipv6Addr, u8)> {
+        self.ipv6
+            .iter()
+            .zip(
+                self.ipv6_prefix
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat(64)),
+            )
+            .filter(|(a, _)| ipv6_gid_candidate(**a))
+            .map(|(a, p)| (*a, p))
+            .collect()
+    }
+}
+
+/// Whether an interface's IPv6 address may be a GID (see [`NetdevInfo::ipv6_gids`]).
+pub(crate) fn ipv6_gid_candidate(a: Ipv6Addr) -> bool {
+    let link_local = a.segments()[0] & 0xFFC0 == 0xFE80;
+    !(a.is_loopback()
+        || a.is_unspecified()
+        || a.is_multicast()
+        || link_local
+        || a.to_ipv4_mapped().is_some())
 }
 
 fn ifreq(name: &str) -> Option<libc::ifreq> {
@@ -142,5 +184,34 @@ mod tests {
         assert!(is_up(s.as_fd(), "lo"));
         assert!(!is_up(s.as_fd(), "no-such-if0"));
         assert!(!info("no-such-if0").expect("getifaddrs").exists);
+        // `::1` (when lo has it) is never a GID.
+        assert!(i.ipv6_gids().is_empty(), "{i:?}");
+    }
+
+    #[test]
+    fn ipv6_gids_are_global_and_unique_local_only() {
+        let i = NetdevInfo {
+            ipv6: [
+                "fe80::5054:ff:fe00:1",
+                "fd00::1",
+                "::1",
+                "2001:db8::7",
+                "ff02::1",
+                "::ffff:10.0.0.1",
+                "::",
+                "febf::1",
+            ]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect(),
+            ipv6_prefix: vec![64, 64, 128, 48, 8, 96, 0, 10],
+            exists: true,
+            ..NetdevInfo::default()
+        };
+        let want: Vec<(Ipv6Addr, u8)> = vec![
+            ("fd00::1".parse().unwrap(), 64),
+            ("2001:db8::7".parse().unwrap(), 48),
+        ];
+        assert_eq!(i.ipv6_gids(), want);
     }
 }

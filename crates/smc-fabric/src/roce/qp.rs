@@ -7,7 +7,7 @@
 //! Rules are those of rdma_rxe as shared/spec/rocev2.md sections 6–10 state them.
 
 use super::cq::RoceCq;
-use super::device::{bump, lock, RoceCore, Tables};
+use super::device::{bump, lock, Dest, RoceCore, Tables};
 use super::mr::RoceMr;
 use crate::error::{FabricError, Result};
 use crate::types::{
@@ -19,7 +19,7 @@ use smc_wire::roce::{
     Reth,
 };
 use std::collections::VecDeque;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -71,7 +71,8 @@ fn retransmit_timeout() -> Duration {
 
 #[derive(Clone, Copy)]
 struct Conn {
-    ip: Ipv4Addr,
+    /// The peer's address and our GID index (socket) for it.
+    ip: Dest,
     dest_qp: u32,
     mtu: usize,
     icrc: IcrcHeaders,
@@ -263,8 +264,15 @@ impl RoceQp {
     }
 
     pub(crate) fn local_info(&self) -> LocalQpInfo {
+        // Before it is connected, the device's first GID; then the one it speaks from.
+        let via = self.conn.get().map_or(0, |c| c.ip.via);
         LocalQpInfo {
-            gid: self.core.gid,
+            gid: self
+                .core
+                .gids
+                .get(usize::from(via))
+                .copied()
+                .unwrap_or(self.core.gid),
             qp_num: self.qpn,
             psn: self.sq_psn,
             mtu: self.core.active_mtu(),
@@ -279,16 +287,34 @@ impl RoceQp {
         self.transition(QpState::Reset, QpState::Init)
     }
 
-    pub(crate) fn to_rtr(&self, remote: RemoteQpInfo) -> Result<()> {
+    /// Connect to `remote` from our GID `local` (the verbs address vector's source GID
+    /// index), or from the GID [`RoceCore::source_for`] picks.
+    pub(crate) fn to_rtr(&self, local: Option<crate::Gid>, remote: RemoteQpInfo) -> Result<()> {
         if self.core.port_state() == crate::PortState::Down {
             return Err(FabricError::PortDown);
         }
-        let Some(ip) = super::device::gid_ipv4(remote.gid) else {
-            return Err(FabricError::PeerUnreachable(format!(
-                "GID {} is not an IPv4-mapped RoCEv2 GID",
-                remote.gid
-            )));
+        let via = match local {
+            Some(g) => self.core.gid_index(g).ok_or_else(|| {
+                FabricError::PeerUnreachable(format!("GID {g} is not one of this device's"))
+            })?,
+            None => self.core.source_for(remote.gid).ok_or_else(|| {
+                FabricError::PeerUnreachable(format!(
+                    "GID {} is IPv6 and this device has no IPv6 GID",
+                    remote.gid
+                ))
+            })?,
         };
+        let peer = roce::gid_ip(remote.gid.0);
+        let src = self.core.local_ip(via);
+        // rocev2.md 11.1: a v4-mapped GID is reached over IPv4, any other over IPv6; both
+        // ends of a packet are of one family.
+        if peer.is_ipv4() != src.is_ipv4() {
+            return Err(FabricError::PeerUnreachable(format!(
+                "GID {} and our GID {} are not of one IP version",
+                remote.gid,
+                crate::Gid(roce_gid(src))
+            )));
+        }
         if remote.qp_num == 0 || remote.qp_num > roce::U24_MASK || remote.psn > roce::U24_MASK {
             return Err(FabricError::InvalidArgument("remote QPN or PSN"));
         }
@@ -301,10 +327,10 @@ impl RoceQp {
         // Path MTU: the smaller of the peer's and ours, never above what the netdev carries.
         let mtu = remote.mtu.min(self.core.active_mtu());
         let conn = Conn {
-            ip,
+            ip: Dest { ip: peer, via },
             dest_qp: remote.qp_num,
             mtu: mtu.bytes(),
-            icrc: IcrcHeaders::new(IpAddr::V4(self.core.ip), IpAddr::V4(ip), roce::UDP_PORT),
+            icrc: IcrcHeaders::new(src, peer, roce::UDP_PORT),
             remote: RemoteQpInfo { mtu, ..remote },
         };
         if self.conn.set(conn).is_err() {
@@ -1149,14 +1175,22 @@ impl RxBatch {
     }
 }
 
-/// One received UDP payload from `src:src_port`, likely sent with IPv4 identification `id`
-/// (packet k of a coalesced datagram: k): packet checks (rocev2.md 9.1 step 1), then the
-/// requester or responder side of its QP.
+/// The GID of an address: itself for IPv6, `::ffff:a.b.c.d` for IPv4.
+fn roce_gid(a: IpAddr) -> [u8; 16] {
+    match a {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+/// One received UDP payload from `src:src_port` on the socket of our GID index `via`, likely
+/// sent with IPv4 identification `id` (packet k of a coalesced datagram: k): packet checks
+/// (rocev2.md 9.1 step 1), then the requester or responder side of its QP.
 pub(crate) fn receive(
     core: &RoceCore,
     tables: &Tables,
     batch: &mut RxBatch,
-    (src, src_port, id): (Ipv4Addr, u16, u16),
+    (src, src_port, id, via): (IpAddr, u16, u16, u8),
     buf: &[u8],
 ) {
     let p = match Packet::parse(buf) {
@@ -1169,13 +1203,17 @@ pub(crate) fn receive(
     // The ICRC: identification 0 (how this engine and any kernel socket with IP_PMTUDISC_DO
     // send) or the one expected (segment k of a UDP_SEGMENT send carries k), else the
     // identification solved from it (rxe's are hashed; rocev2.md 13.3) with the columns cached
-    // per length. The expected one costs a few XORs; solving, an elimination.
-    let h = IcrcHeaders::new(IpAddr::V4(src), IpAddr::V4(core.ip), src_port);
+    // per length. The expected one costs a few XORs; solving, an elimination. IPv6 has no
+    // identification: its ICRC is checked in full (rocev2.md 13.3).
+    let h = IcrcHeaders::new(src, core.local_ip(via), src_port);
     let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
     let icrc0 = h.compute(buf);
     let fits = |w: u32| {
         if w == icrc0 {
             return true;
+        }
+        if !src.is_ipv4() {
+            return false;
         }
         let cols = super::gso::id_columns(buf.len());
         (id != 0 && w ^ icrc0 == cols.delta(id)) || cols.solve(w ^ icrc0).is_some()
@@ -1202,8 +1240,9 @@ pub(crate) fn receive(
         return;
     };
     // Only the connected peer's address may speak to a QP (RC carries no source QPN; the
-    // source address is what identifies the peer).
-    if conn.ip != src {
+    // source address is what identifies the peer), and only to the GID the QP speaks from
+    // (rocev2.md 11.1: rxe checks both addresses against the QP's address vector).
+    if conn.ip != (Dest { ip: src, via }) {
         bump(&core.counters.drop_wrong_source);
         return;
     }

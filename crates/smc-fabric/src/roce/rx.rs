@@ -13,7 +13,7 @@
 //! sends, so there a datagram never holds more than one QP's packets.
 
 use rustix::fd::{AsRawFd, BorrowedFd, OwnedFd};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// Datagrams per `recvmmsg`.
 pub(crate) const BATCH: usize = 32;
@@ -56,10 +56,29 @@ pub(crate) fn packets(data: &[u8], seg: Option<usize>) -> impl Iterator<Item = &
     data.chunks(size).chain(empty)
 }
 
+/// The sender's address the kernel wrote: a `sockaddr_in6` on an IPv6 socket, else (an IPv4
+/// socket) a `sockaddr_in` at the start of the same storage.
+fn sender(a: &libc::sockaddr_in6) -> SocketAddr {
+    if i32::from(a.sin6_family) == libc::AF_INET6 {
+        return SocketAddr::new(
+            Ipv6Addr::from(a.sin6_addr.s6_addr).into(),
+            u16::from_be(a.sin6_port),
+        );
+    }
+    // SAFETY: a sockaddr_in is smaller than the sockaddr_in6 it lies in and has no stricter
+    // alignment; both are plain old data.
+    let v4 = unsafe { &*(a as *const libc::sockaddr_in6).cast::<libc::sockaddr_in>() };
+    SocketAddr::new(
+        Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr)).into(),
+        u16::from_be(v4.sin_port),
+    )
+}
+
 /// Buffers for one `recvmmsg` of up to [`BATCH`] datagrams.
 pub(crate) struct RxRing {
     bufs: Vec<u8>,
-    addrs: Vec<libc::sockaddr_in>,
+    /// Senders' addresses: room for an IPv6 one (an IPv4 socket writes a `sockaddr_in`).
+    addrs: Vec<libc::sockaddr_in6>,
     iovs: Vec<libc::iovec>,
     ctrls: Vec<Ctrl>,
     hdrs: Vec<libc::mmsghdr>,
@@ -71,8 +90,8 @@ unsafe impl Send for RxRing {}
 
 impl RxRing {
     pub(crate) fn new() -> RxRing {
-        // SAFETY: sockaddr_in, iovec and mmsghdr are plain old data; all-zero is valid.
-        let zero_addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        // SAFETY: sockaddr_in6, iovec and mmsghdr are plain old data; all-zero is valid.
+        let zero_addr: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
         RxRing {
             bufs: vec![0u8; BATCH * RX_BUF],
             addrs: vec![zero_addr; BATCH],
@@ -96,8 +115,8 @@ impl RxRing {
         }
         for i in 0..BATCH {
             let h = &mut self.hdrs[i].msg_hdr;
-            h.msg_name = (&mut self.addrs[i] as *mut libc::sockaddr_in).cast();
-            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            h.msg_name = (&mut self.addrs[i] as *mut libc::sockaddr_in6).cast();
+            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
             h.msg_iov = &mut self.iovs[i];
             h.msg_iovlen = 1;
             h.msg_control = self.ctrls[i].as_mut_ptr().cast();
@@ -121,12 +140,8 @@ impl RxRing {
 
     /// Sender, bytes and (for a coalesced datagram) segment size of datagram `i` of the last
     /// `receive`.
-    pub(crate) fn datagram(&self, i: usize) -> (SocketAddrV4, &[u8], Option<usize>) {
-        let a = &self.addrs[i];
-        let from = SocketAddrV4::new(
-            Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
-            u16::from_be(a.sin_port),
-        );
+    pub(crate) fn datagram(&self, i: usize) -> (SocketAddr, &[u8], Option<usize>) {
+        let from = sender(&self.addrs[i]);
         let len = (self.hdrs[i].msg_len as usize).min(RX_BUF);
         (
             from,

@@ -17,6 +17,11 @@
 //!   the id is stale, i.e. no process of the group is left), binds, attaches its own copy of the
 //!   program (every copy is equivalent, so the group's program survives any member's exit), and
 //!   inserts its socket.
+//! * IPv6 GIDs: a device's socket on each of its IPv6 addresses joins that address's group in
+//!   the same way, but takes the key its IPv4 socket got ([`Slot::Exactly`]), so one QPN range
+//!   belongs to one process on every address of the device (a QP's packets arrive on whichever
+//!   address its peer's GID names). A process whose IPv4 socket is alone on its port binds its
+//!   IPv6 sockets alone too ([`Slot::Alone`]).
 //! * A datagram whose QPN slot has no socket is dropped: the QPs of that range are gone, and a
 //!   real NIC drops a packet for an unknown QP too.
 //!
@@ -25,7 +30,7 @@
 //! without them binds the port alone, as before, and a second process then gets a clear error.
 
 use std::io::{Read, Seek, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -66,17 +71,38 @@ pub(crate) enum BindError {
     ForeignGroup { registry: std::path::PathBuf },
     /// All 256 QPN slots are held by live processes.
     SlotsFull,
+    /// The QPN slot asked for ([`Slot::Exactly`]) is held by another socket of the group.
+    SlotTaken(u32),
     /// Any other failure, described.
     Other(String),
 }
 
+/// Which QPN slot a socket asks for when it joins a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// The first free one (a device's IPv4 socket).
+    Any,
+    /// This one (a device's IPv6 socket: the slot of its IPv4 socket).
+    Exactly(u32),
+    /// None: bind alone, without a group (the IPv4 socket is alone too).
+    Alone,
+}
+
 pub(crate) fn bind(
     sock: &OwnedFd,
-    ip: Ipv4Addr,
+    ip: IpAddr,
     port: u16,
     dir: &Path,
+    want: Slot,
 ) -> Result<Binding, BindError> {
-    let addr = SocketAddr::V4(SocketAddrV4::new(ip, port));
+    let addr = SocketAddr::new(ip, port);
+    if want == Slot::Alone {
+        return match rustix::net::bind(sock, &addr) {
+            Ok(()) => Ok(Binding::Exclusive),
+            Err(Errno::ADDRINUSE) => Err(BindError::InUse { shared: false }),
+            Err(e) => Err(BindError::Other(format!("bind {addr}: {e}"))),
+        };
+    }
     let registry = match Registry::open(dir, ip, port) {
         Ok(r) => Some(r),
         Err(e) => {
@@ -139,7 +165,11 @@ pub(crate) fn bind(
         )));
     }
     let mut slot = None;
-    for key in 0..SLOTS {
+    let keys = match want {
+        Slot::Exactly(k) => k..k.saturating_add(1).min(SLOTS),
+        _ => 0..SLOTS,
+    };
+    for key in keys {
         match map_insert_new(&map, key, sock) {
             Ok(()) => {
                 slot = Some(key);
@@ -148,6 +178,9 @@ pub(crate) fn bind(
             Err(Errno::EXIST) => continue,
             Err(e) => return Err(BindError::Other(format!("reuseport map insert: {e}"))),
         }
+    }
+    if let (None, Slot::Exactly(k)) = (slot, want) {
+        return Err(BindError::SlotTaken(k));
     }
     let Some(slot) = slot else {
         return Err(BindError::SlotsFull);
@@ -169,7 +202,7 @@ struct Registry {
 }
 
 impl Registry {
-    fn open(dir: &Path, ip: Ipv4Addr, port: u16) -> std::io::Result<Registry> {
+    fn open(dir: &Path, ip: IpAddr, port: u16) -> std::io::Result<Registry> {
         std::fs::create_dir_all(dir)?;
         let ns = std::fs::metadata("/proc/self/ns/net")
             .map(|m| m.ino())
@@ -210,8 +243,9 @@ impl Registry {
 
 /// Whether a UDP socket of this namespace is bound to `ip:port` or to the wildcard address on
 /// `port` (`/proc/net/udp` and `udp6`; a line's local address is `ADDR:PORT` in hex, the IPv4
-/// address as the kernel's network-order word printed in host order).
-fn port_is_bound(ip: Ipv4Addr, port: u16) -> bool {
+/// address as the kernel's network-order word printed in host order, the IPv6 address as four
+/// such words).
+fn port_is_bound(ip: IpAddr, port: u16) -> bool {
     let mut found = false;
     for (file, v6) in [("/proc/net/udp", false), ("/proc/net/udp6", true)] {
         let Ok(text) = std::fs::read_to_string(file) else {
@@ -228,12 +262,31 @@ fn port_is_bound(ip: Ipv4Addr, port: u16) -> bool {
                 continue;
             }
             let any = a.bytes().all(|b| b == b'0');
-            let same = !v6
-                && u32::from_str_radix(a, 16).is_ok_and(|w| Ipv4Addr::from(w.to_ne_bytes()) == ip);
+            let same = match ip {
+                IpAddr::V4(ip) => {
+                    !v6 && u32::from_str_radix(a, 16)
+                        .is_ok_and(|w| Ipv4Addr::from(w.to_ne_bytes()) == ip)
+                }
+                IpAddr::V6(ip) => v6 && proc_ipv6(a) == Some(ip),
+            };
             found |= any || same;
         }
     }
     found
+}
+
+/// An IPv6 address as `/proc/net/udp6` prints it: 32 hex digits, four 32-bit words each in
+/// host byte order.
+fn proc_ipv6(hex: &str) -> Option<Ipv6Addr> {
+    if hex.len() != 32 || !hex.is_ascii() {
+        return None;
+    }
+    let mut b = [0u8; 16];
+    for (i, chunk) in b.chunks_mut(4).enumerate() {
+        let w = u32::from_str_radix(&hex[8 * i..8 * i + 8], 16).ok()?;
+        chunk.copy_from_slice(&w.to_ne_bytes());
+    }
+    Some(Ipv6Addr::from(b))
 }
 
 // ---- the bpf(2) system call, with the union bpf_attr laid out by hand ----
@@ -469,6 +522,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn proc_net_udp6_addresses_parse() {
+        // What /proc/net/udp6 prints for ::1 and fd00::2 on a little-endian host.
+        let lo = if cfg!(target_endian = "little") {
+            "00000000000000000000000001000000"
+        } else {
+            "00000000000000000000000000000001"
+        };
+        assert_eq!(proc_ipv6(lo), Some(Ipv6Addr::LOCALHOST));
+        let s = std::net::UdpSocket::bind("[::1]:0");
+        if let Ok(s) = s {
+            let port = s.local_addr().unwrap().port();
+            assert!(port_is_bound(IpAddr::V6(Ipv6Addr::LOCALHOST), port));
+            assert!(!port_is_bound("fd00::2".parse().unwrap(), port));
+        }
+        assert_eq!(proc_ipv6("zz"), None);
+    }
+
+    #[test]
     fn qpn_ranges_do_not_overlap() {
         let (b0, n0) = Binding::Shared { slot: 0 }.qpn_range();
         let (b1, _) = Binding::Shared { slot: 1 }.qpn_range();
@@ -518,8 +589,9 @@ mod tests {
     #[test]
     fn datagrams_are_steered_by_destination_qpn() {
         let dir = std::env::temp_dir().join(format!("smc-steer-test-{}", std::process::id()));
-        let ip = Ipv4Addr::new(127, 0, 0, 1);
-        let port = std::net::UdpSocket::bind((ip, 0))
+        let ip4 = Ipv4Addr::new(127, 0, 0, 1);
+        let ip = IpAddr::V4(ip4);
+        let port = std::net::UdpSocket::bind((ip4, 0))
             .unwrap()
             .local_addr()
             .unwrap()
@@ -527,7 +599,7 @@ mod tests {
         let socks: Vec<OwnedFd> = (0..3).map(|_| udp()).collect();
         let mut slots = Vec::new();
         for s in &socks {
-            match bind(s, ip, port, &dir) {
+            match bind(s, ip, port, &dir, Slot::Any) {
                 Ok(Binding::Shared { slot }) => slots.push(slot),
                 Ok(Binding::Exclusive) => {
                     eprintln!("skipped: no eBPF privileges (needs root)");
@@ -539,7 +611,7 @@ mod tests {
         }
         assert_eq!(slots, [0, 1, 2]);
         let tx = udp();
-        let to = SocketAddr::V4(SocketAddrV4::new(ip, port));
+        let to = SocketAddr::new(ip, port);
         for round in 0..4u32 {
             for (i, s) in socks.iter().enumerate() {
                 let qpn = ((i as u32) << SLOT_SHIFT) | (0x11 + round);
@@ -568,8 +640,13 @@ mod tests {
         let mut socks = socks;
         drop(socks.remove(1));
         let again = udp();
+        // Slot 2 is held: asking for it exactly fails; slot 1 exactly is had.
+        assert!(matches!(
+            bind(&udp(), ip, port, &dir, Slot::Exactly(2)),
+            Err(BindError::SlotTaken(2))
+        ));
         assert_eq!(
-            bind(&again, ip, port, &dir).unwrap(),
+            bind(&again, ip, port, &dir, Slot::Exactly(1)).unwrap(),
             Binding::Shared { slot: 1 }
         );
         rustix::net::sendto(
@@ -585,7 +662,7 @@ mod tests {
         let other = dir.join("other");
         let intruder = udp();
         assert!(matches!(
-            bind(&intruder, ip, port, &other),
+            bind(&intruder, ip, port, &other, Slot::Any),
             Err(BindError::ForeignGroup { .. })
         ));
         let _ = std::fs::remove_dir_all(&dir);
@@ -599,8 +676,8 @@ mod tests {
         let ip = Ipv4Addr::new(127, 0, 0, 1);
         let owner = std::net::UdpSocket::bind((ip, 0)).unwrap();
         let port = owner.local_addr().unwrap().port();
-        assert!(port_is_bound(ip, port));
-        let r = bind(&udp(), ip, port, &dir);
+        assert!(port_is_bound(IpAddr::V4(ip), port));
+        let r = bind(&udp(), IpAddr::V4(ip), port, &dir, Slot::Any);
         let _ = std::fs::remove_dir_all(&dir);
         match r {
             Err(BindError::InUse { .. }) => {}

@@ -107,8 +107,8 @@ fn pair(test: u8, faults: Vec<(String, Fault)>, recvs: usize) -> (End, End) {
         RoceHandle::open_at(&f, "rb", Some(addr(test, 1))).expect("open rb"),
         recvs,
     );
-    a.qp.to_rtr(remote(&b)).expect("rtr");
-    b.qp.to_rtr(remote(&a)).expect("rtr");
+    a.qp.to_rtr(None, remote(&b)).expect("rtr");
+    b.qp.to_rtr(None, remote(&a)).expect("rtr");
     a.qp.to_rts().expect("rts");
     b.qp.to_rts().expect("rts");
     (a, b)
@@ -436,12 +436,15 @@ fn ackreq_only_where_needed() {
     gid[11] = 0xFF;
     gid[12..].copy_from_slice(&peer_ip.octets());
     let peer_qpn = 0x4242;
-    a.qp.to_rtr(RemoteQpInfo {
-        gid: crate::Gid(gid),
-        qp_num: peer_qpn,
-        psn: 0,
-        mtu: crate::Mtu::Mtu1024,
-    })
+    a.qp.to_rtr(
+        None,
+        RemoteQpInfo {
+            gid: crate::Gid(gid),
+            qp_num: peer_qpn,
+            psn: 0,
+            mtu: crate::Mtu::Mtu1024,
+        },
+    )
     .expect("rtr");
     a.qp.to_rts().expect("rts");
     // One datagram from the device: its opcode, AckReq, PSN; its ICRC checked for the
@@ -661,4 +664,121 @@ fn held_back_acks_complete_every_send() {
     let acks = |e: &End| e.dev.core.counters.acks_sent.load(Ordering::Relaxed);
     assert!(acks(&b) <= rounds + 1, "b sent {} ACKs", acks(&b));
     assert!(acks(&a) <= rounds, "a sent {} ACKs", acks(&a));
+}
+
+/// The IPv6 path of the backend: a device on lo with an IPv6 GID on `::1` (given, since `::1`
+/// is never a GID of its own) and two QPs of it connected through that GID. Loss, reordering
+/// and duplication are injected, so go-back-N, NAKs, duplicate ACKs and retransmissions run
+/// over IPv6 too; every byte and every SEND arrives in order, and no packet fails its ICRC
+/// (the IPv6 masking of rocev2.md 12.1 on both ends). Then forged datagrams: an ICRC off by
+/// what an IPv4 identification would change (accepted over IPv4, where the identification is
+/// solved; never over IPv6) and a plainly wrong ICRC are dropped and counted; a correct one
+/// to an unknown QP passes the ICRC check.
+#[test]
+fn ipv6_gid_carries_rc_traffic() {
+    let faults = [Fault::Drop(2.0), Fault::Reorder(2.0), Fault::Duplicate(2.0)]
+        .into_iter()
+        .map(|f| ("ra".to_string(), f))
+        .collect();
+    let f = fabric(faults);
+    let v6 = std::net::Ipv6Addr::LOCALHOST;
+    let dev = match RoceHandle::open_with(&f, "ra", Some(addr(9, 0)), Some(vec![(v6, 128)])) {
+        Ok(d) => d,
+        Err(e) => panic!("open: {e}"),
+    };
+    if dev.core.gids.len() < 2 {
+        eprintln!("skipped: [::1]:4791 cannot be bound here (no IPv6 on lo, or in use)");
+        return;
+    }
+    let gid6 = crate::Gid(v6.octets());
+    assert_eq!(dev.core.gids, vec![dev.core.gid, gid6]);
+    assert_eq!(dev.core.source_for(gid6), Some(1));
+    assert_eq!(dev.core.source_for(dev.core.gid), Some(0));
+    let a = end(dev.clone(), 64);
+    let b = end(dev.clone(), 64);
+    let (ra, rb) = (remote(&a), remote(&b));
+    assert_eq!(ra.gid, dev.core.gid, "unconnected: GID index 0");
+    let (ra, rb) = (
+        RemoteQpInfo { gid: gid6, ..ra },
+        RemoteQpInfo { gid: gid6, ..rb },
+    );
+    // Our GID must be of the peer's IP version.
+    assert!(a.qp.to_rtr(Some(dev.core.gid), rb).is_err());
+    a.qp.to_rtr(Some(gid6), rb).expect("rtr");
+    b.qp.to_rtr(None, ra).expect("rtr");
+    a.qp.to_rts().expect("rts");
+    b.qp.to_rts().expect("rts");
+    assert_eq!(a.qp.local_info().gid, gid6);
+    assert_eq!(b.qp.local_info().gid, gid6);
+    let mut expect = vec![0u8; 1 << 20];
+    for round in 0..6u64 {
+        let data = pattern(120_000 + round as usize * 777, round as u8);
+        let off = round * 150_000;
+        write(&a, &b, 100 + round, &data, off);
+        expect[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        a.qp.post_send(&SendWr::Send {
+            wr_id: round,
+            data: &round.to_be_bytes(),
+            signaled: true,
+        })
+        .expect("send");
+    }
+    let got = collect(&b.cq, 6);
+    assert_eq!(got.len(), 6, "all SENDs delivered");
+    for (i, w) in got.iter().enumerate() {
+        assert_eq!((w.opcode, w.status), (WcOpcode::Recv, WcStatus::Success));
+        let mut m = [0u8; 8];
+        b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
+        assert_eq!(u64::from_be_bytes(m), i as u64, "in order");
+    }
+    let mut back = vec![0u8; 1 << 20];
+    b.rmb.read_at(0, &mut back).expect("read");
+    assert!(back == expect, "WRITE bytes differ");
+    let done: Vec<WorkCompletion> = collect(&a.cq, 12)
+        .into_iter()
+        .filter(|w| w.opcode != WcOpcode::Recv)
+        .collect();
+    assert_eq!(done.len(), 12, "{done:?}");
+    assert!(done.iter().all(|w| w.status == WcStatus::Success));
+    let c = snapshot(&dev.core);
+    assert!(c.fault_drops > 0 && c.retransmits > 0, "{c:?}");
+    assert_eq!(
+        c.drop_icrc + c.drop_wrong_source + c.drop_malformed,
+        0,
+        "{c:?}"
+    );
+
+    // Forged datagrams from another socket on ::1.
+    let forger = std::net::UdpSocket::bind((v6, 0)).expect("bind [::1]:0");
+    let port = forger.local_addr().expect("addr").port();
+    let h = wire::IcrcHeaders::new(v6.into(), v6.into(), port);
+    let mut pkt = vec![0u8; wire::BTH_LEN + 8 + wire::ICRC_LEN];
+    wire::Bth {
+        opcode: wire::Opcode::SEND_ONLY,
+        // In this process's QPN range (the steering program drops others), no QP's.
+        dest_qp: (a.qp.local_info().qp_num & 0x00FF_0000) | 0xFFFE,
+        pkey: wire::DEFAULT_PKEY,
+        ..wire::Bth::default()
+    }
+    .emit((&mut pkt[..wire::BTH_LEN]).try_into().expect("bth"));
+    h.seal(&mut pkt);
+    let mut shifted = pkt.clone();
+    let delta = wire::Ipv4IdColumns::for_len(pkt.len()).delta(5);
+    let t = shifted.len() - 4;
+    let icrc = u32::from_le_bytes(shifted[t..].try_into().expect("4")) ^ delta;
+    shifted[t..].copy_from_slice(&icrc.to_le_bytes());
+    let mut wrong = pkt.clone();
+    wrong[t] ^= 0x40;
+    let before = snapshot(&dev.core);
+    for p in [&shifted, &wrong, &pkt] {
+        forger.send_to(p, (v6, wire::UDP_PORT)).expect("send");
+    }
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut c = snapshot(&dev.core);
+    while c.drop_unknown_qp == before.drop_unknown_qp && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+        c = snapshot(&dev.core);
+    }
+    assert_eq!(c.drop_icrc - before.drop_icrc, 2, "{c:?}");
+    assert_eq!(c.drop_unknown_qp - before.drop_unknown_qp, 1, "{c:?}");
 }

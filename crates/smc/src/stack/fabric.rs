@@ -49,9 +49,39 @@ fn message_buf<'a>(
     }
 }
 
+/// One RoCE port as the endpoint sees it (one of its `Device`s): a fabric device and one GID
+/// of that device's table. A roce device with IPv6 GIDs is several ports to the endpoint, one
+/// per GID (as a verbs consumer picks a port and a GID index); a connection's device set holds
+/// at most one port of each fabric device (`pnet::ports_for`), so the ports of one device never
+/// count as redundant RNICs of one link group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Port {
+    /// Index of the fabric device in [`Fabric::devices`].
+    pub(crate) dev: usize,
+    /// The GID this port speaks from.
+    pub(crate) gid: smc_fabric::Gid,
+}
+
+/// The ports of `devices`, in the order of the endpoint's device indexes: every GID of every
+/// device, each device's GIDs in its table's order.
+pub(crate) fn ports_of(devices: &[Device]) -> Vec<Port> {
+    devices
+        .iter()
+        .enumerate()
+        .flat_map(|(dev, d)| d.gids().into_iter().map(move |gid| Port { dev, gid }))
+        .collect()
+}
+
+/// Whether a GID is IPv4-mapped (reached over IPv4), the other kind being IPv6 (rocev2.md 11.1).
+pub(crate) fn gid_is_v4(gid: &[u8; 16]) -> bool {
+    std::net::Ipv6Addr::from(*gid).to_ipv4_mapped().is_some()
+}
+
 /// The fabric objects of the stack: the [`Resources`] the endpoint allocates from.
 pub(crate) struct Fabric {
     pub(crate) devices: Vec<Device>,
+    /// The endpoint's devices (indexed by `DeviceId`): ports of `devices`.
+    pub(crate) ports: Vec<Port>,
     pub(super) pds: Vec<ProtectionDomain>,
     pub(super) cqs: Vec<CompletionQueue>,
     pub(super) links: HashMap<LinkId, LinkQp>,
@@ -67,6 +97,17 @@ pub(crate) struct Fabric {
 }
 
 impl Fabric {
+    /// The fabric device of the endpoint's device `id`.
+    pub(crate) fn port_device(&self, id: DeviceId) -> Option<&Device> {
+        let p = self.ports.get(usize::from(id.0))?;
+        self.devices.get(p.dev)
+    }
+
+    /// The fabric device index of the endpoint's device `id`.
+    fn dev_index(&self, id: DeviceId) -> Option<usize> {
+        self.ports.get(usize::from(id.0)).map(|p| p.dev)
+    }
+
     fn next_random(&mut self) -> u64 {
         // xorshift64*: identifiers only need to differ, not to be unpredictable.
         let mut x = self.rng;
@@ -131,7 +172,9 @@ impl Resources for Fabric {
         device: DeviceId,
         llc: LlcVersion,
     ) -> Result<QpInfo, ResourceError> {
-        let d = usize::from(device.0);
+        let d = self
+            .dev_index(device)
+            .ok_or(ResourceError("no such device"))?;
         let (pd, cq) = match (self.pds.get(d), self.cqs.get(d)) {
             (Some(p), Some(c)) => (p, c),
             _ => return Err(ResourceError("no such device")),
@@ -174,12 +217,15 @@ impl Resources for Fabric {
         device: DeviceId,
     ) -> Result<MrInfo, ResourceError> {
         let d = usize::from(device.0);
-        let pd = self.pds.get(d).ok_or(ResourceError("no such device"))?;
+        let dev = self
+            .dev_index(device)
+            .ok_or(ResourceError("no such device"))?;
+        let pd = self.pds.get(dev).ok_or(ResourceError("no such device"))?;
         let len = usize::try_from(len).map_err(|_| ResourceError("RMB too large"))?;
         let slots = self
             .rmbs
             .entry((lgr, rmb))
-            .or_insert_with(|| (0..self.devices.len()).map(|_| None).collect());
+            .or_insert_with(|| (0..self.ports.len()).map(|_| None).collect());
         if slots[d].is_none() {
             let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
             let mr = match slots.iter().flatten().next() {
@@ -199,12 +245,16 @@ impl Resources for Fabric {
     fn reaches(&self, device: smc_proto::fabric::DeviceId, gid: smc_wire::Gid) -> bool {
         // On the shm fabric a device is one LAN: the port is reachable when it is open on the
         // same device name.
-        let Some(d) = self.devices.get(usize::from(device.0)) else {
+        let (Some(d), Some(p)) = (
+            self.port_device(device),
+            self.ports.get(usize::from(device.0)),
+        ) else {
             return false;
         };
-        // A software RoCE port reaches the GIDs on its netdev's subnet.
+        // A software RoCE port reaches the GIDs on its netdev's subnet, of its own IP version
+        // (an IPv4-mapped GID is reached over IPv4 only, rocev2.md 11.1).
         if let Some(r) = d.reaches(smc_fabric::Gid(gid.0)) {
-            return r;
+            return r && gid_is_v4(&p.gid.0) == gid_is_v4(&gid.0);
         }
         let hex: String = gid.0.iter().map(|b| format!("{b:02x}")).collect();
         self.dir.join(d.name()).join(format!("{hex}.sock")).exists()
@@ -212,6 +262,27 @@ impl Resources for Fabric {
 
     fn random_u32(&mut self) -> u32 {
         (self.next_random() >> 32) as u32
+    }
+
+    fn port_for(&self, device: DeviceId, gid: smc_wire::Gid) -> Option<DeviceId> {
+        let p = self.ports.get(usize::from(device.0))?;
+        let d = self.devices.get(p.dev)?;
+        // A shm port is the device's only one and its GID tells no IP version.
+        if d.reaches(smc_fabric::Gid(gid.0)).is_none() || gid_is_v4(&p.gid.0) == gid_is_v4(&gid.0) {
+            return Some(device);
+        }
+        // Another GID of the same RNIC, of the peer's IP version: one on the peer's LAN first.
+        let twins: Vec<usize> = (0..self.ports.len())
+            .filter(|&i| {
+                self.ports[i].dev == p.dev && gid_is_v4(&self.ports[i].gid.0) == gid_is_v4(&gid.0)
+            })
+            .collect();
+        let pick = twins
+            .iter()
+            .copied()
+            .find(|&i| self.reaches(DeviceId(i as u8), gid))
+            .or(twins.first().copied())?;
+        u8::try_from(pick).ok().map(DeviceId)
     }
 }
 

@@ -39,6 +39,14 @@ impl Stack {
                 let (mode, reason, code) = mode_text(e);
                 let conn = e.smc.and_then(|t| core.ep.connection(t));
                 let link = e.smc.and_then(|t| core.ep.connection_link(t));
+                // The GIDs of the link the connection sends on (ours, the peer's).
+                let l = link.and_then(|(g, n)| core.ep.link_group(g)?.links.get(&n));
+                let gid = l
+                    .and_then(|l| core.fab.ports.get(usize::from(l.device.0)))
+                    .map(|p| p.gid.to_string());
+                let peer_gid = l
+                    .and_then(|l| l.remote)
+                    .map(|r| smc_fabric::Gid(r.gid.0).to_string());
                 serde_json::json!({
                     "local": e.local.map(|a| a.to_string()),
                     "peer": e.peer.map(|a| a.to_string()),
@@ -49,6 +57,8 @@ impl Stack {
                     "state": conn.map(|c| c.state().to_string()),
                     "link_group": link.map(|l| l.0 .0),
                     "send_link": link.map(|l| l.1),
+                    "gid": gid,
+                    "peer_gid": peer_gid,
                     "bytes_sent": conn.map(|c| c.stats().bytes_produced),
                     "bytes_received": conn.map(|c| c.stats().bytes_received),
                     "rmbe_size": conn.map(|c| c.config().local_rmbe_len),
@@ -80,6 +90,8 @@ impl Stack {
                         "links": g.links.iter().map(|l| serde_json::json!({
                             "num": l.num,
                             "device": l.device,
+                            "gid": l.gid,
+                            "peer_gid": l.peer_gid,
                             "state": if l.active { "active" } else { "activating" },
                         })).collect::<Vec<_>>(),
                     })
@@ -101,6 +113,7 @@ impl Stack {
                         "kind": d.kind().label(),
                         "netdev": d.netdev(),
                         "gid": d.gid().to_string(),
+                        "gids": d.gids().iter().map(|g| g.to_string()).collect::<Vec<_>>(),
                         "mac": d.mac().to_string(),
                         "mtu": d.active_mtu().bytes(),
                         "netdev_mtu": d.netdev_mtu(),

@@ -63,15 +63,35 @@ impl Endpoint {
                 return;
             }
         }
+        // The client's GID for this connection: its RoCEv2 GID in v2 (§7.5).
+        let client_gid = agreed.map_or(p.preferred_gid, |a| a.client_gid);
+        // The connection's RNICs as ports of the client GID's kind: an RNIC with an IPv4-mapped
+        // and an IPv6 GID is two devices here, and the client's GID says which one speaks to
+        // it (a RoCEv2 packet's addresses are of one IP version). An RNIC without a GID of
+        // that kind drops out; with none left, no RoCE path matches the client's GID.
+        // (A set whose every device suits stays as it is: `DeviceSet::ALL` also admits RNICs
+        // added later.)
+        let mut opts = opts;
+        let members = (0..ndev.min(256))
+            .map(|d| DeviceId(d as u8))
+            .filter(|d| opts.pnet.contains(*d));
+        if members
+            .clone()
+            .any(|d| res.port_for(d, client_gid) != Some(d))
+        {
+            opts.pnet = DeviceSet::from_ids(members.filter_map(|d| res.port_for(d, client_gid)));
+        }
         if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
             h.agreed_v2 = agreed;
+            h.opts.pnet = opts.pnet;
         }
         let Some(first_device) = opts.pnet.first(ndev) else {
+            //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1.2
+            //# If the server cannot or does not want to do SMC-R with the client, it sends
+            //# an SMC Decline CLC message to the client
             self.decline(tcp, DeclineCode::NOSMCRDEV, false, now);
             return;
         };
-        // The client's GID for this connection: its RoCEv2 GID in v2 (§7.5).
-        let client_gid = agreed.map_or(p.preferred_gid, |a| a.client_gid);
         // A v2 connection goes into a v2 group with the same client GID (Linux's reuse key,
         // §9.1 step 7), a v1 connection into a v1 group.
         let same_version = |g: &LinkGroup| match (&g.v2, &agreed) {

@@ -500,3 +500,62 @@ fn proposal_during_first_contact_waits_and_reuses_the_group() {
     assert_eq!(p.b.ep.link_groups().count(), 1);
     assert_eq!(p.b.ep.link_groups().next().map(|g| g.conns.len()), Some(2));
 }
+
+/// The server's RNIC has no GID of the kind the client proposed (an IPv6 GID to a server with
+/// IPv4-mapped GIDs only: `Resources::port_for` finds none): Decline "no SMC-R device found"
+/// in lieu of the Accept, both fall back, no link group.
+#[test]
+fn server_declines_a_gid_no_device_speaks_to() {
+    let mut p = EndpointPair::new(config(Side::A, 1), config(Side::B, 1), 1);
+    p.b.res.port_for = Some(|_, _| None);
+    p.connect(T1);
+    p.run();
+    assert_eq!(
+        p.flow(true),
+        ["A->B SMC Proposal", "B->A SMC Decline(0x03030002)"]
+    );
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::PeerDeclined {
+            code: DeclineCode::NOSMCRDEV,
+            out_of_sync: false
+        })
+    );
+    assert_eq!(p.b.ep.link_groups().count(), 0);
+}
+
+/// Server devices 0 and 1 are two GIDs of one RNIC, and only 1 is of the client GID's kind:
+/// the connection's set (device 0, chosen by its TCP address) is re-expressed as device 1,
+/// which the Accept announces and the link group uses.
+#[test]
+fn server_answers_from_the_gid_of_the_clients_kind() {
+    let mut p = EndpointPair::new(config(Side::A, 1), config(Side::B, 2), 1);
+    p.b.res.port_for = Some(|_, _| Some(crate::fabric::DeviceId(1)));
+    let only = |d: u8| crate::endpoint::ConnectOptions {
+        pnet: crate::fabric::DeviceSet::from_ids([crate::fabric::DeviceId(d)]),
+        ..Default::default()
+    };
+    p.connect_with(T1, only(0), only(0));
+    p.run();
+    assert_eq!(fell_back(&p, Side::A, T1), None);
+    assert_eq!(fell_back(&p, Side::B, T1), None);
+    let g = p.b.ep.link_groups().next().expect("server link group");
+    assert!(!g.links.is_empty());
+    assert!(
+        g.links
+            .values()
+            .all(|l| l.device == crate::fabric::DeviceId(1)
+                && l.state == crate::link_group::LinkState::Active),
+        "{:?}",
+        g.links
+    );
+    assert!(
+        g.pnet.contains(crate::fabric::DeviceId(1)) && !g.pnet.contains(crate::fabric::DeviceId(0))
+    );
+    let a = p.a.ep.link_groups().next().expect("client link group");
+    let dev1 = crate::lgr_harness::device(Side::B, 1).gid;
+    assert!(a
+        .links
+        .values()
+        .all(|l| l.remote.is_some_and(|r| r.gid == dev1)));
+}
