@@ -858,9 +858,32 @@ impl Conn {
         )
     }
 
+    /// A wait that may sleep on [`notifier_fds`](Self::notifier_fds) from now on: the stack
+    /// writes them only while one is armed (an event loop that finds its news by looking, in
+    /// its own completion handling or its spin, then costs no `write` system call per CDC).
+    /// Arm first, then look at the readiness, then sleep; [`disarm`](Self::disarm) after the
+    /// sleep. A reactor that may sleep on them at any time arms once and never disarms.
+    pub fn arm(&self) {
+        self.notify.sleepers.arm();
+    }
+
+    /// The wait that [`arm`](Self::arm)ed is over.
+    pub fn disarm(&self) {
+        self.notify.sleepers.disarm();
+    }
+
+    /// Write both eventfds once, whether or not a wait is armed: a wait that sleeps on them
+    /// then wakes and looks again (for a connection added to an epoll instance while a
+    /// thread sleeps in it: that sleeper armed the instance's connections before).
+    pub fn kick(&self) {
+        Notifiers::signal(&self.notify.read);
+        Notifiers::signal(&self.notify.write);
+    }
+
     /// The raw numbers of both eventfds (read, write). Nobody drains them: each signal is an
     /// edge for an edge-triggered epoll registration; to sleep until a change, use a
     /// [`Waiter`] (draining a shared eventfd takes the wake-up from other waiting threads).
+    /// They are written only while a wait is armed ([`arm`](Self::arm)).
     pub fn notifier_fds(&self) -> (RawFd, RawFd) {
         (self.notify.read.as_raw_fd(), self.notify.write.as_raw_fd())
     }
@@ -1159,7 +1182,8 @@ impl LoopSpin {
         };
         let inner = &stack.inner;
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
-        loop {
+        let mut beacon = SpinBeacon::new();
+        let found = loop {
             let mut hint = false;
             for _ in 0..crate::stream::SPINS_BETWEEN_LOOKS {
                 if inner.cqs.iter().any(|cq| cq.maybe_ready()) {
@@ -1180,18 +1204,108 @@ impl LoopSpin {
                         .store(core.now_micros(), Ordering::Release);
                 }
                 if look() {
-                    return true;
+                    break true;
                 }
             }
             if std::time::Instant::now() >= until {
-                return false;
+                break false;
             }
-            if !hint {
+            if !hint && !beacon.round(&inner.cqs) {
                 // The peer may need this CPU to answer (both on one vCPU: spinning there
-                // only delays the reply); a yield hands it over and costs no sleep. Every
-                // round: a yield every 2 or 4 rounds gave 1.0-1.6 µs when the two ran on two
-                // vCPUs but 7-14 µs on one (sockperf 64 B p50), every round 5.3 µs always.
+                // only delays the reply); a yield hands it over and costs no sleep. Unless
+                // the peer is seen spinning on another CPU right now (`SpinBeacon`): a
+                // yield every 2 or 4 rounds gave 1.0-1.6 µs when the two ran on two vCPUs
+                // but 7-14 µs on one (sockperf 64 B p50), every round 5.3 µs always.
                 std::thread::yield_now();
+            }
+        };
+        beacon.stop(&inner.cqs);
+        found
+    }
+}
+
+/// What a spinning event loop tells its peers through the shm fabric's spin words
+/// ([`smc_fabric::CompletionQueue::spin_words`]), and what it learns from theirs: "I spin
+/// on CPU `c`, round `r`" (`r << 16 | c + 1`; zero: not spinning).
+///
+/// A spinner keeps its CPU (no yield between rounds) only while a peer is seen spinning on
+/// *another* CPU and its word moved within the last [`SpinBeacon::FRESH`] rounds: both then
+/// run at once, and the reply is taken the moment it lands. When the peer's last word names
+/// this CPU, or stopped moving (the peer sleeps, works, or waits for a CPU — possibly this
+/// one), the spinner yields every round as before: two spinners on one vCPU would otherwise
+/// hold the CPU from each other until the scheduler's tick.
+#[derive(Debug)]
+struct SpinBeacon {
+    round: u64,
+    cpu: Option<u16>,
+    /// The peers' words as last seen (summed), and for how many rounds they have not moved.
+    seen: u64,
+    still: u32,
+}
+
+impl SpinBeacon {
+    /// Rounds (of `SPINS_BETWEEN_LOOKS` pauses each) without news from the peer after which
+    /// it counts as not running.
+    const FRESH: u32 = 2;
+
+    fn new() -> SpinBeacon {
+        SpinBeacon {
+            round: 0,
+            cpu: None,
+            seen: 0,
+            still: u32::MAX,
+        }
+    }
+
+    /// The word for `cpu` in round `round`.
+    fn word(cpu: u16, round: u64) -> u64 {
+        (round << 16) | (u64::from(cpu) + 1)
+    }
+
+    /// The CPU a word names (`None`: not spinning).
+    fn cpu_of(word: u64) -> Option<u16> {
+        match (word & 0xFFFF) as u16 {
+            0 => None,
+            c => Some(c - 1),
+        }
+    }
+
+    /// One round of the spin without news: publish this thread's word, read the peers'.
+    /// Whether to keep the CPU (a peer spins on another CPU right now).
+    fn round(&mut self, cqs: &[smc_fabric::CompletionQueue]) -> bool {
+        // SAFETY: sched_getcpu has no preconditions (the vDSO or rseq answers it).
+        let cpu = unsafe { libc::sched_getcpu() };
+        let Ok(cpu) = u16::try_from(cpu).map(|c| c.min(0xFFFE)) else {
+            return false;
+        };
+        self.cpu = Some(cpu);
+        self.round = self.round.wrapping_add(1);
+        let word = SpinBeacon::word(cpu, self.round);
+        let (mut sum, mut elsewhere, mut here) = (0u64, false, false);
+        for cq in cqs {
+            cq.spin_words(word, &mut |w| {
+                sum = sum.wrapping_add(w);
+                match SpinBeacon::cpu_of(w) {
+                    Some(c) if c == cpu => here = true,
+                    Some(_) => elsewhere = true,
+                    None => {}
+                }
+            });
+        }
+        if sum != self.seen {
+            self.seen = sum;
+            self.still = 0;
+        } else {
+            self.still = self.still.saturating_add(1);
+        }
+        elsewhere && !here && self.still < SpinBeacon::FRESH
+    }
+
+    /// The spin ended: not spinning any more (only when a word was published).
+    fn stop(&self, cqs: &[smc_fabric::CompletionQueue]) {
+        if self.cpu.is_some() {
+            for cq in cqs {
+                cq.spin_words(0, &mut |_| {});
             }
         }
     }

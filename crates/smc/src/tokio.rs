@@ -107,6 +107,8 @@ impl SmcStream {
                     .notifiers()?
                     .ok_or_else(|| io::Error::other("SMC-R stream without notifiers"))?;
                 s.set_nonblocking(true)?;
+                // tokio's reactor may sleep on the eventfds at any time: signalled always.
+                n.sleepers.arm();
                 Ok(SmcStream {
                     inner: Inner::Smc {
                         rd: register(NotifyFd {
