@@ -385,10 +385,10 @@ impl Conn {
             .ok_or_else(|| io::Error::other("SMC-R connection without notifiers"))?;
         let w = s.try_clone()?;
         let max = s.stack().config().adaptive_spin;
-        let spin = LoopSpin(crate::stream::AdaptiveSpin::with_start(
-            max,
-            max.unwrap_or_default(),
-        ));
+        let spin = LoopSpin(
+            crate::stream::AdaptiveSpin::with_start(max, max.unwrap_or_default()),
+            AtomicBool::new(false),
+        );
         let urgent = Arc::new(crate::stream::UrgentSlot::default());
         s.urgent_slot = Some(urgent.clone());
         Ok(Conn {
@@ -1147,7 +1147,12 @@ pub fn poll_before_wait() {
 /// sleep, halved to nothing while the spin does not catch the news), so that a reply a few µs away is taken
 /// without the two wake-ups of a sleep (the doorbell's and the thread's).
 #[derive(Debug)]
-pub struct LoopSpin(crate::stream::AdaptiveSpin);
+pub struct LoopSpin(
+    crate::stream::AdaptiveSpin,
+    /// The last spin saw the peer take turns with it on its CPU ([`SpinBeacon`]): the next
+    /// one yields at once instead of after a round of pauses the peer needs the CPU for.
+    AtomicBool,
+);
 
 impl LoopSpin {
     /// A spin with the longest budget of this process's stack (none without a stack).
@@ -1155,10 +1160,10 @@ impl LoopSpin {
         let max = current_stack().and_then(|s| s.config().adaptive_spin);
         // Starting at the longest: a loop's peer usually sleeps too, so the first replies
         // come a wake-up later (10-20 µs here), which a short first spin never catches.
-        LoopSpin(crate::stream::AdaptiveSpin::with_start(
-            max,
-            max.unwrap_or_default(),
-        ))
+        LoopSpin(
+            crate::stream::AdaptiveSpin::with_start(max, max.unwrap_or_default()),
+            AtomicBool::new(false),
+        )
     }
 
     /// How long to spin before the next sleep (`None`: sleep at once).
@@ -1182,10 +1187,16 @@ impl LoopSpin {
         };
         let inner = &stack.inner;
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
-        let mut beacon = SpinBeacon::new();
+        let mut beacon = SpinBeacon::new(self.1.load(Ordering::Relaxed));
         let found = loop {
             let mut hint = false;
-            for _ in 0..crate::stream::SPINS_BETWEEN_LOOKS {
+            // With the peer on this CPU, pausing only keeps it from answering.
+            let pauses = if beacon.here {
+                1
+            } else {
+                crate::stream::SPINS_BETWEEN_LOOKS
+            };
+            for _ in 0..pauses {
                 if inner.cqs.iter().any(|cq| cq.maybe_ready()) {
                     hint = true;
                     break;
@@ -1220,6 +1231,7 @@ impl LoopSpin {
             }
         };
         beacon.stop(&inner.cqs);
+        self.1.store(beacon.here, Ordering::Relaxed);
         found
     }
 }
@@ -1233,7 +1245,9 @@ impl LoopSpin {
 /// run at once, and the reply is taken the moment it lands. When the peer's last word names
 /// this CPU, or stopped moving (the peer sleeps, works, or waits for a CPU — possibly this
 /// one), the spinner yields every round as before: two spinners on one vCPU would otherwise
-/// hold the CPU from each other until the scheduler's tick.
+/// hold the CPU from each other until the scheduler's tick. When the peer's moving word
+/// names this CPU (the two take turns on it), a round is one look and a yield: its pauses
+/// would only delay the peer's answer.
 #[derive(Debug)]
 struct SpinBeacon {
     round: u64,
@@ -1241,6 +1255,8 @@ struct SpinBeacon {
     /// The peers' words as last seen (summed), and for how many rounds they have not moved.
     seen: u64,
     still: u32,
+    /// A peer's moving word names this CPU.
+    here: bool,
 }
 
 impl SpinBeacon {
@@ -1248,12 +1264,14 @@ impl SpinBeacon {
     /// it counts as not running.
     const FRESH: u32 = 2;
 
-    fn new() -> SpinBeacon {
+    /// `here`: what the last spin of this loop ended with.
+    fn new(here: bool) -> SpinBeacon {
         SpinBeacon {
             round: 0,
             cpu: None,
             seen: 0,
             still: u32::MAX,
+            here,
         }
     }
 
@@ -1298,7 +1316,9 @@ impl SpinBeacon {
         } else {
             self.still = self.still.saturating_add(1);
         }
-        elsewhere && !here && self.still < SpinBeacon::FRESH
+        let fresh = self.still < SpinBeacon::FRESH;
+        self.here = here && fresh;
+        elsewhere && !here && fresh
     }
 
     /// The spin ended: not spinning any more (only when a word was published).
