@@ -114,7 +114,7 @@
 //!   tests (`tests/multiprocess.rs` re-executes the test binary as the peer process). The
 //!   WRITE-then-SEND stress test checks 100 000 messages by default; set
 //!   `SMC_FABRIC_STRESS_MESSAGES=1000000` for the million-message run.
-//! - The loom model of the ring and the doorbell/sleep protocol (use a separate target
+//! - The loom model of the ring, the doorbell/sleep protocol and [`Sleepers`] (use a separate target
 //!   directory, the cfg change rebuilds everything):
 //!   `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p smc-fabric --release --lib loom`.
 //!   The search uses a preemption bound of 3 unless `LOOM_MAX_PREEMPTIONS` says otherwise.

@@ -108,7 +108,11 @@ mod loom_tests {
             let saw = state.load(Relaxed);
             producer.join().unwrap();
             if saw == 0 {
-                assert_eq!(woken.load(Relaxed), 1, "the waiter sleeps and nobody wakes it");
+                assert_eq!(
+                    woken.load(Relaxed),
+                    1,
+                    "the waiter sleeps and nobody wakes it"
+                );
             }
             gate.disarm();
         });

@@ -155,10 +155,7 @@ impl EpollSet {
     /// connections for good, once.
     fn nest(&self) {
         let m = self.lock();
-        if self
-            .nested
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.nested.swap(true, std::sync::atomic::Ordering::Relaxed) {
             return;
         }
         for i in m.values() {

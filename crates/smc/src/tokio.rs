@@ -4,7 +4,9 @@
 //! Over SMC-R the stream is the blocking [`crate::SmcStream`] in nonblocking mode, woken through
 //! two per-connection eventfds registered with tokio's reactor ([`AsyncFd`]): the stack's
 //! runtime signals the read one when data, end of stream or a failure arrives and the write
-//! one when room opens in the peer's RMBE. A fallen-back stream is a plain
+//! one when room opens in the peer's RMBE (the stack writes a connection's eventfds only while
+//! a waiter is armed, `smc_fabric::Sleepers`; tokio's reactor may sleep on them at any time,
+//! so a stream arms them for good). A fallen-back stream is a plain
 //! `tokio::net::TcpStream`. Connecting and accepting run the (blocking) rendezvous on tokio's
 //! blocking pool.
 
