@@ -115,6 +115,39 @@ def server(port, smc):
     except OSError as e:
         check(e.errno == errno.ENOENT, "DEL of an unregistered connection fails with ENOENT")
 
+    # An epoll instance waited on by another wait (an outer epoll instance, then poll): the
+    # connection's eventfds are written only while a wait is armed, and such a wait sleeps
+    # in the kernel unarmed, so the library arms the inner instance's connections for good.
+    # The inner instances are only ever asked with a zero timeout here: a sleeping wait on
+    # them would register the stack's completion channels in them, whose doorbells would
+    # wake the outer wait as well.
+    def quiet_inner():
+        inner = select.epoll()
+        inner.register(fd, select.EPOLLIN)
+        # (The registration's first kernel event, from earlier signals, is consumed here.)
+        check(inner.poll(0) == [], "nested epoll: nothing before data")
+        return inner
+
+    inner = quiet_inner()
+    outer = select.epoll()
+    outer.register(inner.fileno(), select.EPOLLIN)
+    check(outer.poll(0.1) == [], "nested epoll: outer instance quiet before data")
+    ask(conn, "send 1 n")
+    ev = outer.poll(5)
+    check(ev == [(inner.fileno(), select.EPOLLIN)], f"nested epoll: the outer instance wakes ({ev})")
+    check(inner.poll(0) == [(fd, select.EPOLLIN)], "nested epoll: the inner one reports the connection")
+    check(conn.recv(10) == b"n", "nested epoll: data read")
+    outer.close()
+    inner.close()
+    inner = quiet_inner()
+    pi = select.poll()
+    pi.register(inner.fileno(), select.POLLIN)
+    ask(conn, "send 1 o")
+    got = pi.poll(5000)
+    check(got == [(inner.fileno(), select.POLLIN)], f"poll on an epoll instance wakes on data ({got})")
+    check(conn.recv(10) == b"o", "poll on an epoll instance: data read")
+    inner.close()
+
     # A kernel fd (pipe) and the connection in one epoll set and in one poll.
     r, w = os.pipe()
     ep.register(r, select.EPOLLIN)

@@ -114,7 +114,7 @@
 //!   tests (`tests/multiprocess.rs` re-executes the test binary as the peer process). The
 //!   WRITE-then-SEND stress test checks 100 000 messages by default; set
 //!   `SMC_FABRIC_STRESS_MESSAGES=1000000` for the million-message run.
-//! - The loom model of the ring and the doorbell/sleep protocol (use a separate target
+//! - The loom model of the ring, the doorbell/sleep protocol and [`Sleepers`] (use a separate target
 //!   directory, the cfg change rebuilds everything):
 //!   `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p smc-fabric --release --lib loom`.
 //!   The search uses a preemption bound of 3 unless `LOOM_MAX_PREEMPTIONS` says otherwise.
@@ -130,6 +130,7 @@ pub mod fdplace;
 mod ring;
 mod roce;
 mod shm;
+mod sleepers;
 pub mod sockpath;
 mod sync;
 mod types;
@@ -137,6 +138,7 @@ mod types;
 pub use config::{DeviceConfig, DeviceKind, FabricConfig, Fault};
 pub use error::{FabricError, Result};
 pub use ring::{MAX_INLINE, MAX_SEND};
+pub use sleepers::Sleepers;
 pub use types::{
     AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, PostStatus, QpCaps, QpState,
     RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
@@ -808,6 +810,18 @@ impl CompletionQueue {
         match &self.inner {
             CqImpl::Shm(c) => c.wait(out, timeout),
             CqImpl::Roce(_, c) => c.wait(out, timeout),
+        }
+    }
+
+    /// For a poller that spins on this queue: publish `word` (zero: not spinning; otherwise
+    /// the caller's meaning) to the peers whose SENDs complete here, and hand each peer's
+    /// word to `peer`. On the shm fabric the words live in the ring headers both processes
+    /// map (a peer that never publishes reads as zero); a software RoCE peer has none (no
+    /// call to `peer`). Cheap enough for every round of a spin (a few loads and stores).
+    pub fn spin_words(&self, word: u64, peer: &mut dyn FnMut(u64)) {
+        match &self.inner {
+            CqImpl::Shm(c) => c.spin_words(word, peer),
+            CqImpl::Roce(..) => {}
         }
     }
 

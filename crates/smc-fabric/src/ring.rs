@@ -11,6 +11,7 @@
 //! | 72 | `tx_waiting: u32` (producer waits for space) | producer sets, consumer clears |
 //! | 128 | `epoch: u64` (memory-region revocation epoch) | ring owner (consumer) |
 //! | 192 | `credits: u64` (receive WRs ever posted; [`CREDITS_REVOKED`] once in error) | consumer |
+//! | 200 | `spin: u64` (the consumer's spin word, opaque here: [`crate::CompletionQueue::spin_words`]) | consumer |
 //! | 256 | `capacity` slots of [`SLOT_SIZE`] bytes: `len: u32`, `seq: u32`, payload | producer |
 //!
 //! A message is published by its slot's `seq`, stored (Release) after the rest of the slot:
@@ -99,8 +100,12 @@ pub(crate) struct RingHeader {
     /// Receive work requests the consumer ever posted (a SEND numbered `n`, counting from 1,
     /// has a receive WR waiting for it iff `n <= credits`), or [`CREDITS_REVOKED`].
     pub(crate) credits: AtomicU64,
+    /// A word the consumer publishes to the producer while it spins (meaningful to the layer
+    /// above: which CPU it spins on, and a count of its rounds), zero otherwise. In the
+    /// consumer's line: the producer reads it only when it spins itself.
+    pub(crate) spin: AtomicU64,
     #[cfg(not(loom))]
-    _pad3: [AtomicU64; 7],
+    _pad3: [AtomicU64; 6],
 }
 
 #[cfg(not(loom))]
@@ -117,6 +122,7 @@ impl RingHeader {
             tx_waiting: AtomicU32::new(0),
             epoch: AtomicU64::new(0),
             credits: AtomicU64::new(0),
+            spin: AtomicU64::new(0),
         }
     }
 }

@@ -55,6 +55,31 @@ pub(crate) struct EpollSet {
     /// The spin before a sleep of this instance's waits (made at the first wait: the stack
     /// may not exist when the instance is created).
     spin: std::sync::OnceLock<smc::fdapi::LoopSpin>,
+    /// Threads asleep (or about to be) in a wait on this instance, each with the watched
+    /// connections armed ([`EpollSet::arm_for_sleep`]); changed under the interests' lock.
+    sleeping: std::sync::atomic::AtomicU32,
+    /// The instance is itself waited on by another wait (registered in another epoll
+    /// instance, given to poll or select), which sleeps in the kernel without our arming:
+    /// its connections are armed for good (changed under the interests' lock).
+    nested: std::sync::atomic::AtomicBool,
+}
+
+/// The connections of an epoll instance armed for one sleep (see `Conn::arm`); disarmed
+/// when dropped.
+struct ArmedSet<'a> {
+    set: &'a EpollSet,
+    conns: Vec<Arc<Conn>>,
+}
+
+impl Drop for ArmedSet<'_> {
+    fn drop(&mut self) {
+        for c in &self.conns {
+            c.disarm();
+        }
+        self.set
+            .sleeping
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The data word of completion channel `i` in a kernel instance (bit 31 of the lower half
@@ -93,6 +118,103 @@ impl EpollSet {
     /// epoll instances.
     pub(crate) fn remove_closed(&self, fd: c_int) {
         self.lock().remove(&fd);
+    }
+
+    /// Before a wait on this instance sleeps: arm every watched connection, so that the stack
+    /// writes their eventfds (which the kernel instance watches) while it sleeps. The caller
+    /// looks at their readiness after this, then sleeps; the returned guard disarms.
+    fn arm_for_sleep(&self) -> ArmedSet<'_> {
+        let m = self.lock();
+        // (Under the lock: a connection added after this is kicked by `insert`.)
+        self.sleeping
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let conns: Vec<Arc<Conn>> = m.values().map(|i| i.conn.clone()).collect();
+        drop(m);
+        for c in &conns {
+            c.arm();
+        }
+        ArmedSet { set: self, conns }
+    }
+
+    /// Put `interest` under `fd` (the interests' lock held: `m`): a new connection of a
+    /// nested instance is armed for good, and a thread asleep in a wait on this instance is
+    /// woken to look again (it armed the connections it knew of, and the kernel would report
+    /// an added or modified registration's readiness to it).
+    fn insert(&self, m: &mut BTreeMap<c_int, Interest>, fd: c_int, interest: Interest) {
+        let new = !m.contains_key(&fd);
+        if new && self.nested.load(std::sync::atomic::Ordering::Relaxed) {
+            interest.conn.arm();
+        }
+        if self.sleeping.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            interest.conn.kick();
+        }
+        m.insert(fd, interest);
+    }
+
+    /// This instance is waited on by a wait of the kernel's (see `nested`): arm its
+    /// connections for good, once.
+    fn nest(&self) {
+        let m = self.lock();
+        if self.nested.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        for i in m.values() {
+            i.conn.arm();
+        }
+    }
+}
+
+/// Whether any epoll instance was made by the program (the nesting check of poll and select
+/// looks no further otherwise).
+static ANY_EPOLL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `EPOLL_FDS` value: an epoll instance the program made.
+const EPOLL_MADE: u8 = 1;
+/// `EPOLL_FDS` bit: that instance is (or was) waited on by another wait ([`EpollSet::nest`]).
+const EPOLL_NESTED: u8 = 2;
+
+/// `fd` is about to be waited on by a wait that is not ours (poll, select, another epoll
+/// instance): when it is an epoll instance of the program, arm its connections for good.
+pub(crate) fn note_nested(fd: c_int) {
+    let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) else {
+        return;
+    };
+    let v = s.load(std::sync::atomic::Ordering::Relaxed);
+    if v & EPOLL_MADE == 0 || v & EPOLL_NESTED != 0 {
+        return;
+    }
+    s.fetch_or(EPOLL_NESTED, std::sync::atomic::Ordering::SeqCst);
+    // (Mark, then look for the set; `epoll_set` makes a set, then looks for the mark: with
+    // the fences, one of the two sees the other.)
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    if let Some(e) = table::get(fd) {
+        if let Kind::Epoll(set) = &e.kind {
+            set.nest();
+        }
+    }
+}
+
+/// The [`EpollSet`] of epoll instance `epfd`, made (and entered in the table) when it has
+/// none; `None` when the number holds something else.
+fn epoll_set(epfd: c_int) -> Option<Arc<EpollSet>> {
+    match table::get(epfd) {
+        Some(e) => match &e.kind {
+            Kind::Epoll(s) => Some(s.clone()),
+            _ => None,
+        },
+        None => {
+            let s = Arc::new(EpollSet::default());
+            table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).ok()?;
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            if usize::try_from(epfd)
+                .ok()
+                .and_then(|i| EPOLL_FDS.get(i))
+                .is_some_and(|v| v.load(std::sync::atomic::Ordering::SeqCst) & EPOLL_NESTED != 0)
+            {
+                s.nest();
+            }
+            Some(s)
+        }
     }
 }
 
@@ -145,6 +267,9 @@ pub unsafe extern "C" fn epoll_ctl(
     fd: c_int,
     ev: *mut epoll_event,
 ) -> c_int {
+    if op == libc::EPOLL_CTL_ADD && ANY_EPOLL.load(std::sync::atomic::Ordering::Relaxed) {
+        note_nested(fd);
+    }
     let conn = match target(fd) {
         Target::Smc(c) => c,
         Target::Foreign if op != libc::EPOLL_CTL_DEL => {
@@ -160,23 +285,9 @@ pub unsafe extern "C" fn epoll_ctl(
             set_errno(libc::EINVAL);
             return -1;
         }
-        let set = match table::get(epfd) {
-            Some(e) => match &e.kind {
-                Kind::Epoll(s) => s.clone(),
-                _ => {
-                    set_errno(libc::EINVAL);
-                    return -1;
-                }
-            },
-            None => {
-                // Is it an epoll instance at all? An empty wait with no room tells.
-                let s = Arc::new(EpollSet::default());
-                if table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).is_err() {
-                    set_errno(libc::EINVAL);
-                    return -1;
-                }
-                s
-            }
+        let Some(set) = epoll_set(epfd) else {
+            set_errno(libc::EINVAL);
+            return -1;
         };
         let mut m = set.lock();
         match op {
@@ -217,7 +328,8 @@ pub unsafe extern "C" fn epoll_ctl(
                 if !exists {
                     kernel_notifiers(epfd, fd, &conn, true);
                 }
-                m.insert(
+                set.insert(
+                    &mut m,
                     fd,
                     Interest {
                         conn,
@@ -372,8 +484,17 @@ pub(crate) unsafe fn epoll_wait_managed(
                 spun = start.elapsed();
             }
         }
-        // About to sleep: become the stack's poller, so that a doorbell wakes this thread
-        // rather than the runtime thread, which would then wake this one.
+        // About to sleep: arm the connections (their eventfds are written only while a wait
+        // is armed), then look once more (a change before the arm wrote nothing).
+        let armed = (t != 0).then(|| set.arm_for_sleep());
+        if armed.is_some() {
+            let found = harvest(set, out);
+            if found > 0 {
+                return found as c_int;
+            }
+        }
+        // Become the stack's poller, so that a doorbell wakes this thread rather than the
+        // runtime thread, which would then wake this one.
         let channels = if t != 0 {
             set.register_channels(epfd)
         } else {
@@ -391,6 +512,8 @@ pub(crate) unsafe fn epoll_wait_managed(
         let slept = Instant::now();
         // SAFETY: the rest of the caller's array.
         let k = unsafe { real::epoll_pwait(epfd, rest.as_mut_ptr(), rest.len() as c_int, t, mask) };
+        // (errno of a failed wait survives: the disarm makes no system call.)
+        drop(armed);
         if t != 0 && n == 0 {
             spin.slept(spun, slept.elapsed());
         }
@@ -491,11 +614,19 @@ unsafe fn ppoll_managed(
     timeout: Option<Duration>,
     mask: *const sigset_t,
 ) -> Option<c_int> {
-    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || fds.is_null() || n == 0 {
+    if fds.is_null() || n == 0 {
         return None;
     }
     // SAFETY: the caller's array of `n` pollfds.
     let fds = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    if ANY_EPOLL.load(std::sync::atomic::Ordering::Relaxed) {
+        for p in fds.iter() {
+            note_nested(p.fd);
+        }
+    }
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
     if !fds.iter().any(|p| table::maybe(p.fd)) {
         return None;
     }
@@ -728,7 +859,7 @@ unsafe fn select_managed(
     timeout: Option<Duration>,
     mask: *const sigset_t,
 ) -> Option<c_int> {
-    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || nfds <= 0 {
+    if nfds <= 0 {
         return None;
     }
     let nfds = nfds.min(libc::FD_SETSIZE as c_int);
@@ -736,6 +867,14 @@ unsafe fn select_managed(
         // SAFETY: the caller's set, fd below FD_SETSIZE.
         !s.is_null() && unsafe { libc::FD_ISSET(fd, s) }
     };
+    if ANY_EPOLL.load(std::sync::atomic::Ordering::Relaxed) {
+        for fd in (0..nfds).filter(|&fd| isset(r, fd) || isset(w, fd) || isset(e, fd)) {
+            note_nested(fd);
+        }
+    }
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
     let mut fds: Vec<pollfd> = Vec::new();
     let mut any_smc = false;
     for fd in 0..nfds {
@@ -856,7 +995,8 @@ static EPOLL_FDS: [std::sync::atomic::AtomicU8; table::MAX_FD] =
 
 fn note_epoll(fd: c_int) {
     if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
-        s.store(1, std::sync::atomic::Ordering::Relaxed);
+        s.store(EPOLL_MADE, std::sync::atomic::Ordering::Relaxed);
+        ANY_EPOLL.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -928,21 +1068,12 @@ pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
         let mut ev = epoll_event { events: 0, u64: 0 };
         // SAFETY: removing the program's registration of the socket.
         unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, &mut ev) };
-        let set = match table::get(epfd).map(|e| match &e.kind {
-            Kind::Epoll(s) => Some(s.clone()),
-            _ => None,
-        }) {
-            Some(Some(s)) => s,
-            _ => {
-                let s = Arc::new(EpollSet::default());
-                if table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).is_err() {
-                    continue;
-                }
-                s
-            }
+        let Some(set) = epoll_set(epfd) else {
+            continue;
         };
         kernel_notifiers(epfd, fd, conn, true);
-        set.lock().insert(
+        set.insert(
+            &mut set.lock(),
             fd,
             Interest {
                 conn: conn.clone(),

@@ -118,6 +118,12 @@ pub(crate) struct Notifiers {
     pub(crate) subscribers: Mutex<Vec<Subscriber>>,
     /// How many `subscribers` there are (the signal looks at the list only then).
     pub(crate) subscribed: AtomicUsize,
+    /// The waits that may sleep on `read` and `write` now: an epoll wait about to sleep
+    /// (`fdapi::Conn::arm`), a reactor that watches them for good (tokio's registration, an
+    /// epoll instance inside another one). The eventfds are written only while there is one:
+    /// an event loop that finds its news by looking (its own completion handling, its spin)
+    /// makes no `write` system call per CDC. The signal counts move regardless.
+    pub(crate) sleepers: smc_fabric::Sleepers,
 }
 
 /// One waiting thread's eventfd, and what it waits for.
@@ -139,6 +145,7 @@ impl Notifiers {
             write_count: Default::default(),
             subscribers: Mutex::new(Vec::new()),
             subscribed: AtomicUsize::new(0),
+            sleepers: smc_fabric::Sleepers::new(),
         })
     }
 
@@ -153,7 +160,7 @@ impl Notifiers {
         }
     }
 
-    fn signal(fd: &rustix::fd::OwnedFd) {
+    pub(crate) fn signal(fd: &rustix::fd::OwnedFd) {
         // A full counter (never in practice) or a closed reader needs no further signal.
         let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
     }
@@ -615,12 +622,21 @@ impl Core {
             if read {
                 n.read_count
                     .fetch_add(1, std::sync::atomic::Ordering::Release);
-                Notifiers::signal(&n.read);
             }
             if write {
                 n.write_count
                     .fetch_add(1, std::sync::atomic::Ordering::Release);
-                Notifiers::signal(&n.write);
+            }
+            // The state change (and the counts) first, then the look for sleepers (a full
+            // fence inside): a wait that armed after this look sees the change when it looks
+            // at the connection (`smc_fabric::Sleepers`).
+            if n.sleepers.any() {
+                if read {
+                    Notifiers::signal(&n.read);
+                }
+                if write {
+                    Notifiers::signal(&n.write);
+                }
             }
             // (Read under the core lock, as the subscriber's look at the connection after
             // it subscribed: a change it did not see is signalled to it here.)

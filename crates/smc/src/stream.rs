@@ -558,4 +558,60 @@ mod tests {
         assert_eq!(events(), Some(true), "on while an event loop watches");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A connection's eventfds are written only while a wait is armed
+    /// (`smc_fabric::Sleepers`); the signal counts move for every event regardless.
+    #[test]
+    fn eventfds_are_written_only_while_armed() {
+        let dir = std::env::temp_dir().join(format!("smc-arm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("fabric dir");
+        let stack = |dir: &std::path::Path| {
+            let mut c = StackConfig::new(smc_fabric::FabricConfig::with_dir(dir, 1));
+            c.discovery = DiscoveryMode::AssertPeer;
+            Stack::new(c).expect("stack")
+        };
+        let (a, b) = (stack(&dir), stack(&dir));
+        let l = SmcListener::bind_with(&a, "127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let t = std::thread::spawn(move || SmcStream::connect_with(&b, addr).expect("connect"));
+        let (mut server, _) = l.accept().expect("accept");
+        let mut client = t.join().expect("client");
+        let n = server.notifiers().expect("notifiers").expect("over SMC-R");
+        server.set_nonblocking(true).expect("nonblocking");
+        // An eventfd's counter, taken (0: not written since the last take).
+        let take = |fd: &rustix::fd::OwnedFd| {
+            let mut b = [0u8; 8];
+            rustix::io::read(fd, &mut b).map_or(0, |_| u64::from_ne_bytes(b))
+        };
+        take(&n.read);
+        // Wait until the byte is readable (the runtime thread handles the CDC), read it.
+        let got = |server: &mut SmcStream| {
+            let mut b = [0u8; 1];
+            loop {
+                match server.read(&mut b) {
+                    Ok(1) => return b[0],
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                    r => panic!("read: {r:?}"),
+                }
+            }
+        };
+        let before = n.read_count.load(Ordering::Acquire);
+        client.write_all(&[1]).expect("write");
+        assert_eq!(got(&mut server), 1);
+        while n.read_count.load(Ordering::Acquire) == before {
+            std::thread::yield_now();
+        }
+        assert_eq!(take(&n.read), 0, "not written while nobody is armed");
+
+        n.sleepers.arm();
+        let before = n.read_count.load(Ordering::Acquire);
+        client.write_all(&[2]).expect("write");
+        assert_eq!(got(&mut server), 2);
+        while n.read_count.load(Ordering::Acquire) == before {
+            std::thread::yield_now();
+        }
+        assert!(take(&n.read) > 0, "written while a wait is armed");
+        n.sleepers.disarm();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

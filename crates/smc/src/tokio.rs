@@ -4,7 +4,9 @@
 //! Over SMC-R the stream is the blocking [`crate::SmcStream`] in nonblocking mode, woken through
 //! two per-connection eventfds registered with tokio's reactor ([`AsyncFd`]): the stack's
 //! runtime signals the read one when data, end of stream or a failure arrives and the write
-//! one when room opens in the peer's RMBE. A fallen-back stream is a plain
+//! one when room opens in the peer's RMBE (the stack writes a connection's eventfds only while
+//! a waiter is armed, `smc_fabric::Sleepers`; tokio's reactor may sleep on them at any time,
+//! so a stream arms them for good). A fallen-back stream is a plain
 //! `tokio::net::TcpStream`. Connecting and accepting run the (blocking) rendezvous on tokio's
 //! blocking pool.
 
@@ -107,6 +109,8 @@ impl SmcStream {
                     .notifiers()?
                     .ok_or_else(|| io::Error::other("SMC-R stream without notifiers"))?;
                 s.set_nonblocking(true)?;
+                // tokio's reactor may sleep on the eventfds at any time: signalled always.
+                n.sleepers.arm();
                 Ok(SmcStream {
                     inner: Inner::Smc {
                         rd: register(NotifyFd {

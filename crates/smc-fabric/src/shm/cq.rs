@@ -212,6 +212,20 @@ impl CqShared {
         })
     }
 
+    /// For a spinning poller: publish `word` to the peers whose SENDs complete here (see
+    /// [`QpShared::exchange_spin_words`]) and hand each peer's word to `peer`.
+    pub(crate) fn spin_words(&self, word: u64, peer: &mut dyn FnMut(u64)) {
+        let qps = lock(&self.qps);
+        for qp in qps
+            .iter()
+            .filter(|qp| std::ptr::eq(Arc::as_ptr(&qp.recv_cq), self))
+        {
+            if let Some(w) = qp.exchange_spin_words(word) {
+                peer(w);
+            }
+        }
+    }
+
     /// Arm the completion channel: the eventfd becomes readable at the next completion.
     /// Callers must poll once more after arming before sleeping.
     pub(crate) fn req_notify(&self) {

@@ -1096,6 +1096,18 @@ impl QpShared {
         }
     }
 
+    /// Publish `word` as our spin word in our receive ring's header (the peer, which sends
+    /// into that ring, reads it there), and return the peer's (in the header of the ring we
+    /// send into; `None` before that ring is mapped, or while our send side is busy).
+    pub(crate) fn exchange_spin_words(&self, word: u64) -> Option<u64> {
+        self.inbound_header()
+            .spin
+            .store(word, std::sync::atomic::Ordering::Relaxed);
+        let send = self.send.try_lock().ok()?;
+        let out = send.out.as_ref()?;
+        Some(out.header().spin.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Arm the "receiver sleeps" doorbell of our receive ring.
     pub(crate) fn arm_recv_doorbell(&self) {
         let r = lock(&self.recv);
