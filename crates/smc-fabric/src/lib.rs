@@ -784,6 +784,18 @@ impl CompletionQueue {
         }
     }
 
+    /// On a software RoCE device: receive what waits on the device's socket now, in this
+    /// thread (completions land in their queues; poll them next); returns how many datagrams.
+    /// For a thread that must see what the fabric brought before it acts on news from
+    /// elsewhere (a TCP reset that may have overtaken the peer's last messages). 0 on the shm
+    /// fabric, whose peers fill the queues themselves.
+    pub fn receive_now(&self) -> usize {
+        match &self.inner {
+            CqImpl::Shm(_) => 0,
+            CqImpl::Roce(d, _) => roce::receive_now(&d.core),
+        }
+    }
+
     /// Whether completions reach this queue only when some thread receives them on the
     /// device's behalf (software RoCE: datagrams on a socket, which the device's thread leaves
     /// to a thread sleeping in [`receive_wait`](Self::receive_wait)), so that spinning on

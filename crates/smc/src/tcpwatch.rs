@@ -166,9 +166,7 @@ fn run(weak: Weak<Inner>, epoll_fd: &OwnedFd) {
         // now, the bytes stay readable ahead of the reset as over TCP (otherwise our abort
         // would come first and make us ignore them, RFC 7609 §4.8.2).
         for cq in &inner.cqs {
-            if let Some(r) = cq.receive_wait() {
-                r.receive();
-            }
+            cq.receive_now();
         }
         let mut core = inner.lock();
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];

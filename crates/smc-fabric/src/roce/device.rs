@@ -176,6 +176,14 @@ impl<'a> ReceiveWait<'a> {
     }
 }
 
+/// Receive what waits on a device's socket now, on the caller's thread, without the
+/// promise of a [`ReceiveWait`] (the device's thread keeps receiving as before): for a
+/// thread that must see what the fabric brought before it acts on news from elsewhere.
+pub(crate) fn receive_now(core: &RoceCore) -> usize {
+    let mut st = lock(&core.rx);
+    core.receive_pending(&mut st)
+}
+
 impl Drop for ReceiveWait<'_> {
     fn drop(&mut self) {
         self.core.rx_waiters.fetch_sub(1, Ordering::AcqRel);

@@ -23,7 +23,7 @@ mod rx;
 mod steer;
 
 pub(crate) use cq::RoceCq;
-pub(crate) use device::{snapshot, ReceiveWait, RoceHandle};
+pub(crate) use device::{receive_now, snapshot, ReceiveWait, RoceHandle};
 pub(crate) use mr::RoceMr;
 pub(crate) use qp::{RoceQp, MAX_SEND};
 
