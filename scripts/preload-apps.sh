@@ -104,6 +104,15 @@ for mode in plain smc; do
 done
 echo "   answer read before the reset, ECONNRESET once (read, write or SO_ERROR), then EOF/EPIPE: as TCP"
 
+echo "== sockets closed through syscall(SYS_close), as libuv (node) closes them (scripts/preload-rawclose.py)"
+"$SMC" run python3 scripts/preload-rawclose.py server 19181 >"$work/rawclose-s.log" 2>&1 &
+rcs=$!
+for _ in $(seq 1 100); do ss -ltn 'sport = :19181' | grep -q 19181 && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-rawclose.py client 19181 >"$work/rawclose-c.log" 2>&1 \
+    || { cat "$work/rawclose-c.log" "$work/rawclose-s.log"; fail "raw close: the client did not get every answer and end of stream"; }
+wait $rcs || { cat "$work/rawclose-s.log"; fail "raw close server"; }
+cat "$work/rawclose-s.log" "$work/rawclose-c.log" | sed 's/^/   /'
+
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 "$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &

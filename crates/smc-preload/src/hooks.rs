@@ -85,7 +85,7 @@ fn install(fd: c_int, setup: Setup, nonblocking: bool) {
 /// What the descriptor `fd` names for a data call; an accepted connection waiting for its
 /// server rendezvous runs it now (this process uses it first).
 pub(crate) fn target(fd: c_int) -> Target {
-    if !table::maybe(fd) {
+    if !table::maybe(fd) || crate::inside() {
         return Target::Pass;
     }
     let Some(e) = table::get(fd) else {
@@ -922,6 +922,10 @@ pub(crate) fn forget(fd: c_int) {
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if crate::inside() {
+        // SAFETY: the library's own descriptor, passed on unchanged.
+        return unsafe { real::close(fd) };
+    }
     crate::wait::closed(fd);
     if table::maybe(fd) {
         guard((), || forget(fd));

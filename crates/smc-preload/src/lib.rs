@@ -72,8 +72,30 @@ pub(crate) fn errno_of(e: &io::Error) -> i32 {
     }
 }
 
+std::thread_local! {
+    /// How many hook bodies ([`guard`]) this thread is in.
+    static DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether this thread runs the library's own code (a hook's body): a call it makes on a
+/// descriptor — the stack closing an eventfd it replaced, reading its TCP socket — is the
+/// library's, never the program's, and goes straight to the C library. (Otherwise a number
+/// the table still names could route the library's own close back into the stack it is
+/// running, under the stack's lock.)
+pub(crate) fn inside() -> bool {
+    DEPTH.try_with(|d| d.get() > 0).unwrap_or(false)
+}
+
 /// Run `f`, turning a panic into EIO (an unwind must not cross into C).
 pub(crate) fn guard<R>(fail: R, f: impl FnOnce() -> R) -> R {
+    struct Depth;
+    impl Drop for Depth {
+        fn drop(&mut self) {
+            let _ = DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+        }
+    }
+    let _ = DEPTH.try_with(|d| d.set(d.get() + 1));
+    let _depth = Depth;
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(_) => {

@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use libc::{c_char, c_int, c_uint, epoll_event, loff_t, mmsghdr, sigset_t, size_t, ssize_t};
+use libc::{
+    c_char, c_int, c_long, c_uint, epoll_event, loff_t, mmsghdr, sigset_t, size_t, ssize_t,
+};
 use libc::{pid_t, posix_spawn_file_actions_t, posix_spawnattr_t, timespec};
 use smc::fdapi::Conn;
 
@@ -319,6 +321,42 @@ fn forget_range(first: c_uint, last: c_uint) {
             hooks::forget(fd);
         }
     }
+}
+
+/// `syscall(2)` itself: programs that close descriptors with `syscall(SYS_close, fd)` —
+/// libuv does, so node's sockets close that way — must not leave the table naming a
+/// connection under a number the kernel will hand out again. `SYS_close` and
+/// `SYS_close_range` go through our `close` and `close_range`; every other number goes on
+/// to the C library unchanged.
+///
+/// `syscall` is variadic in C; defined here with its six possible arguments. On the ABIs this
+/// library is built for (x86-64 and AArch64 Linux), a variadic call passes its integer
+/// arguments exactly as a call with that many named ones does, and the C library's
+/// `syscall` itself reads all six whatever the call passed (the kernel ignores the extra).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn syscall(
+    n: c_long,
+    a1: c_long,
+    a2: c_long,
+    a3: c_long,
+    a4: c_long,
+    a5: c_long,
+    a6: c_long,
+) -> c_long {
+    if real::resolved() && !crate::inside() {
+        if n == libc::SYS_close {
+            // SAFETY: the program's call, as close(2).
+            return c_long::from(unsafe { hooks::close(a1 as c_int) });
+        }
+        if n == libc::SYS_close_range {
+            // SAFETY: the program's call, as close_range(2).
+            return c_long::from(unsafe { close_range(a1 as c_uint, a2 as c_uint, a3 as c_int) });
+        }
+    }
+    // SAFETY: passed on unchanged.
+    unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) }
 }
 
 #[no_mangle]

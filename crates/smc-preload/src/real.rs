@@ -42,6 +42,7 @@ macro_rules! reals {
         )*
         /// Resolve every entry point (the constructor calls this once).
         pub(crate) unsafe fn resolve() {
+            RESOLVED.store(true, Ordering::Release);
             $(
                 // SAFETY: a NUL-terminated name; RTLD_NEXT finds the next definition.
                 let p = unsafe {
@@ -92,6 +93,38 @@ reals! {
     execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int = libc::SYS_execve;
     execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int = libc::SYS_execve;
     execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int = libc::SYS_execve;
+}
+
+/// Whether the constructor resolved the entry points (before it, our exports pass every
+/// call straight on).
+static RESOLVED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn resolved() -> bool {
+    RESOLVED.load(Ordering::Acquire)
+}
+
+/// The C library's `syscall`, found on first use (our export of that name is what
+/// `libc::syscall` reaches from inside this library too, so it cannot be the fallback).
+static SYSCALL: AtomicUsize = AtomicUsize::new(0);
+
+/// The C library's own `syscall(2)`.
+pub(crate) unsafe fn syscall(n: c_long, a: [c_long; 6]) -> c_long {
+    let mut p = SYSCALL.load(Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name; RTLD_NEXT finds the C library's definition.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, c"syscall".as_ptr()) } as usize;
+        if p == 0 {
+            // SAFETY: the calling thread's errno.
+            unsafe { *libc::__errno_location() = libc::ENOSYS };
+            return -1;
+        }
+        SYSCALL.store(p, Ordering::Relaxed);
+    }
+    // SAFETY: `p` is the C library's `syscall`, a variadic function of this shape.
+    let f: unsafe extern "C" fn(c_long, ...) -> c_long = unsafe { std::mem::transmute(p) };
+    // SAFETY: the caller's arguments, passed on unchanged (the kernel ignores those the
+    // system call does not take).
+    unsafe { f(n, a[0], a[1], a[2], a[3], a[4], a[5]) }
 }
 
 /// `poll` through `ppoll` (one real entry point for both).
