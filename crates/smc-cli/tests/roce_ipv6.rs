@@ -20,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod netns;
-use netns::{query, root_with_ip, run, sha256_file, wait, NsPair};
+use netns::{input, query, root_with_ip, run, sha256_file, spawn_nc, wait, NsPair};
 
 /// Two namespaces joined by `pairs` veth pairs (netns::NsPair), pair k also on the IPv6
 /// prefix `fdNN:k+1::/64` (`a` is ::1, `b` is ::2), added with `nodad` so that they are usable
@@ -39,33 +39,9 @@ impl Net {
         let n = 150 + test * 3 + (std::process::id() % 3) as u8;
         let net = Net(NsPair::new('6', &test.to_string(), n, pairs));
         for k in 0..pairs {
-            for side in ['a', 'b'] {
-                let addr = format!("{}/64", net.addr6(side, k));
-                let v = net.veth(side, k);
-                run(&[
-                    "ip",
-                    "-n",
-                    net.ns(side),
-                    "addr",
-                    "add",
-                    &addr,
-                    "dev",
-                    &v,
-                    "nodad",
-                ]);
-            }
+            net.add_addr6(k);
         }
         net
-    }
-
-    /// The IPv6 address of `side` on pair `k`.
-    fn addr6(&self, side: char, k: u8) -> String {
-        format!(
-            "fd{:02x}:{}::{}",
-            self.n,
-            k + 1,
-            if side == 'a' { 1 } else { 2 }
-        )
     }
 
     /// The fabric (and control socket) directory of `side`.
@@ -76,30 +52,13 @@ impl Net {
     /// `smc nc` in namespace `side` with roce devices `devices`.
     fn nc(&self, side: char, devices: &str, args: &[&str], stdin: Stdio, stdout: Stdio) -> Child {
         let env = ["SMC_KEEPALIVE_MS=1000".to_string()];
-        self.smc_cmd(side, devices, &self.fabric_dir(side), &env)
-            .arg("nc")
-            .args(args)
-            .stdin(stdin)
-            .stdout(stdout)
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn smc nc")
+        spawn_nc(
+            self.smc_cmd(side, devices, &self.fabric_dir(side), &env),
+            args,
+            stdin,
+            stdout,
+        )
     }
-}
-
-fn input(dir: &Path, len: usize) -> PathBuf {
-    let p = dir.join("in");
-    let mut f = File::create(&p).expect("create");
-    let mut x: u64 = 0xD1B5_4A32_D192_ED03 ^ len as u64;
-    let mut buf = vec![0u8; len];
-    for b in buf.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
-    f.write_all(&buf).expect("write");
-    p
 }
 
 fn size(p: &Path) -> u64 {
@@ -137,7 +96,7 @@ fn transfer(
     trigger: u64,
     during: impl FnOnce(),
 ) -> (String, String) {
-    let src = input(&net.dir, len);
+    let src = input(&net.dir, 0, len);
     let out = net.dir.join("out");
     let port = "7600";
     let listen = net.addr6('a', 0);

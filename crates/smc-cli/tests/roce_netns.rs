@@ -9,13 +9,11 @@
 //! Every test creates its own namespaces, veths and addresses and removes them.
 
 use std::fs::File;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod netns;
-use netns::{root_with_ip, run, sha256_file, wait, NsPair};
+use netns::{input, root_with_ip, run, sha256_file, spawn_nc, wait, NsPair};
 
 /// Two namespaces joined by veth pairs 0 and 1 (netns::NsPair), with the `smc nc` of this test.
 struct Net(NsPair);
@@ -41,36 +39,19 @@ impl Net {
             "SMC_KEEPALIVE_MS=1000".to_string(),
         ];
         let dir = self.dir.join(side.to_string());
-        self.smc_cmd(side, &self.roce_devices(side, 2), &dir, &env)
-            .arg("nc")
-            .args(args)
-            .stdin(stdin)
-            .stdout(stdout)
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn smc nc")
+        spawn_nc(
+            self.smc_cmd(side, &self.roce_devices(side, 2), &dir, &env),
+            args,
+            stdin,
+            stdout,
+        )
     }
-}
-
-fn input(dir: &Path, len: usize) -> PathBuf {
-    let p = dir.join("in");
-    let mut f = File::create(&p).expect("create");
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ len as u64;
-    let mut buf = vec![0u8; len];
-    for b in buf.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
-    f.write_all(&buf).expect("write");
-    p
 }
 
 /// Send `len` bytes from namespace b to a; `during` runs once the receiver has `trigger`
 /// bytes. Returns the stderr of both sides.
 fn transfer(net: &Net, len: usize, faults: &str, trigger: u64, during: impl FnOnce()) -> String {
-    let src = input(&net.dir, len);
+    let src = input(&net.dir, 0, len);
     let out = net.dir.join("out");
     let port = "7000";
     let server = net.nc(

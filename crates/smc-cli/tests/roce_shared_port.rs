@@ -8,13 +8,11 @@
 //! address's group.
 
 use std::fs::File;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
 mod netns;
-use netns::{root_with_ip, run, sha256_file, wait, NsPair};
+use netns::{input, root_with_ip, sha256_file, spawn_nc, wait, NsPair};
 
 /// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) joined by one veth pair (netns::NsPair).
 struct Net(NsPair);
@@ -34,60 +32,22 @@ impl Net {
         let n = 120 + (std::process::id() % 7) as u8 + if v6 { 10 } else { 0 };
         let net = Net(NsPair::new('s', tag, n, 1));
         if v6 {
-            for side in ['a', 'b'] {
-                let addr = format!("{}/64", net.addr6(side));
-                let v = net.veth(side, 0);
-                run(&[
-                    "ip",
-                    "-n",
-                    net.ns(side),
-                    "addr",
-                    "add",
-                    &addr,
-                    "dev",
-                    &v,
-                    "nodad",
-                ]);
-            }
+            net.add_addr6(0);
         }
         net
-    }
-
-    /// The IPv6 address of `side`.
-    fn addr6(&self, side: char) -> String {
-        format!("fd{:02x}:1::{}", self.n, if side == 'a' { 1 } else { 2 })
     }
 
     /// `smc nc` in namespace `side` with one roce device on the veth; every process of a side
     /// shares the fabric directory (and so the reuseport registry).
     fn nc(&self, side: char, args: &[&str], stdin: Stdio, stdout: Stdio) -> Child {
         let dir = self.dir.join(side.to_string());
-        self.smc_cmd(side, &self.roce_devices(side, 1), &dir, &[])
-            .arg("nc")
-            .args(args)
-            .stdin(stdin)
-            .stdout(stdout)
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn smc nc")
+        spawn_nc(
+            self.smc_cmd(side, &self.roce_devices(side, 1), &dir, &[]),
+            args,
+            stdin,
+            stdout,
+        )
     }
-}
-
-/// `len` pseudo-random bytes, different for every `seed`.
-fn input(dir: &Path, seed: u64, len: usize) -> PathBuf {
-    let p = dir.join(format!("in{seed}"));
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (seed << 32) ^ len as u64;
-    let mut buf = vec![0u8; len];
-    for b in buf.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
-    File::create(&p)
-        .and_then(|mut f| f.write_all(&buf))
-        .expect("write input");
-    p
 }
 
 #[test]
@@ -108,7 +68,11 @@ fn roce_three_processes_share_one_ipv6_address() {
 
 fn three_processes_share_one_address(v6: bool) {
     let net = Net::new(v6);
-    let server_addr = if v6 { net.addr6('a') } else { net.addr('a', 0) };
+    let server_addr = if v6 {
+        net.addr6('a', 0)
+    } else {
+        net.addr('a', 0)
+    };
     const N: u64 = 3;
     let len = 8 << 20;
     let mut servers = Vec::new();

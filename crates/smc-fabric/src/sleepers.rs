@@ -86,6 +86,22 @@ mod loom_tests {
     use crate::sync::AtomicU32;
     use loom::sync::Arc;
 
+    /// The producer of both models: changes the state, then wakes (sets `woken`) only when
+    /// [`Sleepers::any`].
+    fn producer(
+        state: &Arc<AtomicU32>,
+        woken: &Arc<AtomicU32>,
+        gate: &Arc<Sleepers>,
+    ) -> loom::thread::JoinHandle<()> {
+        let (state, woken, gate) = (state.clone(), woken.clone(), gate.clone());
+        loom::thread::spawn(move || {
+            state.store(1, Relaxed);
+            if gate.any() {
+                woken.store(1, Relaxed);
+            }
+        })
+    }
+
     /// A producer changes the state (a relaxed store: the real state is behind a lock or
     /// anything weaker) and wakes only when [`Sleepers::any`]; a waiter arms, looks, and would
     /// sleep when it saw nothing. Every execution: a waiter that would sleep was woken.
@@ -95,15 +111,7 @@ mod loom_tests {
             let state = Arc::new(AtomicU32::new(0));
             let woken = Arc::new(AtomicU32::new(0));
             let gate = Arc::new(Sleepers::new());
-            let producer = {
-                let (state, woken, gate) = (state.clone(), woken.clone(), gate.clone());
-                loom::thread::spawn(move || {
-                    state.store(1, Relaxed);
-                    if gate.any() {
-                        woken.store(1, Relaxed);
-                    }
-                })
-            };
+            let producer = producer(&state, &woken, &gate);
             gate.arm();
             let saw = state.load(Relaxed);
             producer.join().unwrap();
@@ -126,15 +134,7 @@ mod loom_tests {
             let state = Arc::new(AtomicU32::new(0));
             let woken = Arc::new(AtomicU32::new(0));
             let gate = Arc::new(Sleepers::new());
-            let producer = {
-                let (state, woken, gate) = (state.clone(), woken.clone(), gate.clone());
-                loom::thread::spawn(move || {
-                    state.store(1, Relaxed);
-                    if gate.any() {
-                        woken.store(1, Relaxed);
-                    }
-                })
-            };
+            let producer = producer(&state, &woken, &gate);
             let other = {
                 let gate = gate.clone();
                 loom::thread::spawn(move || {

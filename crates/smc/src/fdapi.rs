@@ -1145,12 +1145,16 @@ pub fn poll_before_wait() {
         return;
     };
     let inner = &stack.inner;
-    if inner.poller.load(Ordering::Acquire) {
-        return;
+    if !inner.poller.load(Ordering::Acquire) {
+        loop_poll(inner, &mut [smc_fabric::WorkCompletion::EMPTY; 32]);
     }
-    let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+}
+
+/// An event loop's look at the completion queues: handle what they hold and note when the
+/// loop did (`Inner::loop_polled_at`).
+fn loop_poll(inner: &crate::stack::Inner, wcs: &mut [smc_fabric::WorkCompletion]) {
     let mut core = inner.lock();
-    if core.poll_completions(&mut wcs) {
+    if core.poll_completions(wcs) {
         core.drain();
     }
     inner
@@ -1223,13 +1227,7 @@ impl LoopSpin {
             if hint {
                 // (Another thread that polls handles it and signals the connections.)
                 if !inner.poller.load(Ordering::Acquire) {
-                    let mut core = inner.lock();
-                    if core.poll_completions(&mut wcs) {
-                        core.drain();
-                    }
-                    inner
-                        .loop_polled_at
-                        .store(core.now_micros(), Ordering::Release);
+                    loop_poll(inner, &mut wcs);
                 }
                 if look() {
                     break true;

@@ -494,13 +494,11 @@ mod tests {
     use super::*;
     use crate::{DiscoveryMode, SmcListener, StackConfig};
 
-    /// The engine queues `Readable` for a connection only while a thread sleeps on it: a
-    /// reader that follows another thread's polling (here a writer blocked on a full RMBE)
-    /// turns the events on for as long as it sleeps, is woken by the event of the byte that
-    /// arrives, and turns them off again.
-    #[test]
-    fn readable_events_only_while_a_reader_sleeps() {
-        let dir = std::env::temp_dir().join(format!("smc-rev-{}", std::process::id()));
+    /// Two stacks on one shm fabric in a fresh directory `smc-{tag}-{pid}`, and a connection
+    /// between them over SMC-R: (directory, server end, client end). The stacks live as long
+    /// as the streams.
+    fn pair(tag: &str) -> (std::path::PathBuf, SmcStream, SmcStream) {
+        let dir = std::env::temp_dir().join(format!("smc-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("fabric dir");
         let stack = |dir: &std::path::Path| {
             let mut c = StackConfig::new(smc_fabric::FabricConfig::with_dir(dir, 1));
@@ -512,7 +510,17 @@ mod tests {
         let addr = l.local_addr().expect("addr");
         let t = std::thread::spawn(move || SmcStream::connect_with(&b, addr).expect("connect"));
         let (server, _) = l.accept().expect("accept");
-        let mut client = t.join().expect("client");
+        let client = t.join().expect("client");
+        (dir, server, client)
+    }
+
+    /// The engine queues `Readable` for a connection only while a thread sleeps on it: a
+    /// reader that follows another thread's polling (here a writer blocked on a full RMBE)
+    /// turns the events on for as long as it sleeps, is woken by the event of the byte that
+    /// arrives, and turns them off again.
+    #[test]
+    fn readable_events_only_while_a_reader_sleeps() {
+        let (dir, server, mut client) = pair("rev");
         let Kind::Smc(h) = &server.kind else {
             panic!("not over SMC-R");
         };
@@ -563,19 +571,7 @@ mod tests {
     /// (`smc_fabric::Sleepers`); the signal counts move for every event regardless.
     #[test]
     fn eventfds_are_written_only_while_armed() {
-        let dir = std::env::temp_dir().join(format!("smc-arm-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("fabric dir");
-        let stack = |dir: &std::path::Path| {
-            let mut c = StackConfig::new(smc_fabric::FabricConfig::with_dir(dir, 1));
-            c.discovery = DiscoveryMode::AssertPeer;
-            Stack::new(c).expect("stack")
-        };
-        let (a, b) = (stack(&dir), stack(&dir));
-        let l = SmcListener::bind_with(&a, "127.0.0.1:0").expect("bind");
-        let addr = l.local_addr().expect("addr");
-        let t = std::thread::spawn(move || SmcStream::connect_with(&b, addr).expect("connect"));
-        let (mut server, _) = l.accept().expect("accept");
-        let mut client = t.join().expect("client");
+        let (dir, mut server, mut client) = pair("arm");
         let n = server.notifiers().expect("notifiers").expect("over SMC-R");
         server.set_nonblocking(true).expect("nonblocking");
         // An eventfd's counter, taken (0: not written since the last take).

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -139,6 +139,63 @@ impl NsPair {
             if side == 'a' { 1 } else { 2 }
         )
     }
+
+    /// The IPv6 address of `side` on pair `k` (`fdNN:k+1::1` and `::2`), once
+    /// [`add_addr6`](Self::add_addr6) put it there.
+    pub fn addr6(&self, side: char, k: u8) -> String {
+        format!(
+            "fd{:02x}:{}::{}",
+            self.n,
+            k + 1,
+            if side == 'a' { 1 } else { 2 }
+        )
+    }
+
+    /// Put the IPv6 addresses of pair `k` on its two veths, with `nodad` so that they are
+    /// usable at once.
+    pub fn add_addr6(&self, k: u8) {
+        for side in ['a', 'b'] {
+            let addr = format!("{}/64", self.addr6(side, k));
+            let v = self.veth(side, k);
+            run(&[
+                "ip",
+                "-n",
+                self.ns(side),
+                "addr",
+                "add",
+                &addr,
+                "dev",
+                &v,
+                "nodad",
+            ]);
+        }
+    }
+}
+
+/// Spawn `smc nc ARGS` from `cmd` (made by [`NsPair::smc_cmd`]); stderr is piped.
+pub fn spawn_nc(mut cmd: Command, args: &[&str], stdin: Stdio, stdout: Stdio) -> Child {
+    cmd.arg("nc")
+        .args(args)
+        .stdin(stdin)
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn smc nc")
+}
+
+/// A file `in{seed}` in `dir` of `len` pseudo-random bytes, different for every `seed`.
+pub fn input(dir: &Path, seed: u64, len: usize) -> PathBuf {
+    let p = dir.join(format!("in{seed}"));
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (seed << 32) ^ len as u64;
+    let mut buf = vec![0u8; len];
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    std::fs::write(&p, &buf).expect("write input");
+    p
 }
 
 impl Drop for NsPair {

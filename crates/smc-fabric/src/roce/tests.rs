@@ -134,6 +134,42 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// `rounds` rounds of one WRITE (`len(round)` bytes at `round * stride` in b's RMB) and one
+/// SEND carrying the round's number, from a to b: every SEND arrives, in order, and b's RMB
+/// holds every WRITE's bytes. Returns b's receive completions.
+fn writes_then_sends(
+    a: &End,
+    b: &End,
+    rounds: u64,
+    len: impl Fn(u64) -> usize,
+    stride: u64,
+) -> Vec<WorkCompletion> {
+    let mut expect = vec![0u8; 1 << 20];
+    for round in 0..rounds {
+        let data = pattern(len(round), round as u8);
+        let off = round * stride;
+        write(a, b, 100 + round, &data, off);
+        expect[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        a.qp.post_send(&SendWr::Send {
+            wr_id: round,
+            data: &round.to_be_bytes(),
+            signaled: true,
+        })
+        .expect("send");
+    }
+    let got = collect(&b.cq, rounds as usize);
+    assert_eq!(got.len(), rounds as usize, "all SENDs delivered");
+    for (i, w) in got.iter().enumerate() {
+        let mut m = [0u8; 8];
+        b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
+        assert_eq!(u64::from_be_bytes(m), i as u64, "in order");
+    }
+    let mut back = vec![0u8; 1 << 20];
+    b.rmb.read_at(0, &mut back).expect("read");
+    assert!(back == expect, "WRITE bytes differ");
+    got
+}
+
 fn write(a: &End, b: &End, wr_id: u64, data: &[u8], off: u64) {
     a.qp.post_send(&SendWr::WriteInline {
         wr_id,
@@ -268,30 +304,8 @@ fn faults_leave_data_intact() {
         })
         .collect();
     let (a, b) = pair(4, faults, 64);
-    let mut expect = vec![0u8; 1 << 20];
-    for round in 0..8u64 {
-        let data = pattern(100_000 + round as usize * 1000, round as u8);
-        let off = round * 110_000;
-        write(&a, &b, 100 + round, &data, off);
-        expect[off as usize..off as usize + data.len()].copy_from_slice(&data);
-        a.qp.post_send(&SendWr::Send {
-            wr_id: round,
-            data: &round.to_be_bytes(),
-            signaled: true,
-        })
-        .expect("send");
-    }
-    let got = collect(&b.cq, 8);
-    assert_eq!(got.len(), 8, "all SENDs delivered");
-    for (i, w) in got.iter().enumerate() {
-        assert_eq!(w.status, WcStatus::Success);
-        let mut m = [0u8; 8];
-        b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
-        assert_eq!(u64::from_be_bytes(m), i as u64, "in order");
-    }
-    let mut back = vec![0u8; 1 << 20];
-    b.rmb.read_at(0, &mut back).expect("read");
-    assert!(back == expect, "WRITE bytes differ");
+    let got = writes_then_sends(&a, &b, 8, |r| 100_000 + r as usize * 1000, 110_000);
+    assert!(got.iter().all(|w| w.status == WcStatus::Success));
     let done = collect(&a.cq, 16);
     assert_eq!(done.len(), 16);
     assert!(done.iter().all(|w| w.status == WcStatus::Success));
@@ -710,30 +724,10 @@ fn ipv6_gid_carries_rc_traffic() {
     b.qp.to_rts().expect("rts");
     assert_eq!(a.qp.local_info().gid, gid6);
     assert_eq!(b.qp.local_info().gid, gid6);
-    let mut expect = vec![0u8; 1 << 20];
-    for round in 0..6u64 {
-        let data = pattern(120_000 + round as usize * 777, round as u8);
-        let off = round * 150_000;
-        write(&a, &b, 100 + round, &data, off);
-        expect[off as usize..off as usize + data.len()].copy_from_slice(&data);
-        a.qp.post_send(&SendWr::Send {
-            wr_id: round,
-            data: &round.to_be_bytes(),
-            signaled: true,
-        })
-        .expect("send");
-    }
-    let got = collect(&b.cq, 6);
-    assert_eq!(got.len(), 6, "all SENDs delivered");
-    for (i, w) in got.iter().enumerate() {
-        assert_eq!((w.opcode, w.status), (WcOpcode::Recv, WcStatus::Success));
-        let mut m = [0u8; 8];
-        b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
-        assert_eq!(u64::from_be_bytes(m), i as u64, "in order");
-    }
-    let mut back = vec![0u8; 1 << 20];
-    b.rmb.read_at(0, &mut back).expect("read");
-    assert!(back == expect, "WRITE bytes differ");
+    let got = writes_then_sends(&a, &b, 6, |r| 120_000 + r as usize * 777, 150_000);
+    assert!(got
+        .iter()
+        .all(|w| (w.opcode, w.status) == (WcOpcode::Recv, WcStatus::Success)));
     let done: Vec<WorkCompletion> = collect(&a.cq, 12)
         .into_iter()
         .filter(|w| w.opcode != WcOpcode::Recv)
