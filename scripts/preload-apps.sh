@@ -92,7 +92,7 @@ for mode in plain smc; do
     run=(); [ $mode = smc ] && run=("$SMC" run)
     before=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
     "${run[@]}" python3 scripts/preload-reset.py server 19180 >"$work/reset-s.log" 2>&1 &
-    rs=$!
+    pids+=($!); rs=$!
     for _ in $(seq 1 100); do ss -ltn 'sport = :19180' | grep -q 19180 && break; sleep 0.05; done
     timeout 60 "${run[@]}" python3 scripts/preload-reset.py client 19180 >"$work/reset-c.log" 2>&1 \
         || { cat "$work/reset-c.log" "$work/reset-s.log"; fail "reset semantics ($mode)"; }
@@ -106,7 +106,7 @@ echo "   answer read before the reset, ECONNRESET once (read, write or SO_ERROR)
 
 echo "== sockets closed through syscall(SYS_close), as libuv (node) closes them (scripts/preload-rawclose.py)"
 "$SMC" run python3 scripts/preload-rawclose.py server 19181 >"$work/rawclose-s.log" 2>&1 &
-rcs=$!
+pids+=($!); rcs=$!
 for _ in $(seq 1 100); do ss -ltn 'sport = :19181' | grep -q 19181 && break; sleep 0.05; done
 timeout 60 "$SMC" run python3 scripts/preload-rawclose.py client 19181 >"$work/rawclose-c.log" 2>&1 \
     || { cat "$work/rawclose-c.log" "$work/rawclose-s.log"; fail "raw close: the client did not get every answer and end of stream"; }
