@@ -150,7 +150,7 @@ fn spin_until<T>(mut ready: impl FnMut() -> Option<T>) -> T {
             return v;
         }
         spins = spins.wrapping_add(1);
-        if spins % SPINS_PER_CLOCK == 0
+        if spins.is_multiple_of(SPINS_PER_CLOCK)
             && since.get_or_insert_with(Instant::now).elapsed() >= SPIN_BUDGET
         {
             std::thread::park_timeout(NAP);
@@ -515,7 +515,7 @@ mod tests {
         for layout in [Layout::TwoCores, Layout::OneCore] {
             // Messages larger than the ring and not dividing it: partial writes and wrapping.
             let r = stream(layout, 3000, 1024, Duration::from_millis(20), &cpu).unwrap();
-            assert!(r.bytes > 0 && r.bytes % 3000 == 0, "{layout:?}: {r:?}");
+            assert!(r.bytes > 0 && r.bytes.is_multiple_of(3000), "{layout:?}: {r:?}");
             assert!(r.secs > 0.0 && r.gbps() > 0.0, "{layout:?}: {r:?}");
         }
     }

@@ -64,7 +64,7 @@ fn draw(area: &Area<'_>, p: &Panel<'_>, results: &[Sample]) -> Result<()> {
     let xl = p.x_label;
     let label = move |x: &f64| {
         let n = x.round();
-        if (x - n).abs() < 0.01 && (0.0..63.0).contains(&n) && (n as u32) % 2 == 0 {
+        if (x - n).abs() < 0.01 && (0.0..63.0).contains(&n) && (n as u32).is_multiple_of(2) {
             xl(1usize << (n as u32))
         } else {
             String::new()

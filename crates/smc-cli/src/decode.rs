@@ -144,7 +144,7 @@ fn decode_bytes(out: &mut Out, what: &str, b: &[u8]) -> Result<()> {
             }
             rest = tail;
         }
-    } else if !b.is_empty() && b.len() % MSG44_LEN == 0 {
+    } else if !b.is_empty() && b.len().is_multiple_of(MSG44_LEN) {
         for chunk in b.chunks(MSG44_LEN) {
             match ControlMessage::parse(chunk) {
                 Ok(m) => out.message(&describe::control(&m), &[])?,

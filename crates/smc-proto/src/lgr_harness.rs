@@ -845,7 +845,7 @@ impl EndpointPair {
                 h.outstanding.insert(t.wr, t.link);
                 failed.push(t.wr);
                 WriteOutcome::Failed
-            } else if t.wr.0 % 5 == 0 {
+            } else if t.wr.0.is_multiple_of(5) {
                 // Now and then a WRITE queues behind earlier work (as on shm when the peer's
                 // ring is full): only posted, it lands later and its bytes are kept for replay.
                 posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
@@ -1288,7 +1288,7 @@ impl<W: FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome> SendPath for DirectCdcs<'
     }
 
     fn post_cdc(&mut self, link: LinkId, wr: WrId, msg: &[u8; 44]) -> bool {
-        if wr.0 % 3 == 0 {
+        if wr.0.is_multiple_of(3) {
             return false;
         }
         self.cdcs.push((link, wr, *msg));

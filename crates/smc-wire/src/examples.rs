@@ -195,7 +195,7 @@ pub fn from_hex(s: &str) -> Option<Vec<u8>> {
         .bytes()
         .filter(|c| !c.is_ascii_whitespace() && *c != b':')
         .collect();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return None;
     }
     digits

@@ -29,7 +29,7 @@ pub fn option_bytes() -> [u8; 6] {
 /// of at least 6 and the ExID `E2D4C3D9` (what Linux accepts).
 pub fn is_smc_option(kind: u8, data: &[u8]) -> bool {
     let len = data.len() + 2;
-    kind == KIND_EXPERIMENTAL && len >= 6 && len % 2 == 0 && data[..4] == EYECATCHER_SMCR
+    kind == KIND_EXPERIMENTAL && len >= 6 && len.is_multiple_of(2) && data[..4] == EYECATCHER_SMCR
 }
 
 /// Walk a TCP options block (the bytes after the 20-byte TCP header) and report whether it
