@@ -450,8 +450,10 @@ def rare_call_checks(conn, fd):
     ask(conn, "send 3 k")
     check(wait_readable(conn) and conn.recv(3) == b"kkk", "the connection still works after posix_spawn")
 
-    # execvpe and fexecve in a forked child: the new program gets EIO on the connection.
-    for how in ("execvpe", "fexecve"):
+    # execvpe, fexecve, the list forms (execl's list long enough to pass some of it on the
+    # stack, execlp's only in registers, execle's environment after a long list) and a raw
+    # SYS_execve in a forked child: the new program gets EIO on the connection.
+    for how in ("execvpe", "fexecve", "execl", "execlp", "execle", "SYS_execve"):
         rp, wp = os.pipe()
         os.set_inheritable(fd, True)
         pid = os.fork()
@@ -461,10 +463,21 @@ def rare_call_checks(conn, fd):
                                          str(fd).encode(), None)
             env = [f"{k}={v}".encode() for k, v in os.environ.items()]
             envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)
+            exe = sys.executable.encode()
+            # Extra arguments the program ignores: seven list entries put three on the stack.
+            longer = [exe, b"-c", code.encode(), str(fd).encode(), b"x", b"y", b"z"]
             if how == "execvpe":
-                libc.execvpe(sys.executable.encode(), argv, envp)
-            else:
+                libc.execvpe(exe, argv, envp)
+            elif how == "fexecve":
                 libc.fexecve(os.open(sys.executable, os.O_RDONLY), argv, envp)
+            elif how == "execl":
+                libc.execl(exe, *longer, None)
+            elif how == "execlp":
+                libc.execlp(os.path.basename(exe), exe, b"-c", code.encode(), str(fd).encode(), None)
+            elif how == "execle":
+                libc.execle(exe, *longer, None, envp)
+            else:
+                libc.syscall(59 if os.uname().machine == "x86_64" else 221, exe, argv, envp)
             os._exit(127)
         os.close(wp)
         os.set_inheritable(fd, False)
@@ -479,6 +492,10 @@ def rare_call_checks(conn, fd):
         out = os.read(rp, 100).strip()
         os.close(rp)
         check(out == str(errno.EIO).encode(), f"{how} in a child: the inherited connection fails with EIO ({out!r})")
+    # The execs above named the connection to the new programs in their own environments;
+    # this process's environment (shared with a vfork child until its exec) stays as it was.
+    libc.getenv.restype = ctypes.c_char_p
+    check(libc.getenv(b"SMC_PRELOAD_INHERITED") is None, "the children's execs left this environment alone")
 
 
 def self_connect_checks(port):

@@ -1263,31 +1263,50 @@ pub unsafe extern "C" fn execve(
     }
 }
 
-/// For the exec calls that use `environ`: name the inherited connections in it.
-fn set_inherited_env() {
-    if let Some(v) = guard(None, before_exec) {
-        std::env::set_var(INHERITED_VAR, v);
-    }
+extern "C" {
+    /// The C library's environment, which `execv` and `execvp` pass on.
+    static environ: *const *const libc::c_char;
 }
 
+/// `execv` as `execve` with the process's environment: a copy of it names the inherited
+/// connections. (Not `setenv` on the process's own: in the child of a `vfork` — Python's
+/// `subprocess` — that would write the variable into the parent's environment, and every
+/// later program the parent started would inherit it.)
 #[no_mangle]
 pub unsafe extern "C" fn execv(
     path: *const libc::c_char,
     argv: *const *const libc::c_char,
 ) -> c_int {
-    set_inherited_env();
-    // SAFETY: passed on unchanged.
-    unsafe { real::execv(path, argv) }
+    // SAFETY: the C library's environment array, read where the exec would read it.
+    let envp = unsafe { environ };
+    match guard(None, before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::execv(path, argv) },
+        Some(v) => {
+            let (_owned, env) = env_with(envp, &v);
+            // SAFETY: the caller's path and arguments, an environment that lives until then.
+            unsafe { real::execve(path, argv, env.as_ptr()) }
+        }
+    }
 }
 
+/// `execvp` as `execvpe` with the process's environment (see [`execv`]).
 #[no_mangle]
 pub unsafe extern "C" fn execvp(
     file: *const libc::c_char,
     argv: *const *const libc::c_char,
 ) -> c_int {
-    set_inherited_env();
-    // SAFETY: passed on unchanged.
-    unsafe { real::execvp(file, argv) }
+    // SAFETY: as in `execv`.
+    let envp = unsafe { environ };
+    match guard(None, before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::execvp(file, argv) },
+        Some(v) => {
+            let (_owned, env) = env_with(envp, &v);
+            // SAFETY: the caller's file and arguments, an environment that lives until then.
+            unsafe { crate::rare::real_execvpe(file, argv, env.as_ptr()) }
+        }
+    }
 }
 
 #[cfg(test)]

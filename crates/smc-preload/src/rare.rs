@@ -326,8 +326,9 @@ fn forget_range(first: c_uint, last: c_uint) {
 /// `syscall(2)` itself: programs that close descriptors with `syscall(SYS_close, fd)` —
 /// libuv does, so node's sockets close that way — must not leave the table naming a
 /// connection under a number the kernel will hand out again. `SYS_close` and
-/// `SYS_close_range` go through our `close` and `close_range`; every other number goes on
-/// to the C library unchanged.
+/// `SYS_close_range` go through our `close` and `close_range`, `SYS_execve` and
+/// `SYS_execveat` through what `execve` does first; every other number goes on to the C
+/// library unchanged.
 ///
 /// `syscall` is variadic in C; defined here with its six possible arguments. On the ABIs this
 /// library is built for (x86-64 and AArch64 Linux), a variadic call passes its integer
@@ -353,6 +354,18 @@ pub unsafe extern "C" fn syscall(
         if n == libc::SYS_close_range {
             // SAFETY: the program's call, as close_range(2).
             return c_long::from(unsafe { close_range(a1 as c_uint, a2 as c_uint, a3 as c_int) });
+        }
+        // An exec made as a raw system call names the inherited connections to the new
+        // program as `execve` does (the environment is its third argument, execveat's fourth).
+        if n == libc::SYS_execve || n == libc::SYS_execveat {
+            if let Some(v) = guard(None, hooks::before_exec) {
+                let mut args = [a1, a2, a3, a4, a5, a6];
+                let at = if n == libc::SYS_execve { 2 } else { 3 };
+                let (_owned, env) = hooks::env_with(args[at] as *const *const c_char, &v);
+                args[at] = env.as_ptr() as c_long;
+                // SAFETY: the program's exec with an environment that lives until then.
+                return unsafe { real::syscall(n, args) };
+            }
         }
     }
     // SAFETY: passed on unchanged.
@@ -508,6 +521,20 @@ static FEXECVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize:
 
 /// execvpe and fexecve as execve (`hooks::before_exec`): the C library's `execvp` reaches
 /// `execvpe` inside itself, but a program may call these directly.
+/// The C library's `execvpe` (ENOSYS if it has none).
+pub(crate) unsafe fn real_execvpe(
+    file: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(real) = resolve::<ExecWithEnv>(&EXECVPE, c"execvpe") else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: passed on.
+    unsafe { real(file, argv, envp) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn execvpe(
     file: *const c_char,
