@@ -6,6 +6,7 @@
 #                 object (crates/smc/bpf/smc_tcp_option.bpf.o) matches its source; a build
 #                 of smc-rs itself never needs them
 #   ethtool     – the roce capture test turns the veth's UDP segmentation offload off
+#   nftables    – the roce loss test has the kernel drop RoCE datagrams at random (no netem here)
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 #   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
 #               libmemcached-tools, wrk, sockperf – the unmodified
@@ -30,6 +31,7 @@ missing=()
 # ip (network namespaces and veth pairs of the roce tests)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v ethtool >/dev/null 2>&1 || [ -x /usr/sbin/ethtool ] || missing+=(ethtool)
+command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || missing+=(nftables)
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v llvm-strip >/dev/null 2>&1 || missing+=(llvm)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
