@@ -206,6 +206,19 @@ fn decode_finding(out: &mut Out, f: &Finding) -> Result<()> {
             Err(e) => out.error(&what, &e),
         },
         Found::ClcError(e) => out.error(&what, e),
+        Found::IcrcMismatch { packet } => {
+            let (qp, psn) = match f.origin {
+                Origin::Roce { dest_qp, psn } => (dest_qp, psn),
+                Origin::Tcp { .. } => (0, 0),
+            };
+            out.error(
+                &what,
+                &format!(
+                    "RoCEv2 packet {packet} (dest_qp {qp}, psn {psn}): ICRC wrong for the \
+                     headers it was captured with"
+                ),
+            )
+        }
     }
     Ok(())
 }
@@ -233,10 +246,26 @@ fn decode_capture(out: &mut Out, path: &std::path::Path) -> Result<()> {
     }
     drop(f);
     let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
-    let findings = dissect::read_capture(f)
+    let (findings, roce) = dissect::read_capture_tally(f)
         .with_context(|| format!("reading the capture {}", path.display()))?;
     for f in &findings {
         decode_finding(out, f)?;
+    }
+    if roce.frames > 0 {
+        // On standard error, so that --json output stays one message per line.
+        let cut = if roce.segmented > 0 {
+            format!(
+                " ({} captured before UDP segmentation, cut into their packets, packet k \
+                 checked with IPv4 identification id + k)",
+                roce.segmented
+            )
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "smc decode: RoCEv2: {} datagrams, {} packets{cut}; ICRC verified for {} of {}",
+            roce.frames, roce.packets, roce.icrc_ok, roce.packets
+        );
     }
     Ok(())
 }

@@ -65,7 +65,13 @@ fn checksum16(chunks: &[&[u8]]) -> u16 {
     !(sum as u16)
 }
 
-fn ipv4_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, payload_len: usize, id: u16) -> [u8; 20] {
+pub(crate) fn ipv4_header(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    payload_len: usize,
+    id: u16,
+) -> [u8; 20] {
     let mut h = [0u8; 20];
     h[0] = 0x45;
     let total = (20 + payload_len) as u16;
@@ -81,7 +87,7 @@ fn ipv4_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, payload_len: usize, id: 
     h
 }
 
-fn ethernet(dst: Mac, src: Mac, ethertype: u16) -> [u8; 14] {
+pub(crate) fn ethernet(dst: Mac, src: Mac, ethertype: u16) -> [u8; 14] {
     let mut e = [0u8; 14];
     e[..6].copy_from_slice(&dst.0);
     e[6..12].copy_from_slice(&src.0);

@@ -409,7 +409,9 @@ fn kernel_capture_decodes_completely() {
         "/tests/data/linux-6.12-smcrv2-pair.pcap"
     );
     let f = std::fs::File::open(path).expect("capture");
-    let findings = dissect::read_capture(f).expect("read capture");
+    let (findings, roce) = dissect::read_capture_tally(f).expect("read capture");
+    // Every RoCEv2 packet the kernel's rxe sent verifies with the dissector's ICRC check.
+    assert!(roce.packets > 0 && roce.icrc_ok == roce.packets, "{roce:?}");
     let mut counts = std::collections::BTreeMap::<String, usize>::new();
     for f in &findings {
         let (kind, orig, again) = match &f.found {
@@ -433,6 +435,7 @@ fn kernel_capture_decodes_completely() {
                 (kind, b.clone(), m.to_vec())
             }
             Found::ClcError(e) => panic!("frame {}: {e}", f.frame),
+            Found::IcrcMismatch { packet } => panic!("frame {} packet {packet}: ICRC", f.frame),
         };
         assert_eq!(hex(&again), hex(&orig), "frame {} re-emits", f.frame);
         *counts.entry(kind).or_default() += 1;
