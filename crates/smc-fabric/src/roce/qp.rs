@@ -1161,6 +1161,19 @@ impl RoceQp {
     }
 }
 
+/// The shortest WRITE payload whose WRITE ONLY packet (BTH, RETH, payload padded to 4 bytes,
+/// ICRC) is not shorter than the SEND ONLY packet of `send_len` bytes (BTH, padded payload,
+/// ICRC): then the two make one `UDP_SEGMENT` run (gso.rs), one datagram. For SMC-R's 44-byte
+/// CDC: 25 (padded to 28, a 60-byte packet as the SEND's).
+pub(crate) fn shortest_shared_write(send_len: usize) -> usize {
+    // The padded length needed is a multiple of 4; the shortest payload padded to it is 3
+    // bytes less (0 stays 0).
+    send_len
+        .next_multiple_of(4)
+        .saturating_sub(roce::RETH_LEN)
+        .saturating_sub(3)
+}
+
 /// Take one retry from a 3-bit retry counter; 7 means "retry forever" (rxe and Linux SMC-R,
 /// rocev2.md 10.2). False when none is left.
 fn spend_retry(left: &mut u8) -> bool {

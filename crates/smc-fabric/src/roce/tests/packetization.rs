@@ -325,3 +325,25 @@ fn responder_takes_write_first_middle_last() {
         "NAK invalid request"
     );
 }
+
+/// `shortest_shared_write`: a WRITE of that many bytes and the 44-byte CDC SEND behind it
+/// leave as one datagram (both packets 60 bytes, the WRITE's with 3 bytes of pad); one byte
+/// less, as two (the SEND's packet would be the longer).
+#[test]
+fn shortest_shared_write_shares_the_sends_datagram() {
+    let want = crate::roce::shortest_shared_write(44);
+    assert_eq!(want, 25);
+    let mut p = raw_peer(13);
+    let mut psn = p.a.qp.local_info().psn;
+    let va = 0x5000_0000;
+    let data = pattern(want, 4);
+    let first = psn;
+    let got = p.update(&data, va, &mut psn);
+    assert_eq!(shape(&got), [(Some(60), 2)], "one datagram");
+    p.check(&got, &data, va, first);
+    let data = pattern(want - 1, 5);
+    let first = psn;
+    let got = p.update(&data, va, &mut psn);
+    assert_eq!(shape(&got), [(None, 1), (None, 1)], "two datagrams");
+    p.check(&got, &data, va, first);
+}
