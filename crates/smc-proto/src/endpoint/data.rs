@@ -356,7 +356,14 @@ impl Endpoint {
         let keep_all = !c.unacked.is_empty();
         // At most two pieces (the free space may wrap around the end of the RMBE).
         let mut pieces = [(0u64, 0u32); 2];
-        // The free space of each piece's region, untruncated (see `RdmaWriteTarget::room`).
+        // The free space of each piece's region, untruncated (see `RdmaWriteTarget::room`):
+        // up to the peer's consumer cursor, and the peer reads only up to our producer cursor.
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-2.1
+        //# The local peer cannot write into the remote peer's RMBE beyond
+        //# this point without causing data loss.
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-2.1
+        //# tells the local peer how
+        //# far it can consume data in the RMBE buffer.
         let mut rooms = [0u32; 2];
         let mut count = 0;
         for ((slot, room), (r, whole)) in pieces
