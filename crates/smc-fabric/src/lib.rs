@@ -981,6 +981,19 @@ impl QueuePair {
             QpImpl::Roce(..) => None,
         }
     }
+    /// The shortest RDMA WRITE (bytes) that can leave in one datagram with a SEND of
+    /// `send_len` bytes posted behind it; 0 where any can (shm). On the roce backend a WRITE
+    /// and the SEND behind it share a `UDP_SEGMENT` run only when the SEND's packet is not
+    /// longer than the WRITE's (only the last packet of a run may be shorter), so a WRITE of
+    /// fewer bytes than this leaves in a datagram of its own, and the peer's receiver may be
+    /// woken twice for one update. A caller that owns free space behind a short WRITE's
+    /// target may widen the WRITE to this length.
+    pub fn shortest_shared_write(&self, send_len: usize) -> usize {
+        match &self.inner {
+            QpImpl::Shm(_) => 0,
+            QpImpl::Roce(..) => roce::shortest_shared_write(send_len),
+        }
+    }
     /// Transmit what [`QueuePair::post_send_held`] left waiting (nothing to do if nothing
     /// waits).
     pub fn doorbell(&self) {

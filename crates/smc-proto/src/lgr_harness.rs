@@ -851,7 +851,16 @@ impl EndpointPair {
                 posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
                 WriteOutcome::Posted
             } else {
-                placed.push((t.rkey, t.addr, piece.to_vec()));
+                // Widened as a runtime may (`RdmaWriteTarget::room`): up to 64 bytes the peer is
+                // never told about follow the piece. Were `room` to reach into bytes the peer
+                // has not consumed, the stream checks would see them.
+                assert!(
+                    t.room as usize >= piece.len(),
+                    "room shorter than the piece"
+                );
+                let mut bytes = piece.to_vec();
+                bytes.resize(piece.len() + (t.room as usize - piece.len()).min(64), 0xEE);
+                placed.push((t.rkey, t.addr, bytes));
                 WriteOutcome::Placed
             }
         };

@@ -25,7 +25,7 @@ mod steer;
 pub(crate) use cq::RoceCq;
 pub(crate) use device::{receive_now, snapshot, ReceiveWait, RoceHandle};
 pub(crate) use mr::RoceMr;
-pub(crate) use qp::{RoceQp, MAX_SEND};
+pub(crate) use qp::{shortest_shared_write, RoceQp, MAX_SEND};
 
 #[cfg(test)]
 mod tests;

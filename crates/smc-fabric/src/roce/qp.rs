@@ -575,15 +575,22 @@ impl RoceQp {
             self.enter_error(None, "injected failure");
             return Ok(PostStatus::Queued);
         }
-        // rocev2.md 6.2: ceil(L / MTU) packets, at least one; FIRST and MIDDLE carry exactly
-        // one MTU, RETH (first packet) the whole length.
+        // rocev2.md 6.2: ceil(L / MTU) packets, at least one. A SEND is one message (ONLY,
+        // or FIRST / MIDDLE… / LAST: FIRST and MIDDLE carry exactly one MTU). A WRITE is cut
+        // into one WRITE ONLY message per path MTU, each with its own RETH (its piece's
+        // address, the rkey, its length): legal RC (the peer sees consecutive WRITEs to
+        // adjacent addresses), and every packet but a shorter last one has the same length,
+        // so an update's packets and the CDC SEND behind them make UDP_SEGMENT runs of equal
+        // packets (with FIRST / MIDDLE / LAST the RETH makes the first packet 16 bytes longer
+        // than the rest, and it needs a run of its own: one more datagram, one more wake-up
+        // of the receiver per update; gso.rs).
         let count = data.len().div_ceil(conn.mtu).max(1);
         for i in 0..count {
             let chunk = &data[(i * conn.mtu).min(data.len())..((i + 1) * conn.mtu).min(data.len())];
             let last = i + 1 == count;
             sq.since_ackreq += 1;
-            // AckReq (rocev2.md 8.1) on the last packet of a message whose completion is
-            // wanted or that ends what this post transmits, and every ACKREQ_EVERY packets.
+            // AckReq (rocev2.md 8.1) on the last packet of a work request whose completion
+            // is wanted or that ends what this post transmits, and every ACKREQ_EVERY packets.
             // ACKs are cumulative: an unsignaled message whose packets leave with a later
             // one is acknowledged by the later one's ACK. `pump` makes sure the last packet
             // of every transmission asks for an ACK, so no packet is ever left waiting for
@@ -593,9 +600,20 @@ impl RoceQp {
                 sq.since_ackreq = 0;
             }
             let psn = sq.next_psn;
+            let (opcode, reth) = match write {
+                Some((va, rkey)) => (
+                    Opcode::WRITE_ONLY,
+                    Some(Reth {
+                        va: va.wrapping_add((i * conn.mtu) as u64),
+                        rkey,
+                        dma_len: chunk.len() as u32,
+                    }),
+                ),
+                None => (Opcode::for_segment(false, i, count, false), None),
+            };
             let repr = PacketRepr {
                 bth: Bth {
-                    opcode: Opcode::for_segment(write.is_some(), i, count, false),
+                    opcode,
                     // SMC-R asks for a solicited event on every SEND.
                     se: last && write.is_none(),
                     pkey: roce::DEFAULT_PKEY,
@@ -604,14 +622,7 @@ impl RoceQp {
                     psn,
                     ..Bth::default()
                 },
-                reth: match write {
-                    Some((va, rkey)) if i == 0 => Some(Reth {
-                        va,
-                        rkey,
-                        dma_len: data.len() as u32,
-                    }),
-                    _ => None,
-                },
+                reth,
                 aeth: None,
                 immdt: None,
                 payload: chunk,
@@ -988,11 +999,18 @@ impl RoceQp {
                         .mrs
                         .get(&reth.rkey)
                         .filter(|m| m.pd == self.pd && m.access.contains(AccessFlags::REMOTE_WRITE))
-                        .and_then(|m| m.offset_of(reth.va, dma).map(|o| (m.clone(), o)));
+                        .and_then(|m| m.offset_of(reth.va, dma).map(|o| (m, o)));
                     match target {
+                        // A WRITE ONLY (every packet of this engine's WRITEs, `post`) is placed
+                        // at once: no cursor, no reference to the region kept.
+                        Some((mr, offset)) if op == Opcode::WRITE_ONLY => {
+                            if !mr.place(offset, p.payload) {
+                                error = Some((nak::REMOTE_ACCESS, "WRITE outside the region"));
+                            }
+                        }
                         Some((mr, offset)) => {
                             r.cursor = Some(Cursor::Write {
-                                mr,
+                                mr: mr.clone(),
                                 offset,
                                 remaining: dma,
                             })
@@ -1004,7 +1022,7 @@ impl RoceQp {
                     }
                 }
             }
-            if error.is_none() {
+            if error.is_none() && op != Opcode::WRITE_ONLY {
                 if let Some(Cursor::Write {
                     mr,
                     offset,
@@ -1141,6 +1159,19 @@ impl RoceQp {
         }
         None
     }
+}
+
+/// The shortest WRITE payload whose WRITE ONLY packet (BTH, RETH, payload padded to 4 bytes,
+/// ICRC) is not shorter than the SEND ONLY packet of `send_len` bytes (BTH, padded payload,
+/// ICRC): then the two make one `UDP_SEGMENT` run (gso.rs), one datagram. For SMC-R's 44-byte
+/// CDC: 25 (padded to 28, a 60-byte packet as the SEND's).
+pub(crate) fn shortest_shared_write(send_len: usize) -> usize {
+    // The padded length needed is a multiple of 4; the shortest payload padded to it is 3
+    // bytes less (0 stays 0).
+    send_len
+        .next_multiple_of(4)
+        .saturating_sub(roce::RETH_LEN)
+        .saturating_sub(3)
 }
 
 /// Take one retry from a 3-bit retry counter; 7 means "retry forever" (rxe and Linux SMC-R,

@@ -14,6 +14,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod packetization;
+
 /// A loopback address private to this test (second octet) and process (last two).
 fn addr(test: u8, side: u8) -> Ipv4Addr {
     let pid = std::process::id();

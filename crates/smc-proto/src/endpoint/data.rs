@@ -356,15 +356,29 @@ impl Endpoint {
         let keep_all = !c.unacked.is_empty();
         // At most two pieces (the free space may wrap around the end of the RMBE).
         let mut pieces = [(0u64, 0u32); 2];
+        // The free space of each piece's region, untruncated (see `RdmaWriteTarget::room`):
+        // up to the peer's consumer cursor, and the peer reads only up to our producer cursor.
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-2.1
+        //# The local peer cannot write into the remote peer's RMBE beyond
+        //# this point without causing data loss.
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-2.1
+        //# tells the local peer how
+        //# far it can consume data in the RMBE buffer.
+        let mut rooms = [0u32; 2];
         let mut count = 0;
-        for (slot, r) in pieces.iter_mut().zip(regions.truncate(n).iter()) {
+        for ((slot, room), (r, whole)) in pieces
+            .iter_mut()
+            .zip(rooms.iter_mut())
+            .zip(regions.truncate(n).iter().zip(regions.iter()))
+        {
             *slot = (base + u64::from(r.offset), r.len);
+            *room = whole.len;
             count += 1;
         }
         let mut done = 0u32;
         // Offset in `data` of the first byte that must be kept for replay.
         let mut keep_from: Option<u32> = keep_all.then_some(0);
-        for &(addr, len) in &pieces[..count] {
+        for (&(addr, len), &room) in pieces[..count].iter().zip(&rooms) {
             let Some(piece) = data.get(done as usize..(done + len) as usize) else {
                 break;
             };
@@ -377,6 +391,7 @@ impl Endpoint {
                 wr,
                 rkey,
                 addr,
+                room,
             };
             match path.write(target, piece) {
                 WriteOutcome::Placed => {}

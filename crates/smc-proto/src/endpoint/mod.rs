@@ -254,6 +254,14 @@ pub struct RdmaWriteTarget {
     pub rkey: u32,
     /// Remote address of the first byte.
     pub addr: u64,
+    /// Bytes of free space in the peer's RMBE from `addr` on without a wrap (at least the
+    /// piece's length): the space between our producer cursor and the peer's consumer
+    /// cursor, which the peer has consumed and reads again only after a CDC announces new
+    /// bytes there (RFC 7609 §4.5.1). A WRITE may cover more than its piece, up to this, with
+    /// bytes no CDC announces (a runtime widens a short WRITE so that it leaves in one
+    /// datagram with its CDC); a later WRITE of real bytes overwrites them before they are
+    /// announced.
+    pub room: u32,
 }
 
 /// Where a [`send_with`](Endpoint::send_with) of connection `tcp` would write its bytes now

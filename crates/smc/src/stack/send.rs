@@ -61,11 +61,21 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
             // Behind work already waiting for room: keep the order.
             return defer(self.deferred);
         }
+        // A WRITE shorter than the CDC SEND behind it would leave in a datagram of its own on
+        // the roce backend: widened into the free space after it (bytes no CDC announces,
+        // `RdmaWriteTarget::room`), it shares the CDC's.
+        let mut wide = [0u8; WIDEN_MAX];
+        let data = widened(
+            piece,
+            t.room,
+            l.qp.shortest_shared_write(CDC_LEN),
+            &mut wide,
+        );
         // Held: the WRITE leaves with the CDC SEND posted next (one system call on the roce
         // backend, and one acknowledgement for both), or when this path is dropped.
         let posted = l.qp.post_send_held(&SendWr::WriteInline {
             wr_id: t.wr.0,
-            data: piece,
+            data,
             remote_addr: t.addr,
             rkey: t.rkey,
             // Only a failure is of interest (see `Endpoint::send_with`): no completion
@@ -109,6 +119,21 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         }
         ok
     }
+}
+
+/// Bytes of a CDC message (the SEND behind an update's WRITEs).
+const CDC_LEN: usize = 44;
+/// Longest a short WRITE is widened to (more than any backend asks for: 25 bytes on roce).
+const WIDEN_MAX: usize = 64;
+
+/// `piece`, or — when it is shorter than `want` bytes and `room` bytes of free space follow
+/// its target — `piece` followed by zeros up to `want` bytes in `buf`.
+fn widened<'b>(piece: &'b [u8], room: u32, want: usize, buf: &'b mut [u8; WIDEN_MAX]) -> &'b [u8] {
+    if piece.len() >= want || want > WIDEN_MAX || (room as usize) < want {
+        return piece;
+    }
+    buf[..piece.len()].copy_from_slice(piece);
+    &buf[..want]
 }
 
 /// The send path of a write whose bytes were placed into the peer's RMBE beforehand, outside
@@ -196,5 +221,35 @@ impl Deferred {
 pub(super) fn reset_socket(sock: Option<crate::tcpwatch::SlotSock>) {
     if let Some(s) = sock {
         let _ = rustix::net::sockopt::set_socket_linger(s.tcp(), Some(Duration::ZERO));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A short WRITE is widened with zeros to the length asked for when the free space after
+    /// its target allows; otherwise, or when it is long enough already, it stays as it is.
+    #[test]
+    fn short_writes_widen_into_room_only() {
+        let mut buf = [0u8; WIDEN_MAX];
+        let w = widened(&[7], 100, 28, &mut buf);
+        assert_eq!(w.len(), 28);
+        assert_eq!(w[0], 7);
+        assert!(w[1..].iter().all(|b| *b == 0));
+        let mut buf = [0u8; WIDEN_MAX];
+        assert_eq!(widened(&[7], 27, 28, &mut buf), &[7], "no room");
+        assert_eq!(
+            widened(&[7; 30], 100, 28, &mut buf),
+            &[7; 30],
+            "long enough"
+        );
+        assert_eq!(widened(&[7], 100, 0, &mut buf), &[7], "shm: nothing asked");
+        assert_eq!(
+            widened(&[7], 1000, 65, &mut buf),
+            &[7],
+            "more than the buffer"
+        );
+        assert_eq!(widened(&[7; 28], 28, 28, &mut buf).len(), 28);
     }
 }

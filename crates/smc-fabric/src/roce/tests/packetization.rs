@@ -1,0 +1,349 @@
+//! What a WRITE looks like on the wire (qp.rs, `post`): one WRITE ONLY message per path MTU,
+//! each with its own RETH, so that an update and the CDC SEND behind it make one
+//! `UDP_SEGMENT` run; and that the responder still takes rxe's WRITE FIRST / MIDDLE / LAST.
+
+use super::*;
+use crate::roce::rx::{packets, set_gro, RxRing};
+use std::os::fd::{AsFd, OwnedFd};
+
+/// A device on `me` with one QP connected to a plain UDP socket on `peer_ip`:4791 (QPN
+/// `PEER_QPN`, PSN 0, MTU 1024) that receives with `UDP_GRO`, as our devices do.
+struct RawPeer {
+    a: End,
+    me: Ipv4Addr,
+    peer_ip: Ipv4Addr,
+    sock: std::net::UdpSocket,
+    fd: OwnedFd,
+    ring: RxRing,
+}
+
+const PEER_QPN: u32 = 0x4343;
+
+fn raw_peer(test: u8) -> RawPeer {
+    let me = addr(test, 0);
+    let peer_ip = addr(test, 1);
+    let a = end(
+        RoceHandle::open_at(&fabric(Vec::new()), "ra", Some(me)).expect("open ra"),
+        4,
+    );
+    let sock = std::net::UdpSocket::bind((peer_ip, wire::UDP_PORT)).expect("bind peer");
+    assert!(set_gro(sock.as_fd(), true), "UDP_GRO on the peer's socket");
+    let fd = OwnedFd::from(sock.try_clone().expect("clone"));
+    let mut gid = [0u8; 16];
+    gid[10] = 0xFF;
+    gid[11] = 0xFF;
+    gid[12..].copy_from_slice(&peer_ip.octets());
+    a.qp.to_rtr(
+        None,
+        RemoteQpInfo {
+            gid: crate::Gid(gid),
+            qp_num: PEER_QPN,
+            psn: 0,
+            mtu: crate::Mtu::Mtu1024,
+        },
+    )
+    .expect("rtr");
+    a.qp.to_rts().expect("rts");
+    RawPeer {
+        a,
+        me,
+        peer_ip,
+        sock,
+        fd,
+        ring: RxRing::new(),
+    }
+}
+
+/// One received datagram: the `UDP_GRO` segment size (None: not coalesced) and its packets.
+type Datagram = (Option<usize>, Vec<Vec<u8>>);
+
+impl RawPeer {
+    /// Datagrams from the device until `want` packets arrived (or 5 s passed).
+    fn datagrams(&mut self, want: usize) -> Vec<Datagram> {
+        let mut out: Vec<Datagram> = Vec::new();
+        let end = Instant::now() + Duration::from_secs(5);
+        while out.iter().map(|d| d.1.len()).sum::<usize>() < want && Instant::now() < end {
+            let n = self.ring.receive(&self.fd);
+            if n == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for i in 0..n {
+                let (from, data, seg) = self.ring.datagram(i);
+                assert_eq!(from.ip(), std::net::IpAddr::V4(self.me));
+                out.push((seg, packets(data, seg).map(<[u8]>::to_vec).collect()));
+            }
+        }
+        out
+    }
+
+    /// Acknowledge everything up to `psn`.
+    fn ack(&self, psn: u32) {
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: wire::Opcode::ACKNOWLEDGE,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: self.a.qp.qpn,
+                psn,
+                ..wire::Bth::default()
+            },
+            reth: None,
+            aeth: Some(wire::Aeth::new(wire::AethKind::Ack { credit: 31 }, 0)),
+            immdt: None,
+            payload: &[],
+        };
+        let mut b = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut b).expect("emit");
+        wire::IcrcHeaders::new(self.peer_ip.into(), self.me.into(), wire::UDP_PORT).seal(&mut b);
+        self.sock
+            .send_to(&b, (self.me, wire::UDP_PORT))
+            .expect("ack");
+    }
+
+    /// A held WRITE of `data` to `va` and the 44-byte SEND after it (an SMC-R update); retried
+    /// (after acknowledging what came) when this thread was kept off the CPU between the two
+    /// posts for longer than the hold limit, so that the WRITE left alone. Returns the
+    /// datagrams and the PSN of the SEND.
+    fn update(&mut self, data: &[u8], va: u64, psn: &mut u32) -> Vec<Datagram> {
+        let want = data.len().div_ceil(1024).max(1) + 1;
+        for attempt in 0..3 {
+            self.a
+                .qp
+                .post_send_held(&SendWr::WriteInline {
+                    wr_id: 1,
+                    data,
+                    remote_addr: va,
+                    rkey: 0x77,
+                    signaled: false,
+                })
+                .expect("write");
+            self.a
+                .qp
+                .post_send(&SendWr::Send {
+                    wr_id: 2,
+                    data: &[0xCD; 44],
+                    signaled: true,
+                })
+                .expect("send");
+            let got = self.datagrams(want);
+            let n: usize = got.iter().map(|d| d.1.len()).sum();
+            assert_eq!(n, want, "packets of the update");
+            *psn = wire::psn_add(*psn, want as u32);
+            let last = wire::psn_add(*psn, wire::U24_MASK);
+            self.ack(last);
+            let done = collect(&self.a.cq, 1);
+            assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+            // The WRITE left alone (the hold limit passed): its last packet asks for an ACK.
+            let alone = got.iter().flat_map(|d| &d.1).any(|p| {
+                wire::Packet::parse(p)
+                    .is_ok_and(|p| p.bth.opcode == wire::Opcode::WRITE_ONLY && p.bth.ack_req)
+            });
+            if !alone || attempt == 2 {
+                return got;
+            }
+        }
+        unreachable!()
+    }
+
+    /// Check the packets of an update: WRITE ONLYs of at most one MTU, each RETH naming its
+    /// piece, payloads equal to `data`'s, consecutive PSNs from `first`, no AckReq; then the
+    /// SEND with AckReq; every ICRC sealed for the IPv4 identification the kernel gives
+    /// segment k of its datagram (k).
+    fn check(&self, got: &[Datagram], data: &[u8], va: u64, first: u32) {
+        let mut psn = first;
+        let mut off = 0usize;
+        let all: Vec<(usize, &Vec<u8>)> = got
+            .iter()
+            .flat_map(|(_, pkts)| pkts.iter().enumerate())
+            .collect();
+        let h = wire::IcrcHeaders::new(self.me.into(), self.peer_ip.into(), wire::UDP_PORT);
+        for (n, &(k, pkt)) in all.iter().enumerate() {
+            let cols = crate::roce::gso::id_columns(pkt.len());
+            let wire_icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
+            assert_eq!(
+                wire_icrc,
+                Some(h.compute(pkt) ^ cols.delta(k as u16)),
+                "ICRC of packet {n} (segment {k})"
+            );
+            let p = wire::Packet::parse(pkt).expect("parse");
+            assert_eq!((p.bth.dest_qp, p.bth.psn), (PEER_QPN, psn), "packet {n}");
+            psn = wire::psn_add(psn, 1);
+            if n + 1 == all.len() {
+                assert_eq!(p.bth.opcode, wire::Opcode::SEND_ONLY);
+                assert!(p.bth.ack_req && p.bth.se);
+                assert_eq!(p.payload, &[0xCD; 44]);
+                continue;
+            }
+            assert_eq!(p.bth.opcode, wire::Opcode::WRITE_ONLY, "packet {n}");
+            assert!(!p.bth.ack_req, "packet {n}: the SEND's ACK covers it");
+            let piece = &data[off..(off + 1024).min(data.len())];
+            assert_eq!(
+                p.reth,
+                Some(wire::Reth {
+                    va: va + off as u64,
+                    rkey: 0x77,
+                    dma_len: piece.len() as u32,
+                }),
+                "RETH of packet {n}"
+            );
+            assert!(p.payload == piece, "payload of packet {n}");
+            off += piece.len();
+        }
+        assert_eq!(off, data.len(), "the WRITE's bytes, each once");
+    }
+}
+
+/// Segment sizes and packet counts of each datagram.
+fn shape(got: &[Datagram]) -> Vec<(Option<usize>, usize)> {
+    got.iter().map(|(s, p)| (*s, p.len())).collect()
+}
+
+/// A WRITE leaves as one WRITE ONLY message per path MTU, each with its own RETH: an update
+/// of 61 KiB and its CDC SEND reach a peer with `UDP_GRO` as one datagram (62 packets: 61 of
+/// 1,056 bytes, the SEND of 60 last); one of 64 KiB, which cannot fit one UDP datagram
+/// (65,507 bytes), as two, the larger first; one with a shorter last piece as two.
+#[test]
+fn write_only_per_mtu_one_datagram_per_update() {
+    let mut p = raw_peer(11);
+    // The device's first PSN is its own (random).
+    let mut psn = p.a.qp.local_info().psn;
+    let va = 0x7000_0000;
+
+    let data = pattern(61 * 1024, 1);
+    let first = psn;
+    let got = p.update(&data, va, &mut psn);
+    assert_eq!(shape(&got), [(Some(1056), 62)], "one datagram");
+    assert_eq!(got[0].1.last().map(Vec::len), Some(60));
+    p.check(&got, &data, va, first);
+
+    let data = pattern(64 * 1024, 2);
+    let first = psn;
+    let got = p.update(&data, va + 0x10000, &mut psn);
+    assert_eq!(shape(&got), [(Some(1056), 62), (Some(1056), 3)]);
+    p.check(&got, &data, va + 0x10000, first);
+
+    let data = pattern(1500, 3);
+    let first = psn;
+    let got = p.update(&data, va + 3, &mut psn);
+    assert_eq!(shape(&got), [(Some(1056), 2), (None, 1)]);
+    p.check(&got, &data, va + 3, first);
+    assert_eq!(p.a.qp.state(), QpState::Rts);
+    assert!(!p.a.qp.has_unacked());
+}
+
+/// The responder still takes a WRITE of FIRST / MIDDLE / LAST packets (how rxe sends one):
+/// the bytes land where the RETH of the first says, the LAST's AckReq is answered with an
+/// ACK of its PSN; a WRITE ONLY after it too. A MIDDLE without a FIRST is NAKed (invalid
+/// request) and fails the QP.
+#[test]
+fn responder_takes_write_first_middle_last() {
+    let p = raw_peer(12);
+    let a = &p.a;
+    // Connected with the peer's PSN 0: the first request it takes is PSN 0.
+    let send = |op: wire::Opcode, psn: u32, reth: Option<wire::Reth>, payload: &[u8], req| {
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: op,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: a.qp.qpn,
+                ack_req: req,
+                psn,
+                ..wire::Bth::default()
+            },
+            reth,
+            aeth: None,
+            immdt: None,
+            payload,
+        };
+        let mut b = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut b).expect("emit");
+        wire::IcrcHeaders::new(p.peer_ip.into(), p.me.into(), wire::UDP_PORT).seal(&mut b);
+        p.sock.send_to(&b, (p.me, wire::UDP_PORT)).expect("send");
+    };
+    let data = pattern(2500, 7);
+    let reth = |va: u64, len: usize| {
+        Some(wire::Reth {
+            va,
+            rkey: a.rmb.key,
+            dma_len: len as u32,
+        })
+    };
+    let base = a.rmb.vaddr() + 100;
+    send(
+        wire::Opcode::WRITE_FIRST,
+        0,
+        reth(base, 2500),
+        &data[..1024],
+        false,
+    );
+    send(
+        wire::Opcode::WRITE_MIDDLE,
+        1,
+        None,
+        &data[1024..2048],
+        false,
+    );
+    send(wire::Opcode::WRITE_LAST, 2, None, &data[2048..], true);
+    send(
+        wire::Opcode::WRITE_ONLY,
+        3,
+        reth(base + 5000, 100),
+        &data[..100],
+        true,
+    );
+    // The ACK of PSN 3 (the responder may coalesce them: the last one counts).
+    let mut buf = [0u8; 256];
+    p.sock
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut acked = None;
+    while acked != Some(3) {
+        let (n, _) = p.sock.recv_from(&mut buf).expect("an ACK");
+        let ack = wire::Packet::parse(&buf[..n]).expect("parse");
+        assert_eq!(ack.bth.opcode, wire::Opcode::ACKNOWLEDGE);
+        assert!(matches!(
+            ack.aeth.map(|a| a.kind()),
+            Some(wire::AethKind::Ack { .. })
+        ));
+        acked = Some(ack.bth.psn);
+    }
+    let mut back = vec![0u8; 2500];
+    a.rmb.read_at(100, &mut back).expect("read");
+    assert!(back == data);
+    a.rmb.read_at(5100, &mut back[..100]).expect("read");
+    assert!(back[..100] == data[..100]);
+    assert_eq!(a.qp.state(), QpState::Rts);
+
+    send(wire::Opcode::WRITE_MIDDLE, 4, None, &data[..1024], true);
+    let end = Instant::now() + Duration::from_secs(5);
+    while a.qp.state() != QpState::Error && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(a.qp.state(), QpState::Error, "a MIDDLE without a FIRST");
+    assert_eq!(
+        a.dev.core.counters.naks_sent.load(Ordering::Relaxed),
+        1,
+        "NAK invalid request"
+    );
+}
+
+/// `shortest_shared_write`: a WRITE of that many bytes and the 44-byte CDC SEND behind it
+/// leave as one datagram (both packets 60 bytes, the WRITE's with 3 bytes of pad); one byte
+/// less, as two (the SEND's packet would be the longer).
+#[test]
+fn shortest_shared_write_shares_the_sends_datagram() {
+    let want = crate::roce::shortest_shared_write(44);
+    assert_eq!(want, 25);
+    let mut p = raw_peer(13);
+    let mut psn = p.a.qp.local_info().psn;
+    let va = 0x5000_0000;
+    let data = pattern(want, 4);
+    let first = psn;
+    let got = p.update(&data, va, &mut psn);
+    assert_eq!(shape(&got), [(Some(60), 2)], "one datagram");
+    p.check(&got, &data, va, first);
+    let data = pattern(want - 1, 5);
+    let first = psn;
+    let got = p.update(&data, va, &mut psn);
+    assert_eq!(shape(&got), [(None, 1), (None, 1)], "two datagrams");
+    p.check(&got, &data, va, first);
+}

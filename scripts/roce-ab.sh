@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Alternating A/B of builds of `smc` over the software RoCEv2 device (issue #21), the way the
+# figures of docs/performance.md "One datagram per update" were taken: two network namespaces
+# joined by one veth pair (MTU 1500), each round runs every binary over SMC-R and then the first
+# binary over TCP (SMC_DISCOVERY=off), so that the VM's slow and fast phases hit all alike.
+#
+#   scripts/roce-ab.sh stream ROUNDS MIB BIN...      # smc nc -l > /dev/null  <-  smc nc < /dev/shm file
+#   scripts/roce-ab.sh pingpong ROUNDS SIZE BIN...   # smc nc --pingpong SIZE --time 1 against --echo
+#
+# stream prints MB/s (client start to both exits) and each side's CPU ms and context switches
+# (`perf stat`, needs perf); pingpong prints the client's line (p50_us, p99_us). Root only.
+# Copy each build aside (cp target/release/smc /tmp/smc-a) before rebuilding.
+set -euo pipefail
+[ "$(id -u)" = 0 ] || { echo "roce-ab: needs root (network namespaces)" >&2; exit 77; }
+mode=$1
+rounds=$2
+arg=$3
+shift 3
+bins=("$@")
+[ ${#bins[@]} -ge 1 ] || { echo "usage: see the head of $0" >&2; exit 2; }
+
+a=roceab-a$$
+b=roceab-b$$
+dir=$(mktemp -d /tmp/roce-ab.XXXXXX)
+cleanup() {
+    ip netns del "$a" 2>/dev/null || true
+    ip netns del "$b" 2>/dev/null || true
+    rm -rf "$dir"
+}
+trap cleanup EXIT
+[ -n "${ROCE_AB_KEEP:-}" ] && trap - EXIT
+ip netns add "$a"
+ip netns add "$b"
+ip link add rab0 netns "$a" type veth peer name rab1 netns "$b"
+ip -n "$a" addr add 10.79.1.1/24 dev rab0
+ip -n "$b" addr add 10.79.1.2/24 dev rab1
+for n in "$a" "$b"; do ip -n "$n" link set lo up; done
+ip -n "$a" link set rab0 up
+ip -n "$b" link set rab1 up
+# A connection made within moments of the links coming up may run over TCP (seen for the first
+# round): let them settle.
+sleep 1
+
+# ns side discovery bin args...
+nc_in() {
+    local ns=$1 side=$2 disc=$3 bin=$4 dev
+    shift 4
+    dev=rab0
+    [ "$side" = b ] && dev=rab1
+    ip netns exec "$ns" env SMC_IPV4_SUBNETS=10.79.0.0/16 SMC_DISCOVERY="$disc" \
+        SMC_FABRIC_DEVICES="roce:r0=$dev" SMC_FABRIC_DIR="$dir/$side" "$@"
+}
+
+stat_of() {
+    awk -F, '/task-clock/ {printf "%.0f ms", $1} /context-switches/ {printf " %s cs", $1}' "$1"
+}
+
+stream() {
+    local bin=$1 disc=$2 label=$3 file=$dir/in.bin sp t0 t1
+    [ -f "$file" ] || head -c $((arg << 20)) /dev/urandom >"$file"
+    nc_in "$a" a "$disc" "$bin" perf stat -x, -e task-clock,context-switches -o "$dir/srv.stat" \
+        "$bin" nc -v -l 7000 --bind 10.79.1.1 >/dev/null 2>"$dir/srv.err" &
+    sp=$!
+    sleep 0.3
+    t0=$(date +%s.%N)
+    nc_in "$b" b "$disc" "$bin" perf stat -x, -e task-clock,context-switches -o "$dir/cli.stat" \
+        "$bin" nc -v 10.79.1.1 7000 <"$file" >/dev/null 2>"$dir/cli.err"
+    wait "$sp"
+    t1=$(date +%s.%N)
+    printf '%-6s %8.1f MB/s  sender %s  receiver %s\n' "$label" \
+        "$(echo "$arg * 1048576 / ($t1 - $t0) / 1000000" | bc -l)" \
+        "$(stat_of "$dir/cli.stat")" "$(stat_of "$dir/srv.stat")"
+}
+
+pingpong() {
+    local bin=$1 disc=$2 label=$3 sp out
+    nc_in "$a" a "$disc" "$bin" "$bin" nc -v -l 7001 --echo --bind 10.79.1.1 2>"$dir/pp-srv.err" &
+    sp=$!
+    sleep 0.4
+    out=$(nc_in "$b" b "$disc" "$bin" "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err")
+    kill "$sp" 2>/dev/null || true
+    wait "$sp" 2>/dev/null || true
+    echo "$label $out"
+}
+
+for _ in $(seq 1 "$rounds"); do
+    i=0
+    for bin in "${bins[@]}"; do
+        "$mode" "$bin" assert-peer "smc$i"
+        i=$((i + 1))
+    done
+    "$mode" "${bins[0]}" off tcp
+done
