@@ -515,7 +515,10 @@ mod tests {
         for layout in [Layout::TwoCores, Layout::OneCore] {
             // Messages larger than the ring and not dividing it: partial writes and wrapping.
             let r = stream(layout, 3000, 1024, Duration::from_millis(20), &cpu).unwrap();
-            assert!(r.bytes > 0 && r.bytes.is_multiple_of(3000), "{layout:?}: {r:?}");
+            assert!(
+                r.bytes > 0 && r.bytes.is_multiple_of(3000),
+                "{layout:?}: {r:?}"
+            );
             assert!(r.secs > 0.0 && r.gbps() > 0.0, "{layout:?}: {r:?}");
         }
     }

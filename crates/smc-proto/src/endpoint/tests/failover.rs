@@ -36,7 +36,11 @@ fn run_failover(seed: u64, kill_at: usize, bytes: usize, link: u8) -> EndpointPa
             break;
         }
     }
-    let victim = if seed.is_multiple_of(2) { Side::A } else { Side::B };
+    let victim = if seed.is_multiple_of(2) {
+        Side::A
+    } else {
+        Side::B
+    };
     if let Some(l) = p.host(victim).link(link) {
         p.kill_link(victim, l);
     }
