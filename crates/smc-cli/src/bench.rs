@@ -65,6 +65,9 @@ pub struct BenchArgs {
     /// fallback); default all.
     #[arg(long, value_delimiter = ',')]
     tests: Vec<String>,
+    /// Stream counts of the multistream test (comma-separated); default 1,4,16,256.
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    streams: Vec<usize>,
 }
 
 /// Arguments of the hidden `smc bench-server`.
@@ -665,7 +668,13 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
         }
     }
     let wanted = |name: &str| args.tests.is_empty() || args.tests.iter().any(|t| t == name);
-    let plan = Plan::new(args.quick, args.rounds);
+    let mut plan = Plan::new(args.quick, args.rounds);
+    if !args.streams.is_empty() {
+        if args.streams.contains(&0) {
+            bail!("--streams: a stream count must be at least 1");
+        }
+        plan.multistreams.clone_from(&args.streams);
+    }
     let mut client_cfg = StackConfig::new(smc::FabricConfig::with_dir(dir, 2));
     client_cfg.discovery = DiscoveryMode::AssertPeer;
     if let Some(b) = args.buffer {
