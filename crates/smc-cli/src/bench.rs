@@ -128,6 +128,19 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The multistream test with these stream counts (`--streams`; empty: the default ones).
+    fn with_streams(mut self, streams: &[usize]) -> Result<Plan> {
+        if streams.contains(&0) {
+            bail!("--streams: a stream count must be at least 1");
+        }
+        if !streams.is_empty() {
+            self.multistreams = streams.to_vec();
+        }
+        Ok(self)
+    }
+}
+
 /// One measurement of one transport.
 #[derive(Debug, Clone, Copy)]
 enum Job {
@@ -668,13 +681,7 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
         }
     }
     let wanted = |name: &str| args.tests.is_empty() || args.tests.iter().any(|t| t == name);
-    let mut plan = Plan::new(args.quick, args.rounds);
-    if !args.streams.is_empty() {
-        if args.streams.contains(&0) {
-            bail!("--streams: a stream count must be at least 1");
-        }
-        plan.multistreams.clone_from(&args.streams);
-    }
+    let plan = Plan::new(args.quick, args.rounds).with_streams(&args.streams)?;
     let mut client_cfg = StackConfig::new(smc::FabricConfig::with_dir(dir, 2));
     client_cfg.discovery = DiscoveryMode::AssertPeer;
     if let Some(b) = args.buffer {
@@ -827,5 +834,30 @@ mod tests {
         let first = |i: usize| format!("{:?}", fb[i]);
         assert_ne!(first(0), first(2), "{fb:?}");
         assert_eq!(first(0), first(4), "{fb:?}");
+    }
+
+    /// `--streams` replaces the multistream test's stream counts; a count of 0 is refused.
+    #[test]
+    fn streams_choose_the_multistream_counts() {
+        let counts = |plan: &Plan| -> Vec<usize> {
+            let mut n: Vec<usize> = jobs(plan, &|t| t == "multistream")
+                .iter()
+                .filter_map(|j| match j {
+                    Job::Multi(_, n) => Some(*n),
+                    _ => None,
+                })
+                .collect();
+            n.dedup();
+            n
+        };
+        let default = Plan::new(true, Some(1)).with_streams(&[]).expect("default");
+        assert_eq!(counts(&default), [1, 4, 16, 256]);
+        let only = Plan::new(true, Some(2)).with_streams(&[256]).expect("256");
+        assert_eq!(counts(&only), [256]);
+        assert_eq!(
+            jobs(&only, &|t| t == "multistream").len(),
+            2 * Transport::ALL.len()
+        );
+        assert!(Plan::new(true, None).with_streams(&[4, 0]).is_err());
     }
 }
