@@ -65,6 +65,9 @@ pub struct BenchArgs {
     /// fallback); default all.
     #[arg(long, value_delimiter = ',')]
     tests: Vec<String>,
+    /// Stream counts of the multistream test (comma-separated); default 1,4,16,256.
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    streams: Vec<usize>,
 }
 
 /// Arguments of the hidden `smc bench-server`.
@@ -122,6 +125,19 @@ impl Plan {
                 fallback_time: ms(400),
             }
         }
+    }
+}
+
+impl Plan {
+    /// The multistream test with these stream counts (`--streams`; empty: the default ones).
+    fn with_streams(mut self, streams: &[usize]) -> Result<Plan> {
+        if streams.contains(&0) {
+            bail!("--streams: a stream count must be at least 1");
+        }
+        if !streams.is_empty() {
+            self.multistreams = streams.to_vec();
+        }
+        Ok(self)
     }
 }
 
@@ -665,7 +681,7 @@ fn bench(args: &BenchArgs, dir: &Path) -> Result<ExitCode> {
         }
     }
     let wanted = |name: &str| args.tests.is_empty() || args.tests.iter().any(|t| t == name);
-    let plan = Plan::new(args.quick, args.rounds);
+    let plan = Plan::new(args.quick, args.rounds).with_streams(&args.streams)?;
     let mut client_cfg = StackConfig::new(smc::FabricConfig::with_dir(dir, 2));
     client_cfg.discovery = DiscoveryMode::AssertPeer;
     if let Some(b) = args.buffer {
@@ -818,5 +834,30 @@ mod tests {
         let first = |i: usize| format!("{:?}", fb[i]);
         assert_ne!(first(0), first(2), "{fb:?}");
         assert_eq!(first(0), first(4), "{fb:?}");
+    }
+
+    /// `--streams` replaces the multistream test's stream counts; a count of 0 is refused.
+    #[test]
+    fn streams_choose_the_multistream_counts() {
+        let counts = |plan: &Plan| -> Vec<usize> {
+            let mut n: Vec<usize> = jobs(plan, &|t| t == "multistream")
+                .iter()
+                .filter_map(|j| match j {
+                    Job::Multi(_, n) => Some(*n),
+                    _ => None,
+                })
+                .collect();
+            n.dedup();
+            n
+        };
+        let default = Plan::new(true, Some(1)).with_streams(&[]).expect("default");
+        assert_eq!(counts(&default), [1, 4, 16, 256]);
+        let only = Plan::new(true, Some(2)).with_streams(&[256]).expect("256");
+        assert_eq!(counts(&only), [256]);
+        assert_eq!(
+            jobs(&only, &|t| t == "multistream").len(),
+            2 * Transport::ALL.len()
+        );
+        assert!(Plan::new(true, None).with_streams(&[4, 0]).is_err());
     }
 }

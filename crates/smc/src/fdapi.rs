@@ -34,6 +34,9 @@ use crate::error::{conn_error, FallbackReason};
 use crate::stack::Notifiers;
 use crate::{Mode, SmcStream, Stack};
 
+mod spin;
+pub use spin::LoopSpin;
+
 /// The stack of this process (made at first use from the environment, as [`Stack::global`];
 /// a forked child makes its own after [`forked_child`]).
 static STACK: Mutex<Option<Stack>> = Mutex::new(None);
@@ -387,10 +390,7 @@ impl Conn {
             .ok_or_else(|| io::Error::other("SMC-R connection without notifiers"))?;
         let w = s.try_clone()?;
         let max = s.stack().config().adaptive_spin;
-        let spin = LoopSpin(
-            crate::stream::AdaptiveSpin::with_start(max, max.unwrap_or_default()),
-            AtomicBool::new(false),
-        );
+        let spin = LoopSpin::with_max(max);
         let urgent = Arc::new(crate::stream::UrgentSlot::default());
         s.urgent_slot = Some(urgent.clone());
         Ok(Conn {
@@ -1160,196 +1160,6 @@ fn loop_poll(inner: &crate::stack::Inner, wcs: &mut [smc_fabric::WorkCompletion]
     inner
         .loop_polled_at
         .store(core.now_micros(), Ordering::Release);
-}
-
-/// The adaptive spin of an event loop's wait (one per epoll instance, or per poll/select
-/// call site): before its thread sleeps, it spins on the completion queues for the budget of
-/// [`crate::StackConfig::adaptive_spin`]'s rules (started at the longest after a short
-/// sleep, halved to nothing while the spin does not catch the news), so that a reply a few µs away is taken
-/// without the two wake-ups of a sleep (the doorbell's and the thread's).
-#[derive(Debug)]
-pub struct LoopSpin(
-    crate::stream::AdaptiveSpin,
-    /// The last spin saw the peer take turns with it on its CPU ([`SpinBeacon`]): the next
-    /// one yields at once instead of after a round of pauses the peer needs the CPU for.
-    AtomicBool,
-);
-
-impl LoopSpin {
-    /// A spin with the longest budget of this process's stack (none without a stack).
-    pub fn new() -> LoopSpin {
-        let max = current_stack().and_then(|s| s.config().adaptive_spin);
-        // Starting at the longest: a loop's peer usually sleeps too, so the first replies
-        // come a wake-up later (10-20 µs here), which a short first spin never catches.
-        LoopSpin(
-            crate::stream::AdaptiveSpin::with_start(max, max.unwrap_or_default()),
-            AtomicBool::new(false),
-        )
-    }
-
-    /// How long to spin before the next sleep (`None`: sleep at once).
-    pub fn budget(&self) -> Option<std::time::Duration> {
-        self.0.budget()
-    }
-
-    /// The wait slept for `slept` after a spin of `spun` (zero: none) that found nothing.
-    pub fn slept(&self, spun: std::time::Duration, slept: std::time::Duration) {
-        self.0.slept(spun, slept);
-    }
-
-    /// Spin until `until`: whenever a completion queue may hold something, handle it (as
-    /// [`poll_before_wait`]) and ask `look` whether the loop has news now. Returns whether
-    /// `look` said so; `false` when `until` passed first. Only the connections' news is
-    /// looked for: the loop's other descriptors wait for the sleep that follows (at most the
-    /// budget later).
-    pub fn spin(&self, until: std::time::Instant, mut look: impl FnMut() -> bool) -> bool {
-        let Some(stack) = current_stack() else {
-            return false;
-        };
-        let inner = &stack.inner;
-        let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
-        let mut beacon = SpinBeacon::new(self.1.load(Ordering::Relaxed));
-        let found = loop {
-            let mut hint = false;
-            // With the peer on this CPU, pausing only keeps it from answering.
-            let pauses = if beacon.here {
-                1
-            } else {
-                crate::stream::SPINS_BETWEEN_LOOKS
-            };
-            for _ in 0..pauses {
-                if inner.cqs.iter().any(|cq| cq.maybe_ready()) {
-                    hint = true;
-                    break;
-                }
-                std::hint::spin_loop();
-            }
-            if hint {
-                // (Another thread that polls handles it and signals the connections.)
-                if !inner.poller.load(Ordering::Acquire) {
-                    loop_poll(inner, &mut wcs);
-                }
-                if look() {
-                    break true;
-                }
-            }
-            if std::time::Instant::now() >= until {
-                break false;
-            }
-            if !hint && !beacon.round(&inner.cqs) {
-                // The peer may need this CPU to answer (both on one vCPU: spinning there
-                // only delays the reply); a yield hands it over and costs no sleep. Unless
-                // the peer is seen spinning on another CPU right now (`SpinBeacon`): a
-                // yield every 2 or 4 rounds gave 1.0-1.6 µs when the two ran on two vCPUs
-                // but 7-14 µs on one (sockperf 64 B p50), every round 5.3 µs always.
-                std::thread::yield_now();
-            }
-        };
-        beacon.stop(&inner.cqs);
-        self.1.store(beacon.here, Ordering::Relaxed);
-        found
-    }
-}
-
-/// What a spinning event loop tells its peers through the shm fabric's spin words
-/// ([`smc_fabric::CompletionQueue::spin_words`]), and what it learns from theirs: "I spin
-/// on CPU `c`, round `r`" (`r << 16 | c + 1`; zero: not spinning).
-///
-/// A spinner keeps its CPU (no yield between rounds) only while a peer is seen spinning on
-/// *another* CPU and its word moved within the last [`SpinBeacon::FRESH`] rounds: both then
-/// run at once, and the reply is taken the moment it lands. When the peer's last word names
-/// this CPU, or stopped moving (the peer sleeps, works, or waits for a CPU — possibly this
-/// one), the spinner yields every round as before: two spinners on one vCPU would otherwise
-/// hold the CPU from each other until the scheduler's tick. When the peer's moving word
-/// names this CPU (the two take turns on it), a round is one look and a yield: its pauses
-/// would only delay the peer's answer.
-#[derive(Debug)]
-struct SpinBeacon {
-    round: u64,
-    cpu: Option<u16>,
-    /// The peers' words as last seen (summed), and for how many rounds they have not moved.
-    seen: u64,
-    still: u32,
-    /// A peer's moving word names this CPU.
-    here: bool,
-}
-
-impl SpinBeacon {
-    /// Rounds (of `SPINS_BETWEEN_LOOKS` pauses each) without news from the peer after which
-    /// it counts as not running.
-    const FRESH: u32 = 2;
-
-    /// `here`: what the last spin of this loop ended with.
-    fn new(here: bool) -> SpinBeacon {
-        SpinBeacon {
-            round: 0,
-            cpu: None,
-            seen: 0,
-            still: u32::MAX,
-            here,
-        }
-    }
-
-    /// The word for `cpu` in round `round`.
-    fn word(cpu: u16, round: u64) -> u64 {
-        (round << 16) | (u64::from(cpu) + 1)
-    }
-
-    /// The CPU a word names (`None`: not spinning).
-    fn cpu_of(word: u64) -> Option<u16> {
-        match (word & 0xFFFF) as u16 {
-            0 => None,
-            c => Some(c - 1),
-        }
-    }
-
-    /// One round of the spin without news: publish this thread's word, read the peers'.
-    /// Whether to keep the CPU (a peer spins on another CPU right now).
-    fn round(&mut self, cqs: &[smc_fabric::CompletionQueue]) -> bool {
-        // SAFETY: sched_getcpu has no preconditions (the vDSO or rseq answers it).
-        let cpu = unsafe { libc::sched_getcpu() };
-        let Ok(cpu) = u16::try_from(cpu).map(|c| c.min(0xFFFE)) else {
-            return false;
-        };
-        self.cpu = Some(cpu);
-        self.round = self.round.wrapping_add(1);
-        let word = SpinBeacon::word(cpu, self.round);
-        let (mut sum, mut elsewhere, mut here) = (0u64, false, false);
-        for cq in cqs {
-            cq.spin_words(word, &mut |w| {
-                sum = sum.wrapping_add(w);
-                match SpinBeacon::cpu_of(w) {
-                    Some(c) if c == cpu => here = true,
-                    Some(_) => elsewhere = true,
-                    None => {}
-                }
-            });
-        }
-        if sum != self.seen {
-            self.seen = sum;
-            self.still = 0;
-        } else {
-            self.still = self.still.saturating_add(1);
-        }
-        let fresh = self.still < SpinBeacon::FRESH;
-        self.here = here && fresh;
-        elsewhere && !here && fresh
-    }
-
-    /// The spin ended: not spinning any more (only when a word was published).
-    fn stop(&self, cqs: &[smc_fabric::CompletionQueue]) {
-        if self.cpu.is_some() {
-            for cq in cqs {
-                cq.spin_words(0, &mut |_| {});
-            }
-        }
-    }
-}
-
-impl Default for LoopSpin {
-    fn default() -> LoopSpin {
-        LoopSpin::new()
-    }
 }
 
 /// Before an event loop's thread sleeps with the completion channels among what it waits on:
