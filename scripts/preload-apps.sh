@@ -113,6 +113,18 @@ timeout 60 "$SMC" run python3 scripts/preload-rawclose.py client 19181 >"$work/r
 wait $rcs || { cat "$work/rawclose-s.log"; fail "raw close server"; }
 cat "$work/rawclose-s.log" "$work/rawclose-c.log" | sed 's/^/   /'
 
+echo "== an accepted connection handed to an exec'd program before its first use, as sshd does (scripts/preload-execaccept.py)"
+before=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
+"$SMC" run python3 scripts/preload-execaccept.py server 19182 >"$work/execaccept-s.log" 2>&1 &
+pids+=($!); eas=$!
+for _ in $(seq 1 100); do ss -ltn 'sport = :19182' | grep -q 19182 && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-execaccept.py client 19182 >"$work/execaccept-c.log" 2>&1 \
+    || { cat "$work/execaccept-c.log" "$work/execaccept-s.log"; fail "exec'd handlers: the client did not get every greeting and answer"; }
+wait $eas || { cat "$work/execaccept-s.log"; fail "exec'd handlers: server"; }
+after=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
+[ $((after - before)) -eq 3 ] || fail "exec'd handlers: $((after - before)) connections settled as TCP before the exec, 3 expected"
+cat "$work/execaccept-s.log" "$work/execaccept-c.log" | sed 's/^/   /'
+
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 "$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &

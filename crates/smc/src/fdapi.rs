@@ -228,6 +228,89 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
     Setup::of(s)
 }
 
+/// Settle the accepted connection `fd` (whose client offered SMC-R) as TCP without a
+/// rendezvous, for a program that hands the socket to another one before using it (sshd
+/// re-executes itself with the connection on its standard input; the new image has no
+/// table and would read the client's CLC messages as its own data). The client's first CLC
+/// message is waited for (at most the CLC timeout) and read whole; a Proposal is answered
+/// with a Decline (`EXECED`, of the Proposal's version), after which both ends use the TCP
+/// connection as it is. A leading Decline of the client (a connection to a listener of its
+/// own process) needs no answer. Anything else is left in the socket. Returns whether a
+/// Decline was sent.
+pub fn decline_accepted(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    let code = smc_wire::DeclineCode::EXECED;
+    let stack = stack()?;
+    let sock = dup_stream(fd)?;
+    let deadline = std::time::Instant::now() + stack.config().clc_timeout;
+    // The CLC header: eye catcher (4), type (1), length (2), version and flags (1).
+    let mut msg = vec![0u8; 8];
+    loop {
+        let n = match rustix::net::recv(
+            &sock,
+            &mut msg,
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        ) {
+            Ok((n, _)) => n,
+            Err(rustix::io::Errno::AGAIN) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        if n == msg.len() && msg.len() == 8 {
+            let len = usize::from(u16::from_be_bytes([msg[5], msg[6]]));
+            if !(8..=4096).contains(&len) {
+                return Ok(false);
+            }
+            msg.resize(len, 0);
+            continue;
+        }
+        if n == msg.len() {
+            break;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        if n > 0 {
+            // Part of the message is in (poll would not wait): the rest follows at once.
+            std::thread::sleep(left.min(std::time::Duration::from_millis(1)));
+            continue;
+        }
+        let mut fds = [rustix::event::PollFd::new(
+            &sock,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) => return Ok(false),
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let decline = match smc_wire::ClcMessage::parse(&msg) {
+        Ok((smc_wire::ClcMessage::Proposal(_), _)) if msg[7] >> 4 >= 2 => {
+            Some(smc_wire::Decline::new_v2(stack.peer_id(), code, false))
+        }
+        Ok((smc_wire::ClcMessage::Proposal(_), _)) => {
+            Some(smc_wire::Decline::new(stack.peer_id(), code, false))
+        }
+        Ok((smc_wire::ClcMessage::Decline(d), _)) if !d.out_of_sync => None,
+        _ => return Ok(false),
+    };
+    (&sock).read_exact(&mut msg)?;
+    let Some(d) = decline else {
+        return Ok(false);
+    };
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1.2
+    //# If the server cannot or does not want to do SMC-R with the client, it sends
+    //# an SMC Decline CLC message to the client
+    let mut out = vec![0u8; d.buffer_len()];
+    d.emit(&mut out).map_err(io::Error::other)?;
+    (&sock).write_all(&out)?;
+    Ok(true)
+}
+
 /// Whether the client's first CLC message, waited for (at most `wait`: it offered SMC-R, so
 /// one comes), is a Decline in place of its Proposal (a client that connects to a listener
 /// of its own process, [`connect`]): then exactly its bytes are read, so that what the
