@@ -125,6 +125,19 @@ after=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
 [ $((after - before)) -eq 3 ] || fail "exec'd handlers: $((after - before)) connections settled as TCP before the exec, 3 expected"
 cat "$work/execaccept-s.log" "$work/execaccept-c.log" | sed 's/^/   /'
 
+echo "== accepted connections served by raw clone children, as vsftpd's (scripts/preload-rawclone.py)"
+before=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+"$SMC" run python3 scripts/preload-rawclone.py server 19183 >"$work/rawclone-s.log" 2>&1 &
+pids+=($!); rcl=$!
+for _ in $(seq 1 100); do ss -ltn 'sport = :19183' | grep -q 19183 && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-rawclone.py client 19183 >"$work/rawclone-c.log" 2>&1 \
+    || { cat "$work/rawclone-c.log" "$work/rawclone-s.log"; fail "raw clone children: the client did not get every greeting and echo"; }
+wait $rcl || { cat "$work/rawclone-s.log"; fail "raw clone children: server"; }
+after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+[ $((after - before)) -eq 2 ] || fail "raw clone children: $((after - before)) SMC-R connection ends, 2 expected (the first connection)"
+grep -q 'PeerDeclined { code: DeclineCode::INTERR' "$SMC_LOG" || fail "raw clone children: the second client was not declined"
+cat "$work/rawclone-s.log" "$work/rawclone-c.log" | sed 's/^/   /'
+
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 "$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &

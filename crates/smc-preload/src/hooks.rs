@@ -95,6 +95,8 @@ pub(crate) fn target(fd: c_int) -> Target {
         Kind::Smc(c) if e.ours() => Target::Smc(c.clone()),
         Kind::Smc(_) | Kind::Inherited => Target::Foreign,
         Kind::Pending(once) => {
+            // In a process cloned without fork handlers, its own stack (see there).
+            let _ = table::borrowed_memory();
             // One thread runs the rendezvous; another one using the number meanwhile waits
             // for it and then looks again.
             let _g = once.lock().unwrap_or_else(|p| p.into_inner());

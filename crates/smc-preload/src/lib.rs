@@ -144,6 +144,7 @@ extern "C" fn init() {
         table::PID.store(libc::getpid(), Ordering::Relaxed);
     }
     smc::fdapi::keep_settings();
+    table::fork_probe_init();
     if let Some(path) = std::env::var_os("SMC_LOG") {
         use std::os::unix::ffi::OsStrExt;
         if let Ok(c) = std::ffi::CString::new(path.as_bytes()) {

@@ -103,6 +103,22 @@ pub fn fork_child() {
     });
 }
 
+/// In a child made by a `clone` system call without `CLONE_VM` that is not `fork()` (vsftpd
+/// makes its session processes so, for their namespaces): no fork handler ran. Forget the
+/// parent's stack as [`fork_child`] does. `false` when another thread of the parent held
+/// the stack lock at the clone (the child cannot take it: its stack stays unusable).
+pub fn forked_without_handlers() -> bool {
+    let mut g = match STACK.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return false,
+    };
+    if let Some(parent) = g.take() {
+        std::mem::forget(parent);
+    }
+    true
+}
+
 /// A listening socket whose port the eBPF discovery of the stack that marked it knows.
 #[derive(Debug, Clone)]
 pub struct Listening {
@@ -212,8 +228,19 @@ fn set_oobinline(fd: BorrowedFd<'_>, on: bool) {
 /// this process's stack. The socket must be in blocking mode for the call (the rendezvous
 /// reads the client's CLC messages from it).
 pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
-    let stack = stack()?;
-    let sock = Arc::new(dup_stream(fd)?);
+    // When no stack or no descriptor can be made here, the client (which offered SMC-R and
+    // waits for the server's CLC answer) is declined, so that both ends use the TCP
+    // connection; otherwise it would read the program's first bytes as a CLC message.
+    let made = stack().and_then(|s| Ok((s, dup_stream(fd)?)));
+    let (stack, sock) = match made {
+        Ok((stack, sock)) => (stack, Arc::new(sock)),
+        Err(e) => {
+            return Err(match decline_unserved(fd) {
+                Ok(true) => io::Error::new(e.kind(), format!("{e} (the client was declined)")),
+                _ => e,
+            });
+        }
+    };
     let peer = sock.peer_addr()?;
     let was = oobinline(fd);
     if stack.discovery_mode() == DiscoveryMode::Ebpf {
@@ -238,15 +265,38 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
 /// own process) needs no answer. Anything else is left in the socket. Returns whether a
 /// Decline was sent.
 pub fn decline_accepted(fd: BorrowedFd<'_>) -> io::Result<bool> {
-    let code = smc_wire::DeclineCode::EXECED;
-    let stack = stack()?;
-    let sock = dup_stream(fd)?;
-    let deadline = std::time::Instant::now() + stack.config().clc_timeout;
+    decline_client(fd, smc_wire::DeclineCode::EXECED)
+}
+
+/// Answer the client of the accepted connection `fd`, whose server rendezvous failed here
+/// (the client offered SMC-R and waits for the server's CLC answer), with a Decline
+/// (`INTERR`), as [`decline_accepted`] does. Works on the
+/// program's descriptor itself and needs no stack (without one the Decline carries a zero
+/// peer ID, as Linux's without a device): the server rendezvous may have failed because
+/// none can be made here (vsftpd's session process has RLIMIT_NOFILE 0, a chroot, another
+/// network namespace and another uid).
+fn decline_unserved(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    decline_client(fd, smc_wire::DeclineCode::INTERR)
+}
+
+fn decline_client(fd: BorrowedFd<'_>, code: smc_wire::DeclineCode) -> io::Result<bool> {
+    let have = STACK.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (peer_id, wait) = match &have {
+        Some(s) => (s.peer_id(), s.config().clc_timeout),
+        None => (
+            smc_wire::PeerId::from_bytes([0; 8]),
+            crate::StackConfig::from_env()
+                .map(|c| c.clc_timeout)
+                .unwrap_or(std::time::Duration::from_secs(30)),
+        ),
+    };
+    let sock = fd;
+    let deadline = std::time::Instant::now() + wait;
     // The CLC header: eye catcher (4), type (1), length (2), version and flags (1).
     let mut msg = vec![0u8; 8];
     loop {
         let n = match rustix::net::recv(
-            &sock,
+            sock,
             &mut msg,
             rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
         ) {
@@ -290,15 +340,21 @@ pub fn decline_accepted(fd: BorrowedFd<'_>) -> io::Result<bool> {
     }
     let decline = match smc_wire::ClcMessage::parse(&msg) {
         Ok((smc_wire::ClcMessage::Proposal(_), _)) if msg[7] >> 4 >= 2 => {
-            Some(smc_wire::Decline::new_v2(stack.peer_id(), code, false))
+            Some(smc_wire::Decline::new_v2(peer_id, code, false))
         }
         Ok((smc_wire::ClcMessage::Proposal(_), _)) => {
-            Some(smc_wire::Decline::new(stack.peer_id(), code, false))
+            Some(smc_wire::Decline::new(peer_id, code, false))
         }
         Ok((smc_wire::ClcMessage::Decline(d), _)) if !d.out_of_sync => None,
         _ => return Ok(false),
     };
-    (&sock).read_exact(&mut msg)?;
+    let mut got = 0;
+    while got < msg.len() {
+        match rustix::net::recv(sock, &mut msg[got..], rustix::net::RecvFlags::empty())?.0 {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
+        }
+    }
     let Some(d) = decline else {
         return Ok(false);
     };
@@ -307,7 +363,10 @@ pub fn decline_accepted(fd: BorrowedFd<'_>) -> io::Result<bool> {
     //# an SMC Decline CLC message to the client
     let mut out = vec![0u8; d.buffer_len()];
     d.emit(&mut out).map_err(io::Error::other)?;
-    (&sock).write_all(&out)?;
+    let mut sent = 0;
+    while sent < out.len() {
+        sent += rustix::net::send(sock, &out[sent..], rustix::net::SendFlags::NOSIGNAL)?;
+    }
     Ok(true)
 }
 
