@@ -405,6 +405,22 @@ def rare_call_checks(conn, fd):
     events = struct.unpack_from("=I", bytes(evs), 0)[0] if n > 0 else 0
     check(n == 1 and events & select.EPOLLIN, f"epoll_pwait2 reports the connection ({n})")
     check(conn.recv(1) == b"z", "read after epoll_pwait2")
+
+    # A thread asleep in epoll_wait on an instance that watched no connection when the wait
+    # began is woken when another thread adds a ready connection, as the kernel wakes it
+    # (BEAM's poll thread: Erlang's gen_tcp never read its data).
+    ep3 = select.epoll()
+    woke = []
+    sleeper = threading.Thread(target=lambda: woke.append(ep3.poll(5)))
+    sleeper.start()
+    time.sleep(0.2)
+    ask(conn, "send 1 w")
+    check(wait_readable(conn), "data for the late registration")
+    ep3.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+    sleeper.join()
+    check(woke == [[(fd, select.EPOLLIN)]], f"a sleeping epoll_wait reports a connection added meanwhile ({woke})")
+    check(conn.recv(1) == b"w", "read after the late registration")
+    ep3.close()
     ts = (ctypes.c_long * 2)(0, 20_000_000)
     check(libc.epoll_pwait2(ep.fileno(), evs, 4, ts, None) == 0, "epoll_pwait2: timeout, nothing")
     ep.close()
