@@ -14,7 +14,7 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 0
 fi
 for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx memcached memcslap \
-    wrk sockperf; do
+    wrk sockperf haproxy lighttpd ab ssh sshd ssh-keygen; do
     if ! command -v "$p" >/dev/null 2>&1; then
         echo "preload-apps: skipped ($p missing; run scripts/install-deps.sh)"
         exit 0
@@ -112,6 +112,31 @@ timeout 60 "$SMC" run python3 scripts/preload-rawclose.py client 19181 >"$work/r
     || { cat "$work/rawclose-c.log" "$work/rawclose-s.log"; fail "raw close: the client did not get every answer and end of stream"; }
 wait $rcs || { cat "$work/rawclose-s.log"; fail "raw close server"; }
 cat "$work/rawclose-s.log" "$work/rawclose-c.log" | sed 's/^/   /'
+
+echo "== an accepted connection handed to an exec'd program before its first use, as sshd does (scripts/preload-execaccept.py)"
+before=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
+"$SMC" run python3 scripts/preload-execaccept.py server 19182 >"$work/execaccept-s.log" 2>&1 &
+pids+=($!); eas=$!
+for _ in $(seq 1 100); do ss -ltn 'sport = :19182' | grep -q 19182 && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-execaccept.py client 19182 >"$work/execaccept-c.log" 2>&1 \
+    || { cat "$work/execaccept-c.log" "$work/execaccept-s.log"; fail "exec'd handlers: the client did not get every greeting and answer"; }
+wait $eas || { cat "$work/execaccept-s.log"; fail "exec'd handlers: server"; }
+after=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
+[ $((after - before)) -eq 3 ] || fail "exec'd handlers: $((after - before)) connections settled as TCP before the exec, 3 expected"
+cat "$work/execaccept-s.log" "$work/execaccept-c.log" | sed 's/^/   /'
+
+echo "== accepted connections served by raw clone children, as vsftpd's (scripts/preload-rawclone.py)"
+before=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+"$SMC" run python3 scripts/preload-rawclone.py server 19183 >"$work/rawclone-s.log" 2>&1 &
+pids+=($!); rcl=$!
+for _ in $(seq 1 100); do ss -ltn 'sport = :19183' | grep -q 19183 && break; sleep 0.05; done
+timeout 60 "$SMC" run python3 scripts/preload-rawclone.py client 19183 >"$work/rawclone-c.log" 2>&1 \
+    || { cat "$work/rawclone-c.log" "$work/rawclone-s.log"; fail "raw clone children: the client did not get every greeting and echo"; }
+wait $rcl || { cat "$work/rawclone-s.log"; fail "raw clone children: server"; }
+after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+[ $((after - before)) -eq 2 ] || fail "raw clone children: $((after - before)) SMC-R connection ends, 2 expected (the first connection)"
+grep -q 'PeerDeclined { code: DeclineCode::INTERR' "$SMC_LOG" || fail "raw clone children: the second client was not declined"
+cat "$work/rawclone-s.log" "$work/rawclone-c.log" | sed 's/^/   /'
 
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
@@ -409,5 +434,100 @@ for mux in s p e; do
         || fail "sockperf sr -F $mux: $(grep using "$work/sr.out")"
     echo "   -F $mux, 2 connections: $(grep -o "percentile 50.000 = *[0-9.]*" "$work/pp.out") us, no message lost"
 done
+
+echo "== haproxy (2 threads, splice forwarding both ways) in front of the python3 http.server above + curl"
+cat >"$work/haproxy.cfg" <<EOF
+global
+    maxconn 64
+    nbthread 2
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+    option splice-auto
+    option splice-request
+    option splice-response
+frontend fe
+    bind 127.0.0.1:18090
+    default_backend be
+backend be
+    server s1 127.0.0.1:18000
+EOF
+: >"$SMC_LOG.hap"
+SMC_LOG="$SMC_LOG.hap" "$SMC" run haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+pids+=($!)
+wait_port 18090
+# The second response used to hang (a splice into haproxy's own pipe waited for room).
+for i in 1 2 3 4; do
+    got=$(SMC_LOG="$SMC_LOG.hap" timeout 20 "$SMC" run curl -sSf "http://127.0.0.1:18090/f" | sha256sum | cut -d' ' -f1) \
+        || fail "haproxy curl $i failed: $(tail -3 "$work/haproxy.log")"
+    [ "$got" = "$want" ] || fail "haproxy curl $i: payload differs"
+done
+n=$(grep -c ": SMC-R" "$SMC_LOG.hap" || true)
+# 4 curls and haproxy's 4 accepted ends, plus its connections to the backend (1 to 4).
+[ "$n" -ge 9 ] || fail "haproxy: $n SMC-R ends, at least 9 expected"
+[ "$(grep -c ": TCP (" "$SMC_LOG.hap" || true)" = 1 ] || fail "haproxy: TCP connections besides the port probe"
+echo "   4 GETs of 4 MB through haproxy's splice forwarding, $n SMC-R ends, payloads verified"
+
+echo "== sshd (re-executes itself with the accepted connection) + ssh and scp: declined before the exec, TCP"
+ssh-keygen -q -t ed25519 -N '' -f "$work/ssh_host_key" </dev/null
+ssh-keygen -q -t ed25519 -N '' -f "$work/ssh_id" </dev/null
+cp "$work/ssh_id.pub" "$work/authorized_keys"
+mkdir -p /run/sshd
+cat >"$work/sshd_config" <<EOF
+Port 18022
+ListenAddress 127.0.0.1
+HostKey $work/ssh_host_key
+PermitRootLogin yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+AuthorizedKeysFile $work/authorized_keys
+StrictModes no
+PidFile $work/sshd.pid
+Subsystem sftp internal-sftp
+EOF
+: >"$SMC_LOG.ssh"
+SMC_LOG="$SMC_LOG.ssh" "$SMC" run "$(command -v sshd)" -D -e -f "$work/sshd_config" >"$work/sshd.log" 2>&1 &
+pids+=($!)
+wait_port 18022
+sshopt=(-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR
+    -i "$work/ssh_id")
+got=$(SMC_LOG="$SMC_LOG.ssh" timeout 30 "$SMC" run ssh "${sshopt[@]}" -p 18022 root@127.0.0.1 sha256sum \
+    <"$work/r4m" | cut -d' ' -f1) || fail "ssh failed: $(tail -5 "$work/sshd.log")"
+[ "$got" = "$want" ] || fail "ssh: payload differs"
+SMC_LOG="$SMC_LOG.ssh" timeout 30 "$SMC" run scp -q "${sshopt[@]}" -P 18022 "$work/r4m" \
+    "root@127.0.0.1:$work/scp.out" || fail "scp failed: $(tail -5 "$work/sshd.log")"
+[ "$(sum "$work/scp.out")" = "$want" ] || fail "scp: payload differs"
+n=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG.ssh" || true)
+[ "$n" = 2 ] || fail "sshd: $n connections declined before the exec, 2 expected"
+[ "$(grep -c "PeerDeclined { code: DeclineCode::EXECED" "$SMC_LOG.ssh" || true)" = 2 ] \
+    || fail "ssh/scp: not TCP after the server's Decline"
+echo "   ssh and scp (4 MB each way) over TCP, payloads verified"
+
+echo "== lighttpd (one epoll loop) + ab (keep-alive, 8 connections, 2000 requests) + curl"
+cat >"$work/lighttpd.conf" <<EOF
+server.document-root = "$work/www"
+server.port = 18091
+server.bind = "127.0.0.1"
+server.errorlog = "$work/lighttpd.err"
+EOF
+: >"$SMC_LOG.lt"
+SMC_LOG="$SMC_LOG.lt" "$SMC" run lighttpd -D -f "$work/lighttpd.conf" &
+pids+=($!)
+wait_port 18091
+for i in 1 2; do
+    got=$(SMC_LOG="$SMC_LOG.lt" timeout 20 "$SMC" run curl -sSf "http://127.0.0.1:18091/f" | sha256sum | cut -d' ' -f1) \
+        || fail "lighttpd curl $i failed: $(tail -3 "$work/lighttpd.err")"
+    [ "$got" = "$want" ] || fail "lighttpd curl $i: payload differs"
+done
+SMC_LOG="$SMC_LOG.lt" timeout 60 "$SMC" run ab -q -k -n 2000 -c 8 "http://127.0.0.1:18091/k1" >"$work/ab.out" 2>&1 \
+    || fail "ab: $(tail -5 "$work/ab.out")"
+grep -q "^Complete requests: *2000" "$work/ab.out" && grep -q "^Failed requests: *0" "$work/ab.out" \
+    && grep -q "^Keep-Alive requests: *2000" "$work/ab.out" || fail "ab: $(grep -i requests "$work/ab.out")"
+n=$(grep -c ": SMC-R" "$SMC_LOG.lt" || true)
+[ "$n" = 20 ] || fail "lighttpd: $n SMC-R ends, 20 expected (2 curls, 8 ab connections)"
+echo "   2 curls of 4 MB, ab $(grep -o "Requests per second: *[0-9.]*" "$work/ab.out" | tr -s ' '), 20 SMC-R ends"
 
 echo "preload-apps: all passed"

@@ -342,6 +342,53 @@ def rare_call_checks(conn, fd):
     os.write(w, b"spliced\n")
     n = os.splice(r, fd, 8)
     check(n == 8, f"splice from a pipe into the connection ({n})")
+    # splice into a pipe whose pages are partly used: 31597 bytes held in 8 of its 16 pages
+    # leave 8 pages (32768 bytes) free, less than its capacity less FIONREAD (33939). As
+    # from TCP, the splice moves what the free pages take and does not wait (haproxy's
+    # splice forwarding waited forever on its own pipe), and no byte is lost.
+    r2, w2 = os.pipe()
+    os.write(w2, b"x" * 65536)
+    os.read(r2, 33939)
+    ask(conn, "seq 40000")
+    want = bytes(i * 7 % 251 for i in range(40000))
+    deadline = time.monotonic() + 5
+    while (struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] < 40000
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
+
+    class Stuck(Exception):
+        pass
+
+    def stuck(*_):
+        raise Stuck()
+
+    old_alarm = signal.signal(signal.SIGALRM, stuck)
+    signal.setitimer(signal.ITIMER_REAL, 5, 0.2)  # again and again: a wait is interrupted
+    try:
+        n = os.splice(fd, w2, 65536, flags=os.SPLICE_F_NONBLOCK)
+    except Stuck:
+        n = -1
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old_alarm)
+    check(0 < n <= 32768, f"splice into a pipe with partly used pages: what fits, no wait ({n})")
+    held = b""
+    while len(held) < 31597 + max(n, 0):
+        held += os.read(r2, 65536)
+    rest = b""
+    while n > 0 and len(rest) < 40000 - n:
+        rest += conn.recv(65536)
+    check(held[:31597] == b"x" * 31597 and held[31597:] + rest == want,
+          "splice into a pipe with partly used pages: every byte once, in order")
+    if n <= 0:
+        conn.settimeout(0.5)  # failed: what is left must not confuse the checks that follow
+        try:
+            while conn.recv(65536):
+                pass
+        except socket.timeout:
+            pass
+        conn.settimeout(None)
+    os.close(r2)
+    os.close(w2)
     try:
         os.splice(fd, fd, 1)
         check(False, "splice between two sockets: EINVAL")
@@ -358,6 +405,22 @@ def rare_call_checks(conn, fd):
     events = struct.unpack_from("=I", bytes(evs), 0)[0] if n > 0 else 0
     check(n == 1 and events & select.EPOLLIN, f"epoll_pwait2 reports the connection ({n})")
     check(conn.recv(1) == b"z", "read after epoll_pwait2")
+
+    # A thread asleep in epoll_wait on an instance that watched no connection when the wait
+    # began is woken when another thread adds a ready connection, as the kernel wakes it
+    # (BEAM's poll thread: Erlang's gen_tcp never read its data).
+    ep3 = select.epoll()
+    woke = []
+    sleeper = threading.Thread(target=lambda: woke.append(ep3.poll(5)))
+    sleeper.start()
+    time.sleep(0.2)
+    ask(conn, "send 1 w")
+    check(wait_readable(conn), "data for the late registration")
+    ep3.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+    sleeper.join()
+    check(woke == [[(fd, select.EPOLLIN)]], f"a sleeping epoll_wait reports a connection added meanwhile ({woke})")
+    check(conn.recv(1) == b"w", "read after the late registration")
+    ep3.close()
     ts = (ctypes.c_long * 2)(0, 20_000_000)
     check(libc.epoll_pwait2(ep.fileno(), evs, 4, ts, None) == 0, "epoll_pwait2: timeout, nothing")
     ep.close()
@@ -583,6 +646,8 @@ def client(port, smc):
         cmd = line.decode().split()
         if cmd[0] == "send":
             s.sendall(cmd[2].encode() * int(cmd[1]))
+        elif cmd[0] == "seq":
+            s.sendall(bytes(i * 7 % 251 for i in range(int(cmd[1]))))
         elif cmd[0] == "expect":
             got = f.readline()
             check(got == (cmd[1] + "\n").encode(), f"got {cmd[1]} ({got!r})")

@@ -95,6 +95,8 @@ pub(crate) fn target(fd: c_int) -> Target {
         Kind::Smc(c) if e.ours() => Target::Smc(c.clone()),
         Kind::Smc(_) | Kind::Inherited => Target::Foreign,
         Kind::Pending(once) => {
+            // In a process cloned without fork handlers, its own stack (see there).
+            let _ = table::borrowed_memory();
             // One thread runs the rendezvous; another one using the number meanwhile waits
             // for it and then looks again.
             let _g = once.lock().unwrap_or_else(|p| p.into_inner());
@@ -1148,6 +1150,8 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     let spawn = spawn || table::borrowed_memory();
     // Connections shut down here: the new program reads their end of stream (not named).
     let mut ended = Vec::new();
+    // Accepted connections settled as TCP here (one socket may be under several numbers).
+    let mut settled = Vec::new();
     if !spawn {
         for fd in 0..1024 {
             if !table::maybe(fd) {
@@ -1156,6 +1160,10 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
             let Some(e) = table::get(fd) else {
                 continue;
             };
+            if matches!(e.kind, Kind::Pending(_)) {
+                settle_pending_as_tcp(fd, &mut settled);
+                continue;
+            }
             if !matches!(e.kind, Kind::Smc(_)) || !e.ours() {
                 continue;
             }
@@ -1177,6 +1185,42 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
         .map(|(dev, ino)| format!("{dev}:{ino}"))
         .collect();
     (!named.is_empty()).then(|| named.join(","))
+}
+
+/// Before an exec: an accepted connection whose server rendezvous has not run (its client
+/// offered SMC-R, nobody used it yet) and whose number survives the exec is settled as TCP
+/// here: the new program has no table and would read the client's CLC messages as its own
+/// data, and the client would wait for an Accept (sshd re-executes itself with the
+/// connection on its standard input: "banner line contains invalid characters"). The
+/// client's Proposal is read and declined (`EXECED`); the new program gets the TCP
+/// connection as it is, as without the library. (Running the rendezvous in the new image
+/// instead would give sshd an SMC-R connection that its privilege-separated child, forked
+/// after, could not use.) Whichever process made the entry (sshd's listener accepted, its
+/// child execs), the entry goes: this image ends, or the exec failed and the socket is TCP.
+fn settle_pending_as_tcp(fd: c_int, settled: &mut Vec<(u64, u64)>) {
+    // SAFETY: plain fcntl.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+    if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
+        return;
+    }
+    let id = table::socket_id(fd);
+    if id.is_some_and(|id| settled.contains(&id)) {
+        // Another number of the same socket was settled already.
+        if let Some(old) = table::take(fd) {
+            table::release(old);
+        }
+        return;
+    }
+    settled.extend(id);
+    let (r, _) = blocking(fd, || fdapi::decline_accepted(bfd(fd)));
+    match r {
+        Ok(true) => log!("fd {fd}: accepted connection handed to an exec'd program: declined, TCP"),
+        Ok(false) => log!("fd {fd}: accepted connection handed to an exec'd program: TCP"),
+        Err(e) => log!("fd {fd}: accepted connection handed to an exec'd program: {e}"),
+    }
+    if let Some(old) = table::take(fd) {
+        table::release(old);
+    }
 }
 
 /// In the constructor: the sockets the previous image named (see [`before_exec`]), under

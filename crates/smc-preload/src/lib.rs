@@ -25,21 +25,33 @@ mod table;
 mod wait;
 
 use std::io;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::Ordering;
 
-/// The descriptor of the `SMC_LOG` file (-1: no log).
-static LOG_FD: AtomicI32 = AtomicI32::new(-1);
+/// The `SMC_LOG` path, if any.
+static LOG_PATH: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
 
-/// Write one line to the `SMC_LOG` file, if any.
+/// Write one line to the `SMC_LOG` file, if any. The file is opened for each line, not kept
+/// open: a program that closes every descriptor it did not make (sshd's and ssh's
+/// `closefrom(3)` at start, a daemon's close loop) would close a kept one, and the next
+/// line would go to whatever file or socket the program opened under that number.
 pub(crate) fn write_log(msg: std::fmt::Arguments<'_>) {
-    let fd = LOG_FD.load(Ordering::Relaxed);
-    if fd < 0 {
+    let Some(path) = LOG_PATH.get() else {
         return;
-    }
+    };
     let pid = table::PID.load(Ordering::Relaxed);
     let line = format!("smc-preload[{pid}]: {msg}\n");
-    // SAFETY: a valid buffer; the log descriptor is ours.
-    let _ = unsafe { real::write(fd, line.as_ptr().cast(), line.len()) };
+    // SAFETY: a NUL-terminated path; a valid buffer; the descriptor is ours.
+    unsafe {
+        let fd = libc::open(
+            path.as_ptr(),
+            libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT | libc::O_CLOEXEC,
+            0o644,
+        );
+        if fd >= 0 {
+            let _ = real::write(fd, line.as_ptr().cast(), line.len());
+            real::close(fd);
+        }
+    }
 }
 
 macro_rules! log {
@@ -133,29 +145,11 @@ extern "C" fn init() {
         table::PID.store(libc::getpid(), Ordering::Relaxed);
     }
     smc::fdapi::keep_settings();
+    table::fork_probe_init();
     if let Some(path) = std::env::var_os("SMC_LOG") {
         use std::os::unix::ffi::OsStrExt;
         if let Ok(c) = std::ffi::CString::new(path.as_bytes()) {
-            // SAFETY: a NUL-terminated path.
-            let fd = unsafe {
-                libc::open(
-                    c.as_ptr(),
-                    libc::O_WRONLY | libc::O_APPEND | libc::O_CREAT | libc::O_CLOEXEC,
-                    0o644,
-                )
-            };
-            if fd >= 0 {
-                // Out of the way of programs that expect low numbers for themselves.
-                // SAFETY: plain fcntl on our descriptor.
-                let high = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 900) };
-                if high >= 0 {
-                    // SAFETY: our descriptor.
-                    unsafe { real::close(fd) };
-                    LOG_FD.store(high, Ordering::Relaxed);
-                } else {
-                    LOG_FD.store(fd, Ordering::Relaxed);
-                }
-            }
+            let _ = LOG_PATH.set(c);
         }
     }
     // SAFETY: handlers that only touch this library's state.

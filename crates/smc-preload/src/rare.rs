@@ -124,47 +124,113 @@ fn wait_for(fd: c_int, events: i16) -> Result<(), c_int> {
     }
 }
 
-/// splice from SMC-R connection `c` into pipe `out`: what the pipe has room for, read from
-/// the connection (blocking as the connection and the flags say), then written to the pipe.
-fn splice_from(c: &Conn, out: c_int, len: size_t, nonblock: bool) -> ssize_t {
-    let room = loop {
-        let room = pipe_room(out);
-        if room > 0 {
-            break room;
-        }
-        if nonblock {
-            set_errno(libc::EAGAIN);
-            return -1;
-        }
-        if let Err(e) = wait_for(out, libc::POLLOUT) {
-            set_errno(e);
-            return -1;
+/// A write end of pipe `out` that never waits: a description of the pipe of our own, opened
+/// nonblocking through `/proc/self/fd`, so that the program's description (and its
+/// O_NONBLOCK) stays as it is. `None` without /proc (a chroot) or without a reader.
+fn nonblocking_writer(out: c_int) -> Option<c_int> {
+    let path = format!("/proc/self/fd/{out}\0");
+    // SAFETY: a NUL-terminated path; the descriptor is ours and closed by the caller.
+    let fd = unsafe {
+        libc::open(
+            path.as_ptr().cast(),
+            libc::O_WRONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
+    (fd >= 0).then_some(fd)
+}
+
+/// Write `buf` to pipe `out` without waiting: what its free pages take (a pipe counts
+/// pages, not bytes, so its capacity less FIONREAD may be more than a write can put in).
+/// `Ok(0)` when nothing fits.
+fn write_pipe_nonblocking(out: c_int, buf: &[u8]) -> Result<usize, c_int> {
+    let own = nonblocking_writer(out);
+    let w = match own {
+        // SAFETY: our descriptor and buffer.
+        Some(fd) => unsafe { real::write(fd, buf.as_ptr().cast(), buf.len()) },
+        None => {
+            // No description of our own: the program's, made nonblocking for this write.
+            // SAFETY: plain fcntl and write on the program's pipe.
+            unsafe {
+                let fl = real::fcntl(out, libc::F_GETFL, 0);
+                if fl >= 0 && fl & libc::O_NONBLOCK == 0 {
+                    real::fcntl(out, libc::F_SETFL, (fl | libc::O_NONBLOCK) as usize);
+                }
+                let w = real::write(out, buf.as_ptr().cast(), buf.len());
+                let e = *libc::__errno_location();
+                if fl >= 0 && fl & libc::O_NONBLOCK == 0 {
+                    real::fcntl(out, libc::F_SETFL, fl as usize);
+                }
+                set_errno(e);
+                w
+            }
         }
     };
-    let mut buf = vec![0u8; len.min(room).min(1 << 20)];
-    let flags = if nonblock { libc::MSG_DONTWAIT } else { 0 };
-    let n = hooks::smc_recv(c, &mut [&mut buf[..]], flags);
-    if n <= 0 {
-        return n;
+    let e = std::io::Error::last_os_error().raw_os_error();
+    if let Some(fd) = own {
+        // SAFETY: our own descriptor.
+        unsafe { real::close(fd) };
     }
-    let n = n as usize;
-    let mut off = 0;
-    while off < n {
-        // SAFETY: our buffer; the pipe has room for it (nobody else writes it meanwhile, or
-        // the write waits for room, as a splice into a full pipe does).
-        let w = unsafe { real::write(out, buf[off..n].as_ptr().cast(), n - off) };
-        if w < 0 {
-            let e = std::io::Error::last_os_error().raw_os_error();
-            if e == Some(libc::EAGAIN) && wait_for(out, libc::POLLOUT).is_ok() {
+    match w {
+        w if w >= 0 => Ok(w as usize),
+        _ if e == Some(libc::EAGAIN) => Ok(0),
+        _ => Err(e.unwrap_or(libc::EIO)),
+    }
+}
+
+/// splice from SMC-R connection `c` into pipe `out`, as the kernel's splice from a TCP socket:
+/// it waits (unless nonblocking) for data and for room in the pipe, then moves what the pipe
+/// takes. The bytes are peeked at, written to the pipe without waiting, and only what the
+/// pipe took is consumed: a write that waited for the rest would hang a program that
+/// empties the pipe itself (haproxy's splice forwarding, one thread per pipe), and bytes
+/// read past what the pipe took could not go back.
+fn splice_from(c: &Conn, out: c_int, len: size_t, nonblock: bool) -> ssize_t {
+    loop {
+        let room = loop {
+            let room = pipe_room(out);
+            if room > 0 {
+                break room;
+            }
+            if nonblock {
+                set_errno(libc::EAGAIN);
+                return -1;
+            }
+            if let Err(e) = wait_for(out, libc::POLLOUT) {
+                set_errno(e);
+                return -1;
+            }
+        };
+        let mut buf = vec![0u8; len.min(room).min(1 << 20)];
+        let flags = libc::MSG_PEEK | if nonblock { libc::MSG_DONTWAIT } else { 0 };
+        let n = hooks::smc_recv(c, &mut [&mut buf[..]], flags);
+        if n <= 0 {
+            return n;
+        }
+        let took = match write_pipe_nonblocking(out, &buf[..n as usize]) {
+            Ok(0) if nonblock => {
+                set_errno(libc::EAGAIN);
+                return -1;
+            }
+            Ok(0) => {
+                // The free pages did not take the first of these bytes: wait for a reader.
+                if let Err(e) = wait_for(out, libc::POLLOUT) {
+                    set_errno(e);
+                    return -1;
+                }
                 continue;
             }
-            // The bytes read from the connection cannot go back: report what moved.
-            log!("splice into pipe {out} failed after {off} of {n} bytes: {e:?}");
-            return if off > 0 { off as ssize_t } else { -1 };
+            Ok(w) => w,
+            Err(e) => {
+                set_errno(e);
+                return -1;
+            }
+        };
+        // Consume what the pipe took (peeked, so there without waiting).
+        let got = hooks::smc_recv(c, &mut [&mut buf[..took]], libc::MSG_DONTWAIT);
+        if got != took as ssize_t {
+            log!("splice: {took} bytes went into pipe {out}, {got} consumed from the connection");
         }
-        off += w as usize;
+        return took as ssize_t;
     }
-    n as ssize_t
 }
 
 /// splice from pipe `inp` into SMC-R connection `c`: no more than the connection takes

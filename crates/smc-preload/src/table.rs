@@ -28,10 +28,63 @@ pub(crate) static PID: AtomicI32 = AtomicI32::new(0);
 /// as `posix_spawn` and Python's subprocess make) between its start and its exec, in which
 /// no fork handler ran. Its closes and dups must not change the table, which is its
 /// parent's.
+///
+/// A process made by a raw `clone` without `CLONE_VM` (vsftpd's session processes) has its
+/// own memory but ran no fork handler either: it is told from a `vfork` child by the page
+/// [`fork_probe_init`] marked `MADV_WIPEONFORK` (zero in a child with copied memory, still
+/// marked in one that shares it), and made a forked child here (its own id, the parent's
+/// stack forgotten), as the fork handlers would have.
 pub(crate) fn borrowed_memory() -> bool {
     // SAFETY: getpid has no preconditions (the system call: no cached value).
     let pid = unsafe { libc::syscall(libc::SYS_getpid) } as i32;
-    pid != PID.load(Ordering::Relaxed)
+    if pid == PID.load(Ordering::Relaxed) {
+        return false;
+    }
+    let probe = PROBE.load(Ordering::Relaxed);
+    if probe.is_null() {
+        return true;
+    }
+    // SAFETY: the probe page mapped at load, never unmapped.
+    let wiped = unsafe { std::ptr::read_volatile(probe) } == 0;
+    if !wiped {
+        return true;
+    }
+    let forgot = smc::fdapi::forked_without_handlers();
+    PID.store(pid, Ordering::Relaxed);
+    // SAFETY: as above.
+    unsafe { std::ptr::write_volatile(probe, 1) };
+    crate::log!("a process cloned without fork handlers: its own table from here (stack forgotten: {forgot})");
+    false
+}
+
+/// A page whose first byte is 1 in the process that mapped it and 0 in a child with a copy
+/// of its memory (`MADV_WIPEONFORK`, Linux 4.14).
+static PROBE: std::sync::atomic::AtomicPtr<u8> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
+/// Map the probe page of [`borrowed_memory`] (in the library's constructor).
+pub(crate) fn fork_probe_init() {
+    // SAFETY: an anonymous private page of our own.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return;
+        }
+        if libc::madvise(p, 4096, libc::MADV_WIPEONFORK) != 0 {
+            libc::munmap(p, 4096);
+            return;
+        }
+        let p = p.cast::<u8>();
+        std::ptr::write_volatile(p, 1);
+        PROBE.store(p, Ordering::Relaxed);
+    }
 }
 
 /// What a managed descriptor is.

@@ -145,7 +145,9 @@ impl EpollSet {
         if new && self.nested.load(std::sync::atomic::Ordering::Relaxed) {
             interest.conn.arm();
         }
-        if self.sleeping.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        if self.sleeping.load(std::sync::atomic::Ordering::Relaxed) > 0
+            || PASS_SLEEPERS.load(std::sync::atomic::Ordering::SeqCst) > 0
+        {
             interest.conn.kick();
         }
         m.insert(fd, interest);
@@ -547,6 +549,21 @@ pub(crate) unsafe fn epoll_wait_managed(
     }
 }
 
+/// How many threads sleep in a wait passed on to the kernel on an epoll instance the program
+/// made through the library that watched no SMC-R connection when the wait began.
+static PASS_SLEEPERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The set of `epfd` when it watches SMC-R connections.
+fn managed_set(epfd: c_int) -> Option<Arc<EpollSet>> {
+    if !table::maybe(epfd) {
+        return None;
+    }
+    match &table::get(epfd)?.kind {
+        Kind::Epoll(set) => Some(set.clone()),
+        _ => None,
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn epoll_pwait(
     epfd: c_int,
@@ -555,20 +572,62 @@ pub unsafe extern "C" fn epoll_pwait(
     timeout: c_int,
     mask: *const sigset_t,
 ) -> c_int {
-    if max > 0 && table::maybe(epfd) {
-        if let Some(e) = table::get(epfd) {
-            if let Kind::Epoll(set) = &e.kind {
-                let set = set.clone();
-                // SAFETY: the caller's arguments.
-                let timeout = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
-                return guard(-1, || unsafe {
-                    epoll_wait_managed(epfd, &set, evs, max, timeout, mask)
-                });
-            }
+    let managed = |set: Arc<EpollSet>, timeout: Option<Duration>| {
+        // SAFETY: the caller's arguments.
+        guard(-1, || unsafe {
+            epoll_wait_managed(epfd, &set, evs, max, timeout, mask)
+        })
+    };
+    if max > 0 {
+        if let Some(set) = managed_set(epfd) {
+            return managed(
+                set,
+                (timeout >= 0).then(|| Duration::from_millis(timeout as u64)),
+            );
         }
     }
-    // SAFETY: passed on unchanged.
-    unsafe { real::epoll_pwait(epfd, evs, max, timeout, mask) }
+    let made = usize::try_from(epfd)
+        .ok()
+        .and_then(|i| EPOLL_FDS.get(i))
+        .is_some_and(|v| v.load(std::sync::atomic::Ordering::Relaxed) & EPOLL_MADE != 0);
+    if max <= 0 || timeout == 0 || !made {
+        // SAFETY: passed on unchanged.
+        return unsafe { real::epoll_pwait(epfd, evs, max, timeout, mask) };
+    }
+    // An instance of the program's without connections yet: the kernel's wait, but a
+    // connection added meanwhile (by another thread) must wake it, as the kernel wakes a
+    // wait for a ready descriptor added to its instance (BEAM's poll thread sleeps without a
+    // timeout while its schedulers add sockets: Erlang's gen_tcp never read its data). The
+    // adding thread writes the connection's eventfds (registered in this instance under our
+    // mark) when such a wait sleeps; the wait takes our events out and goes on managed.
+    let deadline = (timeout > 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
+    loop {
+        PASS_SLEEPERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // (Counted, then looked at again; an ADD makes the set, then reads the count.)
+        if let Some(set) = managed_set(epfd) {
+            PASS_SLEEPERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            return managed(
+                set,
+                deadline.map(|d| d.saturating_duration_since(Instant::now())),
+            );
+        }
+        let t = remaining_ms(deadline);
+        // SAFETY: the caller's arguments.
+        let k = unsafe { real::epoll_pwait(epfd, evs, max, t, mask) };
+        PASS_SLEEPERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if k <= 0 {
+            return k;
+        }
+        // SAFETY: the `k` events the kernel wrote.
+        let got = unsafe { std::slice::from_raw_parts_mut(evs, k as usize) };
+        let (kept, ours) = filter_marks(got, &mut [false; 8]);
+        if kept > 0 || !ours {
+            return kept as c_int;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return 0;
+        }
+    }
 }
 
 #[no_mangle]

@@ -129,6 +129,9 @@ wire_enum! {
         /// smc-rs: the client stopped waiting for the Accept (the server's application did
         /// not accept the TCP connection in time; a program connecting to its own listener).
         NOACCEPT = 0x0999_0100 => "no accept in time (connection to a listener of the same process)",
+        /// smc-rs: the server handed the accepted TCP connection to a program it exec'd
+        /// before the rendezvous (the new program uses the socket as TCP).
+        EXECED = 0x0999_0200 => "accepted connection handed to an exec'd program",
     }
 }
 

@@ -106,6 +106,22 @@ pub fn fork_child() {
     });
 }
 
+/// In a child made by a `clone` system call without `CLONE_VM` that is not `fork()` (vsftpd
+/// makes its session processes so, for their namespaces): no fork handler ran. Forget the
+/// parent's stack as [`fork_child`] does. `false` when another thread of the parent held
+/// the stack lock at the clone (the child cannot take it: its stack stays unusable).
+pub fn forked_without_handlers() -> bool {
+    let mut g = match STACK.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return false,
+    };
+    if let Some(parent) = g.take() {
+        std::mem::forget(parent);
+    }
+    true
+}
+
 /// A listening socket whose port the eBPF discovery of the stack that marked it knows.
 #[derive(Debug, Clone)]
 pub struct Listening {
@@ -215,8 +231,19 @@ fn set_oobinline(fd: BorrowedFd<'_>, on: bool) {
 /// this process's stack. The socket must be in blocking mode for the call (the rendezvous
 /// reads the client's CLC messages from it).
 pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
-    let stack = stack()?;
-    let sock = Arc::new(dup_stream(fd)?);
+    // When no stack or no descriptor can be made here, the client (which offered SMC-R and
+    // waits for the server's CLC answer) is declined, so that both ends use the TCP
+    // connection; otherwise it would read the program's first bytes as a CLC message.
+    let made = stack().and_then(|s| Ok((s, dup_stream(fd)?)));
+    let (stack, sock) = match made {
+        Ok((stack, sock)) => (stack, Arc::new(sock)),
+        Err(e) => {
+            return Err(match decline_unserved(fd) {
+                Ok(true) => io::Error::new(e.kind(), format!("{e} (the client was declined)")),
+                _ => e,
+            });
+        }
+    };
     let peer = sock.peer_addr()?;
     let was = oobinline(fd);
     if stack.discovery_mode() == DiscoveryMode::Ebpf {
@@ -229,6 +256,121 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
     let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
     set_oobinline(fd, was);
     Setup::of(s)
+}
+
+/// Settle the accepted connection `fd` (whose client offered SMC-R) as TCP without a
+/// rendezvous, for a program that hands the socket to another one before using it (sshd
+/// re-executes itself with the connection on its standard input; the new image has no
+/// table and would read the client's CLC messages as its own data). The client's first CLC
+/// message is waited for (at most the CLC timeout) and read whole; a Proposal is answered
+/// with a Decline (`EXECED`, of the Proposal's version), after which both ends use the TCP
+/// connection as it is. A leading Decline of the client (a connection to a listener of its
+/// own process) needs no answer. Anything else is left in the socket. Returns whether a
+/// Decline was sent.
+pub fn decline_accepted(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    decline_client(fd, smc_wire::DeclineCode::EXECED)
+}
+
+/// Answer the client of the accepted connection `fd`, whose server rendezvous failed here
+/// (the client offered SMC-R and waits for the server's CLC answer), with a Decline
+/// (`INTERR`), as [`decline_accepted`] does. Works on the
+/// program's descriptor itself and needs no stack (without one the Decline carries a zero
+/// peer ID, as Linux's without a device): the server rendezvous may have failed because
+/// none can be made here (vsftpd's session process has RLIMIT_NOFILE 0, a chroot, another
+/// network namespace and another uid).
+fn decline_unserved(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    decline_client(fd, smc_wire::DeclineCode::INTERR)
+}
+
+fn decline_client(fd: BorrowedFd<'_>, code: smc_wire::DeclineCode) -> io::Result<bool> {
+    let have = STACK.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (peer_id, wait) = match &have {
+        Some(s) => (s.peer_id(), s.config().clc_timeout),
+        None => (
+            smc_wire::PeerId::from_bytes([0; 8]),
+            crate::StackConfig::from_env()
+                .map(|c| c.clc_timeout)
+                .unwrap_or(std::time::Duration::from_secs(30)),
+        ),
+    };
+    let sock = fd;
+    let deadline = std::time::Instant::now() + wait;
+    // The CLC header: eye catcher (4), type (1), length (2), version and flags (1).
+    let mut msg = vec![0u8; 8];
+    loop {
+        let n = match rustix::net::recv(
+            sock,
+            &mut msg,
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        ) {
+            Ok((n, _)) => n,
+            Err(rustix::io::Errno::AGAIN) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        if n == msg.len() && msg.len() == 8 {
+            let len = usize::from(u16::from_be_bytes([msg[5], msg[6]]));
+            if !(8..=4096).contains(&len) {
+                return Ok(false);
+            }
+            msg.resize(len, 0);
+            continue;
+        }
+        if n == msg.len() {
+            break;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        if n > 0 {
+            // Part of the message is in (poll would not wait): the rest follows at once.
+            std::thread::sleep(left.min(std::time::Duration::from_millis(1)));
+            continue;
+        }
+        let mut fds = [rustix::event::PollFd::new(
+            &sock,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) => return Ok(false),
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let decline = match smc_wire::ClcMessage::parse(&msg) {
+        Ok((smc_wire::ClcMessage::Proposal(_), _)) if msg[7] >> 4 >= 2 => {
+            Some(smc_wire::Decline::new_v2(peer_id, code, false))
+        }
+        Ok((smc_wire::ClcMessage::Proposal(_), _)) => {
+            Some(smc_wire::Decline::new(peer_id, code, false))
+        }
+        Ok((smc_wire::ClcMessage::Decline(d), _)) if !d.out_of_sync => None,
+        _ => return Ok(false),
+    };
+    let mut got = 0;
+    while got < msg.len() {
+        match rustix::net::recv(sock, &mut msg[got..], rustix::net::RecvFlags::empty())?.0 {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
+        }
+    }
+    let Some(d) = decline else {
+        return Ok(false);
+    };
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1.2
+    //# If the server cannot or does not want to do SMC-R with the client, it sends
+    //# an SMC Decline CLC message to the client
+    let mut out = vec![0u8; d.buffer_len()];
+    d.emit(&mut out).map_err(io::Error::other)?;
+    let mut sent = 0;
+    while sent < out.len() {
+        sent += rustix::net::send(sock, &out[sent..], rustix::net::SendFlags::NOSIGNAL)?;
+    }
+    Ok(true)
 }
 
 /// Whether the client's first CLC message, waited for (at most `wait`: it offered SMC-R, so

@@ -25,6 +25,8 @@ pub(super) struct Rendezvous {
     /// when the handshake waits for one).
     pub(super) waker: Option<Arc<OwnedFd>>,
     buf: Vec<u8>,
+    /// Bytes of the current CLC message not yet read (0: the next read starts a message).
+    msg_left: usize,
     /// The handshake ended (its slot now belongs to the stream, or is gone).
     done: bool,
 }
@@ -100,6 +102,7 @@ impl Rendezvous {
             peer,
             waker: None,
             buf: vec![0u8; 4096],
+            msg_left: 0,
             done: false,
         }))
     }
@@ -278,8 +281,17 @@ impl Rendezvous {
                 return Ok(());
             }
         }
+        let Some(want) = self.clc_read_len() else {
+            // Part of a CLC header is in; the rest follows at once.
+            std::thread::sleep(Duration::from_micros(200));
+            return Ok(());
+        };
         let (inner, id, client) = (&self.stack.inner, self.id, self.client);
-        match (&*self.sock).read(&mut self.buf) {
+        let read = (&*self.sock).read(&mut self.buf[..want]);
+        if let Ok(n) = read {
+            self.msg_left = self.msg_left.saturating_sub(n);
+        }
+        match read {
             Ok(0) => {
                 let mut core = inner.lock();
                 if core.ep.connection(id).is_some() {
@@ -320,6 +332,33 @@ impl Rendezvous {
             }
         }
         Ok(())
+    }
+
+    /// How many bytes the next read may take: never past the end of the CLC message it is
+    /// in, so that what the peer sends after its last CLC message stays in the socket. A
+    /// program under `smc run` reads its own socket after a fallback, not the stream's
+    /// leftover: a server that declines and then writes first (a greeting) would otherwise
+    /// lose the greeting into the leftover. `None`: part of a header is in, wait for the rest.
+    fn clc_read_len(&mut self) -> Option<usize> {
+        if self.msg_left > 0 {
+            return Some(self.msg_left.min(self.buf.len()));
+        }
+        // The CLC header: eye catcher (4), type (1), length (2), version and flags (1).
+        let mut head = [0u8; 8];
+        match rustix::net::recv(
+            &*self.sock,
+            &mut head,
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        ) {
+            Ok((8, _)) => {
+                // A length below the header's is malformed: the endpoint rejects the header.
+                self.msg_left = usize::from(u16::from_be_bytes([head[5], head[6]])).max(8);
+                Some(self.msg_left.min(self.buf.len()))
+            }
+            Ok((n, _)) if n > 0 => None,
+            // End of stream, nothing yet, or an error: the read tells.
+            _ => Some(self.buf.len()),
+        }
     }
 
     /// This thread cannot go on with the handshake (no eventfd, a failed poll): end it as
