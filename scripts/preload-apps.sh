@@ -47,6 +47,19 @@ fail() {
     exit 1
 }
 
+# One of the python3 checks scripts/preload-NAME.py: its server on PORT, then its client, both
+# under smc run; a client or server that fails prints both logs and fails with WHAT.
+py_pair() {
+    local name=$1 port=$2 what=$3
+    "$SMC" run python3 "scripts/preload-$name.py" server "$port" >"$work/$name-s.log" 2>&1 &
+    pids+=($!)
+    local srv=$!
+    for _ in $(seq 1 100); do ss -ltn "sport = :$port" | grep -q "$port" && break; sleep 0.05; done
+    timeout 60 "$SMC" run python3 "scripts/preload-$name.py" client "$port" >"$work/$name-c.log" 2>&1 \
+        || { cat "$work/$name-c.log" "$work/$name-s.log"; fail "$what"; }
+    wait $srv || { cat "$work/$name-s.log"; fail "$what: server"; }
+}
+
 # A stack counter of process $1 (from `smc stats --json`).
 stat_of() {
     "$SMC" stats --json | python3 -c '
@@ -105,34 +118,19 @@ done
 echo "   answer read before the reset, ECONNRESET once (read, write or SO_ERROR), then EOF/EPIPE: as TCP"
 
 echo "== sockets closed through syscall(SYS_close), as libuv (node) closes them (scripts/preload-rawclose.py)"
-"$SMC" run python3 scripts/preload-rawclose.py server 19181 >"$work/rawclose-s.log" 2>&1 &
-pids+=($!); rcs=$!
-for _ in $(seq 1 100); do ss -ltn 'sport = :19181' | grep -q 19181 && break; sleep 0.05; done
-timeout 60 "$SMC" run python3 scripts/preload-rawclose.py client 19181 >"$work/rawclose-c.log" 2>&1 \
-    || { cat "$work/rawclose-c.log" "$work/rawclose-s.log"; fail "raw close: the client did not get every answer and end of stream"; }
-wait $rcs || { cat "$work/rawclose-s.log"; fail "raw close server"; }
+py_pair rawclose 19181 "raw close: the client did not get every answer and end of stream"
 cat "$work/rawclose-s.log" "$work/rawclose-c.log" | sed 's/^/   /'
 
 echo "== an accepted connection handed to an exec'd program before its first use, as sshd does (scripts/preload-execaccept.py)"
 before=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
-"$SMC" run python3 scripts/preload-execaccept.py server 19182 >"$work/execaccept-s.log" 2>&1 &
-pids+=($!); eas=$!
-for _ in $(seq 1 100); do ss -ltn 'sport = :19182' | grep -q 19182 && break; sleep 0.05; done
-timeout 60 "$SMC" run python3 scripts/preload-execaccept.py client 19182 >"$work/execaccept-c.log" 2>&1 \
-    || { cat "$work/execaccept-c.log" "$work/execaccept-s.log"; fail "exec'd handlers: the client did not get every greeting and answer"; }
-wait $eas || { cat "$work/execaccept-s.log"; fail "exec'd handlers: server"; }
+py_pair execaccept 19182 "exec'd handlers: the client did not get every greeting and answer"
 after=$(grep -c "handed to an exec'd program: declined, TCP" "$SMC_LOG" || true)
 [ $((after - before)) -eq 3 ] || fail "exec'd handlers: $((after - before)) connections settled as TCP before the exec, 3 expected"
 cat "$work/execaccept-s.log" "$work/execaccept-c.log" | sed 's/^/   /'
 
 echo "== accepted connections served by raw clone children, as vsftpd's (scripts/preload-rawclone.py)"
 before=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
-"$SMC" run python3 scripts/preload-rawclone.py server 19183 >"$work/rawclone-s.log" 2>&1 &
-pids+=($!); rcl=$!
-for _ in $(seq 1 100); do ss -ltn 'sport = :19183' | grep -q 19183 && break; sleep 0.05; done
-timeout 60 "$SMC" run python3 scripts/preload-rawclone.py client 19183 >"$work/rawclone-c.log" 2>&1 \
-    || { cat "$work/rawclone-c.log" "$work/rawclone-s.log"; fail "raw clone children: the client did not get every greeting and echo"; }
-wait $rcl || { cat "$work/rawclone-s.log"; fail "raw clone children: server"; }
+py_pair rawclone 19183 "raw clone children: the client did not get every greeting and echo"
 after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
 [ $((after - before)) -eq 2 ] || fail "raw clone children: $((after - before)) SMC-R connection ends, 2 expected (the first connection)"
 grep -q 'PeerDeclined { code: DeclineCode::INTERR' "$SMC_LOG" || fail "raw clone children: the second client was not declined"

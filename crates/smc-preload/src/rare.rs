@@ -585,8 +585,6 @@ fn resolve<T: Copy>(slot: &std::sync::atomic::AtomicUsize, name: &std::ffi::CStr
 static EXECVPE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 static FEXECVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// execvpe and fexecve as execve (`hooks::before_exec`): the C library's `execvp` reaches
-/// `execvpe` inside itself, but a program may call these directly.
 /// The C library's `execvpe` (ENOSYS if it has none).
 pub(crate) unsafe fn real_execvpe(
     file: *const c_char,
@@ -601,23 +599,21 @@ pub(crate) unsafe fn real_execvpe(
     unsafe { real(file, argv, envp) }
 }
 
+/// execvpe and fexecve as execve (`hooks::before_exec`): the C library's `execvp` reaches
+/// `execvpe` inside itself, but a program may call these directly.
 #[no_mangle]
 pub unsafe extern "C" fn execvpe(
     file: *const c_char,
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    let Some(real) = resolve::<ExecWithEnv>(&EXECVPE, c"execvpe") else {
-        set_errno(libc::ENOSYS);
-        return -1;
-    };
     match guard(None, hooks::before_exec) {
         // SAFETY: passed on unchanged.
-        None => unsafe { real(file, argv, envp) },
+        None => unsafe { real_execvpe(file, argv, envp) },
         Some(v) => {
             let (_owned, env) = hooks::env_with(envp, &v);
             // SAFETY: the caller's arguments, an environment that lives until the exec.
-            unsafe { real(file, argv, env.as_ptr()) }
+            unsafe { real_execvpe(file, argv, env.as_ptr()) }
         }
     }
 }
