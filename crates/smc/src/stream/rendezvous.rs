@@ -345,19 +345,42 @@ impl Rendezvous {
         }
         // The CLC header: eye catcher (4), type (1), length (2), version and flags (1).
         let mut head = [0u8; 8];
-        match rustix::net::recv(
-            &*self.sock,
-            &mut head,
-            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
-        ) {
-            Ok((8, _)) => {
-                // A length below the header's is malformed: the endpoint rejects the header.
-                self.msg_left = usize::from(u16::from_be_bytes([head[5], head[6]])).max(8);
-                Some(self.msg_left.min(self.buf.len()))
+        let mut waited = false;
+        loop {
+            match rustix::net::recv(
+                &*self.sock,
+                &mut head,
+                rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((8, _)) => {
+                    // A length below the header's is malformed: the endpoint rejects the
+                    // header.
+                    self.msg_left = usize::from(u16::from_be_bytes([head[5], head[6]])).max(8);
+                    return Some(self.msg_left.min(self.buf.len()));
+                }
+                Ok((n, _)) if n > 0 => return None,
+                // Nothing yet: wait (within the socket's read timeout) for the first byte
+                // without taking it, then look at the header. A read of the whole buffer
+                // here would take, with the peer's Decline, the bytes the peer program
+                // writes right after it (a greeting) whenever both are in by the time this
+                // thread wakes.
+                Err(rustix::io::Errno::AGAIN) if !waited => {
+                    waited = true;
+                    match rustix::net::recv(
+                        &*self.sock,
+                        &mut head[..1],
+                        rustix::net::RecvFlags::PEEK,
+                    ) {
+                        Ok((1, _)) => {}
+                        // The read timeout: look again on the next turn.
+                        Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => return None,
+                        // End of stream or an error: the read tells.
+                        _ => return Some(self.buf.len()),
+                    }
+                }
+                // End of stream or an error: the read tells.
+                _ => return Some(self.buf.len()),
             }
-            Ok((n, _)) if n > 0 => None,
-            // End of stream, nothing yet, or an error: the read tells.
-            _ => Some(self.buf.len()),
         }
     }
 
