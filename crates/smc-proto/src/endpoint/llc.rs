@@ -437,6 +437,15 @@ impl Endpoint {
         } else if l.test_link == Some(t.user_data) {
             l.test_link = None;
             l.timers.stop(LinkTimer::TestLinkReply);
+            // The link is viable: the next TEST LINK follows the next keepalive interval of
+            // silence. (Re-arming only at a message's arrival, as before, stopped the
+            // keepalive for good on a link silent since: a sender whose peer stopped reading
+            // never learned of the peer's death.)
+            //= https://www.rfc-editor.org/rfc/rfc7609#section-4.5.3
+            //# If both conditions are met, the local host then performs a TEST LINK LLC
+            //# command to test the viability of the SMC-R link
+            let keepalive = self.config.keepalive;
+            l.rearm_keepalive(keepalive, now);
         } else {
             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
             //# User data doesn't match what was sent in the TEST LINK request.  Recovery

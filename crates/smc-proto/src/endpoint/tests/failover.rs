@@ -324,6 +324,35 @@ fn keepalive_test_link_on_idle_link() {
         .is_some_and(|g| g.active_count() == 1));
 }
 
+/// Keepalive: a link that stays silent after a TEST LINK was answered is tested again every
+/// interval, not only after the next message that arrives (a sender whose peer stopped
+/// reading and then died would otherwise never learn of it).
+#[test]
+fn keepalive_keeps_testing_a_silent_link() {
+    let mut a = config(Side::A, 1);
+    a.keepalive = Some(Duration::from_secs(2));
+    let mut p = EndpointPair::new(a, config(Side::B, 1), 1);
+    p.connect(T1);
+    p.run();
+    // (The server's ADD LINK attempts, every 10 s here, are the only other messages.)
+    p.run_for(Duration::from_secs(21));
+    let flow = p.flow(false);
+    let tests = flow.iter().filter(|f| *f == "A->B TEST LINK").count();
+    let replies = flow.iter().filter(|f| *f == "B->A TEST LINK rsp").count();
+    assert!(
+        tests >= 6 && replies == tests,
+        "{tests} TEST LINKs, {replies} replies: {flow:#?}"
+    );
+    // Then the peer goes silent for good: the next TEST LINK finds it gone.
+    p.knobs.drop = Some(Box::new(
+        |e| matches!(&e.what, Traced::Llc(_, smc_wire::LlcMessage::TestLink(t)) if t.reply),
+    ));
+    p.run_for(Duration::from_secs(8));
+    assert!(p
+        .a
+        .saw(|e| matches!(e, EndpointEvent::LinkGroupTerminated { .. })));
+}
+
 /// Keepalive: no TEST LINK reply → the link failed → failover to the other link.
 #[test]
 fn keepalive_no_reply_fails_over() {
