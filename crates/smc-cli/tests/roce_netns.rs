@@ -238,14 +238,77 @@ fn roce_pingpong_with_and_without_faults() {
     }
 }
 
-/// A peer killed with SIGKILL: the survivor's connection is reset by SMC-R's own timers
-/// (TEST LINK keepalive every second here), not left hanging.
+/// A peer killed with SIGKILL while it had bytes unread (as TCP: its kernel answers with a
+/// RST): the survivor's connection is reset by SMC-R's own timers (TEST LINK keepalive every
+/// second here), not left hanging. (A peer that dies having read everything shows as an end
+/// of stream, as its kernel's FIN does over TCP: `smc`'s `peer_process_death_shows_as_over_tcp`.)
 #[test]
 fn roce_peer_killed_resets_the_survivor() {
     if !root_with_ip() {
         return;
     }
     let net = Net::new(4);
+    // The server sends without end; the client's output goes to a pipe nobody reads, so the
+    // client stops reading and the server's bytes stay unread in its RMBE.
+    let mut server = net.nc(
+        'a',
+        &["-v", "-l", "7000", "--bind", &net.addr('a', 0)],
+        "",
+        Stdio::from(File::open("/dev/zero").expect("/dev/zero")),
+        Stdio::null(),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    // `ip netns exec` execs the program: the child is smc itself.
+    let mut client = net.nc(
+        'b',
+        &["-v", &net.addr('a', 0), "7000"],
+        "",
+        Stdio::piped(),
+        Stdio::piped(),
+    );
+    // Until the client has stopped reading: its stdout pipe is full.
+    let mut out = client.stdout.take().expect("client stdout");
+    let mut first = [0u8; 4096];
+    std::io::Read::read_exact(&mut out, &mut first).expect("the first bytes reach the client");
+    std::thread::sleep(Duration::from_millis(1500));
+    client.kill().expect("SIGKILL the client");
+    let _ = client.wait();
+    drop(out);
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(st) = server.try_wait().expect("wait") {
+            break st;
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = server.kill();
+            let mut err = String::new();
+            if let Some(mut e) = server.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("the server's connection outlived its dead peer by 60 s: {err}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = server.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    assert!(!status.success(), "the survivor reports the reset: {err}");
+    assert!(err.contains("reset"), "{err}");
+}
+
+/// A peer killed with SIGKILL after it had read everything sent to it (here: nothing): over
+/// TCP its kernel's FIN ends the stream, so here too — the survivor, which only received,
+/// learns of the death from SMC-R's keepalive and ends with what arrived, as at an end of
+/// stream (exit status 0).
+#[test]
+fn roce_peer_killed_having_read_everything_ends_the_stream() {
+    if !root_with_ip() {
+        return;
+    }
+    let net = Net::new(7);
     let out = net.dir.join("out");
     let mut server = net.nc(
         'a',
@@ -255,7 +318,6 @@ fn roce_peer_killed_resets_the_survivor() {
         Stdio::from(File::create(&out).expect("out")),
     );
     std::thread::sleep(Duration::from_millis(300));
-    // `ip netns exec` execs the program: the child is smc itself.
     let mut client = net.nc(
         'b',
         &["-v", &net.addr('a', 0), "7000"],
@@ -286,8 +348,12 @@ fn roce_peer_killed_resets_the_survivor() {
         use std::io::Read;
         let _ = e.read_to_string(&mut err);
     }
-    assert!(!status.success(), "the survivor reports the reset: {err}");
-    assert!(err.contains("reset"), "{err}");
+    assert!(
+        status.success(),
+        "the survivor sees an end of stream: {err}"
+    );
+    let got = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
+    assert!(got >= 4 << 20, "{got} bytes");
 }
 
 #[test]

@@ -975,7 +975,18 @@ impl Conn {
                 *o = c.ready();
                 continue;
             }
-            let err = core.slots.get(&c.id).and_then(|s| s.error);
+            let slot = core.slots.get(&c.id);
+            if slot.is_some_and(|s| s.peer_exited) {
+                // As a TCP socket after the peer's FIN.
+                *o = Ready {
+                    readable: true,
+                    writable: true,
+                    read_hup: true,
+                    ..Ready::default()
+                };
+                continue;
+            }
+            let err = slot.and_then(|s| s.error);
             *o = match core.ep.connection(c.id) {
                 None => Ready {
                     // (End of stream, or the bytes peeked before the connection ended.)
@@ -1052,6 +1063,7 @@ impl Conn {
         let core = self.stack.inner.lock();
         core.slots
             .get(&self.id)
+            .filter(|s| !s.peer_exited)
             .and_then(|s| s.error)
             .map(conn_error)
     }

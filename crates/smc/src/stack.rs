@@ -197,6 +197,9 @@ pub struct StackStats {
     /// Bytes the peer wrote before it reset a connection, kept for the application to read
     /// ahead of the reset (as TCP does).
     pub bytes_kept_at_reset: u64,
+    /// SMC-R connections whose link group was lost after the peer's process had ended (its
+    /// TCP socket closed in order): an end of stream for the application, not a reset.
+    pub ended_by_peer_exit: u64,
 }
 
 /// A socket as `smc ss` shows it.
@@ -380,13 +383,22 @@ impl Core {
                     self.ep.handle_tcp_reset(tcp, now);
                 }
             }
+            // An RMB freed with its link group waits for this turn's events: the unread
+            // bytes of its connections are copied out of it at their `UnreadAtReset`.
+            let mut frees = Vec::new();
             while let Some(op) = self.ep.poll_fabric() {
                 progress = true;
-                self.fabric_op(op);
+                match op {
+                    FabricOp::FreeRmb { .. } => frees.push(op),
+                    op => self.fabric_op(op),
+                }
             }
             while let Some(ev) = self.ep.poll_event() {
                 progress = true;
                 self.event(ev);
+            }
+            for op in frees {
+                self.fabric_op(op);
             }
             if !progress {
                 return;
@@ -746,6 +758,18 @@ impl Core {
                 }
                 smc_proto::Event::SendTcpReset => {
                     if let Some(s) = self.slots.get_mut(&tcp) {
+                        if s.peer_read_all
+                            && s.error
+                                == Some(ConnError::Reset(
+                                    smc_proto::conn::AbortReason::LinkGroupLost,
+                                ))
+                            && s.sock.as_ref().is_some_and(|k| {
+                                send::fin_received(std::os::fd::AsFd::as_fd(k.tcp()))
+                            })
+                        {
+                            s.peer_exited = true;
+                            self.stats.ended_by_peer_exit += 1;
+                        }
                         reset_socket(s.sock.take());
                     }
                 }
@@ -767,6 +791,11 @@ impl Core {
             EndpointEvent::LinkUp { .. } => self.stats.links_up += 1,
             EndpointEvent::LinkDown { .. } => self.stats.links_down += 1,
             EndpointEvent::LinkGroupTerminated { .. } => {}
+            EndpointEvent::LinkGroupLost { tcp, peer_read_all } => {
+                if let Some(s) = self.slots.get_mut(&tcp) {
+                    s.peer_read_all = peer_read_all;
+                }
+            }
         }
     }
 

@@ -1,5 +1,6 @@
 //! Dead peer: the peer process is killed (SIGKILL) in the middle of transfers on several
-//! connections. Every connection must fail with `ConnectionReset` (never hang), and every fd,
+//! connections. Every connection must fail with `ConnectionReset` (or, as over TCP when the
+//! peer had read everything, end), never hang, and every fd,
 //! memfd, mapping and thread this process held for the peer's link group must be released.
 //!
 //! The reset latency is printed (`reset after ...`); the test asserts only a generous hang
@@ -44,6 +45,7 @@ fn sigkill_of_the_peer_resets_every_connection_and_releases_everything() {
     let mut baseline = None;
     for round in 0..rounds {
         let mut peer = Peer::spawn("child_entry", "echo-server", &dir, &[]);
+        let ended_before = st.stats().ended_by_peer_exit;
         let before = proc_resources();
         let mut threads = Vec::new();
         for i in 0..CONNS {
@@ -64,16 +66,21 @@ fn sigkill_of_the_peer_resets_every_connection_and_releases_everything() {
         let killed = Instant::now();
         let _ = peer.child.wait();
         let mut worst = Duration::ZERO;
+        let mut ended = 0;
         for t in threads {
             let (r, at) = t.join().expect("stream thread");
             let e = r.expect_err("a stream survived its peer's death");
-            assert_eq!(
-                e.kind(),
-                std::io::ErrorKind::ConnectionReset,
-                "round {round}: {e}"
-            );
+            // As over TCP: the dead peer's kernel resets a connection it had unread bytes
+            // of, and ends one it had read everything of (FIN) — rare mid-transfer, and
+            // counted by the stack as `ended_by_peer_exit`.
+            match e.kind() {
+                std::io::ErrorKind::ConnectionReset => {}
+                std::io::ErrorKind::UnexpectedEof => ended += 1,
+                _ => panic!("round {round}: {e}"),
+            }
             worst = worst.max(at.saturating_duration_since(killed));
         }
+        assert_eq!(ended, st.stats().ended_by_peer_exit - ended_before, "round {round}");
         println!("round {round}: every connection reset after {worst:?} (SIGKILL to last error)");
         // A hang bound, not a timing assertion.
         assert!(worst < Duration::from_secs(60), "resets took {worst:?}");

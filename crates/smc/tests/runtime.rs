@@ -450,26 +450,58 @@ fn close_behaves_as_tcp() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A peer process that dies takes its stack, and so its links, with it: the link group is
+/// lost. Its kernel closes its TCP socket as it would any socket of a dead process — a FIN
+/// when it had read everything it was sent, a RST when not — and the application sees what
+/// TCP would show: the bytes the peer wrote before it died, then end of stream, or then
+/// ECONNRESET.
 #[test]
-fn peer_process_death_resets_the_connection() {
+fn peer_process_death_shows_as_over_tcp() {
     if std::env::var_os("SMC_RT_CHILD").is_some() {
         return;
     }
     let dir = test_dir("death");
-    let mut peer = Peer::spawn("echo-server", &dir, "");
     let st = stack(&dir, DiscoveryMode::AssertPeer);
-    let mut s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port)).expect("connect");
-    assert_eq!(s.mode(), Mode::Smc);
-    assert_eq!(roundtrip(&mut s, b"alive?"), b"alive?");
-    peer.child.kill().expect("kill peer");
-    let _ = peer.child.wait();
-    s.set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    let mut buf = [0u8; 8];
-    let r = s.read(&mut buf);
-    // Both links die with the process: the link group is lost and the connection reset.
-    let kind = r.expect_err("read after the peer died").kind();
-    assert_eq!(kind, std::io::ErrorKind::ConnectionReset);
+    for unread in [false, true] {
+        let mut peer = Peer::spawn("echo-server", &dir, "");
+        let mut s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port)).expect("connect");
+        assert_eq!(s.mode(), Mode::Smc);
+        assert_eq!(roundtrip(&mut s, b"alive?"), b"alive?");
+        // One CDC brings the whole echo: half of it is read, half stays in our RMBE.
+        s.write_all(b"last words").expect("write");
+        let mut half = [0u8; 5];
+        s.read_exact(&mut half).expect("read half");
+        assert_eq!(&half, b"last ");
+        if unread {
+            // The peer stops and gets bytes it will never read.
+            let pid = rustix::process::Pid::from_raw(peer.child.id() as i32).expect("pid");
+            rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+            s.write_all(b"unread").expect("write to the stopped peer");
+        }
+        peer.child.kill().expect("kill peer");
+        let _ = peer.child.wait();
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        let mut rest = Vec::new();
+        let r = s.read_to_end(&mut rest);
+        // What the peer wrote before it died is read first, whatever follows.
+        assert_eq!(rest, b"words", "unread {unread}");
+        if unread {
+            let kind = r
+                .expect_err("read after the peer died with unread data")
+                .kind();
+            assert_eq!(kind, std::io::ErrorKind::ConnectionReset);
+        } else {
+            r.expect("end of stream after the peer died having read everything");
+            // Then writing fails as after a TCP peer's close: the first write is taken, the
+            // next fails with EPIPE.
+            s.write_all(b"anyone?")
+                .expect("first write after the peer's end");
+            let e = s.write_all(b"anyone?").expect_err("second write");
+            assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe);
+        }
+    }
+    assert!(st.stats().ended_by_peer_exit >= 1, "{:?}", st.stats());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

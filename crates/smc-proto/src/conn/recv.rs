@@ -19,15 +19,23 @@ impl Connection {
     }
 
     /// After the peer reset the connection (its PeerConnAbort, a TCP RST, or its close
-    /// while we still had data to write): the bytes it had written and announced before,
-    /// still unread in our RMBE. A TCP receiver reads what arrived ahead of a reset before
-    /// it sees the reset, so these are handed to the application ahead of the error; the
-    /// runtime copies them out when the failure is reported (the RMBE goes back to the pool
-    /// with the connection). `None` for every other failure: after a protocol violation or
-    /// a local abort the cursors are not to be trusted, or the bytes were thrown away.
+    /// while we still had data to write) or the link group was lost (no link left: the
+    /// peer's host, or the peer's process with its userspace stack, is gone): the bytes it
+    /// had written and announced before, still unread in our RMBE. A TCP receiver reads what
+    /// arrived ahead of a reset before it sees the reset, so these are handed to the
+    /// application ahead of the error; the runtime copies them out when the failure is
+    /// reported (the RMBE goes back to the pool with the connection, or with its link
+    /// group). Every byte up to the peer's producer cursor was placed before the CDC that
+    /// announced it (the WRITEs precede the SEND on the same reliably connected QP), so they
+    /// are whole even when the links are gone. `None` for every other failure: after a
+    /// protocol violation or a local abort the cursors are not to be trusted, or the bytes
+    /// were thrown away.
     pub fn unread_at_reset(&self) -> Option<Regions> {
         let Some(ConnError::Reset(
-            AbortReason::PeerAbort | AbortReason::TcpReset | AbortReason::PeerClosedWithPendingData,
+            AbortReason::PeerAbort
+            | AbortReason::TcpReset
+            | AbortReason::PeerClosedWithPendingData
+            | AbortReason::LinkGroupLost,
         )) = self.error
         else {
             return None;

@@ -145,6 +145,9 @@ impl Endpoint {
         match self.entries.get_mut(&tcp) {
             Some(Entry::Smc(c)) if c.held => self.release_conn(tcp, now),
             Some(Entry::Smc(c)) => {
+                let peer_read_all = c.conn.peer_consumer_cursor() == c.conn.producer_cursor();
+                self.events
+                    .push_back(EndpointEvent::LinkGroupLost { tcp, peer_read_all });
                 c.conn.handle_link_group_lost(now);
                 self.after_conn(tcp, now);
             }

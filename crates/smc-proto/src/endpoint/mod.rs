@@ -226,6 +226,17 @@ pub enum EndpointEvent {
         /// Group.
         lgr: LgrId,
     },
+    /// Connection `tcp` is reset because its link group was lost (no link left); comes
+    /// before the connection's `Failed`.
+    LinkGroupLost {
+        /// The connection.
+        tcp: TcpId,
+        /// Whether the peer had consumed every byte we wrote. A runtime whose peer may be a
+        /// process that ended (a userspace stack dies with its process, and the link group
+        /// with it) tells the application what TCP would: a peer closed with everything read
+        /// (its kernel sent a FIN) is an end of stream, one with unread data (a RST) a reset.
+        peer_read_all: bool,
+    },
 }
 
 /// Where the unread bytes of a connection are in our RMB: the runtime copies them out of

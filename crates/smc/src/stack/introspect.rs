@@ -170,6 +170,7 @@ impl Stack {
             "tcp_resets": s.tcp_resets,
             "tcp_data_aborts": s.tcp_data_aborts,
             "bytes_kept_at_reset": s.bytes_kept_at_reset,
+            "ended_by_peer_exit": s.ended_by_peer_exit,
             "links_down": s.links_down,
             "failovers": e.failovers,
             "link_failures": e.link_failures,

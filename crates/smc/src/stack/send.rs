@@ -218,6 +218,21 @@ impl Deferred {
 
 /// Send a RST instead of a FIN when the socket closes (when the stream, which shares the
 /// descriptor, has gone too); the slot lets go of the socket and stops watching it.
+/// Whether the TCP socket `fd` has received the peer's FIN (a read would return end of
+/// stream). An SMC-R connection's TCP connection carries nothing once SMC-R runs, so this is
+/// the peer's kernel closing the socket: its process closed it or ended.
+pub(super) fn fin_received(fd: rustix::fd::BorrowedFd<'_>) -> bool {
+    let mut b = [0u8; 1];
+    matches!(
+        rustix::net::recv(
+            fd,
+            &mut b,
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT
+        ),
+        Ok((0, _))
+    )
+}
+
 pub(super) fn reset_socket(sock: Option<crate::tcpwatch::SlotSock>) {
     if let Some(s) = sock {
         let _ = rustix::net::sockopt::set_socket_linger(s.tcp(), Some(Duration::ZERO));

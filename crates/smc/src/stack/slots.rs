@@ -50,6 +50,16 @@ pub(crate) struct Slot {
     /// The bytes the peer wrote before it reset the connection, unread then (copied out of
     /// the RMBE when the reset came): reads take them before they see the error.
     pub(crate) left_by_reset: Vec<u8>,
+    /// The link group was lost while the TCP connection already held the peer's FIN: the
+    /// peer's process ended (its stack with it) and its kernel closed its TCP socket in
+    /// order, which a TCP peer sees as an end of stream. Reads give end of stream after
+    /// the bytes kept (`left_by_reset`), writes fail as after a peer's close, and no error
+    /// is reported; without the FIN (the peer's host or the path is gone) the connection
+    /// is reset.
+    pub(crate) peer_exited: bool,
+    /// When the link group was lost: whether the peer had consumed every byte we wrote
+    /// (a TCP socket closed with unread data sends a RST, not a FIN).
+    pub(crate) peer_read_all: bool,
 }
 
 impl Slot {
@@ -70,6 +80,8 @@ impl Slot {
             copying_in: false,
             wrote_after_peer_close: false,
             left_by_reset: Vec::new(),
+            peer_exited: false,
+            peer_read_all: false,
         }
     }
 

@@ -435,8 +435,14 @@ impl SmcStream {
             if core.ep.connection(id).is_some_and(|c| c.is_read_closed()) {
                 break Ok(0);
             }
-            if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
-                break Err(conn_error(e));
+            if let Some(s) = core.slots.get(&id) {
+                // The peer's process ended: over TCP, its kernel's FIN.
+                if s.peer_exited {
+                    break Ok(0);
+                }
+                if let Some(e) = s.error {
+                    break Err(conn_error(e));
+                }
             }
             if core.ep.connection(id).is_none() {
                 break Ok(0);
@@ -492,9 +498,21 @@ impl SmcStream {
         let deadline = self.deadline(self.write_timeout);
         let mut core = inner.lock();
         loop {
-            if let Some(e) = core.slots.get(&id).and_then(|s| s.error) {
-                core.drain();
-                return Err(conn_error(e));
+            if let Some(s) = core.slots.get_mut(&id) {
+                // The peer's process ended (see `Slot::peer_exited`): as after a TCP
+                // peer's close, the first write is taken, the next fails with EPIPE.
+                if s.peer_exited {
+                    let first = !std::mem::replace(&mut s.wrote_after_peer_close, true);
+                    core.drain();
+                    return match first {
+                        true => Ok(buf.len()),
+                        false => Err(io::ErrorKind::BrokenPipe.into()),
+                    };
+                }
+                if let Some(e) = s.error {
+                    core.drain();
+                    return Err(conn_error(e));
+                }
             }
             if core.slots.get(&id).is_some_and(|s| s.copying_in) {
                 // Another write of this connection copies without the lock into the space
