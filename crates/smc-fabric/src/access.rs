@@ -365,12 +365,19 @@ pub fn grant_dirs(dirs: &[PathBuf], uid: u32) -> io::Result<Vec<PathBuf>> {
 }
 
 /// Let user `uid` read and write the file `path` (made, mode 0644, if missing: a log file),
-/// with search on its private parents as [`grant_dirs`] gives. Returns the paths changed.
+/// with search on its private parents as [`grant_dirs`] gives. Returns the paths changed:
+/// none for what is not a regular file of the calling user (`/dev/null`, another user's
+/// file) or one anybody may write already.
 pub fn grant_file(path: &Path, uid: u32) -> io::Result<Vec<PathBuf>> {
     std::fs::OpenOptions::new()
         .append(true)
         .create(true)
         .open(path)?;
+    let md = std::fs::symlink_metadata(path)?;
+    let me = rustix::process::geteuid().as_raw();
+    if !md.is_file() || md.uid() != me || md.mode() & 0o006 == 0o006 {
+        return Ok(Vec::new());
+    }
     grant(path, uid, R | W)?;
     let mut changed = vec![path.to_owned()];
     changed.extend(grant_search(&[path.to_owned()], uid)?);
@@ -554,6 +561,16 @@ mod tests {
                 .and_then(|a| a.user_perm(other)),
             Some(R | W)
         );
+        // A log file in the private parent: read and write for the user; /dev/null untouched.
+        let log = dir.join("smc.log");
+        assert_eq!(grant_file(&log, other).expect("log"), [log.clone()]);
+        assert_eq!(
+            read_acl(&log).expect("acl").and_then(|a| a.user_perm(other)),
+            Some(R | W)
+        );
+        assert!(grant_file(Path::new("/dev/null"), other)
+            .expect("null")
+            .is_empty());
         // Granting again changes nothing and succeeds.
         grant_dirs(&[fab.clone(), dev.clone()], other).expect("again");
         // A group that may write makes the directory untrusted, ACL or not.

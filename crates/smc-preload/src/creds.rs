@@ -67,6 +67,11 @@ fn may_change_uid() -> bool {
 /// Before a change to the uids `targets` (`-1`: unchanged): grant them, per the policy.
 /// Returns whether the program opted out (TCP after the change).
 fn before_change(call: &str, targets: &[uid_t]) -> bool {
+    if table::borrowed_memory() {
+        // A vfork child between its start and its exec: the memory (and the stack) are
+        // its parent's; it makes nothing here.
+        return false;
+    }
     // SAFETY: no preconditions.
     let euid = unsafe { libc::geteuid() };
     let mut uids: Vec<u32> = targets
