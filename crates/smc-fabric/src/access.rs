@@ -565,7 +565,9 @@ mod tests {
         let log = dir.join("smc.log");
         assert_eq!(grant_file(&log, other).expect("log"), [log.clone()]);
         assert_eq!(
-            read_acl(&log).expect("acl").and_then(|a| a.user_perm(other)),
+            read_acl(&log)
+                .expect("acl")
+                .and_then(|a| a.user_perm(other)),
             Some(R | W)
         );
         assert!(grant_file(Path::new("/dev/null"), other)
