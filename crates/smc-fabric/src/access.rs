@@ -563,7 +563,10 @@ mod tests {
         );
         // A log file in the private parent: read and write for the user; /dev/null untouched.
         let log = dir.join("smc.log");
-        assert_eq!(grant_file(&log, other).expect("log"), [log.clone()]);
+        assert_eq!(
+            grant_file(&log, other).expect("log"),
+            std::slice::from_ref(&log)
+        );
         assert_eq!(
             read_acl(&log)
                 .expect("acl")
