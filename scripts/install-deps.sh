@@ -9,7 +9,7 @@
 #   nftables    – the roce loss test has the kernel drop RoCE datagrams at random (no netem here)
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 #   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
-#               libmemcached-tools, wrk, sockperf, haproxy, lighttpd, apache2-utils (ab),
+#               libmemcached-tools, wrk, sockperf, haproxy, lighttpd, apache2-utils (ab), apache2,
 #               openssh-client, openssh-server – the unmodified
 #               programs `scripts/preload-apps.sh` runs under `smc run`
 #   setpriv (util-linux), mount – the hardening tests run `smc` as another uid and mount a
@@ -49,7 +49,7 @@ apps=()
 for c in redis-server:redis-server redis-cli:redis-tools python3:python3 curl:curl \
     socat:socat iperf3:iperf3 nginx:nginx-light memcached:memcached memcslap:libmemcached-tools \
     wrk:wrk sockperf:sockperf haproxy:haproxy lighttpd:lighttpd ab:apache2-utils ssh:openssh-client \
-    sshd:openssh-server; do
+    sshd:openssh-server apache2:apache2; do
     command -v "${c%%:*}" >/dev/null 2>&1 || apps+=("${c#*:}")
 done
 if [ ${#apps[@]} -gt 0 ]; then

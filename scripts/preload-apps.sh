@@ -14,7 +14,7 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 0
 fi
 for p in redis-server redis-cli redis-benchmark python3 curl socat iperf3 nginx memcached memcslap \
-    wrk sockperf haproxy lighttpd ab ssh sshd ssh-keygen; do
+    wrk sockperf haproxy lighttpd ab ssh sshd ssh-keygen apache2; do
     if ! command -v "$p" >/dev/null 2>&1; then
         echo "preload-apps: skipped ($p missing; run scripts/install-deps.sh)"
         exit 0
@@ -528,5 +528,152 @@ grep -q "^Complete requests: *2000" "$work/ab.out" && grep -q "^Failed requests:
 n=$(grep -c ": SMC-R" "$SMC_LOG.lt" || true)
 [ "$n" = 20 ] || fail "lighttpd: $n SMC-R ends, 20 expected (2 curls, 8 ab connections)"
 echo "   2 curls of 4 MB, ab $(grep -o "Requests per second: *[0-9.]*" "$work/ab.out" | tr -s ' '), 20 SMC-R ends"
+
+# ==== privilege drop (issue #22): servers whose workers change their uid keep SMC-R ====
+# nginx (`user www-data;`) and apache2 (`User www-data`, mpm_event) start as root and their
+# workers call setuid(33). The library grants uid 33 the fabric directory before the call
+# (docs/preload.md, "Privilege drop"): the fabric lies in a private (0700) directory of root
+# here, so the grant must also give search on that parent. Then SMC_UID_CHANGE=tcp: the same
+# server stays TCP (also with the fabric directory granted by the runs before), bytes right.
+echo "== privilege drop: nginx (user www-data, 3 workers) + curl + wrk, apache2 (User www-data) + curl, opt-out"
+pd="$work/pd"
+mkdir -m 700 "$pd"
+# The document root must be readable by www-data: $work only searchable, the files readable.
+chmod 711 "$work"
+mkdir -m 755 "$work/pd-www"
+head -c 4000000 /dev/urandom >"$work/pd-www/f"
+head -c 1024 /dev/urandom >"$work/pd-www/k1"
+chmod 644 "$work/pd-www/f" "$work/pd-www/k1"
+pd_want=$(sha256sum "$work/pd-www/f" | cut -d' ' -f1)
+pd_env=(env SMC_FABRIC_DIR="$pd/fabric" SMC_LOG="$pd/smc.log")
+pd_fail() {
+    echo "--- privilege drop: library log (last 40 lines)" >&2
+    tail -n 40 "$pd/smc.log" >&2 || true
+    fail "privdrop: $*"
+}
+setpriv --reuid=33 --regid=33 --clear-groups test -x "$pd" && pd_fail "www-data may search $pd before any grant"
+pd_nginx() { # PORT: a config of nginx with workers as www-data
+    mkdir -p "$pd/nginx$1"
+    cat >"$pd/nginx$1/nginx.conf" <<EOF
+daemon off;
+worker_processes 3;
+user www-data;
+pid $pd/nginx$1/nginx.pid;
+error_log $pd/nginx$1/error.log;
+events { worker_connections 256; }
+http {
+    access_log off;
+    sendfile on;
+    client_body_temp_path $pd/nginx$1;
+    proxy_temp_path $pd/nginx$1;
+    fastcgi_temp_path $pd/nginx$1;
+    uwsgi_temp_path $pd/nginx$1;
+    scgi_temp_path $pd/nginx$1;
+    server { listen 127.0.0.1:$1; root $work/pd-www; }
+}
+EOF
+}
+pd_curl() { # URL WHAT: the 4 MB file through smc run curl, checksummed
+    local got
+    got=$("${pd_env[@]}" timeout 20 "$SMC" run curl -sSf "$1" | sha256sum | cut -d' ' -f1) || pd_fail "$2 failed"
+    [ "$got" = "$pd_want" ] || pd_fail "$2: payload differs"
+}
+pd_nginx 18471
+"${pd_env[@]}" "$SMC" run nginx -c "$pd/nginx18471/nginx.conf" &
+pids+=($!)
+pd_ng=$!
+wait_port 18471
+for i in 1 2 3 4; do pd_curl "http://127.0.0.1:18471/f" "nginx curl $i"; done
+grep -q "setuid to uid \[33\]: fabric directory $pd/fabric granted" "$pd/smc.log" \
+    || pd_fail "nginx's workers granted nothing"
+[ "$(grep -c ": SMC-R" "$pd/smc.log")" = 8 ] || pd_fail "$(grep -c ": SMC-R" "$pd/smc.log") SMC-R ends, 8 expected (4 curls)"
+# wrk through the workers; meanwhile `smc ss` must list the workers' (uid 33) connections
+# as SMC-R under the program name nginx, and no TCP connection of nginx or wrk.
+"${pd_env[@]}" WRK_EXPECT="$work/pd-www/k1" timeout 30 "$SMC" run \
+    wrk -t2 -c8 -d2s --timeout 10s -s "$work/wrk-check.lua" "http://127.0.0.1:18471/k1" >"$pd/wrk.out" 2>&1 &
+pd_wrk=$!
+seen=0
+for _ in $(seq 1 30); do
+    sleep 0.1
+    seen=$("$SMC" ss --json --dir "$pd/fabric" | python3 -c '
+import json, sys
+workers = 0
+for s in json.load(sys.stdin):
+    pid, prog = s["pid"], s["program"]
+    try:
+        with open("/proc/%s/status" % pid) as f:
+            uid = [l.split()[1] for l in f if l.startswith("Uid:")][0]
+    except OSError:
+        continue
+    for c in s["ss"]:
+        if prog in ("nginx", "wrk") and c["mode"] != "SMC-R":
+            sys.exit("%s (%s) has a %s connection" % (prog, pid, c["mode"]))
+        if prog == "nginx" and c["role"] == "server" and uid == "33":
+            workers += 1
+print(workers)') || pd_fail "smc ss: $seen"
+    [ "$seen" -ge 1 ] && break
+done
+[ "$seen" -ge 1 ] || pd_fail "smc ss listed no SMC-R connection of an nginx worker (uid 33)"
+wait $pd_wrk || pd_fail "wrk: $(cat "$pd/wrk.out")"
+! grep -q "Socket errors\|Non-2xx" "$pd/wrk.out" || pd_fail "wrk: $(cat "$pd/wrk.out")"
+read -r good bad total < <(awk '/^checked/ {print $2, $4, $6}' "$pd/wrk.out")
+[ "${bad:-x}" = 0 ] && [ "${good:-0}" -gt 100 ] && [ "$good" -ge "$total" ] \
+    || pd_fail "wrk: bodies checked ${good:-?}, wrong ${bad:-?}, requests ${total:-?}"
+# TCP only for wait_port's plain probe (at most one, seen by a worker as PeerWithoutOption).
+tcp=$(grep "]: fd [0-9]*: TCP" "$pd/smc.log" || true)
+[ "$(grep -vc PeerWithoutOption <<<"$tcp")" = 0 ] && [ "$(grep -c PeerWithoutOption <<<"$tcp")" -le 1 ] \
+    || pd_fail "a connection is TCP: $tcp"
+kill "$pd_ng"; wait "$pd_ng" 2>/dev/null || true
+echo "   4 curls of 4 MB and wrk ($good bodies verified) SMC-R; smc ss: $seen SMC-R connections of uid-33 workers"
+
+# apache2, mpm_event, 2 child processes of 8 threads, as www-data.
+mkdir -p "$pd/apache"
+cat >"$pd/apache/httpd.conf" <<EOF
+ServerRoot $pd/apache
+LoadModule mpm_event_module /usr/lib/apache2/modules/mod_mpm_event.so
+LoadModule authz_core_module /usr/lib/apache2/modules/mod_authz_core.so
+User www-data
+Group www-data
+ServerName localhost
+Listen 127.0.0.1:18473
+PidFile $pd/apache/httpd.pid
+ErrorLog $pd/apache/error.log
+Mutex file:$pd/apache default
+DocumentRoot $work/pd-www
+StartServers 2
+ServerLimit 2
+ThreadsPerChild 8
+MaxRequestWorkers 16
+EnableSendfile On
+<Directory $work/pd-www>
+    Require all granted
+</Directory>
+EOF
+: >"$pd/smc.log"
+"${pd_env[@]}" "$SMC" run apache2 -f "$pd/apache/httpd.conf" -DFOREGROUND &
+pids+=($!)
+pd_ap=$!
+wait_port 18473
+for i in 1 2 3; do pd_curl "http://127.0.0.1:18473/f" "apache2 curl $i"; done
+[ "$(grep -c ": SMC-R" "$pd/smc.log")" = 6 ] || pd_fail "apache2: $(grep -c ": SMC-R" "$pd/smc.log") SMC-R ends, 6 expected"
+grep -q "setuid to uid \[33\]: fabric directory" "$pd/smc.log" || pd_fail "apache2's children granted nothing"
+kill "$pd_ap"; wait "$pd_ap" 2>/dev/null || true
+echo "   apache2: 3 curls of 4 MB over SMC-R"
+
+# The opt-out, on the directory the runs above granted: TCP (declined), bytes right.
+pd_nginx 18472
+: >"$pd/smc.log"
+"${pd_env[@]}" SMC_UID_CHANGE=tcp "$SMC" run nginx -c "$pd/nginx18472/nginx.conf" &
+pids+=($!)
+pd_ng=$!
+wait_port 18472
+for i in 1 2; do pd_curl "http://127.0.0.1:18472/f" "opt-out curl $i"; done
+! grep -q ": SMC-R" "$pd/smc.log" || pd_fail "SMC_UID_CHANGE=tcp: a connection is SMC-R"
+[ "$(grep -c "]: fd [0-9]*: TCP (Tcp(PeerDeclined" "$pd/smc.log")" = 2 ] \
+    || pd_fail "SMC_UID_CHANGE=tcp: the curls were not declined to TCP"
+grep -q "SMC_UID_CHANGE=tcp, nothing granted" "$pd/smc.log" || pd_fail "the opt-out was not seen"
+kill "$pd_ng"; wait "$pd_ng" 2>/dev/null || true
+echo "   SMC_UID_CHANGE=tcp: 2 curls of 4 MB over TCP (declined by the workers), payloads verified"
+# ==== end of privilege drop ====
 
 echo "preload-apps: all passed"

@@ -120,8 +120,24 @@ impl Default for FabricConfig {
     }
 }
 
-/// The default fabric directory: `$XDG_RUNTIME_DIR/smc-fabric`, else `/tmp/smc-fabric-<uid>`.
+/// The default directory [`pin_default_dir`] fixed, if it was called.
+static PINNED_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Fix the default fabric directory of this process to what [`default_dir`] gives now, for
+/// the rest of its life: a program that clears its environment (nginx's workers lose
+/// `XDG_RUNTIME_DIR`) or changes its uid (a server dropping root) keeps the directory of the
+/// user and environment it started with, which its peers use (the `smc run` library calls
+/// this at load).
+pub fn pin_default_dir() {
+    let _ = PINNED_DIR.set(default_dir());
+}
+
+/// The default fabric directory: `$XDG_RUNTIME_DIR/smc-fabric`, else `/tmp/smc-fabric-<uid>`
+/// (or what [`pin_default_dir`] fixed).
 pub fn default_dir() -> PathBuf {
+    if let Some(d) = PINNED_DIR.get() {
+        return d.clone();
+    }
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(d) if !d.is_empty() => PathBuf::from(d).join("smc-fabric"),
         _ => PathBuf::from(format!(

@@ -124,6 +124,7 @@
 #![warn(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
+pub mod access;
 pub mod config;
 mod error;
 pub mod fdplace;

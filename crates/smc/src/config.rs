@@ -17,6 +17,7 @@
 //! | `SMC_UEIDS` | comma-separated SMC-Rv2 UEIDs (≤ 4; A–Z 0–9 `.` `-`, upper case, ≤ 32 characters) | none |
 //! | `SMC_VERSIONS` | SMC versions offered and accepted: `1`, `2` or `1,2` | `1,2` |
 //! | `SMC_CONFIG` | a TOML file read first (the variables above override it) | none |
+//! | `SMC_UID_CHANGE` | read by the `smc run` library: when the program changes its uid (a server's workers dropping root), `grant` gives the new uid the fabric directory (POSIX ACL entries, see `docs/preload.md`), `tcp` grants nothing and keeps the process's later connections TCP | `grant` |
 //! | `SMC_CGROUP2` | the cgroup v2 directory eBPF discovery attaches to (read by [`crate::discovery::find_cgroup2`]) | found, or mounted at `/run/smc-rs/cgroup2` |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,

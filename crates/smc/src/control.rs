@@ -88,12 +88,16 @@ fn sweep_stale(dir: &Path) {
     }
 }
 
-/// Whether `dir` is a directory of ours (or we are root) that nobody else may write to.
+/// Whether `dir` is a directory of ours or root's (or we are root) that nobody else may
+/// write to but the users its owner granted it to (`smc_fabric::access`).
 fn trusted_dir(dir: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let me = rustix::process::getuid().as_raw();
-    std::fs::symlink_metadata(dir)
-        .is_ok_and(|m| m.is_dir() && (m.uid() == me || me == 0) && m.mode() & 0o022 == 0)
+    std::fs::symlink_metadata(dir).is_ok_and(|m| {
+        m.is_dir()
+            && (m.uid() == me || m.uid() == 0 || me == 0)
+            && !smc_fabric::access::others_may_write(dir, &m)
+    })
 }
 
 /// The control socket of a running stack: its file, and its listening socket (shut down
@@ -135,6 +139,12 @@ pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<Contro
     let short = smc_fabric::sockpath::SocketPath::new(&path).map_err(std::io::Error::other)?;
     let l = Arc::new(UnixListener::bind(short.as_path())?);
     drop(short);
+    if let Some(d) = path.parent() {
+        // Reachable by the users the directory is granted to (`smc_fabric::access`).
+        if let Err(e) = smc_fabric::access::share_socket(&path, d) {
+            tracing::debug!(%e, path = %path.display(), "control socket not shared");
+        }
+    }
     l.set_nonblocking(true)?;
     at_exit::remove(&path);
     let l2 = l.clone();

@@ -35,7 +35,9 @@ use crate::stack::Notifiers;
 use crate::{Mode, SmcStream, Stack};
 
 mod spin;
+mod uid;
 pub use spin::LoopSpin;
+pub use uid::{before_uid_change, refuse_after_uid_change, UidGrant};
 
 /// The stack of this process (made at first use from the environment, as [`Stack::global`];
 /// a forked child makes its own after [`forked_child`]).
@@ -48,20 +50,31 @@ static SETTINGS: std::sync::OnceLock<Vec<(std::ffi::OsString, std::ffi::OsString
 /// Remember the `SMC_*` environment variables now (the library's constructor calls this), so
 /// that a stack made later uses them even if the program cleared its environment meanwhile
 /// (nginx rebuilds its workers' environment, keeping only TZ).
+/// The default fabric directory is fixed at the same time (the directory of the user and
+/// environment the program started with: see [`smc_fabric::config::pin_default_dir`]).
 pub fn keep_settings() {
     let _ = SETTINGS.set(
         std::env::vars_os()
             .filter(|(k, _)| k.to_string_lossy().starts_with("SMC_"))
             .collect(),
     );
+    smc_fabric::config::pin_default_dir();
 }
 
-/// The stack of the calling process, made from the environment at first use.
-pub fn stack() -> io::Result<Stack> {
-    let mut g = STACK.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(s) = g.as_ref() {
-        return Ok(s.clone());
-    }
+/// The value of the `SMC_*` setting `name`: from the environment, else as the program
+/// started with it (see [`keep_settings`]).
+pub fn setting(name: &str) -> Option<std::ffi::OsString> {
+    std::env::var_os(name).or_else(|| {
+        SETTINGS
+            .get()?
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    })
+}
+
+/// Put the kept settings back into the environment where the program removed them.
+fn restore_settings() {
     for (k, v) in SETTINGS.get().into_iter().flatten() {
         if std::env::var_os(k).is_none() {
             // Before the stack's threads exist; a program that reads its environment from
@@ -69,6 +82,18 @@ pub fn stack() -> io::Result<Stack> {
             std::env::set_var(k, v);
         }
     }
+}
+
+/// The stack of the calling process, made from the environment at first use.
+/// After a uid change the program opted out of (`SMC_UID_CHANGE=tcp`), none: every later
+/// connection is TCP.
+pub fn stack() -> io::Result<Stack> {
+    uid::check_allowed()?;
+    let mut g = STACK.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = g.as_ref() {
+        return Ok(s.clone());
+    }
+    restore_settings();
     smc_fabric::fdplace::keep_high();
     let s = Stack::from_env().map_err(io::Error::other)?;
     *g = Some(s.clone());

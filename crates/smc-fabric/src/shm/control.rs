@@ -43,6 +43,13 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
     let addr =
         SocketAddrUnix::new(short.as_path()).map_err(|e| FabricError::os("socket path", e))?;
     rustix::net::bind(&sock, &addr).map_err(|e| FabricError::os("bind device socket", e))?;
+    drop(short);
+    if let Some(dir) = path.parent() {
+        // Reachable by the users the directory is granted to (`crate::access`).
+        if let Err(e) = crate::access::share_socket(path, dir) {
+            tracing::debug!(%e, path = %path.display(), "device socket not shared");
+        }
+    }
     rustix::net::listen(&sock, 128).map_err(|e| FabricError::os("listen", e))?;
     Ok(sock)
 }

@@ -229,38 +229,23 @@ impl Drop for DeviceHandle {
 }
 
 fn create_private_dir(dir: &std::path::Path) -> Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .mode(0o700)
         .recursive(true)
         .create(dir)
         .map_err(|e| FabricError::os("create fabric directory", e))?;
     // The directory may have existed before (e.g. planted in /tmp by another user): only use
-    // it if we own it and nobody else can add sockets to it.
-    let md =
-        std::fs::symlink_metadata(dir).map_err(|e| FabricError::os("stat fabric directory", e))?;
-    let me = rustix::process::getuid().as_raw();
-    let why = if md.file_type().is_symlink() {
-        Some("a symbolic link".to_owned())
-    } else if !md.is_dir() {
-        Some("not a directory".to_owned())
-    } else if md.uid() != me {
-        Some(format!("owned by uid {}, not by us (uid {me})", md.uid()))
-    } else if md.mode() & 0o022 != 0 {
-        Some(format!(
-            "writable by others (mode {:o})",
-            md.mode() & 0o7777
-        ))
-    } else {
-        None
-    };
-    if let Some(why) = why {
-        return Err(FabricError::UntrustedDirectory {
+    // it if we (or root) own it and nobody else can add sockets to it, except the users its
+    // owner granted it to (`crate::access`).
+    match crate::access::untrusted_dir(dir) {
+        Ok(None) => Ok(()),
+        Ok(Some(why)) => Err(FabricError::UntrustedDirectory {
             path: dir.to_owned(),
             why,
-        });
+        }),
+        Err(e) => Err(FabricError::os("stat fabric directory", e)),
     }
-    Ok(())
 }
 
 /// Remove sockets left behind by processes that died without cleaning up (the GID embeds the

@@ -1,0 +1,168 @@
+//! `setuid`, `seteuid`, `setreuid`, `setresuid`: a program that gives up root after it
+//! started (nginx's and apache's workers become `www-data`) keeps SMC-R.
+//!
+//! Before the C library changes the uid (process-wide: glibc makes every thread change),
+//! while the process still holds CAP_SETUID, the library makes the process's stack when it
+//! uses SMC-R (it has managed sockets, maybe inherited from the parent that forked it) and
+//! grants the new uid the fabric directory and the `SMC_LOG` file ([`smc::fdapi::before_uid_change`];
+//! the trust rule and what it exposes are in `docs/preload.md`, "Privilege drop").
+//! `SMC_UID_CHANGE=tcp` keeps the old behaviour: no grant, and after the change no stack, so
+//! the process's later connections are TCP. The group calls (`setgid`, `setgroups`,
+//! `initgroups`) are left alone: the grants name the user.
+
+use libc::{c_int, uid_t};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::{guard, log, table};
+
+/// What `SMC_UID_CHANGE` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Policy {
+    /// Grant the new uid the fabric (the default).
+    Grant,
+    /// No grant; TCP after the change.
+    Tcp,
+}
+
+fn policy() -> Policy {
+    match smc::fdapi::setting("SMC_UID_CHANGE") {
+        None => Policy::Grant,
+        Some(v) if v == "grant" => Policy::Grant,
+        Some(v) if v == "tcp" => Policy::Tcp,
+        Some(v) => {
+            // Never silently the default: the safe side, and said so.
+            log!("SMC_UID_CHANGE={v:?} is neither grant nor tcp: taken as tcp");
+            Policy::Tcp
+        }
+    }
+}
+
+/// Whether the calling thread holds CAP_SETUID (without it a change to another uid fails,
+/// and nothing is granted).
+fn may_change_uid() -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: c_int,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SETUID: u32 = 7;
+    let mut h = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget with a version-3 header and room for its two data words.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()) };
+    r == 0 && d[0].effective & (1 << CAP_SETUID) != 0
+}
+
+/// Before a change to the uids `targets` (`-1`: unchanged): grant them, per the policy.
+/// Returns whether the program opted out (TCP after the change).
+fn before_change(call: &str, targets: &[uid_t]) -> bool {
+    if table::borrowed_memory() {
+        // A vfork child between its start and its exec: the memory (and the stack) are
+        // its parent's; it makes nothing here.
+        return false;
+    }
+    // SAFETY: no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let mut uids: Vec<u32> = targets
+        .iter()
+        .copied()
+        .filter(|&u| u != uid_t::MAX && u != euid)
+        .collect();
+    uids.sort_unstable();
+    uids.dedup();
+    if uids.is_empty() || !may_change_uid() {
+        return false;
+    }
+    if policy() == Policy::Tcp {
+        log!("{call} to uid {uids:?}: SMC_UID_CHANGE=tcp, nothing granted; TCP after the change");
+        return true;
+    }
+    let uses_smc = table::ANY.load(Ordering::Relaxed);
+    match smc::fdapi::before_uid_change(&uids, uses_smc) {
+        Ok(g) => {
+            let stack = match g.stack {
+                Ok(true) => "stack made before the change".to_owned(),
+                Ok(false) => "no stack yet".to_owned(),
+                Err(e) => format!("no stack: {e}"),
+            };
+            log!(
+                "{call} to uid {uids:?}: fabric directory {} granted ({} paths; {stack})",
+                g.dir.display(),
+                g.changed.len()
+            );
+        }
+        Err(e) => log!("{call} to uid {uids:?}: fabric directory not granted: {e}"),
+    }
+    if let Some(path) = crate::LOG_PATH.get() {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::path::Path::new(std::ffi::OsStr::from_bytes(path.as_bytes()));
+        for &u in &uids {
+            if let Err(e) = smc_fabric::access::grant_file(path, u) {
+                log!(
+                    "{call}: SMC_LOG {} not granted to uid {u}: {e}",
+                    path.display()
+                );
+            }
+        }
+    }
+    false
+}
+
+/// After the change: an opted-out program makes no stack from now on.
+fn after_change(opted_out: bool, r: c_int) -> c_int {
+    if opted_out && r == 0 {
+        smc::fdapi::refuse_after_uid_change();
+    }
+    r
+}
+
+/// The C library's function `name` (found on first use: these run a few times per process).
+fn real(cache: &AtomicUsize, name: &str) -> usize {
+    debug_assert!(name.ends_with('\0'));
+    let mut p = cache.load(Ordering::Relaxed);
+    if p == 0 {
+        // SAFETY: a NUL-terminated name; RTLD_NEXT finds the C library's definition.
+        p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr().cast()) } as usize;
+        cache.store(p, Ordering::Relaxed);
+    }
+    p
+}
+
+macro_rules! uid_call {
+    ($name:ident ( $($arg:ident),+ ) ) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: uid_t),+) -> c_int {
+            static REAL: AtomicUsize = AtomicUsize::new(0);
+            let p = real(&REAL, concat!(stringify!($name), "\0"));
+            if p == 0 {
+                crate::set_errno(libc::ENOSYS);
+                return -1;
+            }
+            // SAFETY: the C library's function of this name, of this type.
+            let f: unsafe extern "C" fn($($arg: uid_t),+) -> c_int = unsafe { std::mem::transmute(p) };
+            if crate::inside() {
+                // SAFETY: the caller's arguments, unchanged.
+                return unsafe { f($($arg),+) };
+            }
+            let opted_out = guard(false, || before_change(stringify!($name), &[$($arg),+]));
+            // SAFETY: the caller's arguments, unchanged.
+            after_change(opted_out, unsafe { f($($arg),+) })
+        }
+    };
+}
+
+uid_call!(setuid(uid));
+uid_call!(seteuid(euid));
+uid_call!(setreuid(ruid, euid));
+uid_call!(setresuid(ruid, euid, suid));
