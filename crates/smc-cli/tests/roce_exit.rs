@@ -13,15 +13,9 @@ use std::time::{Duration, Instant};
 mod netns;
 use netns::{root_with_ip, NsPair};
 
-/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) on one veth pair (netns::NsPair).
-struct Net(NsPair);
-
-impl std::ops::Deref for Net {
-    type Target = NsPair;
-    fn deref(&self) -> &NsPair {
-        &self.0
-    }
-}
+netns::net_type!(
+    /// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) on one veth pair (netns::NsPair).
+);
 
 impl Net {
     /// Each test its own namespaces (`test` tells them apart: the tests run at once).

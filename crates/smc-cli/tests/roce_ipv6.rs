@@ -22,17 +22,11 @@ use std::time::{Duration, Instant};
 mod netns;
 use netns::{input, query, root_with_ip, run, sha256_file, spawn_nc, wait, NsPair};
 
-/// Two namespaces joined by `pairs` veth pairs (netns::NsPair), pair k also on the IPv6
-/// prefix `fdNN:k+1::/64` (`a` is ::1, `b` is ::2), added with `nodad` so that they are usable
-/// at once.
-struct Net(NsPair);
-
-impl std::ops::Deref for Net {
-    type Target = NsPair;
-    fn deref(&self) -> &NsPair {
-        &self.0
-    }
-}
+netns::net_type!(
+    /// Two namespaces joined by `pairs` veth pairs (netns::NsPair), pair k also on the IPv6
+    /// prefix `fdNN:k+1::/64` (`a` is ::1, `b` is ::2), added with `nodad` so that they are usable
+    /// at once.
+);
 
 impl Net {
     fn new(test: u8, pairs: u8) -> Net {

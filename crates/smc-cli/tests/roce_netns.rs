@@ -16,15 +16,9 @@ use std::time::{Duration, Instant};
 mod netns;
 use netns::{input, root_with_ip, run, sha256_file, spawn_nc, wait, NsPair};
 
-/// Two namespaces joined by veth pairs 0 and 1 (netns::NsPair), with the `smc nc` of this test.
-struct Net(NsPair);
-
-impl std::ops::Deref for Net {
-    type Target = NsPair;
-    fn deref(&self) -> &NsPair {
-        &self.0
-    }
-}
+netns::net_type!(
+    /// Two namespaces joined by veth pairs 0 and 1 (netns::NsPair), with the `smc nc` of this test.
+);
 
 impl Net {
     fn new(test: u8) -> Net {

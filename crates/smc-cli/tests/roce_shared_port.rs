@@ -14,15 +14,9 @@ use std::time::Duration;
 mod netns;
 use netns::{input, root_with_ip, sha256_file, spawn_nc, wait, NsPair};
 
-/// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) joined by one veth pair (netns::NsPair).
-struct Net(NsPair);
-
-impl std::ops::Deref for Net {
-    type Target = NsPair;
-    fn deref(&self) -> &NsPair {
-        &self.0
-    }
-}
+netns::net_type!(
+    /// Namespaces `a` (10.N.1.1) and `b` (10.N.1.2) joined by one veth pair (netns::NsPair).
+);
 
 impl Net {
     /// With `v6`, the veth also carries `fdNN:1::1/64` and `::2` (so the devices have IPv6

@@ -24,14 +24,7 @@ struct Side {
     ueids: &'static str,
 }
 
-struct Net(NsPair);
-
-impl std::ops::Deref for Net {
-    type Target = NsPair;
-    fn deref(&self) -> &NsPair {
-        &self.0
-    }
-}
+netns::net_type!();
 
 impl Net {
     fn new() -> Net {

@@ -80,7 +80,11 @@ fn sigkill_of_the_peer_resets_every_connection_and_releases_everything() {
             }
             worst = worst.max(at.saturating_duration_since(killed));
         }
-        assert_eq!(ended, st.stats().ended_by_peer_exit - ended_before, "round {round}");
+        assert_eq!(
+            ended,
+            st.stats().ended_by_peer_exit - ended_before,
+            "round {round}"
+        );
         println!("round {round}: every connection reset after {worst:?} (SIGKILL to last error)");
         // A hang bound, not a timing assertion.
         assert!(worst < Duration::from_secs(60), "resets took {worst:?}");

@@ -9,6 +9,23 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
+/// The test file's `Net`: a [`NsPair`] (it derefs to it) to which the file adds its own
+/// constructor and helpers. The doc comment given is the struct's.
+macro_rules! net_type {
+    ($(#[$doc:meta])*) => {
+        $(#[$doc])*
+        struct Net(netns::NsPair);
+
+        impl std::ops::Deref for Net {
+            type Target = netns::NsPair;
+            fn deref(&self) -> &netns::NsPair {
+                &self.0
+            }
+        }
+    };
+}
+pub(crate) use net_type;
+
 /// Whether this process may create namespaces and veths (root with iproute2); says why not.
 pub fn root_with_ip() -> bool {
     let root = Command::new("id")
