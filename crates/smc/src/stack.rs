@@ -51,6 +51,10 @@ use runtime::runtime;
 use send::{reset_socket, waits_for_room, Deferred, DirectSend};
 pub(crate) use slots::{Slot, Slots};
 
+/// How long the connections of a lost link group wait, together, for their peer's FIN (its
+/// process died and its kernel closes its sockets; see `Slot::peer_exited`).
+const FIN_GRACE: Duration = Duration::from_millis(20);
+
 /// Receive buffers posted per QP.
 const RECV_SLOTS: u64 = 128;
 /// Bytes per receive slot of a v1 link (its messages are 44 bytes).
@@ -262,6 +266,9 @@ pub(crate) struct Core {
     /// runtime thread after it lets go of the lock (a close on loopback runs the peer's
     /// FIN processing too, tens of µs that would hold up every other thread).
     closing: Vec<crate::tcpwatch::SlotSock>,
+    /// While the connections of a lost link group are settled: until when their TCP sockets
+    /// may still get the peer's FIN (see [`send::fin_within`]).
+    fin_deadline: Option<Instant>,
     /// Receive slots whose message was copied out, to be posted again at the next poll (see
     /// [`Core::repost_receives`]).
     reposts: Vec<(LinkId, u64)>,
@@ -764,7 +771,14 @@ impl Core {
                                     smc_proto::conn::AbortReason::LinkGroupLost,
                                 ))
                             && s.sock.as_ref().is_some_and(|k| {
-                                send::fin_received(std::os::fd::AsFd::as_fd(k.tcp()))
+                                // The peer's kernel closes its sockets as its process ends;
+                                // the FIN may trail the fabric's news of the death by a
+                                // little: one short wait per lost group, shared by its
+                                // connections.
+                                let until = *self
+                                    .fin_deadline
+                                    .get_or_insert_with(|| Instant::now() + FIN_GRACE);
+                                send::fin_within(std::os::fd::AsFd::as_fd(k.tcp()), until)
                             })
                         {
                             s.peer_exited = true;
@@ -790,7 +804,7 @@ impl Core {
             },
             EndpointEvent::LinkUp { .. } => self.stats.links_up += 1,
             EndpointEvent::LinkDown { .. } => self.stats.links_down += 1,
-            EndpointEvent::LinkGroupTerminated { .. } => {}
+            EndpointEvent::LinkGroupTerminated { .. } => self.fin_deadline = None,
             EndpointEvent::LinkGroupLost { tcp, peer_read_all } => {
                 if let Some(s) = self.slots.get_mut(&tcp) {
                     s.peer_read_all = peer_read_all;
@@ -1192,6 +1206,7 @@ impl Stack {
             fallback_reasons: Default::default(),
             capture: None,
             closing: Vec::new(),
+            fin_deadline: None,
             reposts: Vec::new(),
         };
         let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(

@@ -219,18 +219,36 @@ impl Deferred {
 /// Send a RST instead of a FIN when the socket closes (when the stream, which shares the
 /// descriptor, has gone too); the slot lets go of the socket and stops watching it.
 /// Whether the TCP socket `fd` has received the peer's FIN (a read would return end of
-/// stream). An SMC-R connection's TCP connection carries nothing once SMC-R runs, so this is
-/// the peer's kernel closing the socket: its process closed it or ended.
-pub(super) fn fin_received(fd: rustix::fd::BorrowedFd<'_>) -> bool {
-    let mut b = [0u8; 1];
-    matches!(
-        rustix::net::recv(
+/// stream), or receives it before `until`. An SMC-R connection's TCP connection carries
+/// nothing once SMC-R runs, so this is the peer's kernel closing the socket: its process
+/// closed it or ended.
+pub(super) fn fin_within(fd: rustix::fd::BorrowedFd<'_>, until: Instant) -> bool {
+    loop {
+        let mut b = [0u8; 1];
+        match rustix::net::recv(
             fd,
             &mut b,
-            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT
-        ),
-        Ok((0, _))
-    )
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        ) {
+            Ok((0, _)) => return true,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
+            // Bytes (the peer wrote past its stack) or an error (its RST): no FIN.
+            _ => return false,
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN | rustix::event::PollFlags::RDHUP,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+    }
 }
 
 pub(super) fn reset_socket(sock: Option<crate::tcpwatch::SlotSock>) {
