@@ -455,6 +455,33 @@ fn close_behaves_as_tcp() {
 /// when it had read everything it was sent, a RST when not — and the application sees what
 /// TCP would show: the bytes the peer wrote before it died, then end of stream, or then
 /// ECONNRESET.
+/// Until every thread of process `pid` has stopped (a SIGSTOP takes effect on each thread
+/// when it next enters the kernel or is interrupted, not when `kill` returns).
+fn wait_stopped(pid: u32) {
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let all = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("tasks")
+            .filter_map(Result::ok)
+            .all(|t| {
+                std::fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+                    // "pid (comm) S ...": the state follows the last ')'.
+                    st.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with(['T', 't']))
+                })
+            });
+        if all {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "process {pid} did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn peer_process_death_shows_as_over_tcp() {
     if std::env::var_os("SMC_RT_CHILD").is_some() {
@@ -476,6 +503,7 @@ fn peer_process_death_shows_as_over_tcp() {
             // The peer stops and gets bytes it will never read.
             let pid = rustix::process::Pid::from_raw(peer.child.id() as i32).expect("pid");
             rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+            wait_stopped(peer.child.id());
             s.write_all(b"unread").expect("write to the stopped peer");
         }
         peer.child.kill().expect("kill peer");
