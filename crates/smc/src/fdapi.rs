@@ -444,6 +444,12 @@ impl Setup {
     }
 }
 
+/// `fd`, moved out of the low descriptor numbers the program counts on (as the stack's own
+/// descriptors are, see `smc_fabric::fdplace`), for a library's long-lived descriptors.
+pub fn place_high(fd: OwnedFd) -> OwnedFd {
+    smc_fabric::fdplace::placed(fd)
+}
+
 fn dup_stream(fd: BorrowedFd<'_>) -> io::Result<TcpStream> {
     let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
     Ok(TcpStream::from(dup))
