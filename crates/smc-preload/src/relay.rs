@@ -426,9 +426,11 @@ fn start_server() {
     if SERVER_PID.load(Ordering::Relaxed) != pid || THREAD_PID.swap(pid, Ordering::Relaxed) == pid {
         return;
     }
-    let spawned = std::thread::Builder::new()
-        .name("smc-relay".into())
-        .spawn(|| crate::guard((), serve));
+    let spawned = smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("smc-relay".into())
+            .spawn(|| crate::guard((), serve))
+    });
     if let Err(e) = spawned {
         log!("relay server: no thread: {e}");
         THREAD_PID.store(0, Ordering::Relaxed);
@@ -667,25 +669,29 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
     });
     let p = pump.clone();
     PUMPS.fetch_add(2, Ordering::AcqRel);
-    let inbound = std::thread::Builder::new()
-        .name("smc-relay-in".into())
-        .spawn(move || {
-            crate::guard((), || inbound(&p, &relay));
-            drop(p);
-            PUMPS.fetch_sub(1, Ordering::AcqRel);
-        });
+    let inbound = smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("smc-relay-in".into())
+            .spawn(move || {
+                crate::guard((), || inbound(&p, &relay));
+                drop(p);
+                PUMPS.fetch_sub(1, Ordering::AcqRel);
+            })
+    });
     if inbound.is_err() {
         PUMPS.fetch_sub(2, Ordering::AcqRel);
         return Err(libc::EAGAIN);
     }
     let p = pump.clone();
-    let outbound = std::thread::Builder::new()
-        .name("smc-relay-out".into())
-        .spawn(move || {
-            crate::guard((), || outbound(&p));
-            drop(p);
-            PUMPS.fetch_sub(1, Ordering::AcqRel);
-        });
+    let outbound = smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("smc-relay-out".into())
+            .spawn(move || {
+                crate::guard((), || outbound(&p));
+                drop(p);
+                PUMPS.fetch_sub(1, Ordering::AcqRel);
+            })
+    });
     if outbound.is_err() {
         pump.stop();
         PUMPS.fetch_sub(1, Ordering::AcqRel);

@@ -70,7 +70,11 @@ pub fn stack() -> io::Result<Stack> {
         }
     }
     smc_fabric::fdplace::keep_high();
-    let s = Stack::from_env().map_err(io::Error::other)?;
+    // The stack's threads must never run the program's signal handlers: a handler written
+    // for a single-threaded program (rsync's SIGCHLD handler reaps children) would then run
+    // concurrently with the program's own code (rsync's generator lost its receiver's exit
+    // status: "error returned by waitpid()", exit code 21).
+    let s = signals_blocked(Stack::from_env).map_err(io::Error::other)?;
     *g = Some(s.clone());
     Ok(s)
 }
@@ -441,6 +445,22 @@ impl Setup {
             None => Ok(Setup::Tcp(TcpConn { stream: s })),
             Some(id) => Conn::new(s, id).map(|c| Setup::Smc(Arc::new(c))),
         }
+    }
+}
+
+/// Run `f` with every signal blocked in the calling thread, so that the threads it starts
+/// (which inherit the mask) never take a signal meant for the program; the mask is put back
+/// after.
+pub fn signals_blocked<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: signal sets of our own; pthread_sigmask on the calling thread.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+        let r = f();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        r
     }
 }
 
