@@ -21,6 +21,8 @@ Scenarios, one connection each (SHA-256 of every payload compared):
 6. The owner exits first: a child connects, forks a grandchild that uses the connection,
    then exits (the library keeps the relay going until the grandchild is done); the
    grandchild goes on (2 MB echo).
+7. The parent sleeps in poll on its number when the child's first use relays the
+   connection: the poll wakes for the echo that now arrives through the relay.
 """
 import hashlib
 import json
@@ -348,6 +350,31 @@ def scenario_owner_exits(port):
           f"6: the owner exited; its grandchild's 2 MB echo went on ({got.decode().strip()})")
 
 
+def scenario_poll_asleep(port):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"echo\n")
+    s.sendall(b"warm")
+    check(read_exact(s, 4) == b"warm", "7: the parent's own echo first (the connection set up here)")
+
+    def child():
+        time.sleep(0.3)  # the parent sleeps in poll by now
+        s.sendall(b"hello")
+        return "sent"
+    pid, r = in_child(child)
+    p = select.poll()
+    p.register(s, select.POLLIN)
+    t0 = time.monotonic()
+    ev = p.poll(10000)
+    waited = time.monotonic() - t0
+    got = s.recv(100) if ev else b""
+    res, status = child_result(pid, r)
+    check(ev and got == b"hello" and waited < 5,
+          f"7: a poll asleep on the connection when the child's first use relayed it wakes for the echo ({ev}, {got!r}, {waited:.1f} s)")
+    s.shutdown(socket.SHUT_WR)
+    check(s.recv(10) == b"", "7: end of stream")
+    s.close()
+
+
 def client(port, smc):
     scenario_rsync(port, smc)
     scenario_reverse(port)
@@ -355,6 +382,7 @@ def client(port, smc):
     scenario_epoll(port)
     scenario_parent_closes(port)
     scenario_owner_exits(port)
+    scenario_poll_asleep(port)
     q = socket.create_connection(("127.0.0.1", port))
     q.sendall(b"quit\n")
     q.close()

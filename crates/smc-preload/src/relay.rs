@@ -563,7 +563,7 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         a,
         epolls: Mutex::new(Vec::new()),
     });
-    start_pumps(conn, b, Arc::downgrade(&relay))?;
+    start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
     relays.push((id, Arc::downgrade(&relay)));
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
@@ -573,8 +573,21 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             table::release(e);
         }
     }
+    // A wait of the program already asleep on the connection (poll, select) looks again and
+    // finds the relay socket in the number's place.
+    CONVERSIONS.fetch_add(1, Ordering::SeqCst);
+    conn.wake_all();
     log!("fd {first}: SMC-R connection relayed for another process");
     Ok(relay)
+}
+
+/// How many connections this process converted to relays (a wait that began before
+/// one looks again when this moves).
+static CONVERSIONS: AtomicU64 = AtomicU64::new(0);
+
+/// See [`CONVERSIONS`].
+pub(crate) fn conversions() -> u64 {
+    CONVERSIONS.load(Ordering::SeqCst)
 }
 
 /// Set or clear O_NONBLOCK on `fd`.

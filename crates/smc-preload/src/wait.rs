@@ -762,6 +762,10 @@ unsafe fn ppoll_managed(
         return Some(k);
     }
     let deadline = timeout.map(|t| Instant::now() + t);
+    // A connection of this set converted to a relay meanwhile (another process asked for
+    // it; `relay.rs`): the wait starts over with the relay socket in its number's place.
+    let conversions = crate::relay::conversions();
+    let mut again = false;
     let list: Vec<&Conn> = conns.iter().flatten().map(|c| &**c).collect();
     // Made before the first sleep: this thread's own wake-up (see `smc::fdapi::Waiter`).
     let mut waiter: Option<smc::fdapi::Waiter> = None;
@@ -770,6 +774,10 @@ unsafe fn ppoll_managed(
     let k = guard(-1, || loop {
         if let Some(w) = &waiter {
             w.clear();
+        }
+        if crate::relay::conversions() != conversions {
+            again = true;
+            return 0;
         }
         // What arrived since the last call, handled here rather than by the runtime thread.
         smc::fdapi::poll_before_wait();
@@ -904,6 +912,11 @@ unsafe fn ppoll_managed(
     });
     let e = std::io::Error::last_os_error();
     restore(fds);
+    if again {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        // SAFETY: the caller's array, as given.
+        return unsafe { ppoll_managed(fds.as_mut_ptr(), n, left, mask) };
+    }
     if k < 0 {
         set_errno(e.raw_os_error().unwrap_or(libc::EINTR));
     }

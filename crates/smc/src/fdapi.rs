@@ -1065,6 +1065,15 @@ impl Conn {
         Notifiers::signal(&self.notify.write);
     }
 
+    /// Wake every wait on this connection (the shared eventfds and every subscribed
+    /// [`Waiter`]) without a change of its state: for a library that moved the program's
+    /// number elsewhere (a relay), so that a wait already asleep on the connection looks at
+    /// what the number names now.
+    pub fn wake_all(&self) {
+        self.kick();
+        self.notify.signal_subscribers(true, true);
+    }
+
     /// The raw numbers of both eventfds (read, write). Nobody drains them: each signal is an
     /// edge for an edge-triggered epoll registration; to sleep until a change, use a
     /// [`Waiter`] (draining a shared eventfd takes the wake-up from other waiting threads).
