@@ -288,7 +288,7 @@ pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_
     });
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
-        if matches!(e.kind, Kind::Smc(_) | Kind::Inherited { .. }) && !e.ours() {
+        if matches!(e.kind, Kind::Smc(_)) && !e.ours() {
             let new = Entry::new(Kind::Relayed(relay.clone()));
             let _ = new.socket.set(id);
             if table::replace(num, &e, new) {
@@ -354,7 +354,9 @@ static PUMPS: AtomicUsize = AtomicUsize::new(0);
 /// The relays this process's stack runs (by socket identity), under [`RELAYS_LOCK`] (held
 /// across a fork, so a child never inherits it held).
 static RELAYS_LOCK: SpinLock = SpinLock::new();
-struct Relays(std::cell::UnsafeCell<Vec<((u64, u64), Weak<Relay>)>>);
+/// Socket identity (device, inode) → the relay.
+type RelayList = Vec<((u64, u64), Weak<Relay>)>;
+struct Relays(std::cell::UnsafeCell<RelayList>);
 // SAFETY: only touched under RELAYS_LOCK.
 unsafe impl Sync for Relays {}
 static RELAYS: Relays = Relays(std::cell::UnsafeCell::new(Vec::new()));
