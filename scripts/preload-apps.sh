@@ -536,7 +536,7 @@ echo "== a connection used by a forked child too, relayed through its owner (scr
 before=$(grep -c "relayed through it" "$SMC_LOG" 2>/dev/null || true)
 py_pair fork 19190 "a connection shared by parent and child" "$SMC"
 after=$(grep -c "relayed through it" "$SMC_LOG" || true)
-[ $((after - before)) -eq 8 ] || fail "fork: $((after - before)) relayed connections, 8 expected (7 scenarios, the first at both ends)"
+[ $((after - before)) -eq 9 ] || fail "fork: $((after - before)) relayed connections, 9 expected (8 scenarios, the first at both ends)"
 grep '^ok' "$work/fork-c.log" | sed 's/^/   /'
 
 echo "== rsync daemon + rsync client, push and pull of 30 MB (the receiver is forked after the connection is set up)"

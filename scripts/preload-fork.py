@@ -23,7 +23,10 @@ Scenarios, one connection each (SHA-256 of every payload compared):
    grandchild goes on (2 MB echo).
 7. The parent sleeps in poll on its number when the child's first use relays the
    connection: the poll wakes for the echo that now arrives through the relay.
+8. The peer resets the connection after an answer: the child reads the answer, then
+   ECONNRESET once and end of stream; the parent reads end of stream, and its write EPIPE.
 """
+import errno
 import hashlib
 import json
 import os
@@ -127,6 +130,12 @@ def server(port):
             echo(c)
         elif cmd[0] == "split-echo":
             split_echo(c)
+        elif cmd[0] == "reset":
+            # Answer, then close with the client's bytes unread: a reset (TCP: a RST,
+            # SMC-R: a PeerConnAbort).
+            c.recv(1, socket.MSG_PEEK)
+            c.sendall(b"answer")
+            time.sleep(0.2)
         elif cmd[0] == "send":
             data = os.urandom(int(cmd[1]))
             c.sendall(sha(data).encode() + b"\n" + data)
@@ -375,6 +384,37 @@ def scenario_poll_asleep(port):
     s.close()
 
 
+def scenario_reset(port):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"reset\nunread")
+
+    def child():
+        got, err = b"", None
+        while True:
+            try:
+                b = s.recv(100)
+            except OSError as e:
+                err = e.errno
+                break
+            if not b:
+                break
+            got += b
+        after = s.recv(100)
+        return "%s %s %r" % (got.decode(), err, after)
+    pid, r = in_child(child)
+    res, status = child_result(pid, r)
+    check(res == "answer %d b''" % errno.ECONNRESET,
+          f"8: the peer's reset reaches the child after the answer: ECONNRESET once, then end of stream ({res})")
+    check(s.recv(10) == b"", "8: the parent reads end of stream after it")
+    try:
+        s.send(b"x")
+        wrote = "sent"
+    except OSError as e:
+        wrote = errno.errorcode.get(e.errno, str(e.errno))
+    check(wrote == "EPIPE", f"8: the parent's write gets EPIPE ({wrote})")
+    s.close()
+
+
 def client(port, smc):
     scenario_rsync(port, smc)
     scenario_reverse(port)
@@ -383,6 +423,7 @@ def client(port, smc):
     scenario_parent_closes(port)
     scenario_owner_exits(port)
     scenario_poll_asleep(port)
+    scenario_reset(port)
     q = socket.create_connection(("127.0.0.1", port))
     q.sendall(b"quit\n")
     q.close()

@@ -683,6 +683,7 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         reset: Mutex::new(false),
     });
     let p = pump.clone();
+    let relay_out = relay.clone();
     PUMPS.fetch_add(2, Ordering::AcqRel);
     let inbound = smc::fdapi::signals_blocked(|| {
         std::thread::Builder::new()
@@ -698,11 +699,12 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         return Err(libc::EAGAIN);
     }
     let p = pump.clone();
+    let relay = relay_out;
     let outbound = smc::fdapi::signals_blocked(|| {
         std::thread::Builder::new()
             .name("smc-relay-out".into())
             .spawn(move || {
-                crate::guard((), || outbound(&p));
+                crate::guard((), || outbound(&p, &relay));
                 drop(p);
                 PUMPS.fetch_sub(1, Ordering::AcqRel);
             })
@@ -810,7 +812,7 @@ fn reset(p: &Pump, relay: &Weak<Relay>) {
 
 /// B into the connection, until the holders' end of stream (the connection shut down for
 /// writing), then until every holder closed A (POLLHUP on B): the relay ends.
-fn outbound(p: &Pump) {
+fn outbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut waiter = Waiter::new().ok();
     if let Some(w) = waiter.as_mut() {
@@ -861,8 +863,19 @@ fn outbound(p: &Pump) {
                     }
                 }
                 Err(e) => {
-                    // The holders' writes fail from now on (EPIPE), as after a reset.
                     log!("relay: a write to the connection failed ({e})");
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::TimedOut
+                    ) {
+                        // This write took the connection's failure (reported once): the
+                        // holders get it as the inbound pump would have passed it on.
+                        reset(p, relay);
+                        return;
+                    }
+                    // The holders' writes fail from now on (EPIPE).
                     // SAFETY: our socket.
                     unsafe { real::shutdown(b, libc::SHUT_RD) };
                     conn_ok = false;
