@@ -11,7 +11,9 @@ Scenarios, one connection each (SHA-256 of every payload compared):
    8 MB; the server's child reads the requests while its parent writes the echo (the two
    server processes pass the bytes through a pipe). Then both client processes see the end
    of stream, and `smc ss` lists the connection as SMC-R in the client's stack.
-2. The reverse: the child writes 8 MB and closes first; the parent reads the echo to the end.
+2. The reverse: the child writes 8 MB and closes first; the parent, blocked in a read on its
+   number when the child's first use relays the connection, reads the echo to the end, in
+   order.
 3. Hand-off: the child reads the first 1 MB of a 3 MB answer and exits; the parent reads the
    rest, none lost or reordered.
 4. The child waits with epoll (nonblocking socket, EPOLLIN|EPOLLOUT), writing 4 MB while
@@ -209,6 +211,7 @@ def scenario_reverse(port):
     data = os.urandom(8_000_000)
 
     def child():
+        time.sleep(0.3)  # the parent is blocked in its read by now
         s.sendall(data)
         s.shutdown(socket.SHUT_WR)
         s.close()

@@ -158,6 +158,9 @@ pub(crate) fn io_result(r: std::io::Result<usize>) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
+            if fdapi::is_handed_over(&e) {
+                HANDED_OVER.with(|h| h.set(true));
+            }
             set_errno(errno_of(&e));
             -1
         }
@@ -408,8 +411,56 @@ unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
         .collect()
 }
 
-/// recv on an SMC-R connection with flags.
+std::thread_local! {
+    /// The last read of this thread failed because its connection became relayed meanwhile
+    /// (`fdapi::Conn::hand_over`).
+    static HANDED_OVER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// recv on an SMC-R connection with flags; when the connection became relayed before or
+/// during the call (another process asked for it, `relay.rs`), the read is made on the relay
+/// socket, which has the bytes that follow those this process already read.
 pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if !c.handed_over() {
+        HANDED_OVER.with(|h| h.set(false));
+        let n = smc_recv_conn(c, bufs, flags);
+        if n >= 0 || !HANDED_OVER.with(|h| h.replace(false)) {
+            return n;
+        }
+        log!("a read under way when its connection became relayed: redone on the relay socket");
+    }
+    match crate::relay::of_conn(c) {
+        Some(r) => relay_recv_bufs(&r, bufs, flags),
+        None => {
+            set_errno(libc::EIO);
+            -1
+        }
+    }
+}
+
+/// recv into `bufs` on a relay socket.
+fn relay_recv_bufs(r: &crate::relay::Relay, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    let mut iov: Vec<iovec> = bufs
+        .iter_mut()
+        .map(|b| iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        })
+        .collect();
+    // SAFETY: zeroed is a valid msghdr.
+    let mut m: msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = iov.as_mut_ptr();
+    m.msg_iovlen = iov.len() as _;
+    // SAFETY: iovecs over the caller's buffers, on the relay socket.
+    unsafe { real::recvmsg(r.fd(), &mut m, flags) }
+}
+
+/// recv on an SMC-R connection of this process's stack with flags.
+fn smc_recv_conn(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
     if flags & libc::MSG_OOB != 0 {
         // The urgent byte, out of band as TCP keeps it without SO_OOBINLINE.
         let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {

@@ -355,7 +355,8 @@ static PUMPS: AtomicUsize = AtomicUsize::new(0);
 /// across a fork, so a child never inherits it held).
 static RELAYS_LOCK: SpinLock = SpinLock::new();
 /// Socket identity (device, inode) → the relay.
-type RelayList = Vec<((u64, u64), Weak<Relay>)>;
+/// (Also the connection's address, for [`of_conn`].)
+type RelayList = Vec<((u64, u64), Weak<Relay>, usize)>;
 struct Relays(std::cell::UnsafeCell<RelayList>);
 // SAFETY: only touched under RELAYS_LOCK.
 unsafe impl Sync for Relays {}
@@ -506,11 +507,11 @@ fn convert(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
 fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     // SAFETY: RELAYS_LOCK is held by the caller.
     let relays = unsafe { &mut *RELAYS.0.get() };
-    relays.retain(|(_, w)| w.strong_count() > 0);
+    relays.retain(|(_, w, _)| w.strong_count() > 0);
     if let Some(r) = relays
         .iter()
-        .find(|(i, _)| *i == id)
-        .and_then(|(_, w)| w.upgrade())
+        .find(|(i, _, _)| *i == id)
+        .and_then(|(_, w, _)| w.upgrade())
     {
         return Ok(r);
     }
@@ -565,8 +566,11 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         a,
         epolls: Mutex::new(Vec::new()),
     });
+    // The program's reads of the connection itself stop before the pump's first read (one
+    // under way completes first): the bytes stay in order.
+    conn.hand_over();
     start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
-    relays.push((id, Arc::downgrade(&relay)));
+    relays.push((id, Arc::downgrade(&relay), Arc::as_ptr(&conn) as usize));
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
@@ -581,6 +585,20 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     conn.wake_all();
     log!("fd {first}: SMC-R connection relayed for another process");
     Ok(relay)
+}
+
+/// The relay of connection `c` of this process (a read of the program that was under way on
+/// the connection itself when it became relayed is redone there).
+pub(crate) fn of_conn(c: &Conn) -> Option<Arc<Relay>> {
+    let at = c as *const Conn as usize;
+    RELAYS_LOCK.lock();
+    // SAFETY: the lock is held.
+    let r = unsafe { &*RELAYS.0.get() }
+        .iter()
+        .find(|(_, _, p)| *p == at)
+        .and_then(|(_, w, _)| w.upgrade());
+    RELAYS_LOCK.unlock();
+    r
 }
 
 /// How many connections this process converted to relays (a wait that began before
@@ -729,7 +747,7 @@ fn inbound(p: &Pump, relay: &Weak<Relay>) {
         if let Some(w) = &waiter {
             w.clear();
         }
-        match p.conn.read(&mut buf, true) {
+        match p.conn.read_handed_over(&mut buf) {
             Ok(0) => {
                 // SAFETY: our socket.
                 unsafe { real::shutdown(p.b.as_raw_fd(), libc::SHUT_WR) };

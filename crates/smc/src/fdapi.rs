@@ -546,6 +546,26 @@ pub struct Conn {
     urgent: Arc<crate::stream::UrgentSlot>,
     /// The spin of blocking reads before they sleep ([`Conn::read_interruptible`]).
     spin: LoopSpin,
+    /// The program's reads moved elsewhere ([`Conn::hand_over`]).
+    handed_over: AtomicBool,
+}
+
+/// The error of a program's read on a connection whose reading was handed over
+/// ([`Conn::hand_over`]): the caller redoes the read where the connection went.
+#[derive(Debug)]
+struct HandedOver;
+
+impl std::fmt::Display for HandedOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the connection's reading was handed over")
+    }
+}
+
+impl std::error::Error for HandedOver {}
+
+/// Whether `e` is the error of a read on a connection handed over ([`Conn::hand_over`]).
+pub fn is_handed_over(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|i| i.is::<HandedOver>())
 }
 
 impl Conn {
@@ -581,6 +601,7 @@ impl Conn {
             notify,
             nonblocking: AtomicBool::new(false),
             failure_reported: AtomicBool::new(false),
+            handed_over: AtomicBool::new(false),
         })
     }
 
@@ -708,7 +729,34 @@ impl Conn {
 
     /// Read into `buf`; `dontwait`: this call does not block (MSG_DONTWAIT).
     pub fn read(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
+        self.read_checked(buf, dontwait, true)
+    }
+
+    /// From now on the program's reads ([`read`](Self::read), [`peek`](Self::peek) and what
+    /// is built on them) fail with an error [`is_handed_over`] recognises, and only
+    /// [`read_handed_over`](Self::read_handed_over) reads: for a library that moves the
+    /// connection's reading elsewhere (a relay). A read already under way when this is called
+    /// completes; the check is made under the reading handle's lock, so no program read takes
+    /// bytes after the first read of the new reader.
+    pub fn hand_over(&self) {
+        self.handed_over.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`hand_over`](Self::hand_over) was called.
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::SeqCst)
+    }
+
+    /// A nonblocking read for the reader the connection was handed over to.
+    pub fn read_handed_over(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_checked(buf, true, false)
+    }
+
+    fn read_checked(&self, buf: &mut [u8], dontwait: bool, check: bool) -> io::Result<usize> {
         let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if check && self.handed_over.load(Ordering::SeqCst) {
+            return Err(io::Error::other(HandedOver));
+        }
         if !h.peeked.is_empty() {
             let n = h.peeked.len().min(buf.len());
             buf[..n].copy_from_slice(&h.peeked[..n]);
@@ -758,6 +806,9 @@ impl Conn {
     /// (unless nonblocking) for the first byte only, as TCP does.
     pub fn peek(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
         let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if self.handed_over.load(Ordering::SeqCst) {
+            return Err(io::Error::other(HandedOver));
+        }
         if h.peeked.len() < buf.len() {
             let mut more = vec![0u8; buf.len() - h.peeked.len()];
             let nb = dontwait || self.nonblocking() || !h.peeked.is_empty();
