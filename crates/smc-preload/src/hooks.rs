@@ -430,33 +430,12 @@ pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_
         log!("a read under way when its connection became relayed: redone on the relay socket");
     }
     match crate::relay::of_conn(c) {
-        Some(r) => relay_recv_bufs(&r, bufs, flags),
+        Some(r) => crate::relay::recv_bufs(&r, bufs, flags),
         None => {
             set_errno(libc::EIO);
             -1
         }
     }
-}
-
-/// recv into `bufs` on a relay socket.
-fn relay_recv_bufs(r: &crate::relay::Relay, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        set_errno(libc::EINVAL);
-        return -1;
-    }
-    let mut iov: Vec<iovec> = bufs
-        .iter_mut()
-        .map(|b| iovec {
-            iov_base: b.as_mut_ptr().cast(),
-            iov_len: b.len(),
-        })
-        .collect();
-    // SAFETY: zeroed is a valid msghdr.
-    let mut m: msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = iov.as_mut_ptr();
-    m.msg_iovlen = iov.len() as _;
-    // SAFETY: iovecs over the caller's buffers, on the relay socket.
-    unsafe { real::recvmsg(r.fd(), &mut m, flags) }
 }
 
 /// recv on an SMC-R connection of this process's stack with flags.
@@ -561,44 +540,6 @@ pub(crate) fn smc_send(c: &Conn, bufs: &[&[u8]], flags: c_int) -> ssize_t {
         total += off;
     }
     total as ssize_t
-}
-
-/// recv on a relayed connection: the relay socket's, but urgent data does not cross a relay
-/// (EINVAL, as TCP without urgent data pending).
-unsafe fn relay_recv(
-    r: &crate::relay::Relay,
-    buf: *mut c_void,
-    n: size_t,
-    flags: c_int,
-) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        set_errno(libc::EINVAL);
-        return -1;
-    }
-    // SAFETY: the caller's buffer of `n` bytes.
-    unsafe { real::recv(r.fd(), buf, n, flags) }
-}
-
-/// send on a relayed connection (urgent data: EOPNOTSUPP, see [`relay_oob`]).
-unsafe fn relay_send(
-    r: &crate::relay::Relay,
-    buf: *const c_void,
-    n: size_t,
-    flags: c_int,
-) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        return relay_oob();
-    }
-    // SAFETY: the caller's buffer of `n` bytes.
-    unsafe { real::send(r.fd(), buf, n, flags) }
-}
-
-/// Urgent data (MSG_OOB) on a relayed connection: not carried (a byte stream relay has no
-/// urgent pointer); EOPNOTSUPP, logged.
-fn relay_oob() -> ssize_t {
-    log!("send(MSG_OOB) on a relayed SMC-R connection: EOPNOTSUPP");
-    set_errno(libc::EOPNOTSUPP);
-    -1
 }
 
 /// Whether the program installed a signal handler without SA_RESTART: then a blocking call
@@ -800,7 +741,7 @@ pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_i
         Target::Pass => unsafe { real::recv(fd, buf, n, flags) },
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's buffer, on the relay socket.
-        Target::Relay(r) => unsafe { relay_recv(&r, buf, n, flags) },
+        Target::Relay(r) => unsafe { crate::relay::recv(&r, buf, n, flags) },
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
                 return 0;
@@ -844,7 +785,7 @@ pub unsafe extern "C" fn recvfrom(
                 unsafe { len.write_unaligned(0) };
             }
             // SAFETY: the caller's buffer, on the relay socket.
-            unsafe { relay_recv(&r, buf, n, flags) }
+            unsafe { crate::relay::recv(&r, buf, n, flags) }
         }
         Target::Smc(c) => guard(-1, || {
             if !len.is_null() {
@@ -882,26 +823,8 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::recvmsg(fd, msg, flags) },
         Target::Foreign => foreign(fd),
-        Target::Relay(r) => {
-            if msg.is_null() {
-                set_errno(libc::EFAULT);
-                return -1;
-            }
-            if flags & libc::MSG_OOB != 0 {
-                set_errno(libc::EINVAL);
-                return -1;
-            }
-            // SAFETY: the caller's message header: no address (a connected stream fills in
-            // none, as TCP), its iovecs and control buffer as given.
-            unsafe {
-                let name = (*msg).msg_name;
-                (*msg).msg_name = std::ptr::null_mut();
-                (*msg).msg_namelen = 0;
-                let got = real::recvmsg(r.fd(), msg, flags);
-                (*msg).msg_name = name;
-                got
-            }
-        }
+        // SAFETY: the caller's message header, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::recvmsg(&r, msg, flags) },
         Target::Smc(c) => guard(-1, || {
             if msg.is_null() {
                 set_errno(libc::EFAULT);
@@ -929,7 +852,7 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
         Target::Pass => unsafe { real::send(fd, buf, n, flags) },
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's buffer, on the relay socket.
-        Target::Relay(r) => unsafe { relay_send(&r, buf, n, flags) },
+        Target::Relay(r) => unsafe { crate::relay::send(&r, buf, n, flags) },
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
                 return 0;
@@ -956,7 +879,7 @@ pub unsafe extern "C" fn sendto(
         Target::Foreign => foreign(fd),
         // (The address of a connected stream is ignored, as TCP does.)
         // SAFETY: the caller's buffer, on the relay socket.
-        Target::Relay(r) => unsafe { relay_send(&r, buf, n, flags) },
+        Target::Relay(r) => unsafe { crate::relay::send(&r, buf, n, flags) },
         // The address of a connected stream is ignored, as TCP does.
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
@@ -975,26 +898,8 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::sendmsg(fd, msg, flags) },
         Target::Foreign => foreign(fd),
-        Target::Relay(r) => {
-            if msg.is_null() {
-                set_errno(libc::EFAULT);
-                return -1;
-            }
-            // SAFETY: the caller's message header.
-            let mut m = unsafe { msg.read_unaligned() };
-            if m.msg_controllen > 0 {
-                log!("sendmsg with control data on a relayed SMC-R connection: EOPNOTSUPP");
-                set_errno(libc::EOPNOTSUPP);
-                return -1;
-            }
-            if flags & libc::MSG_OOB != 0 {
-                return relay_oob();
-            }
-            m.msg_name = std::ptr::null_mut();
-            m.msg_namelen = 0;
-            // SAFETY: the caller's iovecs, on the relay socket.
-            unsafe { real::sendmsg(r.fd(), &m, flags) }
-        }
+        // SAFETY: the caller's message header, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::sendmsg(&r, msg, flags) },
         Target::Smc(c) => guard(-1, || {
             if msg.is_null() {
                 set_errno(libc::EFAULT);
