@@ -52,6 +52,9 @@ for c in redis-server:redis-server redis-cli:redis-tools python3:python3 curl:cu
     sshd:openssh-server apache2:apache2; do
     command -v "${c%%:*}" >/dev/null 2>&1 || apps+=("${c#*:}")
 done
+# rsync: its daemon and client in scripts/preload-apps.sh (a connection used by forked
+# processes, relayed).
+command -v rsync >/dev/null 2>&1 || apps+=(rsync)
 if [ ${#apps[@]} -gt 0 ]; then
     echo "install-deps: installing ${apps[*]}" >&2
     if [ ! -e /usr/sbin/policy-rc.d ]; then

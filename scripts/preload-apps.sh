@@ -676,4 +676,39 @@ kill "$pd_ng"; wait "$pd_ng" 2>/dev/null || true
 echo "   SMC_UID_CHANGE=tcp: 2 curls of 4 MB over TCP (declined by the workers), payloads verified"
 # ==== end of privilege drop ====
 
+# ==== relay: connections used by more than one process (docs/preload.md, "Connections
+# shared by processes"). Self-contained section: scripts/preload-fork.py, then rsync.
+echo "== a connection used by a forked child too, relayed through its owner (scripts/preload-fork.py)"
+before=$(grep -c "relayed through it" "$SMC_LOG" 2>/dev/null || true)
+py_pair fork 19190 "a connection shared by parent and child" "$SMC"
+after=$(grep -c "relayed through it" "$SMC_LOG" || true)
+[ $((after - before)) -eq 9 ] || fail "fork: $((after - before)) relayed connections, 9 expected (8 scenarios, the first at both ends)"
+grep '^ok' "$work/fork-c.log" | sed 's/^/   /'
+
+echo "== rsync daemon + rsync client, push and pull of 30 MB (the receiver is forked after the connection is set up)"
+command -v rsync >/dev/null 2>&1 || fail "rsync missing: run scripts/install-deps.sh"
+mkdir -p "$work/rsync/mod" "$work/rsync/dst"
+head -c 30000000 /dev/urandom >"$work/rsync/r30m"
+r30=$(sum "$work/rsync/r30m")
+printf '%s\n' "pid file = $work/rsyncd.pid" "use chroot = no" "[mod]" "path = $work/rsync/mod" \
+    "read only = no" "uid = root" "gid = root" >"$work/rsyncd.conf"
+: >"$SMC_LOG.rsync"
+SMC_LOG="$SMC_LOG.rsync" "$SMC" run rsync --daemon --no-detach --config="$work/rsyncd.conf" \
+    --address=127.0.0.1 --port=18873 --log-file="$work/rsyncd.log" &
+pids+=($!)
+wait_port 18873
+SMC_LOG="$SMC_LOG.rsync" timeout 120 "$SMC" run rsync -a "$work/rsync/r30m" rsync://127.0.0.1:18873/mod/ \
+    >"$work/rsync-push.log" 2>&1 || fail "rsync push: $(cat "$work/rsync-push.log"; tail -3 "$work/rsyncd.log")"
+[ "$(sum "$work/rsync/mod/r30m")" = "$r30" ] || fail "rsync push: payload differs"
+SMC_LOG="$SMC_LOG.rsync" timeout 120 "$SMC" run rsync -a rsync://127.0.0.1:18873/mod/r30m "$work/rsync/dst/" \
+    >"$work/rsync-pull.log" 2>&1 || fail "rsync pull: $(cat "$work/rsync-pull.log"; tail -3 "$work/rsyncd.log")"
+[ "$(sum "$work/rsync/dst/r30m")" = "$r30" ] || fail "rsync pull: payload differs"
+n=$(grep -c "fd [0-9]*: SMC-R$" "$SMC_LOG.rsync" || true)
+m=$(grep -c "relayed through it" "$SMC_LOG.rsync" || true)
+[ "$n" = 4 ] && [ "$m" = 2 ] \
+    || fail "rsync: $n SMC-R ends (4 expected), $m relayed (2 expected: the daemon's receiver, the client's)"
+if grep -q "rsync error" "$work/rsyncd.log"; then fail "rsync daemon: $(grep "rsync error" "$work/rsyncd.log")"; fi
+echo "   push and pull of 30 MB verified, 4 SMC-R ends, the forked receivers relayed through their parents"
+# ==== end of the relay section
+
 echo "preload-apps: all passed"

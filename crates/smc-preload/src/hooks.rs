@@ -17,8 +17,12 @@ pub(crate) enum Target {
     Pass,
     /// An SMC-R connection of this process.
     Smc(Arc<Conn>),
-    /// An SMC-R connection of another process (inherited across fork or exec): fails.
+    /// An SMC-R connection of another process that cannot be relayed here (inherited across
+    /// exec, or its owner is gone): fails.
     Foreign,
+    /// An SMC-R connection relayed through the process whose stack holds it (`relay.rs`):
+    /// the call is made on this process's copy of the relay socket.
+    Relay(Arc<crate::relay::Relay>),
 }
 
 /// Borrow a raw descriptor for a call that does not outlive it.
@@ -93,7 +97,27 @@ pub(crate) fn target(fd: c_int) -> Target {
     };
     match &e.kind {
         Kind::Smc(c) if e.ours() => Target::Smc(c.clone()),
-        Kind::Smc(_) | Kind::Inherited => Target::Foreign,
+        Kind::Relayed(r) => Target::Relay(r.clone()),
+        Kind::Smc(_) => {
+            // Another process's connection (inherited across fork): relayed through it. Not
+            // from the child of a vfork, which must leave its parent's table alone.
+            if table::borrowed_memory() || e.ours() {
+                return if e.ours() {
+                    target(fd)
+                } else {
+                    Target::Foreign
+                };
+            }
+            match crate::relay::attach(fd, e.pid, crate::relay::nonce()) {
+                Ok(r) => Target::Relay(r),
+                Err(err) => {
+                    let err = std::io::Error::from_raw_os_error(err);
+                    log!("fd {fd}: no relay from process {} ({err})", e.pid);
+                    Target::Foreign
+                }
+            }
+        }
+        Kind::Inherited => Target::Foreign,
         Kind::Pending(once) => {
             // In a process cloned without fork handlers, its own stack (see there).
             let _ = table::borrowed_memory();
@@ -125,7 +149,7 @@ pub(crate) fn target(fd: c_int) -> Target {
 
 /// Fail a call on another process's connection.
 pub(crate) fn foreign(fd: c_int) -> ssize_t {
-    log!("fd {fd}: an SMC-R connection of another process (inherited); the call fails with EIO");
+    log!("fd {fd}: an SMC-R connection of another process, not relayed; the call fails with EIO");
     set_errno(libc::EIO);
     -1
 }
@@ -134,6 +158,9 @@ pub(crate) fn io_result(r: std::io::Result<usize>) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
         Err(e) => {
+            if fdapi::is_handed_over(&e) {
+                HANDED_OVER.with(|h| h.set(true));
+            }
             set_errno(errno_of(&e));
             -1
         }
@@ -384,8 +411,35 @@ unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> Vec<&'a mut [u8]> {
         .collect()
 }
 
-/// recv on an SMC-R connection with flags.
+std::thread_local! {
+    /// The last read of this thread failed because its connection became relayed meanwhile
+    /// (`fdapi::Conn::hand_over`).
+    static HANDED_OVER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// recv on an SMC-R connection with flags; when the connection became relayed before or
+/// during the call (another process asked for it, `relay.rs`), the read is made on the relay
+/// socket, which has the bytes that follow those this process already read.
 pub(crate) fn smc_recv(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if !c.handed_over() {
+        HANDED_OVER.with(|h| h.set(false));
+        let n = smc_recv_conn(c, bufs, flags);
+        if n >= 0 || !HANDED_OVER.with(|h| h.replace(false)) {
+            return n;
+        }
+        log!("a read under way when its connection became relayed: redone on the relay socket");
+    }
+    match crate::relay::of_conn(c) {
+        Some(r) => crate::relay::recv_bufs(&r, bufs, flags),
+        None => {
+            set_errno(libc::EIO);
+            -1
+        }
+    }
+}
+
+/// recv on an SMC-R connection of this process's stack with flags.
+fn smc_recv_conn(c: &Conn, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
     if flags & libc::MSG_OOB != 0 {
         // The urgent byte, out of band as TCP keeps it without SO_OOBINLINE.
         let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else {
@@ -572,12 +626,21 @@ pub unsafe extern "C" fn setsockopt(
         && len as usize >= std::mem::size_of::<libc::timeval>()
         && table::maybe(fd)
     {
-        if let Target::Smc(c) = target(fd) {
-            // SAFETY: the caller's timeval of `len` bytes.
-            let tv = unsafe { (val as *const libc::timeval).read_unaligned() };
-            let t = std::time::Duration::from_secs(tv.tv_sec.max(0) as u64)
-                + std::time::Duration::from_micros(tv.tv_usec.max(0) as u64);
-            c.set_timeout(name == libc::SO_SNDTIMEO, (!t.is_zero()).then_some(t));
+        match target(fd) {
+            Target::Smc(c) => {
+                // SAFETY: the caller's timeval of `len` bytes.
+                let tv = unsafe { (val as *const libc::timeval).read_unaligned() };
+                let t = std::time::Duration::from_secs(tv.tv_sec.max(0) as u64)
+                    + std::time::Duration::from_micros(tv.tv_usec.max(0) as u64);
+                c.set_timeout(name == libc::SO_SNDTIMEO, (!t.is_zero()).then_some(t));
+            }
+            Target::Relay(r) => {
+                // Mirrored on the relay socket, which every holder shares as it shares the
+                // TCP socket.
+                // SAFETY: the caller's timeval of `len` bytes.
+                unsafe { real::setsockopt(r.fd(), level, name, val, len) };
+            }
+            _ => {}
         }
     }
     r
@@ -589,6 +652,8 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::read(fd, buf, n) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's buffer, on the relay socket.
+        Target::Relay(r) => unsafe { real::read(r.fd(), buf, n) },
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
                 return 0;
@@ -617,6 +682,8 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::write(fd, buf, n) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's buffer, on the relay socket.
+        Target::Relay(r) => unsafe { real::write(r.fd(), buf, n) },
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
                 return 0;
@@ -634,6 +701,8 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::readv(fd, iov, n) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's iovecs, on the relay socket.
+        Target::Relay(r) => unsafe { real::readv(r.fd(), iov, n) },
         Target::Smc(c) => guard(-1, || {
             // SAFETY: the caller's iovecs.
             let mut v = unsafe { iovecs(iov, n) };
@@ -651,6 +720,8 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::writev(fd, iov, n) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's iovecs, on the relay socket.
+        Target::Relay(r) => unsafe { real::writev(r.fd(), iov, n) },
         Target::Smc(c) => guard(-1, || {
             // SAFETY: the caller's iovecs.
             let v = unsafe { iovecs(iov, n) };
@@ -669,6 +740,8 @@ pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_i
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::recv(fd, buf, n, flags) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's buffer, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::recv(&r, buf, n, flags) },
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
                 return 0;
@@ -705,6 +778,15 @@ pub unsafe extern "C" fn recvfrom(
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
         Target::Foreign => foreign(fd),
+        Target::Relay(r) => {
+            if !len.is_null() {
+                // A connected stream fills in no address (as TCP).
+                // SAFETY: the caller's length.
+                unsafe { len.write_unaligned(0) };
+            }
+            // SAFETY: the caller's buffer, on the relay socket.
+            unsafe { crate::relay::recv(&r, buf, n, flags) }
+        }
         Target::Smc(c) => guard(-1, || {
             if !len.is_null() {
                 // A connected stream fills in no address (as TCP).
@@ -741,6 +823,8 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::recvmsg(fd, msg, flags) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's message header, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::recvmsg(&r, msg, flags) },
         Target::Smc(c) => guard(-1, || {
             if msg.is_null() {
                 set_errno(libc::EFAULT);
@@ -767,6 +851,8 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::send(fd, buf, n, flags) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's buffer, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::send(&r, buf, n, flags) },
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
                 return 0;
@@ -791,6 +877,9 @@ pub unsafe extern "C" fn sendto(
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::sendto(fd, buf, n, flags, addr, len) },
         Target::Foreign => foreign(fd),
+        // (The address of a connected stream is ignored, as TCP does.)
+        // SAFETY: the caller's buffer, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::send(&r, buf, n, flags) },
         // The address of a connected stream is ignored, as TCP does.
         Target::Smc(c) => guard(-1, || {
             if n == 0 {
@@ -809,6 +898,8 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::sendmsg(fd, msg, flags) },
         Target::Foreign => foreign(fd),
+        // SAFETY: the caller's message header, on the relay socket.
+        Target::Relay(r) => unsafe { crate::relay::sendmsg(&r, msg, flags) },
         Target::Smc(c) => guard(-1, || {
             if msg.is_null() {
                 set_errno(libc::EFAULT);
@@ -895,6 +986,8 @@ pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: si
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::sendfile(out, inp, off, n) },
         Target::Foreign => foreign(out),
+        // SAFETY: the caller's arguments, into the relay socket.
+        Target::Relay(r) => unsafe { real::sendfile(r.fd(), inp, off, n) },
         Target::Smc(c) => guard(-1, || smc_sendfile(&c, inp, off, n)),
     }
 }
@@ -914,10 +1007,14 @@ pub(crate) fn forget(fd: c_int) {
     let Some(e) = table::take(fd) else {
         return;
     };
-    if let Kind::Smc(_) = &e.kind {
-        for (_, set) in table::epolls() {
-            set.remove_closed(fd);
+    match &e.kind {
+        Kind::Smc(_) => {
+            for (_, set) in table::epolls() {
+                set.remove_closed(fd);
+            }
         }
+        Kind::Relayed(r) => r.closed(fd),
+        _ => {}
     }
     table::release(e);
 }
@@ -942,6 +1039,9 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::shutdown(fd, how) },
         Target::Foreign => foreign(fd) as c_int,
+        // SAFETY: the relay socket (its end of stream reaches the pump, which shuts the
+        // connection down).
+        Target::Relay(r) => unsafe { real::shutdown(r.fd(), how) },
         Target::Smc(c) => guard(-1, || {
             let how = match how {
                 libc::SHUT_RD => Shutdown::Read,
@@ -1024,11 +1124,14 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     let r = unsafe { real::fcntl(fd, cmd, arg) };
     if r >= 0 && table::maybe(fd) {
         match cmd {
-            libc::F_SETFL => {
-                if let Target::Smc(c) = target(fd) {
-                    c.set_nonblocking(arg as c_int & libc::O_NONBLOCK != 0);
+            libc::F_SETFL => match target(fd) {
+                Target::Smc(c) => c.set_nonblocking(arg as c_int & libc::O_NONBLOCK != 0),
+                // The relay socket stands for the TCP socket's open file description.
+                Target::Relay(r) => {
+                    crate::relay::set_nonblocking(r.fd(), arg as c_int & libc::O_NONBLOCK != 0)
                 }
-            }
+                _ => {}
+            },
             libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => duplicated(fd, r),
             _ => {}
         }
@@ -1050,7 +1153,12 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
     if table::maybe(fd) {
         match req {
             libc::FIONREAD => {
-                if let Target::Smc(c) = target(fd) {
+                let t = target(fd);
+                if let Target::Relay(r) = &t {
+                    // SAFETY: the caller's int, from the relay socket.
+                    return unsafe { real::ioctl(r.fd(), req, arg) };
+                }
+                if let Target::Smc(c) = t {
                     if arg == 0 {
                         set_errno(libc::EFAULT);
                         return -1;
@@ -1062,7 +1170,18 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                 }
             }
             SIOCATMARK => {
-                if let Target::Smc(c) = target(fd) {
+                let t = target(fd);
+                if let Target::Relay(_) = &t {
+                    if arg == 0 {
+                        set_errno(libc::EFAULT);
+                        return -1;
+                    }
+                    // Urgent data does not cross a relay: never at a mark.
+                    // SAFETY: the caller's int.
+                    unsafe { (arg as *mut c_int).write_unaligned(0) };
+                    return 0;
+                }
+                if let Target::Smc(c) = t {
                     if arg == 0 {
                         set_errno(libc::EFAULT);
                         return -1;
@@ -1072,14 +1191,18 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                     return 0;
                 }
             }
-            libc::FIONBIO => {
-                if let Target::Smc(c) = target(fd) {
-                    if arg != 0 {
-                        // SAFETY: the caller's int.
-                        c.set_nonblocking(unsafe { (arg as *const c_int).read_unaligned() } != 0);
-                    }
+            libc::FIONBIO => match target(fd) {
+                Target::Smc(c) if arg != 0 => {
+                    // SAFETY: the caller's int.
+                    c.set_nonblocking(unsafe { (arg as *const c_int).read_unaligned() } != 0);
                 }
-            }
+                Target::Relay(r) if arg != 0 => {
+                    // SAFETY: the caller's int.
+                    let on = unsafe { (arg as *const c_int).read_unaligned() } != 0;
+                    crate::relay::set_nonblocking(r.fd(), on);
+                }
+                _ => {}
+            },
             _ => {}
         }
     }
@@ -1096,7 +1219,14 @@ pub unsafe extern "C" fn getsockopt(
     len: *mut socklen_t,
 ) -> c_int {
     if level == libc::SOL_SOCKET && name == libc::SO_ERROR && table::maybe(fd) {
-        if let Target::Smc(c) = target(fd) {
+        let t = target(fd);
+        if let Target::Relay(r) = &t {
+            // A reset reaches the relay socket (see `relay.rs`): its pending error is the
+            // connection's.
+            // SAFETY: the caller's int and length, from the relay socket.
+            return unsafe { real::getsockopt(r.fd(), level, name, val, len) };
+        }
+        if let Target::Smc(c) = t {
             if let Some(e) = c.take_error() {
                 if val.is_null() || len.is_null() {
                     set_errno(libc::EFAULT);

@@ -22,6 +22,7 @@ mod execl;
 mod hooks;
 mod rare;
 mod real;
+mod relay;
 mod table;
 mod wait;
 
@@ -121,6 +122,7 @@ pub(crate) fn guard<R>(fail: R, f: impl FnOnce() -> R) -> R {
 }
 
 extern "C" fn at_fork_prepare() {
+    guard((), relay::fork_prepare);
     smc::fdapi::fork_prepare();
     table::fork_prepare();
 }
@@ -128,6 +130,7 @@ extern "C" fn at_fork_prepare() {
 extern "C" fn at_fork_parent() {
     table::fork_release();
     smc::fdapi::fork_parent();
+    guard((), relay::fork_parent);
 }
 
 extern "C" fn at_fork_child() {
@@ -135,6 +138,7 @@ extern "C" fn at_fork_child() {
     table::PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
     table::fork_release();
     smc::fdapi::fork_child();
+    relay::fork_child();
 }
 
 /// The constructor: resolve the C library's functions, open the log, register the fork
@@ -147,6 +151,7 @@ extern "C" fn init() {
     }
     smc::fdapi::keep_settings();
     table::fork_probe_init();
+    relay::init();
     if let Some(path) = std::env::var_os("SMC_LOG") {
         use std::os::unix::ffi::OsStrExt;
         if let Ok(c) = std::ffi::CString::new(path.as_bytes()) {
@@ -180,11 +185,22 @@ extern "C" fn fini() {
         }
         let open = table::take_all_ours();
         drop(open);
-        let ms = std::env::var("SMC_EXIT_LINGER_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2000u64);
-        smc::fdapi::linger(std::time::Duration::from_millis(ms));
+        let ms = |var: &str, default: u64| {
+            std::env::var(var)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        // Other processes still using connections relayed through this one (a parent that
+        // exits before its children): the pumps go on until they close, bounded.
+        relay::linger(std::time::Duration::from_millis(ms(
+            "SMC_RELAY_EXIT_MS",
+            60_000,
+        )));
+        smc::fdapi::linger(std::time::Duration::from_millis(ms(
+            "SMC_EXIT_LINGER_MS",
+            2000,
+        )));
     });
 }
 

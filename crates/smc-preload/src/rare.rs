@@ -24,7 +24,10 @@ pub unsafe extern "C" fn recvmmsg(
     flags: c_int,
     t: *mut timespec,
 ) -> c_int {
-    if !matches!(target(fd), Target::Smc(_) | Target::Foreign) {
+    if !matches!(
+        target(fd),
+        Target::Smc(_) | Target::Foreign | Target::Relay(_)
+    ) {
         // SAFETY: passed on unchanged.
         return unsafe { real::recvmmsg(fd, v, n, flags, t) };
     }
@@ -60,7 +63,10 @@ pub unsafe extern "C" fn recvmmsg(
 
 #[no_mangle]
 pub unsafe extern "C" fn sendmmsg(fd: c_int, v: *mut mmsghdr, n: c_uint, flags: c_int) -> c_int {
-    if !matches!(target(fd), Target::Smc(_) | Target::Foreign) {
+    if !matches!(
+        target(fd),
+        Target::Smc(_) | Target::Foreign | Target::Relay(_)
+    ) {
         // SAFETY: passed on unchanged.
         return unsafe { real::sendmmsg(fd, v, n, flags) };
     }
@@ -297,6 +303,28 @@ pub unsafe extern "C" fn splice(
     }
     if matches!(tout, Target::Foreign) {
         return hooks::foreign(fd_out);
+    }
+    if matches!(tin, Target::Relay(_)) || matches!(tout, Target::Relay(_)) {
+        // The relay socket in place of the TCP socket: the kernel's splice, as for TCP (a
+        // nonblocking program socket makes the socket's side nonblocking, through the relay
+        // socket's mirrored O_NONBLOCK).
+        let fin = if let Target::Relay(r) = &tin {
+            r.fd()
+        } else {
+            fd_in
+        };
+        let fout = if let Target::Relay(r) = &tout {
+            r.fd()
+        } else {
+            fd_out
+        };
+        if matches!((&tin, &tout), (Target::Smc(_), _) | (_, Target::Smc(_))) {
+            // Two sockets: neither is a pipe.
+            set_errno(libc::EINVAL);
+            return -1;
+        }
+        // SAFETY: the caller's arguments, the relay socket in place of the program's.
+        return unsafe { real::splice(fin, off_in, fout, off_out, len, flags) };
     }
     guard(-1, || {
         let nonblock = flags & libc::SPLICE_F_NONBLOCK != 0;

@@ -105,6 +105,10 @@ pub(crate) enum Kind {
     /// An SMC-R connection of the process image before an exec (named in
     /// `SMC_PRELOAD_INHERITED`): unusable here, its calls fail with EIO.
     Inherited,
+    /// An SMC-R connection used by more than one process, relayed through the process whose
+    /// stack holds it (`relay.rs`): the calls go to this process's copy of the relay socket.
+    /// Usable in any process that has it (a forked child inherits the copy).
+    Relayed(Arc<crate::relay::Relay>),
 }
 
 /// A managed descriptor: what it is and the process that made the entry (the stack of that
@@ -135,10 +139,14 @@ impl Entry {
 }
 
 /// A lock that a `fork()` handler can hold across the fork and release in both processes.
-struct SpinLock(AtomicBool);
+pub(crate) struct SpinLock(AtomicBool);
 
 impl SpinLock {
-    fn lock(&self) {
+    pub(crate) const fn new() -> SpinLock {
+        SpinLock(AtomicBool::new(false))
+    }
+
+    pub(crate) fn lock(&self) {
         while self
             .0
             .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
@@ -148,12 +156,12 @@ impl SpinLock {
         }
     }
 
-    fn unlock(&self) {
+    pub(crate) fn unlock(&self) {
         self.0.store(false, Ordering::Release);
     }
 }
 
-static LOCK: SpinLock = SpinLock(AtomicBool::new(false));
+static LOCK: SpinLock = SpinLock::new();
 
 /// The entries (under [`LOCK`]).
 struct Map(std::cell::UnsafeCell<Option<HashMap<i32, Arc<Entry>>>>);
@@ -193,12 +201,43 @@ pub(crate) fn connection_sockets() -> Vec<(u64, u64)> {
     with_map(|m| {
         let mut ids: Vec<(u64, u64)> = m
             .values()
-            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited))
+            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited | Kind::Relayed(_)))
             .filter_map(|e| e.socket.get().copied())
             .collect();
         ids.sort_unstable();
         ids.dedup();
         ids
+    })
+}
+
+/// The numbers of the entries made for socket `id` (device and inode), with their entries.
+pub(crate) fn entries_of_socket(id: (u64, u64)) -> Vec<(i32, Arc<Entry>)> {
+    with_map(|m| {
+        m.iter()
+            .filter(|(_, e)| e.socket.get() == Some(&id))
+            .map(|(fd, e)| (*fd, e.clone()))
+            .collect()
+    })
+}
+
+/// Whether this process's stack holds an SMC-R connection that the table names.
+pub(crate) fn holds_own_connection() -> bool {
+    ANY.load(Ordering::Relaxed)
+        && with_map(|m| {
+            m.values()
+                .any(|e| matches!(e.kind, Kind::Smc(_)) && e.ours())
+        })
+}
+
+/// Make `new` the entry of `fd` if `old` still is (the program may have closed or reused
+/// the number meanwhile); `true` when replaced.
+pub(crate) fn replace(fd: i32, old: &Arc<Entry>, new: Arc<Entry>) -> bool {
+    with_map(|m| match m.get_mut(&fd) {
+        Some(e) if Arc::ptr_eq(e, old) => {
+            *e = new;
+            true
+        }
+        _ => false,
     })
 }
 
@@ -272,9 +311,11 @@ pub(crate) fn epolls() -> Vec<(i32, Arc<EpollSet>)> {
 }
 
 /// Drop an entry: in the process that made it, normally; in a forked child, without running
-/// anything (the connection and its stack belong to the parent).
+/// anything (the connection and its stack belong to the parent). A relayed connection's
+/// entry is dropped normally anywhere: the copy of the relay socket it closes is this
+/// process's own (inherited).
 pub(crate) fn release(e: Arc<Entry>) {
-    if !e.ours() {
+    if !e.ours() && !matches!(e.kind, Kind::Relayed(_)) {
         std::mem::forget(e);
     }
 }
@@ -289,12 +330,13 @@ pub(crate) fn fork_release() {
     LOCK.unlock();
 }
 
-/// Every entry this process made (at exit: the connections the program left open).
+/// Every entry this process made, and every relayed one (at exit: the connections the
+/// program left open; the relay socket copies go, so that the pumps see the holders gone).
 pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
     with_map(|m| {
         let fds: Vec<i32> = m
             .iter()
-            .filter(|(_, e)| e.ours())
+            .filter(|(_, e)| e.ours() || matches!(e.kind, Kind::Relayed(_)))
             .map(|(fd, _)| *fd)
             .collect();
         fds.into_iter()

@@ -274,6 +274,16 @@ pub unsafe extern "C" fn epoll_ctl(
     }
     let conn = match target(fd) {
         Target::Smc(c) => c,
+        Target::Relay(r) => {
+            // The relay socket's registration, under the program's events and data word: the
+            // kernel reports its readiness (LT, ET, ONESHOT as asked).
+            // SAFETY: the caller's event, for the relay socket.
+            let rc = unsafe { real::epoll_ctl(epfd, op, r.fd(), ev) };
+            if rc == 0 {
+                r.registered(epfd, fd, op != libc::EPOLL_CTL_DEL);
+            }
+            return rc;
+        }
         Target::Foreign if op != libc::EPOLL_CTL_DEL => {
             crate::log!("fd {fd}: epoll_ctl on another process's SMC-R connection: EIO");
             set_errno(libc::EIO);
@@ -689,7 +699,7 @@ unsafe fn ppoll_managed(
     if !fds.iter().any(|p| table::maybe(p.fd)) {
         return None;
     }
-    let targets: Vec<Target> = fds.iter().map(|p| target(p.fd)).collect();
+    let mut targets: Vec<Target> = fds.iter().map(|p| target(p.fd)).collect();
     if targets.iter().any(|t| matches!(t, Target::Foreign)) {
         // Another process's connection: its idle TCP socket would never be ready; report
         // the error at once (the read that follows fails with EIO).
@@ -705,6 +715,24 @@ unsafe fn ppoll_managed(
         }
         return Some(n);
     }
+    // Relayed connections: their relay sockets in the caller's array for the call (put back
+    // after), watched by the kernel as the program's other descriptors.
+    let mut swapped: Vec<(usize, c_int, Arc<crate::relay::Relay>)> = Vec::new();
+    for (i, t) in targets.iter_mut().enumerate() {
+        if matches!(t, Target::Relay(_)) {
+            if let Target::Relay(r) = std::mem::replace(t, Target::Pass) {
+                swapped.push((i, fds[i].fd, r));
+            }
+        }
+    }
+    for (i, _, r) in &swapped {
+        fds[*i].fd = r.fd();
+    }
+    let restore = |fds: &mut [pollfd]| {
+        for (i, fd, _) in &swapped {
+            fds[*i].fd = *fd;
+        }
+    };
     let conns: Vec<Option<Arc<Conn>>> = targets
         .into_iter()
         .map(|t| match t {
@@ -713,17 +741,43 @@ unsafe fn ppoll_managed(
         })
         .collect();
     if conns.iter().all(Option::is_none) {
-        return None;
+        if swapped.is_empty() {
+            return None;
+        }
+        // Relayed connections and other descriptors only: the kernel's wait.
+        let ts = timeout.map(|t| timespec {
+            tv_sec: t.as_secs() as libc::time_t,
+            tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),
+        });
+        let tp = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const timespec);
+        // SAFETY: the caller's array (relay sockets in place) and a valid or null timeout.
+        let k = unsafe { real::ppoll(fds.as_mut_ptr(), n, tp, mask) };
+        let e = std::io::Error::last_os_error();
+        restore(fds);
+        if k < 0 {
+            set_errno(e.raw_os_error().unwrap_or(libc::EINTR));
+        }
+        return Some(k);
     }
     let deadline = timeout.map(|t| Instant::now() + t);
+    // A connection of this set converted to a relay meanwhile (another process asked for
+    // it; `relay.rs`): the wait starts over with the relay socket in its number's place.
+    let conversions = crate::relay::conversions();
+    let mut again = false;
     let list: Vec<&Conn> = conns.iter().flatten().map(|c| &**c).collect();
     // Made before the first sleep: this thread's own wake-up (see `smc::fdapi::Waiter`).
     let mut waiter: Option<smc::fdapi::Waiter> = None;
     // Without one (no descriptor left for its eventfd): short sleeps that look again.
     let mut no_waiter = false;
-    Some(guard(-1, || loop {
+    let k = guard(-1, || loop {
         if let Some(w) = &waiter {
             w.clear();
+        }
+        if crate::relay::conversions() != conversions {
+            again = true;
+            return 0;
         }
         // What arrived since the last call, handled here rather than by the runtime thread.
         smc::fdapi::poll_before_wait();
@@ -855,7 +909,18 @@ unsafe fn ppoll_managed(
             return 0;
         }
         // Only our eventfd or a channel: look again.
-    }))
+    });
+    let e = std::io::Error::last_os_error();
+    restore(fds);
+    if again {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        // SAFETY: the caller's array, as given.
+        return unsafe { ppoll_managed(fds.as_mut_ptr(), n, left, mask) };
+    }
+    if k < 0 {
+        set_errno(e.raw_os_error().unwrap_or(libc::EINTR));
+    }
+    Some(k)
 }
 
 /// How long a poll sleeps between looks when it could not make its waiter's eventfd.
@@ -1109,6 +1174,34 @@ fn kernel_registration(epfd: c_int, fd: c_int) -> Option<(u32, u64)> {
         return Some((events?, data?));
     }
     None
+}
+
+/// `fd`'s connection became relayed (`relay.rs`): its interests in this process's epoll
+/// instances move to the kernel instances, as registrations of the relay socket with the
+/// program's events and data word (a one-shot interest already reported stays silent until
+/// the program's EPOLL_CTL_MOD).
+pub(crate) fn moved_to_relay(fd: c_int, relay: &crate::relay::Relay) {
+    for (epfd, set) in table::epolls() {
+        let mut m = set.lock();
+        let Some(i) = m.remove(&fd) else {
+            continue;
+        };
+        kernel_notifiers(epfd, fd, &i.conn, false);
+        let mut events = i.events;
+        if i.disabled {
+            events &= (libc::EPOLLONESHOT | libc::EPOLLET) as u32;
+        }
+        let mut ev = epoll_event {
+            events,
+            u64: i.data,
+        };
+        // SAFETY: the relay socket and a valid event.
+        if unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, relay.fd(), &mut ev) } == 0 {
+            relay.registered(epfd, fd, true);
+        }
+        drop(m);
+        crate::log!("fd {fd}: its registration in epoll {epfd} moved to the relay socket");
+    }
 }
 
 /// `fd` just became an SMC-R connection: registrations the program made in its epoll

@@ -95,7 +95,11 @@ pub fn stack() -> io::Result<Stack> {
     }
     restore_settings();
     smc_fabric::fdplace::keep_high();
-    let s = Stack::from_env().map_err(io::Error::other)?;
+    // The stack's threads must never run the program's signal handlers: a handler written
+    // for a single-threaded program (rsync's SIGCHLD handler reaps children) would then run
+    // concurrently with the program's own code (rsync's generator lost its receiver's exit
+    // status: "error returned by waitpid()", exit code 21).
+    let s = signals_blocked(Stack::from_env).map_err(io::Error::other)?;
     *g = Some(s.clone());
     Ok(s)
 }
@@ -469,6 +473,28 @@ impl Setup {
     }
 }
 
+/// Run `f` with every signal blocked in the calling thread, so that the threads it starts
+/// (which inherit the mask) never take a signal meant for the program; the mask is put back
+/// after.
+pub fn signals_blocked<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: signal sets of our own; pthread_sigmask on the calling thread.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+        let r = f();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        r
+    }
+}
+
+/// `fd`, moved out of the low descriptor numbers the program counts on (as the stack's own
+/// descriptors are, see `smc_fabric::fdplace`), for a library's long-lived descriptors.
+pub fn place_high(fd: OwnedFd) -> OwnedFd {
+    smc_fabric::fdplace::placed(fd)
+}
+
 fn dup_stream(fd: BorrowedFd<'_>) -> io::Result<TcpStream> {
     let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
     Ok(TcpStream::from(dup))
@@ -545,6 +571,26 @@ pub struct Conn {
     urgent: Arc<crate::stream::UrgentSlot>,
     /// The spin of blocking reads before they sleep ([`Conn::read_interruptible`]).
     spin: LoopSpin,
+    /// The program's reads moved elsewhere ([`Conn::hand_over`]).
+    handed_over: AtomicBool,
+}
+
+/// The error of a program's read on a connection whose reading was handed over
+/// ([`Conn::hand_over`]): the caller redoes the read where the connection went.
+#[derive(Debug)]
+struct HandedOver;
+
+impl std::fmt::Display for HandedOver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the connection's reading was handed over")
+    }
+}
+
+impl std::error::Error for HandedOver {}
+
+/// Whether `e` is the error of a read on a connection handed over ([`Conn::hand_over`]).
+pub fn is_handed_over(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|i| i.is::<HandedOver>())
 }
 
 impl Conn {
@@ -580,6 +626,7 @@ impl Conn {
             notify,
             nonblocking: AtomicBool::new(false),
             failure_reported: AtomicBool::new(false),
+            handed_over: AtomicBool::new(false),
         })
     }
 
@@ -707,7 +754,34 @@ impl Conn {
 
     /// Read into `buf`; `dontwait`: this call does not block (MSG_DONTWAIT).
     pub fn read(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
+        self.read_checked(buf, dontwait, true)
+    }
+
+    /// From now on the program's reads ([`read`](Self::read), [`peek`](Self::peek) and what
+    /// is built on them) fail with an error [`is_handed_over`] recognises, and only
+    /// [`read_handed_over`](Self::read_handed_over) reads: for a library that moves the
+    /// connection's reading elsewhere (a relay). A read already under way when this is called
+    /// completes; the check is made under the reading handle's lock, so no program read takes
+    /// bytes after the first read of the new reader.
+    pub fn hand_over(&self) {
+        self.handed_over.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`hand_over`](Self::hand_over) was called.
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::SeqCst)
+    }
+
+    /// A nonblocking read for the reader the connection was handed over to.
+    pub fn read_handed_over(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_checked(buf, true, false)
+    }
+
+    fn read_checked(&self, buf: &mut [u8], dontwait: bool, check: bool) -> io::Result<usize> {
         let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if check && self.handed_over.load(Ordering::SeqCst) {
+            return Err(io::Error::other(HandedOver));
+        }
         if !h.peeked.is_empty() {
             let n = h.peeked.len().min(buf.len());
             buf[..n].copy_from_slice(&h.peeked[..n]);
@@ -757,6 +831,9 @@ impl Conn {
     /// (unless nonblocking) for the first byte only, as TCP does.
     pub fn peek(&self, buf: &mut [u8], dontwait: bool) -> io::Result<usize> {
         let mut h = self.rd.lock().unwrap_or_else(|p| p.into_inner());
+        if self.handed_over.load(Ordering::SeqCst) {
+            return Err(io::Error::other(HandedOver));
+        }
         if h.peeked.len() < buf.len() {
             let mut more = vec![0u8; buf.len() - h.peeked.len()];
             let nb = dontwait || self.nonblocking() || !h.peeked.is_empty();
@@ -1073,6 +1150,15 @@ impl Conn {
     pub fn kick(&self) {
         Notifiers::signal(&self.notify.read);
         Notifiers::signal(&self.notify.write);
+    }
+
+    /// Wake every wait on this connection (the shared eventfds and every subscribed
+    /// [`Waiter`]) without a change of its state: for a library that moved the program's
+    /// number elsewhere (a relay), so that a wait already asleep on the connection looks at
+    /// what the number names now.
+    pub fn wake_all(&self) {
+        self.kick();
+        self.notify.signal_subscribers(true, true);
     }
 
     /// The raw numbers of both eventfds (read, write). Nobody drains them: each signal is an

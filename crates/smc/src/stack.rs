@@ -154,7 +154,7 @@ impl Notifiers {
     }
 
     /// Signal the subscribers that wait for reading (`read`) or writing (`write`).
-    fn signal_subscribers(&self, read: bool, write: bool) {
+    pub(crate) fn signal_subscribers(&self, read: bool, write: bool) {
         let subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
         for s in subs
             .iter()

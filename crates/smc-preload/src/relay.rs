@@ -1,0 +1,1093 @@
+//! An SMC-R connection used by more than one process: relayed through the process whose
+//! stack holds it (its *owner*).
+//!
+//! After a `fork()`, parent and child both hold the connection's TCP socket, and TCP lets
+//! either read and write it (rsync's receiver and generator, vsftpd's two session
+//! processes). The connection's state and its RMBs belong to the owner's stack, whose
+//! threads the child does not have. So the first time a process other than the owner uses
+//! the connection, it asks the owner for a *relay*:
+//!
+//! * The owner serves requests on an abstract unix socket named after its pid and a random
+//!   nonce that its forked descendants know from their copy of its memory
+//!   (`smc-rs-relay/<pid>/<nonce>`), bound at the first `fork()` while the process holds
+//!   SMC-R connections (a fork without connections, or a program that never forks, costs
+//!   nothing), served by one thread started after that fork.
+//! * The requester proves it holds the connection by sending its copy of the TCP socket
+//!   (SCM_RIGHTS); the owner compares the socket's device and inode with its connections',
+//!   and checks the requester's credentials (SO_PEERCRED: the same user, or an owner running
+//!   as root). The requester checks that the server is the owner (its pid).
+//! * The owner makes a socketpair (A, B): two pump threads copy the connection into B and B
+//!   into the connection; A goes back to the requester, and *every* holder's entry (the
+//!   owner's too) becomes [`Kind::Relayed`](crate::table::Kind::Relayed): each later call on
+//!   the program's number is made on A with the real system call (data calls, shutdown,
+//!   FIONREAD, O_NONBLOCK, timeouts), and poll, select and epoll watch A. All holders share
+//!   one byte stream in order, as with one TCP socket; the program's number stays the real
+//!   TCP socket (getsockname, getpeername, socket options, `ss`).
+//! * Only a connection another process actually uses is converted: a child that never
+//!   touches its inherited connections (redis's BGSAVE) costs nothing per connection.
+//!
+//! Ends: a holder's `shutdown(SHUT_WR)` ends A's writing; the pump reads the end of B and
+//! shuts the connection down for writing. The peer's end of stream shuts B down for writing:
+//! every holder reads the end. A holder closing its number closes only its copy of A; once
+//! every copy is closed (B reports POLLHUP) the pumps end and the connection is closed as a
+//! program's close does. A reset of the connection: the bytes before it are delivered, then
+//! B is closed with a byte left unread in it, which Linux reports to A's next reader as
+//! ECONNRESET (once; then end of stream and EPIPE), as TCP reports a reset.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use libc::{c_int, c_void, size_t, ssize_t};
+use smc::fdapi::{Conn, Waiter};
+
+use crate::table::{self, Entry, Kind, SpinLock};
+use crate::{log, real};
+
+/// One process's handle of a relayed connection: its copy of A.
+#[derive(Debug)]
+pub(crate) struct Relay {
+    a: OwnedFd,
+    /// The kernel epoll registrations of A made for the program's numbers: (epfd, fd).
+    epolls: Mutex<Vec<(c_int, c_int)>>,
+}
+
+impl Relay {
+    /// A's descriptor: where the program's calls go.
+    pub(crate) fn fd(&self) -> c_int {
+        self.a.as_raw_fd()
+    }
+
+    /// Record that A is registered in epoll instance `epfd` for the program's number `fd`.
+    pub(crate) fn registered(&self, epfd: c_int, fd: c_int, on: bool) {
+        let mut v = self.epolls.lock().unwrap_or_else(|p| p.into_inner());
+        v.retain(|&x| x != (epfd, fd));
+        if on {
+            v.push((epfd, fd));
+        }
+    }
+
+    /// The program's number `fd` is being closed: as the kernel drops a closed file from
+    /// its epoll instances, A's registrations made for that number go.
+    pub(crate) fn closed(&self, fd: c_int) {
+        let mut v = self.epolls.lock().unwrap_or_else(|p| p.into_inner());
+        v.retain(|&(epfd, n)| {
+            if n != fd {
+                return true;
+            }
+            let mut ev = libc::epoll_event { events: 0, u64: 0 };
+            // SAFETY: removing our registration of A.
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, self.fd(), &mut ev) };
+            false
+        });
+    }
+}
+
+/// The nonce of the relay servers' names in this process tree (made when the library
+/// loads; a forked child has it in its copy of the memory).
+static NONCE: AtomicU64 = AtomicU64::new(0);
+
+/// Make the nonce (the library's constructor).
+pub(crate) fn init() {
+    let mut b = [0u8; 8];
+    // SAFETY: a buffer of 8 bytes.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let mut v = u64::from_ne_bytes(b);
+    if n != 8 {
+        // No getrandom: the clock's nanoseconds will do (the name is also checked by pid).
+        v = Instant::now().elapsed().as_nanos() as u64 ^ std::process::id() as u64;
+        v ^= std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    }
+    NONCE.store(v | 1, Ordering::Relaxed);
+}
+
+/// The nonce of this process tree.
+pub(crate) fn nonce() -> u64 {
+    NONCE.load(Ordering::Relaxed)
+}
+
+/// The abstract unix address of the relay server of process `pid`.
+fn address(pid: i32, nonce: u64) -> (libc::sockaddr_un, libc::socklen_t) {
+    // SAFETY: zeroed is a valid sockaddr_un.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let name = format!("smc-rs-relay/{pid}/{nonce:016x}");
+    // (The first byte stays 0: an abstract name, gone with the socket.)
+    for (d, s) in a.sun_path[1..].iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len();
+    (a, len as libc::socklen_t)
+}
+
+fn last_errno() -> c_int {
+    io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+fn set_timeouts(fd: c_int, t: Duration) {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
+    };
+    for name in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: a timeval and its length.
+        unsafe {
+            real::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                name,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
+/// The credentials of the process at the other end of unix socket `fd`.
+fn peer_cred(fd: c_int) -> Option<libc::ucred> {
+    let mut c = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a ucred and its length.
+    let r = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(c)
+}
+
+/// Send one byte with `fd` attached (SCM_RIGHTS) when given.
+fn send_with_fd(sock: c_int, byte: u8, fd: Option<c_int>) -> Result<(), c_int> {
+    let mut b = [byte];
+    let mut iov = libc::iovec {
+        iov_base: b.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // Room for one descriptor, aligned for the header.
+    let mut space = [0u64; 4];
+    // SAFETY: zeroed is a valid msghdr.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_SPACE and CMSG_LEN are pure arithmetic.
+        let (sp, ln) = unsafe {
+            (
+                libc::CMSG_SPACE(std::mem::size_of::<c_int>() as u32),
+                libc::CMSG_LEN(std::mem::size_of::<c_int>() as u32),
+            )
+        };
+        msg.msg_control = space.as_mut_ptr().cast();
+        msg.msg_controllen = sp as usize;
+        // SAFETY: the control buffer holds one header and one int (sp ≤ 32 bytes).
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = ln as usize;
+            libc::CMSG_DATA(c).cast::<c_int>().write_unaligned(fd);
+        }
+    }
+    loop {
+        // SAFETY: the message built above.
+        let r = unsafe { real::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+        if r == 1 {
+            return Ok(());
+        }
+        let e = last_errno();
+        if r < 0 && e == libc::EINTR {
+            continue;
+        }
+        return Err(if r < 0 { e } else { libc::EIO });
+    }
+}
+
+/// Receive one byte and the descriptors attached to it (every one is returned, owned, so
+/// that none is left open by a misbehaving sender).
+fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
+    let mut b = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: b.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut space = [0u64; 16];
+    // SAFETY: zeroed is a valid msghdr.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = space.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&space);
+    let r = loop {
+        // SAFETY: the message built above.
+        let r = unsafe { real::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if r < 0 && last_errno() == libc::EINTR {
+            continue;
+        }
+        break r;
+    };
+    if r < 0 {
+        return Err(last_errno());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into our buffer.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let head = data as usize - c as usize;
+                let n =
+                    ((*c).cmsg_len as usize).saturating_sub(head) / std::mem::size_of::<c_int>();
+                for i in 0..n {
+                    let fd = data.cast::<c_int>().add(i).read_unaligned();
+                    if fd >= 0 {
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if r == 0 {
+        return Err(libc::ECONNRESET);
+    }
+    Ok((b[0], fds))
+}
+
+/// The request byte.
+const ASK: u8 = b'R';
+
+// ---------------------------------------------------------------------------------------
+// The requester's side.
+
+/// Ask process `owner` (relay servers named with `nonce`) for a relay of the connection whose
+/// TCP socket this process has as `fd`; on success, every number of this process naming that
+/// socket becomes relayed. `Err`: an errno for the log (the caller's call fails with EIO).
+pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_int> {
+    let Some(id) = table::socket_id(fd) else {
+        return Err(libc::ENOTSOCK);
+    };
+    let a = request(fd, owner, nonce)?;
+    let relay = Arc::new(Relay {
+        a: smc::fdapi::place_high(a),
+        epolls: Mutex::new(Vec::new()),
+    });
+    let mut n = 0;
+    for (num, e) in table::entries_of_socket(id) {
+        if matches!(e.kind, Kind::Smc(_)) && !e.ours() {
+            let new = Entry::new(Kind::Relayed(relay.clone()));
+            let _ = new.socket.set(id);
+            if table::replace(num, &e, new) {
+                n += 1;
+                table::release(e);
+            }
+        }
+    }
+    log!("fd {fd}: SMC-R connection of process {owner}, relayed through it ({n} numbers)");
+    Ok(relay)
+}
+
+/// The request itself: connect, check the server, send the proof, receive A.
+fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
+    // SAFETY: a new socket of ours.
+    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return Err(last_errno());
+    }
+    // SAFETY: just made.
+    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let (addr, len) = address(owner, nonce);
+    // SAFETY: the address and its length.
+    if unsafe {
+        real::connect(
+            s.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    } != 0
+    {
+        return Err(last_errno());
+    }
+    // A bounded wait: an owner that does not answer (stopped, busy) is an error, not a hang.
+    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
+    match peer_cred(s.as_raw_fd()) {
+        Some(c) if c.pid == owner => {}
+        _ => return Err(libc::EACCES),
+    }
+    send_with_fd(s.as_raw_fd(), ASK, Some(fd))?;
+    let (status, mut fds) = recv_with_fds(s.as_raw_fd())?;
+    if status != 0 {
+        return Err(c_int::from(status));
+    }
+    if fds.len() != 1 {
+        return Err(libc::EPROTO);
+    }
+    fds.pop().ok_or(libc::EPROTO)
+}
+
+// ---------------------------------------------------------------------------------------
+// The owner's side.
+
+/// The listening socket of this process's relay server (-1: none) and the process that
+/// bound it (a forked child has its parent's number in its copy: it closes it).
+static SERVER_FD: AtomicI32 = AtomicI32::new(-1);
+static SERVER_PID: AtomicI32 = AtomicI32::new(0);
+/// The process whose server thread runs.
+static THREAD_PID: AtomicI32 = AtomicI32::new(0);
+/// Pump threads running in this process.
+static PUMPS: AtomicUsize = AtomicUsize::new(0);
+
+/// The relays this process's stack runs (by socket identity), under [`RELAYS_LOCK`] (held
+/// across a fork, so a child never inherits it held).
+static RELAYS_LOCK: SpinLock = SpinLock::new();
+/// Socket identity (device, inode) → the relay.
+/// (Also the connection's address, for [`of_conn`].)
+type RelayList = Vec<((u64, u64), Weak<Relay>, usize)>;
+struct Relays(std::cell::UnsafeCell<RelayList>);
+// SAFETY: only touched under RELAYS_LOCK.
+unsafe impl Sync for Relays {}
+static RELAYS: Relays = Relays(std::cell::UnsafeCell::new(Vec::new()));
+
+/// Before `fork()`: a process that holds SMC-R connections binds its relay server now (the
+/// child may ask at once; the kernel queues its connection until the server thread, started
+/// after the fork, accepts it).
+pub(crate) fn fork_prepare() {
+    let pid = table::PID.load(Ordering::Relaxed);
+    if SERVER_PID.load(Ordering::Relaxed) != pid && table::holds_own_connection() {
+        bind(pid);
+    }
+    RELAYS_LOCK.lock();
+}
+
+/// After `fork()` in the parent: start the server thread (once per process).
+pub(crate) fn fork_parent() {
+    RELAYS_LOCK.unlock();
+    start_server();
+}
+
+/// After `fork()` in the child: the parent's server and relays are not this process's.
+pub(crate) fn fork_child() {
+    RELAYS_LOCK.unlock();
+    // SAFETY: the lock was just released and this process has one thread.
+    unsafe { &mut *RELAYS.0.get() }.clear();
+    let fd = SERVER_FD.swap(-1, Ordering::Relaxed);
+    if fd >= 0 {
+        // SAFETY: the parent's listening socket, inherited: ours to close.
+        unsafe { real::close(fd) };
+    }
+    SERVER_PID.store(0, Ordering::Relaxed);
+    PUMPS.store(0, Ordering::Relaxed);
+}
+
+/// Bind and listen on this process's relay address.
+fn bind(pid: i32) {
+    // SAFETY: a new socket of ours.
+    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return;
+    }
+    // SAFETY: just made.
+    let s = smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(s) });
+    let (addr, len) = address(pid, nonce());
+    // SAFETY: the address and its length; plain listen.
+    let ok = unsafe {
+        libc::bind(
+            s.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        ) == 0
+            && real::listen(s.as_raw_fd(), 64) == 0
+    };
+    if !ok {
+        log!("relay server: bind failed: {}", io::Error::last_os_error());
+        return;
+    }
+    let old = SERVER_FD.swap(std::os::fd::IntoRawFd::into_raw_fd(s), Ordering::Relaxed);
+    if old >= 0 {
+        // SAFETY: an earlier listening socket of ours.
+        unsafe { real::close(old) };
+    }
+    SERVER_PID.store(pid, Ordering::Relaxed);
+}
+
+fn start_server() {
+    let pid = table::PID.load(Ordering::Relaxed);
+    if SERVER_PID.load(Ordering::Relaxed) != pid || THREAD_PID.swap(pid, Ordering::Relaxed) == pid {
+        return;
+    }
+    let spawned = smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("smc-relay".into())
+            .spawn(|| crate::guard((), serve))
+    });
+    if let Err(e) = spawned {
+        log!("relay server: no thread: {e}");
+        THREAD_PID.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The server thread: answer each request in turn (each is short).
+fn serve() {
+    loop {
+        let l = SERVER_FD.load(Ordering::Relaxed);
+        if l < 0 {
+            return;
+        }
+        // SAFETY: our listening socket.
+        let c = unsafe {
+            real::accept4(
+                l,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if c < 0 {
+            match last_errno() {
+                libc::EINTR | libc::ECONNABORTED => {}
+                _ => std::thread::sleep(Duration::from_millis(10)),
+            }
+            continue;
+        }
+        // SAFETY: just accepted.
+        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        set_timeouts(c.as_raw_fd(), Duration::from_secs(10));
+        match answer(c.as_raw_fd()) {
+            Ok(relay) => {
+                let _ = send_with_fd(c.as_raw_fd(), 0, Some(relay.fd()));
+            }
+            Err(e) => {
+                log!("relay request refused: {}", io::Error::from_raw_os_error(e));
+                let _ = send_with_fd(c.as_raw_fd(), e.clamp(1, 255) as u8, None);
+            }
+        }
+    }
+}
+
+/// One request: check the requester, read its proof, find or make the relay.
+fn answer(c: c_int) -> Result<Arc<Relay>, c_int> {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    match peer_cred(c) {
+        Some(p) if p.uid == me || me == 0 => {}
+        _ => return Err(libc::EACCES),
+    }
+    let (b, fds) = recv_with_fds(c)?;
+    if b != ASK || fds.len() != 1 {
+        return Err(libc::EPROTO);
+    }
+    let id = table::socket_id(fds[0].as_raw_fd()).ok_or(libc::ENOTSOCK)?;
+    drop(fds);
+    convert(id)
+}
+
+/// The relay of this process's connection whose TCP socket is `id`: the one running, or a
+/// new one (the program's numbers of it become relayed).
+fn convert(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
+    RELAYS_LOCK.lock();
+    let r = convert_locked(id);
+    RELAYS_LOCK.unlock();
+    r
+}
+
+fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
+    // SAFETY: RELAYS_LOCK is held by the caller.
+    let relays = unsafe { &mut *RELAYS.0.get() };
+    relays.retain(|(_, w, _)| w.strong_count() > 0);
+    if let Some(r) = relays
+        .iter()
+        .find(|(i, _, _)| *i == id)
+        .and_then(|(_, w, _)| w.upgrade())
+    {
+        return Ok(r);
+    }
+    let own: Vec<(c_int, Arc<Entry>, Arc<Conn>)> = table::entries_of_socket(id)
+        .into_iter()
+        .filter(|(_, e)| e.ours())
+        .filter_map(|(fd, e)| match &e.kind {
+            Kind::Smc(c) => {
+                let c = c.clone();
+                Some((fd, e, c))
+            }
+            _ => None,
+        })
+        .collect();
+    let Some((first, _, conn)) = own.first() else {
+        return Err(libc::ENOENT);
+    };
+    let (first, conn) = (*first, conn.clone());
+    let mut pair = [0; 2];
+    // SAFETY: an array of two ints.
+    if unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            pair.as_mut_ptr(),
+        )
+    } != 0
+    {
+        return Err(last_errno());
+    }
+    // SAFETY: just made.
+    let (a, b) = unsafe {
+        (
+            smc::fdapi::place_high(OwnedFd::from_raw_fd(pair[0])),
+            smc::fdapi::place_high(OwnedFd::from_raw_fd(pair[1])),
+        )
+    };
+    // A stands for the TCP socket, whose open file description every holder shares: its
+    // O_NONBLOCK and timeouts are the program's (later changes are mirrored, see hooks).
+    // SAFETY: plain fcntl.
+    let fl = unsafe { real::fcntl(first, libc::F_GETFL, 0) };
+    if fl >= 0 && fl & libc::O_NONBLOCK != 0 {
+        set_nonblocking(a.as_raw_fd(), true);
+    }
+    for (send, name) in [(false, libc::SO_RCVTIMEO), (true, libc::SO_SNDTIMEO)] {
+        if let Some(t) = conn.timeout(send) {
+            set_timeout(a.as_raw_fd(), name, t);
+        }
+    }
+    let relay = Arc::new(Relay {
+        a,
+        epolls: Mutex::new(Vec::new()),
+    });
+    // The program's reads of the connection itself stop before the pump's first read (one
+    // under way completes first): the bytes stay in order.
+    conn.hand_over();
+    start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
+    relays.push((id, Arc::downgrade(&relay), Arc::as_ptr(&conn) as usize));
+    for (fd, e, _) in own {
+        let new = Entry::new(Kind::Relayed(relay.clone()));
+        let _ = new.socket.set(id);
+        if table::replace(fd, &e, new) {
+            crate::wait::moved_to_relay(fd, &relay);
+            table::release(e);
+        }
+    }
+    // A wait of the program already asleep on the connection (poll, select) looks again and
+    // finds the relay socket in the number's place.
+    CONVERSIONS.fetch_add(1, Ordering::SeqCst);
+    conn.wake_all();
+    log!("fd {first}: SMC-R connection relayed for another process");
+    Ok(relay)
+}
+
+/// The relay of connection `c` of this process (a read of the program that was under way on
+/// the connection itself when it became relayed is redone there).
+pub(crate) fn of_conn(c: &Conn) -> Option<Arc<Relay>> {
+    let at = c as *const Conn as usize;
+    RELAYS_LOCK.lock();
+    // SAFETY: the lock is held.
+    let r = unsafe { &*RELAYS.0.get() }
+        .iter()
+        .find(|(_, _, p)| *p == at)
+        .and_then(|(_, w, _)| w.upgrade());
+    RELAYS_LOCK.unlock();
+    r
+}
+
+/// How many connections this process converted to relays (a wait that began before
+/// one looks again when this moves).
+static CONVERSIONS: AtomicU64 = AtomicU64::new(0);
+
+/// See [`CONVERSIONS`].
+pub(crate) fn conversions() -> u64 {
+    CONVERSIONS.load(Ordering::SeqCst)
+}
+
+/// Set or clear O_NONBLOCK on `fd`.
+pub(crate) fn set_nonblocking(fd: c_int, on: bool) {
+    // SAFETY: plain fcntl.
+    unsafe {
+        let fl = real::fcntl(fd, libc::F_GETFL, 0);
+        if fl >= 0 {
+            let nfl = if on {
+                fl | libc::O_NONBLOCK
+            } else {
+                fl & !libc::O_NONBLOCK
+            };
+            real::fcntl(fd, libc::F_SETFL, nfl as usize);
+        }
+    }
+}
+
+/// SO_RCVTIMEO or SO_SNDTIMEO (`name`) of `fd`.
+pub(crate) fn set_timeout(fd: c_int, name: c_int, t: Duration) {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
+    };
+    // SAFETY: a timeval and its length.
+    unsafe {
+        real::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            name,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+}
+
+// ---------------------------------------------------------------------------------------
+// The program's calls on a relayed connection (the simple ones are made on `Relay::fd` by
+// the hooks themselves).
+
+/// recv on a relayed connection: the relay socket's, but urgent data does not cross a relay
+/// (EINVAL, as TCP without urgent data pending).
+pub(crate) unsafe fn recv(r: &Relay, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        crate::set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: the caller's buffer of `n` bytes.
+    unsafe { real::recv(r.fd(), buf, n, flags) }
+}
+
+/// recv into `bufs` on a relayed connection (a read redone there, see `hooks::smc_recv`).
+pub(crate) fn recv_bufs(r: &Relay, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        crate::set_errno(libc::EINVAL);
+        return -1;
+    }
+    let mut iov: Vec<libc::iovec> = bufs
+        .iter_mut()
+        .map(|b| libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        })
+        .collect();
+    // SAFETY: zeroed is a valid msghdr.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = iov.as_mut_ptr();
+    m.msg_iovlen = iov.len() as _;
+    // SAFETY: iovecs over the caller's buffers, on the relay socket.
+    unsafe { real::recvmsg(r.fd(), &mut m, flags) }
+}
+
+/// recvmsg on a relayed connection: no address (a connected stream fills in none, as TCP).
+pub(crate) unsafe fn recvmsg(r: &Relay, msg: *mut libc::msghdr, flags: c_int) -> ssize_t {
+    if msg.is_null() {
+        crate::set_errno(libc::EFAULT);
+        return -1;
+    }
+    if flags & libc::MSG_OOB != 0 {
+        crate::set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: the caller's message header, its iovecs and control buffer as given.
+    unsafe {
+        let name = (*msg).msg_name;
+        (*msg).msg_name = std::ptr::null_mut();
+        (*msg).msg_namelen = 0;
+        let got = real::recvmsg(r.fd(), msg, flags);
+        (*msg).msg_name = name;
+        got
+    }
+}
+
+/// send on a relayed connection (urgent data: EOPNOTSUPP, see [`oob`]).
+pub(crate) unsafe fn send(r: &Relay, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    if flags & libc::MSG_OOB != 0 {
+        return oob();
+    }
+    // SAFETY: the caller's buffer of `n` bytes.
+    unsafe { real::send(r.fd(), buf, n, flags) }
+}
+
+/// sendmsg on a relayed connection: the address is ignored (a connected stream, as TCP);
+/// control data (SCM_RIGHTS) and urgent data give EOPNOTSUPP.
+pub(crate) unsafe fn sendmsg(r: &Relay, msg: *const libc::msghdr, flags: c_int) -> ssize_t {
+    if msg.is_null() {
+        crate::set_errno(libc::EFAULT);
+        return -1;
+    }
+    // SAFETY: the caller's message header.
+    let mut m = unsafe { msg.read_unaligned() };
+    if m.msg_controllen > 0 {
+        log!("sendmsg with control data on a relayed SMC-R connection: EOPNOTSUPP");
+        crate::set_errno(libc::EOPNOTSUPP);
+        return -1;
+    }
+    if flags & libc::MSG_OOB != 0 {
+        return oob();
+    }
+    m.msg_name = std::ptr::null_mut();
+    m.msg_namelen = 0;
+    // SAFETY: the caller's iovecs, on the relay socket.
+    unsafe { real::sendmsg(r.fd(), &m, flags) }
+}
+
+/// Urgent data (MSG_OOB) on a relayed connection: not carried (a byte stream relay has no
+/// urgent pointer); EOPNOTSUPP, logged.
+fn oob() -> ssize_t {
+    log!("send(MSG_OOB) on a relayed SMC-R connection: EOPNOTSUPP");
+    crate::set_errno(libc::EOPNOTSUPP);
+    -1
+}
+
+// ---------------------------------------------------------------------------------------
+// The pumps.
+
+/// What both pump threads of one relay share.
+struct Pump {
+    conn: Arc<Conn>,
+    b: OwnedFd,
+    /// Written once when the relay ends (never drained): wakes both threads.
+    stop: OwnedFd,
+    /// The connection failed: B is to be closed with a byte left in it (see [`reset`]).
+    /// Held while the outbound thread reads B, so that it never reads that byte.
+    reset: Mutex<bool>,
+}
+
+impl Pump {
+    fn stop(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: our eventfd and 8 bytes.
+        unsafe { real::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Wait until one of `fds` (with `events`) or the stop eventfd is ready; `true`: stop.
+    fn wait(&self, fds: &[(RawFd, i16)]) -> bool {
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|&(fd, events)| libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            })
+            .collect();
+        p.push(libc::pollfd {
+            fd: self.stop.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        // A bounded sleep: a change nobody signalled is looked at again within a second.
+        // SAFETY: our array.
+        unsafe { real::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 1000) };
+        p.last().is_some_and(|s| s.revents != 0)
+    }
+}
+
+fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_int> {
+    // SAFETY: a new eventfd of ours.
+    let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if stop < 0 {
+        return Err(last_errno());
+    }
+    let pump = Arc::new(Pump {
+        conn,
+        b,
+        // SAFETY: just made.
+        stop: smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(stop) }),
+        reset: Mutex::new(false),
+    });
+    let p = pump.clone();
+    let relay_out = relay.clone();
+    PUMPS.fetch_add(2, Ordering::AcqRel);
+    let inbound = smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("smc-relay-in".into())
+            .spawn(move || {
+                crate::guard((), || inbound(&p, &relay));
+                drop(p);
+                PUMPS.fetch_sub(1, Ordering::AcqRel);
+            })
+    });
+    if inbound.is_err() {
+        PUMPS.fetch_sub(2, Ordering::AcqRel);
+        return Err(libc::EAGAIN);
+    }
+    let p = pump.clone();
+    let relay = relay_out;
+    let outbound = smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("smc-relay-out".into())
+            .spawn(move || {
+                crate::guard((), || outbound(&p, &relay));
+                drop(p);
+                PUMPS.fetch_sub(1, Ordering::AcqRel);
+            })
+    });
+    if outbound.is_err() {
+        pump.stop();
+        PUMPS.fetch_sub(1, Ordering::AcqRel);
+        return Err(libc::EAGAIN);
+    }
+    Ok(())
+}
+
+/// The connection into B, until the peer's end of stream (B shut down for writing), a
+/// failure ([`reset`]), or every holder gone.
+fn inbound(p: &Pump, relay: &Weak<Relay>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut waiter = Waiter::new().ok();
+    if let Some(w) = waiter.as_mut() {
+        w.watch(&p.conn, true, false);
+    }
+    loop {
+        if let Some(w) = &waiter {
+            w.clear();
+        }
+        match p.conn.read_handed_over(&mut buf) {
+            Ok(0) => {
+                // SAFETY: our socket.
+                unsafe { real::shutdown(p.b.as_raw_fd(), libc::SHUT_WR) };
+                return;
+            }
+            Ok(n) => {
+                if !write_all(p, &buf[..n]) {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let w = waiter
+                    .as_ref()
+                    .map(|w| std::os::fd::AsRawFd::as_raw_fd(&w.fd()));
+                let fds: Vec<(RawFd, i16)> = w.into_iter().map(|fd| (fd, libc::POLLIN)).collect();
+                if p.wait(&fds) {
+                    return;
+                }
+            }
+            Err(e) => {
+                log!("relay: the connection failed ({e}); its holders get a reset");
+                reset(p, relay);
+                return;
+            }
+        }
+    }
+}
+
+/// Write all of `buf` into B (blocking, as a TCP receive queue fills); `false` when every
+/// holder is gone.
+fn write_all(p: &Pump, buf: &[u8]) -> bool {
+    let mut off = 0;
+    while off < buf.len() {
+        // SAFETY: our socket and buffer.
+        let r = unsafe {
+            real::send(
+                p.b.as_raw_fd(),
+                buf[off..].as_ptr().cast(),
+                buf.len() - off,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if r > 0 {
+            off += r as usize;
+            continue;
+        }
+        if r < 0 && last_errno() == libc::EINTR {
+            continue;
+        }
+        return false;
+    }
+    true
+}
+
+/// The connection failed: A's readers get what B holds, then ECONNRESET once. Linux gives
+/// the peer of a unix stream socket closed with unread data ECONNRESET; the byte left unread
+/// in B is written through this process's copy of A. Without one (the owner's program
+/// closed its numbers), B is shut down instead: its readers get the end of stream.
+fn reset(p: &Pump, relay: &Weak<Relay>) {
+    let mut g = p.reset.lock().unwrap_or_else(|e| e.into_inner());
+    *g = true;
+    let sent = relay.upgrade().is_some_and(|r| {
+        // SAFETY: our socket and one byte.
+        unsafe {
+            real::send(
+                r.fd(),
+                [0u8].as_ptr().cast(),
+                1,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            ) == 1
+        }
+    });
+    if !sent {
+        // SAFETY: our socket.
+        unsafe { real::shutdown(p.b.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+    drop(g);
+    p.stop();
+}
+
+/// B into the connection, until the holders' end of stream (the connection shut down for
+/// writing), then until every holder closed A (POLLHUP on B): the relay ends.
+fn outbound(p: &Pump, relay: &Weak<Relay>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut waiter = Waiter::new().ok();
+    if let Some(w) = waiter.as_mut() {
+        w.watch(&p.conn, false, true);
+    }
+    let b = p.b.as_raw_fd();
+    let mut conn_ok = true;
+    loop {
+        if p.wait(&[(b, libc::POLLIN)]) {
+            return;
+        }
+        let n = {
+            let g = p.reset.lock().unwrap_or_else(|e| e.into_inner());
+            if *g {
+                return;
+            }
+            // SAFETY: our socket and buffer.
+            let n =
+                unsafe { real::recv(b, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            drop(g);
+            n
+        };
+        if n < 0 {
+            match last_errno() {
+                libc::EAGAIN | libc::EINTR => continue,
+                _ => break,
+            }
+        }
+        if n == 0 {
+            break;
+        }
+        let n = n as usize;
+        let mut off = 0;
+        while conn_ok && off < n {
+            if let Some(w) = &waiter {
+                w.clear();
+            }
+            match p.conn.write(&buf[off..n], true) {
+                Ok(w) => off += w,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let w = waiter
+                        .as_ref()
+                        .map(|w| std::os::fd::AsRawFd::as_raw_fd(&w.fd()));
+                    let fds: Vec<(RawFd, i16)> =
+                        w.into_iter().map(|fd| (fd, libc::POLLIN)).collect();
+                    if p.wait(&fds) {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    log!("relay: a write to the connection failed ({e})");
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::TimedOut
+                    ) {
+                        // This write took the connection's failure (reported once): the
+                        // holders get it as the inbound pump would have passed it on.
+                        reset(p, relay);
+                        return;
+                    }
+                    // The holders' writes fail from now on (EPIPE).
+                    // SAFETY: our socket.
+                    unsafe { real::shutdown(b, libc::SHUT_RD) };
+                    conn_ok = false;
+                }
+            }
+        }
+    }
+    // The holders are done writing.
+    if conn_ok {
+        let _ = p.conn.shutdown(std::net::Shutdown::Write);
+    }
+    // Then until every copy of A is closed.
+    loop {
+        let mut q = [libc::pollfd {
+            fd: b,
+            events: 0,
+            revents: 0,
+        }];
+        // SAFETY: one pollfd, no wait.
+        unsafe { real::poll(q.as_mut_ptr(), 1, 0) };
+        if q[0].revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+            break;
+        }
+        if p.wait(&[(b, 0)]) {
+            return;
+        }
+    }
+    p.stop();
+}
+
+/// At exit (the library's destructor, after the program's own numbers were closed): while
+/// other processes still use connections relayed through this one, keep pumping, at most
+/// `max`.
+pub(crate) fn linger(max: Duration) {
+    if PUMPS.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    log!("exit: waiting for the other holders of relayed connections (at most {max:?})");
+    let deadline = Instant::now() + max;
+    while PUMPS.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_server_name_is_abstract_and_names_pid_and_nonce() {
+        let (a, len) = address(4242, 0xabc);
+        assert_eq!(a.sun_path[0], 0);
+        let name: Vec<u8> = a.sun_path[1..]
+            .iter()
+            .take(len as usize - 3)
+            .map(|&c| c as u8)
+            .collect();
+        assert_eq!(name, b"smc-rs-relay/4242/0000000000000abc");
+    }
+
+    #[test]
+    fn a_descriptor_travels_with_its_byte() {
+        let mut p = [0; 2];
+        // SAFETY: plain system calls on descriptors this test owns.
+        unsafe {
+            assert_eq!(
+                libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, p.as_mut_ptr()),
+                0
+            );
+        }
+        let mut q = [0; 2];
+        // SAFETY: as above.
+        unsafe { assert_eq!(libc::pipe(q.as_mut_ptr()), 0) };
+        send_with_fd(p[0], ASK, Some(q[0])).expect("send");
+        let (b, fds) = recv_with_fds(p[1]).expect("recv");
+        assert_eq!(b, ASK);
+        assert_eq!(fds.len(), 1);
+        // The same pipe: what goes into its write end comes out of the received copy.
+        // SAFETY: as above.
+        unsafe {
+            assert_eq!(libc::write(q[1], b"x".as_ptr().cast(), 1), 1);
+            let mut c = [0u8];
+            assert_eq!(libc::read(fds[0].as_raw_fd(), c.as_mut_ptr().cast(), 1), 1);
+            assert_eq!(c[0], b'x');
+        }
+        // A byte without a descriptor, and the end of stream.
+        send_with_fd(p[0], 7, None).expect("send");
+        let (b, fds) = recv_with_fds(p[1]).expect("recv");
+        assert_eq!((b, fds.len()), (7, 0));
+        // SAFETY: as above.
+        unsafe { libc::close(p[0]) };
+        assert_eq!(recv_with_fds(p[1]).err(), Some(libc::ECONNRESET));
+        // SAFETY: as above.
+        unsafe {
+            libc::close(p[1]);
+            libc::close(q[0]);
+            libc::close(q[1]);
+        }
+    }
+}
