@@ -15,7 +15,7 @@
 
 use libc::{c_char, c_int};
 
-use crate::{hooks, set_errno};
+use crate::{exec, set_errno};
 
 /// Which call the list stands for.
 const EXECL: c_int = 0;
@@ -92,15 +92,15 @@ unsafe extern "C" fn exec_list(
     };
     match kind {
         // SAFETY: the caller's path, its arguments as an array.
-        EXECLP => unsafe { hooks::execvp(path, argv.as_ptr()) },
+        EXECLP => unsafe { exec::execvp(path, argv.as_ptr()) },
         EXECLE => {
             // SAFETY: `execle` passes its environment right after the null pointer.
             let envp = unsafe { list.get(after) } as *const *const c_char;
             // SAFETY: the caller's path, arguments and environment.
-            unsafe { hooks::execve(path, argv.as_ptr(), envp) }
+            unsafe { exec::execve(path, argv.as_ptr(), envp) }
         }
         // SAFETY: as above.
-        _ => unsafe { hooks::execv(path, argv.as_ptr()) },
+        _ => unsafe { exec::execv(path, argv.as_ptr()) },
     }
 }
 

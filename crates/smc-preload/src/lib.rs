@@ -18,6 +18,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod creds;
+mod exec;
 mod execl;
 mod hooks;
 mod rare;
@@ -168,7 +169,7 @@ extern "C" fn init() {
     }
     let exe = std::env::current_exe().unwrap_or_default();
     log!("loaded into {}", exe.display());
-    hooks::adopt_inherited();
+    exec::adopt_inherited();
 }
 
 #[used]

@@ -12,6 +12,7 @@ use libc::{
 use libc::{pid_t, posix_spawn_file_actions_t, posix_spawnattr_t, timespec};
 use smc::fdapi::Conn;
 
+use crate::exec;
 use crate::hooks::{self, target, Target};
 use crate::table::{self, Kind};
 use crate::{guard, log, real, set_errno};
@@ -452,10 +453,10 @@ pub unsafe extern "C" fn syscall(
         // An exec made as a raw system call names the inherited connections to the new
         // program as `execve` does (the environment is its third argument, execveat's fourth).
         if n == libc::SYS_execve || n == libc::SYS_execveat {
-            if let Some(v) = guard(None, hooks::before_exec) {
+            if let Some(v) = guard(None, exec::before_exec) {
                 let mut args = [a1, a2, a3, a4, a5, a6];
                 let at = if n == libc::SYS_execve { 2 } else { 3 };
-                let (_owned, env) = hooks::env_with(args[at] as *const *const c_char, &v);
+                let (_owned, env) = exec::env_with(args[at] as *const *const c_char, &v);
                 args[at] = env.as_ptr() as c_long;
                 // SAFETY: the program's exec with an environment that lives until then.
                 return unsafe { real::syscall(n, args) };
@@ -523,12 +524,12 @@ unsafe fn spawn(
     let Some(real) = real else {
         return libc::ENOSYS;
     };
-    match guard(None, || hooks::surviving_connections(true)) {
+    match guard(None, || exec::surviving_connections(true)) {
         // SAFETY: passed on unchanged.
         None => unsafe { real(pid, path, actions, attr, argv, envp) },
         Some(v) => {
             log!("posix_spawn: SMC-R connections {v} named to the new program");
-            let (_owned, env) = hooks::env_with(envp as *const *const c_char, &v);
+            let (_owned, env) = exec::env_with(envp as *const *const c_char, &v);
             // SAFETY: the caller's arguments, an environment that lives until the call ends.
             unsafe {
                 real(
@@ -627,7 +628,7 @@ pub(crate) unsafe fn real_execvpe(
     unsafe { real(file, argv, envp) }
 }
 
-/// execvpe and fexecve as execve (`hooks::before_exec`): the C library's `execvp` reaches
+/// execvpe and fexecve as execve (`exec::before_exec`): the C library's `execvp` reaches
 /// `execvpe` inside itself, but a program may call these directly.
 #[no_mangle]
 pub unsafe extern "C" fn execvpe(
@@ -635,11 +636,11 @@ pub unsafe extern "C" fn execvpe(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    match guard(None, hooks::before_exec) {
+    match guard(None, exec::before_exec) {
         // SAFETY: passed on unchanged.
         None => unsafe { real_execvpe(file, argv, envp) },
         Some(v) => {
-            let (_owned, env) = hooks::env_with(envp, &v);
+            let (_owned, env) = exec::env_with(envp, &v);
             // SAFETY: the caller's arguments, an environment that lives until the exec.
             unsafe { real_execvpe(file, argv, env.as_ptr()) }
         }
@@ -656,11 +657,11 @@ pub unsafe extern "C" fn fexecve(
         set_errno(libc::ENOSYS);
         return -1;
     };
-    match guard(None, hooks::before_exec) {
+    match guard(None, exec::before_exec) {
         // SAFETY: passed on unchanged.
         None => unsafe { real(fd, argv, envp) },
         Some(v) => {
-            let (_owned, env) = hooks::env_with(envp, &v);
+            let (_owned, env) = exec::env_with(envp, &v);
             // SAFETY: the caller's arguments, an environment that lives until the exec.
             unsafe { real(fd, argv, env.as_ptr()) }
         }

@@ -1,0 +1,276 @@
+//! exec: the SMC-R connections a new program image would inherit. Their state stays in the
+//! image that the exec ends, so before the exec their TCP sockets are shut down (or, for a
+//! spawned process, left to this one) and named to the new program, whose calls on them
+//! fail with EIO instead of waiting on an idle TCP socket; accepted connections not yet set
+//! up are settled as TCP first (sshd's re-exec). The `execl` family's entry points are in
+//! `execl.rs`, `posix_spawn` and the rarer variants in `rare.rs`.
+
+use libc::c_int;
+
+use smc::fdapi;
+
+use crate::hooks::{bfd, blocking, is_inet_stream};
+use crate::table::{self, Entry, Kind};
+use crate::{guard, log, real};
+
+/// The variable that names, across an exec, the sockets that are SMC-R connections of
+/// another process (the new program's library fails their calls instead of leaving it to
+/// wait on an idle TCP socket). Its value lists them as `device:inode` of the TCP socket,
+/// not by descriptor number: the number the new program gets may be another one, made by a
+/// `dup2` the table never saw — in the child of a `vfork` (Python's `subprocess` with
+/// `stdin=sock`), which must leave its parent's table alone, or by `posix_spawn`'s file
+/// actions.
+pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
+
+/// Before an exec: an SMC-R connection of this process whose number survives the exec (no
+/// close-on-exec) cannot be used by the new program (its state stays in this image, which the
+/// exec ends), so its TCP socket is shut down: the new program reads end of stream and its
+/// writes fail, and the peer learns the connection is over. A forked child's exec leaves its
+/// parent's connections alone (socat's `SYSTEM:`), but names them to the new program
+/// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
+/// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
+pub(crate) fn before_exec() -> Option<String> {
+    surviving_connections(false)
+}
+
+/// The SMC-R connections a new program may inherit, as [`before_exec`] names them; `spawn`:
+/// the new program is another process (`posix_spawn`), so this one keeps its own
+/// connections as they are and names them too. The child of a `vfork` counts as a spawn:
+/// the connections are its parent's.
+pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
+    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    let spawn = spawn || table::borrowed_memory();
+    // Connections shut down here: the new program reads their end of stream (not named).
+    let mut ended = Vec::new();
+    // Accepted connections settled as TCP here (one socket may be under several numbers).
+    let mut settled = Vec::new();
+    if !spawn {
+        for fd in 0..1024 {
+            if !table::maybe(fd) {
+                continue;
+            }
+            let Some(e) = table::get(fd) else {
+                continue;
+            };
+            if matches!(e.kind, Kind::Pending(_)) {
+                settle_pending_as_tcp(fd, &mut settled);
+                continue;
+            }
+            if !matches!(e.kind, Kind::Smc(_)) || !e.ours() {
+                continue;
+            }
+            // SAFETY: plain fcntl.
+            let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+            if fl >= 0 && fl & libc::FD_CLOEXEC == 0 {
+                log!("fd {fd}: SMC-R connection handed to an exec'd program: shut down");
+                // SAFETY: the connection's TCP socket.
+                unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+                ended.extend(e.socket.get().copied());
+            }
+        }
+    }
+    // Every connection is named, close-on-exec or not, open here or not: a copy of it may
+    // survive under another number.
+    let named: Vec<String> = table::connection_sockets()
+        .into_iter()
+        .filter(|id| !ended.contains(id))
+        .map(|(dev, ino)| format!("{dev}:{ino}"))
+        .collect();
+    (!named.is_empty()).then(|| named.join(","))
+}
+
+/// Before an exec: an accepted connection whose server rendezvous has not run (its client
+/// offered SMC-R, nobody used it yet) and whose number survives the exec is settled as TCP
+/// here: the new program has no table and would read the client's CLC messages as its own
+/// data, and the client would wait for an Accept (sshd re-executes itself with the
+/// connection on its standard input: "banner line contains invalid characters"). The
+/// client's Proposal is read and declined (`EXECED`); the new program gets the TCP
+/// connection as it is, as without the library. (Running the rendezvous in the new image
+/// instead would give sshd an SMC-R connection that its privilege-separated child, forked
+/// after, could not use.) Whichever process made the entry (sshd's listener accepted, its
+/// child execs), the entry goes: this image ends, or the exec failed and the socket is TCP.
+fn settle_pending_as_tcp(fd: c_int, settled: &mut Vec<(u64, u64)>) {
+    // SAFETY: plain fcntl.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+    if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
+        return;
+    }
+    let id = table::socket_id(fd);
+    if id.is_some_and(|id| settled.contains(&id)) {
+        // Another number of the same socket was settled already.
+        if let Some(old) = table::take(fd) {
+            table::release(old);
+        }
+        return;
+    }
+    settled.extend(id);
+    let (r, _) = blocking(fd, || fdapi::decline_accepted(bfd(fd)));
+    match r {
+        Ok(true) => log!("fd {fd}: accepted connection handed to an exec'd program: declined, TCP"),
+        Ok(false) => log!("fd {fd}: accepted connection handed to an exec'd program: TCP"),
+        Err(e) => log!("fd {fd}: accepted connection handed to an exec'd program: {e}"),
+    }
+    if let Some(old) = table::take(fd) {
+        table::release(old);
+    }
+}
+
+/// In the constructor: the sockets the previous image named (see [`before_exec`]), under
+/// whichever numbers this image has them.
+pub(crate) fn adopt_inherited() {
+    let Ok(v) = std::env::var(INHERITED_VAR) else {
+        return;
+    };
+    // Only for this image: a later exec names what is still inherited by then.
+    std::env::remove_var(INHERITED_VAR);
+    let ids: Vec<(u64, u64)> = v
+        .split(',')
+        .filter_map(|x| {
+            let (d, i) = x.split_once(':')?;
+            Some((d.parse().ok()?, i.parse().ok()?))
+        })
+        .collect();
+    if ids.is_empty() {
+        return;
+    }
+    let fds: Vec<c_int> = match std::fs::read_dir("/proc/self/fd") {
+        Ok(dir) => dir
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect(),
+        Err(_) => (0..1024).collect(),
+    };
+    for fd in fds {
+        if table::socket_id(fd).is_some_and(|id| ids.contains(&id)) && is_inet_stream(fd) {
+            log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO");
+            let _ = table::set(fd, Entry::new(Kind::Inherited));
+        }
+    }
+}
+
+/// The environment for an exec with `envp`, with [`INHERITED_VAR`] set to `value` (the
+/// strings stay alive until the exec, which ends the image, or its failure).
+pub(crate) fn env_with(
+    envp: *const *const libc::c_char,
+    value: &str,
+) -> (Vec<std::ffi::CString>, Vec<*const libc::c_char>) {
+    let mut owned = Vec::new();
+    let mut ptrs = Vec::new();
+    let prefix = format!("{INHERITED_VAR}=");
+    if !envp.is_null() {
+        let mut i = 0;
+        loop {
+            // SAFETY: the caller's NULL-terminated array of C strings.
+            let p = unsafe { *envp.add(i) };
+            if p.is_null() {
+                break;
+            }
+            // SAFETY: a C string of the array.
+            let entry = unsafe { std::ffi::CStr::from_ptr(p) };
+            if !entry.to_bytes().starts_with(prefix.as_bytes()) {
+                ptrs.push(p);
+            }
+            i += 1;
+        }
+    }
+    if let Ok(c) = std::ffi::CString::new(format!("{prefix}{value}")) {
+        ptrs.push(c.as_ptr());
+        owned.push(c);
+    }
+    ptrs.push(std::ptr::null());
+    (owned, ptrs)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    match guard(None, before_exec) {
+        None => {
+            // SAFETY: passed on unchanged.
+            unsafe { real::execve(path, argv, envp) }
+        }
+        Some(v) => {
+            let (_owned, env) = env_with(envp, &v);
+            // SAFETY: the caller's path and arguments, an environment that lives until then.
+            unsafe { real::execve(path, argv, env.as_ptr()) }
+        }
+    }
+}
+
+extern "C" {
+    /// The C library's environment, which `execv` and `execvp` pass on.
+    static environ: *const *const libc::c_char;
+}
+
+/// `execv` as `execve` with the process's environment: a copy of it names the inherited
+/// connections. (Not `setenv` on the process's own: in the child of a `vfork` — Python's
+/// `subprocess` — that would write the variable into the parent's environment, and every
+/// later program the parent started would inherit it.)
+#[no_mangle]
+pub unsafe extern "C" fn execv(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+) -> c_int {
+    // SAFETY: the C library's environment array, read where the exec would read it.
+    let envp = unsafe { environ };
+    match guard(None, before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::execv(path, argv) },
+        Some(v) => {
+            let (_owned, env) = env_with(envp, &v);
+            // SAFETY: the caller's path and arguments, an environment that lives until then.
+            unsafe { real::execve(path, argv, env.as_ptr()) }
+        }
+    }
+}
+
+/// `execvp` as `execvpe` with the process's environment (see [`execv`]).
+#[no_mangle]
+pub unsafe extern "C" fn execvp(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+) -> c_int {
+    // SAFETY: as in `execv`.
+    let envp = unsafe { environ };
+    match guard(None, before_exec) {
+        // SAFETY: passed on unchanged.
+        None => unsafe { real::execvp(file, argv) },
+        Some(v) => {
+            let (_owned, env) = env_with(envp, &v);
+            // SAFETY: the caller's file and arguments, an environment that lives until then.
+            unsafe { crate::rare::real_execvpe(file, argv, env.as_ptr()) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exec_environment_names_the_inherited_connections_once() {
+        let a = std::ffi::CString::new("PATH=/bin").expect("c");
+        let old = std::ffi::CString::new(format!("{INHERITED_VAR}=9")).expect("c");
+        let envp = [a.as_ptr(), old.as_ptr(), std::ptr::null()];
+        let (_owned, env) = env_with(envp.as_ptr(), "3,4");
+        let got: Vec<String> = env
+            .iter()
+            .take_while(|p| !p.is_null())
+            // SAFETY: C strings of the array.
+            .map(|p| {
+                unsafe { std::ffi::CStr::from_ptr(*p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec!["PATH=/bin".to_string(), format!("{INHERITED_VAR}=3,4")]
+        );
+        assert!(env.last().is_some_and(|p| p.is_null()));
+    }
+}
