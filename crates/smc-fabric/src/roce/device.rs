@@ -169,9 +169,13 @@ impl<'a> ReceiveWait<'a> {
     pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
         core.rx_waiters.fetch_add(1, Ordering::AcqRel);
         // A thread that goes to sleep has no reply to send now: the ACKs held back for one
-        // leave before it sleeps (a reader waiting for more of a stream ACKs what it has),
-        // unless they are young enough to ride with the next request (qp.rs).
-        core.flush_owed_acks(Some(super::qp::ACK_COALESCE));
+        // that are due (`ACK_DELAY` old, as the progress thread would send them) leave before
+        // it sleeps; younger ones wait for the next request to carry them (qp.rs). Sending
+        // those of 50 µs (`ACK_COALESCE`) here instead cost a 1-byte ping-pong about 4 µs of
+        // its 25 µs round trip (a lone ACK datagram every few round trips, and the wake-up it
+        // causes at the peer; docs/performance.md). A stream's receiver needs no more: it
+        // ACKs at once every `ACK_SPAN` PSNs.
+        core.flush_owed_acks(Some(super::qp::ACK_DELAY));
         ReceiveWait { core, cq }
     }
 
