@@ -76,8 +76,26 @@ pingpong() {
     local bin=$1 disc=$2 label=$3 sp out
     nc_in "$a" a "$disc" "$bin" "$bin" nc -v -l 7001 --echo --bind 10.79.1.1 2>"$dir/pp-srv.err" &
     sp=$!
-    sleep 0.4
-    out=$(nc_in "$b" b "$disc" "$bin" "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err")
+    # Until the listener listens (a loaded machine starts it slowly), at most 5 s.
+    for _ in $(seq 1 50); do
+        ip netns exec "$a" ss -Hltn 'sport = :7001' | grep -q . && break
+        sleep 0.1
+    done
+    out=$(nc_in "$b" b "$disc" "$bin" "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err") ||
+        out="failed: $(tail -1 "$dir/pp-cli.err")"
+    # The echo listener serves until killed. `$sp` is the subshell running `nc_in`; the
+    # listener is its child (`ip netns exec` and `env` exec into it): kill that one, or it
+    # keeps port 7001 and every later round's client talks to the first round's binary.
+    # It takes a moment to exit (its exit handlers): wait until it is gone, at most 5 s.
+    local kids
+    kids=$(pgrep -P "$sp" || true)
+    for p in $kids; do kill "$p" 2>/dev/null || true; done
+    for p in $kids; do
+        for _ in $(seq 1 100); do
+            kill -0 "$p" 2>/dev/null || break
+            sleep 0.05
+        done
+    done
     kill "$sp" 2>/dev/null || true
     wait "$sp" 2>/dev/null || true
     echo "$label $out"

@@ -740,6 +740,21 @@ impl<'a> ReceiveWait<'a> {
     pub fn receive(&self) -> usize {
         self.0.receive()
     }
+
+    /// Longest one [`block`](Self::block) sleeps.
+    pub const BLOCK: Duration = roce::BLOCK;
+
+    /// Sleep in the device socket's receive call itself (no `poll` first: one system call
+    /// per wake-up instead of two) for up to [`BLOCK`](Self::BLOCK), receiving what arrives.
+    /// For a thread that has armed this queue's channel and waits on nothing else. `Some(n)`:
+    /// poll the queue now (n datagrams were received; 0 when completions were queued
+    /// already). `None`: nothing arrived, or the device cannot sleep on one socket (it has
+    /// IPv6 GIDs); sleep on [`fd`](Self::fd) and the queue's channel instead, as before. A
+    /// completion that another thread queues while this one sleeps here is seen at the
+    /// latest when the sleep ends.
+    pub fn block(&self) -> Option<usize> {
+        self.0.block()
+    }
 }
 
 /// A completion queue with a completion channel.

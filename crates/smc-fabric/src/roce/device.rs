@@ -26,6 +26,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// [`lock`] if nobody holds the mutex now.
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Packet and error counters of a roce device (all since it was opened).
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -122,6 +131,9 @@ pub(crate) struct RoceCore {
     gso_off: AtomicBool,
     /// Whether the socket coalesces received packets (`UDP_GRO`, rx.rs).
     gro: AtomicBool,
+    /// Whether a waiter may sleep in the socket's receive call ([`ReceiveWait::block`]): the
+    /// device has one socket, whose receive timeout is set to `rx::BLOCK`.
+    blocking: bool,
     /// This process's QPN range (steer.rs): `qpn_base .. qpn_base + qpn_span`.
     qpn_base: u32,
     qpn_span: u32,
@@ -157,9 +169,13 @@ impl<'a> ReceiveWait<'a> {
     pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
         core.rx_waiters.fetch_add(1, Ordering::AcqRel);
         // A thread that goes to sleep has no reply to send now: the ACKs held back for one
-        // leave before it sleeps (a reader waiting for more of a stream ACKs what it has),
-        // unless they are young enough to ride with the next request (qp.rs).
-        core.flush_owed_acks(Some(super::qp::ACK_COALESCE));
+        // that are due (`ACK_DELAY` old, as the progress thread would send them) leave before
+        // it sleeps; younger ones wait for the next request to carry them (qp.rs). Sending
+        // those of 50 µs (`ACK_COALESCE`) here instead cost a 1-byte ping-pong about 4 µs of
+        // its 25 µs round trip (a lone ACK datagram every few round trips, and the wake-up it
+        // causes at the peer; docs/performance.md). A stream's receiver needs no more: it
+        // ACKs at once every `ACK_SPAN` PSNs.
+        core.flush_owed_acks(Some(super::qp::ACK_DELAY));
         ReceiveWait { core, cq }
     }
 
@@ -173,6 +189,45 @@ impl<'a> ReceiveWait<'a> {
         self.cq.disarm();
         let mut st = lock(&self.core.rx);
         self.core.receive_pending(&mut st)
+    }
+
+    /// Sleep in the socket's receive call itself, up to `rx::BLOCK`, and handle what
+    /// arrives: one system call per wake-up where sleeping in `poll` on the socket and the
+    /// completion channel, then receiving, takes two. `Some(n)`: there is something to poll
+    /// (n datagrams were received; 0 when completions were already queued). `None`: nothing
+    /// came within `rx::BLOCK`, or the device has several sockets (IPv6 GIDs) and cannot
+    /// block on one — sleep on [`fd`](Self::fd) instead, which also sees the completion
+    /// channel (a completion another thread queues while this one sleeps here is seen then,
+    /// at most `rx::BLOCK` late).
+    pub(crate) fn block(&self) -> Option<usize> {
+        if !self.core.blocking {
+            return None;
+        }
+        // Holding the receive lock, the progress thread cannot be receiving: one that was is
+        // done (what it queued is seen below), and it will not start while this waiter is
+        // counted (`rx_waiters`); it leaves the lock alone while a sleeper holds it (`run`).
+        let mut st = lock(&self.core.rx);
+        if self.cq.maybe_ready() {
+            return Some(0);
+        }
+        let RxState {
+            tables,
+            ring,
+            batch,
+        } = &mut *st;
+        let got = ring.receive_blocking(&self.core.sock);
+        if got == 0 {
+            return None;
+        }
+        self.cq.disarm();
+        tables.refresh(self.core);
+        self.core.handle_received(0, got, tables, ring, batch);
+        let mut total = got;
+        if got == super::rx::BATCH {
+            total += self.core.receive_socket(0, tables, ring, batch);
+        }
+        batch.flush(self.core);
+        Some(total)
     }
 }
 
@@ -799,6 +854,11 @@ impl RoceHandle {
                 super::rx::set_gro(s.sock.as_fd(), true);
             }
         }
+        // A waiter may sleep in the receive call itself when the device has this one socket
+        // (`ReceiveWait::block`); the timeout bounds that sleep (SMC_ROCE_NO_BLOCK=1: never).
+        let blocking = v6.is_empty()
+            && std::env::var_os("SMC_ROCE_NO_BLOCK").is_none()
+            && super::rx::set_block_timeout(sock.as_fd());
         let core = Arc::new(RoceCore {
             config: config.clone(),
             netdev: netdev.clone(),
@@ -823,6 +883,7 @@ impl RoceHandle {
             qpn_span,
             gso_off: AtomicBool::new(std::env::var_os("SMC_ROCE_NO_GSO").is_some()),
             gro: AtomicBool::new(gro),
+            blocking,
             next_key: AtomicU32::new(1),
             next_pd: AtomicU32::new(1),
             events: Mutex::new(VecDeque::new()),
@@ -949,30 +1010,43 @@ impl RoceCore {
         for _ in 0..super::rx::ROUNDS {
             let got = ring.receive(self.sock_of(via));
             total += got;
-            for i in 0..got {
-                let (from, data, seg) = ring.datagram(i);
-                self.counters
-                    .rx_bytes
-                    .fetch_add(data.len() as u64, Ordering::Relaxed);
-                tables.refresh(self);
-                // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
-                // (the last one may be shorter): each is a packet of its own.
-                for (k, pkt) in super::rx::packets(data, seg).enumerate() {
-                    bump(&self.counters.rx_packets);
-                    if seg.is_some() && !self.owns_qpn(pkt) {
-                        self.gro_off("a coalesced datagram held another process's packets");
-                    }
-                    // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
-                    let id = if seg.is_some() { k as u16 } else { 0 };
-                    let from = (from.ip(), from.port(), id, via);
-                    super::qp::receive(self, tables, batch, from, pkt);
-                }
-            }
+            self.handle_received(via, got, tables, ring, batch);
             if got < super::rx::BATCH {
                 break;
             }
         }
         total
+    }
+
+    /// Handle the `got` datagrams the last receive on the socket of GID index `via` put in
+    /// `ring`.
+    fn handle_received(
+        &self,
+        via: u8,
+        got: usize,
+        tables: &mut Tables,
+        ring: &super::rx::RxRing,
+        batch: &mut RxBatch,
+    ) {
+        for i in 0..got {
+            let (from, data, seg) = ring.datagram(i);
+            self.counters
+                .rx_bytes
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            tables.refresh(self);
+            // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
+            // (the last one may be shorter): each is a packet of its own.
+            for (k, pkt) in super::rx::packets(data, seg).enumerate() {
+                bump(&self.counters.rx_packets);
+                if seg.is_some() && !self.owns_qpn(pkt) {
+                    self.gro_off("a coalesced datagram held another process's packets");
+                }
+                // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
+                let id = if seg.is_some() { k as u16 } else { 0 };
+                let from = (from.ip(), from.port(), id, via);
+                super::qp::receive(self, tables, batch, from, pkt);
+            }
+        }
     }
 
     /// Whether the packet's destination QPN (BTH bytes 5–7) is in this process's range (a
@@ -1004,10 +1078,14 @@ fn run(core: Arc<RoceCore>) {
     let mut ack_due: Option<Instant> = None;
     let mut lease = LEASE;
     while !core.shutdown.load(Ordering::Acquire) {
-        let idle = {
-            let mut st = lock(&core.rx);
-            st.tables.refresh(&core);
-            st.tables.qps.is_empty()
+        // A waiter asleep in the socket's receive call holds the receive lock
+        // (`ReceiveWait::block`): never wait for it here.
+        let idle = match try_lock(&core.rx) {
+            Some(mut st) => {
+                st.tables.refresh(&core);
+                st.tables.qps.is_empty()
+            }
+            None => false,
         };
         let mut timeout = if idle {
             Duration::from_millis(20)
@@ -1040,19 +1118,28 @@ fn run(core: Arc<RoceCore>) {
             }
         }
         let now = {
-            let mut st = lock(&core.rx);
-            if core.rx_waiters.load(Ordering::Acquire) == 0 {
-                core.receive_pending(&mut st);
-            }
-            let now = Instant::now();
-            ack_due = None;
-            for qp in st.tables.qps.values() {
-                qp.on_tick(now);
-                if let Some(t) = qp.flush_owed_ack(Some((now, super::qp::ACK_DELAY))) {
-                    ack_due = Some(ack_due.map_or(t, |d| d.min(t)));
+            let mut tick = |qps: &mut dyn Iterator<Item = &Arc<RoceQp>>| {
+                let now = Instant::now();
+                ack_due = None;
+                for qp in qps {
+                    qp.on_tick(now);
+                    if let Some(t) = qp.flush_owed_ack(Some((now, super::qp::ACK_DELAY))) {
+                        ack_due = Some(ack_due.map_or(t, |d| d.min(t)));
+                    }
                 }
+                now
+            };
+            match try_lock(&core.rx) {
+                Some(mut st) => {
+                    if core.rx_waiters.load(Ordering::Acquire) == 0 {
+                        core.receive_pending(&mut st);
+                    }
+                    tick(&mut st.tables.qps.values())
+                }
+                // A waiter sleeps in the receive call holding the lock: the timers all the
+                // same, from the shared table.
+                None => tick(&mut core.live_qps().iter()),
             }
-            now
         };
         {
             let mut l = lock(&core.lingering);

@@ -26,6 +26,7 @@ pub(crate) use cq::RoceCq;
 pub(crate) use device::{receive_now, snapshot, ReceiveWait, RoceHandle};
 pub(crate) use mr::RoceMr;
 pub(crate) use qp::{shortest_shared_write, RoceQp, MAX_SEND};
+pub(crate) use rx::BLOCK;
 
 #[cfg(test)]
 mod tests;

@@ -68,9 +68,10 @@ pub(crate) const ACK_DELAY: Duration = Duration::from_micros(200);
 /// held-back ACK never closes a requester's window of [`PEER_WINDOW`] PSNs (a stream of large
 /// messages is ACKed as before, message by message).
 const ACK_SPAN: i32 = PEER_WINDOW / 4;
-/// A held-back ACK younger than this does not ride along with the QP's next transmission nor
-/// leave when the receiving thread sleeps: in a fast request/response exchange one ACK then
-/// answers several requests (ACKs are cumulative), and most round trips carry none.
+/// A held-back ACK younger than this does not ride along with the QP's next transmission: in
+/// a fast request/response exchange one ACK then answers several requests (ACKs are
+/// cumulative), and most round trips carry none. (A thread that goes to sleep sends only those
+/// [`ACK_DELAY`] old, device.rs `ReceiveWait::new`.)
 pub(crate) const ACK_COALESCE: Duration = Duration::from_micros(50);
 
 fn retransmit_timeout() -> Duration {

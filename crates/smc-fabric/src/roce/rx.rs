@@ -28,6 +28,18 @@ const RX_BUF: usize = 65_536;
 const UDP_GRO: libc::c_int = 104;
 /// Control buffer per datagram: room for one cmsg carrying an `int`, aligned for cmsghdr.
 type Ctrl = [u64; 4];
+/// The receive timeout (`SO_RCVTIMEO`) of a device socket: the longest a thread sleeps in
+/// [`RxRing::receive_blocking`] (every other receive on the socket is non-blocking). A sleeper
+/// in the receive call sees only datagrams, not the completion channel, so a completion
+/// another thread queues meanwhile (rare: the progress thread's timers, a QP's flush) waits
+/// at most this long; the sleeper then goes on sleeping in `poll`, where it sees both.
+pub(crate) const BLOCK: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Set the socket's receive timeout to [`BLOCK`]; whether it took it.
+pub(crate) fn set_block_timeout(sock: BorrowedFd<'_>) -> bool {
+    rustix::net::sockopt::set_socket_timeout(sock, rustix::net::sockopt::Timeout::Recv, Some(BLOCK))
+        .is_ok()
+}
 
 /// Turn `UDP_GRO` on or off; whether the socket took it.
 pub(crate) fn set_gro(sock: BorrowedFd<'_>, on: bool) -> bool {
@@ -104,6 +116,17 @@ impl RxRing {
 
     /// Receive up to [`BATCH`] datagrams without blocking; returns how many.
     pub(crate) fn receive(&mut self, sock: &OwnedFd) -> usize {
+        self.receive_with(sock, libc::MSG_DONTWAIT)
+    }
+
+    /// Sleep in the receive call until a datagram arrives or the socket's `SO_RCVTIMEO`
+    /// ([`BLOCK`]) passes, then take up to [`BATCH`] of what waits without sleeping again
+    /// (`MSG_WAITFORONE`); returns how many (0: nothing came, or a signal interrupted).
+    pub(crate) fn receive_blocking(&mut self, sock: &OwnedFd) -> usize {
+        self.receive_with(sock, libc::MSG_WAITFORONE)
+    }
+
+    fn receive_with(&mut self, sock: &OwnedFd, flags: libc::c_int) -> usize {
         let base = self.bufs.as_mut_ptr();
         self.iovs.clear();
         for i in 0..BATCH {
@@ -131,7 +154,7 @@ impl RxRing {
                 sock.as_raw_fd(),
                 self.hdrs.as_mut_ptr(),
                 BATCH as libc::c_uint,
-                libc::MSG_DONTWAIT,
+                flags,
                 std::ptr::null_mut(),
             )
         };

@@ -682,6 +682,67 @@ fn held_back_acks_complete_every_send() {
     assert!(acks(&a) <= rounds, "a sent {} ACKs", acks(&a));
 }
 
+/// A waiter that sleeps in the socket's receive call itself (`ReceiveWait::block`): with
+/// nothing coming the sleep ends (the socket's receive timeout) and says so; a SEND that
+/// arrives while it sleeps there is received by it and its completion is queued; a completion
+/// queued before it would sleep is found without sleeping.
+#[test]
+fn a_waiter_sleeps_in_the_receive_call() {
+    let (a, b) = pair(14, Vec::new(), 8);
+    let mut w = [WorkCompletion::EMPTY; 8];
+    b.cq.req_notify();
+    {
+        let waiter = ReceiveWait::new(&b.dev.core, &b.cq);
+        assert_eq!(waiter.block(), None, "nothing was sent");
+    }
+    let waiter = ReceiveWait::new(&b.dev.core, &b.cq);
+    let sender = std::thread::spawn({
+        let qp = a.qp.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(2));
+            qp.post_send(&SendWr::Send {
+                wr_id: 1,
+                data: b"wake",
+                signaled: true,
+            })
+            .expect("send");
+        }
+    });
+    // A sleep may end before the SEND is sent; the waiter sleeps again (while it is counted,
+    // the progress thread leaves the socket to it).
+    let mut got = None;
+    let end_t = Instant::now() + Duration::from_secs(20);
+    while got.is_none() && Instant::now() < end_t {
+        got = waiter.block();
+    }
+    sender.join().expect("sender");
+    assert!(got.is_some_and(|n| n >= 1), "received {got:?}");
+    let n = b.cq.poll(&mut w);
+    assert!(
+        w[..n]
+            .iter()
+            .any(|c| c.opcode == WcOpcode::Recv && c.status == WcStatus::Success),
+        "{:?}",
+        &w[..n]
+    );
+    drop(waiter);
+    // Without a waiter the progress thread receives the next SEND; a waiter then finds its
+    // completion queued and does not sleep.
+    a.qp.post_send(&SendWr::Send {
+        wr_id: 2,
+        data: b"queued",
+        signaled: true,
+    })
+    .expect("send");
+    let end_t = Instant::now() + Duration::from_secs(20);
+    while !b.cq.maybe_ready() && Instant::now() < end_t {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let waiter = ReceiveWait::new(&b.dev.core, &b.cq);
+    assert_eq!(waiter.block(), Some(0));
+    assert!(b.cq.poll(&mut w) >= 1);
+}
+
 /// The IPv6 path of the backend: a device on lo with an IPv6 GID on `::1` (given, since `::1`
 /// is never a GID of its own) and two QPs of it connected through that GID. Loss, reordering
 /// and duplication are injected, so go-back-N, NAKs, duplicate ACKs and retransmissions run

@@ -278,39 +278,53 @@ impl SmcStream {
             }
             if !core.poll_completions(&mut wcs) {
                 drop(core);
-                // The completion channels, and the sockets of software RoCE devices: a
-                // datagram wakes this thread, which receives it itself (no hop through the
-                // device's thread on the path of a reply).
-                let mut fds: Vec<rustix::event::PollFd<'_>> = inner
-                    .cqs
-                    .iter()
-                    .map(|c| {
-                        rustix::event::PollFd::from_borrowed_fd(
-                            c.fd(),
-                            rustix::event::PollFlags::IN,
-                        )
-                    })
-                    .collect();
+                // A datagram on the socket of a software RoCE device wakes this thread, which
+                // receives it itself (no hop through the device's thread on the path of a
+                // reply).
                 let receivers: Vec<smc_fabric::ReceiveWait<'_>> =
                     inner.cqs.iter().filter_map(|c| c.receive_wait()).collect();
-                fds.extend(receivers.iter().map(|r| {
-                    rustix::event::PollFd::from_borrowed_fd(r.fd(), rustix::event::PollFlags::IN)
-                }));
-                let ts = rustix::event::Timespec {
-                    tv_sec: wait.as_secs() as i64,
-                    tv_nsec: i64::from(wait.subsec_nanos()),
+                // One software RoCE device and nothing else to watch: sleep in its socket's
+                // receive call (one system call per wake-up, as a blocking TCP read; `poll`
+                // and then the receive are two) for a while, then in `poll` for the rest.
+                let blocked = match (&inner.cqs[..], &receivers[..]) {
+                    ([_], [r]) if wait >= smc_fabric::ReceiveWait::BLOCK => r.block(),
+                    _ => None,
                 };
-                let _ = rustix::event::poll(&mut fds, Some(&ts));
-                let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
-                drop(fds);
-                for (cq, r) in inner.cqs.iter().zip(&ready) {
-                    if *r {
-                        cq.ack_notify();
+                if blocked.is_none() {
+                    let wait = wait.saturating_sub(slept.elapsed());
+                    // The completion channels, and the sockets of software RoCE devices.
+                    let mut fds: Vec<rustix::event::PollFd<'_>> = inner
+                        .cqs
+                        .iter()
+                        .map(|c| {
+                            rustix::event::PollFd::from_borrowed_fd(
+                                c.fd(),
+                                rustix::event::PollFlags::IN,
+                            )
+                        })
+                        .collect();
+                    fds.extend(receivers.iter().map(|r| {
+                        rustix::event::PollFd::from_borrowed_fd(
+                            r.fd(),
+                            rustix::event::PollFlags::IN,
+                        )
+                    }));
+                    let ts = rustix::event::Timespec {
+                        tv_sec: wait.as_secs() as i64,
+                        tv_nsec: i64::from(wait.subsec_nanos()),
+                    };
+                    let _ = rustix::event::poll(&mut fds, Some(&ts));
+                    let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+                    drop(fds);
+                    for (cq, r) in inner.cqs.iter().zip(&ready) {
+                        if *r {
+                            cq.ack_notify();
+                        }
                     }
-                }
-                for (r, readable) in receivers.iter().zip(&ready[inner.cqs.len()..]) {
-                    if *readable {
-                        r.receive();
+                    for (r, readable) in receivers.iter().zip(&ready[inner.cqs.len()..]) {
+                        if *readable {
+                            r.receive();
+                        }
                     }
                 }
                 drop(receivers);
