@@ -136,14 +136,14 @@ impl Net {
         during: impl FnOnce() -> Result<()>,
     ) -> Result<Duration> {
         let out = self.dir.join("out");
-        let server = self.nc(
+        let mut server = Reaped(Some(self.nc(
             'a',
             smc,
             &["-v", "-l", "7000", "--bind", &self.addr('a', 0)],
             Stdio::null(),
             Stdio::from(File::create(&out)?),
-        )?;
-        std::thread::sleep(Duration::from_millis(300));
+        )?));
+        self.wait_listening(7000)?;
         let start = Instant::now();
         let client = self.nc(
             'b',
@@ -160,7 +160,7 @@ impl Net {
         }
         during()?;
         let ce = finish(client, "client")?;
-        let se = finish(server, "server")?;
+        let se = finish(server.take(), "server")?;
         let took = start.elapsed();
         let want = if smc { "over SMC-R" } else { "over TCP" };
         if !se.contains(want) || !ce.contains(want) {
@@ -177,14 +177,14 @@ impl Net {
     /// Round trips of `size` bytes from b to an echo listener in a for `secs`; returns the
     /// client's line (`pingpong SIZE round_trips N p50_us X p99_us Y mean_us Z`) parsed.
     fn pingpong(&self, smc: bool, size: usize, secs: f64) -> Result<PingPong> {
-        let mut server = self.nc(
+        let _server = Reaped(Some(self.nc(
             'a',
             smc,
             &["-v", "-l", "7001", "--echo", "--bind", &self.addr('a', 0)],
             Stdio::null(),
             Stdio::null(),
-        )?;
-        std::thread::sleep(Duration::from_millis(300));
+        )?));
+        self.wait_listening(7001)?;
         let size_s = size.to_string();
         let secs_s = secs.to_string();
         let client = self.nc(
@@ -214,9 +214,47 @@ impl Net {
             }
             PingPong::parse(&out)
         });
-        let _ = server.kill();
-        let _ = server.wait();
         result
+    }
+
+    /// Until something listens on TCP `port` in namespace a (at most 30 s: a stack's first
+    /// start in a namespace loads its devices and eBPF program).
+    fn wait_listening(&self, port: u16) -> Result<()> {
+        let filter = format!("sport = :{port}");
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let o = Command::new("ip")
+                .args(["netns", "exec", &self.a, "ss", "-Hltn", &filter])
+                .output()
+                .context("running ss in the namespace")?;
+            if o.status.success() && !o.stdout.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > end {
+                bail!("nothing listens on port {port} after 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A listener process that is killed and reaped when the run ends, however it ends (an
+/// error on the client side must not leave it running).
+struct Reaped(Option<Child>);
+
+impl Reaped {
+    /// The process, to be waited for normally.
+    fn take(&mut self) -> Child {
+        self.0.take().expect("taken once")
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
