@@ -41,6 +41,13 @@ pub use spin::LoopSpin;
 /// a forked child makes its own after [`forked_child`]).
 static STACK: Mutex<Option<Stack>> = Mutex::new(None);
 
+/// In a forked child: the eBPF discovery of the parent's stack (copied by the fork), for the
+/// child's own stack to share (see [`Stack::new_inheriting`]). Read and written only with
+/// [`STACK`] locked, which the forking thread holds across `fork()`, so no thread of the
+/// parent can hold this lock at the fork.
+static INHERITED_DISCOVERY: Mutex<Option<Arc<crate::discovery::TcpOptionDiscovery>>> =
+    Mutex::new(None);
+
 /// The `SMC_*` settings the program started with (see [`keep_settings`]).
 static SETTINGS: std::sync::OnceLock<Vec<(std::ffi::OsString, std::ffi::OsString)>> =
     std::sync::OnceLock::new();
@@ -70,7 +77,9 @@ pub fn stack() -> io::Result<Stack> {
         }
     }
     smc_fabric::fdplace::keep_high();
-    let s = Stack::from_env().map_err(io::Error::other)?;
+    let inherited = lock_inherited().clone();
+    let config = crate::StackConfig::from_env().map_err(io::Error::other)?;
+    let s = Stack::new_inheriting(config, inherited).map_err(io::Error::other)?;
     *g = Some(s.clone());
     Ok(s)
 }
@@ -100,10 +109,27 @@ pub fn fork_child() {
     FORK_GUARD.with_borrow_mut(|s| {
         if let Some(mut g) = s.take() {
             if let Some(parent) = g.take() {
-                std::mem::forget(parent);
+                forget_parent(parent);
             }
         }
     });
+}
+
+fn lock_inherited(
+) -> std::sync::MutexGuard<'static, Option<Arc<crate::discovery::TcpOptionDiscovery>>> {
+    INHERITED_DISCOVERY
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// Forget the parent's stack in a forked child (with [`STACK`] locked), keeping its eBPF
+/// discovery for the child's stack; without a parent's stack the discovery a grandparent
+/// passed on stays.
+fn forget_parent(parent: Stack) {
+    if let Some(d) = &parent.inner.discovery {
+        *lock_inherited() = Some(d.clone());
+    }
+    std::mem::forget(parent);
 }
 
 /// In a child made by a `clone` system call without `CLONE_VM` that is not `fork()` (vsftpd
@@ -117,7 +143,7 @@ pub fn forked_without_handlers() -> bool {
         Err(std::sync::TryLockError::WouldBlock) => return false,
     };
     if let Some(parent) = g.take() {
-        std::mem::forget(parent);
+        forget_parent(parent);
     }
     true
 }
