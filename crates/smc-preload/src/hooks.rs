@@ -969,6 +969,11 @@ fn duplicated(old: c_int, new: c_int) {
         return;
     }
     forget(new);
+    crate::wait::closed(new);
+    if crate::wait::is_epoll(old) {
+        crate::wait::duplicated_epoll(old, new);
+        return;
+    }
     if let Some(e) = table::get(old) {
         match &e.kind {
             Kind::Epoll(_) => {}
@@ -985,7 +990,7 @@ fn duplicated(old: c_int, new: c_int) {
 pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
     // SAFETY: passed on unchanged.
     let new = unsafe { real::dup(fd) };
-    if table::maybe(fd) {
+    if table::maybe(fd) || crate::wait::is_epoll(fd) {
         duplicated(fd, new);
     }
     new
@@ -998,7 +1003,7 @@ pub unsafe extern "C" fn dup2(fd: c_int, to: c_int) -> c_int {
     }
     // SAFETY: passed on unchanged.
     let new = unsafe { real::dup2(fd, to) };
-    if fd != to && table::maybe(fd) {
+    if fd != to && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         duplicated(fd, new);
     }
     new
@@ -1011,7 +1016,7 @@ pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
     }
     // SAFETY: passed on unchanged.
     let new = unsafe { real::dup3(fd, to, flags) };
-    if table::maybe(fd) {
+    if table::maybe(fd) || crate::wait::is_epoll(fd) {
         duplicated(fd, new);
     }
     new
@@ -1022,7 +1027,7 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     // SAFETY: passed on unchanged (the third argument arrives in the same register whether
     // the caller passed an int, a pointer or nothing).
     let r = unsafe { real::fcntl(fd, cmd, arg) };
-    if r >= 0 && table::maybe(fd) {
+    if r >= 0 && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         match cmd {
             libc::F_SETFL => {
                 if let Target::Smc(c) = target(fd) {

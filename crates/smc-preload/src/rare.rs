@@ -376,7 +376,9 @@ pub unsafe extern "C" fn epoll_pwait2(
 
 /// Forget the entries of the numbers from `first` to `last` (they are being closed).
 fn forget_range(first: c_uint, last: c_uint) {
-    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || table::borrowed_memory() {
+    if !(table::ANY.load(std::sync::atomic::Ordering::Relaxed) || crate::wait::any_epoll())
+        || table::borrowed_memory()
+    {
         return;
     }
     let last = (last as usize).min(table::MAX_FD - 1);
