@@ -1022,7 +1022,14 @@ impl Conn {
                         // As `tcp_poll`: writable also once writing has ended (the peer
                         // closed, or this side shut writing down): a write does not block.
                         writable: conn.write_room() > 0 || conn.write_ended() || err.is_some(),
-                        read_hup: closed,
+                        // As `tcp_poll`: RDHUP as soon as the peer is done writing, also
+                        // while bytes before its end are unread. tokio counts on it: a read
+                        // that returns less than asked clears its read readiness but keeps
+                        // the read-closed one, so it reads once more and meets the end of
+                        // stream; reported only once drained, the end came with no new
+                        // edge after that read (a tokio echo server never saw its client's
+                        // shutdown when the shutdown arrived while data was unread).
+                        read_hup: conn.is_read_shut(),
                         hup: err.is_some(),
                         error: err.is_some(),
                         urgent: core.ep.urgent_offset(c.id).is_some()
