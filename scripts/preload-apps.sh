@@ -530,4 +530,34 @@ n=$(grep -c ": SMC-R" "$SMC_LOG.lt" || true)
 [ "$n" = 20 ] || fail "lighttpd: $n SMC-R ends, 20 expected (2 curls, 8 ab connections)"
 echo "   2 curls of 4 MB, ab $(grep -o "Requests per second: *[0-9.]*" "$work/ab.out" | tr -s ' '), 20 SMC-R ends"
 
+# ---- section apps2: tokio, node, PostgreSQL (self-contained) ----
+
+# Wait until something listens on TCP port $1 (ss: no connection that the server would count).
+listening() {
+    for _ in $(seq 1 200); do ss -ltn "sport = :$1" | grep -q ":$1 " && return 0; sleep 0.05; done
+    fail "nothing listens on port $1"
+}
+
+echo "== tokio (multi-thread runtime, tokio::net; mio dups its epoll number): echo, 8 × 2 MB; a plain client → TCP"
+cargo build -q -p smc --example tokio_echo --locked
+tok=target/debug/examples/tokio_echo
+: >"$SMC_LOG.tok"
+SMC_LOG="$SMC_LOG.tok" "$SMC" run "$tok" server 18110 9 >"$work/tok-s.log" 2>&1 &
+pids+=($!)
+tsrv=$!
+listening 18110
+SMC_LOG="$SMC_LOG.tok" timeout 60 "$SMC" run "$tok" client 18110 8 2000000 >"$work/tok-c.log" 2>&1 \
+    || { cat "$work/tok-c.log" "$work/tok-s.log"; fail "tokio client (under smc run)"; }
+timeout 60 "$tok" client 18110 1 1000000 >>"$work/tok-c.log" 2>&1 \
+    || { cat "$work/tok-c.log" "$work/tok-s.log"; fail "tokio client (plain)"; }
+wait $tsrv || { cat "$work/tok-s.log"; fail "tokio server"; }
+grep -q "9 connections, 17000000 bytes echoed" "$work/tok-s.log" || fail "tokio server: $(cat "$work/tok-s.log")"
+n=$(grep -c ": SMC-R$" "$SMC_LOG.tok" || true)
+[ "$n" = 16 ] || fail "tokio: $n SMC-R ends, 16 expected"
+n=$(grep -c ": TCP (Tcp(PeerWithoutOption))" "$SMC_LOG.tok" || true)
+[ "$n" = 1 ] || fail "tokio: the plain client's connection not TCP ($n)"
+echo "   8 echoes of 2 MB right (SHA-256), 16 SMC-R ends; the plain client's echo right over TCP"
+
+# ---- end of section apps2 ----
+
 echo "preload-apps: all passed"
