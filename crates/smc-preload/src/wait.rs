@@ -205,38 +205,24 @@ fn epoll_set(epfd: c_int) -> Option<Arc<EpollSet>> {
             _ => None,
         },
         None => {
-            // Another number of the same instance (a duplicate) may have its set already.
-            if let Some(e) = sibling_numbers(epfd)
-                .find_map(|fd| table::get(fd).filter(|e| matches!(e.kind, Kind::Epoll(_))))
-            {
-                let Kind::Epoll(s) = &e.kind else {
-                    return None;
-                };
-                let s = s.clone();
-                if let Ok(Some(x)) = table::set(epfd, e) {
-                    table::release(x);
-                }
-                return Some(s);
-            }
-            let s = Arc::new(EpollSet::default());
-            let e = Entry::new(Kind::Epoll(s.clone()));
-            table::set(epfd, e.clone()).ok()?;
+            // Its duplicates (if any) share the set: the one one of them has, or a new one.
+            let mut fds = vec![epfd];
+            fds.extend(sibling_numbers(epfd));
+            let e = table::share(
+                &fds,
+                || Entry::new(Kind::Epoll(Arc::new(EpollSet::default()))),
+                |e| matches!(e.kind, Kind::Epoll(_)),
+            )?;
+            let Kind::Epoll(s) = &e.kind else {
+                return None;
+            };
+            let s = s.clone();
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            let nested = |fd: c_int| {
+            let nest = fds.iter().any(|&fd| {
                 epoll_slot(&EPOLL_FDS, fd).is_some_and(|v| {
                     v.load(std::sync::atomic::Ordering::SeqCst) & EPOLL_NESTED != 0
                 })
-            };
-            let mut nest = nested(epfd);
-            // The other numbers of the same instance (duplicates) share the set.
-            for fd in sibling_numbers(epfd) {
-                if table::get(fd).is_none() {
-                    if let Ok(Some(x)) = table::set(fd, e.clone()) {
-                        table::release(x);
-                    }
-                }
-                nest |= nested(fd);
-            }
+            });
             if nest {
                 s.nest();
             }
