@@ -25,6 +25,9 @@ pub unsafe extern "C" fn recvmmsg(
     t: *mut timespec,
 ) -> c_int {
     if !matches!(target(fd), Target::Smc(_) | Target::Foreign) {
+        if let Some(r) = hooks::crossed(fd, flags) {
+            return r as c_int;
+        }
         // SAFETY: passed on unchanged.
         return unsafe { real::recvmmsg(fd, v, n, flags, t) };
     }
@@ -289,6 +292,14 @@ pub unsafe extern "C" fn splice(
 ) -> ssize_t {
     let (tin, tout) = (target(fd_in), target(fd_out));
     if matches!(tin, Target::Pass) && matches!(tout, Target::Pass) {
+        let nb = if flags & libc::SPLICE_F_NONBLOCK != 0 {
+            libc::MSG_DONTWAIT
+        } else {
+            0
+        };
+        if let Some(r) = hooks::crossed(fd_in, nb) {
+            return r;
+        }
         // SAFETY: passed on unchanged.
         return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) };
     }

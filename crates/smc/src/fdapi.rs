@@ -218,12 +218,82 @@ pub enum Setup {
 #[derive(Debug)]
 pub struct TcpConn {
     stream: SmcStream,
+    /// CLC messages of the peer that crossed our Decline and may still be in front of its
+    /// data in the program's socket (0: none; see `crate::crossing`).
+    crossing: std::sync::atomic::AtomicU8,
+    /// Held while they are being taken out (one reader at a time).
+    stripping: Mutex<()>,
 }
 
 impl TcpConn {
+    fn new(stream: SmcStream) -> TcpConn {
+        let left = if stream.strips_crossing() {
+            crate::crossing::MAX_CROSSING
+        } else {
+            0
+        };
+        TcpConn {
+            stream,
+            crossing: std::sync::atomic::AtomicU8::new(left),
+            stripping: Mutex::new(()),
+        }
+    }
+
     /// Why it is TCP.
     pub fn mode(&self) -> Mode {
         self.stream.mode()
+    }
+
+    /// Whether the peer's CLC messages that crossed our Decline may still be in front of
+    /// its data (then [`TcpConn::strip_crossed`] must run before the program reads).
+    pub fn strips_crossed(&self) -> bool {
+        self.crossing.load(Ordering::Acquire) > 0
+    }
+
+    /// Take the peer's CLC messages that crossed our Decline out of the front of the
+    /// program's socket `fd`, before the program reads it. Both ends of a first contact may
+    /// decline at once during the LLC negotiation (RFC 7609 C.2): two stacks that cannot
+    /// reach each other's fabric (programs of two users, each with a fabric directory of
+    /// its own) both failed the link and declined, and each program read the other's
+    /// 28-byte Decline as data. `wait`: the program's read would block (then this waits for
+    /// the first bytes too); otherwise an empty socket gives `WouldBlock`, so that a
+    /// message arriving after this look is never handed to the program.
+    pub fn strip_crossed(&self, fd: BorrowedFd<'_>, wait: bool) -> io::Result<()> {
+        use crate::crossing::{classify, Leading};
+        use rustix::net::RecvFlags;
+        let _one = self.stripping.lock().unwrap_or_else(|p| p.into_inner());
+        // Longer than any CLC message this stack parses (a v2 Proposal is the longest).
+        let mut buf = [0u8; 4096];
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while self.crossing.load(Ordering::Acquire) > 0 {
+            let mut flags = RecvFlags::PEEK;
+            if !wait {
+                flags |= RecvFlags::DONTWAIT;
+            }
+            let n = rustix::net::recv(fd, &mut buf[..], flags)?.0;
+            let done = || self.crossing.store(0, Ordering::Release);
+            if n == 0 {
+                done();
+                break;
+            }
+            match classify(&buf[..n]) {
+                Leading::Data => done(),
+                Leading::Clc(len) => {
+                    let mut got = 0;
+                    while got < len {
+                        got += rustix::net::recv(fd, &mut buf[got..len], RecvFlags::empty())?.0;
+                    }
+                    tracing::debug!(len, "dropped a CLC message that crossed our Decline");
+                    self.crossing.fetch_sub(1, Ordering::AcqRel);
+                }
+                // (The rest of a message sent in one write is on its way.)
+                Leading::NeedMore if n < buf.len() && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Leading::NeedMore => done(),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -239,7 +309,7 @@ pub fn accepted_tcp(fd: BorrowedFd<'_>) -> io::Result<TcpConn> {
     let was = oobinline(fd);
     let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
     set_oobinline(fd, was);
-    Ok(TcpConn { stream })
+    Ok(TcpConn::new(stream))
 }
 
 /// SO_OOBINLINE of the program's socket. A stream that falls back turns it on (its own API
@@ -276,7 +346,7 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
         if let Some(reason) = leading_decline(&sock, stack.config().clc_timeout)? {
             let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
             set_oobinline(fd, was);
-            return Ok(Setup::Tcp(TcpConn { stream }));
+            return Ok(Setup::Tcp(TcpConn::new(stream)));
         }
     }
     let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
@@ -464,7 +534,7 @@ pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::
 impl Setup {
     fn of(s: SmcStream) -> io::Result<Setup> {
         match s.smc_id() {
-            None => Ok(Setup::Tcp(TcpConn { stream: s })),
+            None => Ok(Setup::Tcp(TcpConn::new(s))),
             Some(id) => Conn::new(s, id).map(|c| Setup::Smc(Arc::new(c))),
         }
     }
