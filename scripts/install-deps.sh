@@ -65,6 +65,22 @@ if [ ${#apps[@]} -gt 0 ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apps[@]}" >/dev/null
 fi
 
+# preload-apps.sh section apps2: node (libuv) and PostgreSQL (run as user postgres; the
+# package's cluster is not used, and policy-rc.d above keeps it from starting).
+apps2=()
+command -v node >/dev/null 2>&1 || apps2+=(nodejs)
+ls /usr/lib/postgresql/*/bin/pgbench >/dev/null 2>&1 || apps2+=(postgresql)
+command -v psql >/dev/null 2>&1 || apps2+=(postgresql-client)
+if [ ${#apps2[@]} -gt 0 ]; then
+    echo "install-deps: installing ${apps2[*]}" >&2
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' | as_root tee /usr/sbin/policy-rc.d >/dev/null
+        as_root chmod +x /usr/sbin/policy-rc.d
+    fi
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apps2[@]}" >/dev/null
+fi
+
 # The kernel-peer VM of scripts/kernel-interop.sh (QEMU, the initramfs's tools); its
 # build-image.sh downloads the kernel package itself with apt-get download.
 vm=()

@@ -711,4 +711,123 @@ if grep -q "rsync error" "$work/rsyncd.log"; then fail "rsync daemon: $(grep "rs
 echo "   push and pull of 30 MB verified, 4 SMC-R ends, the forked receivers relayed through their parents"
 # ==== end of the relay section
 
+# ---- section apps2: tokio, node, python asyncio, PostgreSQL (self-contained) ----
+
+# Wait until something listens on TCP port $1 (ss: no connection that the server would count).
+listening() {
+    for _ in $(seq 1 200); do ss -ltn "sport = :$1" | grep -q ":$1 " && return 0; sleep 0.05; done
+    fail "nothing listens on port $1"
+}
+
+# An echo server and client of one event loop (CMD server PORT CONNS / CMD client PORT CONNS
+# BYTES): 8 connections of 2 MB each way both ends under smc run, then a plain client's
+# 1 MB (TCP); every echo checked by SHA-256, 16 SMC-R ends and 1 TCP one in the log.
+echo_pair() {
+    local name=$1 port=$2
+    shift 2
+    : >"$SMC_LOG.$name"
+    SMC_LOG="$SMC_LOG.$name" "$SMC" run "$@" server "$port" 9 >"$work/$name-s.log" 2>&1 &
+    pids+=($!)
+    local srv=$!
+    listening "$port"
+    SMC_LOG="$SMC_LOG.$name" timeout 60 "$SMC" run "$@" client "$port" 8 2000000 >"$work/$name-c.log" 2>&1 \
+        || { cat "$work/$name-c.log" "$work/$name-s.log"; fail "$name client (under smc run)"; }
+    timeout 60 "$@" client "$port" 1 1000000 >>"$work/$name-c.log" 2>&1 \
+        || { cat "$work/$name-c.log" "$work/$name-s.log"; fail "$name client (plain)"; }
+    wait $srv || { cat "$work/$name-s.log"; fail "$name server"; }
+    grep -q "9 connections, 17000000 bytes echoed" "$work/$name-s.log" || fail "$name server: $(cat "$work/$name-s.log")"
+    local n
+    n=$(grep -c ": SMC-R$" "$SMC_LOG.$name" || true)
+    [ "$n" = 16 ] || fail "$name: $n SMC-R ends, 16 expected"
+    n=$(grep -c ": TCP (Tcp(PeerWithoutOption))" "$SMC_LOG.$name" || true)
+    [ "$n" = 1 ] || fail "$name: the plain client's connection not TCP ($n)"
+    echo "   8 echoes of 2 MB right (SHA-256), 16 SMC-R ends; the plain client's echo right over TCP"
+}
+
+echo "== tokio (multi-thread runtime, tokio::net; mio dups its epoll number): echo server + client"
+cargo build -q -p smc --example tokio_echo --locked
+echo_pair tokio 18110 target/debug/examples/tokio_echo
+
+echo "== tokio across two fabric directories (stacks that cannot reach each other; both may decline at once)"
+tok=target/debug/examples/tokio_echo
+: >"$SMC_LOG.tokx"
+SMC_FABRIC_DIR="$work/fabric-b" SMC_LOG="$SMC_LOG.tokx" "$SMC" run "$tok" server 18113 4 >"$work/tokx-s.log" 2>&1 &
+pids+=($!)
+tsrv=$!
+listening 18113
+SMC_LOG="$SMC_LOG.tokx" timeout 60 "$SMC" run "$tok" client 18113 4 1000000 >"$work/tokx-c.log" 2>&1 \
+    || { cat "$work/tokx-c.log" "$work/tokx-s.log"; fail "tokio client (another fabric)"; }
+wait $tsrv || { cat "$work/tokx-s.log"; fail "tokio server (another fabric)"; }
+grep -q "4 connections, 4000000 bytes echoed" "$work/tokx-s.log" || fail "tokio server: $(cat "$work/tokx-s.log")"
+n=$(grep -c ": TCP (Tcp(.*Declined" "$SMC_LOG.tokx" || true)
+[ "$n" = 8 ] || fail "tokio across fabrics: $n declined TCP ends, 8 expected"
+echo "   4 echoes of 1 MB right over TCP (a crossed Decline is not data)"
+
+if command -v node >/dev/null 2>&1; then
+    echo "== node (libuv, net module, half-close): echo server + client"
+    echo_pair node 18111 node scripts/preload-node.js
+else
+    echo "== node: skipped (node missing; run scripts/install-deps.sh)"
+fi
+
+echo "== python asyncio streams (selector loop, write_eof): echo server + client"
+echo_pair asyncio 18112 python3 scripts/preload-asyncio.py
+
+pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+if [ -n "$pgbin" ] && id postgres >/dev/null 2>&1; then
+    echo "== PostgreSQL (a backend forked per connection) + psql (4 MB row, sha256()) + pgbench (-c 40, -C)"
+    # Run as user postgres (initdb refuses root) with the discovery's capabilities, over a
+    # fabric directory of that user; the clients too.
+    pgw="$work/pg"
+    mkdir -p "$pgw"
+    chmod 711 "$work"
+    cp "$SMC" "$pgw/smc"
+    head -c 3000000 "$work/r4m" | base64 -w0 >"$pgw/row.txt"
+    chown -R postgres "$pgw"
+    chmod 700 "$pgw"
+    aspg_cmd=(setpriv --reuid=postgres --regid=postgres --init-groups
+        --inh-caps=+bpf,+net_admin,+perfmon --ambient-caps=+bpf,+net_admin,+perfmon
+        env HOME="$pgw" SMC_FABRIC_DIR="$pgw/fabric" SMC_LOG="$pgw/preload.log"
+        PGHOST=127.0.0.1 PGPORT=18432 PGUSER=postgres PGDATABASE=postgres)
+    aspg() { "${aspg_cmd[@]}" "$@"; }
+    aspg "$pgbin/initdb" -D "$pgw/data" -A trust -U postgres --no-sync >"$work/initdb.log" 2>&1 \
+        || { cat "$work/initdb.log"; fail "initdb"; }
+    # (Not through the function: $! must be the server's pid, which setpriv and smc keep.)
+    "${aspg_cmd[@]}" "$pgw/smc" run "$pgbin/postgres" -D "$pgw/data" -k "$pgw" -p 18432 \
+        -c listen_addresses=127.0.0.1 -c fsync=off >"$work/pg.log" 2>&1 &
+    pids+=($!)
+    pgpid=$!
+    # (A failed check stops the server at once: a smart shutdown may wait on.)
+    pgfail() { kill -QUIT $pgpid 2>/dev/null || true; fail "$@"; }
+    listening 18432
+    got=$(aspg timeout 30 "$pgw/smc" run psql -X -q -At -v ON_ERROR_STOP=1 -c "create table t(v text)" \
+        -c "\\copy t from '$pgw/row.txt'" -c "select encode(sha256(convert_to(v, 'UTF8')), 'hex') from t") \
+        || pgfail "psql: $(tail -3 "$work/pg.log")"
+    [ "$got" = "$(sum "$pgw/row.txt")" ] || pgfail "psql: the row's SHA-256 differs"
+    aspg timeout 30 "$pgw/smc" run "$pgbin/pgbench" -q -i -s 1 >"$work/pgbench.log" 2>&1 \
+        || { cat "$work/pgbench.log"; pgfail "pgbench -i"; }
+    # 40 backends at once (each shares the postmaster's eBPF instance: past 64 programs on the
+    # cgroup the 65th declined), then a connection per transaction.
+    aspg timeout 60 "$pgw/smc" run "$pgbin/pgbench" -c 40 -j 2 -t 20 >"$work/pgbench.log" 2>&1 \
+        && grep -q "processed: 800/800" "$work/pgbench.log" \
+        && grep -q "failed transactions: 0 " "$work/pgbench.log" || { cat "$work/pgbench.log"; pgfail "pgbench -c 40"; }
+    aspg timeout 60 "$pgw/smc" run "$pgbin/pgbench" -C -c 4 -j 2 -t 25 -S >"$work/pgbench-C.log" 2>&1 \
+        && grep -q "processed: 100/100" "$work/pgbench-C.log" || { cat "$work/pgbench-C.log"; pgfail "pgbench -C"; }
+    got=$(aspg timeout 30 psql -X -At -c "select count(*) from pgbench_accounts") || pgfail "plain psql"
+    [ "$got" = 100000 ] || pgfail "plain psql: $got rows of pgbench_accounts, 100000 expected"
+    kill -INT $pgpid
+    wait $pgpid || true
+    # psql 1, pgbench -i 1, -c 40 41 (its first connection checks the tables), -C 101: 144
+    # connections, 288 ends; the plain psql's connection TCP.
+    n=$(grep -c ": SMC-R$" "$pgw/preload.log" || true)
+    [ "$n" = 288 ] || fail "PostgreSQL: $n SMC-R ends, 288 expected"
+    n=$(grep -c ": TCP (Tcp(PeerWithoutOption))" "$pgw/preload.log" || true)
+    [ "$n" = 1 ] || fail "PostgreSQL: the plain psql's connection not TCP ($n)"
+    echo "   4 MB row hash right, pgbench 800 + 100 transactions, 0 failed, 288 SMC-R ends; plain psql over TCP"
+else
+    echo "== PostgreSQL: skipped (postgresql missing; run scripts/install-deps.sh)"
+fi
+
+# ---- end of section apps2 ----
+
 echo "preload-apps: all passed"

@@ -78,12 +78,48 @@ fn install(fd: c_int, setup: Setup, nonblocking: bool) {
         }
         Setup::Tcp(t) => {
             log!("fd {fd}: TCP ({:?})", t.mode());
+            if t.strips_crossed() {
+                CROSSING.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             Kind::Tcp(t)
         }
     };
     if let Some(old) = table::set(fd, Entry::new(kind)).ok().flatten() {
         table::release(old);
     }
+}
+
+/// Whether some connection fell back to TCP after our own Decline (reads look no further
+/// until then).
+static CROSSING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Before the program reads a TCP connection that fell back after our own Decline: the
+/// peer's CLC messages that crossed the Decline are taken out of the socket first
+/// (`TcpConn::strip_crossed`; without this a root client and a server run by another user,
+/// whose stacks cannot reach each other's fabric directory, both declined and each program
+/// read the other's Decline as 28 bytes of data). `None`: go on with the read; `Some(-1)`:
+/// the read fails with the errno set (nothing readable yet for a nonblocking read, or the
+/// wait was interrupted).
+pub(crate) fn crossed(fd: c_int, flags: c_int) -> Option<ssize_t> {
+    if !CROSSING.load(std::sync::atomic::Ordering::Relaxed) || !table::maybe(fd) || crate::inside()
+    {
+        return None;
+    }
+    let e = table::get(fd)?;
+    let Kind::Tcp(t) = &e.kind else {
+        return None;
+    };
+    if !t.strips_crossed() {
+        return None;
+    }
+    let wait = flags & libc::MSG_DONTWAIT == 0 && !nonblocking_flag(fd);
+    guard(Some(-1), || match t.strip_crossed(bfd(fd), wait) {
+        Ok(()) => None,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            Some(-1)
+        }
+    })
 }
 
 /// What the descriptor `fd` names for a data call; an accepted connection waiting for its
@@ -650,7 +686,7 @@ pub unsafe extern "C" fn setsockopt(
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
-        Target::Pass => unsafe { real::read(fd, buf, n) },
+        Target::Pass => crossed(fd, 0).unwrap_or_else(|| unsafe { real::read(fd, buf, n) }),
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's buffer, on the relay socket.
         Target::Relay(r) => unsafe { real::read(r.fd(), buf, n) },
@@ -699,7 +735,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
-        Target::Pass => unsafe { real::readv(fd, iov, n) },
+        Target::Pass => crossed(fd, 0).unwrap_or_else(|| unsafe { real::readv(fd, iov, n) }),
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's iovecs, on the relay socket.
         Target::Relay(r) => unsafe { real::readv(r.fd(), iov, n) },
@@ -738,7 +774,9 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
-        Target::Pass => unsafe { real::recv(fd, buf, n, flags) },
+        Target::Pass => {
+            crossed(fd, flags).unwrap_or_else(|| unsafe { real::recv(fd, buf, n, flags) })
+        }
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's buffer, on the relay socket.
         Target::Relay(r) => unsafe { crate::relay::recv(&r, buf, n, flags) },
@@ -776,7 +814,8 @@ pub unsafe extern "C" fn recvfrom(
 ) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
-        Target::Pass => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
+        Target::Pass => crossed(fd, flags)
+            .unwrap_or_else(|| unsafe { real::recvfrom(fd, buf, n, flags, addr, len) }),
         Target::Foreign => foreign(fd),
         Target::Relay(r) => {
             if !len.is_null() {
@@ -821,7 +860,9 @@ pub unsafe extern "C" fn __recvfrom_chk(
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
-        Target::Pass => unsafe { real::recvmsg(fd, msg, flags) },
+        Target::Pass => {
+            crossed(fd, flags).unwrap_or_else(|| unsafe { real::recvmsg(fd, msg, flags) })
+        }
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's message header, on the relay socket.
         Target::Relay(r) => unsafe { crate::relay::recvmsg(&r, msg, flags) },
@@ -1069,6 +1110,11 @@ fn duplicated(old: c_int, new: c_int) {
         return;
     }
     forget(new);
+    crate::wait::closed(new);
+    if crate::wait::is_epoll(old) {
+        crate::wait::duplicated_epoll(old, new);
+        return;
+    }
     if let Some(e) = table::get(old) {
         match &e.kind {
             Kind::Epoll(_) => {}
@@ -1085,7 +1131,7 @@ fn duplicated(old: c_int, new: c_int) {
 pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
     // SAFETY: passed on unchanged.
     let new = unsafe { real::dup(fd) };
-    if table::maybe(fd) {
+    if table::maybe(fd) || crate::wait::is_epoll(fd) {
         duplicated(fd, new);
     }
     new
@@ -1098,7 +1144,7 @@ pub unsafe extern "C" fn dup2(fd: c_int, to: c_int) -> c_int {
     }
     // SAFETY: passed on unchanged.
     let new = unsafe { real::dup2(fd, to) };
-    if fd != to && table::maybe(fd) {
+    if fd != to && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         duplicated(fd, new);
     }
     new
@@ -1111,7 +1157,7 @@ pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
     }
     // SAFETY: passed on unchanged.
     let new = unsafe { real::dup3(fd, to, flags) };
-    if table::maybe(fd) {
+    if table::maybe(fd) || crate::wait::is_epoll(fd) {
         duplicated(fd, new);
     }
     new
@@ -1122,7 +1168,7 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     // SAFETY: passed on unchanged (the third argument arrives in the same register whether
     // the caller passed an int, a pointer or nothing).
     let r = unsafe { real::fcntl(fd, cmd, arg) };
-    if r >= 0 && table::maybe(fd) {
+    if r >= 0 && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         match cmd {
             libc::F_SETFL => match target(fd) {
                 Target::Smc(c) => c.set_nonblocking(arg as c_int & libc::O_NONBLOCK != 0),

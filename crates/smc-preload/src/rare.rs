@@ -29,6 +29,9 @@ pub unsafe extern "C" fn recvmmsg(
         target(fd),
         Target::Smc(_) | Target::Foreign | Target::Relay(_)
     ) {
+        if let Some(r) = hooks::crossed(fd, flags) {
+            return r as c_int;
+        }
         // SAFETY: passed on unchanged.
         return unsafe { real::recvmmsg(fd, v, n, flags, t) };
     }
@@ -296,6 +299,14 @@ pub unsafe extern "C" fn splice(
 ) -> ssize_t {
     let (tin, tout) = (target(fd_in), target(fd_out));
     if matches!(tin, Target::Pass) && matches!(tout, Target::Pass) {
+        let nb = if flags & libc::SPLICE_F_NONBLOCK != 0 {
+            libc::MSG_DONTWAIT
+        } else {
+            0
+        };
+        if let Some(r) = hooks::crossed(fd_in, nb) {
+            return r;
+        }
         // SAFETY: passed on unchanged.
         return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) };
     }
@@ -405,7 +416,9 @@ pub unsafe extern "C" fn epoll_pwait2(
 
 /// Forget the entries of the numbers from `first` to `last` (they are being closed).
 fn forget_range(first: c_uint, last: c_uint) {
-    if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) || table::borrowed_memory() {
+    if !(table::ANY.load(std::sync::atomic::Ordering::Relaxed) || crate::wait::any_epoll())
+        || table::borrowed_memory()
+    {
         return;
     }
     let last = (last as usize).min(table::MAX_FD - 1);

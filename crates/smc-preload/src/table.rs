@@ -273,6 +273,37 @@ pub(crate) fn set(fd: i32, e: Arc<Entry>) -> Result<Option<Arc<Entry>>, Arc<Entr
     Ok(with_map(|m| m.insert(fd, e)))
 }
 
+/// The entry that `fds` (the numbers of one thing) share: the first entry of theirs that
+/// `fits`, else `make()`'s, given to each of them that has no entry, in one step under the
+/// table's lock: two threads that make the first entry of one epoll instance at once agree
+/// on one (tokio registers connections from several threads; with two sets, those of one
+/// went where no wait looked). Returns the entry of `fds[0]` when it fits.
+pub(crate) fn share(
+    fds: &[i32],
+    make: impl FnOnce() -> Arc<Entry>,
+    fits: impl Fn(&Entry) -> bool,
+) -> Option<Arc<Entry>> {
+    let slots: Vec<(i32, &'static AtomicU8)> = fds
+        .iter()
+        .filter_map(|&fd| slot(fd).map(|s| (fd, s)))
+        .collect();
+    let first = *fds.first()?;
+    ANY.store(true, Ordering::Relaxed);
+    with_map(|m| {
+        let found = fds
+            .iter()
+            .filter_map(|fd| m.get(fd))
+            .find(|e| fits(e))
+            .cloned();
+        let e = found.unwrap_or_else(make);
+        for (fd, s) in slots {
+            s.store(1, Ordering::Relaxed);
+            m.entry(fd).or_insert_with(|| e.clone());
+        }
+        m.get(&first).filter(|e| fits(e)).cloned()
+    })
+}
+
 /// Remove the entry of `fd`.
 pub(crate) fn take(fd: i32) -> Option<Arc<Entry>> {
     let s = slot(fd)?;

@@ -205,14 +205,25 @@ fn epoll_set(epfd: c_int) -> Option<Arc<EpollSet>> {
             _ => None,
         },
         None => {
-            let s = Arc::new(EpollSet::default());
-            table::set(epfd, Entry::new(Kind::Epoll(s.clone()))).ok()?;
+            // Its duplicates (if any) share the set: the one one of them has, or a new one.
+            let mut fds = vec![epfd];
+            fds.extend(sibling_numbers(epfd));
+            let e = table::share(
+                &fds,
+                || Entry::new(Kind::Epoll(Arc::new(EpollSet::default()))),
+                |e| matches!(e.kind, Kind::Epoll(_)),
+            )?;
+            let Kind::Epoll(s) = &e.kind else {
+                return None;
+            };
+            let s = s.clone();
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            if usize::try_from(epfd)
-                .ok()
-                .and_then(|i| EPOLL_FDS.get(i))
-                .is_some_and(|v| v.load(std::sync::atomic::Ordering::SeqCst) & EPOLL_NESTED != 0)
-            {
+            let nest = fds.iter().any(|&fd| {
+                epoll_slot(&EPOLL_FDS, fd).is_some_and(|v| {
+                    v.load(std::sync::atomic::Ordering::SeqCst) & EPOLL_NESTED != 0
+                })
+            });
+            if nest {
                 s.nest();
             }
             Some(s)
@@ -1117,18 +1128,108 @@ pub unsafe extern "C" fn pselect(
 static EPOLL_FDS: [std::sync::atomic::AtomicU8; table::MAX_FD] =
     [const { std::sync::atomic::AtomicU8::new(0) }; table::MAX_FD];
 
+/// Per descriptor number of an epoll instance the program made: which instance (numbers
+/// that `dup` made of one instance share the value; 0: none). tokio's reactor registers
+/// its sockets through a duplicate of its epoll number (mio's `Registry::try_clone`) and
+/// waits on the original: with a set per number, the connections went into the
+/// duplicate's set, the wait looked at the original's (empty) one and dropped the
+/// connections' wake-ups, and every tokio program hung at its first read.
+static EPOLL_INSTANCE: [std::sync::atomic::AtomicU32; table::MAX_FD] =
+    [const { std::sync::atomic::AtomicU32::new(0) }; table::MAX_FD];
+
+/// The last instance value given out.
+static EPOLL_INSTANCES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Whether the program ever duplicated an epoll instance's number (until then no instance
+/// has a second number, and making a set looks for none).
+static EPOLL_DUPLICATED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The other numbers of the epoll instance `epfd` names (its duplicates).
+fn sibling_numbers(epfd: c_int) -> impl Iterator<Item = c_int> {
+    let id = if EPOLL_DUPLICATED.load(std::sync::atomic::Ordering::SeqCst) {
+        epoll_slot(&EPOLL_INSTANCE, epfd).map_or(0, |i| i.load(std::sync::atomic::Ordering::SeqCst))
+    } else {
+        0
+    };
+    EPOLL_INSTANCE
+        .iter()
+        .enumerate()
+        .take(if id == 0 { 0 } else { table::MAX_FD })
+        .filter(move |(fd, i)| {
+            *fd as c_int != epfd && i.load(std::sync::atomic::Ordering::Relaxed) == id
+        })
+        .map(|(fd, _)| fd as c_int)
+}
+
+fn epoll_slot<T>(a: &'static [T], fd: c_int) -> Option<&'static T> {
+    usize::try_from(fd).ok().and_then(|i| a.get(i))
+}
+
 fn note_epoll(fd: c_int) {
-    if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
+    if let Some(s) = epoll_slot(&EPOLL_FDS, fd) {
+        let id = EPOLL_INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if let Some(i) = epoll_slot(&EPOLL_INSTANCE, fd) {
+            i.store(id, std::sync::atomic::Ordering::SeqCst);
+        }
         s.store(EPOLL_MADE, std::sync::atomic::Ordering::Relaxed);
         ANY_EPOLL.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
+/// Whether the program made any epoll instance.
+pub(crate) fn any_epoll() -> bool {
+    ANY_EPOLL.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether `fd` is an epoll instance the program made (one relaxed load).
+pub(crate) fn is_epoll(fd: c_int) -> bool {
+    epoll_slot(&EPOLL_FDS, fd)
+        .is_some_and(|v| v.load(std::sync::atomic::Ordering::Relaxed) & EPOLL_MADE != 0)
+}
+
+/// `new` was just made a duplicate of epoll instance `old` (`dup`, `dup2`, `dup3`,
+/// `F_DUPFD`): both numbers name one kernel instance, so they share its set of
+/// connections — now when it has one, else when it gets one ([`epoll_set`]).
+pub(crate) fn duplicated_epoll(old: c_int, new: c_int) {
+    let (Some(o), Some(n)) = (epoll_slot(&EPOLL_FDS, old), epoll_slot(&EPOLL_FDS, new)) else {
+        return;
+    };
+    let (Some(oi), Some(ni)) = (
+        epoll_slot(&EPOLL_INSTANCE, old),
+        epoll_slot(&EPOLL_INSTANCE, new),
+    ) else {
+        return;
+    };
+    // (Before the number is stored: a set made after this flag was missed finds it.)
+    EPOLL_DUPLICATED.store(true, std::sync::atomic::Ordering::SeqCst);
+    ni.store(
+        oi.load(std::sync::atomic::Ordering::SeqCst),
+        std::sync::atomic::Ordering::SeqCst,
+    );
+    n.store(
+        o.load(std::sync::atomic::Ordering::Relaxed),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    // (Instance value stored, then the set looked for; `epoll_set` makes the set, then
+    // looks for the numbers: with the fences, one of the two sees the other.)
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    if let Some(e) = table::get(old) {
+        if let Kind::Epoll(_) = &e.kind {
+            if let Ok(Some(x)) = table::set(new, e) {
+                table::release(x);
+            }
+        }
+    }
+}
+
 /// The number `fd` is closed (or reused): it is no longer an epoll instance of ours.
 pub(crate) fn closed(fd: c_int) {
-    if let Some(s) = usize::try_from(fd).ok().and_then(|i| EPOLL_FDS.get(i)) {
+    if let Some(s) = epoll_slot(&EPOLL_FDS, fd) {
         if s.load(std::sync::atomic::Ordering::Relaxed) != 0 && !table::borrowed_memory() {
             s.store(0, std::sync::atomic::Ordering::Relaxed);
+            if let Some(i) = epoll_slot(&EPOLL_INSTANCE, fd) {
+                i.store(0, std::sync::atomic::Ordering::SeqCst);
+            }
         }
     }
 }

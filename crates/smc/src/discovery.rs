@@ -235,7 +235,7 @@ fn mount_cgroup2(dir: &Path) -> std::io::Result<PathBuf> {
 #[cfg(feature = "ebpf")]
 mod imp {
     use super::*;
-    use aya::maps::{HashMap, MapData};
+    use aya::maps::{HashMap, IterableMap, MapData};
     use aya::programs::{CgroupAttachMode, SockOps};
     use aya::Ebpf;
     use std::sync::Mutex;
@@ -263,6 +263,9 @@ mod imp {
         // Kept alive: dropping the Ebpf detaches and unloads the program.
         _bpf: Ebpf,
         maps: Mutex<Maps>,
+        /// The kernel's ids of the maps (sockets, listen ports, accepted), to tell in a forked
+        /// child that its descriptors still name them (see [`Self::usable_after_fork`]).
+        map_ids: [u32; 3],
         cgroup: PathBuf,
     }
 
@@ -276,6 +279,15 @@ mod imp {
             cur = c.source();
         }
         s
+    }
+
+    /// The kernel's ids of the maps, asked through their descriptors.
+    fn map_ids(m: &Maps) -> Result<[u32; 3], aya::maps::MapError> {
+        Ok([
+            m.sockets.map().info()?.id(),
+            m.listen_ports.map().info()?.id(),
+            m.accepted.map().info()?.id(),
+        ])
     }
 
     fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> DiscoveryError {
@@ -318,15 +330,40 @@ mod imp {
                 .map_err(map_err("smc_listen_ports"))?;
             let accepted =
                 HashMap::try_from(take("smc_accepted")?).map_err(map_err("smc_accepted"))?;
+            let maps = Maps {
+                sockets,
+                listen_ports,
+                accepted,
+            };
+            let map_ids = map_ids(&maps).map_err(map_err("info"))?;
             Ok(TcpOptionDiscovery {
                 _bpf: bpf,
-                maps: Mutex::new(Maps {
-                    sockets,
-                    listen_ports,
-                    accepted,
-                }),
+                maps: Mutex::new(maps),
+                map_ids,
                 cgroup,
             })
+        }
+
+        /// In a process forked from the one that loaded this instance (the fork copied the
+        /// instance, its descriptors and its attached program): whether the copy can serve the
+        /// child, so that the child needs no program of its own. Loading one costs tens of
+        /// milliseconds (the kernel's BTF is parsed for it) and takes one of the 64 programs
+        /// the kernel attaches to a cgroup: a postmaster forks a backend per connection, and
+        /// with 80 clients the backends past the limit could not load theirs and declined
+        /// their clients (TCP).
+        ///
+        /// False when a thread of the parent held the maps' lock at the fork (the child would
+        /// wait for it forever), or when the program closed or reused the maps' descriptors
+        /// since (each must still name the map of the same kernel id). The program stays
+        /// attached while any process holds the link's descriptor: the parent, or this child's
+        /// copy of it.
+        pub fn usable_after_fork(&self) -> bool {
+            let m = match self.maps.try_lock() {
+                Ok(m) => m,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return false,
+            };
+            matches!(map_ids(&m), Ok(ids) if ids == self.map_ids)
         }
 
         /// The cgroup the program is attached to.
@@ -418,6 +455,11 @@ mod imp {
 
         /// The cgroup the program is attached to.
         pub fn cgroup(&self) -> &Path {
+            match *self {}
+        }
+
+        /// Whether a forked child can use its copy of the instance.
+        pub fn usable_after_fork(&self) -> bool {
             match *self {}
         }
 

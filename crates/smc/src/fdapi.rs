@@ -43,6 +43,13 @@ pub use uid::{before_uid_change, refuse_after_uid_change, UidGrant};
 /// a forked child makes its own after [`forked_child`]).
 static STACK: Mutex<Option<Stack>> = Mutex::new(None);
 
+/// In a forked child: the eBPF discovery of the parent's stack (copied by the fork), for the
+/// child's own stack to share (see [`Stack::new_inheriting`]). Read and written only with
+/// [`STACK`] locked, which the forking thread holds across `fork()`, so no thread of the
+/// parent can hold this lock at the fork.
+static INHERITED_DISCOVERY: Mutex<Option<Arc<crate::discovery::TcpOptionDiscovery>>> =
+    Mutex::new(None);
+
 /// The `SMC_*` settings the program started with (see [`keep_settings`]).
 static SETTINGS: std::sync::OnceLock<Vec<(std::ffi::OsString, std::ffi::OsString)>> =
     std::sync::OnceLock::new();
@@ -95,11 +102,14 @@ pub fn stack() -> io::Result<Stack> {
     }
     restore_settings();
     smc_fabric::fdplace::keep_high();
+    let inherited = lock_inherited().clone();
+    let config = crate::StackConfig::from_env().map_err(io::Error::other)?;
     // The stack's threads must never run the program's signal handlers: a handler written
     // for a single-threaded program (rsync's SIGCHLD handler reaps children) would then run
     // concurrently with the program's own code (rsync's generator lost its receiver's exit
     // status: "error returned by waitpid()", exit code 21).
-    let s = signals_blocked(Stack::from_env).map_err(io::Error::other)?;
+    let s = signals_blocked(|| Stack::new_inheriting(config, inherited))
+        .map_err(io::Error::other)?;
     *g = Some(s.clone());
     Ok(s)
 }
@@ -129,10 +139,27 @@ pub fn fork_child() {
     FORK_GUARD.with_borrow_mut(|s| {
         if let Some(mut g) = s.take() {
             if let Some(parent) = g.take() {
-                std::mem::forget(parent);
+                forget_parent(parent);
             }
         }
     });
+}
+
+fn lock_inherited(
+) -> std::sync::MutexGuard<'static, Option<Arc<crate::discovery::TcpOptionDiscovery>>> {
+    INHERITED_DISCOVERY
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// Forget the parent's stack in a forked child (with [`STACK`] locked), keeping its eBPF
+/// discovery for the child's stack; without a parent's stack the discovery a grandparent
+/// passed on stays.
+fn forget_parent(parent: Stack) {
+    if let Some(d) = &parent.inner.discovery {
+        *lock_inherited() = Some(d.clone());
+    }
+    std::mem::forget(parent);
 }
 
 /// In a child made by a `clone` system call without `CLONE_VM` that is not `fork()` (vsftpd
@@ -146,7 +173,7 @@ pub fn forked_without_handlers() -> bool {
         Err(std::sync::TryLockError::WouldBlock) => return false,
     };
     if let Some(parent) = g.take() {
-        std::mem::forget(parent);
+        forget_parent(parent);
     }
     true
 }
@@ -221,12 +248,82 @@ pub enum Setup {
 #[derive(Debug)]
 pub struct TcpConn {
     stream: SmcStream,
+    /// CLC messages of the peer that crossed our Decline and may still be in front of its
+    /// data in the program's socket (0: none; see `crate::crossing`).
+    crossing: std::sync::atomic::AtomicU8,
+    /// Held while they are being taken out (one reader at a time).
+    stripping: Mutex<()>,
 }
 
 impl TcpConn {
+    fn new(stream: SmcStream) -> TcpConn {
+        let left = if stream.strips_crossing() {
+            crate::crossing::MAX_CROSSING
+        } else {
+            0
+        };
+        TcpConn {
+            stream,
+            crossing: std::sync::atomic::AtomicU8::new(left),
+            stripping: Mutex::new(()),
+        }
+    }
+
     /// Why it is TCP.
     pub fn mode(&self) -> Mode {
         self.stream.mode()
+    }
+
+    /// Whether the peer's CLC messages that crossed our Decline may still be in front of
+    /// its data (then [`TcpConn::strip_crossed`] must run before the program reads).
+    pub fn strips_crossed(&self) -> bool {
+        self.crossing.load(Ordering::Acquire) > 0
+    }
+
+    /// Take the peer's CLC messages that crossed our Decline out of the front of the
+    /// program's socket `fd`, before the program reads it. Both ends of a first contact may
+    /// decline at once during the LLC negotiation (RFC 7609 C.2): two stacks that cannot
+    /// reach each other's fabric (programs of two users, each with a fabric directory of
+    /// its own) both failed the link and declined, and each program read the other's
+    /// 28-byte Decline as data. `wait`: the program's read would block (then this waits for
+    /// the first bytes too); otherwise an empty socket gives `WouldBlock`, so that a
+    /// message arriving after this look is never handed to the program.
+    pub fn strip_crossed(&self, fd: BorrowedFd<'_>, wait: bool) -> io::Result<()> {
+        use crate::crossing::{classify, Leading};
+        use rustix::net::RecvFlags;
+        let _one = self.stripping.lock().unwrap_or_else(|p| p.into_inner());
+        // Longer than any CLC message this stack parses (a v2 Proposal is the longest).
+        let mut buf = [0u8; 4096];
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while self.crossing.load(Ordering::Acquire) > 0 {
+            let mut flags = RecvFlags::PEEK;
+            if !wait {
+                flags |= RecvFlags::DONTWAIT;
+            }
+            let n = rustix::net::recv(fd, &mut buf[..], flags)?.0;
+            let done = || self.crossing.store(0, Ordering::Release);
+            if n == 0 {
+                done();
+                break;
+            }
+            match classify(&buf[..n]) {
+                Leading::Data => done(),
+                Leading::Clc(len) => {
+                    let mut got = 0;
+                    while got < len {
+                        got += rustix::net::recv(fd, &mut buf[got..len], RecvFlags::empty())?.0;
+                    }
+                    tracing::debug!(len, "dropped a CLC message that crossed our Decline");
+                    self.crossing.fetch_sub(1, Ordering::AcqRel);
+                }
+                // (The rest of a message sent in one write is on its way.)
+                Leading::NeedMore if n < buf.len() && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Leading::NeedMore => done(),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -242,7 +339,7 @@ pub fn accepted_tcp(fd: BorrowedFd<'_>) -> io::Result<TcpConn> {
     let was = oobinline(fd);
     let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
     set_oobinline(fd, was);
-    Ok(TcpConn { stream })
+    Ok(TcpConn::new(stream))
 }
 
 /// SO_OOBINLINE of the program's socket. A stream that falls back turns it on (its own API
@@ -279,7 +376,7 @@ pub fn setup_server(fd: BorrowedFd<'_>) -> io::Result<Setup> {
         if let Some(reason) = leading_decline(&sock, stack.config().clc_timeout)? {
             let stream = SmcStream::fallback(&stack, sock, reason, Vec::new(), true);
             set_oobinline(fd, was);
-            return Ok(Setup::Tcp(TcpConn { stream }));
+            return Ok(Setup::Tcp(TcpConn::new(stream)));
         }
     }
     let s = SmcStream::rendezvous(&stack, sock, false, None, peer)?;
@@ -467,7 +564,7 @@ pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::
 impl Setup {
     fn of(s: SmcStream) -> io::Result<Setup> {
         match s.smc_id() {
-            None => Ok(Setup::Tcp(TcpConn { stream: s })),
+            None => Ok(Setup::Tcp(TcpConn::new(s))),
             Some(id) => Conn::new(s, id).map(|c| Setup::Smc(Arc::new(c))),
         }
     }
@@ -1109,7 +1206,14 @@ impl Conn {
                         // As `tcp_poll`: writable also once writing has ended (the peer
                         // closed, or this side shut writing down): a write does not block.
                         writable: conn.write_room() > 0 || conn.write_ended() || err.is_some(),
-                        read_hup: closed,
+                        // As `tcp_poll`: RDHUP as soon as the peer is done writing, also
+                        // while bytes before its end are unread. tokio counts on it: a read
+                        // that returns less than asked clears its read readiness but keeps
+                        // the read-closed one, so it reads once more and meets the end of
+                        // stream; reported only once drained, the end came with no new
+                        // edge after that read (a tokio echo server never saw its client's
+                        // shutdown when the shutdown arrived while data was unread).
+                        read_hup: conn.is_read_shut(),
                         hup: err.is_some(),
                         error: err.is_some(),
                         urgent: core.ep.urgent_offset(c.id).is_some()

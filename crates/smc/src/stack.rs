@@ -1010,7 +1010,9 @@ pub(crate) struct Inner {
     /// loop's connections have eventfds (it would otherwise take every doorbell, wake, and
     /// signal the loop's eventfds: two wake-ups and a system call per message).
     pub(crate) loop_polled_at: AtomicU64,
-    pub(crate) discovery: Option<TcpOptionDiscovery>,
+    /// The eBPF discovery (shared with the parent's stack in a forked child, see
+    /// [`Stack::new_inheriting`]).
+    pub(crate) discovery: Option<Arc<TcpOptionDiscovery>>,
     pub(crate) peer_id: PeerId,
     /// The endpoint's devices as (fabric device index, GID), by `DeviceId` (fixed at start;
     /// read without the lock to choose a connection's device set, `pnet::ports_for`).
@@ -1098,6 +1100,18 @@ impl Stack {
     /// A stack with the given configuration: opens the devices, loads discovery, starts the
     /// runtime thread, and draws a new peer ID.
     pub fn new(config: StackConfig) -> Result<Stack, StackError> {
+        Stack::new_inheriting(config, None)
+    }
+
+    /// A stack as [`Stack::new`], in a process forked from one whose stack loaded the eBPF
+    /// discovery: `inherited` is that stack's instance, which the fork copied with its
+    /// descriptors and attached program. When the copy is still usable
+    /// ([`TcpOptionDiscovery::usable_after_fork`]) the new stack shares it instead of loading
+    /// a program of its own (the parent's program marks the child's sockets as its own).
+    pub fn new_inheriting(
+        config: StackConfig,
+        inherited: Option<Arc<TcpOptionDiscovery>>,
+    ) -> Result<Stack, StackError> {
         let names = smc_fabric::list_devices(&config.fabric);
         if names.is_empty() {
             return Err(StackError::Config("no fabric devices configured".into()));
@@ -1121,9 +1135,14 @@ impl Stack {
             // Advertising SMC-R in the TCP handshake without a device would only make peers
             // try a rendezvous we must decline.
             _ if fabric_unavailable.is_some() => None,
-            DiscoveryMode::Ebpf => Some(TcpOptionDiscovery::load(None)?),
+            DiscoveryMode::Ebpf | DiscoveryMode::Auto
+                if inherited.as_ref().is_some_and(|d| d.usable_after_fork()) =>
+            {
+                inherited
+            }
+            DiscoveryMode::Ebpf => Some(Arc::new(TcpOptionDiscovery::load(None)?)),
             DiscoveryMode::Auto => match TcpOptionDiscovery::load(None) {
-                Ok(d) => Some(d),
+                Ok(d) => Some(Arc::new(d)),
                 Err(e) => {
                     tracing::info!(%e, "eBPF discovery unavailable: connections stay TCP");
                     None

@@ -236,6 +236,12 @@ impl SmcStream {
         Ok(Some(notify))
     }
 
+    /// Whether this stream fell back after our own Decline, so that CLC messages of the
+    /// peer that crossed it may come in front of its data (see [`crate::crossing`]).
+    pub(crate) fn strips_crossing(&self) -> bool {
+        matches!(&self.kind, Kind::Tcp { strip, .. } if strip.active())
+    }
+
     /// Over TCP: the socket and the bytes read during the rendezvous, for event loops. The
     /// returned guard keeps the socket listed by `smc ss`.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]

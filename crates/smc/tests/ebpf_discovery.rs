@@ -214,3 +214,61 @@ fn detached_program_means_peer_did_not_offer() {
         "after the server's program is detached"
     );
 }
+
+/// Fork, run `f` in the child (its result is the exit status: 0 when true), and return
+/// whether the child reported success.
+fn in_child(f: impl FnOnce() -> bool) -> bool {
+    // SAFETY: the child runs `f` (system calls, the discovery's own lock, small allocations,
+    // which glibc's fork handlers keep usable) and leaves with _exit, never returning into
+    // the test harness.
+    match unsafe { libc::fork() } {
+        -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(false);
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) }
+        }
+        pid => {
+            let mut status = 0;
+            // SAFETY: waits for the child made above.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+        }
+    }
+}
+
+#[test]
+fn a_forked_child_uses_its_copy_of_the_parents_instance() {
+    if !can_run() {
+        return;
+    }
+    let d = TcpOptionDiscovery::load(None).expect("load and attach the sock_ops program");
+    let l = listener(Some(&d), "127.0.0.1");
+    let at = l.local_addr().expect("addr");
+    // The child's copy marks its own client socket; the parent's program, attached once,
+    // puts the option on its SYN, and the SYN-ACK of the marked listener answers it.
+    assert!(in_child(|| {
+        if !d.usable_after_fork() {
+            return false;
+        }
+        let (_c, cookie) = connect(Some(&d), at);
+        matches!(
+            cookie.map(|c| d.client_outcome(c)),
+            Some(Ok(Outcome::BothOffered))
+        )
+    }));
+    let (s, peer) = l.accept().expect("accept");
+    assert_eq!(
+        d.server_outcome(s.local_addr().expect("local"), peer)
+            .expect("q"),
+        Outcome::BothOffered
+    );
+    // A child that closed every descriptor it inherited (daemons, sshd) has no maps left:
+    // the copy is unusable (the child's stack loads its own program).
+    assert!(in_child(|| {
+        // SAFETY: closes the child's inherited descriptors from 3 up; nothing of the
+        // child uses them but the discovery copy under test.
+        unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+        !d.usable_after_fork()
+    }));
+}

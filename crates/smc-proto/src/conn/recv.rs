@@ -47,6 +47,14 @@ impl Connection {
         (n > 0).then(|| self.local_ring.regions(self.cons, n))
     }
 
+    /// Whether no more bytes will arrive: the peer is done writing (its PeerDoneWriting or
+    /// PeerConnectionClosed came), or reading was shut down here — bytes that came before
+    /// may still be unread. What a TCP socket's receive shutdown (a FIN, or `SHUT_RD`)
+    /// means, which `tcp_poll()` reports as EPOLLRDHUP at once, unread bytes or not.
+    pub fn is_read_shut(&self) -> bool {
+        self.discarding() || self.peer_done
+    }
+
     /// Whether reads have reached end of stream (the peer is done writing and everything was
     /// read, or reading was shut down).
     pub fn is_read_closed(&self) -> bool {

@@ -890,3 +890,24 @@ fn a_peer_abort_keeps_the_bytes_its_cursor_announces() {
         );
     }
 }
+
+/// The peer's end of writing is known as soon as its PeerDoneWriting arrives, also while bytes
+/// before it are unread (`is_read_shut`, what TCP's RDHUP reports); the end of stream comes
+/// only once they are read (`is_read_closed`).
+#[test]
+fn read_shut_before_the_unread_bytes_are_read() {
+    let mut p = pair();
+    assert!(!p.b.conn.is_read_shut());
+    p.app_send(Side::A, b"last bytes");
+    p.pump(Side::A);
+    deliver_cdc(&mut p, Side::B);
+    assert!(!p.b.conn.is_read_shut(), "data alone does not end reading");
+    shut_wr(&mut p, Side::A);
+    let m = deliver_cdc(&mut p, Side::B);
+    assert!(m.conn_flags.peer_done_writing);
+    assert_eq!(p.b.conn.readable(), 10);
+    assert!(p.b.conn.is_read_shut());
+    assert!(!p.b.conn.is_read_closed());
+    assert_eq!(p.read(Side::B, usize::MAX), 10);
+    assert!(p.b.conn.is_read_shut() && p.b.conn.is_read_closed());
+}
