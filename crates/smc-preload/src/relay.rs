@@ -310,6 +310,9 @@ fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
     }
     // SAFETY: just made.
     let s = unsafe { OwnedFd::from_raw_fd(s) };
+    // A bounded wait, set before connect (a unix connect to a full backlog sleeps for the
+    // send timeout): an owner that does not answer (stopped, busy) is an error, not a hang.
+    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
     let (addr, len) = address(owner, nonce);
     // SAFETY: the address and its length.
     if unsafe {
@@ -322,10 +325,12 @@ fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
     {
         return Err(last_errno());
     }
-    // A bounded wait: an owner that does not answer (stopped, busy) is an error, not a hang.
-    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
+    // The server must be the owner (its pid) running as this user or as root: anyone else
+    // who bound the name first gets neither our socket nor our data.
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
     match peer_cred(s.as_raw_fd()) {
-        Some(c) if c.pid == owner => {}
+        Some(c) if c.pid == owner && (c.uid == me || c.uid == 0) => {}
         _ => return Err(libc::EACCES),
     }
     send_with_fd(s.as_raw_fd(), ASK, Some(fd))?;
@@ -336,7 +341,66 @@ fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
     if fds.len() != 1 {
         return Err(libc::EPROTO);
     }
-    fds.pop().ok_or(libc::EPROTO)
+    let a = fds.pop().ok_or(libc::EPROTO)?;
+    check_relay_socket(a.as_raw_fd())?;
+    Ok(a)
+}
+
+/// What the owner sent back, on which the program's calls will be made: a unix stream
+/// socket, nothing else (EPROTO).
+fn check_relay_socket(a: c_int) -> Result<(), c_int> {
+    if sock_opt(a, libc::SO_DOMAIN) != Some(libc::AF_UNIX)
+        || sock_opt(a, libc::SO_TYPE) != Some(libc::SOCK_STREAM)
+    {
+        return Err(libc::EPROTO);
+    }
+    Ok(())
+}
+
+/// An int socket option (SOL_SOCKET) of `fd` (`None`: not a socket, or no such option).
+fn sock_opt(fd: c_int, name: c_int) -> Option<c_int> {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: an int and its length.
+    let r = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            name,
+            (&mut v as *mut c_int).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(v)
+}
+
+/// Whether descriptors `a` and `b` of this process name the same open file description
+/// (kcmp KCMP_FILE). After a fork, parent and child share the TCP socket's open file
+/// description, so this is the proof that a requester holds the connection; the socket's
+/// inode number alone is not (inode numbers wrap, and /proc/net/tcp shows them to anyone).
+/// Without kcmp (ENOSYS: a kernel without CONFIG_KCMP; EPERM: a seccomp filter) there is
+/// no proof that cannot be forged by a process of the same user holding another socket
+/// (SO_COOKIE names the socket, not its file, and a dup'd look-alike cannot be told
+/// apart), so the request is refused: `Err(errno)`.
+fn same_file(a: c_int, b: c_int) -> Result<bool, c_int> {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    const KCMP_FILE: libc::c_long = 0;
+    // SAFETY: kcmp compares two descriptors of our own process; no memory is passed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            libc::c_long::from(me),
+            libc::c_long::from(me),
+            KCMP_FILE,
+            libc::c_long::from(a),
+            libc::c_long::from(b),
+        )
+    };
+    if r < 0 {
+        return Err(last_errno());
+    }
+    Ok(r == 0)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -465,7 +529,9 @@ fn serve() {
         }
         // SAFETY: just accepted.
         let c = unsafe { OwnedFd::from_raw_fd(c) };
-        set_timeouts(c.as_raw_fd(), Duration::from_secs(10));
+        // One thread serves every request: a requester that sends nothing, or reads
+        // nothing, holds it for a second at most.
+        set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
         match answer(c.as_raw_fd()) {
             Ok(relay) => {
                 let _ = send_with_fd(c.as_raw_fd(), 0, Some(relay.fd()));
@@ -487,12 +553,44 @@ fn answer(c: c_int) -> Result<Arc<Relay>, c_int> {
         _ => return Err(libc::EACCES),
     }
     let (b, fds) = recv_with_fds(c)?;
-    if b != ASK || fds.len() != 1 {
+    let r = check_proof(b, &fds).and_then(convert);
+    // The received copies are closed by a thread of their own: the close of a socket whose
+    // last reference this is may block (a lingering TCP socket), never the server.
+    if !fds.is_empty() {
+        let spawned = smc::fdapi::signals_blocked(|| {
+            std::thread::Builder::new()
+                .name("smc-relay-close".into())
+                .spawn(move || drop(fds))
+        });
+        if let Err(e) = spawned {
+            log!("relay server: no thread to close a request's descriptor: {e}");
+        }
+    }
+    r
+}
+
+/// The proof of a request (its byte and the descriptors that came with it): one TCP socket
+/// that is, as an open file, the one a number of this process's connection names. The
+/// socket's identity (device, inode) on success.
+fn check_proof(b: u8, fds: &[OwnedFd]) -> Result<(u64, u64), c_int> {
+    let [fd] = fds else {
+        return Err(libc::EPROTO);
+    };
+    if b != ASK {
         return Err(libc::EPROTO);
     }
-    let id = table::socket_id(fds[0].as_raw_fd()).ok_or(libc::ENOTSOCK)?;
-    drop(fds);
-    convert(id)
+    let fd = fd.as_raw_fd();
+    // A socket before anything else looks at it (an fstat of a file may block).
+    if sock_opt(fd, libc::SO_TYPE) != Some(libc::SOCK_STREAM) {
+        return Err(libc::ENOTSOCK);
+    }
+    let id = table::socket_id(fd).ok_or(libc::ENOTSOCK)?;
+    for (num, _) in table::entries_of_socket(id) {
+        if same_file(fd, num)? {
+            return Ok(id);
+        }
+    }
+    Err(libc::ENOENT)
 }
 
 /// The relay of this process's connection whose TCP socket is `id`: the one running, or a
@@ -1049,6 +1147,105 @@ mod tests {
             .map(|&c| c as u8)
             .collect();
         assert_eq!(name, b"smc-rs-relay/4242/0000000000000abc");
+    }
+
+    fn tcp_socket() -> OwnedFd {
+        // SAFETY: a new socket of this test's.
+        let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(s >= 0);
+        // SAFETY: just made.
+        unsafe { OwnedFd::from_raw_fd(s) }
+    }
+
+    fn dup(fd: &OwnedFd) -> OwnedFd {
+        // SAFETY: a copy of a descriptor this test owns.
+        let d = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        assert!(d >= 0);
+        // SAFETY: just made.
+        unsafe { OwnedFd::from_raw_fd(d) }
+    }
+
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        let mut q = [0; 2];
+        // SAFETY: an array of two ints.
+        assert_eq!(unsafe { libc::pipe2(q.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: just made.
+        unsafe { (OwnedFd::from_raw_fd(q[0]), OwnedFd::from_raw_fd(q[1])) }
+    }
+
+    #[test]
+    fn the_proof_is_the_open_file_not_a_lookalike() {
+        // A socket of "the connection", named in the table as a number of this process.
+        let conn = tcp_socket();
+        let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+        let e = Entry::new(Kind::Inherited);
+        let _ = e.socket.set(id);
+        assert!(table::set(conn.as_raw_fd(), e).is_ok());
+        match same_file(conn.as_raw_fd(), dup(&conn).as_raw_fd()) {
+            Ok(true) => {}
+            Err(e) if e == libc::ENOSYS || e == libc::EPERM => {
+                // No kcmp here: every proof is refused (checked below).
+                eprintln!("skipping the positive proof: kcmp unavailable (errno {e})");
+                let r = check_proof(ASK, &[dup(&conn)]);
+                assert_eq!(r, Err(e));
+                let _ = table::take(conn.as_raw_fd());
+                return;
+            }
+            other => panic!("kcmp of a descriptor and its copy: {other:?}"),
+        }
+        // A copy of the same open file (what a forked child holds) is a proof.
+        assert_eq!(check_proof(ASK, &[dup(&conn)]), Ok(id));
+        // Another TCP socket (another process's unrelated connection) is not.
+        let other = tcp_socket();
+        assert_eq!(same_file(conn.as_raw_fd(), other.as_raw_fd()), Ok(false));
+        assert_eq!(check_proof(ASK, &[other]), Err(libc::ENOENT));
+        // Not a socket: refused before anything else looks at it.
+        let (r, w) = pipe();
+        assert_eq!(check_proof(ASK, &[r]), Err(libc::ENOTSOCK));
+        // A unix datagram socket: not a stream.
+        let mut p = [0; 2];
+        // SAFETY: an array of two ints.
+        assert_eq!(
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_DGRAM, 0, p.as_mut_ptr()) },
+            0
+        );
+        // SAFETY: just made.
+        let (d0, _d1) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        assert_eq!(check_proof(ASK, &[d0]), Err(libc::ENOTSOCK));
+        // Not one descriptor, or not the request byte.
+        assert_eq!(check_proof(ASK, &[]), Err(libc::EPROTO));
+        assert_eq!(
+            check_proof(ASK, &[dup(&conn), dup(&conn)]),
+            Err(libc::EPROTO)
+        );
+        assert_eq!(check_proof(b'x', &[dup(&conn)]), Err(libc::EPROTO));
+        drop(w);
+        let _ = table::take(conn.as_raw_fd());
+    }
+
+    #[test]
+    fn the_requester_takes_only_a_unix_stream_socket_back() {
+        let mut p = [0; 2];
+        // SAFETY: an array of two ints.
+        assert_eq!(
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, p.as_mut_ptr()) },
+            0
+        );
+        // SAFETY: just made.
+        let (s0, _s1) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        assert_eq!(check_relay_socket(s0.as_raw_fd()), Ok(()));
+        let (r, _w) = pipe();
+        assert_eq!(check_relay_socket(r.as_raw_fd()), Err(libc::EPROTO));
+        let t = tcp_socket();
+        assert_eq!(check_relay_socket(t.as_raw_fd()), Err(libc::EPROTO));
+        // SAFETY: an array of two ints.
+        assert_eq!(
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_DGRAM, 0, p.as_mut_ptr()) },
+            0
+        );
+        // SAFETY: just made.
+        let (d0, _d1) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        assert_eq!(check_relay_socket(d0.as_raw_fd()), Err(libc::EPROTO));
     }
 
     #[test]
