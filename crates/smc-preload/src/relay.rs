@@ -47,40 +47,76 @@ use crate::table::{self, Entry, Kind, SpinLock};
 use crate::{log, real};
 
 /// One process's handle of a relayed connection: its copy of A.
-#[derive(Debug)]
 pub(crate) struct Relay {
     a: OwnedFd,
-    /// The kernel epoll registrations of A made for the program's numbers: (epfd, fd).
-    epolls: Mutex<Vec<(c_int, c_int)>>,
+    /// The kernel epoll registrations of A made for the program's numbers: (the process
+    /// that made it, epfd, fd), under [`EPOLLS_LOCK`].
+    epolls: std::cell::UnsafeCell<Vec<(i32, c_int, c_int)>>,
 }
 
+// SAFETY: `epolls` is only touched under EPOLLS_LOCK.
+unsafe impl Sync for Relay {}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay").field("a", &self.a).finish()
+    }
+}
+
+/// The lock of every relay's epoll registrations: a spin lock held across `fork()` (a
+/// forked child never inherits it held, as it could a `Mutex` another thread held).
+static EPOLLS_LOCK: SpinLock = SpinLock::new();
+
 impl Relay {
+    fn new(a: OwnedFd) -> Relay {
+        Relay {
+            a,
+            epolls: std::cell::UnsafeCell::new(Vec::new()),
+        }
+    }
+
     /// A's descriptor: where the program's calls go.
     pub(crate) fn fd(&self) -> c_int {
         self.a.as_raw_fd()
     }
 
+    fn with_epolls<R>(&self, f: impl FnOnce(&mut Vec<(i32, c_int, c_int)>) -> R) -> R {
+        EPOLLS_LOCK.lock();
+        // SAFETY: the lock is held: the only reference.
+        let r = f(unsafe { &mut *self.epolls.get() });
+        EPOLLS_LOCK.unlock();
+        r
+    }
+
     /// Record that A is registered in epoll instance `epfd` for the program's number `fd`.
     pub(crate) fn registered(&self, epfd: c_int, fd: c_int, on: bool) {
-        let mut v = self.epolls.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|&x| x != (epfd, fd));
-        if on {
-            v.push((epfd, fd));
-        }
+        let pid = table::PID.load(Ordering::Relaxed);
+        self.with_epolls(|v| {
+            v.retain(|&(_, e, n)| (e, n) != (epfd, fd));
+            if on {
+                v.push((pid, epfd, fd));
+            }
+        });
     }
 
     /// The program's number `fd` is being closed: as the kernel drops a closed file from
-    /// its epoll instances, A's registrations made for that number go.
+    /// its epoll instances, A's registrations made for that number go. Only those this
+    /// process made: a forked child shares its parent's epoll instances, and the parent's
+    /// registration of A (its own number is still open) stays.
     pub(crate) fn closed(&self, fd: c_int) {
-        let mut v = self.epolls.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|&(epfd, n)| {
-            if n != fd {
-                return true;
-            }
-            let mut ev = libc::epoll_event { events: 0, u64: 0 };
-            // SAFETY: removing our registration of A.
-            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, self.fd(), &mut ev) };
-            false
+        let pid = table::PID.load(Ordering::Relaxed);
+        self.with_epolls(|v| {
+            v.retain(|&(by, epfd, n)| {
+                if n != fd {
+                    return true;
+                }
+                if by == pid {
+                    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+                    // SAFETY: removing our registration of A.
+                    unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, self.fd(), &mut ev) };
+                }
+                false
+            });
         });
     }
 }
@@ -282,10 +318,7 @@ pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_
         return Err(libc::ENOTSOCK);
     };
     let a = request(fd, owner, nonce)?;
-    let relay = Arc::new(Relay {
-        a: smc::fdapi::place_high(a),
-        epolls: Mutex::new(Vec::new()),
-    });
+    let relay = Arc::new(Relay::new(smc::fdapi::place_high(a)));
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
         if matches!(e.kind, Kind::Smc(_)) && !e.ours() {
@@ -414,6 +447,25 @@ static SERVER_PID: AtomicI32 = AtomicI32::new(0);
 static THREAD_PID: AtomicI32 = AtomicI32::new(0);
 /// Pump threads running in this process.
 static PUMPS: AtomicUsize = AtomicUsize::new(0);
+/// The descriptors the pumps of this process hold (B and the stop eventfds; -1: a free
+/// slot), which a forked child closes (see [`fork_child`]).
+static PUMP_FDS: [AtomicI32; 256] = [const { AtomicI32::new(-1) }; 256];
+
+/// Note a pump descriptor (`false`: no free slot; a forked child then keeps its copy).
+fn pump_fd_add(fd: RawFd) -> bool {
+    PUMP_FDS.iter().any(|s| {
+        s.compare_exchange(-1, fd, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    })
+}
+
+/// Forget a pump descriptor (before it is closed: a fork in between leaves the child a copy
+/// it does not close, never a number it closes after reuse).
+fn pump_fd_remove(fd: RawFd) {
+    for s in &PUMP_FDS {
+        let _ = s.compare_exchange(fd, -1, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
 
 /// The relays this process's stack runs (by socket identity), under [`RELAYS_LOCK`] (held
 /// across a fork, so a child never inherits it held).
@@ -435,17 +487,29 @@ pub(crate) fn fork_prepare() {
         bind(pid);
     }
     RELAYS_LOCK.lock();
+    EPOLLS_LOCK.lock();
 }
 
 /// After `fork()` in the parent: start the server thread (once per process).
 pub(crate) fn fork_parent() {
+    EPOLLS_LOCK.unlock();
     RELAYS_LOCK.unlock();
     start_server();
 }
 
 /// After `fork()` in the child: the parent's server and relays are not this process's.
 pub(crate) fn fork_child() {
+    EPOLLS_LOCK.unlock();
     RELAYS_LOCK.unlock();
+    // The parent's pumps' descriptors (B, the stop eventfds): a copy here would keep B open
+    // (its holders would never see the end) while this child lives. Only atomics and close.
+    for slot in &PUMP_FDS {
+        let fd = slot.swap(-1, Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: an inherited copy of the parent's pump descriptor: ours to close.
+            unsafe { real::close(fd) };
+        }
+    }
     // SAFETY: the lock was just released and this process has one thread.
     unsafe { &mut *RELAYS.0.get() }.clear();
     let fd = SERVER_FD.swap(-1, Ordering::Relaxed);
@@ -660,10 +724,7 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             set_timeout(a.as_raw_fd(), name, t);
         }
     }
-    let relay = Arc::new(Relay {
-        a,
-        epolls: Mutex::new(Vec::new()),
-    });
+    let relay = Arc::new(Relay::new(a));
     // The program's reads of the connection itself stop before the pump's first read (one
     // under way completes first): the bytes stay in order.
     conn.hand_over();
@@ -853,6 +914,13 @@ struct Pump {
     reset: Mutex<bool>,
 }
 
+impl Drop for Pump {
+    fn drop(&mut self) {
+        pump_fd_remove(self.b.as_raw_fd());
+        pump_fd_remove(self.stop.as_raw_fd());
+    }
+}
+
 impl Pump {
     fn stop(&self) {
         let one = 1u64.to_ne_bytes();
@@ -895,6 +963,11 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         stop: smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(stop) }),
         reset: Mutex::new(false),
     });
+    for fd in [pump.b.as_raw_fd(), pump.stop.as_raw_fd()] {
+        if !pump_fd_add(fd) {
+            log!("relay: more pumps than noted for fork; a forked child keeps fd {fd}");
+        }
+    }
     let p = pump.clone();
     let relay_out = relay.clone();
     PUMPS.fetch_add(2, Ordering::AcqRel);
