@@ -470,9 +470,10 @@ fn pump_fd_remove(fd: RawFd) {
 /// The relays this process's stack runs (by socket identity), under [`RELAYS_LOCK`] (held
 /// across a fork, so a child never inherits it held).
 static RELAYS_LOCK: SpinLock = SpinLock::new();
-/// Socket identity (device, inode) → the relay.
-/// (Also the connection's address, for [`of_conn`].)
-type RelayList = Vec<((u64, u64), Weak<Relay>, usize)>;
+/// Socket identity (device, inode) → the relay, with its connection (for [`of_conn`]; the
+/// weak reference keeps the address from being reused by another connection) and its pumps
+/// (an entry whose pumps ended is stale: a later socket may have the same inode).
+type RelayList = Vec<((u64, u64), Weak<Relay>, Weak<Conn>, Weak<Pump>)>;
 struct Relays(std::cell::UnsafeCell<RelayList>);
 // SAFETY: only touched under RELAYS_LOCK.
 unsafe impl Sync for Relays {}
@@ -669,11 +670,11 @@ fn convert(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
 fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     // SAFETY: RELAYS_LOCK is held by the caller.
     let relays = unsafe { &mut *RELAYS.0.get() };
-    relays.retain(|(_, w, _)| w.strong_count() > 0);
+    relays.retain(|(_, w, _, p)| w.strong_count() > 0 && p.strong_count() > 0);
     if let Some(r) = relays
         .iter()
-        .find(|(i, _, _)| *i == id)
-        .and_then(|(_, w, _)| w.upgrade())
+        .find(|(i, _, _, _)| *i == id)
+        .and_then(|(_, w, _, _)| w.upgrade())
     {
         return Ok(r);
     }
@@ -727,9 +728,17 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     let relay = Arc::new(Relay::new(a));
     // The program's reads of the connection itself stop before the pump's first read (one
     // under way completes first): the bytes stay in order.
+    // Both pump threads exist (waiting) before the hand-over, which cannot be undone: a
+    // thread that cannot be started leaves the connection the program's.
+    let pump = start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
     conn.hand_over();
-    start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
-    relays.push((id, Arc::downgrade(&relay), Arc::as_ptr(&conn) as usize));
+    pump.open_gate(true);
+    relays.push((
+        id,
+        Arc::downgrade(&relay),
+        Arc::downgrade(&conn),
+        Arc::downgrade(&pump),
+    ));
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
@@ -749,13 +758,12 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
 /// The relay of connection `c` of this process (a read of the program that was under way on
 /// the connection itself when it became relayed is redone there).
 pub(crate) fn of_conn(c: &Conn) -> Option<Arc<Relay>> {
-    let at = c as *const Conn as usize;
     RELAYS_LOCK.lock();
     // SAFETY: the lock is held.
     let r = unsafe { &*RELAYS.0.get() }
         .iter()
-        .find(|(_, _, p)| *p == at)
-        .and_then(|(_, w, _)| w.upgrade());
+        .find(|(_, _, wc, _)| std::ptr::eq(wc.as_ptr(), c))
+        .and_then(|(_, w, _, _)| w.upgrade());
     RELAYS_LOCK.unlock();
     r
 }
@@ -912,6 +920,10 @@ struct Pump {
     /// The connection failed: B is to be closed with a byte left in it (see [`reset`]).
     /// Held while the outbound thread reads B, so that it never reads that byte.
     reset: Mutex<bool>,
+    /// Whether the threads may start (`None`: not yet; `Some(false)`: the relay was not
+    /// made, they end without touching the connection).
+    gate: Mutex<Option<bool>>,
+    gate_cv: std::sync::Condvar,
 }
 
 impl Drop for Pump {
@@ -922,6 +934,22 @@ impl Drop for Pump {
 }
 
 impl Pump {
+    fn open_gate(&self, go: bool) {
+        *self.gate.lock().unwrap_or_else(|e| e.into_inner()) = Some(go);
+        self.gate_cv.notify_all();
+    }
+
+    /// Wait until the gate opens; `true`: pump.
+    fn started(&self) -> bool {
+        let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(go) = *g {
+                return go;
+            }
+            g = self.gate_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     fn stop(&self) {
         let one = 1u64.to_ne_bytes();
         // SAFETY: our eventfd and 8 bytes.
@@ -950,7 +978,9 @@ impl Pump {
     }
 }
 
-fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_int> {
+/// Start both pump threads, waiting at the gate ([`Pump::open_gate`]); `Err`: neither will
+/// touch the connection.
+fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<Arc<Pump>, c_int> {
     // SAFETY: a new eventfd of ours.
     let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if stop < 0 {
@@ -962,6 +992,8 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         // SAFETY: just made.
         stop: smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(stop) }),
         reset: Mutex::new(false),
+        gate: Mutex::new(None),
+        gate_cv: std::sync::Condvar::new(),
     });
     for fd in [pump.b.as_raw_fd(), pump.stop.as_raw_fd()] {
         if !pump_fd_add(fd) {
@@ -975,7 +1007,9 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         std::thread::Builder::new()
             .name("smc-relay-in".into())
             .spawn(move || {
-                crate::guard((), || inbound(&p, &relay));
+                if p.started() {
+                    crate::guard((), || inbound(&p, &relay));
+                }
                 drop(p);
                 PUMPS.fetch_sub(1, Ordering::AcqRel);
             })
@@ -990,17 +1024,19 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         std::thread::Builder::new()
             .name("smc-relay-out".into())
             .spawn(move || {
-                crate::guard((), || outbound(&p, &relay));
+                if p.started() {
+                    crate::guard((), || outbound(&p, &relay));
+                }
                 drop(p);
                 PUMPS.fetch_sub(1, Ordering::AcqRel);
             })
     });
     if outbound.is_err() {
-        pump.stop();
+        pump.open_gate(false);
         PUMPS.fetch_sub(1, Ordering::AcqRel);
         return Err(libc::EAGAIN);
     }
-    Ok(())
+    Ok(pump)
 }
 
 /// The connection into B, until the peer's end of stream (B shut down for writing), a
