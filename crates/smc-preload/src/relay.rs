@@ -459,6 +459,19 @@ fn pump_fd_add(fd: RawFd) -> bool {
     })
 }
 
+/// In a forked child: close the copies of the parent's pumps' descriptors (B, the stop
+/// eventfds), which would keep B open (its holders would never see the end) while this
+/// child lives. Only atomics and close (a fork handler).
+fn close_pump_fds() {
+    for slot in &PUMP_FDS {
+        let fd = slot.swap(-1, Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: an inherited copy of the parent's pump descriptor: ours to close.
+            unsafe { real::close(fd) };
+        }
+    }
+}
+
 /// Forget a pump descriptor (before it is closed: a fork in between leaves the child a copy
 /// it does not close, never a number it closes after reuse).
 fn pump_fd_remove(fd: RawFd) {
@@ -502,15 +515,7 @@ pub(crate) fn fork_parent() {
 pub(crate) fn fork_child() {
     EPOLLS_LOCK.unlock();
     RELAYS_LOCK.unlock();
-    // The parent's pumps' descriptors (B, the stop eventfds): a copy here would keep B open
-    // (its holders would never see the end) while this child lives. Only atomics and close.
-    for slot in &PUMP_FDS {
-        let fd = slot.swap(-1, Ordering::Relaxed);
-        if fd >= 0 {
-            // SAFETY: an inherited copy of the parent's pump descriptor: ours to close.
-            unsafe { real::close(fd) };
-        }
-    }
+    close_pump_fds();
     // SAFETY: the lock was just released and this process has one thread.
     unsafe { &mut *RELAYS.0.get() }.clear();
     let fd = SERVER_FD.swap(-1, Ordering::Relaxed);
@@ -1330,6 +1335,90 @@ mod tests {
         assert_eq!(check_proof(b'x', &[dup(&conn)]), Err(libc::EPROTO));
         drop(w);
         let _ = table::take(conn.as_raw_fd());
+    }
+
+    #[test]
+    fn a_forked_child_closes_the_pumps_descriptors() {
+        let (r, w) = pipe();
+        assert!(pump_fd_add(r.as_raw_fd()));
+        // SAFETY: the child makes only system calls (fcntl, close) and exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            close_pump_fds();
+            // SAFETY: as above.
+            unsafe {
+                let gone = libc::fcntl(r.as_raw_fd(), libc::F_GETFD) < 0;
+                let kept = libc::fcntl(w.as_raw_fd(), libc::F_GETFD) >= 0;
+                libc::_exit(if gone && kept { 0 } else { 1 });
+            }
+        }
+        let mut status = 0;
+        // SAFETY: our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+        // The parent's copy stays open (and noted until the pump forgets it).
+        // SAFETY: plain fcntl.
+        assert!(unsafe { libc::fcntl(r.as_raw_fd(), libc::F_GETFD) } >= 0);
+        pump_fd_remove(r.as_raw_fd());
+        assert!(PUMP_FDS
+            .iter()
+            .all(|s| s.load(Ordering::Relaxed) != r.as_raw_fd()));
+    }
+
+    #[test]
+    fn a_close_deletes_only_this_process_s_epoll_registrations() {
+        let mut p = [0; 2];
+        // SAFETY: an array of two ints.
+        assert_eq!(
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, p.as_mut_ptr()) },
+            0
+        );
+        // SAFETY: just made.
+        let (a, _b) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        let relay = Relay::new(a);
+        let registered = |ep: c_int| {
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: 0,
+            };
+            // SAFETY: a MOD of A in our epoll instance.
+            unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, relay.fd(), &mut ev) == 0 }
+        };
+        let mut eps = Vec::new();
+        for _ in 0..2 {
+            // SAFETY: a new epoll instance of this test's.
+            let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+            assert!(ep >= 0);
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: 0,
+            };
+            // SAFETY: registering A.
+            assert_eq!(
+                unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, relay.fd(), &mut ev) },
+                0
+            );
+            eps.push(ep);
+        }
+        // One registration made by this process, one by another (a parent, for a child).
+        relay.registered(eps[0], 1000, true);
+        let other = table::PID.load(Ordering::Relaxed) + 1;
+        relay.with_epolls(|v| v.push((other, eps[1], 1000)));
+        relay.closed(1000);
+        assert!(
+            !registered(eps[0]),
+            "this process's registration was not deleted"
+        );
+        assert!(
+            registered(eps[1]),
+            "another process's registration was deleted"
+        );
+        relay.with_epolls(|v| assert!(v.is_empty()));
+        for ep in eps {
+            // SAFETY: ours.
+            unsafe { libc::close(ep) };
+        }
     }
 
     #[test]
