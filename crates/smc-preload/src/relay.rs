@@ -13,9 +13,11 @@
 //!   SMC-R connections (a fork without connections, or a program that never forks, costs
 //!   nothing), served by one thread started after that fork.
 //! * The requester proves it holds the connection by sending its copy of the TCP socket
-//!   (SCM_RIGHTS); the owner compares the socket's device and inode with its connections',
-//!   and checks the requester's credentials (SO_PEERCRED: the same user, or an owner running
-//!   as root). The requester checks that the server is the owner (its pid).
+//!   (SCM_RIGHTS); the owner checks that it is, as an open file, the one a number of its
+//!   connection names (kcmp; see [`same_file`]), and the requester's credentials
+//!   (SO_PEERCRED: the same user, or an owner running as root). The requester checks that
+//!   the server is the owner (its pid) running as the same user or root, and that what it
+//!   gets back is a unix stream socket.
 //! * The owner makes a socketpair (A, B): two pump threads copy the connection into B and B
 //!   into the connection; A goes back to the requester, and *every* holder's entry (the
 //!   owner's too) becomes [`Kind::Relayed`](crate::table::Kind::Relayed): each later call on
