@@ -13,9 +13,11 @@
 //!   SMC-R connections (a fork without connections, or a program that never forks, costs
 //!   nothing), served by one thread started after that fork.
 //! * The requester proves it holds the connection by sending its copy of the TCP socket
-//!   (SCM_RIGHTS); the owner compares the socket's device and inode with its connections',
-//!   and checks the requester's credentials (SO_PEERCRED: the same user, or an owner running
-//!   as root). The requester checks that the server is the owner (its pid).
+//!   (SCM_RIGHTS); the owner checks that it is, as an open file, the one a number of its
+//!   connection names (kcmp; see [`same_file`]), and the requester's credentials
+//!   (SO_PEERCRED: the same user, or an owner running as root). The requester checks that
+//!   the server is the owner (its pid) running as the same user or root, and that what it
+//!   gets back is a unix stream socket.
 //! * The owner makes a socketpair (A, B): two pump threads copy the connection into B and B
 //!   into the connection; A goes back to the requester, and *every* holder's entry (the
 //!   owner's too) becomes [`Kind::Relayed`](crate::table::Kind::Relayed): each later call on
@@ -47,40 +49,76 @@ use crate::table::{self, Entry, Kind, SpinLock};
 use crate::{log, real};
 
 /// One process's handle of a relayed connection: its copy of A.
-#[derive(Debug)]
 pub(crate) struct Relay {
     a: OwnedFd,
-    /// The kernel epoll registrations of A made for the program's numbers: (epfd, fd).
-    epolls: Mutex<Vec<(c_int, c_int)>>,
+    /// The kernel epoll registrations of A made for the program's numbers: (the process
+    /// that made it, epfd, fd), under [`EPOLLS_LOCK`].
+    epolls: std::cell::UnsafeCell<Vec<(i32, c_int, c_int)>>,
 }
 
+// SAFETY: `epolls` is only touched under EPOLLS_LOCK.
+unsafe impl Sync for Relay {}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay").field("a", &self.a).finish()
+    }
+}
+
+/// The lock of every relay's epoll registrations: a spin lock held across `fork()` (a
+/// forked child never inherits it held, as it could a `Mutex` another thread held).
+static EPOLLS_LOCK: SpinLock = SpinLock::new();
+
 impl Relay {
+    fn new(a: OwnedFd) -> Relay {
+        Relay {
+            a,
+            epolls: std::cell::UnsafeCell::new(Vec::new()),
+        }
+    }
+
     /// A's descriptor: where the program's calls go.
     pub(crate) fn fd(&self) -> c_int {
         self.a.as_raw_fd()
     }
 
+    fn with_epolls<R>(&self, f: impl FnOnce(&mut Vec<(i32, c_int, c_int)>) -> R) -> R {
+        EPOLLS_LOCK.lock();
+        // SAFETY: the lock is held: the only reference.
+        let r = f(unsafe { &mut *self.epolls.get() });
+        EPOLLS_LOCK.unlock();
+        r
+    }
+
     /// Record that A is registered in epoll instance `epfd` for the program's number `fd`.
     pub(crate) fn registered(&self, epfd: c_int, fd: c_int, on: bool) {
-        let mut v = self.epolls.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|&x| x != (epfd, fd));
-        if on {
-            v.push((epfd, fd));
-        }
+        let pid = table::PID.load(Ordering::Relaxed);
+        self.with_epolls(|v| {
+            v.retain(|&(_, e, n)| (e, n) != (epfd, fd));
+            if on {
+                v.push((pid, epfd, fd));
+            }
+        });
     }
 
     /// The program's number `fd` is being closed: as the kernel drops a closed file from
-    /// its epoll instances, A's registrations made for that number go.
+    /// its epoll instances, A's registrations made for that number go. Only those this
+    /// process made: a forked child shares its parent's epoll instances, and the parent's
+    /// registration of A (its own number is still open) stays.
     pub(crate) fn closed(&self, fd: c_int) {
-        let mut v = self.epolls.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|&(epfd, n)| {
-            if n != fd {
-                return true;
-            }
-            let mut ev = libc::epoll_event { events: 0, u64: 0 };
-            // SAFETY: removing our registration of A.
-            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, self.fd(), &mut ev) };
-            false
+        let pid = table::PID.load(Ordering::Relaxed);
+        self.with_epolls(|v| {
+            v.retain(|&(by, epfd, n)| {
+                if n != fd {
+                    return true;
+                }
+                if by == pid {
+                    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+                    // SAFETY: removing our registration of A.
+                    unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, self.fd(), &mut ev) };
+                }
+                false
+            });
         });
     }
 }
@@ -282,10 +320,7 @@ pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_
         return Err(libc::ENOTSOCK);
     };
     let a = request(fd, owner, nonce)?;
-    let relay = Arc::new(Relay {
-        a: smc::fdapi::place_high(a),
-        epolls: Mutex::new(Vec::new()),
-    });
+    let relay = Arc::new(Relay::new(smc::fdapi::place_high(a)));
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
         if matches!(e.kind, Kind::Smc(_)) && !e.ours() {
@@ -310,6 +345,9 @@ fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
     }
     // SAFETY: just made.
     let s = unsafe { OwnedFd::from_raw_fd(s) };
+    // A bounded wait, set before connect (a unix connect to a full backlog sleeps for the
+    // send timeout): an owner that does not answer (stopped, busy) is an error, not a hang.
+    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
     let (addr, len) = address(owner, nonce);
     // SAFETY: the address and its length.
     if unsafe {
@@ -322,10 +360,12 @@ fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
     {
         return Err(last_errno());
     }
-    // A bounded wait: an owner that does not answer (stopped, busy) is an error, not a hang.
-    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
+    // The server must be the owner (its pid) running as this user or as root: anyone else
+    // who bound the name first gets neither our socket nor our data.
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
     match peer_cred(s.as_raw_fd()) {
-        Some(c) if c.pid == owner => {}
+        Some(c) if c.pid == owner && (c.uid == me || c.uid == 0) => {}
         _ => return Err(libc::EACCES),
     }
     send_with_fd(s.as_raw_fd(), ASK, Some(fd))?;
@@ -336,7 +376,66 @@ fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
     if fds.len() != 1 {
         return Err(libc::EPROTO);
     }
-    fds.pop().ok_or(libc::EPROTO)
+    let a = fds.pop().ok_or(libc::EPROTO)?;
+    check_relay_socket(a.as_raw_fd())?;
+    Ok(a)
+}
+
+/// What the owner sent back, on which the program's calls will be made: a unix stream
+/// socket, nothing else (EPROTO).
+fn check_relay_socket(a: c_int) -> Result<(), c_int> {
+    if sock_opt(a, libc::SO_DOMAIN) != Some(libc::AF_UNIX)
+        || sock_opt(a, libc::SO_TYPE) != Some(libc::SOCK_STREAM)
+    {
+        return Err(libc::EPROTO);
+    }
+    Ok(())
+}
+
+/// An int socket option (SOL_SOCKET) of `fd` (`None`: not a socket, or no such option).
+fn sock_opt(fd: c_int, name: c_int) -> Option<c_int> {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: an int and its length.
+    let r = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            name,
+            (&mut v as *mut c_int).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(v)
+}
+
+/// Whether descriptors `a` and `b` of this process name the same open file description
+/// (kcmp KCMP_FILE). After a fork, parent and child share the TCP socket's open file
+/// description, so this is the proof that a requester holds the connection; the socket's
+/// inode number alone is not (inode numbers wrap, and /proc/net/tcp shows them to anyone).
+/// Without kcmp (ENOSYS: a kernel without CONFIG_KCMP; EPERM: a seccomp filter) there is
+/// no proof that cannot be forged by a process of the same user holding another socket
+/// (SO_COOKIE names the socket, not its file, and a dup'd look-alike cannot be told
+/// apart), so the request is refused: `Err(errno)`.
+fn same_file(a: c_int, b: c_int) -> Result<bool, c_int> {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    const KCMP_FILE: libc::c_long = 0;
+    // SAFETY: kcmp compares two descriptors of our own process; no memory is passed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            libc::c_long::from(me),
+            libc::c_long::from(me),
+            KCMP_FILE,
+            libc::c_long::from(a),
+            libc::c_long::from(b),
+        )
+    };
+    if r < 0 {
+        return Err(last_errno());
+    }
+    Ok(r == 0)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -350,13 +449,46 @@ static SERVER_PID: AtomicI32 = AtomicI32::new(0);
 static THREAD_PID: AtomicI32 = AtomicI32::new(0);
 /// Pump threads running in this process.
 static PUMPS: AtomicUsize = AtomicUsize::new(0);
+/// The descriptors the pumps of this process hold (B and the stop eventfds; -1: a free
+/// slot), which a forked child closes (see [`fork_child`]).
+static PUMP_FDS: [AtomicI32; 256] = [const { AtomicI32::new(-1) }; 256];
+
+/// Note a pump descriptor (`false`: no free slot; a forked child then keeps its copy).
+fn pump_fd_add(fd: RawFd) -> bool {
+    PUMP_FDS.iter().any(|s| {
+        s.compare_exchange(-1, fd, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    })
+}
+
+/// In a forked child: close the copies of the parent's pumps' descriptors (B, the stop
+/// eventfds), which would keep B open (its holders would never see the end) while this
+/// child lives. Only atomics and close (a fork handler).
+fn close_pump_fds() {
+    for slot in &PUMP_FDS {
+        let fd = slot.swap(-1, Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: an inherited copy of the parent's pump descriptor: ours to close.
+            unsafe { real::close(fd) };
+        }
+    }
+}
+
+/// Forget a pump descriptor (before it is closed: a fork in between leaves the child a copy
+/// it does not close, never a number it closes after reuse).
+fn pump_fd_remove(fd: RawFd) {
+    for s in &PUMP_FDS {
+        let _ = s.compare_exchange(fd, -1, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
 
 /// The relays this process's stack runs (by socket identity), under [`RELAYS_LOCK`] (held
 /// across a fork, so a child never inherits it held).
 static RELAYS_LOCK: SpinLock = SpinLock::new();
-/// Socket identity (device, inode) → the relay.
-/// (Also the connection's address, for [`of_conn`].)
-type RelayList = Vec<((u64, u64), Weak<Relay>, usize)>;
+/// Socket identity (device, inode) → the relay, with its connection (for [`of_conn`]; the
+/// weak reference keeps the address from being reused by another connection) and its pumps
+/// (an entry whose pumps ended is stale: a later socket may have the same inode).
+type RelayList = Vec<((u64, u64), Weak<Relay>, Weak<Conn>, Weak<Pump>)>;
 struct Relays(std::cell::UnsafeCell<RelayList>);
 // SAFETY: only touched under RELAYS_LOCK.
 unsafe impl Sync for Relays {}
@@ -371,17 +503,21 @@ pub(crate) fn fork_prepare() {
         bind(pid);
     }
     RELAYS_LOCK.lock();
+    EPOLLS_LOCK.lock();
 }
 
 /// After `fork()` in the parent: start the server thread (once per process).
 pub(crate) fn fork_parent() {
+    EPOLLS_LOCK.unlock();
     RELAYS_LOCK.unlock();
     start_server();
 }
 
 /// After `fork()` in the child: the parent's server and relays are not this process's.
 pub(crate) fn fork_child() {
+    EPOLLS_LOCK.unlock();
     RELAYS_LOCK.unlock();
+    close_pump_fds();
     // SAFETY: the lock was just released and this process has one thread.
     unsafe { &mut *RELAYS.0.get() }.clear();
     let fd = SERVER_FD.swap(-1, Ordering::Relaxed);
@@ -465,7 +601,9 @@ fn serve() {
         }
         // SAFETY: just accepted.
         let c = unsafe { OwnedFd::from_raw_fd(c) };
-        set_timeouts(c.as_raw_fd(), Duration::from_secs(10));
+        // One thread serves every request: a requester that sends nothing, or reads
+        // nothing, holds it for a second at most.
+        set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
         match answer(c.as_raw_fd()) {
             Ok(relay) => {
                 let _ = send_with_fd(c.as_raw_fd(), 0, Some(relay.fd()));
@@ -487,12 +625,44 @@ fn answer(c: c_int) -> Result<Arc<Relay>, c_int> {
         _ => return Err(libc::EACCES),
     }
     let (b, fds) = recv_with_fds(c)?;
-    if b != ASK || fds.len() != 1 {
+    let r = check_proof(b, &fds).and_then(convert);
+    // The received copies are closed by a thread of their own: the close of a socket whose
+    // last reference this is may block (a lingering TCP socket), never the server.
+    if !fds.is_empty() {
+        let spawned = smc::fdapi::signals_blocked(|| {
+            std::thread::Builder::new()
+                .name("smc-relay-close".into())
+                .spawn(move || drop(fds))
+        });
+        if let Err(e) = spawned {
+            log!("relay server: no thread to close a request's descriptor: {e}");
+        }
+    }
+    r
+}
+
+/// The proof of a request (its byte and the descriptors that came with it): one TCP socket
+/// that is, as an open file, the one a number of this process's connection names. The
+/// socket's identity (device, inode) on success.
+fn check_proof(b: u8, fds: &[OwnedFd]) -> Result<(u64, u64), c_int> {
+    let [fd] = fds else {
+        return Err(libc::EPROTO);
+    };
+    if b != ASK {
         return Err(libc::EPROTO);
     }
-    let id = table::socket_id(fds[0].as_raw_fd()).ok_or(libc::ENOTSOCK)?;
-    drop(fds);
-    convert(id)
+    let fd = fd.as_raw_fd();
+    // A socket before anything else looks at it (an fstat of a file may block).
+    if sock_opt(fd, libc::SO_TYPE) != Some(libc::SOCK_STREAM) {
+        return Err(libc::ENOTSOCK);
+    }
+    let id = table::socket_id(fd).ok_or(libc::ENOTSOCK)?;
+    for (num, _) in table::entries_of_socket(id) {
+        if same_file(fd, num)? {
+            return Ok(id);
+        }
+    }
+    Err(libc::ENOENT)
 }
 
 /// The relay of this process's connection whose TCP socket is `id`: the one running, or a
@@ -507,11 +677,11 @@ fn convert(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
 fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     // SAFETY: RELAYS_LOCK is held by the caller.
     let relays = unsafe { &mut *RELAYS.0.get() };
-    relays.retain(|(_, w, _)| w.strong_count() > 0);
+    relays.retain(|(_, w, _, p)| w.strong_count() > 0 && p.strong_count() > 0);
     if let Some(r) = relays
         .iter()
-        .find(|(i, _, _)| *i == id)
-        .and_then(|(_, w, _)| w.upgrade())
+        .find(|(i, _, _, _)| *i == id)
+        .and_then(|(_, w, _, _)| w.upgrade())
     {
         return Ok(r);
     }
@@ -562,15 +732,20 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             set_timeout(a.as_raw_fd(), name, t);
         }
     }
-    let relay = Arc::new(Relay {
-        a,
-        epolls: Mutex::new(Vec::new()),
-    });
+    let relay = Arc::new(Relay::new(a));
     // The program's reads of the connection itself stop before the pump's first read (one
     // under way completes first): the bytes stay in order.
+    // Both pump threads exist (waiting) before the hand-over, which cannot be undone: a
+    // thread that cannot be started leaves the connection the program's.
+    let pump = start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
     conn.hand_over();
-    start_pumps(conn.clone(), b, Arc::downgrade(&relay))?;
-    relays.push((id, Arc::downgrade(&relay), Arc::as_ptr(&conn) as usize));
+    pump.open_gate(true);
+    relays.push((
+        id,
+        Arc::downgrade(&relay),
+        Arc::downgrade(&conn),
+        Arc::downgrade(&pump),
+    ));
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
@@ -590,13 +765,12 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
 /// The relay of connection `c` of this process (a read of the program that was under way on
 /// the connection itself when it became relayed is redone there).
 pub(crate) fn of_conn(c: &Conn) -> Option<Arc<Relay>> {
-    let at = c as *const Conn as usize;
     RELAYS_LOCK.lock();
     // SAFETY: the lock is held.
     let r = unsafe { &*RELAYS.0.get() }
         .iter()
-        .find(|(_, _, p)| *p == at)
-        .and_then(|(_, w, _)| w.upgrade());
+        .find(|(_, _, wc, _)| std::ptr::eq(wc.as_ptr(), c))
+        .and_then(|(_, w, _, _)| w.upgrade());
     RELAYS_LOCK.unlock();
     r
 }
@@ -753,9 +927,36 @@ struct Pump {
     /// The connection failed: B is to be closed with a byte left in it (see [`reset`]).
     /// Held while the outbound thread reads B, so that it never reads that byte.
     reset: Mutex<bool>,
+    /// Whether the threads may start (`None`: not yet; `Some(false)`: the relay was not
+    /// made, they end without touching the connection).
+    gate: Mutex<Option<bool>>,
+    gate_cv: std::sync::Condvar,
+}
+
+impl Drop for Pump {
+    fn drop(&mut self) {
+        pump_fd_remove(self.b.as_raw_fd());
+        pump_fd_remove(self.stop.as_raw_fd());
+    }
 }
 
 impl Pump {
+    fn open_gate(&self, go: bool) {
+        *self.gate.lock().unwrap_or_else(|e| e.into_inner()) = Some(go);
+        self.gate_cv.notify_all();
+    }
+
+    /// Wait until the gate opens; `true`: pump.
+    fn started(&self) -> bool {
+        let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(go) = *g {
+                return go;
+            }
+            g = self.gate_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     fn stop(&self) {
         let one = 1u64.to_ne_bytes();
         // SAFETY: our eventfd and 8 bytes.
@@ -784,7 +985,9 @@ impl Pump {
     }
 }
 
-fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_int> {
+/// Start both pump threads, waiting at the gate ([`Pump::open_gate`]); `Err`: neither will
+/// touch the connection.
+fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<Arc<Pump>, c_int> {
     // SAFETY: a new eventfd of ours.
     let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if stop < 0 {
@@ -796,7 +999,14 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         // SAFETY: just made.
         stop: smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(stop) }),
         reset: Mutex::new(false),
+        gate: Mutex::new(None),
+        gate_cv: std::sync::Condvar::new(),
     });
+    for fd in [pump.b.as_raw_fd(), pump.stop.as_raw_fd()] {
+        if !pump_fd_add(fd) {
+            log!("relay: more pumps than noted for fork; a forked child keeps fd {fd}");
+        }
+    }
     let p = pump.clone();
     let relay_out = relay.clone();
     PUMPS.fetch_add(2, Ordering::AcqRel);
@@ -804,7 +1014,9 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         std::thread::Builder::new()
             .name("smc-relay-in".into())
             .spawn(move || {
-                crate::guard((), || inbound(&p, &relay));
+                if p.started() {
+                    crate::guard((), || inbound(&p, &relay));
+                }
                 drop(p);
                 PUMPS.fetch_sub(1, Ordering::AcqRel);
             })
@@ -819,17 +1031,19 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<(), c_
         std::thread::Builder::new()
             .name("smc-relay-out".into())
             .spawn(move || {
-                crate::guard((), || outbound(&p, &relay));
+                if p.started() {
+                    crate::guard((), || outbound(&p, &relay));
+                }
                 drop(p);
                 PUMPS.fetch_sub(1, Ordering::AcqRel);
             })
     });
     if outbound.is_err() {
-        pump.stop();
+        pump.open_gate(false);
         PUMPS.fetch_sub(1, Ordering::AcqRel);
         return Err(libc::EAGAIN);
     }
-    Ok(())
+    Ok(pump)
 }
 
 /// The connection into B, until the peer's end of stream (B shut down for writing), a
@@ -1036,58 +1250,5 @@ pub(crate) fn linger(max: Duration) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_server_name_is_abstract_and_names_pid_and_nonce() {
-        let (a, len) = address(4242, 0xabc);
-        assert_eq!(a.sun_path[0], 0);
-        let name: Vec<u8> = a.sun_path[1..]
-            .iter()
-            .take(len as usize - 3)
-            .map(|&c| c as u8)
-            .collect();
-        assert_eq!(name, b"smc-rs-relay/4242/0000000000000abc");
-    }
-
-    #[test]
-    fn a_descriptor_travels_with_its_byte() {
-        let mut p = [0; 2];
-        // SAFETY: plain system calls on descriptors this test owns.
-        unsafe {
-            assert_eq!(
-                libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, p.as_mut_ptr()),
-                0
-            );
-        }
-        let mut q = [0; 2];
-        // SAFETY: as above.
-        unsafe { assert_eq!(libc::pipe(q.as_mut_ptr()), 0) };
-        send_with_fd(p[0], ASK, Some(q[0])).expect("send");
-        let (b, fds) = recv_with_fds(p[1]).expect("recv");
-        assert_eq!(b, ASK);
-        assert_eq!(fds.len(), 1);
-        // The same pipe: what goes into its write end comes out of the received copy.
-        // SAFETY: as above.
-        unsafe {
-            assert_eq!(libc::write(q[1], b"x".as_ptr().cast(), 1), 1);
-            let mut c = [0u8];
-            assert_eq!(libc::read(fds[0].as_raw_fd(), c.as_mut_ptr().cast(), 1), 1);
-            assert_eq!(c[0], b'x');
-        }
-        // A byte without a descriptor, and the end of stream.
-        send_with_fd(p[0], 7, None).expect("send");
-        let (b, fds) = recv_with_fds(p[1]).expect("recv");
-        assert_eq!((b, fds.len()), (7, 0));
-        // SAFETY: as above.
-        unsafe { libc::close(p[0]) };
-        assert_eq!(recv_with_fds(p[1]).err(), Some(libc::ECONNRESET));
-        // SAFETY: as above.
-        unsafe {
-            libc::close(p[1]);
-            libc::close(q[0]);
-            libc::close(q[1]);
-        }
-    }
-}
+#[path = "relay_tests.rs"]
+mod tests;
