@@ -17,7 +17,7 @@
 //! - [`Conn`]: an SMC-R connection's reads, writes, shutdown, readiness (the `tcp_poll()`
 //!   mask an `epoll`/`poll` emulation reports) and the two eventfds its progress signals.
 //!
-//! One stack per process ([`stack`]); a forked child gets a new one ([`forked_child`]): the
+//! One stack per process ([`stack`]); a forked child gets a new one ([`fork_child`]): the
 //! parent's is abandoned, never used again, since its threads did not survive the fork.
 
 use std::io::{self, Read, Write};
