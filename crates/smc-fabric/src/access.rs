@@ -146,10 +146,25 @@ impl Acl {
     }
 
     /// Give user `uid` at least `perm` (adding to what an entry of that user has). The mask
-    /// (the bound of the group class, which named entries belong to) is widened to `perm`,
-    /// or made, when the ACL had none, from the owning group's bits and the named entries.
+    /// (the bound of the group class: the owning group, named users and named groups) is
+    /// widened to `perm`, or made, when the ACL had none, from the owning group's bits and
+    /// the named entries. Nobody else gains anything: when the mask widens, every other
+    /// group-class entry is narrowed to what the old mask let it have (an entry hidden by the
+    /// mask, an administrator's `g:adm:rwx` under a `---` mask, stays without effect).
     pub fn grant_user(&mut self, uid: u32, perm: u16) {
         let perm = perm & 7;
+        if let Some(old) = self.perm_of(MASK) {
+            if perm & !old != 0 {
+                for e in self.entries.iter_mut() {
+                    if matches!(e.tag, GROUP_OBJ | GROUP) || (e.tag == USER && e.id != uid) {
+                        e.perm &= old;
+                    } else if e.tag == USER {
+                        // The user's own bits beyond `perm` that the old mask hid stay hidden.
+                        e.perm = (e.perm & old) | perm;
+                    }
+                }
+            }
+        }
         match self
             .entries
             .iter_mut()
@@ -484,6 +499,47 @@ mod tests {
         assert_eq!(a.user_perm(5), Some(X));
     }
 
+    /// Group-class entries hidden by a narrow mask stay without effect when a grant widens
+    /// it: only the granted user gains.
+    #[test]
+    fn a_grant_unmasks_nobody_else() {
+        // user::rwx, user:5:rwx, group::rwx, group:4(adm):rwx, mask::--x, other::---
+        let mut b = VERSION.to_le_bytes().to_vec();
+        for (tag, perm, id) in [
+            (USER_OBJ, 7, NO_ID),
+            (USER, 7, 5),
+            (USER, 4, 33),
+            (GROUP_OBJ, 7, NO_ID),
+            (GROUP, 7, 4),
+            (MASK, X, NO_ID),
+            (OTHER, 0, NO_ID),
+        ] {
+            b.extend_from_slice(&u16::to_le_bytes(tag));
+            b.extend_from_slice(&u16::to_le_bytes(perm));
+            b.extend_from_slice(&u32::to_le_bytes(id));
+        }
+        let mut a = Acl::parse(&b).expect("parse");
+        assert!(!a.others_may_write());
+        a.grant_user(33, R | W);
+        let a = Acl::parse(&a.to_bytes()).expect("round trip");
+        assert_eq!(a.perm_of(MASK), Some(R | W | X));
+        assert_eq!(a.user_perm(33), Some(R | W));
+        assert_eq!(
+            a.user_perm(5),
+            Some(X),
+            "another named user keeps what it had"
+        );
+        assert_eq!(a.perm_of(GROUP_OBJ), Some(X));
+        let adm = a.entries.iter().find(|e| e.tag == GROUP).map(|e| e.perm);
+        assert_eq!(adm, Some(X), "the named group keeps what it had");
+        assert!(!a.others_may_write(), "still trusted after the grant");
+        // A grant within the mask changes no other entry.
+        let mut c = a.clone();
+        c.grant_user(1000, R);
+        c.entries.retain(|e| !(e.tag == USER && e.id == 1000));
+        assert_eq!(c, a);
+    }
+
     #[test]
     fn a_writable_group_entry_is_seen_through_the_mask() {
         let mut a = Acl::from_mode(0o770);
@@ -512,6 +568,60 @@ mod tests {
         // Without the other entry.
         let b = Acl::from_mode(0o700).to_bytes();
         assert_eq!(Acl::parse(&b[..b.len() - 8]), Err(AclError::Base));
+    }
+
+    /// On the file system: a directory whose named group's write is hidden by a `---` mask
+    /// (trusted) stays trusted after a grant, and the group gains nothing.
+    #[test]
+    fn a_grant_on_disk_unmasks_no_group() {
+        let dir = std::env::temp_dir().join(format!("smc-access-mask-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("mkdir");
+        let mut acl = Acl::from_mode(0o700);
+        acl.entries.push(Entry {
+            tag: GROUP,
+            perm: 7,
+            id: 4,
+        });
+        acl.entries.push(Entry {
+            tag: MASK,
+            perm: 0,
+            id: NO_ID,
+        });
+        match rustix::fs::lsetxattr(
+            &dir,
+            ACL_ACCESS,
+            &acl.to_bytes(),
+            rustix::fs::XattrFlags::empty(),
+        ) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::OPNOTSUPP) => {
+                eprintln!("skipped: no ACLs on {}", dir.display());
+                let _ = std::fs::remove_dir_all(&dir);
+                return;
+            }
+            Err(e) => panic!("set: {e}"),
+        }
+        assert_eq!(untrusted_dir(&dir).expect("stat"), None, "trusted before");
+        let me = rustix::process::geteuid().as_raw();
+        let other = if me == 0 { 33 } else { me + 1 };
+        grant(&dir, other, R | W | X).expect("grant");
+        assert_eq!(untrusted_dir(&dir).expect("stat"), None, "trusted after");
+        let after = read_acl(&dir).expect("acl").expect("has one");
+        assert_eq!(after.user_perm(other), Some(7));
+        let mask = after.perm_of(MASK).unwrap_or(7);
+        for e in after
+            .entries
+            .iter()
+            .filter(|e| matches!(e.tag, GROUP_OBJ | GROUP))
+        {
+            assert_eq!(
+                e.perm & mask,
+                0,
+                "group entry {e:?} gained under mask {mask}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// On the file system (ext4, tmpfs and most others keep ACLs): a private directory with
