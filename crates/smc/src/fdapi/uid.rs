@@ -8,9 +8,10 @@
 //! privilege (real, effective and saved uid all leave it; the preload library leaves a
 //! temporary `seteuid` alone), while the process still has the privilege,
 //! [`before_uid_change`] makes the process's stack (its devices, eBPF discovery and control
-//! socket, set up with the privileges they need) and grants the new uid the fabric directory (`smc_fabric::access::grant_dirs`). A program run
-//! with `SMC_UID_CHANGE=tcp` makes no grant, and after the change no stack
-//! ([`refuse_after_uid_change`]): its connections stay TCP, as before this existed.
+//! socket, set up with the privileges they need) and grants the new uid the fabric directory
+//! (`smc_fabric::access::grant_dirs`). A program run with `SMC_UID_CHANGE=tcp` makes no
+//! grant, and after the change no stack ([`refuse_after_uid_change`]): its connections stay
+//! TCP, as before this existed.
 
 use std::io;
 use std::path::PathBuf;
