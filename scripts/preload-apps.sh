@@ -674,6 +674,22 @@ for i in 1 2; do pd_curl "http://127.0.0.1:18472/f" "opt-out curl $i"; done
 grep -q "SMC_UID_CHANGE=tcp, nothing granted" "$pd/smc.log" || pd_fail "the opt-out was not seen"
 kill "$pd_ng"; wait "$pd_ng" 2>/dev/null || true
 echo "   SMC_UID_CHANGE=tcp: 2 curls of 4 MB over TCP (declined by the workers), payloads verified"
+
+# A temporary switch (the real or saved uid stays root: sshd's, samba's, cron's seteuid) is no
+# privilege drop: nothing granted. Then a drop (setuid by root) grants, also the private parent.
+mkdir -m 700 "$pd/sw"
+sw_env=(env SMC_FABRIC_DIR="$pd/sw/fabric" SMC_LOG="$pd/sw.log")
+"${sw_env[@]}" "$SMC" run python3 -c 'import os
+os.seteuid(33); os.seteuid(0)
+os.setresuid(-1, 33, 0); os.setresuid(0, 0, 0)
+os.setreuid(-1, 33); os.setreuid(0, 0)
+assert os.getresuid() == (0, 0, 0)' || pd_fail "temporary switches under smc run"
+! grep -q "granted\|nothing granted" "$pd/sw.log" || pd_fail "a temporary switch granted: $(cat "$pd/sw.log")"
+setpriv --reuid=33 --regid=33 --clear-groups test -x "$pd/sw" && pd_fail "a temporary switch gave uid 33 search on $pd/sw"
+"${sw_env[@]}" "$SMC" run python3 -c 'import os; os.setuid(33)' || pd_fail "setuid(33) under smc run"
+grep -q "setuid to uid \[33\]: fabric directory .* granted" "$pd/sw.log" || pd_fail "the drop granted nothing: $(cat "$pd/sw.log")"
+setpriv --reuid=33 --regid=33 --clear-groups test -x "$pd/sw" || pd_fail "the drop gave uid 33 no search on $pd/sw"
+echo "   seteuid/setresuid(-1,33,0)/setreuid(-1,33) by root granted nothing; setuid(33) granted"
 # ==== end of privilege drop ====
 
 # ==== relay: connections used by more than one process (docs/preload.md, "Connections

@@ -17,7 +17,7 @@
 //! named entries by id.
 
 use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 /// The extended attribute holding a file's access ACL.
@@ -146,10 +146,25 @@ impl Acl {
     }
 
     /// Give user `uid` at least `perm` (adding to what an entry of that user has). The mask
-    /// (the bound of the group class, which named entries belong to) is widened to `perm`,
-    /// or made, when the ACL had none, from the owning group's bits and the named entries.
+    /// (the bound of the group class: the owning group, named users and named groups) is
+    /// widened to `perm`, or made, when the ACL had none, from the owning group's bits and
+    /// the named entries. Nobody else gains anything: when the mask widens, every other
+    /// group-class entry is narrowed to what the old mask let it have (an entry hidden by the
+    /// mask, an administrator's `g:adm:rwx` under a `---` mask, stays without effect).
     pub fn grant_user(&mut self, uid: u32, perm: u16) {
         let perm = perm & 7;
+        if let Some(old) = self.perm_of(MASK) {
+            if perm & !old != 0 {
+                for e in self.entries.iter_mut() {
+                    if matches!(e.tag, GROUP_OBJ | GROUP) || (e.tag == USER && e.id != uid) {
+                        e.perm &= old;
+                    } else if e.tag == USER {
+                        // The user's own bits beyond `perm` that the old mask hid stay hidden.
+                        e.perm = (e.perm & old) | perm;
+                    }
+                }
+            }
+        }
         match self
             .entries
             .iter_mut()
@@ -222,27 +237,77 @@ pub fn read_acl(path: &Path) -> io::Result<Option<Acl>> {
     }
 }
 
-/// Give user `uid` at least `perm` on `path` (an entry in its access ACL; nothing for the
-/// file's owner). Needs the file's ownership or CAP_FOWNER.
-pub fn grant(path: &Path, uid: u32, perm: u16) -> io::Result<()> {
-    let md = std::fs::symlink_metadata(path)?;
-    if md.file_type().is_symlink() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{} is a symbolic link", path.display()),
-        ));
+/// A file held by an `O_PATH` descriptor opened without following a symbolic link: what is
+/// checked and what is changed are the same inode, whatever is renamed or linked in its
+/// place meanwhile. Its attributes and mode are changed through `/proc/self/fd/N` (which
+/// names the inode held: an `O_PATH` descriptor takes no `fsetxattr` or `fchmod`).
+struct Node {
+    fd: rustix::fd::OwnedFd,
+    st: rustix::fs::Stat,
+}
+
+impl Node {
+    /// `path` (relative to the directory `at`), never through a symbolic link.
+    fn open(at: impl rustix::fd::AsFd, path: &Path, shown: &Path) -> io::Result<Node> {
+        use rustix::fs::OFlags;
+        let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = rustix::fs::openat(at, path, flags, rustix::fs::Mode::empty())?;
+        let st = rustix::fs::fstat(&fd)?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is a symbolic link", shown.display()),
+            ));
+        }
+        Ok(Node { fd, st })
     }
-    if md.uid() == uid {
+
+    fn proc(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+    }
+
+    fn kind(&self) -> rustix::fs::FileType {
+        rustix::fs::FileType::from_raw_mode(self.st.st_mode)
+    }
+
+    fn acl(&self) -> io::Result<Option<Acl>> {
+        acl_at(&self.proc())
+    }
+}
+
+/// The access ACL of the file `path` names, following links (`/proc/self/fd/N`).
+fn acl_at(path: &Path) -> io::Result<Option<Acl>> {
+    let mut buf = vec![0u8; 4096];
+    match rustix::fs::getxattr(path, ACL_ACCESS, &mut buf[..]) {
+        Ok(n) => Acl::parse(&buf[..n])
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e)),
+        Err(rustix::io::Errno::NODATA | rustix::io::Errno::OPNOTSUPP) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Give user `uid` at least `perm` on `path` (an entry in its access ACL; nothing for the
+/// file's owner). A symbolic link is an error. Needs the file's ownership or CAP_FOWNER.
+pub fn grant(path: &Path, uid: u32, perm: u16) -> io::Result<()> {
+    grant_node(&Node::open(rustix::fs::CWD, path, path)?, uid, perm)
+}
+
+fn grant_node(node: &Node, uid: u32, perm: u16) -> io::Result<()> {
+    if node.st.st_uid == uid {
         // The owner's own permissions (user_obj) apply to it, never a named entry.
         return Ok(());
     }
-    let mut acl = read_acl(path)?.unwrap_or_else(|| Acl::from_mode(md.mode()));
+    let mut acl = node
+        .acl()?
+        .unwrap_or_else(|| Acl::from_mode(node.st.st_mode));
     if acl.user_perm(uid).is_some_and(|p| p & perm == perm) {
         return Ok(());
     }
     acl.grant_user(uid, perm);
-    rustix::fs::lsetxattr(
-        path,
+    rustix::fs::setxattr(
+        node.proc(),
         ACL_ACCESS,
         &acl.to_bytes(),
         rustix::fs::XattrFlags::empty(),
@@ -269,24 +334,47 @@ pub fn others_may_write(path: &Path, md: &std::fs::Metadata) -> bool {
 /// named in its ACL.
 pub fn untrusted_dir(dir: &Path) -> io::Result<Option<String>> {
     let md = std::fs::symlink_metadata(dir)?;
-    let me = rustix::process::getuid().as_raw();
     Ok(if md.file_type().is_symlink() {
         Some("a symbolic link".to_owned())
     } else if !md.is_dir() {
         Some("not a directory".to_owned())
-    } else if md.uid() != me && md.uid() != 0 {
+    } else {
+        untrusted_owner_mode(md.uid(), md.mode(), || read_acl(dir))
+    })
+}
+
+/// [`untrusted_dir`] of the directory `node` holds.
+fn untrusted_node(node: &Node) -> io::Result<Option<String>> {
+    Ok(if node.kind() != rustix::fs::FileType::Directory {
+        Some("not a directory".to_owned())
+    } else {
+        untrusted_owner_mode(node.st.st_uid, node.st.st_mode, || node.acl())
+    })
+}
+
+/// The owner and write parts of the trust check, of a directory of `owner` and `mode` whose
+/// ACL `acl` reads.
+fn untrusted_owner_mode(
+    owner: u32,
+    mode: u32,
+    acl: impl FnOnce() -> io::Result<Option<Acl>>,
+) -> Option<String> {
+    let me = rustix::process::getuid().as_raw();
+    let writable = mode & 0o002 != 0
+        || match acl() {
+            Ok(Some(acl)) => acl.others_may_write(),
+            Ok(None) => mode & 0o020 != 0,
+            Err(_) => true,
+        };
+    if owner != me && owner != 0 {
         Some(format!(
-            "owned by uid {}, not by us (uid {me}) or root",
-            md.uid()
+            "owned by uid {owner}, not by us (uid {me}) or root"
         ))
-    } else if others_may_write(dir, &md) {
-        Some(format!(
-            "writable by others (mode {:o})",
-            md.mode() & 0o7777
-        ))
+    } else if writable {
+        Some(format!("writable by others (mode {:o})", mode & 0o7777))
     } else {
         None
-    })
+    }
 }
 
 /// After binding the socket `sock` in `dir`: give the users `dir`'s ACL names read and write
@@ -321,43 +409,59 @@ pub fn fabric_dirs(cfg: &crate::FabricConfig) -> Vec<PathBuf> {
 
 /// Let user `uid` use the directories `dirs` (each made, private, if missing; each must pass
 /// [`untrusted_dir`]): read, write and search on them, the sticky bit on them, read and
-/// write on the sockets already in them, and search on every parent of each that others
-/// may not search and that the calling user owns. Returns the paths changed. A private
-/// parent of another user is an error (that user's directory is not ours to open).
+/// write on the sockets already in them that the directory's owner or the calling user owns
+/// (not one a granted user linked in: its ACL is not ours to edit), and search on every
+/// parent of each that others may not search and that the calling user owns. Returns the
+/// paths changed. A private parent of another user is an error (that user's directory is
+/// not ours to open). Each directory and socket is checked and changed through one
+/// descriptor opened without following links, so a symbolic link or another file put in
+/// its place meanwhile cannot redirect the changes.
 pub fn grant_dirs(dirs: &[PathBuf], uid: u32) -> io::Result<Vec<PathBuf>> {
     use std::os::unix::fs::DirBuilderExt;
+    let me = rustix::process::geteuid().as_raw();
     let mut changed = Vec::new();
     for dir in dirs {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)?;
-        if let Some(why) = untrusted_dir(dir)? {
+        let node = Node::open(rustix::fs::CWD, dir, dir)?;
+        if let Some(why) = untrusted_node(&node)? {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 format!("{} is {why}", dir.display()),
             ));
         }
-        let md = std::fs::symlink_metadata(dir)?;
-        if md.mode() & 0o1000 == 0 {
+        let mut node = node;
+        if node.st.st_mode & 0o1000 == 0 {
             // The group bits of a file with an ACL are its mask: kept as they are.
-            std::fs::set_permissions(
-                dir,
-                std::fs::Permissions::from_mode((md.mode() & 0o7777) | 0o1000),
+            rustix::fs::chmod(
+                node.proc(),
+                rustix::fs::Mode::from_raw_mode((node.st.st_mode & 0o7777) | 0o1000),
             )?;
+            node.st = rustix::fs::fstat(&node.fd)?;
         }
-        grant(dir, uid, R | W | X)?;
+        grant_node(&node, uid, R | W | X)?;
         changed.push(dir.clone());
-        for e in std::fs::read_dir(dir)?.flatten() {
-            let sock = e.file_type().is_ok_and(|t| t.is_socket());
-            if sock {
-                match grant(&e.path(), uid, R | W) {
-                    Ok(()) => changed.push(e.path()),
-                    // Removed meanwhile (its process ended).
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(e),
-                }
+        for e in std::fs::read_dir(node.proc())?.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_socket()) {
+                continue;
             }
+            let path = dir.join(e.file_name());
+            let sock = match Node::open(&node.fd, Path::new(&e.file_name()), &path) {
+                Ok(s) => s,
+                // Removed meanwhile (its process ended).
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            let owner = sock.st.st_uid;
+            if sock.kind() != rustix::fs::FileType::Socket
+                || (owner != node.st.st_uid && owner != me)
+            {
+                continue;
+            }
+            grant_node(&sock, uid, R | W)?;
+            changed.push(path);
         }
     }
     changed.extend(grant_search(dirs, uid)?);
@@ -435,6 +539,7 @@ fn grant_search(paths: &[PathBuf], uid: u32) -> io::Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn from_mode_round_trips() {
@@ -484,6 +589,47 @@ mod tests {
         assert_eq!(a.user_perm(5), Some(X));
     }
 
+    /// Group-class entries hidden by a narrow mask stay without effect when a grant widens
+    /// it: only the granted user gains.
+    #[test]
+    fn a_grant_unmasks_nobody_else() {
+        // user::rwx, user:5:rwx, group::rwx, group:4(adm):rwx, mask::--x, other::---
+        let mut b = VERSION.to_le_bytes().to_vec();
+        for (tag, perm, id) in [
+            (USER_OBJ, 7, NO_ID),
+            (USER, 7, 5),
+            (USER, 4, 33),
+            (GROUP_OBJ, 7, NO_ID),
+            (GROUP, 7, 4),
+            (MASK, X, NO_ID),
+            (OTHER, 0, NO_ID),
+        ] {
+            b.extend_from_slice(&u16::to_le_bytes(tag));
+            b.extend_from_slice(&u16::to_le_bytes(perm));
+            b.extend_from_slice(&u32::to_le_bytes(id));
+        }
+        let mut a = Acl::parse(&b).expect("parse");
+        assert!(!a.others_may_write());
+        a.grant_user(33, R | W);
+        let a = Acl::parse(&a.to_bytes()).expect("round trip");
+        assert_eq!(a.perm_of(MASK), Some(R | W | X));
+        assert_eq!(a.user_perm(33), Some(R | W));
+        assert_eq!(
+            a.user_perm(5),
+            Some(X),
+            "another named user keeps what it had"
+        );
+        assert_eq!(a.perm_of(GROUP_OBJ), Some(X));
+        let adm = a.entries.iter().find(|e| e.tag == GROUP).map(|e| e.perm);
+        assert_eq!(adm, Some(X), "the named group keeps what it had");
+        assert!(!a.others_may_write(), "still trusted after the grant");
+        // A grant within the mask changes no other entry.
+        let mut c = a.clone();
+        c.grant_user(1000, R);
+        c.entries.retain(|e| !(e.tag == USER && e.id == 1000));
+        assert_eq!(c, a);
+    }
+
     #[test]
     fn a_writable_group_entry_is_seen_through_the_mask() {
         let mut a = Acl::from_mode(0o770);
@@ -512,6 +658,119 @@ mod tests {
         // Without the other entry.
         let b = Acl::from_mode(0o700).to_bytes();
         assert_eq!(Acl::parse(&b[..b.len() - 8]), Err(AclError::Base));
+    }
+
+    /// On the file system: a directory whose named group's write is hidden by a `---` mask
+    /// (trusted) stays trusted after a grant, and the group gains nothing.
+    #[test]
+    fn a_grant_on_disk_unmasks_no_group() {
+        let dir = std::env::temp_dir().join(format!("smc-access-mask-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("mkdir");
+        let mut acl = Acl::from_mode(0o700);
+        acl.entries.push(Entry {
+            tag: GROUP,
+            perm: 7,
+            id: 4,
+        });
+        acl.entries.push(Entry {
+            tag: MASK,
+            perm: 0,
+            id: NO_ID,
+        });
+        match rustix::fs::lsetxattr(
+            &dir,
+            ACL_ACCESS,
+            &acl.to_bytes(),
+            rustix::fs::XattrFlags::empty(),
+        ) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::OPNOTSUPP) => {
+                eprintln!("skipped: no ACLs on {}", dir.display());
+                let _ = std::fs::remove_dir_all(&dir);
+                return;
+            }
+            Err(e) => panic!("set: {e}"),
+        }
+        assert_eq!(untrusted_dir(&dir).expect("stat"), None, "trusted before");
+        let me = rustix::process::geteuid().as_raw();
+        let other = if me == 0 { 33 } else { me + 1 };
+        grant(&dir, other, R | W | X).expect("grant");
+        assert_eq!(untrusted_dir(&dir).expect("stat"), None, "trusted after");
+        let after = read_acl(&dir).expect("acl").expect("has one");
+        assert_eq!(after.user_perm(other), Some(7));
+        let mask = after.perm_of(MASK).unwrap_or(7);
+        for e in after
+            .entries
+            .iter()
+            .filter(|e| matches!(e.tag, GROUP_OBJ | GROUP))
+        {
+            assert_eq!(
+                e.perm & mask,
+                0,
+                "group entry {e:?} gained under mask {mask}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// On the file system: a socket of a third user in a granted directory (a granted user
+    /// could link one in) keeps its ACL; a symbolic link given as a fabric directory is
+    /// refused and its target left alone.
+    #[test]
+    fn grant_dirs_touches_only_ours() {
+        let dir = std::env::temp_dir().join(format!("smc-access-own-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let fab = dir.join("fab");
+        std::fs::create_dir_all(&fab).expect("mkdir");
+        std::fs::set_permissions(&fab, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let me = rustix::process::geteuid().as_raw();
+        let other = if me == 0 { 33 } else { me + 1 };
+        let mine = fab.join("mine.sock");
+        let theirs = fab.join("theirs.sock");
+        let _a = std::os::unix::net::UnixListener::bind(&mine).expect("bind");
+        let _b = std::os::unix::net::UnixListener::bind(&theirs).expect("bind");
+        // As root: the socket becomes a third user's (neither the directory's owner nor us).
+        let third = me == 0 && std::os::unix::fs::lchown(&theirs, Some(4242), None).is_ok();
+        match grant_dirs(std::slice::from_ref(&fab), other) {
+            Ok(changed) => {
+                assert!(changed.contains(&mine));
+                assert_eq!(changed.contains(&theirs), !third);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                eprintln!("skipped: no ACLs on {}", dir.display());
+                let _ = std::fs::remove_dir_all(&dir);
+                return;
+            }
+            Err(e) => panic!("grant: {e}"),
+        }
+        assert_eq!(
+            read_acl(&mine)
+                .expect("acl")
+                .and_then(|a| a.user_perm(other)),
+            Some(R | W)
+        );
+        if third {
+            assert_eq!(
+                read_acl(&theirs).expect("acl"),
+                None,
+                "a third user's socket"
+            );
+        } else {
+            eprintln!("not root: the third-user socket case is not run");
+        }
+        // A symbolic link in place of a fabric directory: refused, its target unchanged.
+        let target = dir.join("target");
+        std::fs::create_dir(&target).expect("mkdir");
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&target, &link).expect("symlink");
+        assert!(grant_dirs(std::slice::from_ref(&link), other).is_err());
+        assert!(grant(&link, other, R).is_err());
+        assert_eq!(read_acl(&target).expect("acl"), None);
+        let md = std::fs::metadata(&target).expect("stat");
+        assert_eq!(md.mode() & 0o7777, 0o700, "no sticky bit through the link");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// On the file system (ext4, tmpfs and most others keep ACLs): a private directory with

@@ -2,11 +2,13 @@
 //! started (nginx's and apache's workers become `www-data`) keeps SMC-R.
 //!
 //! Before the C library changes the uid (process-wide: glibc makes every thread change),
-//! while the process still holds CAP_SETUID, the library makes the process's stack when it
+//! while the process still holds CAP_SETUID, when the call drops the privilege for good (the
+//! real, effective and saved uid all leave the old effective uid; a temporary `seteuid` is
+//! left alone, [`drop_targets`]), the library makes the process's stack when it
 //! uses SMC-R (it has managed sockets, maybe inherited from the parent that forked it) and
 //! grants the new uid the fabric directory and the `SMC_LOG` file ([`smc::fdapi::before_uid_change`];
 //! the trust rule and what it exposes are in `docs/preload.md`, "Privilege drop").
-//! `SMC_UID_CHANGE=tcp` keeps the old behaviour: no grant, and after the change no stack, so
+//! `SMC_UID_CHANGE=tcp` keeps the old behaviour: no grant, and after the drop no stack, so
 //! the process's later connections are TCP. The group calls (`setgid`, `setgroups`,
 //! `initgroups`) are left alone: the grants name the user.
 
@@ -64,24 +66,71 @@ fn may_change_uid() -> bool {
     r == 0 && d[0].effective & (1 << CAP_SETUID) != 0
 }
 
-/// Before a change to the uids `targets` (`-1`: unchanged): grant them, per the policy.
-/// Returns whether the program opted out (TCP after the change).
-fn before_change(call: &str, targets: &[uid_t]) -> bool {
+/// The real, effective and saved uid after the privileged call `call` with `args` (`-1`:
+/// unchanged) succeeds, from `old`, as Linux sets them for a caller holding CAP_SETUID.
+fn uids_after(call: &str, args: &[uid_t], old: [uid_t; 3]) -> [uid_t; 3] {
+    let [r, e, s] = old;
+    let arg = |i: usize, cur: uid_t| match args.get(i) {
+        Some(&u) if u != uid_t::MAX => u,
+        _ => cur,
+    };
+    match call {
+        // A privileged setuid sets all three.
+        "setuid" => {
+            let u = arg(0, e);
+            [u, u, u]
+        }
+        "seteuid" => [r, arg(0, e), s],
+        "setreuid" => {
+            let (nr, ne) = (arg(0, r), arg(1, e));
+            // setreuid(2): the saved uid becomes the new effective one when the real uid is
+            // set, or the effective one set to another value than the old real uid.
+            let real_set = args.first().is_some_and(|&u| u != uid_t::MAX);
+            let eff_other = args.get(1).is_some_and(|&u| u != uid_t::MAX && u != r);
+            [nr, ne, if real_set || eff_other { ne } else { s }]
+        }
+        _ => [arg(0, r), arg(1, e), arg(2, s)],
+    }
+}
+
+/// The uids to grant for a change from `old` to `new`: a drop of privilege (the real,
+/// effective and saved uid all leave the privileged uid, the old effective one) grants the
+/// new uids. A temporary switch (one of them stays: `seteuid(u)`, `setresuid(-1, u, 0)`,
+/// `setreuid(-1, u)` by root, as sshd, samba and cron do to act for a user for a while) and
+/// no change grant nothing.
+fn drop_targets(old: [uid_t; 3], new: [uid_t; 3]) -> Vec<uid_t> {
+    let privileged = old[1];
+    if new.contains(&privileged) {
+        return Vec::new();
+    }
+    let mut uids = new.to_vec();
+    uids.sort_unstable();
+    uids.dedup();
+    uids
+}
+
+/// Before the call `call` with `args` (`-1`: unchanged): when it drops the privilege, grant
+/// the new uids, per the policy. Returns whether the program opted out (TCP after the
+/// change). The grants are made before the C library's call (they need the privilege the
+/// call gives up), so a call that then fails (`EAGAIN`, `EINVAL`) leaves them: the uid the
+/// program meant to become may use the fabric directory although the process did not change.
+fn before_change(call: &str, args: &[uid_t]) -> bool {
     if table::borrowed_memory() {
         // A vfork child between its start and its exec: the memory (and the stack) are
         // its parent's; it makes nothing here.
         return false;
     }
-    // SAFETY: no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    let mut uids: Vec<u32> = targets
-        .iter()
-        .copied()
-        .filter(|&u| u != uid_t::MAX && u != euid)
-        .collect();
-    uids.sort_unstable();
-    uids.dedup();
-    if uids.is_empty() || !may_change_uid() {
+    if !may_change_uid() {
+        return false;
+    }
+    let (mut r, mut e, mut s) = (0, 0, 0);
+    // SAFETY: three valid pointers to uid_t.
+    if unsafe { libc::getresuid(&mut r, &mut e, &mut s) } != 0 {
+        return false;
+    }
+    let old = [r, e, s];
+    let uids = drop_targets(old, uids_after(call, args, old));
+    if uids.is_empty() {
         return false;
     }
     if policy() == Policy::Tcp {
@@ -166,3 +215,48 @@ uid_call!(setuid(uid));
 uid_call!(seteuid(euid));
 uid_call!(setreuid(ruid, euid));
 uid_call!(setresuid(ruid, euid, suid));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: uid_t = uid_t::MAX;
+    const ROOT: [uid_t; 3] = [0, 0, 0];
+
+    fn targets(call: &str, args: &[uid_t], old: [uid_t; 3]) -> Vec<uid_t> {
+        drop_targets(old, uids_after(call, args, old))
+    }
+
+    #[test]
+    fn drops_grant() {
+        assert_eq!(targets("setuid", &[33], ROOT), [33]);
+        assert_eq!(targets("setresuid", &[33, 33, 33], ROOT), [33]);
+        assert_eq!(targets("setreuid", &[33, 33], ROOT), [33]);
+        // The real uid set: the saved one follows the effective one.
+        assert_eq!(targets("setreuid", &[33, 34], ROOT), [33, 34]);
+        // A setuid-root program run by user 1000 going back to it.
+        assert_eq!(targets("setuid", &[1000], [1000, 0, 0]), [1000]);
+        assert_eq!(
+            targets("setresuid", &[1000, N, 1000], [1000, 0, 0]),
+            Vec::<uid_t>::new()
+        );
+        assert_eq!(targets("setresuid", &[N, 1000, 1000], [1000, 0, 0]), [1000]);
+        // A non-root user holding CAP_SETUID.
+        assert_eq!(targets("setuid", &[33], [1000, 1000, 1000]), [33]);
+    }
+
+    #[test]
+    fn temporary_switches_grant_nothing() {
+        assert!(targets("seteuid", &[33], ROOT).is_empty());
+        assert!(targets("setresuid", &[N, 33, 0], ROOT).is_empty());
+        assert!(targets("setresuid", &[N, 33, N], ROOT).is_empty());
+        assert!(targets("setresuid", &[33, 33, 0], ROOT).is_empty());
+        // The effective uid set to another than the real one (0): saved follows, real stays.
+        assert!(targets("setreuid", &[N, 33], ROOT).is_empty());
+        assert!(targets("setreuid", &[0, 33], ROOT).is_empty());
+        // No change at all.
+        assert!(targets("setuid", &[0], ROOT).is_empty());
+        assert!(targets("setresuid", &[N, N, N], ROOT).is_empty());
+        assert!(targets("seteuid", &[1000], [1000, 1000, 1000]).is_empty());
+    }
+}

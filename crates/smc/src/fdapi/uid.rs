@@ -4,12 +4,14 @@
 //! make a stack there nor reach its peers' device sockets, and every client was declined.
 //!
 //! The trust rule: the program root (or a user) chose to run under `smc run` hands its
-//! sockets to the new uid, so that uid gets the fabric too. Before the change, while the
-//! process still has the privilege, [`before_uid_change`] makes the process's stack (its
-//! devices, eBPF discovery and control socket, set up with the privileges they need) and
-//! grants the new uid the fabric directory (`smc_fabric::access::grant_dirs`). A program run
-//! with `SMC_UID_CHANGE=tcp` makes no grant, and after the change no stack
-//! ([`refuse_after_uid_change`]): its connections stay TCP, as before this existed.
+//! sockets to the new uid, so that uid gets the fabric too. Before a change that drops the
+//! privilege (real, effective and saved uid all leave it; the preload library leaves a
+//! temporary `seteuid` alone), while the process still has the privilege,
+//! [`before_uid_change`] makes the process's stack (its devices, eBPF discovery and control
+//! socket, set up with the privileges they need) and grants the new uid the fabric directory
+//! (`smc_fabric::access::grant_dirs`). A program run with `SMC_UID_CHANGE=tcp` makes no
+//! grant, and after the change no stack ([`refuse_after_uid_change`]): its connections stay
+//! TCP, as before this existed.
 
 use std::io;
 use std::path::PathBuf;
