@@ -223,24 +223,27 @@ pub(crate) fn write_result(r: std::io::Result<usize>, nosignal: bool) -> ssize_t
 
 /// Whether `fd` is a TCP socket of family AF_INET or AF_INET6.
 pub(crate) fn is_inet_stream(fd: c_int) -> bool {
-    let get = |name: c_int| -> Option<c_int> {
-        let mut v: c_int = 0;
-        let mut len = std::mem::size_of::<c_int>() as socklen_t;
-        // SAFETY: an int and its length.
-        let r = unsafe {
-            real::getsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                name,
-                (&mut v as *mut c_int).cast(),
-                &mut len,
-            )
-        };
-        (r == 0).then_some(v)
-    };
+    let get = |name| sock_opt(fd, name);
     matches!(get(libc::SO_DOMAIN), Some(libc::AF_INET | libc::AF_INET6))
         && get(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
         && matches!(get(libc::SO_PROTOCOL), Some(0 | libc::IPPROTO_TCP))
+}
+
+/// An int socket option (SOL_SOCKET) of `fd` (`None`: not a socket, or no such option).
+pub(crate) fn sock_opt(fd: c_int, name: c_int) -> Option<c_int> {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as socklen_t;
+    // SAFETY: an int and its length.
+    let r = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            name,
+            (&mut v as *mut c_int).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(v)
 }
 
 /// A socket address from C.

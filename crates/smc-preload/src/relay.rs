@@ -392,22 +392,7 @@ fn check_relay_socket(a: c_int) -> Result<(), c_int> {
     Ok(())
 }
 
-/// An int socket option (SOL_SOCKET) of `fd` (`None`: not a socket, or no such option).
-fn sock_opt(fd: c_int, name: c_int) -> Option<c_int> {
-    let mut v: c_int = 0;
-    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
-    // SAFETY: an int and its length.
-    let r = unsafe {
-        real::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            name,
-            (&mut v as *mut c_int).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(v)
-}
+use crate::hooks::sock_opt;
 
 /// Whether descriptors `a` and `b` of this process name the same open file description
 /// (kcmp KCMP_FILE). After a fork, parent and child share the TCP socket's open file
@@ -1007,43 +992,39 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<Arc<Pu
             log!("relay: more pumps than noted for fork; a forked child keeps fd {fd}");
         }
     }
-    let p = pump.clone();
-    let relay_out = relay.clone();
     PUMPS.fetch_add(2, Ordering::AcqRel);
-    let inbound = smc::fdapi::signals_blocked(|| {
-        std::thread::Builder::new()
-            .name("smc-relay-in".into())
-            .spawn(move || {
-                if p.started() {
-                    crate::guard((), || inbound(&p, &relay));
-                }
-                drop(p);
-                PUMPS.fetch_sub(1, Ordering::AcqRel);
-            })
-    });
-    if inbound.is_err() {
+    if spawn_pump("smc-relay-in", &pump, relay.clone(), inbound).is_err() {
         PUMPS.fetch_sub(2, Ordering::AcqRel);
         return Err(libc::EAGAIN);
     }
-    let p = pump.clone();
-    let relay = relay_out;
-    let outbound = smc::fdapi::signals_blocked(|| {
-        std::thread::Builder::new()
-            .name("smc-relay-out".into())
-            .spawn(move || {
-                if p.started() {
-                    crate::guard((), || outbound(&p, &relay));
-                }
-                drop(p);
-                PUMPS.fetch_sub(1, Ordering::AcqRel);
-            })
-    });
-    if outbound.is_err() {
+    if spawn_pump("smc-relay-out", &pump, relay, outbound).is_err() {
         pump.open_gate(false);
         PUMPS.fetch_sub(1, Ordering::AcqRel);
         return Err(libc::EAGAIN);
     }
     Ok(pump)
+}
+
+/// Start one of a pump's two threads (signals blocked): it waits at the pump's gate, runs
+/// `f` if the gate opens, and counts itself out of `PUMPS` when it ends.
+fn spawn_pump(
+    name: &str,
+    pump: &Arc<Pump>,
+    relay: Weak<Relay>,
+    f: fn(&Pump, &Weak<Relay>),
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let p = pump.clone();
+    smc::fdapi::signals_blocked(|| {
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                if p.started() {
+                    crate::guard((), || f(&p, &relay));
+                }
+                drop(p);
+                PUMPS.fetch_sub(1, Ordering::AcqRel);
+            })
+    })
 }
 
 /// The connection into B, until the peer's end of stream (B shut down for writing), a
