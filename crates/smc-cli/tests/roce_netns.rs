@@ -244,7 +244,7 @@ fn roce_peer_killed_resets_the_survivor() {
     let net = Net::new(4);
     // The server sends without end; the client's output goes to a pipe nobody reads, so the
     // client stops reading and the server's bytes stay unread in its RMBE.
-    let mut server = net.nc(
+    let server = net.nc(
         'a',
         &["-v", "-l", "7000", "--bind", &net.addr('a', 0)],
         "",
@@ -268,27 +268,7 @@ fn roce_peer_killed_resets_the_survivor() {
     client.kill().expect("SIGKILL the client");
     let _ = client.wait();
     drop(out);
-    let killed = Instant::now();
-    let status = loop {
-        if let Some(st) = server.try_wait().expect("wait") {
-            break st;
-        }
-        if killed.elapsed() > Duration::from_secs(60) {
-            let _ = server.kill();
-            let mut err = String::new();
-            if let Some(mut e) = server.stderr.take() {
-                use std::io::Read;
-                let _ = e.read_to_string(&mut err);
-            }
-            panic!("the server's connection outlived its dead peer by 60 s: {err}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut err = String::new();
-    if let Some(mut e) = server.stderr.take() {
-        use std::io::Read;
-        let _ = e.read_to_string(&mut err);
-    }
+    let (status, err) = survivor_end(server);
     assert!(!status.success(), "the survivor reports the reset: {err}");
     assert!(err.contains("reset"), "{err}");
 }
@@ -304,7 +284,7 @@ fn roce_peer_killed_having_read_everything_ends_the_stream() {
     }
     let net = Net::new(7);
     let out = net.dir.join("out");
-    let mut server = net.nc(
+    let server = net.nc(
         'a',
         &["-v", "-l", "7000", "--bind", &net.addr('a', 0)],
         "",
@@ -326,14 +306,25 @@ fn roce_peer_killed_having_read_everything_ends_the_stream() {
     }
     client.kill().expect("SIGKILL the client");
     let _ = client.wait();
+    let (status, err) = survivor_end(server);
+    assert!(
+        status.success(),
+        "the survivor sees an end of stream: {err}"
+    );
+    let got = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
+    assert!(got >= 4 << 20, "{got} bytes");
+}
+
+/// Wait (at most 60 s) for the survivor of a killed peer to exit; its status and stderr.
+fn survivor_end(mut server: Child) -> (std::process::ExitStatus, String) {
     let killed = Instant::now();
     let status = loop {
         if let Some(st) = server.try_wait().expect("wait") {
-            break st;
+            break Some(st);
         }
         if killed.elapsed() > Duration::from_secs(60) {
             let _ = server.kill();
-            panic!("the server's connection outlived its dead peer by 60 s");
+            break None;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -342,12 +333,10 @@ fn roce_peer_killed_having_read_everything_ends_the_stream() {
         use std::io::Read;
         let _ = e.read_to_string(&mut err);
     }
-    assert!(
-        status.success(),
-        "the survivor sees an end of stream: {err}"
-    );
-    let got = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
-    assert!(got >= 4 << 20, "{got} bytes");
+    let Some(status) = status else {
+        panic!("the server's connection outlived its dead peer by 60 s: {err}");
+    };
+    (status, err)
 }
 
 #[test]
