@@ -593,7 +593,9 @@ grep -q "setuid to uid \[33\]: fabric directory $pd/fabric granted" "$pd/smc.log
     wrk -t2 -c8 -d2s --timeout 10s -s "$work/wrk-check.lua" "http://127.0.0.1:18471/k1" >"$pd/wrk.out" 2>&1 &
 pd_wrk=$!
 seen=0
-for _ in $(seq 1 30); do
+# Until wrk ends (its start under `smc run` may take a while on a loaded machine).
+for _ in $(seq 1 300); do
+    kill -0 "$pd_wrk" 2>/dev/null || break
     sleep 0.1
     seen=$("$SMC" ss --json --dir "$pd/fabric" | python3 -c '
 import json, sys
