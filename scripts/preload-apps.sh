@@ -137,6 +137,33 @@ after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
 [ $((after - before)) -eq 2 ] || fail "raw clone children: $((after - before)) SMC-R connection ends, 2 expected (the first connection)"
 cat "$work/rawclone-s.log" "$work/rawclone-c.log" | sed 's/^/   /'
 
+echo "== descriptor numbers (scripts/preload-fdnums.py): the same under smc run as without, also after 20 inherited ones"
+# The stack's descriptors (eBPF discovery, control socket, eventfds, epoll instances) stay
+# out of the program's low numbers: with 20 inherited descriptors, wrk -c8 under smc run
+# had every connect fail ("Socket errors: connect 8"), its event loop sized for TCP's numbers.
+fdnums() { # PORT PREFIX...: the server's and the client's numbers, one line each
+    local port=$1
+    shift
+    "$@" python3 scripts/preload-fdnums.py server "$port" >"$work/fdnums-s" 2>&1 &
+    local srv=$!
+    for _ in $(seq 1 100); do ss -ltn "sport = :$port" | grep -q "$port" && break; sleep 0.05; done
+    timeout 30 "$@" python3 scripts/preload-fdnums.py client "$port" || fail "fdnums client ($*)"
+    wait $srv || fail "fdnums server ($*): $(cat "$work/fdnums-s")"
+    cat "$work/fdnums-s"
+}
+fd_before=$(grep -c ": SMC-R" "$SMC_LOG" 2>/dev/null || true)
+for inherited in 0 20; do
+    (
+        for i in $(seq 3 $((2 + inherited))); do eval "exec $i</dev/null"; done
+        plain=$(fdnums $((19170 + inherited / 10)) env)
+        smc=$(fdnums $((19171 + inherited / 10)) "$SMC" run)
+        [ "$plain" = "$smc" ] || fail "descriptor numbers with $inherited inherited: plain [$plain], smc run [$smc]"
+    )
+done
+fd_smc=$(($(grep -c ": SMC-R" "$SMC_LOG" || true) - fd_before))
+[ "$fd_smc" = 16 ] || fail "descriptor numbers: $fd_smc SMC-R ends, 16 expected"
+echo "   the same numbers under smc run (16 SMC-R ends) as without, with 0 and 20 inherited descriptors"
+
 echo "== python3 http.server + curl"
 mkdir -p "$work/www" && cp "$work/r4m" "$work/www/f"
 "$SMC" run python3 -m http.server 18000 --bind 127.0.0.1 -d "$work/www" >"$work/http.log" 2>&1 &
@@ -530,10 +557,6 @@ n=$(grep -c ": SMC-R" "$SMC_LOG.lt" || true)
 echo "   2 curls of 4 MB, ab $(grep -o "Requests per second: *[0-9.]*" "$work/ab.out" | tr -s ' '), 20 SMC-R ends"
 
 # ==== privilege drop (issue #22): servers whose workers change their uid keep SMC-R ====
-# Without the descriptors this script inherited: with 20 inherited descriptors (as CI runs
-# it) `smc ss` did not list the workers' connections, which the library's log shows SMC-R —
-# not yet understood (docs/preload.md, limits).
-for i in $(seq 3 40); do eval "exec $i>&-"; done
 # nginx (`user www-data;`) and apache2 (`User www-data`, mpm_event) start as root and their
 # workers call setuid(33). The library grants uid 33 the fabric directory before the call
 # (docs/preload.md, "Privilege drop"): the fabric lies in a private (0700) directory of root

@@ -18,6 +18,11 @@ pub fn keep_high() {
     HIGH.store(true, Ordering::Relaxed);
 }
 
+/// Whether [`keep_high`] was called.
+pub fn keeps_high() -> bool {
+    HIGH.load(Ordering::Relaxed)
+}
+
 /// `fd`, or a close-on-exec duplicate of it in the upper half of the soft `RLIMIT_NOFILE`
 /// (`fd` itself is closed then) once [`keep_high`] was called.
 pub fn placed(fd: OwnedFd) -> OwnedFd {

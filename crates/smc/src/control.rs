@@ -137,7 +137,10 @@ pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<Contro
     }
     let _ = std::fs::remove_file(&path);
     let short = smc_fabric::sockpath::SocketPath::new(&path).map_err(std::io::Error::other)?;
-    let l = Arc::new(UnixListener::bind(short.as_path())?);
+    // Out of the program's low numbers, as every descriptor the stack keeps.
+    let l = Arc::new(UnixListener::from(smc_fabric::fdplace::placed(
+        UnixListener::bind(short.as_path())?.into(),
+    )));
     drop(short);
     if let Some(d) = path.parent() {
         // Reachable by the users the directory is granted to (`smc_fabric::access`).

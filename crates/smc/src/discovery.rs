@@ -238,6 +238,7 @@ mod imp {
     use aya::maps::{HashMap, IterableMap, MapData};
     use aya::programs::{CgroupAttachMode, SockOps};
     use aya::Ebpf;
+    use std::os::fd::OwnedFd;
     use std::sync::Mutex;
 
     // The ELF parser needs the object 8-byte aligned, which plain include_bytes! does not give.
@@ -258,10 +259,20 @@ mod imp {
         accepted: HashMap<MapData, [u32; 11], u32>,
     }
 
+    /// What keeps the program attached.
+    enum Attachment {
+        /// aya's objects, as loaded (their descriptors where the kernel put them).
+        Loaded(#[allow(dead_code)] Ebpf),
+        /// A duplicate of the link's descriptor out of the program's numbers
+        /// (`smc_fabric::fdplace`): the kernel keeps the link, and the program it holds, while
+        /// a descriptor names it.
+        Link(#[allow(dead_code)] OwnedFd),
+    }
+
     /// The loaded and attached discovery program; detached when dropped.
     pub struct TcpOptionDiscovery {
-        // Kept alive: dropping the Ebpf detaches and unloads the program.
-        _bpf: Ebpf,
+        // Kept alive: dropping it detaches and unloads the program.
+        _attached: Attachment,
         maps: Mutex<Maps>,
         /// The kernel's ids of the maps (sockets, listen ports, accepted), to tell in a forked
         /// child that its descriptors still name them (see [`Self::usable_after_fork`]).
@@ -279,6 +290,59 @@ mod imp {
             cur = c.source();
         }
         s
+    }
+
+    /// A map, its descriptor moved out of the program's numbers (`smc_fabric::fdplace`).
+    fn placed_map(m: aya::maps::Map) -> Result<aya::maps::Map, DiscoveryError> {
+        use aya::maps::Map;
+        if !smc_fabric::fdplace::keeps_high() {
+            return Ok(m);
+        }
+        let moved = |data: &MapData| -> Result<MapData, DiscoveryError> {
+            let dup =
+                rustix::io::fcntl_dupfd_cloexec(data.fd(), 0).map_err(|e| DiscoveryError::Map {
+                    map: "dup",
+                    msg: e.to_string(),
+                })?;
+            MapData::from_fd(smc_fabric::fdplace::placed(dup)).map_err(map_err("from_fd"))
+        };
+        Ok(match m {
+            Map::HashMap(data) => Map::HashMap(moved(&data)?),
+            Map::LruHashMap(data) => Map::LruHashMap(moved(&data)?),
+            other => other,
+        })
+    }
+
+    /// The descriptors of this process that name a BPF link (`None` without /proc).
+    fn bpf_links() -> Option<Vec<i32>> {
+        let dir = std::fs::read_dir("/proc/self/fd").ok()?;
+        Some(
+            dir.filter_map(|e| {
+                let e = e.ok()?;
+                let n: i32 = e.file_name().to_str()?.parse().ok()?;
+                let target = std::fs::read_link(e.path()).ok()?;
+                (target.as_os_str() == "anon_inode:bpf_link").then_some(n)
+            })
+            .collect(),
+        )
+    }
+
+    /// A high duplicate (`smc_fabric::fdplace`) of the one BPF link descriptor that is not in
+    /// `before`; `None` unless there is exactly one.
+    fn new_link(before: &Option<Vec<i32>>) -> Option<OwnedFd> {
+        let before = before.as_ref()?;
+        let added: Vec<i32> = bpf_links()?
+            .into_iter()
+            .filter(|n| !before.contains(n))
+            .collect();
+        let [n] = added[..] else {
+            return None;
+        };
+        // SAFETY: a descriptor of this process that aya's link owns and keeps open until
+        // after the duplicate is made (the `Ebpf` is dropped by the caller afterwards).
+        let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(n) };
+        let dup = rustix::io::fcntl_dupfd_cloexec(fd, 0).ok()?;
+        Some(smc_fabric::fdplace::placed(dup))
     }
 
     /// The kernel's ids of the maps, asked through their descriptors.
@@ -309,6 +373,7 @@ mod imp {
                 path: cgroup.clone(),
                 error,
             })?;
+            let links_before = bpf_links();
             let mut bpf = Ebpf::load(PROGRAM).map_err(|e| DiscoveryError::Load(chain(&e)))?;
             let prog: &mut SockOps = bpf
                 .program_mut("smc_tcp_option")
@@ -324,20 +389,31 @@ mod imp {
                     msg: "missing from the object".into(),
                 })
             };
-            let sockets =
-                HashMap::try_from(take("smc_sockets")?).map_err(map_err("smc_sockets"))?;
-            let listen_ports = HashMap::try_from(take("smc_listen_ports")?)
+            let sockets = HashMap::try_from(placed_map(take("smc_sockets")?)?)
+                .map_err(map_err("smc_sockets"))?;
+            let listen_ports = HashMap::try_from(placed_map(take("smc_listen_ports")?)?)
                 .map_err(map_err("smc_listen_ports"))?;
-            let accepted =
-                HashMap::try_from(take("smc_accepted")?).map_err(map_err("smc_accepted"))?;
+            let accepted = HashMap::try_from(placed_map(take("smc_accepted")?)?)
+                .map_err(map_err("smc_accepted"))?;
             let maps = Maps {
                 sockets,
                 listen_ports,
                 accepted,
             };
             let map_ids = map_ids(&maps).map_err(map_err("info"))?;
+            // The program's own descriptors (BTF, program, link) would keep six low numbers
+            // for good in a program under `smc run`, which counts on the numbers TCP gives it
+            // (wrk refuses a socket numbered beyond 10 + 3 × its connections): keep only a
+            // high duplicate of the link, found as the one link descriptor the load added.
+            let attached = match new_link(&links_before) {
+                Some(link) if smc_fabric::fdplace::keeps_high() => {
+                    drop(bpf);
+                    Attachment::Link(link)
+                }
+                _ => Attachment::Loaded(bpf),
+            };
             Ok(TcpOptionDiscovery {
-                _bpf: bpf,
+                _attached: attached,
                 maps: Mutex::new(maps),
                 map_ids,
                 cgroup,

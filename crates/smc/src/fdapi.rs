@@ -900,7 +900,7 @@ impl Waiter {
     pub fn new() -> io::Result<Waiter> {
         let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
         Ok(Waiter {
-            fd: Arc::new(rustix::event::eventfd(0, flags)?),
+            fd: Arc::new(place_high(rustix::event::eventfd(0, flags)?)),
             watched: Vec::new(),
         })
     }

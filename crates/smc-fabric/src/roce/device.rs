@@ -740,6 +740,7 @@ impl RoceHandle {
             rustix::net::SocketFlags::CLOEXEC,
             None,
         )
+        .map(crate::fdplace::placed)
         .map_err(|e| FabricError::os("socket", e))?;
         // rocev2.md 13.2: an unconnected socket with IP_PMTUDISC_DO sends identification 0 and
         // DF, which the ICRC covers.
@@ -829,6 +830,7 @@ impl RoceHandle {
             None
         } else {
             let ep = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
+                .map(crate::fdplace::placed)
                 .map_err(|e| FabricError::os("epoll_create", e))?;
             for (via, s) in std::iter::once(&sock)
                 .chain(v6.iter().map(|s| &s.sock))
@@ -1263,6 +1265,7 @@ fn open_v6(
         rustix::net::SocketFlags::CLOEXEC,
         None,
     )
+    .map(crate::fdplace::placed)
     .map_err(|e| V6Error::Os("socket", e))?;
     rustix::net::sockopt::set_ipv6_v6only(&sock, true)
         .map_err(|e| V6Error::Os("IPV6_V6ONLY", e))?;
