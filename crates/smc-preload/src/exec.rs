@@ -10,6 +10,7 @@ use libc::c_int;
 use smc::fdapi;
 
 use crate::hooks::{bfd, blocking, is_inet_stream};
+use crate::relay::{self, Owner};
 use crate::table::{self, Entry, Kind};
 use crate::{guard, log, real};
 
@@ -40,6 +41,10 @@ pub(crate) fn before_exec() -> Option<String> {
 pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
+    }
+    if spawn && !table::borrowed_memory() {
+        // posix_spawn from this process: the new program may ask it for relays.
+        relay::serve_spawned();
     }
     let spawn = spawn || table::borrowed_memory();
     // Connections shut down here: the new program reads their end of stream (not named).
@@ -76,9 +81,58 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     let named: Vec<String> = table::connection_sockets()
         .into_iter()
         .filter(|id| !ended.contains(id))
-        .map(|(dev, ino)| format!("{dev}:{ino}"))
+        .map(|id| name(id, owner_of(id, spawn)))
         .collect();
     (!named.is_empty()).then(|| named.join(","))
+}
+
+/// One connection in [`INHERITED_VAR`]: `device:inode` of its TCP socket, then, when the new
+/// program can ask for a relay, `:pid:nonce` of the owner (the nonce in hex).
+fn name((dev, ino): (u64, u64), owner: Option<Owner>) -> String {
+    match owner {
+        Some(o) => format!("{dev}:{ino}:{}:{:x}", o.pid, o.nonce),
+        None => format!("{dev}:{ino}"),
+    }
+}
+
+/// The connections [`name`] lists, with their owners.
+fn parse(v: &str) -> Vec<((u64, u64), Option<Owner>)> {
+    v.split(',')
+        .filter_map(|x| {
+            let mut f = x.split(':');
+            let id = (f.next()?.parse().ok()?, f.next()?.parse().ok()?);
+            let owner = match (f.next(), f.next()) {
+                (Some(p), Some(n)) => Some(Owner {
+                    pid: p.parse().ok().filter(|&p: &i32| p > 0)?,
+                    nonce: u64::from_str_radix(n, 16).ok()?,
+                }),
+                _ => None,
+            };
+            Some((id, owner))
+        })
+        .collect()
+}
+
+/// Where the new program can ask for a relay of connection `id`: the process whose stack
+/// holds it, when that process goes on after this exec — another process of the tree (a
+/// forked child execs), the owner an earlier image named, or this process itself when the
+/// new program is another process (`spawn`: `posix_spawn`, a `vfork` child) and this one
+/// serves relays. `None`: the connection's state ends with this image (its exec), or
+/// nobody would answer; the new program's calls fail with EIO.
+fn owner_of(id: (u64, u64), spawn: bool) -> Option<Owner> {
+    let me = table::PID.load(std::sync::atomic::Ordering::Relaxed);
+    let mut mine = false;
+    for (_, e) in table::entries_of_socket(id) {
+        match &e.kind {
+            Kind::Smc(_) if !e.ours() => return Some(Owner::of_tree(e.pid)),
+            Kind::Smc(_) => mine = true,
+            Kind::Relayed(r) if r.owner() != Owner::of_tree(me) => return Some(r.owner()),
+            Kind::Relayed(_) => mine = true,
+            Kind::Inherited(Some(o)) => return Some(*o),
+            _ => {}
+        }
+    }
+    (mine && spawn && relay::serving(me)).then(|| Owner::of_tree(me))
 }
 
 /// Before an exec: an accepted connection whose server rendezvous has not run (its client
@@ -125,13 +179,7 @@ pub(crate) fn adopt_inherited() {
     };
     // Only for this image: a later exec names what is still inherited by then.
     std::env::remove_var(INHERITED_VAR);
-    let ids: Vec<(u64, u64)> = v
-        .split(',')
-        .filter_map(|x| {
-            let (d, i) = x.split_once(':')?;
-            Some((d.parse().ok()?, i.parse().ok()?))
-        })
-        .collect();
+    let ids = parse(&v);
     if ids.is_empty() {
         return;
     }
@@ -142,10 +190,25 @@ pub(crate) fn adopt_inherited() {
         Err(_) => (0..1024).collect(),
     };
     for fd in fds {
-        if table::socket_id(fd).is_some_and(|id| ids.contains(&id)) && is_inet_stream(fd) {
-            log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO");
-            let _ = table::set(fd, Entry::new(Kind::Inherited));
+        let Some(id) = table::socket_id(fd) else {
+            continue;
+        };
+        let Some(&(_, owner)) = ids.iter().find(|(i, _)| *i == id) else {
+            continue;
+        };
+        if !is_inet_stream(fd) {
+            continue;
         }
+        match owner {
+            Some(o) => log!(
+                "fd {fd}: an SMC-R connection of process {}: relayed through it at the first use",
+                o.pid
+            ),
+            None => {
+                log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO")
+            }
+        }
+        let _ = table::set(fd, Entry::new(Kind::Inherited(owner)));
     }
 }
 
@@ -250,6 +313,19 @@ pub unsafe extern "C" fn execvp(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_inherited_connections_travel_with_their_owners() {
+        let o = Owner {
+            pid: 4242,
+            nonce: 0xdead_beef_0000_0001,
+        };
+        let v = [name((7, 99), Some(o)), name((7, 100), None)].join(",");
+        assert_eq!(v, "7:99:4242:deadbeef00000001,7:100");
+        assert_eq!(parse(&v), vec![((7, 99), Some(o)), ((7, 100), None)]);
+        // Garbage is skipped, never taken for an owner: a bad pid or nonce drops the entry.
+        assert_eq!(parse("x:1,7:8:0:1,7:9:-3:1,7:10:5:zz,,7"), vec![]);
+    }
 
     #[test]
     fn the_exec_environment_names_the_inherited_connections_once() {

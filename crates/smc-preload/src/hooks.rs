@@ -144,16 +144,11 @@ pub(crate) fn target(fd: c_int) -> Target {
                     Target::Foreign
                 };
             }
-            match crate::relay::attach(fd, e.pid, crate::relay::nonce()) {
-                Ok(r) => Target::Relay(r),
-                Err(err) => {
-                    let err = std::io::Error::from_raw_os_error(err);
-                    log!("fd {fd}: no relay from process {} ({err})", e.pid);
-                    Target::Foreign
-                }
-            }
+            ask_relay(fd, crate::relay::Owner::of_tree(e.pid))
         }
-        Kind::Inherited => Target::Foreign,
+        // A connection of another process named by the image before the exec.
+        Kind::Inherited(Some(owner)) if !table::borrowed_memory() => ask_relay(fd, *owner),
+        Kind::Inherited(_) => Target::Foreign,
         Kind::Pending(once) => {
             // In a process cloned without fork handlers, its own stack (see there).
             let _ = table::borrowed_memory();
@@ -180,6 +175,18 @@ pub(crate) fn target(fd: c_int) -> Target {
             }
         }
         _ => Target::Pass,
+    }
+}
+
+/// Ask `owner` for a relay of `fd`'s connection (this process's first use of it).
+fn ask_relay(fd: c_int, owner: crate::relay::Owner) -> Target {
+    match crate::relay::attach(fd, owner) {
+        Ok(r) => Target::Relay(r),
+        Err(err) => {
+            let err = std::io::Error::from_raw_os_error(err);
+            log!("fd {fd}: no relay from process {} ({err})", owner.pid);
+            Target::Foreign
+        }
     }
 }
 

@@ -48,9 +48,31 @@ use smc::fdapi::{Conn, Waiter};
 use crate::table::{self, Entry, Kind, SpinLock};
 use crate::{log, real};
 
+/// Where the owner of a connection serves relays: its pid and the nonce of its server's
+/// name (what a forked child knows from its copy of the memory, and an exec'd image from
+/// `SMC_PRELOAD_INHERITED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Owner {
+    pub(crate) pid: i32,
+    pub(crate) nonce: u64,
+}
+
+impl Owner {
+    /// Process `pid` of this image's process tree (its server is named with this image's
+    /// nonce).
+    pub(crate) fn of_tree(pid: i32) -> Owner {
+        Owner {
+            pid,
+            nonce: nonce(),
+        }
+    }
+}
+
 /// One process's handle of a relayed connection: its copy of A.
 pub(crate) struct Relay {
     a: OwnedFd,
+    /// The process whose stack holds the connection.
+    owner: Owner,
     /// The kernel epoll registrations of A made for the program's numbers: (the process
     /// that made it, epfd, fd), under [`EPOLLS_LOCK`].
     epolls: std::cell::UnsafeCell<Vec<(i32, c_int, c_int)>>,
@@ -70,11 +92,17 @@ impl std::fmt::Debug for Relay {
 static EPOLLS_LOCK: SpinLock = SpinLock::new();
 
 impl Relay {
-    fn new(a: OwnedFd) -> Relay {
+    fn new(a: OwnedFd, owner: Owner) -> Relay {
         Relay {
             a,
+            owner,
             epolls: std::cell::UnsafeCell::new(Vec::new()),
         }
+    }
+
+    /// The process whose stack holds the connection (named to an exec'd image).
+    pub(crate) fn owner(&self) -> Owner {
+        self.owner
     }
 
     /// A's descriptor: where the program's calls go.
@@ -312,18 +340,25 @@ const ASK: u8 = b'R';
 // ---------------------------------------------------------------------------------------
 // The requester's side.
 
-/// Ask process `owner` (relay servers named with `nonce`) for a relay of the connection whose
-/// TCP socket this process has as `fd`; on success, every number of this process naming that
-/// socket becomes relayed. `Err`: an errno for the log (the caller's call fails with EIO).
-pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_int> {
+/// Ask `owner` for a relay of the connection whose TCP socket this process has as `fd`; on
+/// success, every number of this process naming that socket becomes relayed. `Err`: an errno
+/// for the log (the caller's call fails with EIO).
+pub(crate) fn attach(fd: c_int, owner: Owner) -> Result<Arc<Relay>, c_int> {
     let Some(id) = table::socket_id(fd) else {
         return Err(libc::ENOTSOCK);
     };
-    let a = request(fd, owner, nonce)?;
-    let relay = Arc::new(Relay::new(smc::fdapi::place_high(a)));
+    let a = request(fd, owner.pid, owner.nonce)?;
+    let relay = Arc::new(Relay::new(smc::fdapi::place_high(a), owner));
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
-        if matches!(e.kind, Kind::Smc(_)) && !e.ours() {
+        // Another process's connection: inherited across fork, or across exec (named by
+        // the image before).
+        let foreign = match e.kind {
+            Kind::Smc(_) => !e.ours(),
+            Kind::Inherited(_) => true,
+            _ => false,
+        };
+        if foreign {
             let new = Entry::new(Kind::Relayed(relay.clone()));
             let _ = new.socket.set(id);
             if table::replace(num, &e, new) {
@@ -332,7 +367,10 @@ pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_
             }
         }
     }
-    log!("fd {fd}: SMC-R connection of process {owner}, relayed through it ({n} numbers)");
+    log!(
+        "fd {fd}: SMC-R connection of process {}, relayed through it ({n} numbers)",
+        owner.pid
+    );
     Ok(relay)
 }
 
@@ -561,6 +599,22 @@ fn start_server() {
     }
 }
 
+/// Whether process `pid` (this one, or the parent whose memory a `vfork` child borrows)
+/// serves relay requests: its server is bound and its thread started.
+pub(crate) fn serving(pid: i32) -> bool {
+    SERVER_PID.load(Ordering::Relaxed) == pid && THREAD_PID.load(Ordering::Relaxed) == pid
+}
+
+/// Before this process starts another program that inherits its connections without a
+/// `fork()` (`posix_spawn`): serve relays, as a fork would have made it.
+pub(crate) fn serve_spawned() {
+    let pid = table::PID.load(Ordering::Relaxed);
+    if SERVER_PID.load(Ordering::Relaxed) != pid && table::holds_own_connection() {
+        bind(pid);
+    }
+    start_server();
+}
+
 /// The server thread: answer each request in turn (each is short).
 fn serve() {
     loop {
@@ -717,7 +771,10 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             set_timeout(a.as_raw_fd(), name, t);
         }
     }
-    let relay = Arc::new(Relay::new(a));
+    let relay = Arc::new(Relay::new(
+        a,
+        Owner::of_tree(table::PID.load(Ordering::Relaxed)),
+    ));
     // The program's reads of the connection itself stop before the pump's first read (one
     // under way completes first): the bytes stay in order.
     // Both pump threads exist (waiting) before the hand-over, which cannot be undone: a

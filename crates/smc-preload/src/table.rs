@@ -102,9 +102,11 @@ pub(crate) enum Kind {
     Tcp(#[allow(dead_code)] TcpConn),
     /// An epoll instance watching SMC-R connections.
     Epoll(Arc<EpollSet>),
-    /// An SMC-R connection of the process image before an exec (named in
-    /// `SMC_PRELOAD_INHERITED`): unusable here, its calls fail with EIO.
-    Inherited,
+    /// An SMC-R connection of another process image (named in `SMC_PRELOAD_INHERITED` by
+    /// the image before the exec): relayed through its owner at the first use, as a forked
+    /// child's (`relay.rs`); without an owner (the image before owned it and ended with
+    /// the exec) its calls fail with EIO.
+    Inherited(Option<crate::relay::Owner>),
     /// An SMC-R connection used by more than one process, relayed through the process whose
     /// stack holds it (`relay.rs`): the calls go to this process's copy of the relay socket.
     /// Usable in any process that has it (a forked child inherits the copy).
@@ -201,7 +203,7 @@ pub(crate) fn connection_sockets() -> Vec<(u64, u64)> {
     with_map(|m| {
         let mut ids: Vec<(u64, u64)> = m
             .values()
-            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited | Kind::Relayed(_)))
+            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited(_) | Kind::Relayed(_)))
             .filter_map(|e| e.socket.get().copied())
             .collect();
         ids.sort_unstable();
