@@ -1059,15 +1059,31 @@ pub(crate) fn forget(fd: c_int) {
         return;
     };
     match &e.kind {
-        Kind::Smc(_) => {
+        Kind::Smc(c) => {
             for (_, set) in table::epolls() {
                 set.remove_closed(fd);
             }
+            closing_last(fd, &e, c);
         }
         Kind::Relayed(r) => r.closed(fd),
         _ => {}
     }
     table::release(e);
+}
+
+/// The program closes number `fd` of its SMC-R connection `c`: when it was the last one and
+/// the process forked while holding the connection, a process it forked may still hold the
+/// TCP socket, for which the connection is kept (`relay::closing`).
+fn closing_last(fd: c_int, e: &Entry, c: &Arc<Conn>) {
+    if !e.ours() || !e.forked.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let Some(&id) = e.socket.get() else {
+        return;
+    };
+    if table::entries_of_socket(id).is_empty() {
+        crate::relay::closing(fd, &[fd], id, c);
+    }
 }
 
 #[no_mangle]

@@ -185,6 +185,23 @@ extern "C" fn fini() {
             return;
         }
         let open = table::take_all_ours();
+        // Connections a forked child may still hold: kept for it (`relay::closing`).
+        let mut seen = Vec::new();
+        for (fd, e) in &open {
+            let (table::Kind::Smc(c), Some(&id)) = (&e.kind, e.socket.get()) else {
+                continue;
+            };
+            if !e.ours() || !e.forked.load(Ordering::Relaxed) || seen.contains(&id) {
+                continue;
+            }
+            seen.push(id);
+            let numbers: Vec<i32> = open
+                .iter()
+                .filter(|(_, x)| x.socket.get() == Some(&id))
+                .map(|(n, _)| *n)
+                .collect();
+            relay::closing(*fd, &numbers, id, c);
+        }
         drop(open);
         let ms = |var: &str, default: u64| {
             std::env::var(var)

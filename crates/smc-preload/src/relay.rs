@@ -348,6 +348,17 @@ pub(crate) fn attach(fd: c_int, owner: Owner) -> Result<Arc<Relay>, c_int> {
         return Err(libc::ENOTSOCK);
     };
     let a = request(fd, owner.pid, owner.nonce)?;
+    // Another thread's first use may have asked at the same time and been answered first
+    // (the owner gave both the same A): its relay serves, this copy goes.
+    if let Some(r) = table::entries_of_socket(id)
+        .into_iter()
+        .find_map(|(_, e)| match &e.kind {
+            Kind::Relayed(r) => Some(r.clone()),
+            _ => None,
+        })
+    {
+        return Ok(r);
+    }
     let relay = Arc::new(Relay::new(smc::fdapi::place_high(a), owner));
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
@@ -443,13 +454,19 @@ use crate::hooks::sock_opt;
 fn same_file(a: c_int, b: c_int) -> Result<bool, c_int> {
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
+    kcmp_file(me, a, me, b)
+}
+
+/// Whether descriptor `a` of process `pa` and `b` of `pb` name the same open file
+/// description (kcmp KCMP_FILE; `Err(errno)` without kcmp or without the right to look).
+fn kcmp_file(pa: i32, a: c_int, pb: i32, b: c_int) -> Result<bool, c_int> {
     const KCMP_FILE: libc::c_long = 0;
-    // SAFETY: kcmp compares two descriptors of our own process; no memory is passed.
+    // SAFETY: kcmp compares two descriptors; no memory is passed.
     let r = unsafe {
         libc::syscall(
             libc::SYS_kcmp,
-            libc::c_long::from(me),
-            libc::c_long::from(me),
+            libc::c_long::from(pa),
+            libc::c_long::from(pb),
             KCMP_FILE,
             libc::c_long::from(a),
             libc::c_long::from(b),
@@ -470,6 +487,8 @@ static SERVER_FD: AtomicI32 = AtomicI32::new(-1);
 static SERVER_PID: AtomicI32 = AtomicI32::new(0);
 /// The process whose server thread runs.
 static THREAD_PID: AtomicI32 = AtomicI32::new(0);
+/// An eventfd that wakes the server thread (-1: none), made with the server.
+static KICK_FD: AtomicI32 = AtomicI32::new(-1);
 /// Pump threads running in this process.
 static PUMPS: AtomicUsize = AtomicUsize::new(0);
 /// The descriptors the pumps of this process hold (B and the stop eventfds; -1: a free
@@ -522,8 +541,11 @@ static RELAYS: Relays = Relays(std::cell::UnsafeCell::new(Vec::new()));
 /// after the fork, accepts it).
 pub(crate) fn fork_prepare() {
     let pid = table::PID.load(Ordering::Relaxed);
-    if SERVER_PID.load(Ordering::Relaxed) != pid && table::holds_own_connection() {
-        bind(pid);
+    if table::mark_forked() {
+        if SERVER_PID.load(Ordering::Relaxed) != pid {
+            bind(pid);
+        }
+        keep::fork_prepare(pid);
     }
     RELAYS_LOCK.lock();
     EPOLLS_LOCK.lock();
@@ -543,13 +565,18 @@ pub(crate) fn fork_child() {
     close_pump_fds();
     // SAFETY: the lock was just released and this process has one thread.
     unsafe { &mut *RELAYS.0.get() }.clear();
-    let fd = SERVER_FD.swap(-1, Ordering::Relaxed);
-    if fd >= 0 {
-        // SAFETY: the parent's listening socket, inherited: ours to close.
-        unsafe { real::close(fd) };
+    for fd in [
+        SERVER_FD.swap(-1, Ordering::Relaxed),
+        KICK_FD.swap(-1, Ordering::Relaxed),
+    ] {
+        if fd >= 0 {
+            // SAFETY: the parent's listening socket or eventfd, inherited: ours to close.
+            unsafe { real::close(fd) };
+        }
     }
     SERVER_PID.store(0, Ordering::Relaxed);
     PUMPS.store(0, Ordering::Relaxed);
+    keep::fork_child(table::PID.load(Ordering::Relaxed));
 }
 
 /// Bind and listen on this process's relay address.
@@ -574,6 +601,17 @@ fn bind(pid: i32) {
     if !ok {
         log!("relay server: bind failed: {}", io::Error::last_os_error());
         return;
+    }
+    // Nonblocking: the thread accepts after a poll that also waits for its eventfd.
+    set_nonblocking(s.as_raw_fd(), true);
+    if KICK_FD.load(Ordering::Relaxed) < 0 {
+        // SAFETY: a new eventfd of ours.
+        let k = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if k >= 0 {
+            // SAFETY: just made.
+            let k = smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(k) });
+            KICK_FD.store(std::os::fd::IntoRawFd::into_raw_fd(k), Ordering::Relaxed);
+        }
     }
     let old = SERVER_FD.swap(std::os::fd::IntoRawFd::into_raw_fd(s), Ordering::Relaxed);
     if old >= 0 {
@@ -609,18 +647,50 @@ pub(crate) fn serving(pid: i32) -> bool {
 /// `fork()` (`posix_spawn`): serve relays, as a fork would have made it.
 pub(crate) fn serve_spawned() {
     let pid = table::PID.load(Ordering::Relaxed);
-    if SERVER_PID.load(Ordering::Relaxed) != pid && table::holds_own_connection() {
+    if table::mark_forked() && SERVER_PID.load(Ordering::Relaxed) != pid {
         bind(pid);
     }
     start_server();
 }
 
-/// The server thread: answer each request in turn (each is short).
+/// The server thread: answer each request in turn (each is short); while connections are
+/// kept for other holders (`keep.rs`), look at them every sweep.
 fn serve() {
     loop {
         let l = SERVER_FD.load(Ordering::Relaxed);
         if l < 0 {
             return;
+        }
+        let kick = KICK_FD.load(Ordering::Relaxed);
+        let mut p = [
+            libc::pollfd {
+                fd: l,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: kick,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let timeout = if keep::any() {
+            keep::SWEEP.as_millis() as c_int
+        } else {
+            -1
+        };
+        // SAFETY: our array (a negative fd is ignored by poll).
+        unsafe { real::poll(p.as_mut_ptr(), 2, timeout) };
+        if p[1].revents != 0 {
+            let mut b = [0u8; 8];
+            // SAFETY: our eventfd and 8 bytes.
+            unsafe { real::read(kick, b.as_mut_ptr().cast(), 8) };
+        }
+        if keep::any() {
+            keep::sweep();
+        }
+        if p[0].revents == 0 {
+            continue;
         }
         // SAFETY: our listening socket.
         let c = unsafe {
@@ -633,7 +703,7 @@ fn serve() {
         };
         if c < 0 {
             match last_errno() {
-                libc::EINTR | libc::ECONNABORTED => {}
+                libc::EINTR | libc::ECONNABORTED | libc::EAGAIN => {}
                 _ => std::thread::sleep(Duration::from_millis(10)),
             }
             continue;
@@ -701,6 +771,10 @@ fn check_proof(b: u8, fds: &[OwnedFd]) -> Result<(u64, u64), c_int> {
             return Ok(id);
         }
     }
+    // A connection the program closed, kept for the processes that still hold it.
+    if keep::proves(fd, id)? {
+        return Ok(id);
+    }
     Err(libc::ENOENT)
 }
 
@@ -735,10 +809,10 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             _ => None,
         })
         .collect();
-    let Some((first, _, conn)) = own.first() else {
-        return Err(libc::ENOENT);
+    let (first, conn) = match own.first() {
+        Some((first, _, conn)) => (*first, conn.clone()),
+        None => keep::take_for_relay(id).ok_or(libc::ENOENT)?,
     };
-    let (first, conn) = (*first, conn.clone());
     let mut pair = [0; 2];
     // SAFETY: an array of two ints.
     if unsafe {
@@ -788,6 +862,7 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         Arc::downgrade(&conn),
         Arc::downgrade(&pump),
     ));
+    keep::relayed(id, &relay);
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
@@ -1277,15 +1352,20 @@ fn outbound(p: &Pump, relay: &Weak<Relay>) {
 /// other processes still use connections relayed through this one, keep pumping, at most
 /// `max`.
 pub(crate) fn linger(max: Duration) {
-    if PUMPS.load(Ordering::Acquire) == 0 {
+    let busy = || PUMPS.load(Ordering::Acquire) > 0 || keep::any();
+    if !busy() {
         return;
     }
     log!("exit: waiting for the other holders of relayed connections (at most {max:?})");
     let deadline = Instant::now() + max;
-    while PUMPS.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+    while busy() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+#[path = "keep.rs"]
+mod keep;
+pub(crate) use keep::closing;
 
 #[cfg(test)]
 #[path = "relay_tests.rs"]

@@ -123,6 +123,9 @@ pub(crate) struct Entry {
     /// exec names it by (a `vfork` child may have closed every number of it before its exec,
     /// and the new program may have it under another one).
     pub(crate) socket: std::sync::OnceLock<(u64, u64)>,
+    /// The process forked while this (SMC-R) connection was its own: a child may hold its
+    /// TCP socket after the program's close (`relay.rs`, `keep.rs`).
+    pub(crate) forked: AtomicBool,
 }
 
 impl Entry {
@@ -131,6 +134,7 @@ impl Entry {
             kind,
             pid: PID.load(Ordering::Relaxed),
             socket: std::sync::OnceLock::new(),
+            forked: AtomicBool::new(false),
         })
     }
 
@@ -222,12 +226,19 @@ pub(crate) fn entries_of_socket(id: (u64, u64)) -> Vec<(i32, Arc<Entry>)> {
     })
 }
 
-/// Whether this process's stack holds an SMC-R connection that the table names.
-pub(crate) fn holds_own_connection() -> bool {
+/// Before a `fork()` (or a spawn): mark the SMC-R connections this process's stack holds
+/// as forked; whether there are any.
+pub(crate) fn mark_forked() -> bool {
     ANY.load(Ordering::Relaxed)
         && with_map(|m| {
-            m.values()
-                .any(|e| matches!(e.kind, Kind::Smc(_)) && e.ours())
+            let mut any = false;
+            for e in m.values() {
+                if matches!(e.kind, Kind::Smc(_)) && e.ours() {
+                    e.forked.store(true, Ordering::Relaxed);
+                    any = true;
+                }
+            }
+            any
         })
 }
 
@@ -365,7 +376,7 @@ pub(crate) fn fork_release() {
 
 /// Every entry this process made, and every relayed one (at exit: the connections the
 /// program left open; the relay socket copies go, so that the pumps see the holders gone).
-pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
+pub(crate) fn take_all_ours() -> Vec<(i32, Arc<Entry>)> {
     with_map(|m| {
         let fds: Vec<i32> = m
             .iter()
@@ -377,7 +388,7 @@ pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
                 if let Some(s) = slot(fd) {
                     s.store(0, Ordering::Relaxed);
                 }
-                m.remove(&fd)
+                Some((fd, m.remove(&fd)?))
             })
             .collect()
     })
