@@ -201,7 +201,7 @@ pub(crate) fn adopt_inherited() {
         }
         match owner {
             Some(o) => log!(
-                "fd {fd}: an SMC-R connection of process {}: relayed through it at the first use",
+                "fd {fd}: an SMC-R connection of process {}: its relay is asked for at the first use",
                 o.pid
             ),
             None => {

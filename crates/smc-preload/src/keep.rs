@@ -72,7 +72,10 @@ pub(super) fn fork_prepare(pid: i32) {
         )
     };
     if p == libc::MAP_FAILED {
-        log!("relay: no page for the forked processes: {}", io::Error::last_os_error());
+        log!(
+            "relay: no page for the forked processes: {}",
+            io::Error::last_os_error()
+        );
         return;
     }
     let page = p.cast::<Forked>();
