@@ -1092,6 +1092,12 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // SAFETY: the library's own descriptor, passed on unchanged.
         return unsafe { real::close(fd) };
     }
+    if crate::held(fd) {
+        // A number a thread of the library holds for a moment: not the program's (it
+        // closed its own of that number already).
+        set_errno(libc::EBADF);
+        return -1;
+    }
     crate::wait::closed(fd);
     if table::maybe(fd) {
         guard((), || forget(fd));

@@ -217,8 +217,7 @@ pub(crate) fn closing(fd: c_int, program: &[c_int], id: (u64, u64), conn: &Arc<C
     if d < 0 {
         return;
     }
-    // SAFETY: just made.
-    let tcp = smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(d) });
+    let tcp = high(d);
     let mut internal = numbers_of(me, id.1);
     internal.retain(|n| !program.contains(n));
     let holders = holders(me, &[(id.1, tcp.as_raw_fd(), internal.clone())]);

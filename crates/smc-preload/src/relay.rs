@@ -321,7 +321,7 @@ fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
                 for i in 0..n {
                     let fd = data.cast::<c_int>().add(i).read_unaligned();
                     if fd >= 0 {
-                        fds.push(OwnedFd::from_raw_fd(fd));
+                        fds.push(high(fd));
                     }
                 }
             }
@@ -336,6 +336,16 @@ fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
 
 /// The request byte.
 const ASK: u8 = b'R';
+
+/// `fd`, just made by a thread of the library (the kernel gave it the lowest free number),
+/// moved to the upper half of the descriptor numbers (`smc::fdapi::place_high`). While it is
+/// low, the program's close of that number is refused ([`crate::Held`]): a program may close
+/// a number it already closed (bash closes some of its pipes twice), which would close ours.
+fn high(fd: RawFd) -> OwnedFd {
+    let _held = crate::Held::new(fd);
+    // SAFETY: just made by the caller, ours.
+    smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(fd) })
+}
 
 // ---------------------------------------------------------------------------------------
 // The requester's side.
@@ -359,7 +369,7 @@ pub(crate) fn attach(fd: c_int, owner: Owner) -> Result<Arc<Relay>, c_int> {
     {
         return Ok(r);
     }
-    let relay = Arc::new(Relay::new(smc::fdapi::place_high(a), owner));
+    let relay = Arc::new(Relay::new(a, owner));
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
         // Another process's connection: inherited across fork, or across exec (named by
@@ -587,7 +597,7 @@ fn bind(pid: i32) {
         return;
     }
     // SAFETY: just made.
-    let s = smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(s) });
+    let s = high(s);
     let (addr, len) = address(pid, nonce());
     // SAFETY: the address and its length; plain listen.
     let ok = unsafe {
@@ -609,7 +619,7 @@ fn bind(pid: i32) {
         let k = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if k >= 0 {
             // SAFETY: just made.
-            let k = smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(k) });
+            let k = high(k);
             KICK_FD.store(std::os::fd::IntoRawFd::into_raw_fd(k), Ordering::Relaxed);
         }
     }
@@ -708,8 +718,7 @@ fn serve() {
             }
             continue;
         }
-        // SAFETY: just accepted.
-        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        let c = high(c);
         // One thread serves every request: a requester that sends nothing, or reads
         // nothing, holds it for a second at most.
         set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
@@ -826,13 +835,10 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     {
         return Err(last_errno());
     }
-    // SAFETY: just made.
-    let (a, b) = unsafe {
-        (
-            smc::fdapi::place_high(OwnedFd::from_raw_fd(pair[0])),
-            smc::fdapi::place_high(OwnedFd::from_raw_fd(pair[1])),
-        )
-    };
+    let second = crate::Held::new(pair[1]);
+    let a = high(pair[0]);
+    let b = high(pair[1]);
+    drop(second);
     // A stands for the TCP socket, whose open file description every holder shares: its
     // O_NONBLOCK and timeouts are the program's (later changes are mirrored, see hooks).
     // SAFETY: plain fcntl.
@@ -1114,7 +1120,7 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<Arc<Pu
         conn,
         b,
         // SAFETY: just made.
-        stop: smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(stop) }),
+        stop: high(stop),
         reset: Mutex::new(false),
         gate: Mutex::new(None),
         gate_cv: std::sync::Condvar::new(),
@@ -1164,6 +1170,10 @@ fn spawn_pump(
 fn inbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut waiter = Waiter::new().ok();
+    // (Its eventfd stays at a low number while the pump runs.)
+    let _held = waiter
+        .as_ref()
+        .map(|w| crate::Held::new(w.fd().as_raw_fd()));
     if let Some(w) = waiter.as_mut() {
         w.watch(&p.conn, true, false);
     }
@@ -1257,6 +1267,10 @@ fn reset(p: &Pump, relay: &Weak<Relay>) {
 fn outbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut waiter = Waiter::new().ok();
+    // (Its eventfd stays at a low number while the pump runs.)
+    let _held = waiter
+        .as_ref()
+        .map(|w| crate::Held::new(w.fd().as_raw_fd()));
     if let Some(w) = waiter.as_mut() {
         w.watch(&p.conn, false, true);
     }
