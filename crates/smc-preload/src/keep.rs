@@ -409,3 +409,94 @@ fn holders(me: i32, conns: &[(u64, c_int, Vec<c_int>)]) -> Vec<Vec<i32>> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Run `f` in a forked child that then waits for a byte on `go` and exits; `f` and the
+    /// wait make only system calls.
+    fn child(f: impl FnOnce(), go: c_int, done: c_int) -> i32 {
+        // SAFETY: the child makes only system calls and exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            f();
+            let mut b = [0u8];
+            // SAFETY: our pipes and a byte.
+            unsafe {
+                libc::write(done, b.as_ptr().cast(), 1);
+                libc::read(go, b.as_mut_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        pid
+    }
+
+    #[test]
+    fn a_forked_process_holds_the_socket_until_it_closes_its_number() {
+        // SAFETY: a new socket of this test's.
+        let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(s >= 0);
+        // SAFETY: just made.
+        let s = unsafe { OwnedFd::from_raw_fd(s) };
+        let ino = table::socket_id(s.as_raw_fd()).expect("a socket").1;
+        // A copy at another number stands for the stack's duplicate (internal).
+        // SAFETY: plain fcntl on our socket.
+        let internal = unsafe { libc::fcntl(s.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        assert!(internal >= 0);
+        let mut go = [0; 2];
+        let mut done = [0; 2];
+        // SAFETY: arrays of two ints.
+        unsafe {
+            assert_eq!(libc::pipe2(go.as_mut_ptr(), libc::O_CLOEXEC), 0);
+            assert_eq!(libc::pipe2(done.as_mut_ptr(), libc::O_CLOEXEC), 0);
+        }
+        // SAFETY: getpid has no preconditions.
+        let me = unsafe { libc::getpid() };
+        let wait_done = || {
+            let mut b = [0u8];
+            // SAFETY: our pipe and a byte.
+            assert_eq!(unsafe { libc::read(done[0], b.as_mut_ptr().cast(), 1) }, 1);
+        };
+        let conns = [(ino, s.as_raw_fd(), vec![internal])];
+        // A child that keeps the program's number: it holds the socket.
+        let keeper = child(|| {}, go[0], done[1]);
+        wait_done();
+        let h = holders(me, &conns);
+        assert!(
+            h[0].contains(&keeper),
+            "the child holding the number is not seen: {h:?}"
+        );
+        // Its copy at the internal number alone does not count.
+        let only_internal = [(ino, s.as_raw_fd(), vec![internal, s.as_raw_fd()])];
+        assert!(!holders(me, &only_internal)[0].contains(&keeper));
+        // A child that closed the program's number (keeping the internal copy) does not.
+        let raw = s.as_raw_fd();
+        // SAFETY: the child closes its copy of the number.
+        let closer = child(|| unsafe { drop(libc::close(raw)) }, go[0], done[1]);
+        wait_done();
+        let h = holders(me, &conns);
+        assert!(
+            !h[0].contains(&closer),
+            "a child that closed its number counted: {h:?}"
+        );
+        assert!(h[0].contains(&keeper));
+        // Both exit: nobody holds it (a zombie holds nothing, reaped or not).
+        // SAFETY: our pipe, two bytes, our children.
+        unsafe {
+            libc::write(go[1], [0u8, 0].as_ptr().cast(), 2);
+            for pid in [keeper, closer] {
+                let mut status = 0;
+                assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+            }
+        }
+        assert!(holders(me, &conns)[0].is_empty());
+        // SAFETY: our descriptors.
+        unsafe {
+            for fd in [internal, go[0], go[1], done[0], done[1]] {
+                libc::close(fd);
+            }
+        }
+    }
+}
