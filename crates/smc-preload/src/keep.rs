@@ -212,6 +212,13 @@ pub(crate) fn closing(fd: c_int, program: &[c_int], id: (u64, u64), conn: &Arc<C
     if !serving(me) {
         return;
     }
+    // Most closes end here: no process made since the fork names the socket at all (the
+    // children are gone, or closed it).
+    let cands = candidates(me);
+    let named = |pid: &i32| sockets_of(*pid).iter().any(|&(_, i)| i == id.1);
+    if !cands.iter().any(named) {
+        return;
+    }
     // SAFETY: a copy of the program's descriptor, still open.
     let d = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
     if d < 0 {
@@ -473,8 +480,14 @@ mod tests {
         assert!(!holders(me, &only_internal)[0].contains(&keeper));
         // A child that closed the program's number (keeping the internal copy) does not.
         let raw = s.as_raw_fd();
-        // SAFETY: the child closes its copy of the number.
-        let closer = child(|| unsafe { drop(libc::close(raw)) }, go[0], done[1]);
+        let closer = child(
+            || {
+                // SAFETY: the child's copy of the number.
+                unsafe { libc::close(raw) };
+            },
+            go[0],
+            done[1],
+        );
         wait_done();
         let h = holders(me, &conns);
         assert!(
