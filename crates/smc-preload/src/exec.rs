@@ -1,8 +1,9 @@
-//! exec: the SMC-R connections a new program image would inherit. Their state stays in the
-//! image that the exec ends, so before the exec their TCP sockets are shut down (or, for a
-//! spawned process, left to this one) and named to the new program, whose calls on them
-//! fail with EIO instead of waiting on an idle TCP socket; accepted connections not yet set
-//! up are settled as TCP first (sshd's re-exec). The `execl` family's entry points are in
+//! exec: the SMC-R connections a new program image would inherit. The exec'ing process's
+//! own connections end with its image, so before the exec their TCP sockets are shut down
+//! (or, for a spawned process, left to this one); every connection the new program may
+//! inherit is named to it with its owner, of whom its first use asks a relay (`relay.rs`),
+//! and without an owner to ask its calls fail with EIO instead of waiting on an idle TCP
+//! socket. Accepted connections not yet set up are settled as TCP first (sshd's re-exec). The `execl` family's entry points are in
 //! `execl.rs`, `posix_spawn` and the rarer variants in `rare.rs`.
 
 use libc::c_int;
@@ -15,8 +16,9 @@ use crate::table::{self, Entry, Kind};
 use crate::{guard, log, real};
 
 /// The variable that names, across an exec, the sockets that are SMC-R connections of
-/// another process (the new program's library fails their calls instead of leaving it to
-/// wait on an idle TCP socket). Its value lists them as `device:inode` of the TCP socket,
+/// another process (the new program's library asks their owner for a relay, or fails their
+/// calls, instead of leaving it to wait on an idle TCP socket). Its value lists them as
+/// `device:inode` of the TCP socket, with `:pid:nonce` of the owner when there is one,
 /// not by descriptor number: the number the new program gets may be another one, made by a
 /// `dup2` the table never saw — in the child of a `vfork` (Python's `subprocess` with
 /// `stdin=sock`), which must leave its parent's table alone, or by `posix_spawn`'s file
@@ -27,9 +29,9 @@ pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 /// close-on-exec) cannot be used by the new program (its state stays in this image, which the
 /// exec ends), so its TCP socket is shut down: the new program reads end of stream and its
 /// writes fail, and the peer learns the connection is over. A forked child's exec leaves its
-/// parent's connections alone (socat's `SYSTEM:`), but names them to the new program
-/// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
-/// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
+/// parent's connections alone (socat's `SYSTEM:`), but names them to the new program with
+/// their owner (bash's `/dev/tcp` redirection handed to `head`): the new program asks the
+/// owner for a relay at its first use. Returns the value for [`INHERITED_VAR`].
 pub(crate) fn before_exec() -> Option<String> {
     surviving_connections(false)
 }

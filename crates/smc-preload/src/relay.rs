@@ -27,6 +27,11 @@
 //!   TCP socket (getsockname, getpeername, socket options, `ss`).
 //! * Only a connection another process actually uses is converted: a child that never
 //!   touches its inherited connections (redis's BGSAVE) costs nothing per connection.
+//! * An exec'd image asks in the same way: the image before the exec names each connection
+//!   with its owner's pid and nonce in `SMC_PRELOAD_INHERITED` (`exec.rs`).
+//! * When the owner's program closes its last number before anyone asked, while a process
+//!   it forked still holds the TCP socket, the connection is kept for that process until no
+//!   process holds it (`keep.rs`).
 //!
 //! Ends: a holder's `shutdown(SHUT_WR)` ends A's writing; the pump reads the end of B and
 //! shuts the connection down for writing. The peer's end of stream shuts B down for writing:
