@@ -25,6 +25,7 @@ mod rare;
 mod real;
 mod relay;
 mod table;
+mod vfork;
 mod wait;
 
 use std::io;
