@@ -27,6 +27,15 @@ Scenarios, one connection each (SHA-256 of every payload compared):
    connection: the poll wakes for the echo that now arrives through the relay.
 8. The peer resets the connection after an answer: the child reads the answer, then
    ECONNRESET once and end of stream; the parent reads end of stream, and its write EPIPE.
+9. A forked child execs a program (python3 -c) with the connection as its standard input
+   and output: the new image asks the owner for a relay, writes 3 MB, shuts down and reads
+   the echo to the end; the parent then reads the end of stream too.
+10. The parent closes its number right after the fork (socat's and inetd's way), before the
+   child's first use; the child execs `cat` with the connection as its standard input (3 MB
+   read to the end, into a file). The connection is kept for the child, and its exit ends
+   the connection: the server reads the end of stream (asked afterwards: "last").
+11. The same with a forked child that uses the connection itself (2 MB echo), then closes
+   it without a shutdown: the server reads the end of stream.
 """
 import errno
 import hashlib
@@ -36,6 +45,7 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 FAILED = []
@@ -118,6 +128,7 @@ def split_echo(c):
 
 
 def server(port):
+    last = "none"  # how the last echo or send connection ended, for "last"
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(("127.0.0.1", port))
@@ -128,8 +139,11 @@ def server(port):
         if not cmd or cmd[0] == "quit":
             c.close()
             break
-        if cmd[0] == "echo":
+        if cmd[0] == "last":
+            c.sendall(last.encode() + b"\n")
+        elif cmd[0] == "echo":
             echo(c)
+            last = "end of stream"
         elif cmd[0] == "split-echo":
             split_echo(c)
         elif cmd[0] == "reset":
@@ -143,6 +157,7 @@ def server(port):
             c.sendall(sha(data).encode() + b"\n" + data)
             c.shutdown(socket.SHUT_WR)
             read_all(c)
+            last = "end of stream"
         c.close()
     print("ok   server done", flush=True)
 
@@ -418,6 +433,129 @@ def scenario_reset(port):
     s.close()
 
 
+# The program a forked child execs in scenario 9: the connection is its standard input and
+# output; it writes the file argv[1] (the first bytes alone: one first use, by one thread),
+# shuts down, reads the echo to the end and writes "SHA-256 length" into argv[2].
+EXEC_ECHO = r"""
+import hashlib, os, socket, sys, threading
+data = open(sys.argv[1], "rb").read()
+os.write(1, data[:5])
+def w():
+    off = 5
+    while off < len(data):
+        off += os.write(1, data[off:off + 65536])
+    socket.socket(fileno=os.dup(1)).shutdown(socket.SHUT_WR)
+t = threading.Thread(target=w)
+t.start()
+h, n = hashlib.sha256(), 0
+while True:
+    b = os.read(0, 65536)
+    if not b:
+        break
+    h.update(b)
+    n += len(b)
+t.join()
+open(sys.argv[2], "w").write("%s %d" % (h.hexdigest(), n))
+"""
+
+
+def scenario_exec(port, tmp):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"echo\nwarm")
+    check(read_exact(s, 4) == b"warm", "9: the parent's own echo first (the connection set up here)")
+    data = os.urandom(3_000_000)
+    src, out = os.path.join(tmp, "exec-in"), os.path.join(tmp, "exec-out")
+    with open(src, "wb") as f:
+        f.write(data)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(s.fileno(), 0)
+            os.dup2(s.fileno(), 1)
+            os.execv(sys.executable, [sys.executable, "-c", EXEC_ECHO, src, out])
+        finally:
+            os._exit(127)
+    _, status = os.waitpid(pid, 0)
+    res = open(out).read() if os.path.exists(out) else "no result"
+    check(res == f"{sha(data)} {len(data)}" and status == 0,
+          f"9: an exec'd program (the connection as stdin and stdout) wrote 3 MB and read the echo to the end ({res[:30]}…, status {status})")
+    check(s.recv(10) == b"", "9: the parent reads the end of stream after it")
+    s.close()
+
+
+def last_end(port):
+    """How the server saw the previous connection end (it serves one at a time: a connection
+    nobody ends keeps it from answering)."""
+    q = socket.create_connection(("127.0.0.1", port))
+    q.settimeout(10)
+    try:
+        q.sendall(b"last\n")
+        return line_of(q)
+    except OSError as e:
+        return f"no answer ({e})"
+    finally:
+        q.close()
+
+
+def scenario_exec_parent_closes(port, tmp):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"send 3000000\n")
+    out = os.path.join(tmp, "cat-out")
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(go_w)
+            os.read(go_r, 1)  # the parent has closed its number
+            os.dup2(s.fileno(), 0)
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, 1)
+            os.execvp("cat", ["cat"])
+        finally:
+            os._exit(127)
+    os.close(go_r)
+    s.close()
+    os.write(go_w, b"x")
+    os.close(go_w)
+    _, status = os.waitpid(pid, 0)
+    got = open(out, "rb").read() if os.path.exists(out) else b""
+    head, _, body = got.partition(b"\n")
+    check(status == 0 and len(body) == 3_000_000 and sha(body) == head.decode(),
+          f"10: the parent closed right after the fork; the child's exec'd cat read the 3 MB answer to the end ({len(body)} bytes, status {status})")
+    end = last_end(port)
+    check(end == "end of stream", f"10: cat's exit ended the connection: the server read the end of stream ({end})")
+
+
+def scenario_child_after_close(port):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"echo\n")
+    data = os.urandom(2_000_000)
+    go_r, go_w = os.pipe()
+
+    def child():
+        os.close(go_w)
+        os.read(go_r, 1)  # the parent has closed its number
+        s.sendall(b"ping")
+        first = read_exact(s, 4)
+        import threading
+        t = threading.Thread(target=lambda: s.sendall(data))
+        t.start()
+        got = read_exact(s, len(data))
+        t.join()
+        s.close()  # no shutdown: the close alone ends the connection
+        return "%s %s" % (first.decode(), "same" if got == data else "differs")
+    pid, r = in_child(child)
+    os.close(go_r)
+    s.close()
+    os.write(go_w, b"x")
+    os.close(go_w)
+    res, status = child_result(pid, r)
+    check(res == "ping same" and status == 0,
+          f"11: the parent closed right after the fork; the child's 2 MB echo ({res})")
+    end = last_end(port)
+    check(end == "end of stream", f"11: the child's close ended the connection: the server read the end of stream ({end})")
+
+
 def client(port, smc):
     scenario_rsync(port, smc)
     scenario_reverse(port)
@@ -427,6 +565,10 @@ def client(port, smc):
     scenario_owner_exits(port)
     scenario_poll_asleep(port)
     scenario_reset(port)
+    tmp = tempfile.mkdtemp()
+    scenario_exec(port, tmp)
+    scenario_exec_parent_closes(port, tmp)
+    scenario_child_after_close(port)
     q = socket.create_connection(("127.0.0.1", port))
     q.sendall(b"quit\n")
     q.close()

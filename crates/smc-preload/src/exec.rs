@@ -1,8 +1,9 @@
-//! exec: the SMC-R connections a new program image would inherit. Their state stays in the
-//! image that the exec ends, so before the exec their TCP sockets are shut down (or, for a
-//! spawned process, left to this one) and named to the new program, whose calls on them
-//! fail with EIO instead of waiting on an idle TCP socket; accepted connections not yet set
-//! up are settled as TCP first (sshd's re-exec). The `execl` family's entry points are in
+//! exec: the SMC-R connections a new program image would inherit. The exec'ing process's
+//! own connections end with its image, so before the exec their TCP sockets are shut down
+//! (or, for a spawned process, left to this one); every connection the new program may
+//! inherit is named to it with its owner, of whom its first use asks a relay (`relay.rs`),
+//! and without an owner to ask its calls fail with EIO instead of waiting on an idle TCP
+//! socket. Accepted connections not yet set up are settled as TCP first (sshd's re-exec). The `execl` family's entry points are in
 //! `execl.rs`, `posix_spawn` and the rarer variants in `rare.rs`.
 
 use libc::c_int;
@@ -10,12 +11,14 @@ use libc::c_int;
 use smc::fdapi;
 
 use crate::hooks::{bfd, blocking, is_inet_stream};
+use crate::relay::{self, Owner};
 use crate::table::{self, Entry, Kind};
 use crate::{guard, log, real};
 
 /// The variable that names, across an exec, the sockets that are SMC-R connections of
-/// another process (the new program's library fails their calls instead of leaving it to
-/// wait on an idle TCP socket). Its value lists them as `device:inode` of the TCP socket,
+/// another process (the new program's library asks their owner for a relay, or fails their
+/// calls, instead of leaving it to wait on an idle TCP socket). Its value lists them as
+/// `device:inode` of the TCP socket, with `:pid:nonce` of the owner when there is one,
 /// not by descriptor number: the number the new program gets may be another one, made by a
 /// `dup2` the table never saw — in the child of a `vfork` (Python's `subprocess` with
 /// `stdin=sock`), which must leave its parent's table alone, or by `posix_spawn`'s file
@@ -26,9 +29,9 @@ pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 /// close-on-exec) cannot be used by the new program (its state stays in this image, which the
 /// exec ends), so its TCP socket is shut down: the new program reads end of stream and its
 /// writes fail, and the peer learns the connection is over. A forked child's exec leaves its
-/// parent's connections alone (socat's `SYSTEM:`), but names them to the new program
-/// (bash's `/dev/tcp` redirection handed to `head`): their calls fail with EIO there, never a
-/// wait on the idle TCP socket. Returns the value for [`INHERITED_VAR`].
+/// parent's connections alone (socat's `SYSTEM:`), but names them to the new program with
+/// their owner (bash's `/dev/tcp` redirection handed to `head`): the new program asks the
+/// owner for a relay at its first use. Returns the value for [`INHERITED_VAR`].
 pub(crate) fn before_exec() -> Option<String> {
     surviving_connections(false)
 }
@@ -40,6 +43,10 @@ pub(crate) fn before_exec() -> Option<String> {
 pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
+    }
+    if spawn && !table::borrowed_memory() {
+        // posix_spawn from this process: the new program may ask it for relays.
+        relay::serve_spawned();
     }
     let spawn = spawn || table::borrowed_memory();
     // Connections shut down here: the new program reads their end of stream (not named).
@@ -76,9 +83,58 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     let named: Vec<String> = table::connection_sockets()
         .into_iter()
         .filter(|id| !ended.contains(id))
-        .map(|(dev, ino)| format!("{dev}:{ino}"))
+        .map(|id| name(id, owner_of(id, spawn)))
         .collect();
     (!named.is_empty()).then(|| named.join(","))
+}
+
+/// One connection in [`INHERITED_VAR`]: `device:inode` of its TCP socket, then, when the new
+/// program can ask for a relay, `:pid:nonce` of the owner (the nonce in hex).
+fn name((dev, ino): (u64, u64), owner: Option<Owner>) -> String {
+    match owner {
+        Some(o) => format!("{dev}:{ino}:{}:{:x}", o.pid, o.nonce),
+        None => format!("{dev}:{ino}"),
+    }
+}
+
+/// The connections [`name`] lists, with their owners.
+fn parse(v: &str) -> Vec<((u64, u64), Option<Owner>)> {
+    v.split(',')
+        .filter_map(|x| {
+            let mut f = x.split(':');
+            let id = (f.next()?.parse().ok()?, f.next()?.parse().ok()?);
+            let owner = match (f.next(), f.next()) {
+                (Some(p), Some(n)) => Some(Owner {
+                    pid: p.parse().ok().filter(|&p: &i32| p > 0)?,
+                    nonce: u64::from_str_radix(n, 16).ok()?,
+                }),
+                _ => None,
+            };
+            Some((id, owner))
+        })
+        .collect()
+}
+
+/// Where the new program can ask for a relay of connection `id`: the process whose stack
+/// holds it, when that process goes on after this exec — another process of the tree (a
+/// forked child execs), the owner an earlier image named, or this process itself when the
+/// new program is another process (`spawn`: `posix_spawn`, a `vfork` child) and this one
+/// serves relays. `None`: the connection's state ends with this image (its exec), or
+/// nobody would answer; the new program's calls fail with EIO.
+fn owner_of(id: (u64, u64), spawn: bool) -> Option<Owner> {
+    let me = table::PID.load(std::sync::atomic::Ordering::Relaxed);
+    let mut mine = false;
+    for (_, e) in table::entries_of_socket(id) {
+        match &e.kind {
+            Kind::Smc(_) if !e.ours() => return Some(Owner::of_tree(e.pid)),
+            Kind::Smc(_) => mine = true,
+            Kind::Relayed(r) if r.owner() != Owner::of_tree(me) => return Some(r.owner()),
+            Kind::Relayed(_) => mine = true,
+            Kind::Inherited(Some(o)) => return Some(*o),
+            _ => {}
+        }
+    }
+    (mine && spawn && relay::serving(me)).then(|| Owner::of_tree(me))
 }
 
 /// Before an exec: an accepted connection whose server rendezvous has not run (its client
@@ -125,13 +181,7 @@ pub(crate) fn adopt_inherited() {
     };
     // Only for this image: a later exec names what is still inherited by then.
     std::env::remove_var(INHERITED_VAR);
-    let ids: Vec<(u64, u64)> = v
-        .split(',')
-        .filter_map(|x| {
-            let (d, i) = x.split_once(':')?;
-            Some((d.parse().ok()?, i.parse().ok()?))
-        })
-        .collect();
+    let ids = parse(&v);
     if ids.is_empty() {
         return;
     }
@@ -142,10 +192,25 @@ pub(crate) fn adopt_inherited() {
         Err(_) => (0..1024).collect(),
     };
     for fd in fds {
-        if table::socket_id(fd).is_some_and(|id| ids.contains(&id)) && is_inet_stream(fd) {
-            log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO");
-            let _ = table::set(fd, Entry::new(Kind::Inherited));
+        let Some(id) = table::socket_id(fd) else {
+            continue;
+        };
+        let Some(&(_, owner)) = ids.iter().find(|(i, _)| *i == id) else {
+            continue;
+        };
+        if !is_inet_stream(fd) {
+            continue;
         }
+        match owner {
+            Some(o) => log!(
+                "fd {fd}: an SMC-R connection of process {}: its relay is asked for at the first use",
+                o.pid
+            ),
+            None => {
+                log!("fd {fd}: an SMC-R connection of the process before exec: calls fail with EIO")
+            }
+        }
+        let _ = table::set(fd, Entry::new(Kind::Inherited(owner)));
     }
 }
 
@@ -250,6 +315,19 @@ pub unsafe extern "C" fn execvp(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_inherited_connections_travel_with_their_owners() {
+        let o = Owner {
+            pid: 4242,
+            nonce: 0xdead_beef_0000_0001,
+        };
+        let v = [name((7, 99), Some(o)), name((7, 100), None)].join(",");
+        assert_eq!(v, "7:99:4242:deadbeef00000001,7:100");
+        assert_eq!(parse(&v), vec![((7, 99), Some(o)), ((7, 100), None)]);
+        // Garbage is skipped, never taken for an owner: a bad pid or nonce drops the entry.
+        assert_eq!(parse("x:1,7:8:0:1,7:9:-3:1,7:10:5:zz,,7"), vec![]);
+    }
 
     #[test]
     fn the_exec_environment_names_the_inherited_connections_once() {

@@ -144,16 +144,11 @@ pub(crate) fn target(fd: c_int) -> Target {
                     Target::Foreign
                 };
             }
-            match crate::relay::attach(fd, e.pid, crate::relay::nonce()) {
-                Ok(r) => Target::Relay(r),
-                Err(err) => {
-                    let err = std::io::Error::from_raw_os_error(err);
-                    log!("fd {fd}: no relay from process {} ({err})", e.pid);
-                    Target::Foreign
-                }
-            }
+            ask_relay(fd, crate::relay::Owner::of_tree(e.pid))
         }
-        Kind::Inherited => Target::Foreign,
+        // A connection of another process named by the image before the exec.
+        Kind::Inherited(Some(owner)) if !table::borrowed_memory() => ask_relay(fd, *owner),
+        Kind::Inherited(_) => Target::Foreign,
         Kind::Pending(once) => {
             // In a process cloned without fork handlers, its own stack (see there).
             let _ = table::borrowed_memory();
@@ -180,6 +175,18 @@ pub(crate) fn target(fd: c_int) -> Target {
             }
         }
         _ => Target::Pass,
+    }
+}
+
+/// Ask `owner` for a relay of `fd`'s connection (this process's first use of it).
+fn ask_relay(fd: c_int, owner: crate::relay::Owner) -> Target {
+    match crate::relay::attach(fd, owner) {
+        Ok(r) => Target::Relay(r),
+        Err(err) => {
+            let err = std::io::Error::from_raw_os_error(err);
+            log!("fd {fd}: no relay from process {} ({err})", owner.pid);
+            Target::Foreign
+        }
     }
 }
 
@@ -1052,10 +1059,11 @@ pub(crate) fn forget(fd: c_int) {
         return;
     };
     match &e.kind {
-        Kind::Smc(_) => {
+        Kind::Smc(c) => {
             for (_, set) in table::epolls() {
                 set.remove_closed(fd);
             }
+            closing_last(fd, &e, c);
         }
         Kind::Relayed(r) => r.closed(fd),
         _ => {}
@@ -1063,11 +1071,32 @@ pub(crate) fn forget(fd: c_int) {
     table::release(e);
 }
 
+/// The program closes number `fd` of its SMC-R connection `c`: when it was the last one and
+/// the process forked while holding the connection, a process it forked may still hold the
+/// TCP socket, for which the connection is kept (`relay::closing`).
+fn closing_last(fd: c_int, e: &Entry, c: &Arc<Conn>) {
+    if !e.ours() || !e.forked.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let Some(&id) = e.socket.get() else {
+        return;
+    };
+    if table::entries_of_socket(id).is_empty() {
+        crate::relay::closing(fd, &[fd], id, c);
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if crate::inside() {
         // SAFETY: the library's own descriptor, passed on unchanged.
         return unsafe { real::close(fd) };
+    }
+    if crate::held(fd) {
+        // A number a thread of the library holds for a moment: not the program's (it
+        // closed its own of that number already).
+        set_errno(libc::EBADF);
+        return -1;
     }
     crate::wait::closed(fd);
     if table::maybe(fd) {

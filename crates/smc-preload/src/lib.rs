@@ -25,6 +25,7 @@ mod rare;
 mod real;
 mod relay;
 mod table;
+mod vfork;
 mod wait;
 
 use std::io;
@@ -122,6 +123,54 @@ pub(crate) fn guard<R>(fail: R, f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Descriptors a thread of the library holds at a low number for a while (just made, before
+/// it is moved up; a pump's waiting eventfd): the program's `close` of such a number fails
+/// with EBADF instead of closing it. The number cannot be the program's own at the same
+/// time, so the program closes a number it had already closed (bash closes some pipes
+/// twice): without this, that second close closed the relay server's socket in the middle
+/// of a request, or a pump's eventfd.
+static HELD: [std::sync::atomic::AtomicI32; 64] =
+    [const { std::sync::atomic::AtomicI32::new(-1) }; 64];
+/// How many numbers [`HELD`] holds (the close hook looks no further while none).
+static HELD_N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A number held in [`HELD`] while this lives.
+pub(crate) struct Held(i32);
+
+impl Held {
+    pub(crate) fn new(fd: i32) -> Held {
+        let noted = fd >= 0
+            && HELD.iter().any(|s| {
+                s.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            });
+        if noted {
+            HELD_N.fetch_add(1, Ordering::AcqRel);
+            Held(fd)
+        } else {
+            Held(-1)
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.0 >= 0
+            && HELD.iter().any(|s| {
+                s.compare_exchange(self.0, -1, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            })
+        {
+            HELD_N.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Whether a thread of the library holds number `fd` ([`HELD`]).
+pub(crate) fn held(fd: i32) -> bool {
+    HELD_N.load(Ordering::Acquire) > 0 && HELD.iter().any(|s| s.load(Ordering::Acquire) == fd)
+}
+
 extern "C" fn at_fork_prepare() {
     guard((), relay::fork_prepare);
     smc::fdapi::fork_prepare();
@@ -140,6 +189,11 @@ extern "C" fn at_fork_child() {
     table::fork_release();
     smc::fdapi::fork_child();
     relay::fork_child();
+    // The numbers the parent's threads held are ordinary copies here.
+    for s in &HELD {
+        s.store(-1, Ordering::Relaxed);
+    }
+    HELD_N.store(0, Ordering::Relaxed);
 }
 
 /// The constructor: resolve the C library's functions, open the log, register the fork
@@ -185,6 +239,23 @@ extern "C" fn fini() {
             return;
         }
         let open = table::take_all_ours();
+        // Connections a forked child may still hold: kept for it (`relay::closing`).
+        let mut seen = Vec::new();
+        for (fd, e) in &open {
+            let (table::Kind::Smc(c), Some(&id)) = (&e.kind, e.socket.get()) else {
+                continue;
+            };
+            if !e.ours() || !e.forked.load(Ordering::Relaxed) || seen.contains(&id) {
+                continue;
+            }
+            seen.push(id);
+            let numbers: Vec<i32> = open
+                .iter()
+                .filter(|(_, x)| x.socket.get() == Some(&id))
+                .map(|(n, _)| *n)
+                .collect();
+            relay::closing(*fd, &numbers, id, c);
+        }
         drop(open);
         let ms = |var: &str, default: u64| {
             std::env::var(var)

@@ -27,6 +27,11 @@
 //!   TCP socket (getsockname, getpeername, socket options, `ss`).
 //! * Only a connection another process actually uses is converted: a child that never
 //!   touches its inherited connections (redis's BGSAVE) costs nothing per connection.
+//! * An exec'd image asks in the same way: the image before the exec names each connection
+//!   with its owner's pid and nonce in `SMC_PRELOAD_INHERITED` (`exec.rs`).
+//! * When the owner's program closes its last number before anyone asked, while a process
+//!   it forked still holds the TCP socket, the connection is kept for that process until no
+//!   process holds it (`keep.rs`).
 //!
 //! Ends: a holder's `shutdown(SHUT_WR)` ends A's writing; the pump reads the end of B and
 //! shuts the connection down for writing. The peer's end of stream shuts B down for writing:
@@ -48,9 +53,31 @@ use smc::fdapi::{Conn, Waiter};
 use crate::table::{self, Entry, Kind, SpinLock};
 use crate::{log, real};
 
+/// Where the owner of a connection serves relays: its pid and the nonce of its server's
+/// name (what a forked child knows from its copy of the memory, and an exec'd image from
+/// `SMC_PRELOAD_INHERITED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Owner {
+    pub(crate) pid: i32,
+    pub(crate) nonce: u64,
+}
+
+impl Owner {
+    /// Process `pid` of this image's process tree (its server is named with this image's
+    /// nonce).
+    pub(crate) fn of_tree(pid: i32) -> Owner {
+        Owner {
+            pid,
+            nonce: nonce(),
+        }
+    }
+}
+
 /// One process's handle of a relayed connection: its copy of A.
 pub(crate) struct Relay {
     a: OwnedFd,
+    /// The process whose stack holds the connection.
+    owner: Owner,
     /// The kernel epoll registrations of A made for the program's numbers: (the process
     /// that made it, epfd, fd), under [`EPOLLS_LOCK`].
     epolls: std::cell::UnsafeCell<Vec<(i32, c_int, c_int)>>,
@@ -70,11 +97,17 @@ impl std::fmt::Debug for Relay {
 static EPOLLS_LOCK: SpinLock = SpinLock::new();
 
 impl Relay {
-    fn new(a: OwnedFd) -> Relay {
+    fn new(a: OwnedFd, owner: Owner) -> Relay {
         Relay {
             a,
+            owner,
             epolls: std::cell::UnsafeCell::new(Vec::new()),
         }
+    }
+
+    /// The process whose stack holds the connection (named to an exec'd image).
+    pub(crate) fn owner(&self) -> Owner {
+        self.owner
     }
 
     /// A's descriptor: where the program's calls go.
@@ -293,7 +326,7 @@ fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
                 for i in 0..n {
                     let fd = data.cast::<c_int>().add(i).read_unaligned();
                     if fd >= 0 {
-                        fds.push(OwnedFd::from_raw_fd(fd));
+                        fds.push(high(fd));
                     }
                 }
             }
@@ -309,21 +342,49 @@ fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
 /// The request byte.
 const ASK: u8 = b'R';
 
+/// `fd`, just made by a thread of the library (the kernel gave it the lowest free number),
+/// moved to the upper half of the descriptor numbers (`smc::fdapi::place_high`). While it is
+/// low, the program's close of that number is refused ([`crate::Held`]): a program may close
+/// a number it already closed (bash closes some of its pipes twice), which would close ours.
+fn high(fd: RawFd) -> OwnedFd {
+    let _held = crate::Held::new(fd);
+    // SAFETY: just made by the caller, ours.
+    smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 // ---------------------------------------------------------------------------------------
 // The requester's side.
 
-/// Ask process `owner` (relay servers named with `nonce`) for a relay of the connection whose
-/// TCP socket this process has as `fd`; on success, every number of this process naming that
-/// socket becomes relayed. `Err`: an errno for the log (the caller's call fails with EIO).
-pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_int> {
+/// Ask `owner` for a relay of the connection whose TCP socket this process has as `fd`; on
+/// success, every number of this process naming that socket becomes relayed. `Err`: an errno
+/// for the log (the caller's call fails with EIO).
+pub(crate) fn attach(fd: c_int, owner: Owner) -> Result<Arc<Relay>, c_int> {
     let Some(id) = table::socket_id(fd) else {
         return Err(libc::ENOTSOCK);
     };
-    let a = request(fd, owner, nonce)?;
-    let relay = Arc::new(Relay::new(smc::fdapi::place_high(a)));
+    let a = request(fd, owner.pid, owner.nonce)?;
+    // Another thread's first use may have asked at the same time and been answered first
+    // (the owner gave both the same A): its relay serves, this copy goes.
+    if let Some(r) = table::entries_of_socket(id)
+        .into_iter()
+        .find_map(|(_, e)| match &e.kind {
+            Kind::Relayed(r) => Some(r.clone()),
+            _ => None,
+        })
+    {
+        return Ok(r);
+    }
+    let relay = Arc::new(Relay::new(a, owner));
     let mut n = 0;
     for (num, e) in table::entries_of_socket(id) {
-        if matches!(e.kind, Kind::Smc(_)) && !e.ours() {
+        // Another process's connection: inherited across fork, or across exec (named by
+        // the image before).
+        let foreign = match e.kind {
+            Kind::Smc(_) => !e.ours(),
+            Kind::Inherited(_) => true,
+            _ => false,
+        };
+        if foreign {
             let new = Entry::new(Kind::Relayed(relay.clone()));
             let _ = new.socket.set(id);
             if table::replace(num, &e, new) {
@@ -332,7 +393,10 @@ pub(crate) fn attach(fd: c_int, owner: i32, nonce: u64) -> Result<Arc<Relay>, c_
             }
         }
     }
-    log!("fd {fd}: SMC-R connection of process {owner}, relayed through it ({n} numbers)");
+    log!(
+        "fd {fd}: SMC-R connection of process {}, relayed through it ({n} numbers)",
+        owner.pid
+    );
     Ok(relay)
 }
 
@@ -405,13 +469,19 @@ use crate::hooks::sock_opt;
 fn same_file(a: c_int, b: c_int) -> Result<bool, c_int> {
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
+    kcmp_file(me, a, me, b)
+}
+
+/// Whether descriptor `a` of process `pa` and `b` of `pb` name the same open file
+/// description (kcmp KCMP_FILE; `Err(errno)` without kcmp or without the right to look).
+fn kcmp_file(pa: i32, a: c_int, pb: i32, b: c_int) -> Result<bool, c_int> {
     const KCMP_FILE: libc::c_long = 0;
-    // SAFETY: kcmp compares two descriptors of our own process; no memory is passed.
+    // SAFETY: kcmp compares two descriptors; no memory is passed.
     let r = unsafe {
         libc::syscall(
             libc::SYS_kcmp,
-            libc::c_long::from(me),
-            libc::c_long::from(me),
+            libc::c_long::from(pa),
+            libc::c_long::from(pb),
             KCMP_FILE,
             libc::c_long::from(a),
             libc::c_long::from(b),
@@ -432,6 +502,8 @@ static SERVER_FD: AtomicI32 = AtomicI32::new(-1);
 static SERVER_PID: AtomicI32 = AtomicI32::new(0);
 /// The process whose server thread runs.
 static THREAD_PID: AtomicI32 = AtomicI32::new(0);
+/// An eventfd that wakes the server thread (-1: none), made with the server.
+static KICK_FD: AtomicI32 = AtomicI32::new(-1);
 /// Pump threads running in this process.
 static PUMPS: AtomicUsize = AtomicUsize::new(0);
 /// The descriptors the pumps of this process hold (B and the stop eventfds; -1: a free
@@ -484,8 +556,11 @@ static RELAYS: Relays = Relays(std::cell::UnsafeCell::new(Vec::new()));
 /// after the fork, accepts it).
 pub(crate) fn fork_prepare() {
     let pid = table::PID.load(Ordering::Relaxed);
-    if SERVER_PID.load(Ordering::Relaxed) != pid && table::holds_own_connection() {
-        bind(pid);
+    if table::mark_forked() {
+        if SERVER_PID.load(Ordering::Relaxed) != pid {
+            bind(pid);
+        }
+        keep::fork_prepare(pid);
     }
     RELAYS_LOCK.lock();
     EPOLLS_LOCK.lock();
@@ -505,13 +580,18 @@ pub(crate) fn fork_child() {
     close_pump_fds();
     // SAFETY: the lock was just released and this process has one thread.
     unsafe { &mut *RELAYS.0.get() }.clear();
-    let fd = SERVER_FD.swap(-1, Ordering::Relaxed);
-    if fd >= 0 {
-        // SAFETY: the parent's listening socket, inherited: ours to close.
-        unsafe { real::close(fd) };
+    for fd in [
+        SERVER_FD.swap(-1, Ordering::Relaxed),
+        KICK_FD.swap(-1, Ordering::Relaxed),
+    ] {
+        if fd >= 0 {
+            // SAFETY: the parent's listening socket or eventfd, inherited: ours to close.
+            unsafe { real::close(fd) };
+        }
     }
     SERVER_PID.store(0, Ordering::Relaxed);
     PUMPS.store(0, Ordering::Relaxed);
+    keep::fork_child(table::PID.load(Ordering::Relaxed));
 }
 
 /// Bind and listen on this process's relay address.
@@ -522,7 +602,7 @@ fn bind(pid: i32) {
         return;
     }
     // SAFETY: just made.
-    let s = smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(s) });
+    let s = high(s);
     let (addr, len) = address(pid, nonce());
     // SAFETY: the address and its length; plain listen.
     let ok = unsafe {
@@ -536,6 +616,17 @@ fn bind(pid: i32) {
     if !ok {
         log!("relay server: bind failed: {}", io::Error::last_os_error());
         return;
+    }
+    // Nonblocking: the thread accepts after a poll that also waits for its eventfd.
+    set_nonblocking(s.as_raw_fd(), true);
+    if KICK_FD.load(Ordering::Relaxed) < 0 {
+        // SAFETY: a new eventfd of ours.
+        let k = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if k >= 0 {
+            // SAFETY: just made.
+            let k = high(k);
+            KICK_FD.store(std::os::fd::IntoRawFd::into_raw_fd(k), Ordering::Relaxed);
+        }
     }
     let old = SERVER_FD.swap(std::os::fd::IntoRawFd::into_raw_fd(s), Ordering::Relaxed);
     if old >= 0 {
@@ -561,12 +652,60 @@ fn start_server() {
     }
 }
 
-/// The server thread: answer each request in turn (each is short).
+/// Whether process `pid` (this one, or the parent whose memory a `vfork` child borrows)
+/// serves relay requests: its server is bound and its thread started.
+pub(crate) fn serving(pid: i32) -> bool {
+    SERVER_PID.load(Ordering::Relaxed) == pid && THREAD_PID.load(Ordering::Relaxed) == pid
+}
+
+/// Before this process starts another program that inherits its connections without a
+/// `fork()` (`posix_spawn`): serve relays, as a fork would have made it.
+pub(crate) fn serve_spawned() {
+    let pid = table::PID.load(Ordering::Relaxed);
+    if table::mark_forked() && SERVER_PID.load(Ordering::Relaxed) != pid {
+        bind(pid);
+    }
+    start_server();
+}
+
+/// The server thread: answer each request in turn (each is short); while connections are
+/// kept for other holders (`keep.rs`), look at them every sweep.
 fn serve() {
     loop {
         let l = SERVER_FD.load(Ordering::Relaxed);
         if l < 0 {
             return;
+        }
+        let kick = KICK_FD.load(Ordering::Relaxed);
+        let mut p = [
+            libc::pollfd {
+                fd: l,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: kick,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let timeout = if keep::any() {
+            keep::SWEEP.as_millis() as c_int
+        } else {
+            -1
+        };
+        // SAFETY: our array (a negative fd is ignored by poll).
+        unsafe { real::poll(p.as_mut_ptr(), 2, timeout) };
+        if p[1].revents != 0 {
+            let mut b = [0u8; 8];
+            // SAFETY: our eventfd and 8 bytes.
+            unsafe { real::read(kick, b.as_mut_ptr().cast(), 8) };
+        }
+        if keep::any() {
+            keep::sweep();
+        }
+        if p[0].revents == 0 {
+            continue;
         }
         // SAFETY: our listening socket.
         let c = unsafe {
@@ -579,13 +718,12 @@ fn serve() {
         };
         if c < 0 {
             match last_errno() {
-                libc::EINTR | libc::ECONNABORTED => {}
+                libc::EINTR | libc::ECONNABORTED | libc::EAGAIN => {}
                 _ => std::thread::sleep(Duration::from_millis(10)),
             }
             continue;
         }
-        // SAFETY: just accepted.
-        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        let c = high(c);
         // One thread serves every request: a requester that sends nothing, or reads
         // nothing, holds it for a second at most.
         set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
@@ -647,6 +785,10 @@ fn check_proof(b: u8, fds: &[OwnedFd]) -> Result<(u64, u64), c_int> {
             return Ok(id);
         }
     }
+    // A connection the program closed, kept for the processes that still hold it.
+    if keep::proves(fd, id)? {
+        return Ok(id);
+    }
     Err(libc::ENOENT)
 }
 
@@ -681,10 +823,10 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             _ => None,
         })
         .collect();
-    let Some((first, _, conn)) = own.first() else {
-        return Err(libc::ENOENT);
+    let (first, conn) = match own.first() {
+        Some((first, _, conn)) => (*first, conn.clone()),
+        None => keep::take_for_relay(id).ok_or(libc::ENOENT)?,
     };
-    let (first, conn) = (*first, conn.clone());
     let mut pair = [0; 2];
     // SAFETY: an array of two ints.
     if unsafe {
@@ -698,13 +840,10 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
     {
         return Err(last_errno());
     }
-    // SAFETY: just made.
-    let (a, b) = unsafe {
-        (
-            smc::fdapi::place_high(OwnedFd::from_raw_fd(pair[0])),
-            smc::fdapi::place_high(OwnedFd::from_raw_fd(pair[1])),
-        )
-    };
+    let second = crate::Held::new(pair[1]);
+    let a = high(pair[0]);
+    let b = high(pair[1]);
+    drop(second);
     // A stands for the TCP socket, whose open file description every holder shares: its
     // O_NONBLOCK and timeouts are the program's (later changes are mirrored, see hooks).
     // SAFETY: plain fcntl.
@@ -717,7 +856,10 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
             set_timeout(a.as_raw_fd(), name, t);
         }
     }
-    let relay = Arc::new(Relay::new(a));
+    let relay = Arc::new(Relay::new(
+        a,
+        Owner::of_tree(table::PID.load(Ordering::Relaxed)),
+    ));
     // The program's reads of the connection itself stop before the pump's first read (one
     // under way completes first): the bytes stay in order.
     // Both pump threads exist (waiting) before the hand-over, which cannot be undone: a
@@ -731,6 +873,7 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         Arc::downgrade(&conn),
         Arc::downgrade(&pump),
     ));
+    keep::relayed(id, &relay);
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
@@ -982,7 +1125,7 @@ fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<Arc<Pu
         conn,
         b,
         // SAFETY: just made.
-        stop: smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(stop) }),
+        stop: high(stop),
         reset: Mutex::new(false),
         gate: Mutex::new(None),
         gate_cv: std::sync::Condvar::new(),
@@ -1032,6 +1175,10 @@ fn spawn_pump(
 fn inbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut waiter = Waiter::new().ok();
+    // (Its eventfd stays at a low number while the pump runs.)
+    let _held = waiter
+        .as_ref()
+        .map(|w| crate::Held::new(w.fd().as_raw_fd()));
     if let Some(w) = waiter.as_mut() {
         w.watch(&p.conn, true, false);
     }
@@ -1125,6 +1272,10 @@ fn reset(p: &Pump, relay: &Weak<Relay>) {
 fn outbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut waiter = Waiter::new().ok();
+    // (Its eventfd stays at a low number while the pump runs.)
+    let _held = waiter
+        .as_ref()
+        .map(|w| crate::Held::new(w.fd().as_raw_fd()));
     if let Some(w) = waiter.as_mut() {
         w.watch(&p.conn, false, true);
     }
@@ -1220,15 +1371,20 @@ fn outbound(p: &Pump, relay: &Weak<Relay>) {
 /// other processes still use connections relayed through this one, keep pumping, at most
 /// `max`.
 pub(crate) fn linger(max: Duration) {
-    if PUMPS.load(Ordering::Acquire) == 0 {
+    let busy = || PUMPS.load(Ordering::Acquire) > 0 || keep::any();
+    if !busy() {
         return;
     }
     log!("exit: waiting for the other holders of relayed connections (at most {max:?})");
     let deadline = Instant::now() + max;
-    while PUMPS.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+    while busy() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+#[path = "keep.rs"]
+mod keep;
+pub(crate) use keep::closing;
 
 #[cfg(test)]
 #[path = "relay_tests.rs"]

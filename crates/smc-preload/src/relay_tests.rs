@@ -43,7 +43,7 @@ fn the_proof_is_the_open_file_not_a_lookalike() {
     // A socket of "the connection", named in the table as a number of this process.
     let conn = tcp_socket();
     let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
-    let e = Entry::new(Kind::Inherited);
+    let e = Entry::new(Kind::Inherited(None));
     let _ = e.socket.set(id);
     assert!(table::set(conn.as_raw_fd(), e).is_ok());
     match same_file(conn.as_raw_fd(), dup(&conn).as_raw_fd()) {
@@ -127,7 +127,7 @@ fn a_close_deletes_only_this_process_s_epoll_registrations() {
     );
     // SAFETY: just made.
     let (a, _b) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
-    let relay = Relay::new(a);
+    let relay = Relay::new(a, Owner::of_tree(1));
     let registered = |ep: c_int| {
         let mut ev = libc::epoll_event {
             events: libc::EPOLLIN as u32,

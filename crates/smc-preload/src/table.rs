@@ -102,9 +102,11 @@ pub(crate) enum Kind {
     Tcp(#[allow(dead_code)] TcpConn),
     /// An epoll instance watching SMC-R connections.
     Epoll(Arc<EpollSet>),
-    /// An SMC-R connection of the process image before an exec (named in
-    /// `SMC_PRELOAD_INHERITED`): unusable here, its calls fail with EIO.
-    Inherited,
+    /// An SMC-R connection of another process image (named in `SMC_PRELOAD_INHERITED` by
+    /// the image before the exec): relayed through its owner at the first use, as a forked
+    /// child's (`relay.rs`); without an owner (the image before owned it and ended with
+    /// the exec) its calls fail with EIO.
+    Inherited(Option<crate::relay::Owner>),
     /// An SMC-R connection used by more than one process, relayed through the process whose
     /// stack holds it (`relay.rs`): the calls go to this process's copy of the relay socket.
     /// Usable in any process that has it (a forked child inherits the copy).
@@ -121,6 +123,9 @@ pub(crate) struct Entry {
     /// exec names it by (a `vfork` child may have closed every number of it before its exec,
     /// and the new program may have it under another one).
     pub(crate) socket: std::sync::OnceLock<(u64, u64)>,
+    /// The process forked while this (SMC-R) connection was its own: a child may hold its
+    /// TCP socket after the program's close (`relay.rs`, `keep.rs`).
+    pub(crate) forked: AtomicBool,
 }
 
 impl Entry {
@@ -129,6 +134,7 @@ impl Entry {
             kind,
             pid: PID.load(Ordering::Relaxed),
             socket: std::sync::OnceLock::new(),
+            forked: AtomicBool::new(false),
         })
     }
 
@@ -201,7 +207,7 @@ pub(crate) fn connection_sockets() -> Vec<(u64, u64)> {
     with_map(|m| {
         let mut ids: Vec<(u64, u64)> = m
             .values()
-            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited | Kind::Relayed(_)))
+            .filter(|e| matches!(e.kind, Kind::Smc(_) | Kind::Inherited(_) | Kind::Relayed(_)))
             .filter_map(|e| e.socket.get().copied())
             .collect();
         ids.sort_unstable();
@@ -220,12 +226,19 @@ pub(crate) fn entries_of_socket(id: (u64, u64)) -> Vec<(i32, Arc<Entry>)> {
     })
 }
 
-/// Whether this process's stack holds an SMC-R connection that the table names.
-pub(crate) fn holds_own_connection() -> bool {
+/// Before a `fork()` (or a spawn): mark the SMC-R connections this process's stack holds
+/// as forked; whether there are any.
+pub(crate) fn mark_forked() -> bool {
     ANY.load(Ordering::Relaxed)
         && with_map(|m| {
-            m.values()
-                .any(|e| matches!(e.kind, Kind::Smc(_)) && e.ours())
+            let mut any = false;
+            for e in m.values() {
+                if matches!(e.kind, Kind::Smc(_)) && e.ours() {
+                    e.forked.store(true, Ordering::Relaxed);
+                    any = true;
+                }
+            }
+            any
         })
 }
 
@@ -363,7 +376,7 @@ pub(crate) fn fork_release() {
 
 /// Every entry this process made, and every relayed one (at exit: the connections the
 /// program left open; the relay socket copies go, so that the pumps see the holders gone).
-pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
+pub(crate) fn take_all_ours() -> Vec<(i32, Arc<Entry>)> {
     with_map(|m| {
         let fds: Vec<i32> = m
             .iter()
@@ -375,7 +388,7 @@ pub(crate) fn take_all_ours() -> Vec<Arc<Entry>> {
                 if let Some(s) = slot(fd) {
                     s.store(0, Ordering::Relaxed);
                 }
-                m.remove(&fd)
+                Some((fd, m.remove(&fd)?))
             })
             .collect()
     })
