@@ -137,6 +137,16 @@ after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
 [ $((after - before)) -eq 2 ] || fail "raw clone children: $((after - before)) SMC-R connection ends, 2 expected (the first connection)"
 cat "$work/rawclone-s.log" "$work/rawclone-c.log" | sed 's/^/   /'
 
+echo "== a server that accepts 4 connections before it serves any, a client that connects one after another (scripts/preload-backlog.py)"
+before=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+settled=$(grep -c 'after accept: rendezvous run' "$SMC_LOG" || true)
+py_pair backlog 19184 "accepted before served: the client did not connect 4 times or an echo was wrong"
+after=$(grep -c 'fd [0-9]*: SMC-R' "$SMC_LOG" || true)
+[ $((after - before)) -eq 8 ] || fail "accepted before served: $((after - before)) SMC-R connection ends, 8 expected"
+[ $(($(grep -c 'after accept: rendezvous run' "$SMC_LOG" || true) - settled)) -ge 1 ] \
+    || fail "accepted before served: no rendezvous run for an unused connection"
+cat "$work/backlog-s.log" "$work/backlog-c.log" | sed 's/^/   /'
+
 echo "== descriptor numbers (scripts/preload-fdnums.py): the same under smc run as without, also after 20 inherited ones"
 # The stack's descriptors (eBPF discovery, control socket, eventfds, epoll instances) stay
 # out of the program's low numbers: with 20 inherited descriptors, wrk -c8 under smc run

@@ -38,6 +38,17 @@ pub fn placed(fd: OwnedFd) -> OwnedFd {
     rustix::io::fcntl_dupfd_cloexec(&fd, min).unwrap_or(fd)
 }
 
+/// A close-on-exec duplicate of `fd`, made in the upper half of the soft `RLIMIT_NOFILE` at
+/// once (never at a low number, even for a moment) once [`keep_high`] was called.
+pub fn dup_placed(fd: rustix::fd::BorrowedFd<'_>) -> rustix::io::Result<OwnedFd> {
+    let min = if HIGH.load(Ordering::Relaxed) {
+        lowest_high().unwrap_or(0)
+    } else {
+        0
+    };
+    rustix::io::fcntl_dupfd_cloexec(fd, min).or_else(|_| rustix::io::fcntl_dupfd_cloexec(fd, 0))
+}
+
 /// The first number of the upper half of the soft limit; `None` below 256 descriptors.
 fn lowest_high() -> Option<i32> {
     let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)

@@ -61,8 +61,12 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
             let Some(e) = table::get(fd) else {
                 continue;
             };
-            if matches!(e.kind, Kind::Pending(_)) {
-                settle_pending_as_tcp(fd, &mut settled);
+            if let Kind::Pending(once) = &e.kind {
+                // Not while the settler (`settle.rs`) runs its rendezvous.
+                let _g = once.lock().unwrap_or_else(|p| p.into_inner());
+                if matches!(table::get(fd), Some(now) if std::sync::Arc::ptr_eq(&now, &e)) {
+                    settle_pending_as_tcp(fd, &mut settled);
+                }
                 continue;
             }
             if !matches!(e.kind, Kind::Smc(_)) || !e.ours() {

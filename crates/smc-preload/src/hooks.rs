@@ -32,14 +32,14 @@ pub(crate) fn bfd<'a>(fd: c_int) -> BorrowedFd<'a> {
 }
 
 /// The O_NONBLOCK flag of `fd`'s open file description.
-fn nonblocking_flag(fd: c_int) -> bool {
+pub(crate) fn nonblocking_flag(fd: c_int) -> bool {
     // SAFETY: plain fcntl.
     let fl = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
     fl >= 0 && fl & libc::O_NONBLOCK != 0
 }
 
 /// Set or clear O_NONBLOCK on `fd`.
-fn set_nonblocking_flag(fd: c_int, on: bool) {
+pub(crate) fn set_nonblocking_flag(fd: c_int, on: bool) {
     // SAFETY: plain fcntl.
     unsafe {
         let fl = real::fcntl(fd, libc::F_GETFL, 0);
@@ -69,11 +69,42 @@ pub(crate) fn blocking<R>(fd: c_int, f: impl FnOnce() -> R) -> (R, bool) {
 
 /// Install what a rendezvous on `fd` ended in.
 fn install(fd: c_int, setup: Setup, nonblocking: bool) {
-    let kind = match setup {
+    if let Setup::Smc(c) = &setup {
+        crate::wait::adopt(fd, c);
+    }
+    let kind = kind_of(fd, setup, nonblocking);
+    if let Some(old) = table::set(fd, Entry::new(kind)).ok().flatten() {
+        table::release(old);
+    }
+}
+
+/// Install what a rendezvous on `fd` ended in if `old` is still the entry of `fd` (the
+/// program may have closed or reused the number meanwhile); `false`: not installed (what
+/// the rendezvous made is dropped: an SMC-R connection is closed).
+pub(crate) fn install_if(fd: c_int, old: &Arc<Entry>, setup: Setup, nonblocking: bool) -> bool {
+    let smc = match &setup {
+        Setup::Smc(c) => Some(c.clone()),
+        Setup::Tcp(_) => None,
+    };
+    let new = Entry::new(kind_of(fd, setup, nonblocking));
+    if let Some(id) = old.socket.get() {
+        let _ = new.socket.set(*id);
+    }
+    if !table::replace(fd, old, new) {
+        return false;
+    }
+    if let Some(c) = smc {
+        crate::wait::adopt(fd, &c);
+    }
+    true
+}
+
+/// The entry kind of what a rendezvous on `fd` ended in.
+fn kind_of(fd: c_int, setup: Setup, nonblocking: bool) -> Kind {
+    match setup {
         Setup::Smc(c) => {
             c.set_nonblocking(nonblocking);
             log!("fd {fd}: SMC-R");
-            crate::wait::adopt(fd, &c);
             Kind::Smc(c)
         }
         Setup::Tcp(t) => {
@@ -83,9 +114,6 @@ fn install(fd: c_int, setup: Setup, nonblocking: bool) {
             }
             Kind::Tcp(t)
         }
-    };
-    if let Some(old) = table::set(fd, Entry::new(kind)).ok().flatten() {
-        table::release(old);
     }
 }
 
@@ -406,8 +434,12 @@ fn accepted(fd: c_int, new: c_int) {
     };
     guard((), || match l.accepted(bfd(new)) {
         Ok(true) => {
-            if let Ok(Some(old)) = table::set(new, Entry::new(Kind::Pending(Default::default()))) {
-                table::release(old);
+            let e = Entry::new(Kind::Pending(Default::default()));
+            if let Ok(old) = table::set(new, e.clone()) {
+                if let Some(old) = old {
+                    table::release(old);
+                }
+                crate::settle::accepted(new, &e);
             }
         }
         Ok(false) => match fdapi::accepted_tcp(bfd(new)) {

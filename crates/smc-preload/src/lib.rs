@@ -24,6 +24,7 @@ mod hooks;
 mod rare;
 mod real;
 mod relay;
+mod settle;
 mod table;
 mod vfork;
 mod wait;
@@ -172,6 +173,7 @@ pub(crate) fn held(fd: i32) -> bool {
 }
 
 extern "C" fn at_fork_prepare() {
+    settle::fork_prepare();
     guard((), relay::fork_prepare);
     smc::fdapi::fork_prepare();
     table::fork_prepare();

@@ -254,6 +254,18 @@ pub(crate) fn replace(fd: i32, old: &Arc<Entry>, new: Arc<Entry>) -> bool {
     })
 }
 
+/// Remove the entry of `fd` if it still is `old`.
+pub(crate) fn take_if(fd: i32, old: &Arc<Entry>) -> Option<Arc<Entry>> {
+    let s = slot(fd)?;
+    with_map(|m| match m.get(&fd) {
+        Some(e) if Arc::ptr_eq(e, old) => {
+            s.store(0, Ordering::Relaxed);
+            m.remove(&fd)
+        }
+        _ => None,
+    })
+}
+
 /// The entry of `fd`, if it has one.
 #[inline]
 pub(crate) fn get(fd: i32) -> Option<Arc<Entry>> {

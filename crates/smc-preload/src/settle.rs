@@ -1,0 +1,187 @@
+//! Accepted connections that the program leaves unused: their server rendezvous runs after
+//! a short while in a thread of the library, not at the program's first use.
+//!
+//! The rendezvous of an accepted connection whose client offered SMC-R runs at its first use
+//! (`hooks::target`), in whichever process that is (socat's forked child serves what its
+//! parent accepted, over its own stack). Its client waits in `connect` meanwhile. Linux's
+//! SMC-R answers the Proposal in the kernel as soon as the TCP handshake is done, and RFC
+//! 7609 C.5 has the client end the connection when the CLC handshake does not complete:
+//! "If the TCP and/or CLC handshakes time out, the TCP connection must be terminated as it
+//! would be in a legacy IP environment when connection setup doesn't complete in a timely
+//! manner." So a server that accepts several connections before it serves any (or one that
+//! waits in a read on another connection, or whose workers are all busy) kept its clients
+//! in `connect` — a client that connects again only after its first `connect` returned
+//! waited for the whole CLC timeout (30 s), and its `connect` then failed with ETIMEDOUT;
+//! over TCP the kernel's backlog completes every handshake at once.
+//!
+//! Now a connection accepted by this process and not used within [`SETTLE_AFTER`] has its
+//! rendezvous run by the settler thread, as the first use would run it: under the entry's
+//! lock (a first use meanwhile waits for it and then finds the result), on a duplicate of the
+//! socket (the program may close or reuse its number meanwhile), installed only if the
+//! number still names the same entry. A connection that existed at a `fork()` is left to its
+//! first use: the child may be the one that serves it (the parent closes its copy), and the
+//! child's own table holds the same pending entry.
+
+use std::os::fd::{AsFd as _, AsRawFd as _};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use libc::c_int;
+
+use crate::hooks::{bfd, install_if, nonblocking_flag, set_nonblocking_flag};
+use crate::log;
+use crate::table::{self, Entry, Kind};
+
+/// How long an accepted connection may stay unused before the settler runs its rendezvous
+/// (`SMC_SETTLE_MS` overrides it). Long enough for a forked child or a worker thread to take
+/// it first, short against the time a client's `connect` may wait.
+const SETTLE_AFTER: Duration = Duration::from_millis(50);
+
+/// Accepted connections waiting for their first use: number, entry, when accepted, the
+/// fork generation then.
+struct Unused {
+    list: Vec<(c_int, Weak<Entry>, Instant, u64)>,
+}
+
+static UNUSED: Mutex<Unused> = Mutex::new(Unused { list: Vec::new() });
+static WAKE: Condvar = Condvar::new();
+/// The process whose settler thread runs (a forked child has none until it starts one).
+static SETTLER_PID: AtomicI32 = AtomicI32::new(0);
+/// Counts the forks: an entry accepted before the latest one is left to its first use.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+fn settle_after() -> Duration {
+    static AFTER: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *AFTER.get_or_init(|| {
+        std::env::var("SMC_SETTLE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(Duration::from_millis)
+            .unwrap_or(SETTLE_AFTER)
+    })
+}
+
+/// `fd` was just accepted and waits for its rendezvous (entry `e`, `Kind::Pending`).
+pub(crate) fn accepted(fd: c_int, e: &Arc<Entry>) {
+    let mut u = UNUSED.lock().unwrap_or_else(|p| p.into_inner());
+    u.list.push((
+        fd,
+        Arc::downgrade(e),
+        Instant::now(),
+        FORKS.load(Ordering::Relaxed),
+    ));
+    drop(u);
+    let pid = table::PID.load(Ordering::Relaxed);
+    if SETTLER_PID.swap(pid, Ordering::AcqRel) != pid {
+        let started = smc::fdapi::signals_blocked(|| {
+            std::thread::Builder::new()
+                .name("smc-settle".into())
+                .spawn(run)
+                .is_ok()
+        });
+        if !started {
+            // Left to the first use, as before; another accept tries again.
+            SETTLER_PID.store(0, Ordering::Release);
+        }
+    }
+    WAKE.notify_one();
+}
+
+/// Before a `fork()`: what is pending now is left to its first use.
+pub(crate) fn fork_prepare() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The settler thread: sleeps until the oldest pending connection is due.
+fn run() {
+    // The library's own code: its calls on descriptors go straight to the C library.
+    crate::guard((), || loop {
+        let due = {
+            let mut u = UNUSED.lock().unwrap_or_else(|p| p.into_inner());
+            let forks = FORKS.load(Ordering::Relaxed);
+            let after = settle_after();
+            let now = Instant::now();
+            u.list
+                .retain(|(_, e, _, gen)| *gen == forks && e.strong_count() > 0);
+            let mut due = Vec::new();
+            u.list.retain(|(fd, e, at, _)| {
+                if now.duration_since(*at) < after {
+                    return true;
+                }
+                if let Some(e) = e.upgrade() {
+                    due.push((*fd, e));
+                }
+                false
+            });
+            if due.is_empty() {
+                let wait = u
+                    .list
+                    .iter()
+                    .map(|(_, _, at, _)| (*at + after).saturating_duration_since(now))
+                    .min();
+                match wait {
+                    Some(w) => drop(WAKE.wait_timeout(u, w)),
+                    None => drop(WAKE.wait(u)),
+                }
+                continue;
+            }
+            due
+        };
+        for (fd, e) in due {
+            settle(fd, &e);
+        }
+    });
+}
+
+/// Run the rendezvous of `fd` (entry `e`) if it is still pending and this process's.
+fn settle(fd: c_int, e: &Arc<Entry>) {
+    let Kind::Pending(once) = &e.kind else {
+        return;
+    };
+    if !e.ours() {
+        return;
+    }
+    let _g = once.lock().unwrap_or_else(|p| p.into_inner());
+    match table::get(fd) {
+        Some(now) if Arc::ptr_eq(&now, e) => {}
+        // Used (installed), closed or replaced meanwhile.
+        _ => return,
+    }
+    // A duplicate of our own, checked to be the same socket: from here the program may close
+    // or reuse its number without the rendezvous touching anything else.
+    let Ok(dup) = smc_fabric::fdplace::dup_placed(bfd(fd)) else {
+        return;
+    };
+    if table::socket_id(dup.as_raw_fd()).is_none()
+        || table::socket_id(dup.as_raw_fd()) != e.socket.get().copied()
+    {
+        return;
+    }
+    let nb = nonblocking_flag(dup.as_raw_fd());
+    if nb {
+        set_nonblocking_flag(dup.as_raw_fd(), false);
+    }
+    let r = smc::fdapi::setup_server(dup.as_fd());
+    if nb {
+        set_nonblocking_flag(dup.as_raw_fd(), true);
+    }
+    match r {
+        Ok(setup) => {
+            if install_if(fd, e, setup, nb) {
+                log!(
+                    "fd {fd}: unused for {:?} after accept: rendezvous run",
+                    settle_after()
+                );
+            } else {
+                log!("fd {fd}: closed during its rendezvous: connection closed");
+            }
+        }
+        Err(err) => {
+            log!("fd {fd}: server rendezvous failed: {err}");
+            if let Some(old) = table::take_if(fd, e) {
+                table::release(old);
+            }
+        }
+    }
+}
