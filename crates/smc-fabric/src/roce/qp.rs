@@ -7,7 +7,7 @@
 //! Rules are those of rdma_rxe as shared/spec/rocev2.md sections 6–10 state them.
 
 use super::cq::RoceCq;
-use super::device::{bump, lock, try_lock, Dest, RoceCore, Tables};
+use super::device::{bump, lock, Dest, RoceCore, Tables};
 use super::mr::RoceMr;
 use crate::error::{FabricError, Result};
 use crate::types::{
@@ -57,8 +57,6 @@ const RNR_FLOOR: Duration = Duration::from_millis(1);
 /// Longest that packets of held posts wait for a doorbell before the progress thread sends
 /// them itself (a caller that holds is expected to ring at once; this is the safety net).
 const HOLD_MAX: Duration = Duration::from_millis(5);
-/// Most buffers of acknowledged packets a send queue keeps for reuse (a window's worth).
-const SPARE_MAX: usize = WINDOW as usize;
 /// How long a destroyed QP keeps delivering its unacknowledged requests.
 pub(crate) const LINGER: Duration = Duration::from_secs(2);
 /// Longest a responder holds back an ACK that a request asked for, hoping to send it in the
@@ -125,11 +123,6 @@ struct SendQueue {
     retries_left: u8,
     /// RNR retries left (unused while `rnr_retry` is 7: forever).
     rnr_retries_left: u8,
-    /// Buffers of acknowledged packets, kept for the next posts ([`SPARE_MAX`] at most): a
-    /// stream's packets are all of one length, and [`PacketRepr::emit`] writes every byte of
-    /// the packet, so a post takes one instead of a zeroed allocation per packet (and the
-    /// acknowledgement frees none).
-    spare: Vec<Box<[u8]>>,
 }
 
 struct RecvEntry {
@@ -188,13 +181,6 @@ pub(crate) struct RoceQp {
     ack_owed: AtomicBool,
     /// Set when destroyed with unacknowledged requests (see [`RoceQp::destroy`]).
     linger_until: Mutex<Option<Instant>>,
-    /// The highest PSN of the positive ACKs that arrived while another thread held `sq`
-    /// (a posting thread in its `sendmmsg`): the receiving thread leaves it here instead of
-    /// sleeping on the lock, and whoever holds `sq` next applies it ([`RoceQp::settle_acks`]).
-    /// A leaf lock.
-    stashed_ack: Mutex<Option<u32>>,
-    /// Whether `stashed_ack` is set (read without its lock).
-    ack_stashed: AtomicBool,
 }
 
 fn wc(
@@ -247,10 +233,7 @@ impl RoceQp {
                 held_since: None,
                 retries_left: RETRY_CNT,
                 rnr_retries_left: RNR_RETRY,
-                spare: Vec::new(),
             }),
-            stashed_ack: Mutex::new(None),
-            ack_stashed: AtomicBool::new(false),
             rq: Mutex::new(VecDeque::new()),
             resp: Mutex::new(Responder {
                 epsn: 0,
@@ -515,8 +498,6 @@ impl RoceQp {
         if sq.next_tx < sq.pkts.len() {
             self.pump(&mut sq, &conn);
         }
-        drop(sq);
-        self.settle_acks();
     }
 
     fn post(&self, wr: &SendWr<'_>, ring: bool) -> Result<PostStatus> {
@@ -581,8 +562,6 @@ impl RoceQp {
         }
         let mut sq = lock(&self.sq);
         if sq.wrs.len() >= self.caps.max_send_wr as usize {
-            drop(sq);
-            self.settle_acks();
             return Err(FabricError::QueueFull);
         }
         if self.core.take_fail_token() {
@@ -649,11 +628,7 @@ impl RoceQp {
                 immdt: None,
                 payload: chunk,
             };
-            let len = repr.buffer_len();
-            let mut bytes = match sq.spare.pop() {
-                Some(b) if b.len() == len => b,
-                _ => vec![0u8; len].into_boxed_slice(),
-            };
+            let mut bytes = vec![0u8; repr.buffer_len()].into_boxed_slice();
             let _ = repr.emit(&mut bytes);
             conn.icrc.seal(&mut bytes);
             sq.pkts.push_back(TxPkt {
@@ -677,8 +652,6 @@ impl RoceQp {
         } else if sq.held_since.is_none() {
             sq.held_since = Some(Instant::now());
         }
-        drop(sq);
-        self.settle_acks();
         Ok(PostStatus::Queued)
     }
 
@@ -754,11 +727,7 @@ impl RoceQp {
         }
         let mut removed = 0;
         while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
-            if let Some(p) = sq.pkts.pop_front() {
-                if sq.spare.len() < SPARE_MAX {
-                    sq.spare.push(p.bytes);
-                }
-            }
+            sq.pkts.pop_front();
             removed += 1;
         }
         sq.next_tx = sq.next_tx.saturating_sub(removed);
@@ -792,31 +761,14 @@ impl RoceQp {
             return;
         };
         let mut done = Vec::new();
-        if let AethKind::Ack { .. } = aeth.kind() {
-            // The usual case, while a posting thread may hold `sq` across its `sendmmsg`:
-            // never sleep on the lock for a positive ACK (a futex wait and a context switch
-            // of the receiving thread per collision); leave it for the holder.
-            let Some(mut sq) = try_lock(&self.sq) else {
-                self.stash_ack(psn);
-                self.settle_acks();
-                return;
-            };
-            self.take_stashed_into(&mut sq, &mut done);
-            self.acked_through(&mut sq, psn, &mut done);
-            self.pump(&mut sq, &conn);
-            // Under `sq`: completions of one send queue reach the CQ in order even when
-            // another thread settles a stashed ACK right after.
-            self.send_cq.push_all(done);
-            drop(sq);
-            self.settle_acks();
-            return;
-        }
         let mut fail = None;
         {
             let mut sq = lock(&self.sq);
-            self.take_stashed_into(&mut sq, &mut done);
             match aeth.kind() {
-                AethKind::Ack { .. } => {}
+                AethKind::Ack { .. } => {
+                    self.acked_through(&mut sq, psn, &mut done);
+                    self.pump(&mut sq, &conn);
+                }
                 AethKind::RnrNak { timer } => {
                     bump(&self.core.counters.rnr_naks_received);
                     self.acked_through(&mut sq, psn_add(psn, roce::U24_MASK), &mut done);
@@ -854,61 +806,10 @@ impl RoceQp {
                 }
                 AethKind::Reserved => bump(&self.core.counters.drop_malformed),
             }
-            self.send_cq.push_all(done);
         }
+        self.send_cq.push_all(done);
         if let Some(st) = fail {
             self.enter_error(Some(st), "NAK from the responder");
-        }
-    }
-
-    /// Leave a positive ACK for the thread that holds `sq` (see `stashed_ack`).
-    fn stash_ack(&self, psn: u32) {
-        let mut s = lock(&self.stashed_ack);
-        // Cumulative: the later of two ACKs covers the earlier.
-        if s.is_none_or(|old| psn_diff(psn, old) > 0) {
-            *s = Some(psn);
-        }
-        self.ack_stashed.store(true, Ordering::Relaxed);
-    }
-
-    /// Apply a stashed ACK under `sq` (before anything else the holder does with the queue).
-    fn take_stashed_into(&self, sq: &mut SendQueue, done: &mut Vec<WorkCompletion>) {
-        if !self.ack_stashed.load(Ordering::Relaxed) {
-            return;
-        }
-        let psn = {
-            let mut s = lock(&self.stashed_ack);
-            self.ack_stashed.store(false, Ordering::Relaxed);
-            s.take()
-        };
-        if let Some(psn) = psn {
-            self.acked_through(sq, psn, done);
-        }
-    }
-
-    /// After letting go of `sq`: apply the ACK a receiving thread stashed meanwhile, and send
-    /// what it opens of the window. A thread that stashes calls this too after it stashed, so
-    /// one of the two always sees the other: each side's fence orders its write (the stash,
-    /// or the lock's release) before its read (the lock's state, or the stash).
-    pub(crate) fn settle_acks(&self) {
-        loop {
-            std::sync::atomic::fence(Ordering::SeqCst);
-            if !self.ack_stashed.load(Ordering::Relaxed) {
-                return;
-            }
-            // Taken: its holder settles when it lets go.
-            let Some(mut sq) = try_lock(&self.sq) else {
-                return;
-            };
-            let Some(conn) = self.conn.get().copied() else {
-                return;
-            };
-            let mut done = Vec::new();
-            self.take_stashed_into(&mut sq, &mut done);
-            if self.state() == QpState::Rts {
-                self.pump(&mut sq, &conn);
-            }
-            self.send_cq.push_all(done);
         }
     }
 
@@ -917,9 +818,6 @@ impl RoceQp {
         if self.state() != QpState::Rts {
             return;
         }
-        // A stashed ACK whose settling thread lost the race for `sq` to one that does not
-        // settle (`has_unacked`, `destroy`): applied here at the latest.
-        self.settle_acks();
         let Some(conn) = self.conn.get().copied() else {
             return;
         };
