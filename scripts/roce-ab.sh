@@ -61,7 +61,12 @@ stream() {
     nc_in "$a" a "$disc" "$bin" perf stat -x, -e task-clock,context-switches -o "$dir/srv.stat" \
         "$bin" nc -v -l 7000 --bind 10.79.1.1 >/dev/null 2>"$dir/srv.err" &
     sp=$!
-    sleep 0.3
+    # Until the listener listens (under load a fixed 0.3 s was not always enough: the client's
+    # "connection refused" ended the series), at most 5 s.
+    for _ in $(seq 1 50); do
+        ip netns exec "$a" ss -Hltn 'sport = :7000' | grep -q . && break
+        sleep 0.1
+    done
     t0=$(date +%s.%N)
     nc_in "$b" b "$disc" "$bin" perf stat -x, -e task-clock,context-switches -o "$dir/cli.stat" \
         "$bin" nc -v 10.79.1.1 7000 <"$file" >/dev/null 2>"$dir/cli.err"
