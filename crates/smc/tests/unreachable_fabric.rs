@@ -1,16 +1,19 @@
 //! Two stacks whose fabrics do not meet (two fabric directories, as two users' programs with
-//! their default ones): every connection's first contact fails, both ends decline at once
-//! (RFC 7609 C.2) and the connection runs over TCP. Several connects at once from several
-//! threads must all end, and the first bytes each program writes right after its connect
-//! must reach the other program.
+//! their default ones): every connection's first contact fails and runs over TCP. The
+//! client sees the server's port is not in its fabric directory and declines in place of its
+//! Confirm (before, it sent the Confirm, failed its QP connect and declined, while the
+//! server failed its own and declined too: both Declines crossed, RFC 7609 C.2). Several
+//! connects at once from several threads must all end, the first bytes each program writes
+//! right after its connect must reach the other program, and nothing may make a socket
+//! readable before the peer program wrote.
 //!
-//! The server side is the fd-level API of `smc run` (`smc::fdapi`, the process-wide stack
-//! configured from the environment): the program keeps reading its own socket after the
-//! fallback, so a byte the rendezvous read past its last CLC message would be lost to it.
-//! Before the rendezvous read no further than each CLC message, a server that waited for
-//! the client's Confirm took the Confirm, the client's crossed Decline and the program's
-//! first bytes in one read (PostgreSQL under `smc run`: the backend never got the startup
-//! packet, pgbench waited in its connect for good).
+//! Two tests use the fd-level API of `smc run` (`smc::fdapi`, the process-wide stack
+//! configured from the environment), whose program keeps using its own socket after the
+//! fallback: a byte the rendezvous read past its last CLC message is lost to it, and a CLC
+//! message left in the socket is seen by its `poll`. Before the rendezvous read no further
+//! than each CLC message, a server that waited for the client's Confirm took it, the
+//! client's Decline and the program's first bytes in one read (PostgreSQL under `smc run`:
+//! the backend never got the startup packet, pgbench waited in its connect for good).
 #![allow(missing_docs)]
 
 use std::io::{Read, Write};
@@ -21,8 +24,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use smc::fdapi::Setup;
-use smc::{DiscoveryMode, Mode, SmcListener, SmcStream, Stack, StackConfig};
+use smc::{DiscoveryMode, FallbackReason, Mode, SmcListener, SmcStream, Stack, StackConfig};
 use smc_fabric::FabricConfig;
+use smc_wire::DeclineCode;
 
 /// Concurrent connecting threads, and connects each.
 const THREADS: usize = 4;
@@ -122,8 +126,7 @@ fn one_cpu() {
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
             return;
         }
-        let Some(cpu) = (0..libc::CPU_SETSIZE as usize).find(|c| libc::CPU_ISSET(*c, &set))
-        else {
+        let Some(cpu) = (0..libc::CPU_SETSIZE as usize).find(|c| libc::CPU_ISSET(*c, &set)) else {
             return;
         };
         libc::CPU_ZERO(&mut set);
@@ -132,20 +135,32 @@ fn one_cpu() {
     }
 }
 
+/// The process-wide stack of `smc::fdapi`, made from the environment at its first use: on a
+/// fabric directory of its own, assert-peer discovery. Each test first pins its thread
+/// ([`one_cpu`]), so that the stack's threads, started by the first test here, are pinned too.
+fn fdapi_stack() -> Stack {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = test_dir("fdapi");
+        // (Before the stack exists; set once, under the lock of the OnceLock.)
+        std::env::set_var("SMC_FABRIC_DIR", &d);
+        std::env::set_var("SMC_DISCOVERY", "assert-peer");
+        d
+    });
+    let s = smc::fdapi::stack().expect("fdapi stack");
+    assert!(s.fabric_unavailable().is_none());
+    s
+}
+
 /// A server program of `smc run` (the fd-level API): each accepted connection's rendezvous
 /// on the program's own socket, then the program reads its socket itself (after the
 /// crossed CLC messages are taken out, as the library does before a read) and echoes one
 /// line.
 #[test]
 fn fdapi_server_gets_the_first_bytes_of_every_concurrent_client() {
-    let (da, db) = (test_dir("fd-client"), test_dir("fd-server"));
-    // The process-wide stack of `smc::fdapi` is made from the environment at its first use
-    // (here, before any other thread of this test exists).
-    std::env::set_var("SMC_FABRIC_DIR", &db);
-    std::env::set_var("SMC_DISCOVERY", "assert-peer");
     one_cpu();
-    let server_stack = smc::fdapi::stack().expect("fdapi stack");
-    assert!(server_stack.fabric_unavailable().is_none());
+    let _server = fdapi_stack();
+    let da = test_dir("fd-client");
     let client = stack(&da);
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
@@ -190,7 +205,79 @@ fn fdapi_server_gets_the_first_bytes_of_every_concurrent_client() {
     let st = client.stats();
     assert_eq!(st.fallbacks, (THREADS * EACH) as u64, "{st:?}");
     let _ = std::fs::remove_dir_all(&da);
-    let _ = std::fs::remove_dir_all(&db);
+}
+
+/// A client program of `smc run` (the fd-level API) that waits for readability before it
+/// reads, as event loops and `poll`-then-`read` programs do, against a server that answers
+/// only a request: after the connect the program's socket must not be readable, as over
+/// TCP. When both ends declined at once, the server's Decline crossed ours and stood in the
+/// socket: `poll` reported it readable, and the blocking read that followed (the crossed
+/// Decline stripped, no data behind it) waited for good, the request never sent.
+#[test]
+fn fdapi_client_socket_is_not_readable_before_the_server_writes() {
+    one_cpu();
+    let _client = fdapi_stack();
+    let ds = test_dir("poll-server");
+    let server = stack(&ds);
+    let l = SmcListener::bind_with(&server, "127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut b = [0u8; 256];
+                if let Ok(n) = s.read(&mut b) {
+                    let _ = s.write_all(&b[..n]);
+                }
+            });
+        }
+    });
+    for i in 0..EACH {
+        let fd = rustix::net::socket(
+            rustix::net::AddressFamily::INET,
+            rustix::net::SocketType::STREAM,
+            None,
+        )
+        .expect("socket");
+        let t = match smc::fdapi::connect(fd.as_fd(), addr, false) {
+            Ok(Setup::Tcp(t)) => t,
+            other => panic!("connection {i}: {other:?}"),
+        };
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let wait = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 300_000_000,
+        };
+        let n = rustix::event::poll(&mut fds, Some(&wait)).expect("poll");
+        let mut peek = [0u8; 64];
+        let there = rustix::net::recv(
+            &fd,
+            &mut peek,
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        )
+        .map_or(0, |(n, _)| n);
+        assert_eq!(
+            n,
+            0,
+            "connection {i} ({:?}): readable before the server wrote: {:02x?}",
+            t.mode(),
+            &peek[..there]
+        );
+        let mut s = std::net::TcpStream::from(fd);
+        let msg = hello(0, i);
+        s.write_all(&msg).expect("request");
+        if t.strips_crossed() {
+            t.strip_crossed(s.as_fd(), true).expect("strip");
+        }
+        s.set_read_timeout(Some(HANG)).expect("timeout");
+        let mut back = vec![0u8; msg.len()];
+        s.read_exact(&mut back).expect("answer");
+        assert_eq!(back, msg);
+    }
+    let _ = std::fs::remove_dir_all(&ds);
 }
 
 /// Both ends on the stack's own API (whose fallen-back stream keeps what the rendezvous
@@ -217,6 +304,15 @@ fn api_concurrent_connects_across_fabrics_all_end() {
     });
     let done = connect_all(&client, addr);
     assert_all_tcp(&done);
+    // The client declines in place of its Confirm (the server's port is not in its fabric
+    // directory): the server falls back on reading it and declines nothing itself.
+    for (t, i, m) in &done {
+        assert_eq!(
+            m,
+            &Ok(Mode::Tcp(FallbackReason::Declined(DeclineCode::ERR_RDYLNK))),
+            "thread {t} connection {i}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&da);
     let _ = std::fs::remove_dir_all(&db);
 }
