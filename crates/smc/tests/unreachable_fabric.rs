@@ -135,18 +135,24 @@ fn one_cpu() {
     }
 }
 
-/// The process-wide stack of `smc::fdapi`, made from the environment at its first use: on a
-/// fabric directory of its own, assert-peer discovery. Each test first pins its thread
-/// ([`one_cpu`]), so that the stack's threads, started by the first test here, are pinned too.
-fn fdapi_stack() -> Stack {
+/// The environment the process-wide stack of `smc::fdapi` is made from (a fabric directory of
+/// its own, assert-peer discovery), set once, before anything else of a test runs: every test
+/// calls this first, so that no thread reads the environment while it is written.
+fn fdapi_env() {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let d = test_dir("fdapi");
-        // (Before the stack exists; set once, under the lock of the OnceLock.)
         std::env::set_var("SMC_FABRIC_DIR", &d);
         std::env::set_var("SMC_DISCOVERY", "assert-peer");
         d
     });
+}
+
+/// The process-wide stack of `smc::fdapi`, made from the environment at its first use: on a
+/// fabric directory of its own, assert-peer discovery. Each test first pins its thread
+/// ([`one_cpu`]), so that the stack's threads, started by the first test here, are pinned too.
+fn fdapi_stack() -> Stack {
+    fdapi_env();
     let s = smc::fdapi::stack().expect("fdapi stack");
     assert!(s.fabric_unavailable().is_none());
     s
@@ -158,6 +164,7 @@ fn fdapi_stack() -> Stack {
 /// line.
 #[test]
 fn fdapi_server_gets_the_first_bytes_of_every_concurrent_client() {
+    fdapi_env();
     one_cpu();
     let _server = fdapi_stack();
     let da = test_dir("fd-client");
@@ -215,6 +222,7 @@ fn fdapi_server_gets_the_first_bytes_of_every_concurrent_client() {
 /// Decline stripped, no data behind it) waited for good, the request never sent.
 #[test]
 fn fdapi_client_socket_is_not_readable_before_the_server_writes() {
+    fdapi_env();
     one_cpu();
     let _client = fdapi_stack();
     let ds = test_dir("poll-server");
@@ -284,6 +292,7 @@ fn fdapi_client_socket_is_not_readable_before_the_server_writes() {
 /// read past its messages): every connect ends, every echo is right.
 #[test]
 fn api_concurrent_connects_across_fabrics_all_end() {
+    fdapi_env();
     let (da, db) = (test_dir("api-client"), test_dir("api-server"));
     let server = stack(&db);
     let client = stack(&da);
