@@ -65,15 +65,19 @@ fn hello(t: usize, i: usize) -> Vec<u8> {
     format!("hello from thread {t} connection {i}\n").into_bytes()
 }
 
-/// `THREADS` threads each connect `EACH` times at once on `client` to `addr`, write their
+/// `THREADS` threads each connect `each` times at once on `client` to `addr`, write their
 /// hello right after the connect and read it back; every result (or the first missing one
 /// after [`HANG`]) is returned.
-fn connect_all(client: &Stack, addr: SocketAddr) -> Vec<(usize, usize, Result<Mode, String>)> {
+fn connect_all(
+    client: &Stack,
+    addr: SocketAddr,
+    each: usize,
+) -> Vec<(usize, usize, Result<Mode, String>)> {
     let (tx, rx) = mpsc::channel();
     for t in 0..THREADS {
         let (client, tx) = (client.clone(), tx.clone());
         std::thread::spawn(move || {
-            for i in 0..EACH {
+            for i in 0..each {
                 let r = SmcStream::connect_with(&client, addr).and_then(|mut s| {
                     let msg = hello(t, i);
                     s.write_all(&msg)?;
@@ -93,13 +97,13 @@ fn connect_all(client: &Stack, addr: SocketAddr) -> Vec<(usize, usize, Result<Mo
     }
     drop(tx);
     let mut done = Vec::new();
-    for _ in 0..THREADS * EACH {
+    for _ in 0..THREADS * each {
         match rx.recv_timeout(HANG + HANG) {
             Ok(r) => done.push(r),
             Err(_) => panic!(
                 "a connect never ended: {} of {} done: {done:?}\nclient {:?}",
                 done.len(),
-                THREADS * EACH,
+                THREADS * each,
                 client.stats()
             ),
         }
@@ -207,10 +211,12 @@ fn fdapi_server_gets_the_first_bytes_of_every_concurrent_client() {
             });
         }
     });
-    let done = connect_all(&client, addr);
+    // (Three times the connections of the other tests: the old code lost the first line of
+    // only some of them, and of none in some runs of 32.)
+    let done = connect_all(&client, addr, 3 * EACH);
     assert_all_tcp(&done);
     let st = client.stats();
-    assert_eq!(st.fallbacks, (THREADS * EACH) as u64, "{st:?}");
+    assert_eq!(st.fallbacks, (THREADS * 3 * EACH) as u64, "{st:?}");
     let _ = std::fs::remove_dir_all(&da);
 }
 
@@ -311,7 +317,7 @@ fn api_concurrent_connects_across_fabrics_all_end() {
             });
         }
     });
-    let done = connect_all(&client, addr);
+    let done = connect_all(&client, addr, EACH);
     assert_all_tcp(&done);
     // The client declines in place of its Confirm (the server's port is not in its fabric
     // directory): the server falls back on reading it and declines nothing itself.
