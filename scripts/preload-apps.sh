@@ -832,7 +832,7 @@ echo "== tokio (multi-thread runtime, tokio::net; mio dups its epoll number): ec
 cargo build -q -p smc --example tokio_echo --locked
 echo_pair tokio 18110 target/debug/examples/tokio_echo
 
-echo "== tokio across two fabric directories (stacks that cannot reach each other; both may decline at once)"
+echo "== tokio across two fabric directories (stacks that cannot reach each other: the client declines in place of its Confirm)"
 tok=target/debug/examples/tokio_echo
 : >"$SMC_LOG.tokx"
 SMC_FABRIC_DIR="$work/fabric-b" SMC_LOG="$SMC_LOG.tokx" "$SMC" run "$tok" server 18113 4 >"$work/tokx-s.log" 2>&1 &
@@ -845,7 +845,7 @@ wait $tsrv || { cat "$work/tokx-s.log"; fail "tokio server (another fabric)"; }
 grep -q "4 connections, 4000000 bytes echoed" "$work/tokx-s.log" || fail "tokio server: $(cat "$work/tokx-s.log")"
 n=$(grep -c ": TCP (Tcp(.*Declined" "$SMC_LOG.tokx" || true)
 [ "$n" = 8 ] || fail "tokio across fabrics: $n declined TCP ends, 8 expected"
-echo "   4 echoes of 1 MB right over TCP (a crossed Decline is not data)"
+echo "   4 echoes of 1 MB right over TCP (no Decline taken for data)"
 
 if command -v node >/dev/null 2>&1; then
     echo "== node (libuv, net module, half-close): echo server + client"
@@ -899,6 +899,18 @@ if [ -n "$pgbin" ] && id postgres >/dev/null 2>&1; then
         && grep -q "processed: 100/100" "$work/pgbench-C.log" || { cat "$work/pgbench-C.log"; pgfail "pgbench -C"; }
     got=$(aspg timeout 30 psql -X -At -c "select count(*) from pgbench_accounts") || pgfail "plain psql"
     [ "$got" = 100000 ] || pgfail "plain psql: $got rows of pgbench_accounts, 100000 expected"
+    # pgbench as root, in the script's fabric directory, not the server's (two users' programs
+    # with their default ones: the stacks cannot reach each other), 4 clients from 2 threads
+    # on one CPU: every connection TCP (the client declines in place of its Confirm). It hung
+    # in a connect when a backend's rendezvous read the client's startup packet along with
+    # its Decline.
+    : >"$work/pgbench-x.smclog"
+    SMC_LOG="$work/pgbench-x.smclog" timeout 60 taskset -c 0 "$SMC" run "$pgbin/pgbench" -h 127.0.0.1 \
+        -p 18432 -U postgres -c 4 -j 2 -t 20 postgres >"$work/pgbench-x.log" 2>&1 \
+        && grep -q "processed: 80/80" "$work/pgbench-x.log" \
+        || { cat "$work/pgbench-x.log"; pgfail "pgbench as root across fabric directories"; }
+    n=$(grep -c ": TCP (Tcp(Declined(DeclineCode::ERR_RDYLNK)))" "$work/pgbench-x.smclog" || true)
+    [ "$n" = 5 ] || pgfail "pgbench across fabric directories: $n declined client ends, 5 expected"
     kill -INT $pgpid
     wait $pgpid || true
     # psql 1, pgbench -i 1, -c 40 41 (its first connection checks the tables), -C 101: 144
@@ -907,7 +919,10 @@ if [ -n "$pgbin" ] && id postgres >/dev/null 2>&1; then
     [ "$n" = 288 ] || fail "PostgreSQL: $n SMC-R ends, 288 expected"
     n=$(grep -c ": TCP (Tcp(PeerWithoutOption))" "$pgw/preload.log" || true)
     [ "$n" = 1 ] || fail "PostgreSQL: the plain psql's connection not TCP ($n)"
-    echo "   4 MB row hash right, pgbench 800 + 100 transactions, 0 failed, 288 SMC-R ends; plain psql over TCP"
+    n=$(grep -c ": TCP (Tcp(PeerDeclined { code: DeclineCode::ERR_RDYLNK" "$pgw/preload.log" || true)
+    [ "$n" = 5 ] || fail "PostgreSQL: $n backends declined by root's pgbench, 5 expected"
+    echo "   4 MB row hash right, pgbench 800 + 100 transactions, 0 failed, 288 SMC-R ends; plain psql over TCP;"
+    echo "   root's pgbench (another fabric directory) 80 transactions over TCP, 5 connections declined"
 else
     echo "== PostgreSQL: skipped (postgresql missing; run scripts/install-deps.sh)"
 fi

@@ -160,6 +160,16 @@ pub trait Resources {
         true
     }
 
+    /// Whether a QP of our RNIC `device` can be connected to the RoCE port `gid` at all, when
+    /// that is known before trying: the shm fabric knows the ports of its fabric directory
+    /// (a peer in another directory, a program of another user, is out of reach). The
+    /// default says yes: only the QP's connect tells (a routed RoCEv2 path may work off the
+    /// LAN). A client told no declines in place of its Confirm.
+    fn connectable(&self, device: DeviceId, gid: Gid) -> bool {
+        let _ = (device, gid);
+        true
+    }
+
     /// The device that speaks to the RoCE port `gid` from the RNIC of our `device`: `device`
     /// itself when its GID suits (the default), another GID of the same RNIC (a RoCEv2 RNIC
     /// with an IPv4-mapped and an IPv6 GID is one device per GID to the endpoint, and a

@@ -77,6 +77,9 @@ pub struct FakeResources {
     /// [`Resources::port_for`] (several GIDs of one RNIC as devices): `None` keeps the
     /// default, every device speaks to every GID.
     pub port_for: Option<fn(DeviceId, Gid) -> Option<DeviceId>>,
+    /// [`Resources::connectable`]: `false` as if the peer's ports were on another fabric
+    /// (a shm fabric directory this host does not share).
+    pub connectable: bool,
 }
 
 impl FakeResources {
@@ -95,6 +98,7 @@ impl FakeResources {
             fail_create_qp: 0,
             fail_register_rmb: None,
             port_for: None,
+            connectable: true,
         }
     }
 }
@@ -153,6 +157,10 @@ impl Resources for FakeResources {
 
     fn random_u32(&mut self) -> u32 {
         self.rng.next_u64() as u32
+    }
+
+    fn connectable(&self, _device: DeviceId, _gid: Gid) -> bool {
+        self.connectable
     }
 
     fn port_for(&self, device: DeviceId, gid: Gid) -> Option<DeviceId> {

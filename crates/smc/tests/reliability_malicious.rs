@@ -324,8 +324,9 @@ fn a_decline_crossing_ours_is_not_data() {
         let server = std::thread::spawn(move || {
             let (mut s, _) = l.accept().expect("accept");
             read_clc(&mut s).expect("our Proposal");
-            // A first-contact Accept for a QP that never answers: the client confirms, and
-            // its LLC negotiation (CONFIRM LINK) fails, so it declines (C.2).
+            // A first-contact Accept for a port the client cannot reach (not in its fabric
+            // directory): it declines in place of its Confirm (before, it confirmed and
+            // declined when its LLC negotiation failed, C.2).
             s.write_all(&vector("clc_accept_first_contact"))
                 .expect("accept");
             let mut seen = Vec::new();

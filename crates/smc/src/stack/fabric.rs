@@ -260,6 +260,21 @@ impl Resources for Fabric {
         self.dir.join(d.name()).join(format!("{hex}.sock")).exists()
     }
 
+    fn connectable(&self, device: smc_proto::fabric::DeviceId, gid: smc_wire::Gid) -> bool {
+        let Some(d) = self.port_device(device) else {
+            return false;
+        };
+        // A software RoCE port: only the QP's connect tells (the peer may be routed).
+        if d.reaches(smc_fabric::Gid(gid.0)).is_some() {
+            return true;
+        }
+        // A shm device connects a QP through the peer port's socket in its own fabric
+        // directory: without it (a peer using another directory, as two users' programs
+        // with their default ones) the connect fails for sure.
+        let hex: String = gid.0.iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(d.name()).join(format!("{hex}.sock")).exists()
+    }
+
     fn random_u32(&mut self) -> u32 {
         (self.next_random() >> 32) as u32
     }

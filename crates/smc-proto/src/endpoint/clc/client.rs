@@ -145,7 +145,19 @@ impl Endpoint {
             }
             return;
         }
-        // First contact (possibly a parallel link group the server chose to create).
+        // First contact (possibly a parallel link group the server chose to create). A
+        // server port our RNIC cannot connect a QP to (the shm fabric: a peer in another
+        // fabric directory) is declined in place of the Confirm. A Confirm followed by the
+        // Decline of the failed QP connect would cross the server's own Decline (it fails
+        // its connect to our QP as well, C.2), and the server's Decline would then stand in
+        // front of the program's data in our TCP socket, where a program that waits for
+        // readability takes it for data.
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.1.6.4
+        //# The SMC Decline CLC message may be sent in place of any expected message
+        if !res.connectable(device, a.gid) {
+            self.decline(tcp, DeclineCode::ERR_RDYLNK, false, now);
+            return;
+        }
         let llc = if agreed.is_some() {
             LlcVersion::V2
         } else {

@@ -559,3 +559,38 @@ fn server_answers_from_the_gid_of_the_clients_kind() {
         .values()
         .all(|l| l.remote.is_some_and(|r| r.gid == dev1)));
 }
+
+/// The client's RNIC cannot connect a QP to the server's port at all (`Resources::
+/// connectable`: a peer in another shm fabric directory, as two users' programs with their
+/// default ones): the client declines in place of its Confirm, before any link group of its
+/// own; the server, still waiting for the Confirm, falls back on reading it and sends no
+/// Decline of its own, so none crosses ours on the way (the program would find it in front
+/// of its data). Both link groups are gone.
+#[test]
+fn client_declines_in_place_of_confirm_a_port_it_cannot_connect_to() {
+    let mut p = EndpointPair::new(config(Side::A, 1), config(Side::B, 1), 1);
+    p.a.res.connectable = false;
+    p.connect(T1);
+    p.run();
+    assert_eq!(
+        p.flow(true),
+        [
+            "A->B SMC Proposal",
+            "B->A SMC Accept(first contact)",
+            "A->B SMC Decline(0x09990002)"
+        ]
+    );
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(DeclineCode::ERR_RDYLNK))
+    );
+    assert_eq!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::PeerDeclined {
+            code: DeclineCode::ERR_RDYLNK,
+            out_of_sync: false
+        })
+    );
+    assert_eq!(p.a.ep.link_groups().count(), 0);
+    assert_eq!(p.b.ep.link_groups().count(), 0);
+}
