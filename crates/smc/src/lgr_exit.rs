@@ -65,8 +65,8 @@ pub(crate) fn end_link_groups(inner: &Inner) {
     let start = Instant::now();
     let mut core = loop {
         match inner.core.try_lock() {
-            Ok(c) => break c,
-            Err(TryLockError::Poisoned(p)) => break p.into_inner(),
+            Ok(c) => break crate::stack::CoreGuard::new(c),
+            Err(TryLockError::Poisoned(p)) => break crate::stack::CoreGuard::new(p.into_inner()),
             Err(TryLockError::WouldBlock) if start.elapsed() < LOCK_WAIT => {
                 std::thread::sleep(Duration::from_millis(1));
             }

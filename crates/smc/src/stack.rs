@@ -272,6 +272,9 @@ pub(crate) struct Core {
     /// Receive slots whose message was copied out, to be posted again at the next poll (see
     /// [`Core::repost_receives`]).
     reposts: Vec<(LinkId, u64)>,
+    /// Condition variables of blocked readers and writers that this hold of the lock found
+    /// something for: notified by [`CoreGuard`] once the lock is released (see there).
+    wakes: Vec<Arc<Condvar>>,
 }
 
 impl Core {
@@ -629,13 +632,16 @@ impl Core {
     }
 
     /// Wake event loops and threads waiting on connection `tcp`.
-    fn signal(&self, tcp: TcpId, read: bool, write: bool) {
+    fn signal(&mut self, tcp: TcpId, read: bool, write: bool) {
         // (One lookup: this runs for every CDC that brings data.)
-        let Some(s) = self.slots.get(&tcp) else {
+        let Some(s) = self.slots.get_mut(&tcp) else {
             return;
         };
-        if s.waiters > 0 {
-            s.cond.notify_all();
+        // Woken once the lock is released (`CoreGuard`), once per connection until a waiter
+        // registers or returns (`Slot::wake_queued`).
+        if s.waiters > 0 && !s.wake_queued {
+            s.wake_queued = true;
+            self.wakes.push(s.cond.clone());
         }
         if let Some(n) = s.notify() {
             if read {
@@ -989,6 +995,74 @@ impl Core {
     }
 }
 
+/// The core lock, held. The threads blocked on a connection that this hold found something
+/// for (`Core::signal`: data, room, a close) are woken when it is released, not under it.
+/// Woken under it, a reader or writer either preempted the thread that woke it (on this
+/// 2-core VM it often shares the CPU) or ran on the other CPU, and then found the lock still
+/// taken and went back to sleep on it until the waker let go: measured with
+/// `perf record -e sched:sched_switch` on `smc bench --tests multistream --streams 256`,
+/// about a third of the bench server's and the client's switches were such a woken thread
+/// blocking on the lock (`lock_contended` under `Condvar::wait_timeout`), the waker's switch
+/// out in `notify_all` (preempted by the thread it woke, the lock held) another tenth.
+pub(crate) struct CoreGuard<'a> {
+    /// `None` only after [`into_std`](Self::into_std).
+    guard: Option<MutexGuard<'a, Core>>,
+}
+
+impl<'a> CoreGuard<'a> {
+    /// The lock held as `guard`.
+    pub(crate) fn new(guard: MutexGuard<'a, Core>) -> CoreGuard<'a> {
+        CoreGuard { guard: Some(guard) }
+    }
+
+    /// The standard guard, for a condition variable's wait (which releases the lock itself):
+    /// the wakes found so far are made now, under the lock.
+    pub(crate) fn into_std(mut self) -> MutexGuard<'a, Core> {
+        let Some(mut g) = self.guard.take() else {
+            unreachable!("the guard is taken only here, by value")
+        };
+        for c in g.wakes.drain(..) {
+            c.notify_all();
+        }
+        g
+    }
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        match &self.guard {
+            Some(g) => g,
+            None => unreachable!("the guard is taken only by into_std, which consumes it"),
+        }
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Core {
+        match &mut self.guard {
+            Some(g) => g,
+            None => unreachable!("the guard is taken only by into_std, which consumes it"),
+        }
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut g) = self.guard.take() else {
+            return;
+        };
+        if g.wakes.is_empty() {
+            return;
+        }
+        let wakes = std::mem::take(&mut g.wakes);
+        drop(g);
+        for c in wakes {
+            c.notify_all();
+        }
+    }
+}
+
 /// Shared state of a stack.
 pub(crate) struct Inner {
     pub(crate) config: StackConfig,
@@ -1032,8 +1106,8 @@ pub(crate) struct Inner {
 impl Inner {
     /// Lock the core (a poisoned lock is still usable: every operation leaves it consistent
     /// enough to continue, and panics are bugs that tests catch).
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock(&self) -> CoreGuard<'_> {
+        CoreGuard::new(self.core.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// A fresh connection id.
@@ -1227,6 +1301,7 @@ impl Stack {
             closing: Vec::new(),
             fin_deadline: None,
             reposts: Vec::new(),
+            wakes: Vec::new(),
         };
         let control_path = crate::control::control_dir(&config.fabric.dir).join(format!(
             "{}-{:04x}.sock",

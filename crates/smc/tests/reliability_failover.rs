@@ -190,10 +190,15 @@ fn failover_under_load_loses_nothing() {
         } else {
             assert!(st.set_port_state(dev, PortState::Down));
         }
+        // After a port-down fault the group keeps one link until the port comes back; after
+        // a QP error the port stays up and the link is added back on its own (after
+        // `add_link_retry`, 20 ms), so that one-link moment can pass between two looks of
+        // `wait_until` on a loaded machine: the failure count says the link went down.
         assert!(
             wait_until(Duration::from_secs(30), || st.stats().links_down > before
-                && st.link_groups().iter().any(|g| g.links.len() == 1)),
-            "failover {i}: the link never went down: {:?}",
+                && (qp_error
+                    || st.link_groups().iter().any(|g| g.links.len() == 1))),
+            "failover {i} (QP error: {qp_error}): the link never went down: {:?}",
             st.link_groups()
         );
         down_to_failover += t0.elapsed();

@@ -33,6 +33,10 @@ pub(crate) struct Slot {
     pub(crate) cond: Arc<Condvar>,
     /// How many threads wait on `cond` (it is signalled only then: no system call otherwise).
     pub(crate) waiters: u32,
+    /// `cond` is queued for a notify when the core lock is released (`CoreGuard`): a second
+    /// event before a waiter looks adds nothing. Cleared whenever a waiter registers or
+    /// returns, so that a waiter that registered after the queued notify is never skipped.
+    pub(crate) wake_queued: bool,
     /// Signalled when the setup ends (established, fell back, reset), for a rendezvous that
     /// waits for an LLC exchange another thread handles: made only then (an eventfd).
     pub(crate) setup_waker: Option<Arc<rustix::fd::OwnedFd>>,
@@ -75,6 +79,7 @@ impl Slot {
             notify: None,
             cond: Arc::new(Condvar::new()),
             waiters: 0,
+            wake_queued: false,
             setup_waker: None,
             copying_out: false,
             copying_in: false,

@@ -155,14 +155,11 @@ impl SmcStream {
         &self,
         inner: &'a crate::stack::Inner,
         id: TcpId,
-        mut core: std::sync::MutexGuard<'a, Core>,
+        mut core: crate::stack::CoreGuard<'a>,
         now: smc_proto::Timestamp,
         wait: Duration,
         want: Want,
-    ) -> (
-        std::sync::MutexGuard<'a, Core>,
-        Option<smc_proto::Timestamp>,
-    ) {
+    ) -> (crate::stack::CoreGuard<'a>, Option<smc_proto::Timestamp>) {
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
         // Whether this thread is the poller (the flag changes only under the core lock).
         let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
@@ -341,16 +338,18 @@ impl SmcStream {
         }
         let Some(cond) = core.slots.get_mut(&id).map(|s| {
             s.waiters += 1;
+            s.wake_queued = false;
             s.cond.clone()
         }) else {
             return (core, None);
         };
         core.sync_readable_events(id);
         inner.followers.fetch_add(1, Ordering::AcqRel);
-        let mut core = match cond.wait_timeout(core, wait) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        };
+        let mut core =
+            crate::stack::CoreGuard::new(match cond.wait_timeout(core.into_std(), wait) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            });
         if adaptive {
             self.spin
                 .slept(spin.unwrap_or_default().min(wait), slept.elapsed());
@@ -358,6 +357,7 @@ impl SmcStream {
         inner.followers.fetch_sub(1, Ordering::AcqRel);
         if let Some(s) = core.slots.get_mut(&id) {
             s.waiters = s.waiters.saturating_sub(1);
+            s.wake_queued = false;
         }
         core.sync_readable_events(id);
         (core, None)
@@ -638,12 +638,12 @@ fn send_in_pieces(
 /// [`Endpoint::write_plan`]: smc_proto::Endpoint::write_plan
 fn unlocked_write<'a>(
     inner: &'a crate::stack::Inner,
-    mut core: std::sync::MutexGuard<'a, Core>,
+    mut core: crate::stack::CoreGuard<'a>,
     id: TcpId,
     buf: &[u8],
     mut now: smc_proto::Timestamp,
 ) -> (
-    std::sync::MutexGuard<'a, Core>,
+    crate::stack::CoreGuard<'a>,
     Result<usize, smc_proto::endpoint::EndpointError>,
 ) {
     let piece = core.ep.connection(id).map_or(buf.len(), |c| {
@@ -777,11 +777,11 @@ enum Unlocked {
 /// the urgent byte) is left to the locked path.
 fn unlocked_read<'a>(
     inner: &'a crate::stack::Inner,
-    mut core: std::sync::MutexGuard<'a, Core>,
+    mut core: crate::stack::CoreGuard<'a>,
     id: TcpId,
     buf: &mut [u8],
     now: smc_proto::Timestamp,
-) -> (std::sync::MutexGuard<'a, Core>, Unlocked) {
+) -> (crate::stack::CoreGuard<'a>, Unlocked) {
     let max = u32::try_from(buf.len()).unwrap_or(u32::MAX);
     // (The caller saw that no other read of the connection copies.)
     if core.slots.get(&id).is_none() {
