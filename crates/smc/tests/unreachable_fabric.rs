@@ -235,17 +235,7 @@ fn fdapi_client_socket_is_not_readable_before_the_server_writes() {
     let server = stack(&ds);
     let l = SmcListener::bind_with(&server, "127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut b = [0u8; 256];
-                if let Ok(n) = s.read(&mut b) {
-                    let _ = s.write_all(&b[..n]);
-                }
-            });
-        }
-    });
+    echo_server(l, true);
     for i in 0..EACH {
         let fd = rustix::net::socket(
             rustix::net::AddressFamily::INET,
@@ -304,19 +294,7 @@ fn api_concurrent_connects_across_fabrics_all_end() {
     let client = stack(&da);
     let l = SmcListener::bind_with(&server, "127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut b = [0u8; 256];
-                while let Ok(n) = s.read(&mut b) {
-                    if n == 0 || s.write_all(&b[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    echo_server(l, false);
     let done = connect_all(&client, addr, EACH);
     assert_all_tcp(&done);
     // The client declines in place of its Confirm (the server's port is not in its fabric
@@ -330,4 +308,22 @@ fn api_concurrent_connects_across_fabrics_all_end() {
     }
     let _ = std::fs::remove_dir_all(&da);
     let _ = std::fs::remove_dir_all(&db);
+}
+
+/// Serve `l` from a thread, a thread per connection echoing what it reads: the first read
+/// only (`once`), or until the end of stream.
+fn echo_server(l: SmcListener, once: bool) {
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut b = [0u8; 256];
+                while let Ok(n) = s.read(&mut b) {
+                    if n == 0 || s.write_all(&b[..n]).is_err() || once {
+                        break;
+                    }
+                }
+            });
+        }
+    });
 }
