@@ -741,6 +741,14 @@ impl<'a> ReceiveWait<'a> {
         self.0.receive()
     }
 
+    /// Receive what is waiting without sleeping (nothing when another thread of the process
+    /// is receiving on the device now); returns how many datagrams. For a thread that spins
+    /// on the queue instead of sleeping: the device's own thread leaves the socket to whoever
+    /// holds this promise, so the spinner must receive.
+    pub fn try_receive(&self) -> usize {
+        self.0.try_receive()
+    }
+
     /// Longest one [`block`](Self::block) sleeps.
     pub const BLOCK: Duration = roce::BLOCK;
 

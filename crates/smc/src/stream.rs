@@ -183,7 +183,7 @@ impl SmcStream {
             nonblocking: self.nonblocking,
             read_shut: self.read_shut,
             busy_poll: self.busy_poll,
-            spin: Box::new(AdaptiveSpin::new(self.spin.max)),
+            spin: Box::new(self.spin.fresh()),
             last_read: 1,
             nodelay: std::sync::atomic::AtomicBool::new(
                 self.nodelay.load(std::sync::atomic::Ordering::Relaxed),

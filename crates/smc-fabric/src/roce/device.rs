@@ -191,6 +191,18 @@ impl<'a> ReceiveWait<'a> {
         self.core.receive_pending(&mut st)
     }
 
+    /// Receive what is waiting without sleeping, unless another thread is receiving (then
+    /// nothing: what it receives lands in the queues all the same); returns how many
+    /// datagrams. For a thread that spins instead of sleeping: while it holds this promise the
+    /// device's thread stays off the socket, so its spin must receive (one non-blocking
+    /// `recvmmsg` per look).
+    pub(crate) fn try_receive(&self) -> usize {
+        match try_lock(&self.core.rx) {
+            Some(mut st) => self.core.receive_pending(&mut st),
+            None => 0,
+        }
+    }
+
     /// Sleep in the socket's receive call itself, up to `rx::BLOCK`, and handle what
     /// arrives: one system call per wake-up where sleeping in `poll` on the socket and the
     /// completion channel, then receiving, takes two. `Some(n)`: there is something to poll

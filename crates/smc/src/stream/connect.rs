@@ -203,7 +203,10 @@ impl SmcStream {
             nonblocking: false,
             read_shut: false,
             busy_poll: stack.config().busy_poll,
-            spin: Box::new(AdaptiveSpin::new(stack.config().adaptive_spin)),
+            spin: Box::new(AdaptiveSpin::for_stack(
+                stack.config().adaptive_spin,
+                &stack.inner,
+            )),
             last_read: 1,
             nodelay: Default::default(),
             urgent_slot: None,

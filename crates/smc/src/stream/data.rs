@@ -20,22 +20,68 @@ const SPIN_GROW_START: Duration = Duration::from_micros(5);
 /// the answer stays. A connection whose peer is slow or idle soon sleeps at once again and
 /// costs no CPU, and so does one whose peer cannot answer while this thread spins (a loaded
 /// machine: the spin takes the CPU the peer needs).
+///
+/// On software RoCE devices ([`AdaptiveSpin::for_stack`]) the policy is another, since there
+/// a short sleep after a failed spin does not say that a longer spin would have caught the
+/// answer: when both processes run on one CPU, the peer answers *because* this thread gave
+/// the CPU up, however long it spun (measured: 1-byte ping-pong p50 27 µs without the spin,
+/// 63–92 µs with a 50 µs one, which "grew" after every such sleep; docs/performance.md).
+/// There a spin starts at `max`; one that catches the answer doubles back towards `max`, one
+/// that fails is quartered, and when it falls to nothing the next [`hold`](Self::hold) short
+/// sleeps start none, the hold doubling (up to [`ROCE_SPIN_HOLD_MAX`]) every time a series of
+/// spins fails and going back to one when a spin catches: two processes on one CPU pay a
+/// failed series every thousand round trips, two on two CPUs spin every time.
 #[derive(Debug)]
 pub(crate) struct AdaptiveSpin {
     /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
     pub(super) max: Option<Duration>,
     /// The budget after a short sleep without a spin.
     start: Duration,
+    /// The software RoCE policy (see above): only a spin that caught the answer grows it.
+    catch_only: bool,
     /// Current budget in nanoseconds.
     budget_ns: std::sync::atomic::AtomicU64,
+    /// `catch_only`: short sleeps that still start no spin.
+    hold: std::sync::atomic::AtomicU32,
+    /// `catch_only`: the hold set when the next series of spins fails.
+    backoff: std::sync::atomic::AtomicU32,
     /// The stream wrote since its last read returned data: a read now likely waits for a
     /// reply, which spinning catches.
     after_write: std::sync::atomic::AtomicBool,
 }
 
+/// Longest hold of the software RoCE policy, in short sleeps (see [`AdaptiveSpin`]).
+const ROCE_SPIN_HOLD_MAX: u32 = 1024;
+
 impl AdaptiveSpin {
     pub(crate) fn new(max: Option<Duration>) -> AdaptiveSpin {
         AdaptiveSpin::with_start(max, SPIN_GROW_START)
+    }
+
+    /// The spin of a stream of `stack`: with a software RoCE device, the policy for it (see
+    /// above), which starts at the longest spin.
+    pub(crate) fn for_stack(max: Option<Duration>, inner: &crate::stack::Inner) -> AdaptiveSpin {
+        if inner.cqs.iter().any(|c| c.needs_receiver()) {
+            AdaptiveSpin::catching(max)
+        } else {
+            AdaptiveSpin::new(max)
+        }
+    }
+
+    /// The software RoCE policy (see above).
+    pub(crate) fn catching(max: Option<Duration>) -> AdaptiveSpin {
+        AdaptiveSpin {
+            catch_only: true,
+            ..AdaptiveSpin::with_start(max, max.unwrap_or_default())
+        }
+    }
+
+    /// A spin like this one, for another stream.
+    pub(crate) fn fresh(&self) -> AdaptiveSpin {
+        AdaptiveSpin {
+            catch_only: self.catch_only,
+            ..AdaptiveSpin::with_start(self.max, self.start)
+        }
     }
 
     /// A spin whose budget starts at `start` after a short sleep (instead of
@@ -44,7 +90,10 @@ impl AdaptiveSpin {
         AdaptiveSpin {
             start,
             max: max.filter(|m| !m.is_zero()),
+            catch_only: false,
             budget_ns: std::sync::atomic::AtomicU64::new(0),
+            hold: std::sync::atomic::AtomicU32::new(0),
+            backoff: std::sync::atomic::AtomicU32::new(1),
             after_write: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -58,6 +107,24 @@ impl AdaptiveSpin {
         }
     }
 
+    /// A spin of the current budget found the answer, `in_time` (before the budget ran out)
+    /// or not (the thread was kept off the CPU meanwhile: under the software RoCE policy a
+    /// failed spin).
+    pub(crate) fn caught(&self, in_time: bool) {
+        let Some(max) = self.max.filter(|_| self.catch_only) else {
+            return;
+        };
+        let cur = self.budget_ns.load(Ordering::Relaxed);
+        if !in_time {
+            self.slept(Duration::from_nanos(cur.max(1)), Duration::ZERO);
+            return;
+        }
+        let max = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        self.budget_ns
+            .store(cur.saturating_mul(2).min(max), Ordering::Relaxed);
+        self.backoff.store(1, Ordering::Relaxed);
+    }
+
     /// A blocked call slept for `d` after its spin of `spun` (zero: none) found nothing.
     pub(crate) fn slept(&self, spun: Duration, d: Duration) {
         let Some(max) = self.max else {
@@ -68,10 +135,25 @@ impl AdaptiveSpin {
         let next = if spun.is_zero() {
             // No spin: start one when the sleep was short. A sleep includes this thread's
             // own wake-up, which a loaded machine stretches well beyond the spin.
-            if d <= max.saturating_mul(SPIN_GROW_WINDOW) {
-                ns(self.start).min(ns(max))
-            } else {
+            if d > max.saturating_mul(SPIN_GROW_WINDOW) {
                 cur
+            } else if self.catch_only && self.hold.load(Ordering::Relaxed) > 0 {
+                self.hold.fetch_sub(1, Ordering::Relaxed);
+                cur
+            } else {
+                ns(self.start).min(ns(max))
+            }
+        } else if self.catch_only {
+            // The spin failed, whatever the sleep after it (see above).
+            let quarter = cur / 4;
+            if quarter < 1_000 {
+                let b = self.backoff.load(Ordering::Relaxed);
+                self.hold.store(b, Ordering::Relaxed);
+                self.backoff
+                    .store((b * 2).min(ROCE_SPIN_HOLD_MAX), Ordering::Relaxed);
+                0
+            } else {
+                quarter
             }
         } else if d <= spun {
             // The answer came within one more spin: spin longer.
@@ -87,6 +169,16 @@ impl AdaptiveSpin {
             }
         };
         self.budget_ns.store(next, Ordering::Relaxed);
+    }
+}
+
+/// How many times the calling thread was switched out, preempted or asleep
+/// (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` and `ru_nvcsw`).
+fn switches() -> Option<i64> {
+    // SAFETY: getrusage fills the plain-old-data struct it is given and nothing else.
+    unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        (libc::getrusage(libc::RUSAGE_THREAD, &mut ru) == 0).then_some(ru.ru_nivcsw + ru.ru_nvcsw)
     }
 }
 
@@ -167,18 +259,19 @@ impl SmcStream {
         // expected soon after a request); a streaming reader or a writer waiting for room
         // sleeps at once (on a loaded machine their spinning delays the peer that would end
         // the wait).
-        // Not on software RoCE devices: their completions come from datagrams that the
-        // sleeping thread receives itself (`receive_wait` below), and nobody receives them
-        // while it spins (measured: 64-byte ping-pong p50 about 42 µs with the spin, 32 µs
-        // without, docs/performance.md).
         let adaptive = self.busy_poll.is_none()
             && matches!(want, Want::Read)
-            && self.spin.after_write.load(Ordering::Relaxed)
-            && !inner.cqs.iter().any(|c| c.needs_receiver());
+            && self.spin.after_write.load(Ordering::Relaxed);
         let spin = self
             .busy_poll
             .or_else(|| adaptive.then(|| self.spin.budget()).flatten());
+        // On software RoCE devices the completions come from datagrams that whoever holds a
+        // `ReceiveWait` receives (the device's thread stays off the socket meanwhile): a
+        // spinning thread takes that duty and looks at the socket itself (a non-blocking
+        // `recvmmsg`) at every look at the queues, as a sleeping one sleeps in it below.
+        let mut receivers: Vec<smc_fabric::ReceiveWait<'_>> = Vec::new();
         if let Some(spin) = spin {
+            receivers = inner.cqs.iter().filter_map(|c| c.receive_wait()).collect();
             // Where the next byte a read waits for lands in our RMB.
             let prefetch = match want {
                 // As many bytes as the last read took (a reply as long as the last one).
@@ -200,11 +293,16 @@ impl SmcStream {
                 inner.poller_at.store(micros, Ordering::Release);
             }
             let until = now + spin.min(wait);
+            // Under the software RoCE policy: whether the thread is preempted during the spin
+            // (see `caught` below).
+            let switched = (adaptive && self.spin.catch_only).then(switches).flatten();
             // The clock as of the last look at it: at most one round of spins
             // (SPINS_BETWEEN_LOOKS) old, a few µs, which the engine's timers (500 µs and
             // longer) do not notice. The poll after a wake-up of the spin takes it instead of
             // reading the clock (25 ns, as much as handling a message) on the path of a reply.
             let mut looked_at = now;
+            // Looks at the sockets of software RoCE devices so far.
+            let mut looks = 0u32;
             loop {
                 // Completions that do not concern this call (our own SENDs completing, other
                 // connections' data) are handled here and the spin goes on: returning would
@@ -222,6 +320,14 @@ impl SmcStream {
                     if polling {
                         inner.poller.store(false, Ordering::Release);
                     }
+                    // Found at the first look at the socket, the answer had come before the
+                    // spin began (it says nothing about spinning). Else: caught by the spin,
+                    // or only because this thread was kept off the CPU meanwhile, likely by
+                    // the peer on the same CPU (no catch: the spin only delayed it).
+                    if adaptive && looks > 1 {
+                        let kept_off = switched.is_some_and(|n| switches() != Some(n));
+                        self.spin.caught(core.now() <= until && !kept_off);
+                    }
                     // The time those completions were handled at (see `looked_at`): the
                     // caller need not read the clock again.
                     return (core, polled_at);
@@ -234,10 +340,21 @@ impl SmcStream {
                     break;
                 }
                 drop(core);
+                // Software RoCE: one non-blocking receive per look (a system call costs about
+                // as much as a round of pauses below).
+                for r in &receivers {
+                    r.try_receive();
+                }
+                looks += 1;
                 // Spin without the lock (no cache line of the core bounces, nobody else is
                 // kept out) until a completion queue may hold something; every so often take
                 // the lock anyway, to see the clock and what other threads handled.
-                for _ in 0..SPINS_BETWEEN_LOOKS {
+                let spins = if receivers.is_empty() {
+                    SPINS_BETWEEN_LOOKS
+                } else {
+                    1
+                };
+                for _ in 0..spins {
                     if inner.cqs.iter().any(|cq| cq.maybe_ready()) {
                         // Likely the peer's CDC, with its data before it: the data's line
                         // travels while the poll handles the CDC.
@@ -278,8 +395,9 @@ impl SmcStream {
                 // A datagram on the socket of a software RoCE device wakes this thread, which
                 // receives it itself (no hop through the device's thread on the path of a
                 // reply).
-                let receivers: Vec<smc_fabric::ReceiveWait<'_>> =
-                    inner.cqs.iter().filter_map(|c| c.receive_wait()).collect();
+                if receivers.is_empty() {
+                    receivers = inner.cqs.iter().filter_map(|c| c.receive_wait()).collect();
+                }
                 // One software RoCE device and nothing else to watch: sleep in its socket's
                 // receive call (one system call per wake-up, as a blocking TCP read; `poll`
                 // and then the receive are two) for a while, then in `poll` for the rest.
@@ -336,6 +454,8 @@ impl SmcStream {
             inner.poller.store(false, Ordering::Release);
             return (core, None);
         }
+        // Sleeping on the condition variable, this thread receives nothing: the promise goes.
+        drop(receivers);
         let Some(cond) = core.slots.get_mut(&id).map(|s| {
             s.waiters += 1;
             s.wake_queued = false;
@@ -915,8 +1035,68 @@ mod tests {
         }
         assert_eq!(s.budget(), None, "a slow peer ends the spinning");
         let off = AdaptiveSpin::new(None);
+        off.caught(true);
+        assert_eq!(off.budget(), None);
         off.slept(Duration::ZERO, us(1));
         assert_eq!(off.budget(), None);
         assert_eq!(AdaptiveSpin::new(Some(Duration::ZERO)).budget(), None);
+    }
+
+    #[test]
+    fn roce_spin_backs_off_when_its_spins_fail_and_stays_while_they_catch() {
+        let us = Duration::from_micros;
+        let s = AdaptiveSpin::catching(Some(us(40)));
+        assert_eq!(s.budget(), None, "no spin before the first short sleep");
+        s.slept(Duration::ZERO, us(30));
+        assert_eq!(s.budget(), Some(us(40)), "starts at the maximum");
+        s.caught(true);
+        assert_eq!(s.budget(), Some(us(40)), "a catch keeps it");
+        // A short sleep after a failed spin does not grow it (unlike the shm policy).
+        s.slept(us(40), us(5));
+        assert_eq!(s.budget(), Some(us(10)), "quartered");
+        s.caught(true);
+        assert_eq!(s.budget(), Some(us(20)), "a catch doubles it back");
+        // A late catch (the thread was kept off the CPU) is a failure.
+        s.caught(false);
+        assert_eq!(s.budget(), Some(us(5)));
+        s.slept(us(5), us(5));
+        s.slept(us(1), us(5));
+        assert_eq!(s.budget(), None, "below a microsecond: stop");
+        // Held for one short sleep (the first series failed), then two, then four.
+        for hold in [1, 2, 4] {
+            for _ in 0..hold {
+                s.slept(Duration::ZERO, us(20));
+                assert_eq!(s.budget(), None, "held");
+            }
+            s.slept(Duration::ZERO, us(20));
+            assert_eq!(s.budget(), Some(us(40)), "restarted after {hold}");
+            for _ in 0..3 {
+                let b = s.budget().unwrap_or_default();
+                s.slept(b, us(20));
+            }
+            assert_eq!(s.budget(), None);
+        }
+        // Held for eight; then a catch ends the backoff: the next failed series holds one
+        // sleep again.
+        for _ in 0..9 {
+            s.slept(Duration::ZERO, us(20));
+        }
+        assert_eq!(s.budget(), Some(us(40)));
+        s.caught(true);
+        for _ in 0..3 {
+            let b = s.budget().unwrap_or_default();
+            s.slept(b, us(20));
+        }
+        s.slept(Duration::ZERO, us(20));
+        assert_eq!(s.budget(), None, "held one");
+        s.slept(Duration::ZERO, us(20));
+        assert_eq!(s.budget(), Some(us(40)));
+        // A long sleep neither starts a spin nor counts against the hold.
+        let t = AdaptiveSpin::catching(Some(us(40)));
+        t.slept(Duration::ZERO, Duration::from_millis(5));
+        assert_eq!(t.budget(), None);
+        assert_eq!(t.fresh().budget(), None);
+        t.slept(Duration::ZERO, us(1));
+        assert_eq!(t.budget(), Some(us(40)));
     }
 }
