@@ -20,10 +20,12 @@
 //! socket (the program may close or reuse its number meanwhile), installed only if the
 //! number still names the same entry. A connection that existed at a `fork()` is left to its
 //! first use: the child may be the one that serves it (the parent closes its copy), and the
-//! child's own table holds the same pending entry.
+//! child's own table holds the same pending entry. A process that forked while it held an
+//! unused accepted connection (a server that forks per connection) settles nothing from then
+//! on, and a fork waits for a settle under way ([`SETTLING`]).
 
 use std::os::fd::{AsFd as _, AsRawFd as _};
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -50,6 +52,15 @@ static WAKE: Condvar = Condvar::new();
 static SETTLER_PID: AtomicI32 = AtomicI32::new(0);
 /// Counts the forks: an entry accepted before the latest one is left to its first use.
 static FORKS: AtomicU64 = AtomicU64::new(0);
+/// Held by the settler through a settle and by a `fork()` while it counts itself: a settle
+/// runs entirely before a fork or not at all for what the fork copies (otherwise the parent's
+/// settler and the child's first use ran two server rendezvous on one socket: each read part
+/// of the client's messages, and the connection fell back to TCP).
+static SETTLING: Mutex<()> = Mutex::new(());
+/// This process forked while it held an unused accepted connection: a server that forks per
+/// connection (a postmaster, socat, sshd). Its children serve what it accepts; a settle here
+/// would only make them relay through it. Nothing is settled here from then on.
+static FORKING_SERVER: AtomicBool = AtomicBool::new(false);
 
 fn settle_after() -> Duration {
     static AFTER: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
@@ -64,6 +75,9 @@ fn settle_after() -> Duration {
 
 /// `fd` was just accepted and waits for its rendezvous (entry `e`, `Kind::Pending`).
 pub(crate) fn accepted(fd: c_int, e: &Arc<Entry>) {
+    if FORKING_SERVER.load(Ordering::Relaxed) {
+        return;
+    }
     let mut u = UNUSED.lock().unwrap_or_else(|p| p.into_inner());
     u.list.push((
         fd,
@@ -90,7 +104,16 @@ pub(crate) fn accepted(fd: c_int, e: &Arc<Entry>) {
 
 /// Before a `fork()`: what is pending now is left to its first use.
 pub(crate) fn fork_prepare() {
-    FORKS.fetch_add(1, Ordering::Relaxed);
+    let _settling = SETTLING.lock().unwrap_or_else(|p| p.into_inner());
+    FORKS.fetch_add(1, Ordering::AcqRel);
+    let pending = !UNUSED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .list
+        .is_empty();
+    if pending {
+        FORKING_SERVER.store(true, Ordering::Relaxed);
+    }
 }
 
 /// The settler thread: sleeps until the oldest pending connection is due.
@@ -105,12 +128,12 @@ fn run() {
             u.list
                 .retain(|(_, e, _, gen)| *gen == forks && e.strong_count() > 0);
             let mut due = Vec::new();
-            u.list.retain(|(fd, e, at, _)| {
+            u.list.retain(|(fd, e, at, gen)| {
                 if now.duration_since(*at) < after {
                     return true;
                 }
                 if let Some(e) = e.upgrade() {
-                    due.push((*fd, e));
+                    due.push((*fd, e, *gen));
                 }
                 false
             });
@@ -128,8 +151,12 @@ fn run() {
             }
             due
         };
-        for (fd, e) in due {
-            settle(fd, &e);
+        for (fd, e, gen) in due {
+            let _settling = SETTLING.lock().unwrap_or_else(|p| p.into_inner());
+            // Checked again where a fork cannot slip in between.
+            if FORKS.load(Ordering::Acquire) == gen && !FORKING_SERVER.load(Ordering::Relaxed) {
+                settle(fd, &e);
+            }
         }
     });
 }
