@@ -146,6 +146,9 @@ pub(super) struct Kept {
     pub(super) conn: Option<Arc<Conn>>,
     /// This process's copy of A, once a holder asked.
     pub(super) relay: Option<Arc<Relay>>,
+    /// Sweeps in a row that found no holder: the record goes at the second (a holder in
+    /// the middle of an `execve` was once missed by one look, and its relay refused).
+    misses: u8,
 }
 
 impl Drop for Kept {
@@ -240,6 +243,7 @@ pub(crate) fn closing(fd: c_int, program: &[c_int], id: (u64, u64), conn: &Arc<C
             id,
             tcp,
             internal,
+            misses: 0,
             conn: Some(conn.clone()),
             relay: None,
         })
@@ -285,12 +289,13 @@ pub(super) fn sweep() {
         let mut gone = Vec::new();
         let mut i = 0;
         while i < v.len() {
-            let k = &v[i];
+            let k = &mut v[i];
             let still = look
                 .iter()
                 .zip(&held)
                 .any(|((_, fd, _), h)| *fd == k.tcp.as_raw_fd() && !h.is_empty());
-            if still {
+            k.misses = if still { 0 } else { k.misses.saturating_add(1) };
+            if k.misses < 2 {
                 i += 1;
             } else {
                 gone.push(v.swap_remove(i));
