@@ -180,9 +180,8 @@ fn settle(fd: c_int, e: &Arc<Entry>) {
     let Ok(dup) = smc_fabric::fdplace::dup_placed(bfd(fd)) else {
         return;
     };
-    if table::socket_id(dup.as_raw_fd()).is_none()
-        || table::socket_id(dup.as_raw_fd()) != e.socket.get().copied()
-    {
+    let same = table::socket_id(dup.as_raw_fd());
+    if same.is_none() || same != e.socket.get().copied() {
         return;
     }
     let nb = nonblocking_flag(dup.as_raw_fd());
