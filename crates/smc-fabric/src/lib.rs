@@ -134,6 +134,7 @@ mod shm;
 mod sleepers;
 pub mod sockpath;
 mod sync;
+pub mod threads;
 mod types;
 
 pub use config::{DeviceConfig, DeviceKind, FabricConfig, Fault};

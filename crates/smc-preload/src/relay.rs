@@ -642,9 +642,10 @@ fn start_server() {
         return;
     }
     let spawned = smc::fdapi::signals_blocked(|| {
-        std::thread::Builder::new()
-            .name("smc-relay".into())
-            .spawn(|| crate::guard((), serve))
+        smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name("smc-relay".into()),
+            || crate::guard((), serve),
+        )
     });
     if let Err(e) = spawned {
         log!("relay server: no thread: {e}");
@@ -753,9 +754,10 @@ fn answer(c: c_int) -> Result<Arc<Relay>, c_int> {
     // last reference this is may block (a lingering TCP socket), never the server.
     if !fds.is_empty() {
         let spawned = smc::fdapi::signals_blocked(|| {
-            std::thread::Builder::new()
-                .name("smc-relay-close".into())
-                .spawn(move || drop(fds))
+            smc_fabric::threads::spawn_running(
+                std::thread::Builder::new().name("smc-relay-close".into()),
+                move || drop(fds),
+            )
         });
         if let Err(e) = spawned {
             log!("relay server: no thread to close a request's descriptor: {e}");
@@ -1158,15 +1160,16 @@ fn spawn_pump(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     let p = pump.clone();
     smc::fdapi::signals_blocked(|| {
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || {
+        smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name(name.into()),
+            move || {
                 if p.started() {
                     crate::guard((), || f(&p, &relay));
                 }
                 drop(p);
                 PUMPS.fetch_sub(1, Ordering::AcqRel);
-            })
+            },
+        )
     })
 }
 

@@ -89,10 +89,11 @@ pub(crate) fn accepted(fd: c_int, e: &Arc<Entry>) {
     let pid = table::PID.load(Ordering::Relaxed);
     if SETTLER_PID.swap(pid, Ordering::AcqRel) != pid {
         let started = smc::fdapi::signals_blocked(|| {
-            std::thread::Builder::new()
-                .name("smc-settle".into())
-                .spawn(run)
-                .is_ok()
+            smc_fabric::threads::spawn_running(
+                std::thread::Builder::new().name("smc-settle".into()),
+                run,
+            )
+            .is_ok()
         });
         if !started {
             // Left to the first use, as before; another accept tries again.

@@ -151,9 +151,10 @@ pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<Contro
     l.set_nonblocking(true)?;
     at_exit::remove(&path);
     let l2 = l.clone();
-    let spawned = std::thread::Builder::new()
-        .name("smc-control".into())
-        .spawn(move || serve(&l2, inner));
+    let spawned = smc_fabric::threads::spawn_running(
+        std::thread::Builder::new().name("smc-control".into()),
+        move || serve(&l2, inner),
+    );
     let sock = ControlSocket { path, listener: l };
     if let Err(e) = spawned {
         sock.close();
@@ -213,12 +214,13 @@ fn serve(l: &UnixListener, inner: Weak<Inner>) {
         }
         let stack = Stack { inner: i };
         let b = busy.clone();
-        let spawned = std::thread::Builder::new()
-            .name("smc-control-query".into())
-            .spawn(move || {
+        let spawned = smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name("smc-control-query".into()),
+            move || {
                 let _ = answer(&stack, s);
                 b.fetch_sub(1, Ordering::AcqRel);
-            });
+            },
+        );
         if spawned.is_err() {
             busy.fetch_sub(1, Ordering::AcqRel);
         }

@@ -1268,6 +1268,7 @@ impl Stack {
         ec.hostname = smc_wire::clc_v2::FirstContactExt::hostname_field(&host);
         ec.rmbe_size = config.rmbe_size();
         ec.clc_timeout = config.clc_timeout;
+        ec.accept_wait = (!config.accept_wait.is_zero()).then_some(config.accept_wait);
         ec.llc_timeout = config.llc_timeout;
         ec.add_link_retry = config.add_link_retry;
         ec.keepalive = config.keepalive;
@@ -1346,10 +1347,11 @@ impl Stack {
             }
         }
         let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new()
-            .name("smc-runtime".into())
-            .spawn(move || runtime(weak, devices, cqs))
-            .map_err(StackError::Thread)?;
+        smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name("smc-runtime".into()),
+            move || runtime(weak, devices, cqs),
+        )
+        .map_err(StackError::Thread)?;
         Ok(Stack { inner })
     }
 

@@ -118,9 +118,10 @@ impl TcpWatch {
     /// Start the watcher thread of the stack `weak`.
     pub(crate) fn spawn(&self, weak: Weak<Inner>) -> io::Result<()> {
         let epoll = self.epoll.clone();
-        std::thread::Builder::new()
-            .name("smc-tcpwatch".into())
-            .spawn(move || run(weak, &epoll))?;
+        smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name("smc-tcpwatch".into()),
+            move || run(weak, &epoll),
+        )?;
         Ok(())
     }
 }

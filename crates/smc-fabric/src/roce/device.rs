@@ -928,10 +928,11 @@ impl RoceHandle {
             unsafe { libc::atexit(drain_at_exit) };
         });
         let c2 = core.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("smc-roce-{name}"))
-            .spawn(move || run(c2))
-            .map_err(|e| FabricError::os("spawn roce thread", e))?;
+        let thread = crate::threads::spawn_running(
+            std::thread::Builder::new().name(format!("smc-roce-{name}")),
+            move || run(c2),
+        )
+        .map_err(|e| FabricError::os("spawn roce thread", e))?;
         Ok(Arc::new(RoceHandle {
             core,
             thread: Mutex::new(Some(thread)),

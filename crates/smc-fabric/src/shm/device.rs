@@ -166,13 +166,14 @@ impl DeviceHandle {
             }
         }
         let c2 = core.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("smc-fabric-{name}"))
-            .spawn(move || control::run(c2, listener))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&sock_path);
-                FabricError::os("spawn control thread", e)
-            })?;
+        let thread = crate::threads::spawn_running(
+            std::thread::Builder::new().name(format!("smc-fabric-{name}")),
+            move || control::run(c2, listener),
+        )
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&sock_path);
+            FabricError::os("spawn control thread", e)
+        })?;
         let thread_id = thread.thread().id();
         tracing::debug!(device = name, gid = %gid, "shm device opened");
         Ok(Arc::new(DeviceHandle {

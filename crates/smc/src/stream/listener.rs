@@ -239,16 +239,17 @@ impl AcceptShared {
             Err(Parked::FirstBytes { .. }) => return,
         };
         let shared = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("smc-accept".into())
-            .spawn(move || {
+        let spawned = smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name("smc-accept".into()),
+            move || {
                 let peer = r.peer;
                 match r.run(&mut |r| Err(r)) {
                     Some(Ok(s)) => shared.deliver(Ok((s, peer))),
                     Some(Err(e)) => tracing::debug!(%e, %peer, "rendezvous failed"),
                     None => {}
                 }
-            });
+            },
+        );
         if let Err(e) = spawned {
             // The handshake went with the closure (and ended as a broken connection).
             tracing::debug!(%e, "no thread to finish a rendezvous");
@@ -273,10 +274,11 @@ impl Drop for WorkerAlive {
 fn spawn_setup_worker(shared: &Arc<AcceptShared>) -> io::Result<()> {
     shared.queue().workers += 1;
     let alive = WorkerAlive(shared.clone());
-    std::thread::Builder::new()
-        .name("smc-accept".into())
-        .spawn(move || accept_loop(alive))
-        .map(drop)
+    smc_fabric::threads::spawn_running(
+        std::thread::Builder::new().name("smc-accept".into()),
+        move || accept_loop(alive),
+    )
+    .map(drop)
     // On a failed spawn the closure, and with it `alive`, is dropped: the count is right.
 }
 

@@ -108,9 +108,10 @@ impl Reactor {
             let mut running = lock(&self.running);
             if !*running {
                 let weak = Arc::downgrade(shared);
-                let spawned = std::thread::Builder::new()
-                    .name("smc-clc".into())
-                    .spawn(move || run(weak));
+                let spawned = smc_fabric::threads::spawn_running(
+                    std::thread::Builder::new().name("smc-clc".into()),
+                    move || run(weak),
+                );
                 if let Err(e) = spawned {
                     tracing::debug!(%e, "no thread for parked handshakes");
                     return Err(p);
