@@ -40,6 +40,24 @@ fn private_dir() -> PathBuf {
     }
 }
 
+/// Whether anyone but the owner may add, remove or rename files in `dir` (its group or
+/// others, or a user its ACL names, with write). Read and search for others are harmless: a
+/// server that drops root grants its new uid search on the private parents of its fabric
+/// directory and log file (`smc_fabric::access`), which may include this directory.
+fn others_may_change(dir: &std::path::Path, meta: &std::fs::Metadata) -> bool {
+    if meta.permissions().mode() & 0o022 != 0 || smc_fabric::access::others_may_write(dir, meta) {
+        return true;
+    }
+    match smc_fabric::access::read_acl(dir) {
+        Ok(Some(acl)) => acl
+            .named_users()
+            .into_iter()
+            .any(|u| acl.user_perm(u).is_some_and(|p| p & 0o2 != 0)),
+        Ok(None) => false,
+        Err(_) => true,
+    }
+}
+
 /// Write the embedded library to its content-addressed file (once) and return its path.
 fn write_embedded() -> anyhow::Result<PathBuf> {
     let dir = private_dir();
@@ -50,11 +68,11 @@ fn write_embedded() -> anyhow::Result<PathBuf> {
         .with_context(|| format!("creating {}", dir.display()))?;
     let meta = std::fs::symlink_metadata(&dir)?;
     if !meta.is_dir()
-        || meta.permissions().mode() & 0o077 != 0
+        || others_may_change(&dir, &meta)
         || std::os::unix::fs::MetadataExt::uid(&meta) != rustix::process::getuid().as_raw()
     {
         bail!(
-            "{} is not a private directory of this user (mode 0700 expected)",
+            "{} is not a private directory of this user (no write for anyone else expected)",
             dir.display()
         );
     }
