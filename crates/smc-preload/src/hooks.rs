@@ -187,6 +187,11 @@ pub(crate) fn target(fd: c_int) -> Target {
                 Some(now) if Arc::ptr_eq(&now, &e) => {}
                 _ => return target(fd),
             }
+            if table::RAW_CLONED.load(std::sync::atomic::Ordering::Relaxed)
+                && e.pid != table::PID.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                return cloned_as_tcp(fd);
+            }
             let (r, nb) = blocking(fd, || fdapi::setup_server(bfd(fd)));
             match r {
                 Ok(setup) => {
@@ -203,6 +208,79 @@ pub(crate) fn target(fd: c_int) -> Target {
             }
         }
         _ => Target::Pass,
+    }
+}
+
+/// An accepted connection made before a raw `clone` and first used in the clone: settled as
+/// TCP (the client's Proposal declined, `CLONED`). A process made that way ran no fork
+/// handler, so no relay could serve a connection it owned to the processes it clones in
+/// turn: vsftpd's session process clones the one that talks to the client into a new
+/// network namespace with `RLIMIT_NOFILE` 0, which could not reach a relay (nor open one).
+fn cloned_as_tcp(fd: c_int) -> Target {
+    let (r, _) = blocking(fd, || fdapi::decline_cloned(bfd(fd)));
+    match r {
+        Ok(_) => log!("fd {fd}: accepted before a raw clone, first used in it: TCP"),
+        Err(e) => log!("fd {fd}: accepted before a raw clone, first used in it: {e}"),
+    }
+    if let Some(old) = table::take(fd) {
+        table::release(old);
+    }
+    Target::Pass
+}
+
+/// Accepted connections waiting for their first use that the program passes to another
+/// process (SCM_RIGHTS in `msg`): settled as TCP first (the client's Proposal declined,
+/// `PASSED`). The receiver has no entry for the socket and uses it as TCP; left pending, the
+/// client would wait for an Accept nobody sends, and the sender's close would reset the
+/// connection over the client's unread CLC bytes (vsftpd's passive data connections: the
+/// privileged process accepts, the session process sends the file).
+///
+/// # Safety
+/// `msg` is a valid message header whose control buffer is `msg_controllen` bytes.
+unsafe fn settle_passed(msg: *const msghdr) {
+    // SAFETY: the caller's valid header.
+    let m = unsafe { &*msg };
+    if m.msg_control.is_null() || m.msg_controllen == 0 {
+        return;
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the caller's control buffer with the C library's macros, which stay
+    // within `msg_controllen`.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(m);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<c_int>();
+                let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..len / std::mem::size_of::<c_int>() {
+                    fds.push(data.add(i).read_unaligned());
+                }
+            }
+            c = libc::CMSG_NXTHDR(m, c);
+        }
+    }
+    for fd in fds {
+        if !table::maybe(fd) {
+            continue;
+        }
+        let Some(e) = table::get(fd) else {
+            continue;
+        };
+        let Kind::Pending(once) = &e.kind else {
+            continue;
+        };
+        let _g = once.lock().unwrap_or_else(|p| p.into_inner());
+        if !table::get(fd).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
+            continue;
+        }
+        let (r, _) = blocking(fd, || fdapi::decline_passed(bfd(fd)));
+        match r {
+            Ok(_) => log!("fd {fd}: accepted connection passed to another process: TCP"),
+            Err(e) => log!("fd {fd}: accepted connection passed to another process: {e}"),
+        }
+        if let Some(old) = table::take(fd) {
+            table::release(old);
+        }
     }
 }
 
@@ -408,7 +486,9 @@ fn is_local_address(ip: std::net::IpAddr) -> bool {
 
 #[no_mangle]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
-    if !table::maybe(fd) && is_inet_stream(fd) {
+    // (A number may be marked with no entry left: a process cloned without fork handlers
+    // keeps its parent's marks and starts an empty table.)
+    if (!table::maybe(fd) || table::get(fd).is_none()) && is_inet_stream(fd) {
         guard((), || match fdapi::listen_mark(bfd(fd)) {
             Ok(Some(l)) => {
                 log!("fd {fd}: listening on port {} (SMC-R offered)", l.port());
@@ -977,6 +1057,10 @@ pub unsafe extern "C" fn sendto(
 
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    if table::ANY.load(std::sync::atomic::Ordering::Relaxed) && !msg.is_null() && !crate::inside() {
+        // SAFETY: the caller's message header.
+        guard((), || unsafe { settle_passed(msg) });
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::sendmsg(fd, msg, flags) },

@@ -24,6 +24,7 @@ mod hooks;
 mod rare;
 mod real;
 mod relay;
+mod rlimit;
 mod settle;
 mod table;
 mod vfork;

@@ -93,6 +93,7 @@ reals! {
     execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int = libc::SYS_execve;
     execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int = libc::SYS_execve;
     execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int = libc::SYS_execve;
+    prlimit(pid: libc::pid_t, res: c_int, new: *const libc::rlimit, old: *mut libc::rlimit) -> c_int = libc::SYS_prlimit64;
 }
 
 /// Whether the constructor resolved the entry points (before it, our exports pass every

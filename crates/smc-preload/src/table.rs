@@ -50,12 +50,17 @@ pub(crate) fn borrowed_memory() -> bool {
         return true;
     }
     let forgot = smc::fdapi::forked_without_handlers();
+    RAW_CLONED.store(true, Ordering::Relaxed);
     PID.store(pid, Ordering::Relaxed);
     // SAFETY: as above.
     unsafe { std::ptr::write_volatile(probe, 1) };
     crate::log!("a process cloned without fork handlers: its own table from here (stack forgotten: {forgot})");
     false
 }
+
+/// Whether this process, or one it was copied from, was made by a raw `clone` without
+/// `CLONE_VM` (seen by [`borrowed_memory`]).
+pub(crate) static RAW_CLONED: AtomicBool = AtomicBool::new(false);
 
 /// A page whose first byte is 1 in the process that mapped it and 0 in a child with a copy
 /// of its memory (`MADV_WIPEONFORK`, Linux 4.14).

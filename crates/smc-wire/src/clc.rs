@@ -127,11 +127,18 @@ wire_enum! {
         /// Internal error: buffer registration.
         ERR_REGBUF = 0x0999_0003 => "reg rdma bufs failed",
         /// smc-rs: the client stopped waiting for the Accept (the server's application did
-        /// not accept the TCP connection in time; a program connecting to its own listener).
+        /// not accept the TCP connection in time: a program connecting to its own listener,
+        /// or a server that accepts only after the client used another connection).
         NOACCEPT = 0x0999_0100 => "no accept in time (connection to a listener of the same process)",
         /// smc-rs: the server handed the accepted TCP connection to a program it exec'd
         /// before the rendezvous (the new program uses the socket as TCP).
         EXECED = 0x0999_0200 => "accepted connection handed to an exec'd program",
+        /// smc-rs: the accepted TCP connection was first used by a process made by a raw
+        /// `clone` (no fork handlers ran: its own children could not be relayed to).
+        CLONED = 0x0999_0300 => "accepted connection first used by a raw clone's child",
+        /// smc-rs: the server passed the accepted TCP connection to another process
+        /// (SCM_RIGHTS) before the rendezvous (the receiver uses the socket as TCP).
+        PASSED = 0x0999_0400 => "accepted connection passed to another process",
     }
 }
 

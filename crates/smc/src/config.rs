@@ -5,6 +5,7 @@
 //! | `SMC_DISCOVERY` | `auto`, `ebpf`, `assert-peer` or `off` (see [`DiscoveryMode`]) | `auto` |
 //! | `SMC_BUFFER_SIZE` | receive buffer (RMBE) size in bytes, rounded up to 16 KiB · 2ⁿ | 524288 |
 //! | `SMC_CLC_TIMEOUT_MS` | whole CLC handshake (App. C.5) | 30000 |
+//! | `SMC_ACCEPT_WAIT_MS` | a client without an answer to its Proposal after this long declines (`NOACCEPT`) and uses TCP (0: wait the whole CLC timeout) | 6000 |
 //! | `SMC_LLC_TIMEOUT_MS` | LLC reply timer while maintaining a link group | 2000 |
 //! | `SMC_ASSERT_PEER_WAIT_MS` | assert-peer listener: how long to wait for a Proposal | 1000 |
 //! | `SMC_IPV4_SUBNETS` | comma-separated `a.b.c.d/len` subnets we share with peers | `127.0.0.0/8` |
@@ -21,7 +22,7 @@
 //! | `SMC_CGROUP2` | the cgroup v2 directory eBPF discovery attaches to (read by [`crate::discovery::find_cgroup2`]) | found, or mounted at `/run/smc-rs/cgroup2` |
 //!
 //! The TOML file has the same settings, in lower case without the prefix (`discovery`,
-//! `buffer_size`, `clc_timeout_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
+//! `buffer_size`, `clc_timeout_ms`, `accept_wait_ms`, `llc_timeout_ms`, `assert_peer_wait_ms`, `keepalive_ms`,
 //! `lgr_idle_ms`, `busy_poll_us`, `adaptive_spin_us`, `add_link_retry_ms`, `nodelay` (a boolean), `ipv4_subnets` as an array of strings, `ueids` as an array of strings, `versions` as an array of
 //! integers) plus `fabric_dir` and `devices`
 //! (an array in `SMC_FABRIC_DEVICES` syntax, e.g. `["shm0=lo+127.0.0.1", "shm1"]`):
@@ -92,6 +93,10 @@ pub struct StackConfig {
     pub buffer_size: u32,
     /// App. C.5: the CLC handshake must complete within this time.
     pub clc_timeout: Duration,
+    /// A client without any answer to its Proposal after this time declines and uses TCP
+    /// (Linux's client waits 6 s on its CLC socket); zero: wait the whole `clc_timeout`.
+    /// See `smc_proto::endpoint::EndpointConfig::accept_wait`.
+    pub accept_wait: Duration,
     /// App. C.7: LLC reply timer while maintaining a link group.
     pub llc_timeout: Duration,
     /// Assert-peer listeners fall back to TCP when no Proposal arrives within this time.
@@ -134,6 +139,7 @@ impl StackConfig {
             // it either way; a streaming one keeps what it touched.
             buffer_size: 512 * 1024,
             clc_timeout: Duration::from_secs(30),
+            accept_wait: Duration::from_secs(6),
             llc_timeout: Duration::from_secs(2),
             assert_peer_wait: Duration::from_secs(1),
             ipv4_subnets: vec![(Ipv4Addr::new(127, 0, 0, 0), 8)],
@@ -169,6 +175,7 @@ impl StackConfig {
                 "discovery",
                 "buffer_size",
                 "clc_timeout_ms",
+                "accept_wait_ms",
                 "llc_timeout_ms",
                 "assert_peer_wait_ms",
                 "keepalive_ms",
@@ -198,6 +205,9 @@ impl StackConfig {
         }
         if let Some(d) = ms("clc_timeout_ms")? {
             self.clc_timeout = d;
+        }
+        if let Some(d) = ms("accept_wait_ms")? {
+            self.accept_wait = d;
         }
         if let Some(d) = ms("llc_timeout_ms")? {
             self.llc_timeout = d;
@@ -319,6 +329,9 @@ impl StackConfig {
         }
         if let Some(v) = num("SMC_CLC_TIMEOUT_MS")? {
             c.clc_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = num("SMC_ACCEPT_WAIT_MS")? {
+            c.accept_wait = Duration::from_millis(v);
         }
         if let Some(v) = num("SMC_LLC_TIMEOUT_MS")? {
             c.llc_timeout = Duration::from_millis(v);

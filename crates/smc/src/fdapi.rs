@@ -38,7 +38,8 @@ mod setup;
 mod spin;
 mod uid;
 pub use setup::{
-    accepted_tcp, connect, decline_accepted, listen_mark, setup_server, Listening, Setup, TcpConn,
+    accepted_tcp, connect, decline_accepted, decline_cloned, decline_passed, listen_mark,
+    setup_server, Listening, Setup, TcpConn,
 };
 pub use spin::LoopSpin;
 pub use uid::{before_uid_change, refuse_after_uid_change, UidGrant};
@@ -105,6 +106,7 @@ pub fn stack() -> io::Result<Stack> {
         return Ok(s.clone());
     }
     restore_settings();
+    note_address_space();
     smc_fabric::fdplace::keep_high();
     let inherited = lock_inherited().clone();
     let config = crate::StackConfig::from_env().map_err(io::Error::other)?;
@@ -116,6 +118,42 @@ pub fn stack() -> io::Result<Stack> {
         signals_blocked(|| Stack::new_inheriting(config, inherited)).map_err(io::Error::other)?;
     *g = Some(s.clone());
     Ok(s)
+}
+
+/// The process's address space (bytes) just before the first stack of this address space
+/// was made (0: none made yet). A forked or cloned child inherits it with the memory: the
+/// parent's stack's threads left their stacks and the C library's malloc arenas (64 MiB of
+/// reservation each) in the copy.
+static ADDRESS_SPACE_BEFORE_STACK: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
+/// The process's address space now, in bytes (`/proc/self/statm`'s first field).
+fn address_space() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().next()?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).ok()?)
+}
+
+fn note_address_space() {
+    if ADDRESS_SPACE_BEFORE_STACK.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        if let Some(v) = address_space() {
+            ADDRESS_SPACE_BEFORE_STACK.store(v, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// The address space this process gained since the first stack of its address space was
+/// made (its threads' stacks and malloc arenas, the fabric's mappings — and whatever the
+/// program mapped meanwhile), or `None` when no stack was made. The preload library adds it
+/// to a program's `RLIMIT_AS`.
+pub fn address_space_since_stack() -> Option<u64> {
+    let before = ADDRESS_SPACE_BEFORE_STACK.load(std::sync::atomic::Ordering::Relaxed);
+    if before == 0 {
+        return None;
+    }
+    Some(address_space()?.saturating_sub(before))
 }
 
 std::thread_local! {

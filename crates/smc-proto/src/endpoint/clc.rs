@@ -41,6 +41,9 @@ pub struct Handshake {
     buf: Vec<u8>,
     /// C.5: deadline of the whole CLC exchange.
     clc_deadline: Timestamp,
+    /// Client: when it stops waiting for an answer to its Proposal and declines
+    /// ([`EndpointConfig::accept_wait`](super::EndpointConfig::accept_wait)).
+    accept_deadline: Option<Timestamp>,
     /// C.7: deadline of the LLC message awaited during a first contact.
     llc_deadline: Option<Timestamp>,
     /// Client, subsequent contact: the server's Accept, kept while our CONFIRM RKEY runs.
@@ -173,7 +176,19 @@ impl Handshake {
     /// The next deadline.
     pub(super) fn deadline(&self) -> Option<Timestamp> {
         let clc = self.in_clc().then_some(self.clc_deadline);
-        clc.into_iter().chain(self.llc_deadline).min()
+        clc.into_iter()
+            .chain(self.llc_deadline)
+            .chain(self.accept_wait_deadline())
+            .min()
+    }
+
+    /// A client still without any byte of the server's answer to its Proposal: when it
+    /// stops waiting for it.
+    fn accept_wait_deadline(&self) -> Option<Timestamp> {
+        match self.state {
+            HsState::ExpectAccept { .. } if self.buf.is_empty() => self.accept_deadline,
+            _ => None,
+        }
     }
 
     fn setup(&self) -> Option<(LocalSetup, u8)> {
@@ -432,6 +447,10 @@ impl Endpoint {
                 state,
                 buf: Vec::new(),
                 clc_deadline: now + self.config.clc_timeout,
+                accept_deadline: match role {
+                    Role::Client => self.config.accept_wait.map(|w| now + w),
+                    Role::Server => None,
+                },
                 llc_deadline: None,
                 peer_accept: None,
                 peer_rmb: None,
@@ -726,6 +745,22 @@ impl Endpoint {
         let Some(Entry::Setup(h)) = self.entries.get(&tcp) else {
             return;
         };
+        if h.deadline().is_some_and(|d| d > now) {
+            return;
+        }
+        // A client whose Proposal the server has not answered at all within its wait: the
+        // server's program has not accepted the connection (a protocol that accepts it only
+        // after the client used another connection: FTP's data connections). Not a broken
+        // TCP connection (C.5 is for those): decline in place of the Accept and use TCP, as
+        // Linux's client does when its wait on the CLC socket ends.
+        if h.accept_wait_deadline().is_some_and(|d| d <= now) && now < h.clc_deadline {
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.1
+            //# when an SMC Decline is sent in lieu of an expected CLC message, no
+            //# confirmation is required, and the TCP connection immediately falls back to
+            //# using the IP fabric.
+            self.decline(tcp, DeclineCode::NOACCEPT, false, now);
+            return;
+        }
         // An SMC-Rv2 client that waited its 2 s for the server's ADD LINK goes on with one
         // link, as a Linux client does (smc-rv2.md §13 item 2, §14).
         if let HsState::ExpectSecondLink { setup, .. } = &h.state {

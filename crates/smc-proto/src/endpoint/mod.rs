@@ -57,6 +57,13 @@ pub struct EndpointConfig {
     pub rmbe_size: RmbeSize,
     /// C.5: the whole CLC handshake must complete within this time.
     pub clc_timeout: Duration,
+    /// A client that has no answer to its Proposal after this time declines in place of the
+    /// Accept (`NOACCEPT`, C.1) and falls back to TCP, as Linux's client does after its
+    /// 6 s wait on the CLC socket: a server whose program accepts the connection only after
+    /// the client sent something on another one (FTP's data connections) cannot answer
+    /// before; TCP completes the handshake in the kernel's backlog. `None`: wait the whole
+    /// `clc_timeout`.
+    pub accept_wait: Option<Duration>,
     /// C.7: LLC reply timer during the first contact setup of a link group.
     pub llc_timeout_first_contact: Duration,
     /// C.7: LLC reply timer while maintaining a link group.
@@ -93,6 +100,7 @@ impl EndpointConfig {
             rmb_pool: RmbPoolConfig::default(),
             rmbe_size: RmbeSize(0),
             clc_timeout: Duration::from_secs(30),
+            accept_wait: Some(Duration::from_secs(6)),
             llc_timeout_first_contact: Duration::from_secs(10),
             llc_timeout: Duration::from_secs(2),
             add_link_retry: Duration::from_secs(10),

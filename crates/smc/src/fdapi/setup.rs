@@ -223,6 +223,24 @@ pub fn decline_accepted(fd: BorrowedFd<'_>) -> io::Result<bool> {
     decline_client(fd, smc_wire::DeclineCode::EXECED)
 }
 
+/// Answer the client of the accepted connection `fd` with a Decline (`CLONED`), as
+/// [`decline_accepted`] does: the process that uses it first was made by a raw `clone`
+/// (vsftpd's session processes), which runs no fork handlers, so a connection it owned could
+/// not be relayed to the processes it clones in turn (vsftpd's, in a new network namespace
+/// with no descriptors left to open).
+pub fn decline_cloned(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    decline_client(fd, smc_wire::DeclineCode::CLONED)
+}
+
+/// Answer the client of the accepted connection `fd` with a Decline (`PASSED`), as
+/// [`decline_accepted`] does: the program passes the connection to another process
+/// (SCM_RIGHTS) before its first use (vsftpd's privileged process accepts a passive data
+/// connection and hands it to the session process), which has no entry for it and would use
+/// it as TCP while the client waited for an Accept.
+pub fn decline_passed(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    decline_client(fd, smc_wire::DeclineCode::PASSED)
+}
+
 /// Answer the client of the accepted connection `fd`, whose server rendezvous failed here
 /// (the client offered SMC-R and waits for the server's CLC answer), with a Decline
 /// (`INTERR`), as [`decline_accepted`] does. Works on the
@@ -322,7 +340,37 @@ fn decline_client(fd: BorrowedFd<'_>, code: smc_wire::DeclineCode) -> io::Result
     while sent < out.len() {
         sent += rustix::net::send(sock, &out[sent..], rustix::net::SendFlags::NOSIGNAL)?;
     }
+    drop_crossed_decline(sock)?;
     Ok(true)
+}
+
+/// A client that waited in vain for an answer to its Proposal declined in place of the
+/// Accept (`NOACCEPT`, after `accept_wait`) before the program here accepted and this
+/// Decline went out: its Decline is in the socket now, behind the Proposal. Read it (whole,
+/// if it is there), so that the program that gets the socket finds the client's bytes at its
+/// front, and its close does not reset the connection over unread CLC bytes.
+fn drop_crossed_decline(sock: BorrowedFd<'_>) -> io::Result<()> {
+    // A version 2 Decline is the longer one (44 bytes).
+    let mut buf = [0u8; 44];
+    let n = match rustix::net::recv(
+        sock,
+        &mut buf,
+        rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+    ) {
+        Ok((n, _)) => n,
+        Err(rustix::io::Errno::AGAIN) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if let Ok((smc_wire::ClcMessage::Decline(_), len)) = smc_wire::ClcMessage::parse(&buf[..n]) {
+        let mut got = 0;
+        while got < len {
+            match rustix::net::recv(sock, &mut buf[got..len], rustix::net::RecvFlags::empty())?.0 {
+                0 => break,
+                k => got += k,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether the client's first CLC message, waited for (at most `wait`: it offered SMC-R, so

@@ -245,10 +245,12 @@ fn out_of_sync_first_contact_flag() {
 }
 
 /// C.5: the Accept never arrives: the client's CLC timer resets the connection; the server's
-/// too (it waits for Confirm).
+/// too (it waits for Confirm). (The client's accept wait, below, is off here.)
 #[test]
 fn clc_timeout_resets() {
-    let mut p = EndpointPair::with_devices(1, 1);
+    let mut a = config(Side::A, 1);
+    a.accept_wait = None;
+    let mut p = EndpointPair::new(a, config(Side::B, 1), 1);
     p.knobs.drop = Some(Box::new(|e| {
         matches!(&e.what, Traced::Clc(_, ClcMessage::Accept(_)))
     }));
@@ -257,6 +259,42 @@ fn clc_timeout_resets() {
     assert_eq!(reset(&p, Side::A, T1), Some(ResetReason::ClcTimeout));
     assert_eq!(reset(&p, Side::B, T1), Some(ResetReason::ClcTimeout));
     assert_eq!(p.b.ep.link_groups().count(), 0);
+}
+
+/// A client without any answer to its Proposal within its accept wait (the server's
+/// program has not accepted the connection) declines in place of the Accept (C.1,
+/// `NOACCEPT`) and falls back; the server, whose Accept went unanswered, falls back on
+/// reading that Decline in place of the Confirm. Nobody is reset, no link group is left.
+#[test]
+fn a_client_without_an_answer_declines_after_its_accept_wait() {
+    let mut a = config(Side::A, 1);
+    a.accept_wait = Some(Duration::from_secs(6));
+    let mut p = EndpointPair::new(a, config(Side::B, 1), 1);
+    p.knobs.drop = Some(Box::new(|e| {
+        matches!(&e.what, Traced::Clc(_, ClcMessage::Accept(_)))
+    }));
+    p.connect(T1);
+    p.run_for(Duration::from_secs(5));
+    assert_eq!(fell_back(&p, Side::A, T1), None, "still waiting at 5 s");
+    assert_eq!(reset(&p, Side::A, T1), None);
+    p.run_for(Duration::from_secs(2));
+    assert_eq!(
+        fell_back(&p, Side::A, T1),
+        Some(Fallback::Declined(DeclineCode::NOACCEPT))
+    );
+    assert_eq!(
+        fell_back(&p, Side::B, T1),
+        Some(Fallback::PeerDeclined {
+            code: DeclineCode::NOACCEPT,
+            out_of_sync: false
+        })
+    );
+    assert_eq!(reset(&p, Side::A, T1), None);
+    assert_eq!(reset(&p, Side::B, T1), None);
+    p.run_for(Duration::from_secs(30));
+    assert_eq!(p.a.ep.link_groups().count(), 0);
+    assert_eq!(p.b.ep.link_groups().count(), 0);
+    assert!(no_rdma_data(&p));
 }
 
 /// C.6: a malformed CLC message (bad eye catcher) is a protocol error: reset, no fallback.
