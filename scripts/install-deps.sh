@@ -55,6 +55,8 @@ done
 # rsync: its daemon and client in scripts/preload-apps.sh (a connection used by forked
 # processes, relayed).
 command -v rsync >/dev/null 2>&1 || apps+=(rsync)
+# vsftpd: raw clones into namespaces, RLIMIT_AS, data connections passed by SCM_RIGHTS.
+command -v vsftpd >/dev/null 2>&1 || [ -x /usr/sbin/vsftpd ] || apps+=(vsftpd)
 if [ ${#apps[@]} -gt 0 ]; then
     echo "install-deps: installing ${apps[*]}" >&2
     if [ ! -e /usr/sbin/policy-rc.d ]; then

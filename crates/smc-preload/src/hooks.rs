@@ -187,7 +187,7 @@ pub(crate) fn target(fd: c_int) -> Target {
                 Some(now) if Arc::ptr_eq(&now, &e) => {}
                 _ => return target(fd),
             }
-            if table::RAW_CLONED.load(std::sync::atomic::Ordering::Relaxed)
+            if table::sandboxed_clone()
                 && e.pid != table::PID.load(std::sync::atomic::Ordering::Relaxed)
             {
                 return cloned_as_tcp(fd);
@@ -211,11 +211,13 @@ pub(crate) fn target(fd: c_int) -> Target {
     }
 }
 
-/// An accepted connection made before a raw `clone` and first used in the clone: settled as
-/// TCP (the client's Proposal declined, `CLONED`). A process made that way ran no fork
-/// handler, so no relay could serve a connection it owned to the processes it clones in
-/// turn: vsftpd's session process clones the one that talks to the client into a new
-/// network namespace with `RLIMIT_NOFILE` 0, which could not reach a relay (nor open one).
+/// An accepted connection made before a raw `clone` into new namespaces and first used in
+/// the clone: settled as TCP (the client's Proposal declined, `CLONED`). A process made that
+/// way ran no fork handler, so no relay could serve a connection it owned to the processes
+/// it clones in turn: vsftpd's session process (`CLONE_NEWIPC`) clones the one that talks to
+/// the client into a new network namespace with `RLIMIT_NOFILE` 0, which could not reach a
+/// relay (nor open one). A raw clone without namespaces serves the connection over a stack
+/// of its own, as before.
 fn cloned_as_tcp(fd: c_int) -> Target {
     let (r, _) = blocking(fd, || fdapi::decline_cloned(bfd(fd)));
     match r {

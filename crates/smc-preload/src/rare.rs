@@ -463,6 +463,27 @@ pub unsafe extern "C" fn syscall(
             // SAFETY: the program's call, as close_range(2).
             return c_long::from(unsafe { close_range(a1 as c_uint, a2 as c_uint, a3 as c_int) });
         }
+        // A raw clone that copies the memory (no CLONE_VM): the child notes its flags (see
+        // `table::RAW_CLONE_FLAGS`); the call itself is the program's, unchanged.
+        if n == libc::SYS_clone || n == libc::SYS_clone3 {
+            let flags = if n == libc::SYS_clone {
+                a1 as u64
+            } else if a1 != 0 {
+                // SAFETY: clone3's first argument points at `struct clone_args`, whose first
+                // field is the flags (a bad pointer faults in the kernel's copy as well).
+                unsafe { (a1 as *const u64).read_unaligned() }
+            } else {
+                0
+            };
+            if flags & libc::CLONE_VM as u64 == 0 {
+                // SAFETY: passed on unchanged.
+                let r = unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) };
+                if r == 0 {
+                    table::RAW_CLONE_FLAGS.store(flags, std::sync::atomic::Ordering::Relaxed);
+                }
+                return r;
+            }
+        }
         // An exec made as a raw system call names the inherited connections to the new
         // program as `execve` does (the environment is its third argument, execveat's fourth).
         if n == libc::SYS_execve || n == libc::SYS_execveat {

@@ -62,6 +62,26 @@ pub(crate) fn borrowed_memory() -> bool {
 /// `CLONE_VM` (seen by [`borrowed_memory`]).
 pub(crate) static RAW_CLONED: AtomicBool = AtomicBool::new(false);
 
+/// The flags of the raw `clone` system call (through `syscall(2)`) that made this process,
+/// 0 if none did (or it was made by the C library's `clone()`, which the library does not
+/// see).
+pub(crate) static RAW_CLONE_FLAGS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
+/// Whether this process was made by a raw clone into new namespaces: a sandbox (vsftpd's
+/// session processes), whose own children, cloned the same way into yet other namespaces
+/// with no descriptors to spare, could not reach a relay for a connection it owned.
+pub(crate) fn sandboxed_clone() -> bool {
+    const NAMESPACES: u64 = (libc::CLONE_NEWNET
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWUSER
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWCGROUP) as u64;
+    RAW_CLONED.load(Ordering::Relaxed) && RAW_CLONE_FLAGS.load(Ordering::Relaxed) & NAMESPACES != 0
+}
+
 /// A page whose first byte is 1 in the process that mapped it and 0 in a child with a copy
 /// of its memory (`MADV_WIPEONFORK`, Linux 4.14).
 static PROBE: std::sync::atomic::AtomicPtr<u8> =
