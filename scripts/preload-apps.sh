@@ -156,7 +156,7 @@ ftp=$(mktemp -d)
 chmod 755 "$ftp"
 mkdir -p "$ftp/root" /var/run/vsftpd/empty
 head -c 3000000 /dev/urandom >"$ftp/root/big.bin"
-want=$(sha256sum <"$ftp/root/big.bin" | cut -d' ' -f1)
+ftp_want=$(sha256sum <"$ftp/root/big.bin" | cut -d' ' -f1)
 cat >"$ftp/vsftpd.conf" <<EOF
 listen=YES
 listen_ipv6=NO
@@ -178,13 +178,13 @@ EOF
 "$SMC" run vsftpd "$ftp/vsftpd.conf" >"$work/vsftpd.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 1 100); do ss -ltn "sport = :19185" | grep -q 19185 && break; sleep 0.05; done
-got=$(timeout 30 curl -sS ftp://127.0.0.1:19185/big.bin | sha256sum | cut -d' ' -f1)
-[ "$got" = "$want" ] || fail "vsftpd under smc run, plain curl: the file came back wrong ($got)"
+ftp_got=$(timeout 30 curl -sS ftp://127.0.0.1:19185/big.bin | sha256sum | cut -d' ' -f1)
+[ "$ftp_got" = "$ftp_want" ] || fail "vsftpd under smc run, plain curl: the file came back wrong ($ftp_got)"
 before=$(grep -c 'DeclineCode::CLONED' "$SMC_LOG" || true)
 t0=$(date +%s%N)
-got=$(timeout 30 "$SMC" run curl -sS ftp://127.0.0.1:19185/big.bin | sha256sum | cut -d' ' -f1)
+ftp_got=$(timeout 30 "$SMC" run curl -sS ftp://127.0.0.1:19185/big.bin | sha256sum | cut -d' ' -f1)
 t1=$(date +%s%N)
-[ "$got" = "$want" ] || fail "vsftpd and curl under smc run: the file came back wrong ($got)"
+[ "$ftp_got" = "$ftp_want" ] || fail "vsftpd and curl under smc run: the file came back wrong ($ftp_got)"
 [ $(($(grep -c 'DeclineCode::CLONED' "$SMC_LOG" || true) - before)) -eq 1 ] \
     || fail "vsftpd: the control connection was not declined as a raw clone's (CLONED)"
 grep -q 'RLIMIT_AS 209715200 set as' "$SMC_LOG" || fail "vsftpd: its RLIMIT_AS was not adjusted"

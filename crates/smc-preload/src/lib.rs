@@ -184,6 +184,7 @@ extern "C" fn at_fork_parent() {
     table::fork_release();
     smc::fdapi::fork_parent();
     guard((), relay::fork_parent);
+    settle::fork_parent();
 }
 
 extern "C" fn at_fork_child() {
@@ -192,6 +193,7 @@ extern "C" fn at_fork_child() {
     table::fork_release();
     smc::fdapi::fork_child();
     relay::fork_child();
+    settle::fork_child();
     // The numbers the parent's threads held are ordinary copies here.
     for s in &HELD {
         s.store(-1, Ordering::Relaxed);

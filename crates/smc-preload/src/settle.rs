@@ -103,18 +103,46 @@ pub(crate) fn accepted(fd: c_int, e: &Arc<Entry>) {
     WAKE.notify_one();
 }
 
-/// Before a `fork()`: what is pending now is left to its first use.
+std::thread_local! {
+    /// The settler's locks, held by the forking thread from [`fork_prepare`] until
+    /// [`fork_parent`] or [`fork_child`].
+    static FORK_HELD: std::cell::RefCell<Option<ForkHeld>> = const { std::cell::RefCell::new(None) };
+}
+
+struct ForkHeld {
+    // Released in this order: the list, then the settle lock.
+    _unused: std::sync::MutexGuard<'static, Unused>,
+    _settling: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Before a `fork()`: what is pending now is left to its first use. The settler's locks are
+/// held across the fork (released by [`fork_parent`] and [`fork_child`]): the child gets a
+/// copy of each only unlocked. (They were released at the end of this handler before: a
+/// settler that took one in the instant before the fork left it locked in the child, whose
+/// own next fork then waited forever — socat's serving child, which forks for `SYSTEM:cat`.)
 pub(crate) fn fork_prepare() {
-    let _settling = SETTLING.lock().unwrap_or_else(|p| p.into_inner());
+    let settling = SETTLING.lock().unwrap_or_else(|p| p.into_inner());
     FORKS.fetch_add(1, Ordering::AcqRel);
-    let pending = !UNUSED
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .list
-        .is_empty();
-    if pending {
+    let unused = UNUSED.lock().unwrap_or_else(|p| p.into_inner());
+    if !unused.list.is_empty() {
         FORKING_SERVER.store(true, Ordering::Relaxed);
     }
+    FORK_HELD.with(|h| {
+        *h.borrow_mut() = Some(ForkHeld {
+            _unused: unused,
+            _settling: settling,
+        })
+    });
+}
+
+/// After a `fork()`, in the parent.
+pub(crate) fn fork_parent() {
+    FORK_HELD.with(|h| drop(h.borrow_mut().take()));
+}
+
+/// After a `fork()`, in the child (the forking thread is this one: it unlocks its own).
+pub(crate) fn fork_child() {
+    FORK_HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
 /// The settler thread: sleeps until the oldest pending connection is due.
