@@ -20,6 +20,8 @@ fn stack(dir: &Path, buffer: u32) -> Stack {
     c.discovery = DiscoveryMode::AssertPeer;
     c.buffer_size = buffer;
     c.clc_timeout = Duration::from_secs(20);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     Stack::new(c).expect("stack")
 }
 

@@ -35,6 +35,8 @@ fn stack(dir: &Path, netdevs: [&[&str]; 2]) -> Stack {
     let mut c = StackConfig::new(f);
     c.discovery = DiscoveryMode::AssertPeer;
     c.clc_timeout = Duration::from_secs(20);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     Stack::new(c).expect("stack")
 }
 

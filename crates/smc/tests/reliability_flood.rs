@@ -27,6 +27,8 @@ fn stalled_handshakes_make_no_thread_each() {
     // Long enough that nothing stalled ends during the test.
     cfg.assert_peer_wait = Duration::from_secs(20);
     cfg.clc_timeout = Duration::from_secs(30);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    cfg.accept_wait = cfg.clc_timeout;
     let server = Stack::new(cfg).expect("stack");
     let l = SmcListener::bind_with(&server, "127.0.0.1:0").expect("bind");
     let port = l.local_addr().expect("addr").port();

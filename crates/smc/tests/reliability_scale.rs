@@ -113,6 +113,8 @@ fn scale_config(dir: &std::path::Path) -> smc::StackConfig {
     let mut c = config(dir);
     c.buffer_size = 16 * 1024;
     c.clc_timeout = Duration::from_secs(60);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     c
 }
 

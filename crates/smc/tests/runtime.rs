@@ -37,6 +37,8 @@ fn stack(dir: &Path, discovery: DiscoveryMode) -> Stack {
     let mut c = StackConfig::new(FabricConfig::with_dir(dir, 2));
     c.discovery = discovery;
     c.clc_timeout = Duration::from_secs(20);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     Stack::new(c).expect("stack")
 }
 

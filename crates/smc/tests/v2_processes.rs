@@ -121,6 +121,8 @@ fn run(
     let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 1));
     c.discovery = DiscoveryMode::AssertPeer;
     c.clc_timeout = Duration::from_secs(20);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     c.versions = smc::config::parse_versions(client.0).expect("versions");
     c.ueids = smc::config::parse_ueids(client.1).expect("ueids");
     let st = Stack::new(c).expect("stack");
@@ -224,6 +226,8 @@ fn two_link_v2_group_fails_over_on_shm() {
     let mut c = StackConfig::new(FabricConfig::with_dir(&dir, 2));
     c.discovery = DiscoveryMode::AssertPeer;
     c.clc_timeout = Duration::from_secs(20);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     c.versions = smc::config::parse_versions("2").expect("versions");
     c.ueids = smc::config::parse_ueids("SMC-RS.TEST").expect("ueids");
     let st = Stack::new(c).expect("stack");

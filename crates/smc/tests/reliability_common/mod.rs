@@ -68,6 +68,8 @@ pub fn config(dir: &Path) -> StackConfig {
     let mut c = StackConfig::new(FabricConfig::with_dir(dir, 2));
     c.discovery = DiscoveryMode::AssertPeer;
     c.clc_timeout = Duration::from_secs(20);
+    // The test's long CLC timer covers the wait for the Accept too (not the 6 s default).
+    c.accept_wait = c.clc_timeout;
     c
 }
 
