@@ -240,3 +240,68 @@ fn settle(fd: c_int, e: &Arc<Entry>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The settler's locks are never copied locked into a forked child: a thread that takes
+    /// them over and over (as the settler does, for every due connection) while this one
+    /// forks through the library's handlers, and each child forks once more (socat's serving
+    /// child forks for `SYSTEM:cat`). When the handler released them before the fork, a child
+    /// in most runs inherited one held by the other thread and waited forever in its own
+    /// `fork_prepare`.
+    #[test]
+    fn a_forked_child_never_inherits_the_settlers_locks_held() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let settler = std::thread::spawn(move || {
+            while !s2.load(Ordering::Relaxed) {
+                let _settling = SETTLING.lock().unwrap_or_else(|p| p.into_inner());
+                let _unused = UNUSED.lock().unwrap_or_else(|p| p.into_inner());
+                std::hint::spin_loop();
+            }
+        });
+        for round in 0..100 {
+            fork_prepare();
+            // A fork without the C library's fork handlers (the test binary registered the
+            // library's own, which would run these handlers a second time): this module's
+            // handlers around it, as `at_fork_*` run them.
+            // SAFETY: the child calls only this module's fork handlers (futex locks) and
+            // `_exit`.
+            let pid =
+                unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD, 0, 0, 0, 0) } as libc::pid_t;
+            if pid == 0 {
+                fork_child();
+                fork_prepare();
+                fork_child();
+                // SAFETY: ends the child at once.
+                unsafe { libc::_exit(0) };
+            }
+            fork_parent();
+            assert!(pid > 0, "fork failed");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut status = 0;
+            loop {
+                // SAFETY: our child; a valid status pointer.
+                let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                if r == pid {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    // SAFETY: our child.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, &mut status, 0);
+                    }
+                    stop.store(true, Ordering::Relaxed);
+                    panic!("round {round}: the child hung in its own fork_prepare");
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+        }
+        stop.store(true, Ordering::Relaxed);
+        settler.join().expect("settler");
+    }
+}
