@@ -17,6 +17,7 @@ mod error;
 pub mod fdapi;
 mod lgr_exit;
 pub mod pnet;
+mod reseat;
 mod stack;
 mod stream;
 mod tcpwatch;
