@@ -30,11 +30,10 @@ const SPIN_GROW_START: Duration = Duration::from_micros(5);
 /// that fails is quartered, and when it falls to nothing the next [`hold`](Self::hold) short
 /// sleeps start none, the hold doubling (up to [`ROCE_SPIN_HOLD_MAX`]) every time a series of
 /// spins fails and going back to one when a spin catches: two processes on one CPU pay a
-/// failed series every thousand round trips, two on two CPUs spin every time. A failed spin
-/// after which the answer came sooner than the spin had lasted (the peer likely answered
-/// because this thread gave its CPU up) also asks for a move to an idle CPU
-/// ([`crate::reseat::move_to_idle_cpu`], at most once per 20 ms per process); after a move the
-/// spin starts over at `max`.
+/// failed series every thousand round trips, two on two CPUs spin every time. A spin that
+/// found the answer only after its thread was switched out (the peer likely ran on this CPU)
+/// also asks for a move to an idle CPU ([`crate::reseat::move_to_idle_cpu`], at most once per
+/// 20 ms per process); after a move the spin starts over at `max`.
 #[derive(Debug)]
 pub(crate) struct AdaptiveSpin {
     /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
@@ -52,7 +51,7 @@ pub(crate) struct AdaptiveSpin {
     /// The stream wrote since its last read returned data: a read now likely waits for a
     /// reply, which spinning catches.
     after_write: std::sync::atomic::AtomicBool,
-    /// `catch_only`: a failed spin was followed by a sleep shorter than itself; the next wait
+    /// `catch_only`: a spin found the answer after the thread was switched out; the next wait
     /// looks for an idle CPU to move to ([`reseat`](Self::reseat)).
     reseat: std::sync::atomic::AtomicBool,
 }
@@ -106,8 +105,15 @@ impl AdaptiveSpin {
         }
     }
 
-    /// After a failed spin whose answer came sooner than the spin had lasted (see
-    /// [`slept`](Self::slept)): move this thread to a CPU that was idle lately
+    /// Under the software RoCE policy, a spin found the answer only after its thread had been
+    /// switched out (see [`caught`](Self::caught)): likely the peer ran on this thread's CPU.
+    pub(crate) fn kept_off(&self) {
+        if self.catch_only && self.max.is_some() {
+            self.reseat.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// After [`kept_off`](Self::kept_off): move this thread to a CPU that was idle lately
     /// ([`crate::reseat::move_to_idle_cpu`]: at most once per period per process), and when
     /// it moved, start the spin over at the longest (on two CPUs it catches; the hold learned
     /// beside the peer says nothing there). For a thread that does not hold the core lock.
@@ -176,13 +182,7 @@ impl AdaptiveSpin {
                 ns(self.start).min(ns(max))
             }
         } else if self.catch_only {
-            // The spin failed, whatever the sleep after it (see above). The answer coming sooner
-            // after the spin than the spin had lasted (or during it, but only after this thread
-            // was switched out: `caught`) says the peer likely needed this CPU: the next wait
-            // looks for another one (`reseat`).
-            if d < spun {
-                self.reseat.store(true, Ordering::Relaxed);
-            }
+            // The spin failed, whatever the sleep after it (see above).
             let quarter = cur / 4;
             if quarter < 1_000 {
                 let b = self.backoff.load(Ordering::Relaxed);
@@ -365,6 +365,10 @@ impl SmcStream {
                     if adaptive && looks > 1 {
                         let kept_off = switched.is_some_and(|n| switches() != Some(n));
                         self.spin.caught(core.now() <= until && !kept_off);
+                        if kept_off {
+                            // The next wait, without the lock, looks for an idle CPU.
+                            self.spin.kept_off();
+                        }
                     }
                     // The time those completions were handled at (see `looked_at`): the
                     // caller need not read the clock again.
@@ -1088,9 +1092,8 @@ mod tests {
         assert_eq!(AdaptiveSpin::new(Some(Duration::ZERO)).budget(), None);
     }
 
-    /// A failed spin followed by a shorter sleep (or a late catch) asks the next wait for a
-    /// move once; a move starts the spin over at the longest with no hold; no move, or the shm
-    /// policy, changes nothing.
+    /// A late catch asks the next wait for a move once; a move starts the spin over at the
+    /// longest with no hold; no move, or the shm policy, changes nothing.
     #[test]
     fn roce_spin_starts_over_after_a_move_to_an_idle_cpu() {
         let us = Duration::from_micros;
@@ -1101,19 +1104,13 @@ mod tests {
             asked += 1;
             true
         });
-        assert_eq!(asked, 0, "no failed spin, no move");
-        // A failed spin followed by a longer sleep (a slow peer) asks for nothing.
-        s.slept(us(40), us(60));
-        s.reseat_by(|| {
-            asked += 1;
-            true
-        });
-        assert_eq!(asked, 0, "a slow peer is no reason to move");
-        // Spins that fail until the budget is gone and a short sleep is held; the first two
-        // were followed by sleeps shorter than themselves.
-        s.slept(us(10), us(4));
-        s.caught(false);
+        assert_eq!(asked, 0, "no late catch, no move");
+        // Spins that fail until the budget is gone and a short sleep is held.
+        for _ in 0..3 {
+            s.caught(false);
+        }
         assert_eq!(s.budget(), None);
+        s.kept_off();
         s.reseat_by(|| {
             asked += 1;
             false
@@ -1125,10 +1122,7 @@ mod tests {
             true
         });
         assert_eq!(asked, 1, "the request was taken");
-        s.slept(Duration::ZERO, us(20));
-        s.slept(Duration::ZERO, us(20));
-        assert_eq!(s.budget(), Some(us(40)), "held one, then a spin");
-        s.caught(false);
+        s.kept_off();
         s.reseat_by(|| {
             asked += 1;
             true
@@ -1146,9 +1140,7 @@ mod tests {
         s.slept(Duration::ZERO, us(20));
         assert_eq!(s.budget(), Some(us(40)));
         let shm = AdaptiveSpin::new(Some(us(40)));
-        shm.slept(Duration::ZERO, us(20));
-        shm.slept(us(5), us(1));
-        shm.caught(false);
+        shm.kept_off();
         shm.reseat_by(|| {
             asked += 1;
             true
