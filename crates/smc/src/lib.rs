@@ -17,7 +17,6 @@ mod error;
 pub mod fdapi;
 mod lgr_exit;
 pub mod pnet;
-mod reseat;
 mod stack;
 mod stream;
 mod tcpwatch;

@@ -2,7 +2,7 @@
 //! read on the interruptible path): [`LoopSpin`], and what it learns from the peer's spin
 //! words ([`SpinBeacon`]) and when it sleeps on purpose ([`Reseat`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::{current_stack, loop_poll};
 
@@ -23,25 +23,52 @@ pub struct LoopSpin(
 );
 
 /// When a spinner that takes turns with its peer on one CPU last went to sleep on purpose, so
-/// that the scheduler's wake-up places it anew (process-wide).
+/// that the scheduler's wake-up places it anew (process-wide; µs since [`Reseat::epoch`]).
 ///
 /// Two processes that spin and yield never sleep, so the scheduler never places them again:
 /// once on one vCPU (as the start of a connection often leaves them), every message costs a
 /// process switch there (sockperf 64 B: about 3 µs one way against 1 µs on two vCPUs), while
 /// the load balancer leaves two tasks that each use half a CPU together even next to an idle
 /// CPU. A sleep ends in a wake-up by the peer's doorbell, and a wake-up looks for an idle CPU
-/// when the waker's is busy. So, at most once per [`crate::reseat::PERIOD`], a spin that sees its
+/// when the waker's is busy. So, at most once per [`Reseat::PERIOD`], a spin that sees its
 /// peer on its own CPU ends and sleeps: on an idle CPU the two then run at once (the spin
 /// keeps its CPU while the peer's word names another); with no idle CPU the wake-up leaves
-/// it where it was, for one sleep's cost (about 10 µs) per period. (Software RoCE readers move
-/// instead: [`crate::reseat`].)
+/// it where it was, for one sleep's cost (about 10 µs) per period.
 struct Reseat;
 
 impl Reseat {
-    /// Whether the spin should sleep now for a new placement (claims the process's period,
-    /// [`crate::reseat::PERIOD`], when so).
+    /// At most one such sleep per process in this long.
+    const PERIOD: std::time::Duration = std::time::Duration::from_millis(20);
+
+    fn epoch() -> std::time::Instant {
+        static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        *EPOCH.get_or_init(std::time::Instant::now)
+    }
+
+    /// Whether the spin should sleep now for a new placement (claims the period when so).
     fn due(now: std::time::Instant) -> bool {
-        crate::reseat::due(now)
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        let at = u64::try_from(now.saturating_duration_since(Reseat::epoch()).as_micros())
+            .unwrap_or(u64::MAX);
+        let period = u64::try_from(Reseat::PERIOD.as_micros()).unwrap_or(u64::MAX);
+        Reseat::claim(&LAST, at, period)
+    }
+
+    /// Whether a period of `period` µs has passed at `at` (µs) since the last claim in `last`
+    /// (0: none yet; the first look only starts the period); claims it when so. One of several
+    /// threads looking at once gets it.
+    fn claim(last: &AtomicU64, at: u64, period: u64) -> bool {
+        // +1: a claim at time 0 is not "none yet".
+        let at = at.saturating_add(1);
+        let seen = last.load(Ordering::Relaxed);
+        if seen == 0 {
+            let _ = last.compare_exchange(0, at, Ordering::Relaxed, Ordering::Relaxed);
+            return false;
+        }
+        at.saturating_sub(seen) >= period
+            && last
+                .compare_exchange(seen, at, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 }
 
@@ -242,6 +269,28 @@ impl Default for LoopSpin {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// The first look starts the period; a look within it is refused; the first look after
+    /// it is granted and starts the next period; of two looks at once only one is granted.
+    #[test]
+    fn reseat_once_per_period() {
+        let last = AtomicU64::new(0);
+        assert!(
+            !Reseat::claim(&last, 0, 100),
+            "the first look only starts the period"
+        );
+        assert!(!Reseat::claim(&last, 50, 100));
+        assert!(!Reseat::claim(&last, 98, 100));
+        assert!(Reseat::claim(&last, 100, 100));
+        assert!(
+            !Reseat::claim(&last, 100, 100),
+            "the period was claimed already"
+        );
+        assert!(!Reseat::claim(&last, 150, 100));
+        assert!(Reseat::claim(&last, 260, 100));
+        // A clock reading older than the claim (another thread's) is never due.
+        assert!(!Reseat::claim(&last, 10, 100));
+    }
 
     /// A sleep that followed a spin ended for a new placement leaves the budget alone; the
     /// same sleep after a spin that found nothing halves it.

@@ -30,10 +30,7 @@ const SPIN_GROW_START: Duration = Duration::from_micros(5);
 /// that fails is quartered, and when it falls to nothing the next [`hold`](Self::hold) short
 /// sleeps start none, the hold doubling (up to [`ROCE_SPIN_HOLD_MAX`]) every time a series of
 /// spins fails and going back to one when a spin catches: two processes on one CPU pay a
-/// failed series every thousand round trips, two on two CPUs spin every time. A spin that
-/// found the answer only after its thread was switched out (the peer likely ran on this CPU)
-/// also asks for a move to an idle CPU ([`crate::reseat::move_to_idle_cpu`], at most once per
-/// 20 ms per process); after a move the spin starts over at `max`.
+/// failed series every thousand round trips, two on two CPUs spin every time.
 #[derive(Debug)]
 pub(crate) struct AdaptiveSpin {
     /// Longest spin (the configured [`adaptive_spin`](crate::StackConfig::adaptive_spin)).
@@ -51,9 +48,6 @@ pub(crate) struct AdaptiveSpin {
     /// The stream wrote since its last read returned data: a read now likely waits for a
     /// reply, which spinning catches.
     after_write: std::sync::atomic::AtomicBool,
-    /// `catch_only`: a spin found the answer after the thread was switched out; the next wait
-    /// looks for an idle CPU to move to ([`reseat`](Self::reseat)).
-    reseat: std::sync::atomic::AtomicBool,
 }
 
 /// Longest hold of the software RoCE policy, in short sleeps (see [`AdaptiveSpin`]).
@@ -101,38 +95,6 @@ impl AdaptiveSpin {
             hold: std::sync::atomic::AtomicU32::new(0),
             backoff: std::sync::atomic::AtomicU32::new(1),
             after_write: std::sync::atomic::AtomicBool::new(false),
-            reseat: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-
-    /// Under the software RoCE policy, a spin found the answer only after its thread had been
-    /// switched out (see [`caught`](Self::caught)): likely the peer ran on this thread's CPU.
-    pub(crate) fn kept_off(&self) {
-        if self.catch_only && self.max.is_some() {
-            self.reseat.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// After [`kept_off`](Self::kept_off): move this thread to a CPU that was idle lately
-    /// ([`crate::reseat::move_to_idle_cpu`]: at most once per period per process), and when
-    /// it moved, start the spin over at the longest (on two CPUs it catches; the hold learned
-    /// beside the peer says nothing there). For a thread that does not hold the core lock.
-    pub(crate) fn reseat(&self) {
-        self.reseat_by(|| crate::reseat::move_to_idle_cpu(Instant::now()));
-    }
-
-    /// [`reseat`](Self::reseat) with `move_to` for the move (whether it moved).
-    fn reseat_by(&self, move_to: impl FnOnce() -> bool) {
-        if !self.reseat.load(Ordering::Relaxed) || !self.reseat.swap(false, Ordering::Relaxed) {
-            return;
-        }
-        if move_to() {
-            if let Some(max) = self.max {
-                let max = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
-                self.budget_ns.store(max, Ordering::Relaxed);
-            }
-            self.hold.store(0, Ordering::Relaxed);
-            self.backoff.store(1, Ordering::Relaxed);
         }
     }
 
@@ -365,10 +327,6 @@ impl SmcStream {
                     if adaptive && looks > 1 {
                         let kept_off = switched.is_some_and(|n| switches() != Some(n));
                         self.spin.caught(core.now() <= until && !kept_off);
-                        if kept_off {
-                            // The next wait, without the lock, looks for an idle CPU.
-                            self.spin.kept_off();
-                        }
                     }
                     // The time those completions were handled at (see `looked_at`): the
                     // caller need not read the clock again.
@@ -382,11 +340,6 @@ impl SmcStream {
                     break;
                 }
                 drop(core);
-                // Software RoCE: a move to an idle CPU when the last spin found the peer on
-                // this one (see `AdaptiveSpin`); once per period per process at most.
-                if adaptive {
-                    self.spin.reseat();
-                }
                 // Software RoCE: one non-blocking receive per look (a system call costs about
                 // as much as a round of pauses below).
                 for r in &receivers {
@@ -439,9 +392,6 @@ impl SmcStream {
             }
             if !core.poll_completions(&mut wcs) {
                 drop(core);
-                if adaptive {
-                    self.spin.reseat();
-                }
                 // A datagram on the socket of a software RoCE device wakes this thread, which
                 // receives it itself (no hop through the device's thread on the path of a
                 // reply).
@@ -1090,62 +1040,6 @@ mod tests {
         off.slept(Duration::ZERO, us(1));
         assert_eq!(off.budget(), None);
         assert_eq!(AdaptiveSpin::new(Some(Duration::ZERO)).budget(), None);
-    }
-
-    /// A late catch asks the next wait for a move once; a move starts the spin over at the
-    /// longest with no hold; no move, or the shm policy, changes nothing.
-    #[test]
-    fn roce_spin_starts_over_after_a_move_to_an_idle_cpu() {
-        let us = Duration::from_micros;
-        let s = AdaptiveSpin::catching(Some(us(40)));
-        s.slept(Duration::ZERO, us(30));
-        let mut asked = 0;
-        s.reseat_by(|| {
-            asked += 1;
-            true
-        });
-        assert_eq!(asked, 0, "no late catch, no move");
-        // Spins that fail until the budget is gone and a short sleep is held.
-        for _ in 0..3 {
-            s.caught(false);
-        }
-        assert_eq!(s.budget(), None);
-        s.kept_off();
-        s.reseat_by(|| {
-            asked += 1;
-            false
-        });
-        assert_eq!(asked, 1);
-        assert_eq!(s.budget(), None, "no move: the hold stands");
-        s.reseat_by(|| {
-            asked += 1;
-            true
-        });
-        assert_eq!(asked, 1, "the request was taken");
-        s.kept_off();
-        s.reseat_by(|| {
-            asked += 1;
-            true
-        });
-        assert_eq!(asked, 2);
-        assert_eq!(s.budget(), Some(us(40)), "moved: the spin starts over");
-        s.slept(Duration::ZERO, us(20));
-        assert_eq!(s.budget(), Some(us(40)), "and no sleep is held");
-        // A failed series after the move holds one short sleep (the backoff starts over).
-        for _ in 0..3 {
-            s.caught(false);
-        }
-        s.slept(Duration::ZERO, us(20));
-        assert_eq!(s.budget(), None, "held one");
-        s.slept(Duration::ZERO, us(20));
-        assert_eq!(s.budget(), Some(us(40)));
-        let shm = AdaptiveSpin::new(Some(us(40)));
-        shm.kept_off();
-        shm.reseat_by(|| {
-            asked += 1;
-            true
-        });
-        assert_eq!(asked, 2, "the shm policy never moves");
     }
 
     #[test]
