@@ -9,6 +9,8 @@
 #
 # stream prints MB/s (client start to both exits) and each side's CPU ms and context switches
 # (`perf stat`, needs perf); pingpong prints the client's line (p50_us, p99_us). Root only.
+# ROCE_AB_CPUS="SERVER CLIENT" pins pingpong's echo server and client (taskset CPU lists, e.g.
+# "0 1" on two CPUs, "0 0" on one); unset, the scheduler places them.
 # Copy each build aside (cp target/release/smc /tmp/smc-a) before rebuilding.
 set -euo pipefail
 [ "$(id -u)" = 0 ] || { echo "roce-ab: needs root (network namespaces)" >&2; exit 77; }
@@ -78,15 +80,20 @@ stream() {
 }
 
 pingpong() {
-    local bin=$1 disc=$2 label=$3 sp out
-    nc_in "$a" a "$disc" "$bin" "$bin" nc -v -l 7001 --echo --bind 10.79.1.1 2>"$dir/pp-srv.err" &
+    local bin=$1 disc=$2 label=$3 sp out s c pin_s=() pin_c=()
+    if [ -n "${ROCE_AB_CPUS:-}" ]; then
+        read -r s c <<<"$ROCE_AB_CPUS"
+        pin_s=(taskset -c "$s")
+        pin_c=(taskset -c "$c")
+    fi
+    nc_in "$a" a "$disc" "$bin" "${pin_s[@]}" "$bin" nc -v -l 7001 --echo --bind 10.79.1.1 2>"$dir/pp-srv.err" &
     sp=$!
     # Until the listener listens (a loaded machine starts it slowly), at most 5 s.
     for _ in $(seq 1 50); do
         ip netns exec "$a" ss -Hltn 'sport = :7001' | grep -q . && break
         sleep 0.1
     done
-    out=$(nc_in "$b" b "$disc" "$bin" "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err") ||
+    out=$(nc_in "$b" b "$disc" "$bin" "${pin_c[@]}" "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err") ||
         out="failed: $(tail -1 "$dir/pp-cli.err")"
     # The echo listener serves until killed. `$sp` is the subshell running `nc_in`; the
     # listener is its child (`ip netns exec` and `env` exec into it): kill that one, or it
