@@ -130,6 +130,7 @@ mod error;
 pub mod fdplace;
 mod ring;
 mod roce;
+mod sched;
 mod shm;
 mod sleepers;
 pub mod sockpath;
@@ -140,6 +141,7 @@ mod types;
 pub use config::{DeviceConfig, DeviceKind, FabricConfig, Fault};
 pub use error::{FabricError, Result};
 pub use ring::{MAX_INLINE, MAX_SEND};
+pub use sched::QuietWake;
 pub use sleepers::Sleepers;
 pub use types::{
     AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, PostStatus, QpCaps, QpState,

@@ -50,6 +50,10 @@ pub(crate) struct AdaptiveSpin {
     after_write: std::sync::atomic::AtomicBool,
 }
 
+/// A read of at least this many bytes makes the next wait of the stream's reader a bulk one
+/// (see `quiet_wake`).
+const STREAM_READ: usize = 16 * 1024;
+
 /// Longest hold of the software RoCE policy, in short sleeps (see [`AdaptiveSpin`]).
 const ROCE_SPIN_HOLD_MAX: u32 = 1024;
 
@@ -398,6 +402,10 @@ impl SmcStream {
                 if receivers.is_empty() {
                     receivers = inner.cqs.iter().filter_map(|c| c.receive_wait()).collect();
                 }
+                // A bulk wait on software RoCE (see `quiet_wake`): its wake-up leaves the CPU
+                // to whatever runs there, likely the peer sending more.
+                let quiet = (!receivers.is_empty() && self.quiet_wake(want))
+                    .then(smc_fabric::QuietWake::begin);
                 // One software RoCE device and nothing else to watch: sleep in its socket's
                 // receive call (one system call per wake-up, as a blocking TCP read; `poll`
                 // and then the receive are two) for a while, then in `poll` for the rest.
@@ -442,6 +450,7 @@ impl SmcStream {
                         }
                     }
                 }
+                drop(quiet);
                 drop(receivers);
                 if adaptive {
                     self.spin
@@ -481,6 +490,22 @@ impl SmcStream {
         }
         core.sync_readable_events(id);
         (core, None)
+    }
+
+    /// Whether a sleep for `want` waits for bulk data rather than for a reply, so that its
+    /// wake-up need not preempt the thread running where it lands ([`smc_fabric::QuietWake`]):
+    /// a read whose last read took at least [`STREAM_READ`] bytes, with nothing written since
+    /// (a stream's sink; a read after a write waits for a reply, and the first read of a
+    /// connection may be a request). A writer waiting for room is not one: measured, its
+    /// quiet wake-ups made more context switches, not fewer (docs/performance.md, "A
+    /// stream's reader that does not preempt its writer"). `SMC_ROCE_NO_QUIET_WAKE=1` turns
+    /// it off.
+    fn quiet_wake(&self, want: Want) -> bool {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        matches!(want, Want::Read)
+            && self.last_read >= STREAM_READ
+            && !self.spin.after_write.load(Ordering::Relaxed)
+            && !*OFF.get_or_init(|| std::env::var_os("SMC_ROCE_NO_QUIET_WAKE").is_some())
     }
 
     fn deadline(&self, t: Option<Duration>) -> Option<Instant> {
