@@ -118,6 +118,34 @@ pub fn stack() -> io::Result<Stack> {
     Ok(s)
 }
 
+/// Before a privilege drop in a process that has no stack (and so no eBPF discovery): load
+/// the discovery now, while the process may, and keep it for the stack the process makes
+/// later as the new user, as a forked child keeps its parent's ([`Stack::new_inheriting`]).
+/// mosquitto and mariadbd change to their own user before they open their listening
+/// sockets: the stack made at the `listen`, as the new user, could not load the program
+/// (EPERM), and every connection stayed TCP. Returns whether it was loaded (`false`: a stack
+/// or a usable discovery is there already, or the configuration asks for no eBPF program).
+pub(super) fn load_discovery_ahead() -> Result<bool, String> {
+    let g = STACK.lock().unwrap_or_else(|p| p.into_inner());
+    if g.is_some() {
+        return Ok(false);
+    }
+    let mut inherited = lock_inherited();
+    if inherited.as_ref().is_some_and(|d| d.usable_after_fork()) {
+        return Ok(false);
+    }
+    restore_settings();
+    let config = crate::StackConfig::from_env().map_err(|e| e.to_string())?;
+    if !matches!(config.discovery, DiscoveryMode::Ebpf | DiscoveryMode::Auto) {
+        return Ok(false);
+    }
+    // Its descriptors go to the upper half, as the stack's own would.
+    smc_fabric::fdplace::keep_high();
+    let d = crate::discovery::TcpOptionDiscovery::load(None).map_err(|e| e.to_string())?;
+    *inherited = Some(Arc::new(d));
+    Ok(true)
+}
+
 std::thread_local! {
     /// The stack lock held across a `fork()` by the forking thread (see [`fork_prepare`]).
     static FORK_GUARD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Option<Stack>>>> =
