@@ -936,13 +936,13 @@ fi
 
 # ---- section apps3: other event loops and daemons (issue #22: programs outside the matrix) ----
 
-echo "== closefrom(3) and a close loop after the stack exists, as varnishd's manager does (scripts/preload-closefrom.py)"
+echo "== closefrom(3) and close_range after the stack exists, as varnishd's manager does (scripts/preload-closefrom.py)"
 # The stack's descriptors survive both: before, the library's threads spun on the closed
 # numbers and the next listen could not mark its port (TCP only).
 : >"$SMC_LOG.closefrom"
 SMC_LOG="$SMC_LOG.closefrom" py_pair closefrom 19185 "closefrom: an echo failed"
 n=$(grep -c ": SMC-R$" "$SMC_LOG.closefrom" || true)
-[ "$n" = 6 ] || fail "closefrom: $n SMC-R ends, 6 expected (3 connections: before, after closefrom, after the close loop)"
+[ "$n" = 6 ] || fail "closefrom: $n SMC-R ends, 6 expected (3 connections: before, after closefrom, after close_range)"
 ! grep -q "discovery failed" "$SMC_LOG.closefrom" || fail "closefrom: $(grep "discovery failed" "$SMC_LOG.closefrom")"
 cat "$work/closefrom-s.log" "$work/closefrom-c.log" | sed 's/^/   /'
 

@@ -9,8 +9,8 @@
 //! `RLIMIT_NOFILE`; when that half is full, or the limit is small, they stay where they are.
 //!
 //! Every number placed there is noted ([`is_placed`], [`unplaced_runs`]): a program that
-//! closes every descriptor it did not make (`closefrom(3)`, a daemon's close loop up to its
-//! limit) must not close the stack's, whose threads then spun on the closed numbers
+//! closes every descriptor it did not make (`closefrom(3)`, `close_range(3, ~0U, 0)`) must
+//! not close the stack's, whose threads then spun on the closed numbers
 //! (varnishd's manager process: three threads of the library at 13–20 % CPU each for good,
 //! and its next `listen` could not mark the port: EBADF on the discovery's map). A number
 //! stays noted after the stack closed it (nothing tells this module): the program gets a
