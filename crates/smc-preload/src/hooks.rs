@@ -1124,10 +1124,9 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // SAFETY: the library's own descriptor, passed on unchanged.
         return unsafe { real::close(fd) };
     }
-    if crate::held(fd) || smc_fabric::fdplace::is_placed(fd) {
-        // A number a thread of the library holds for a moment, or one of the stack's in the
-        // upper half (a daemon's close loop up to its limit): not the program's (it closed
-        // its own of that number already, or never had it).
+    if crate::held(fd) {
+        // A number a thread of the library holds for a moment: not the program's (it
+        // closed its own of that number already).
         set_errno(libc::EBADF);
         return -1;
     }
