@@ -946,6 +946,23 @@ n=$(grep -c ": SMC-R$" "$SMC_LOG.closefrom" || true)
 ! grep -q "discovery failed" "$SMC_LOG.closefrom" || fail "closefrom: $(grep "discovery failed" "$SMC_LOG.closefrom")"
 cat "$work/closefrom-s.log" "$work/closefrom-c.log" | sed 's/^/   /'
 
+echo "== POLLOUT as TCP's: a third of the peer's RMBE free, not its first free byte (scripts/preload-pollout.py: plain TCP, then smc run)"
+: >"$SMC_LOG.pollout"
+for mode in plain smc; do
+    run=()
+    [ $mode = smc ] && run=("$SMC" run)
+    SMC_LOG="$SMC_LOG.pollout" "${run[@]}" python3 scripts/preload-pollout.py server 19188 >"$work/pollout-s.log" 2>&1 &
+    pids+=($!)
+    po=$!
+    listening 19188
+    SMC_LOG="$SMC_LOG.pollout" timeout 30 "${run[@]}" python3 scripts/preload-pollout.py client 19188 \
+        >"$work/pollout-c.log" 2>&1 || { cat "$work/pollout-c.log" "$work/pollout-s.log"; fail "POLLOUT ($mode)"; }
+    wait $po || { cat "$work/pollout-s.log"; fail "POLLOUT server ($mode)"; }
+    sed "s/^/   $mode: /" "$work/pollout-c.log"
+done
+n=$(grep -c ": SMC-R$" "$SMC_LOG.pollout" || true)
+[ "$n" = 4 ] || fail "POLLOUT: $n SMC-R ends, 4 expected"
+
 # Debian's python3 (gevent, gi) and perl modules (AnyEvent, EV): scripts/install-deps.sh.
 sys_py=/usr/bin/python3
 if "$sys_py" -c 'import gevent' 2>/dev/null; then
@@ -1025,10 +1042,17 @@ if command -v stunnel4 >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1; th
             | sha256sum | cut -d' ' -f1) || fail "stunnel echo $i failed"
         [ "$got" = "$want" ] || fail "stunnel echo $i: payload differs ($(tail -3 "$work/stunnel-s.log"))"
     done
+    # 64 MB: socat polls, then writes 8 KiB to its blocking socket. With POLLOUT for any room
+    # that write waited while its own input stayed unread: the chain stopped with every RMBE
+    # full (200 MB: 2 of 2 runs, after 9 and 45 MB; 50 MB: 1 of 3).
+    head -c 64000000 /dev/urandom >"$work/r64m"
+    got=$(SMC_LOG="$SMC_LOG.stunnel" timeout 60 "$SMC" run socat -t 5 - TCP:127.0.0.1:18445 <"$work/r64m" \
+        | sha256sum | cut -d' ' -f1) || fail "stunnel 64 MB echo failed"
+    [ "$got" = "$(sum "$work/r64m")" ] || fail "stunnel 64 MB echo: payload differs"
     # Per echo: client -> tunnel, tunnel -> tunnel (TLS), tunnel -> echo server: 3 connections.
     n=$(grep -c ": SMC-R$" "$SMC_LOG.stunnel" || true)
-    [ "$n" = 12 ] || fail "stunnel: $n SMC-R ends, 12 expected"
-    echo "   2 echoes of 4 MB through TLS right, 12 SMC-R ends (the TLS hop included)"
+    [ "$n" = 18 ] || fail "stunnel: $n SMC-R ends, 18 expected"
+    echo "   2 echoes of 4 MB and one of 64 MB through TLS right, 18 SMC-R ends (the TLS hop included)"
 else
     echo "== stunnel4: skipped (stunnel4 missing; run scripts/install-deps.sh)"
 fi
