@@ -232,18 +232,6 @@ pub fn place_high(fd: OwnedFd) -> OwnedFd {
     smc_fabric::fdplace::placed(fd)
 }
 
-/// Whether a connection with `room` free bytes in the peer's RMBE of `size` bytes reports
-/// POLLOUT, as Linux's `tcp_poll()` does for a TCP socket (`sk_stream_is_writeable`: the free
-/// send space is at least half of what is queued), the queue being what the peer has not
-/// consumed: at least a third of the RMBE free. Any room at all was reported before, and a
-/// program that polls, then writes its buffer to a blocking socket (socat, 8 KiB) then waited
-/// in the write for room its own unread input held up: socat → stunnel4 (TLS) → stunnel4 →
-/// socat echo stopped for good after about 45 MB of a 200 MB echo, every RMBE on the way full.
-/// Over TCP that write never waits: the poll reported room for it.
-pub fn stream_writable(room: u32, size: u32) -> bool {
-    room > 0 && u64::from(room) * 3 >= u64::from(size)
-}
-
 /// Readiness of a connection, as Linux's `tcp_poll()` reports it for a TCP socket.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Ready {
@@ -841,9 +829,9 @@ impl Conn {
                         readable: peeked || conn.readable() > 0 || closed || err.is_some(),
                         // As `tcp_poll`: writable also once writing has ended (the peer
                         // closed, or this side shut writing down): a write does not block.
-                        writable: stream_writable(conn.write_room(), conn.config().peer_rmbe_len)
-                            || conn.write_ended()
-                            || err.is_some(),
+                        // POLLOUT from a third of the RMBE free, as `tcp_poll`'s
+                        // (`smc_proto::conn::stream_writable`).
+                        writable: conn.stream_writable() || conn.write_ended() || err.is_some(),
                         // As `tcp_poll`: RDHUP as soon as the peer is done writing, also
                         // while bytes before its end are unread. tokio counts on it: a read
                         // that returns less than asked clears its read readiness but keeps
