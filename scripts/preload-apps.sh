@@ -466,8 +466,8 @@ sockperf_server_stop() {
     fi
 }
 # sockperf binds without SO_REUSEADDR: fresh ports for each server and each run (a port of a
-# run that was killed may still be taken).
-spp=$((11000 + RANDOM % 400 * 8))
+# run that was killed may still be taken), above memcached's 11311 (once drawn: "Can't bind").
+spp=$((12000 + RANDOM % 250 * 8))
 : >"$SMC_LOG.sp"
 SMC_LOG="$SMC_LOG.sp" "$SMC" run sockperf sr --tcp -i 127.0.0.1 -p $spp >"$work/sr.out" 2>&1 &
 pids+=($!); sp=$!
