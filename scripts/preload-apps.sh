@@ -1039,7 +1039,7 @@ if command -v stunnel4 >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1; th
     listening 18445
     for i in 1 2; do
         got=$(SMC_LOG="$SMC_LOG.stunnel" timeout 30 "$SMC" run socat -t 5 - TCP:127.0.0.1:18445 <"$work/r4m" \
-            | sha256sum | cut -d' ' -f1) || fail "stunnel echo $i failed"
+            | sha256sum | cut -d' ' -f1) || fail "stunnel echo $i failed: $(tail -n 3 "$work/stunnel-c.log" "$work/stunnel-s.log"; tail -n 8 "$SMC_LOG.stunnel")"
         [ "$got" = "$want" ] || fail "stunnel echo $i: payload differs ($(tail -3 "$work/stunnel-s.log"))"
     done
     # 64 MB: socat polls, then writes 8 KiB to its blocking socket. With POLLOUT for any room
@@ -1047,7 +1047,7 @@ if command -v stunnel4 >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1; th
     # full (200 MB: 2 of 2 runs, after 9 and 45 MB; 50 MB: 1 of 3).
     head -c 64000000 /dev/urandom >"$work/r64m"
     got=$(SMC_LOG="$SMC_LOG.stunnel" timeout 60 "$SMC" run socat -t 5 - TCP:127.0.0.1:18445 <"$work/r64m" \
-        | sha256sum | cut -d' ' -f1) || fail "stunnel 64 MB echo failed"
+        | sha256sum | cut -d' ' -f1) || fail "stunnel 64 MB echo failed: $(tail -n 3 "$work/stunnel-c.log" "$work/stunnel-s.log"; tail -n 8 "$SMC_LOG.stunnel")"
     [ "$got" = "$(sum "$work/r64m")" ] || fail "stunnel 64 MB echo: payload differs"
     # Per echo: client -> tunnel, tunnel -> tunnel (TLS), tunnel -> echo server: 3 connections.
     n=$(grep -c ": SMC-R$" "$SMC_LOG.stunnel" || true)
