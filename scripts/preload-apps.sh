@@ -1049,6 +1049,7 @@ if command -v stunnel4 >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1; th
     got=$(SMC_LOG="$SMC_LOG.stunnel" timeout 60 "$SMC" run socat -t 5 - TCP:127.0.0.1:18445 <"$work/r64m" \
         | sha256sum | cut -d' ' -f1) || fail "stunnel 64 MB echo failed: $(tail -n 3 "$work/stunnel-c.log" "$work/stunnel-s.log"; tail -n 8 "$SMC_LOG.stunnel")"
     [ "$got" = "$(sum "$work/r64m")" ] || fail "stunnel 64 MB echo: payload differs"
+    rm -f "$work/r64m"
     # Per echo: client -> tunnel, tunnel -> tunnel (TLS), tunnel -> echo server: 3 connections.
     n=$(grep -c ": SMC-R$" "$SMC_LOG.stunnel" || true)
     [ "$n" = 18 ] || fail "stunnel: $n SMC-R ends, 18 expected"
