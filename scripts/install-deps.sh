@@ -10,7 +10,8 @@
 #   cargo-fuzz  – builds and briefly runs the fuzz targets (stable, `-s none`)
 #   redis-server, redis-tools, python3, curl, socat, iperf3, nginx-light, memcached,
 #               libmemcached-tools, wrk, sockperf, haproxy, lighttpd, apache2-utils (ab), apache2,
-#               openssh-client, openssh-server – the unmodified
+#               openssh-client, openssh-server, mosquitto, mosquitto-clients, stunnel4, varnish,
+#               python3-gevent, python3-gi, libanyevent-perl, libev-perl – the unmodified
 #               programs `scripts/preload-apps.sh` runs under `smc run`
 #   setpriv (util-linux), mount – the hardening tests run `smc` as another uid and mount a
 #                 tiny tmpfs (crates/smc-cli/tests/hardening_cli.rs)
@@ -81,6 +82,28 @@ if [ ${#apps2[@]} -gt 0 ]; then
     fi
     as_root apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apps2[@]}" >/dev/null
+fi
+
+# preload-apps.sh section apps3: other event loops and daemons — mosquitto (drops root before
+# it listens), stunnel4 (TLS), varnish (closefrom in its manager), Debian's python3 gevent
+# and gi (GLib), perl AnyEvent over EV. Services must not start on install (policy-rc.d).
+apps3=()
+for c in mosquitto:mosquitto mosquitto_sub:mosquitto-clients stunnel4:stunnel4 varnishd:varnish \
+    openssl:openssl; do
+    command -v "${c%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${c%%:*}" ] || apps3+=("${c#*:}")
+done
+/usr/bin/python3 -c 'import gevent' 2>/dev/null || apps3+=(python3-gevent)
+/usr/bin/python3 -c 'import gi; gi.require_version("Gio", "2.0")' 2>/dev/null || apps3+=(python3-gi gir1.2-glib-2.0)
+perl -MAnyEvent -e1 2>/dev/null || apps3+=(libanyevent-perl)
+perl -MEV -e1 2>/dev/null || apps3+=(libev-perl)
+if [ ${#apps3[@]} -gt 0 ]; then
+    echo "install-deps: installing ${apps3[*]}" >&2
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' | as_root tee /usr/sbin/policy-rc.d >/dev/null
+        as_root chmod +x /usr/sbin/policy-rc.d
+    fi
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apps3[@]}" >/dev/null
 fi
 
 # The kernel-peer VM of scripts/kernel-interop.sh (QEMU, the initramfs's tools); its

@@ -29,6 +29,11 @@ fi
 SMC=$(realpath "$SMC")
 
 work=$(mktemp -d)
+# The library goes to a directory of this run: a program that drops root grants its new user
+# read on it (and search on the directory), which an older smc would take for a directory
+# that is not private any more.
+mkdir -m 700 "$work/xdg"
+export XDG_RUNTIME_DIR="$work/xdg"
 export SMC_FABRIC_DIR="$work/fabric"
 export SMC_LOG="$work/preload.log"
 export SMC_DISCOVERY=ebpf
@@ -161,7 +166,7 @@ cat >"$ftp/vsftpd.conf" <<EOF
 listen=YES
 listen_ipv6=NO
 listen_address=127.0.0.1
-listen_port=19185
+listen_port=19285
 anonymous_enable=YES
 anon_root=$ftp/root
 no_anon_password=YES
@@ -169,26 +174,29 @@ local_enable=NO
 write_enable=NO
 seccomp_sandbox=NO
 pasv_enable=YES
-pasv_min_port=19186
-pasv_max_port=19189
+pasv_min_port=19286
+pasv_max_port=19289
 secure_chroot_dir=/var/run/vsftpd/empty
 background=NO
 xferlog_enable=NO
 EOF
 "$SMC" run vsftpd "$ftp/vsftpd.conf" >"$work/vsftpd.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 1 100); do ss -ltn "sport = :19185" | grep -q 19185 && break; sleep 0.05; done
-ftp_got=$(timeout 30 curl -sS ftp://127.0.0.1:19185/big.bin | sha256sum | cut -d' ' -f1)
+vsftpd_pid=$!
+for _ in $(seq 1 100); do ss -ltn "sport = :19285" | grep -q 19285 && break; sleep 0.05; done
+ftp_got=$(timeout 30 curl -sS ftp://127.0.0.1:19285/big.bin | sha256sum | cut -d' ' -f1)
 [ "$ftp_got" = "$ftp_want" ] || fail "vsftpd under smc run, plain curl: the file came back wrong ($ftp_got)"
 before=$(grep -c 'DeclineCode::CLONED' "$SMC_LOG" || true)
 t0=$(date +%s%N)
-ftp_got=$(timeout 30 "$SMC" run curl -sS ftp://127.0.0.1:19185/big.bin | sha256sum | cut -d' ' -f1)
+ftp_got=$(timeout 30 "$SMC" run curl -sS ftp://127.0.0.1:19285/big.bin | sha256sum | cut -d' ' -f1)
 t1=$(date +%s%N)
 [ "$ftp_got" = "$ftp_want" ] || fail "vsftpd and curl under smc run: the file came back wrong ($ftp_got)"
 [ $(($(grep -c 'DeclineCode::CLONED' "$SMC_LOG" || true) - before)) -eq 1 ] \
     || fail "vsftpd: the control connection was not declined as a raw clone's (CLONED)"
 grep -q 'RLIMIT_AS 209715200 set as' "$SMC_LOG" || fail "vsftpd: its RLIMIT_AS was not adjusted"
 echo "   3 MB file right to a plain curl and to curl under smc run ($(((t1 - t0) / 1000000)) ms: the data connection's client waits 6 s for an Accept, then declines); both connections TCP by design"
+kill "$vsftpd_pid" 2>/dev/null || true
+wait "$vsftpd_pid" 2>/dev/null || true
 rm -rf "$ftp"
 
 echo "== descriptor numbers (scripts/preload-fdnums.py): the same under smc run as without, also after 20 inherited ones"
@@ -505,8 +513,8 @@ sockperf_server_stop() {
     fi
 }
 # sockperf binds without SO_REUSEADDR: fresh ports for each server and each run (a port of a
-# run that was killed may still be taken).
-spp=$((11000 + RANDOM % 400 * 8))
+# run that was killed may still be taken), above memcached's 11311 (once drawn: "Can't bind").
+spp=$((12000 + RANDOM % 250 * 8))
 : >"$SMC_LOG.sp"
 SMC_LOG="$SMC_LOG.sp" "$SMC" run sockperf sr --tcp -i 127.0.0.1 -p $spp >"$work/sr.out" 2>&1 &
 pids+=($!); sp=$!
@@ -915,7 +923,7 @@ if [ -n "$pgbin" ] && id postgres >/dev/null 2>&1; then
     chmod 700 "$pgw"
     aspg_cmd=(setpriv --reuid=postgres --regid=postgres --init-groups
         --inh-caps=+bpf,+net_admin,+perfmon --ambient-caps=+bpf,+net_admin,+perfmon
-        env HOME="$pgw" SMC_FABRIC_DIR="$pgw/fabric" SMC_LOG="$pgw/preload.log"
+        env -u XDG_RUNTIME_DIR HOME="$pgw" SMC_FABRIC_DIR="$pgw/fabric" SMC_LOG="$pgw/preload.log"
         PGHOST=127.0.0.1 PGPORT=18432 PGUSER=postgres PGDATABASE=postgres)
     aspg() { "${aspg_cmd[@]}" "$@"; }
     aspg "$pgbin/initdb" -D "$pgw/data" -A trust -U postgres --no-sync >"$work/initdb.log" 2>&1 \
@@ -972,5 +980,176 @@ else
 fi
 
 # ---- end of section apps2 ----
+
+# ---- section apps3: other event loops and daemons (issue #22: programs outside the matrix) ----
+
+echo "== closefrom(3) and close_range after the stack exists, as varnishd's manager does (scripts/preload-closefrom.py)"
+# The stack's descriptors survive both: before, the library's threads spun on the closed
+# numbers and the next listen could not mark its port (TCP only).
+: >"$SMC_LOG.closefrom"
+SMC_LOG="$SMC_LOG.closefrom" py_pair closefrom 19185 "closefrom: an echo failed"
+n=$(grep -c ": SMC-R$" "$SMC_LOG.closefrom" || true)
+[ "$n" = 6 ] || fail "closefrom: $n SMC-R ends, 6 expected (3 connections: before, after closefrom, after close_range)"
+! grep -q "discovery failed" "$SMC_LOG.closefrom" || fail "closefrom: $(grep "discovery failed" "$SMC_LOG.closefrom")"
+cat "$work/closefrom-s.log" "$work/closefrom-c.log" | sed 's/^/   /'
+
+echo "== POLLOUT as TCP's: a third of the peer's RMBE free, not its first free byte (scripts/preload-pollout.py: plain TCP, then smc run)"
+: >"$SMC_LOG.pollout"
+for mode in plain smc; do
+    run=()
+    [ $mode = smc ] && run=("$SMC" run)
+    SMC_LOG="$SMC_LOG.pollout" "${run[@]}" python3 scripts/preload-pollout.py server 19188 >"$work/pollout-s.log" 2>&1 &
+    pids+=($!)
+    po=$!
+    listening 19188
+    SMC_LOG="$SMC_LOG.pollout" timeout 30 "${run[@]}" python3 scripts/preload-pollout.py client 19188 \
+        >"$work/pollout-c.log" 2>&1 || { cat "$work/pollout-c.log" "$work/pollout-s.log"; fail "POLLOUT ($mode)"; }
+    wait $po || { cat "$work/pollout-s.log"; fail "POLLOUT server ($mode)"; }
+    sed "s/^/   $mode: /" "$work/pollout-c.log"
+done
+n=$(grep -c ": SMC-R$" "$SMC_LOG.pollout" || true)
+[ "$n" = 4 ] || fail "POLLOUT: $n SMC-R ends, 4 expected"
+
+# Debian's python3 (gevent, gi) and perl modules (AnyEvent, EV): scripts/install-deps.sh.
+sys_py=/usr/bin/python3
+if "$sys_py" -c 'import gevent' 2>/dev/null; then
+    echo "== python gevent (libev loop, greenlets, StreamServer): echo server + client"
+    echo_pair gevent 18114 "$sys_py" scripts/preload-gevent.py
+else
+    echo "== gevent: skipped (python3-gevent missing; run scripts/install-deps.sh)"
+fi
+if "$sys_py" -c 'import gi; gi.require_version("Gio", "2.0")' 2>/dev/null; then
+    echo "== GLib/GIO (GMainLoop, GSocketService, asynchronous streams): echo server + client"
+    echo_pair gio 18115 "$sys_py" scripts/preload-gio.py
+else
+    echo "== GIO: skipped (python3-gi missing; run scripts/install-deps.sh)"
+fi
+if perl -MEV -MAnyEvent -e1 2>/dev/null; then
+    echo "== perl AnyEvent over EV (libev epoll, AnyEvent::Handle, tcp_connect): echo server + client"
+    echo_pair anyevent 18116 perl scripts/preload-anyevent.pl
+else
+    echo "== AnyEvent: skipped (libanyevent-perl or libev-perl missing; run scripts/install-deps.sh)"
+fi
+
+if command -v mosquitto >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 && id mosquitto >/dev/null 2>&1; then
+    echo "== mosquitto (drops root to user mosquitto before it listens) + mosquitto_pub/sub, 4 MB message"
+    # mosquitto started as root becomes user mosquitto before it opens its listener: the
+    # library loads the eBPF discovery before the change (as that user it could not; every
+    # connection stayed TCP). A retained message: each subscriber gets it when it subscribes.
+    printf 'listener 18883 127.0.0.1\nallow_anonymous true\n' >"$work/mosquitto.conf"
+    : >"$SMC_LOG.mosq"
+    SMC_LOG="$SMC_LOG.mosq" "$SMC" run mosquitto -c "$work/mosquitto.conf" >"$work/mosquitto.log" 2>&1 &
+    pids+=($!)
+    mosq=$!
+    listening 18883
+    SMC_LOG="$SMC_LOG.mosq" timeout 20 "$SMC" run mosquitto_pub -h 127.0.0.1 -p 18883 -t big -r -f "$work/r4m" \
+        || fail "mosquitto_pub: $(tail -3 "$work/mosquitto.log")"
+    for i in 1 2 3 plain; do
+        run=("$SMC" run)
+        [ $i = plain ] && run=()
+        got=$(SMC_LOG="$SMC_LOG.mosq" timeout 20 "${run[@]}" mosquitto_sub -h 127.0.0.1 -p 18883 -t big -C 1 \
+            | head -c 4000000 | sha256sum | cut -d' ' -f1) || fail "mosquitto_sub $i failed"
+        [ "$got" = "$want" ] || fail "mosquitto_sub $i: message differs"
+    done
+    grep -q "^smc-preload\[$mosq\]: setuid to uid .*eBPF discovery loaded for it" "$SMC_LOG.mosq" \
+        || fail "mosquitto: no discovery loaded before its privilege drop: $(grep "\[$mosq\]" "$SMC_LOG.mosq" | head -3)"
+    n=$(grep -c "^smc-preload\[$mosq\]: fd [0-9]*: SMC-R$" "$SMC_LOG.mosq" || true)
+    [ "$n" = 4 ] || fail "mosquitto: $n SMC-R connections at the broker, 4 expected (pub + 3 subs)"
+    n=$(grep -c ": SMC-R$" "$SMC_LOG.mosq" || true)
+    [ "$n" = 8 ] || fail "mosquitto: $n SMC-R ends, 8 expected"
+    grep -q "^smc-preload\[$mosq\]: fd [0-9]*: TCP (Tcp(PeerWithoutOption))" "$SMC_LOG.mosq" \
+        || fail "mosquitto: the plain subscriber was not TCP"
+    kill $mosq
+    wait $mosq 2>/dev/null || true
+    echo "   4 MB message to 3 subscribers right, 8 SMC-R ends (the broker as user mosquitto); plain subscriber over TCP"
+else
+    echo "== mosquitto: skipped (mosquitto or mosquitto-clients missing; run scripts/install-deps.sh)"
+fi
+
+if command -v stunnel4 >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1; then
+    echo "== stunnel4 (TLS, a thread per connection) client and server tunnels to a socat echo, 4 MB"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$work/tls.key" -out "$work/tls.crt" -days 2 \
+        -subj /CN=localhost >/dev/null 2>&1 || fail "openssl req"
+    printf '%s\n' "foreground = yes" "pid =" "[echo]" "accept = 127.0.0.1:18444" "connect = 127.0.0.1:17102" \
+        "cert = $work/tls.crt" "key = $work/tls.key" >"$work/stunnel-s.conf"
+    printf '%s\n' "foreground = yes" "pid =" "[echo]" "client = yes" "accept = 127.0.0.1:18445" \
+        "connect = 127.0.0.1:18444" >"$work/stunnel-c.conf"
+    : >"$SMC_LOG.stunnel"
+    SMC_LOG="$SMC_LOG.stunnel" "$SMC" run socat TCP-LISTEN:17102,reuseaddr,fork SYSTEM:cat >/dev/null 2>&1 &
+    pids+=($!)
+    SMC_LOG="$SMC_LOG.stunnel" "$SMC" run stunnel4 "$work/stunnel-s.conf" >"$work/stunnel-s.log" 2>&1 &
+    pids+=($!)
+    SMC_LOG="$SMC_LOG.stunnel" "$SMC" run stunnel4 "$work/stunnel-c.conf" >"$work/stunnel-c.log" 2>&1 &
+    pids+=($!)
+    listening 17102
+    listening 18444
+    listening 18445
+    for i in 1 2; do
+        got=$(SMC_LOG="$SMC_LOG.stunnel" timeout 30 "$SMC" run socat -t 5 - TCP:127.0.0.1:18445 <"$work/r4m" \
+            | sha256sum | cut -d' ' -f1) || fail "stunnel echo $i failed: $(tail -n 3 "$work/stunnel-c.log" "$work/stunnel-s.log"; tail -n 8 "$SMC_LOG.stunnel")"
+        [ "$got" = "$want" ] || fail "stunnel echo $i: payload differs ($(tail -3 "$work/stunnel-s.log"))"
+    done
+    # 64 MB: socat polls, then writes 8 KiB to its blocking socket. With POLLOUT for any room
+    # that write waited while its own input stayed unread: the chain stopped with every RMBE
+    # full (200 MB: 2 of 2 runs, after 9 and 45 MB; 50 MB: 1 of 3).
+    head -c 64000000 /dev/urandom >"$work/r64m"
+    got=$(SMC_LOG="$SMC_LOG.stunnel" timeout 60 "$SMC" run socat -t 5 - TCP:127.0.0.1:18445 <"$work/r64m" \
+        | sha256sum | cut -d' ' -f1) || fail "stunnel 64 MB echo failed: $(tail -n 3 "$work/stunnel-c.log" "$work/stunnel-s.log"; tail -n 8 "$SMC_LOG.stunnel")"
+    [ "$got" = "$(sum "$work/r64m")" ] || fail "stunnel 64 MB echo: payload differs"
+    rm -f "$work/r64m"
+    # Per echo: client -> tunnel, tunnel -> tunnel (TLS), tunnel -> echo server: 3 connections.
+    n=$(grep -c ": SMC-R$" "$SMC_LOG.stunnel" || true)
+    [ "$n" = 18 ] || fail "stunnel: $n SMC-R ends, 18 expected"
+    echo "   2 echoes of 4 MB and one of 64 MB through TLS right, 18 SMC-R ends (the TLS hop included)"
+else
+    echo "== stunnel4: skipped (stunnel4 missing; run scripts/install-deps.sh)"
+fi
+
+if command -v varnishd >/dev/null 2>&1 && command -v varnishadm >/dev/null 2>&1; then
+    echo "== varnishd (manager: closefrom(3); cache child as user vcache; VCL compiler as another user) + curl + varnishadm"
+    # The manager makes a stack (it tries the listening address), then closes every
+    # descriptor from 3: the library's survive (its CLI then SMC-R). The VCL compiler runs as
+    # another user and must load the library (before: ld.so "cannot be preloaded" in the output).
+    chmod 711 "$work"
+    mkdir -m 755 "$work/varn-www"
+    cp "$work/r4m" "$work/varn-www/f"
+    chmod 644 "$work/varn-www/f"
+    : >"$SMC_LOG.varnish"
+    SMC_LOG="$SMC_LOG.varnish" "$SMC" run python3 -m http.server 18131 --bind 127.0.0.1 -d "$work/varn-www" \
+        >"$work/varn-http.log" 2>&1 &
+    pids+=($!)
+    listening 18131
+    SMC_LOG="$SMC_LOG.varnish" "$SMC" run varnishd -F -n "$work/varn" -a 127.0.0.1:18132 -b 127.0.0.1:18131 \
+        -s malloc,32m >"$work/varnish.log" 2>&1 &
+    pids+=($!)
+    varn=$!
+    # (The cache process starts once the VCL is compiled: seconds.)
+    for _ in $(seq 1 400); do ss -ltn "sport = :18132" | grep -q ":18132 " && break; sleep 0.05; done
+    listening 18132
+    for i in 1 2 3 plain; do
+        run=("$SMC" run)
+        [ $i = plain ] && run=()
+        got=$(SMC_LOG="$SMC_LOG.varnish" timeout 20 "${run[@]}" curl -sSf "http://127.0.0.1:18132/f" | sha256sum | cut -d' ' -f1) \
+            || fail "varnish curl $i failed: $(tail -5 "$work/varnish.log")"
+        [ "$got" = "$want" ] || fail "varnish curl $i: payload differs"
+    done
+    [ "$(SMC_LOG="$SMC_LOG.varnish" timeout 10 "$SMC" run varnishadm -n "$work/varn" ping | cut -d' ' -f1)" = PONG ] \
+        || fail "varnishadm ping"
+    ! grep -q "cannot be preloaded" "$work/varnish.log" || fail "varnish: $(grep -m1 "cannot be preloaded" "$work/varnish.log")"
+    ! grep -q "discovery failed" "$SMC_LOG.varnish" || fail "varnish: $(grep -m1 "discovery failed" "$SMC_LOG.varnish")"
+    n=$(grep -c "^smc-preload\[$varn\]: fd [0-9]*: SMC-R$" "$SMC_LOG.varnish" || true)
+    [ "$n" = 1 ] || fail "varnish: the manager's CLI connection (varnishadm) not SMC-R ($n)"
+    # 3 curls and the cache's backend connection (one, kept alive), both ends; varnishadm's.
+    n=$(grep -c ": SMC-R$" "$SMC_LOG.varnish" || true)
+    [ "$n" = 10 ] || fail "varnish: $n SMC-R ends, 10 expected"
+    [ "$(grep -c ": TCP (Tcp(PeerWithoutOption))" "$SMC_LOG.varnish")" = 1 ] || fail "varnish: the plain curl not TCP"
+    kill $varn
+    wait $varn 2>/dev/null || true
+    echo "   3 curls of 4 MB through varnish right, varnishadm to the manager, 10 SMC-R ends; plain curl over TCP"
+else
+    echo "== varnish: skipped (varnish missing; run scripts/install-deps.sh)"
+fi
+
+# ---- end of section apps3 ----
 
 echo "preload-apps: all passed"

@@ -3,8 +3,9 @@
 //!
 //! Where the library comes from, in order: `SMC_PRELOAD_LIB` (a path); the copy embedded in
 //! this binary at build time (see `build.rs`), written once to a private, content-addressed
-//! file (`$XDG_RUNTIME_DIR/smc-rs` or `/tmp/smc-rs-<uid>`, mode 0700) that stays for the
-//! program's descendants, which may exec long after `smc` is gone; `libsmc_preload.so` beside
+//! file (`$XDG_RUNTIME_DIR/smc-rs` or `/tmp/smc-rs-<uid>`, mode 0700; nobody else may write
+//! there) that stays for the program's descendants, which may exec long after `smc` is gone
+//! (also as the user a program changed to: it is granted read then); `libsmc_preload.so` beside
 //! the `smc` binary. The command replaces `smc` (exec): same process id, signals and exit
 //! status as the program run directly.
 
@@ -66,6 +67,11 @@ fn write_embedded() -> anyhow::Result<PathBuf> {
         .mode(0o700)
         .create(&dir)
         .with_context(|| format!("creating {}", dir.display()))?;
+    // Nobody else may write there (put another library in the place of ours). A program
+    // that drops root under `smc run` grants its new user search here and read on the
+    // library (an ACL entry, see `smc_preload::creds`), so that what it execs as that user
+    // still loads it: with an ACL the group bits are its mask, which bounds every named
+    // entry, so no write bit in the group and other bits means no writer but the owner.
     let meta = std::fs::symlink_metadata(&dir)?;
     if !meta.is_dir()
         || others_may_change(&dir, &meta)

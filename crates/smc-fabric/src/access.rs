@@ -488,6 +488,23 @@ pub fn grant_file(path: &Path, uid: u32) -> io::Result<Vec<PathBuf>> {
     Ok(changed)
 }
 
+/// Let user `uid` read the existing file `path` (the preload library, which a program's
+/// descendants load after it changed its uid), with search on its private parents as
+/// [`grant_dirs`] gives: never write, so the granted user cannot change what the calling
+/// user loads. Returns the paths changed: none for what is not a regular file of the calling
+/// user, or one anybody may read already.
+pub fn grant_read(path: &Path, uid: u32) -> io::Result<Vec<PathBuf>> {
+    let md = std::fs::symlink_metadata(path)?;
+    let me = rustix::process::geteuid().as_raw();
+    if !md.is_file() || md.uid() != me || md.mode() & 0o004 != 0 {
+        return Ok(Vec::new());
+    }
+    grant(path, uid, R)?;
+    let mut changed = vec![path.to_owned()];
+    changed.extend(grant_search(&[path.to_owned()], uid)?);
+    Ok(changed)
+}
+
 /// Search for `uid` on every parent of `paths` (other than `paths` themselves) that others
 /// may not search, the calling user owns, and `uid` may not search yet.
 fn grant_search(paths: &[PathBuf], uid: u32) -> io::Result<Vec<PathBuf>> {
@@ -833,6 +850,23 @@ mod tests {
             Some(R | W)
         );
         assert!(grant_file(Path::new("/dev/null"), other)
+            .expect("null")
+            .is_empty());
+        // A private library beside it: read only (never write); /dev/null untouched.
+        let lib = dir.join("lib.so");
+        std::fs::write(&lib, b"x").expect("write");
+        std::fs::set_permissions(&lib, std::fs::Permissions::from_mode(0o500)).expect("chmod");
+        assert_eq!(
+            grant_read(&lib, other).expect("lib"),
+            std::slice::from_ref(&lib)
+        );
+        assert_eq!(
+            read_acl(&lib)
+                .expect("acl")
+                .and_then(|a| a.user_perm(other)),
+            Some(R)
+        );
+        assert!(grant_read(Path::new("/dev/null"), other)
             .expect("null")
             .is_empty());
         // Granting again changes nothing and succeeds.

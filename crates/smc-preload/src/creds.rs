@@ -4,10 +4,13 @@
 //! Before the C library changes the uid (process-wide: glibc makes every thread change),
 //! while the process still holds CAP_SETUID, when the call drops the privilege for good (the
 //! real, effective and saved uid all leave the old effective uid; a temporary `seteuid` is
-//! left alone, [`drop_targets`]), the library makes the process's stack when it
-//! uses SMC-R (it has managed sockets, maybe inherited from the parent that forked it) and
-//! grants the new uid the fabric directory and the `SMC_LOG` file ([`smc::fdapi::before_uid_change`];
-//! the trust rule and what it exposes are in `docs/preload.md`, "Privilege drop").
+//! left alone, [`drop_targets`]), the library makes the process's stack when it uses SMC-R
+//! (it has managed sockets, maybe inherited from the parent that forked it), or else loads
+//! the eBPF discovery for the stack it makes later (mosquitto and mariadbd drop root before
+//! they open their sockets), and grants the new uid the fabric directory, the `SMC_LOG` file
+//! ([`smc::fdapi::before_uid_change`]) and read on this library, which the programs it execs
+//! as the new uid load; the trust rule and what it exposes are in `docs/preload.md`,
+//! "Privilege drop".
 //! `SMC_UID_CHANGE=tcp` keeps the old behaviour: no grant, and after the drop no stack, so
 //! the process's later connections are TCP. The group calls (`setgid`, `setgroups`,
 //! `initgroups`) are left alone: the grants name the user.
@@ -140,10 +143,12 @@ fn before_change(call: &str, args: &[uid_t]) -> bool {
     let uses_smc = table::ANY.load(Ordering::Relaxed);
     match smc::fdapi::before_uid_change(&uids, uses_smc) {
         Ok(g) => {
-            let stack = match g.stack {
-                Ok(true) => "stack made before the change".to_owned(),
-                Ok(false) => "no stack yet".to_owned(),
-                Err(e) => format!("no stack: {e}"),
+            let stack = match (g.stack, g.discovery) {
+                (Ok(true), _) => "stack made before the change".to_owned(),
+                (Ok(false), Ok(true)) => "no stack yet, eBPF discovery loaded for it".to_owned(),
+                (Ok(false), Ok(false)) => "no stack yet".to_owned(),
+                (Ok(false), Err(e)) => format!("no stack yet, eBPF discovery not loaded: {e}"),
+                (Err(e), _) => format!("no stack: {e}"),
             };
             log!(
                 "{call} to uid {uids:?}: fabric directory {} granted ({} paths; {stack})",
@@ -152,6 +157,20 @@ fn before_change(call: &str, args: &[uid_t]) -> bool {
             );
         }
         Err(e) => log!("{call} to uid {uids:?}: fabric directory not granted: {e}"),
+    }
+    // The programs the process execs after the change load this library as the new user:
+    // `smc run` wrote it into a private directory (mode 0700), and the loader could not
+    // open it ("cannot be preloaded ... ignored" on their standard error: varnishd's VCL
+    // compiler, run as another user, printed it as the compiler's warnings).
+    if let Some(lib) = own_path() {
+        for &u in &uids {
+            if let Err(e) = smc_fabric::access::grant_read(&lib, u) {
+                log!(
+                    "{call}: library {} not granted to uid {u}: {e}",
+                    lib.display()
+                );
+            }
+        }
     }
     if let Some(path) = crate::LOG_PATH.get() {
         use std::os::unix::ffi::OsStrExt;
@@ -166,6 +185,21 @@ fn before_change(call: &str, args: &[uid_t]) -> bool {
         }
     }
     false
+}
+
+/// The path this library was loaded from (the loader's name for it).
+fn own_path() -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: an empty Dl_info for dladdr to fill; the address of a function of this library.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::dladdr(own_path as *const libc::c_void, &mut info) };
+    if r == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr's NUL-terminated name, valid while the library stays loaded.
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let path = std::path::Path::new(std::ffi::OsStr::from_bytes(name.to_bytes()));
+    path.is_absolute().then(|| path.to_owned())
 }
 
 /// After the change: an opted-out program makes no stack from now on.

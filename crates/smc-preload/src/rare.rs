@@ -506,9 +506,35 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
     // CLOSE_RANGE_CLOEXEC only marks the numbers; anything else closes them.
     if flags as c_uint & libc::CLOSE_RANGE_CLOEXEC == 0 && first <= last {
         guard((), || forget_range(first, last));
+        if smc_fabric::fdplace::keeps_high() {
+            // SAFETY: the program's call, split around the stack's numbers.
+            return unsafe { close_sparing(first, last, flags) };
+        }
     }
     // SAFETY: passed on unchanged.
     unsafe { real::close_range(first, last, flags) }
+}
+
+/// The program's `close_range(first, last, flags)` over every number in the range but the
+/// stack's (`smc_fabric::fdplace`: its descriptors in the upper half of the limit, which a
+/// program's `closefrom(3)` would close under its threads). One system call per run of the
+/// program's numbers; the first failure is the call's.
+unsafe fn close_sparing(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    let mut r = 0;
+    let mut err = 0;
+    for (a, b) in smc_fabric::fdplace::unplaced_runs(first, last) {
+        // SAFETY: close_range(2) over numbers that are not the library's.
+        if unsafe { real::close_range(a, b, flags) } != 0 && r == 0 {
+            r = -1;
+            err = std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EBADF);
+        }
+    }
+    if r != 0 {
+        set_errno(err);
+    }
+    r
 }
 
 #[no_mangle]
@@ -516,6 +542,11 @@ pub unsafe extern "C" fn closefrom(first: c_int) {
     type F = unsafe extern "C" fn(c_int);
     static P: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     guard((), || forget_range(first.max(0) as c_uint, c_uint::MAX));
+    if smc_fabric::fdplace::keeps_high() {
+        // SAFETY: as closefrom(3): every number from `first` on, but the stack's.
+        unsafe { close_sparing(first.max(0) as c_uint, c_uint::MAX, 0) };
+        return;
+    }
     let mut p = P.load(std::sync::atomic::Ordering::Relaxed);
     if p == 0 {
         // SAFETY: a NUL-terminated name.

@@ -156,6 +156,34 @@ pub fn address_space_since_stack() -> Option<u64> {
     Some(address_space()?.saturating_sub(before))
 }
 
+/// Before a privilege drop in a process that has no stack (and so no eBPF discovery): load
+/// the discovery now, while the process may, and keep it for the stack the process makes
+/// later as the new user, as a forked child keeps its parent's ([`Stack::new_inheriting`]).
+/// mosquitto and mariadbd change to their own user before they open their listening
+/// sockets: the stack made at the `listen`, as the new user, could not load the program
+/// (EPERM), and every connection stayed TCP. Returns whether it was loaded (`false`: a stack
+/// or a usable discovery is there already, or the configuration asks for no eBPF program).
+pub(super) fn load_discovery_ahead() -> Result<bool, String> {
+    let g = STACK.lock().unwrap_or_else(|p| p.into_inner());
+    if g.is_some() {
+        return Ok(false);
+    }
+    let mut inherited = lock_inherited();
+    if inherited.as_ref().is_some_and(|d| d.usable_after_fork()) {
+        return Ok(false);
+    }
+    restore_settings();
+    let config = crate::StackConfig::from_env().map_err(|e| e.to_string())?;
+    if !matches!(config.discovery, DiscoveryMode::Ebpf | DiscoveryMode::Auto) {
+        return Ok(false);
+    }
+    // Its descriptors go to the upper half, as the stack's own would.
+    smc_fabric::fdplace::keep_high();
+    let d = crate::discovery::TcpOptionDiscovery::load(None).map_err(|e| e.to_string())?;
+    *inherited = Some(Arc::new(d));
+    Ok(true)
+}
+
 std::thread_local! {
     /// The stack lock held across a `fork()` by the forking thread (see [`fork_prepare`]).
     static FORK_GUARD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Option<Stack>>>> =
@@ -839,7 +867,9 @@ impl Conn {
                         readable: peeked || conn.readable() > 0 || closed || err.is_some(),
                         // As `tcp_poll`: writable also once writing has ended (the peer
                         // closed, or this side shut writing down): a write does not block.
-                        writable: conn.write_room() > 0 || conn.write_ended() || err.is_some(),
+                        // POLLOUT from a third of the RMBE free, as `tcp_poll`'s
+                        // (`smc_proto::conn::stream_writable`).
+                        writable: conn.stream_writable() || conn.write_ended() || err.is_some(),
                         // As `tcp_poll`: RDHUP as soon as the peer is done writing, also
                         // while bytes before its end are unread. tokio counts on it: a read
                         // that returns less than asked clears its read readiness but keeps

@@ -169,6 +169,17 @@ enum SendUrgent {
     },
 }
 
+/// Whether a sender with `room` free bytes in the peer's RMBE of `size` bytes counts as
+/// writable (POLLOUT, and [`Event::Writable`] when it becomes so), as Linux's `tcp_poll()`
+/// reports a TCP socket (`sk_stream_is_writeable`: the free send space is at least half of
+/// what is queued), the queue being what the peer has not consumed: at least a third of the
+/// RMBE free. Reported for any room before, a program that polls and then writes its buffer
+/// to a blocking socket (socat: 8 KiB) waited in that write with its own input unread: a
+/// chain socat → stunnel4 (TLS) → stunnel4 → socat echo stopped with every RMBE full.
+pub fn stream_writable(room: u32, size: u32) -> bool {
+    room > 0 && u64::from(room) * 3 >= u64::from(size)
+}
+
 /// Whether a consumer-cursor CDC is worth sending (RFC 7609 §4.5.1): the sender's window is
 /// below half the buffer and the update grows it by at least 10% of the buffer.
 //= https://www.rfc-editor.org/rfc/rfc7609#section-4.5.1

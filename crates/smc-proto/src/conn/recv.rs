@@ -256,7 +256,9 @@ impl Connection {
         }
         // Send direction.
         if acked > 0 {
-            let was_blocked = self.write_room() == 0;
+            // Writable as a poll reports it (a third of the RMBE free, as TCP's), not at the
+            // first free byte: a waiter woken then would find the connection not writable.
+            let was_writable = self.stream_writable();
             self.peer_cons = msg.consumer;
             if let SendUrgent::InFlight { end, next_pending } = self.urgent {
                 if self.peer_ring.distance(end, self.peer_cons).is_ok() {
@@ -267,7 +269,7 @@ impl Connection {
                     };
                 }
             }
-            if was_blocked && self.write_room() > 0 {
+            if !was_writable && self.stream_writable() {
                 self.events.push_back(Event::Writable);
             }
         }

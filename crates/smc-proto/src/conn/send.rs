@@ -61,6 +61,12 @@ impl Connection {
         self.peer_ring.regions(self.prod, self.window())
     }
 
+    /// Whether a poll reports this connection writable ([`super::stream_writable`] of the
+    /// room and the peer's RMBE).
+    pub fn stream_writable(&self) -> bool {
+        super::stream_writable(self.write_room(), self.peer_ring.capacity())
+    }
+
     /// Bytes the next write may take: the total of [`write_regions`](Self::write_regions),
     /// without building them.
     pub fn write_room(&self) -> u32 {

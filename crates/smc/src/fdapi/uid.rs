@@ -51,18 +51,27 @@ pub struct UidGrant {
     pub changed: Vec<PathBuf>,
     /// Whether the stack was made now (`Err`: why it could not be).
     pub stack: Result<bool, String>,
+    /// Without a stack: whether the eBPF discovery was loaded now, for the stack the process
+    /// makes after the change (`Err`: why it could not be).
+    pub discovery: Result<bool, String>,
 }
 
 /// Before the program changes its uid to each of `uids`, while it still has the privilege:
 /// make this process's stack when `make_stack` (the program uses SMC-R: it has managed
 /// sockets, maybe inherited from the parent that forked it), then grant each uid the fabric
 /// directory of the stack (or of the configuration, without one), its device directories,
-/// the directory of the control sockets and the sockets in them.
+/// the directory of the control sockets and the sockets in them. Without a stack (a
+/// program that drops root before it opens its sockets: mosquitto, mariadbd), the eBPF
+/// discovery is loaded now, which needs the privilege, and kept for the stack made later.
 pub fn before_uid_change(uids: &[u32], make_stack: bool) -> io::Result<UidGrant> {
     let stack = if make_stack {
         super::stack().map(|_| true).map_err(|e| e.to_string())
     } else {
         Ok(false)
+    };
+    let discovery = match stack {
+        Ok(false) => super::load_discovery_ahead(),
+        _ => Ok(false),
     };
     let made = super::STACK
         .lock()
@@ -86,5 +95,6 @@ pub fn before_uid_change(uids: &[u32], make_stack: bool) -> io::Result<UidGrant>
         dir: fabric.dir,
         changed,
         stack,
+        discovery,
     })
 }
