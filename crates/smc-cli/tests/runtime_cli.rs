@@ -268,14 +268,14 @@ fn ss_linkgroup_device_pnet_stats_query_live_processes() {
     }
     // `-d`: cursors and buffer sizes of the SMC-R sockets.
     for s in sockets.iter().filter(|s| s["mode"] == "SMC-R") {
-        assert_eq!(s["rmbe_size"], 524288, "{s}");
-        assert_eq!(s["peer_rmbe_size"], 524288, "{s}");
+        assert_eq!(s["rmbe_size"], 1048576, "{s}");
+        assert_eq!(s["peer_rmbe_size"], 1048576, "{s}");
         assert!(s["producer_cursor"].is_string(), "{s}");
     }
     let out = smc(&dir).args(["ss", "-d"]).output().expect("smc ss -d");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("peer cons"), "{text}");
-    assert!(text.contains("524288"), "{text}");
+    assert!(text.contains("1048576"), "{text}");
     let pnet = json_of(&dir, "pnet");
     for p in pnet.as_array().expect("array") {
         let rows = p["pnet"].as_array().expect("pnet rows");

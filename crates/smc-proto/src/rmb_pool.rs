@@ -89,7 +89,11 @@ impl Default for RmbPoolConfig {
             min_size: RmbeSize(0),
             max_size: RmbeSize(6),
             max_rmbs: 255,
-            rmb_target_bytes: 1024 * 1024,
+            // Two elements of the largest size (1 MiB, the stack's default RMBE) per RMB, as
+            // two 512 KiB ones before: every RMB costs a memory registration per link, a
+            // CONFIRM RKEY exchange, a descriptor for its memfd on both sides and one of the
+            // link group's 255 RMBs.
+            rmb_target_bytes: 2 * 1024 * 1024,
         }
     }
 }
@@ -374,8 +378,8 @@ mod tests {
         let a = p.allocate(RmbeSize(0)).expect("alloc");
         assert_eq!(a.handle.index, 1);
         let info = a.new_rmb.expect("first allocation creates an RMB");
-        assert_eq!(info.elements, 64);
-        assert_eq!(info.len(), 1024 * 1024);
+        assert_eq!(info.elements, 128);
+        assert_eq!(info.len(), 2 * 1024 * 1024);
         let b = p.allocate(RmbeSize(0)).expect("alloc");
         assert_eq!(
             b.handle,
@@ -394,12 +398,22 @@ mod tests {
     }
 
     #[test]
-    fn one_mib_rmbs_hold_one_element_and_the_rmb_count_is_bounded() {
+    fn one_mib_rmbs_hold_two_elements_and_the_rmb_count_is_bounded() {
         let mut p = pool(RmbeLayout::Linux, 2);
         let a = p.allocate(RmbeSize(6)).expect("alloc");
         assert_eq!(a.element_len, 1024 * 1024);
-        assert_eq!(a.new_rmb.map(|i| i.elements), Some(1));
-        p.allocate(RmbeSize(6)).expect("second RMB");
+        assert_eq!(a.new_rmb.map(|i| i.elements), Some(2));
+        assert!(p
+            .allocate(RmbeSize(6))
+            .expect("second element")
+            .new_rmb
+            .is_none());
+        assert!(p
+            .allocate(RmbeSize(6))
+            .expect("second RMB")
+            .new_rmb
+            .is_some());
+        p.allocate(RmbeSize(6)).expect("its second element");
         assert_eq!(
             p.allocate(RmbeSize(6)),
             Err(PoolError::Exhausted(RmbeSize(6)))

@@ -3,7 +3,7 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `SMC_DISCOVERY` | `auto`, `ebpf`, `assert-peer` or `off` (see [`DiscoveryMode`]) | `auto` |
-//! | `SMC_BUFFER_SIZE` | receive buffer (RMBE) size in bytes, rounded up to 16 KiB · 2ⁿ | 524288 |
+//! | `SMC_BUFFER_SIZE` | receive buffer (RMBE) size in bytes, rounded up to 16 KiB · 2ⁿ (at most 1 MiB) | 1048576 |
 //! | `SMC_CLC_TIMEOUT_MS` | whole CLC handshake (App. C.5) | 30000 |
 //! | `SMC_ACCEPT_WAIT_MS` | a client without an answer to its Proposal after this long declines (`NOACCEPT`) and uses TCP (0: wait the whole CLC timeout) | 6000 |
 //! | `SMC_LLC_TIMEOUT_MS` | LLC reply timer while maintaining a link group | 2000 |
@@ -127,17 +127,20 @@ pub struct StackConfig {
 }
 
 impl StackConfig {
-    /// Defaults over the given fabric: auto discovery, 512 KiB buffers (RMBEs), RFC-like
+    /// Defaults over the given fabric: auto discovery, 1 MiB buffers (RMBEs), RFC-like
     /// timers.
     pub fn new(fabric: FabricConfig) -> StackConfig {
         StackConfig {
             fabric,
             discovery: DiscoveryMode::Auto,
             // A 64 KiB RMBE holds one 64 KiB write: writer and reader take turns over it;
-            // 512 KiB (the largest RMBE Linux uses for SMC-R) streams 64 KiB writes about 30 %
-            // faster than 256 KiB (docs/performance.md). An idle connection touches none of
-            // it either way; a streaming one keeps what it touched.
-            buffer_size: 512 * 1024,
+            // 512 KiB streams 64 KiB writes about 30 % faster than 256 KiB, and 1 MiB (the
+            // largest size a stack announces) takes 256 concurrent streams on two cores about
+            // 25 % less CPU per byte than 512 KiB: the RMBE must hold what a writer produces
+            // while its reader waits for a CPU, which grows with the busy connections
+            // (docs/performance.md, session 16). An idle connection touches none of it
+            // either way; a streaming one keeps what it touched.
+            buffer_size: 1024 * 1024,
             clc_timeout: Duration::from_secs(30),
             accept_wait: Duration::from_secs(6),
             llc_timeout: Duration::from_secs(2),

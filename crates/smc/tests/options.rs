@@ -93,10 +93,10 @@ fn receive_buffer_sizes_become_rmbe_sizes() {
     assert_eq!(server.recv_buffer_size().expect("rcvbuf"), 256 * 1024);
     assert_eq!(client.send_buffer_size().expect("sndbuf"), 256 * 1024);
     exchange(&mut server, &mut client, &pattern(1_000_003));
-    // Without options: the stack's default (512 KiB).
+    // Without options: the stack's default (1 MiB).
     let (s2, c2) = connect(&a, &b, None, ConnectOptions::new());
-    assert_eq!(s2.recv_buffer_size().expect("rcvbuf"), 512 * 1024);
-    assert_eq!(c2.recv_buffer_size().expect("rcvbuf"), 512 * 1024);
+    assert_eq!(s2.recv_buffer_size().expect("rcvbuf"), 1024 * 1024);
+    assert_eq!(c2.recv_buffer_size().expect("rcvbuf"), 1024 * 1024);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
