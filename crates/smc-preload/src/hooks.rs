@@ -219,15 +219,29 @@ pub(crate) fn target(fd: c_int) -> Target {
 /// relay (nor open one). A raw clone without namespaces serves the connection over a stack
 /// of its own, as before.
 fn cloned_as_tcp(fd: c_int) -> Target {
-    let (r, _) = blocking(fd, || fdapi::decline_cloned(bfd(fd)));
+    pending_as_tcp(
+        fd,
+        fdapi::decline_cloned,
+        "accepted before a raw clone, first used in it",
+    );
+    Target::Pass
+}
+
+/// Settle the pending accepted connection `fd` as TCP: its client's Proposal answered by
+/// `decline`, the entry gone (the caller holds the entry's lock). `why` goes to the log.
+fn pending_as_tcp(
+    fd: c_int,
+    decline: fn(std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool>,
+    why: &str,
+) {
+    let (r, _) = blocking(fd, || decline(bfd(fd)));
     match r {
-        Ok(_) => log!("fd {fd}: accepted before a raw clone, first used in it: TCP"),
-        Err(e) => log!("fd {fd}: accepted before a raw clone, first used in it: {e}"),
+        Ok(_) => log!("fd {fd}: {why}: TCP"),
+        Err(e) => log!("fd {fd}: {why}: {e}"),
     }
     if let Some(old) = table::take(fd) {
         table::release(old);
     }
-    Target::Pass
 }
 
 /// Accepted connections waiting for their first use that the program passes to another
@@ -275,14 +289,11 @@ unsafe fn settle_passed(msg: *const msghdr) {
         if !table::get(fd).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
             continue;
         }
-        let (r, _) = blocking(fd, || fdapi::decline_passed(bfd(fd)));
-        match r {
-            Ok(_) => log!("fd {fd}: accepted connection passed to another process: TCP"),
-            Err(e) => log!("fd {fd}: accepted connection passed to another process: {e}"),
-        }
-        if let Some(old) = table::take(fd) {
-            table::release(old);
-        }
+        pending_as_tcp(
+            fd,
+            fdapi::decline_passed,
+            "accepted connection passed to another process",
+        );
     }
 }
 
@@ -1059,7 +1070,12 @@ pub unsafe extern "C" fn sendto(
 
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
-    if table::ANY.load(std::sync::atomic::Ordering::Relaxed) && !msg.is_null() && !crate::inside() {
+    // SAFETY: the caller's message header, read only when it is there.
+    if !msg.is_null()
+        && unsafe { (*msg).msg_controllen } > 0
+        && table::ANY.load(std::sync::atomic::Ordering::Relaxed)
+        && !crate::inside()
+    {
         // SAFETY: the caller's message header.
         guard((), || unsafe { settle_passed(msg) });
     }
