@@ -447,6 +447,9 @@ mod tests {
 
     #[test]
     fn a_forked_process_holds_the_socket_until_it_closes_its_number() {
+        let _children = crate::TEST_CHILDREN
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         // SAFETY: a new socket of this test's.
         let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
         assert!(s >= 0);

@@ -18,6 +18,12 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod creds;
+
+/// Tests that make child processes, or look at this process's children, run one at a time:
+/// a child of one (a copy of every descriptor of the test process) is a holder of another's
+/// socket to `keep`'s look at the children.
+#[cfg(test)]
+pub(crate) static TEST_CHILDREN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 mod exec;
 mod execl;
 mod hooks;

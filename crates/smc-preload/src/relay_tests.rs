@@ -90,6 +90,9 @@ fn the_proof_is_the_open_file_not_a_lookalike() {
 
 #[test]
 fn a_forked_child_closes_the_pumps_descriptors() {
+    let _children = crate::TEST_CHILDREN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let (r, w) = pipe();
     assert!(pump_fd_add(r.as_raw_fd()));
     // SAFETY: the child makes only system calls (fcntl, close) and exits.

@@ -253,6 +253,9 @@ mod tests {
     /// `fork_prepare`.
     #[test]
     fn a_forked_child_never_inherits_the_settlers_locks_held() {
+        let _children = crate::TEST_CHILDREN
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();
         let settler = std::thread::spawn(move || {
