@@ -14,6 +14,11 @@ use rustix::net::{AddressFamily, SocketType};
 use smc::discovery::{Outcome, TcpOptionDiscovery};
 use smc_wire::dissect::{read_capture, Found};
 
+/// The fork test's child holds a copy of every descriptor of this process, the other tests'
+/// programs included: the detach test, which needs its server's program gone when it drops
+/// it, runs apart from it.
+static FORKS_APART: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn can_run() -> bool {
     let root = rustix::process::geteuid().is_root();
     if !root {
@@ -186,6 +191,7 @@ fn option_on_syn_and_synack_only_for_marked_sockets() {
 
 #[test]
 fn detached_program_means_peer_did_not_offer() {
+    let _apart = FORKS_APART.lock().unwrap_or_else(|p| p.into_inner());
     if !can_run() {
         return;
     }
@@ -239,6 +245,7 @@ fn in_child(f: impl FnOnce() -> bool) -> bool {
 
 #[test]
 fn a_forked_child_uses_its_copy_of_the_parents_instance() {
+    let _apart = FORKS_APART.lock().unwrap_or_else(|p| p.into_inner());
     if !can_run() {
         return;
     }
