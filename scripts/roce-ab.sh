@@ -11,6 +11,7 @@
 # (`perf stat`, needs perf); pingpong prints the client's line (p50_us, p99_us). Root only.
 # ROCE_AB_CPUS="SERVER CLIENT" pins pingpong's echo server and client (taskset CPU lists, e.g.
 # "0 1" on two CPUs, "0 0" on one); unset, the scheduler places them.
+# ROCE_AB_MTU sets the veth's MTU (default 1500: path MTU 1024; 4176 or more: path MTU 4096).
 # Copy each build aside (cp target/release/smc /tmp/smc-a) before rebuilding.
 set -euo pipefail
 [ "$(id -u)" = 0 ] || { echo "roce-ab: needs root (network namespaces)" >&2; exit 77; }
@@ -37,6 +38,8 @@ ip link add rab0 netns "$a" type veth peer name rab1 netns "$b"
 ip -n "$a" addr add 10.79.1.1/24 dev rab0
 ip -n "$b" addr add 10.79.1.2/24 dev rab1
 for n in "$a" "$b"; do ip -n "$n" link set lo up; done
+ip -n "$a" link set rab0 mtu "${ROCE_AB_MTU:-1500}"
+ip -n "$b" link set rab1 mtu "${ROCE_AB_MTU:-1500}"
 ip -n "$a" link set rab0 up
 ip -n "$b" link set rab1 up
 # A connection made within moments of the links coming up may run over TCP (seen for the first
