@@ -53,7 +53,9 @@ pub fn run(args: &NcArgs) -> Result<ExitCode> {
             report(args, &s);
             match args.pingpong {
                 Some(size) => pingpong(s, size, Duration::from_secs_f64(args.time.max(0.0)))?,
-                None => pump(s)?,
+                None => {
+                    pump(s)?;
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -112,7 +114,17 @@ fn listen(stack: &Stack, args: &NcArgs, port: u16) -> Result<ExitCode> {
     }
     let (s, _) = l.accept().context("accepting")?;
     report(args, &s);
-    pump(s)?;
+    let received = pump(s)?;
+    if args.verbose {
+        if let Some((bytes, secs)) = received.rate() {
+            // Read by `smc bench --fabric roce` (the transfer rate without process start
+            // and exit).
+            eprintln!(
+                "smc nc: received {bytes} bytes in {secs:.6} s (first byte to end of stream, {:.1} MB/s)",
+                bytes as f64 / secs / 1e6
+            );
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -133,10 +145,26 @@ fn echo(mut s: SmcStream) {
     let _ = s.shutdown(Shutdown::Write);
 }
 
+/// What [`pump`] read from the connection: bytes, and when the first and the last read
+/// returned (the last one being the end of stream).
+struct Received {
+    bytes: u64,
+    first: Option<Instant>,
+    end: Instant,
+}
+
+impl Received {
+    /// Bytes and seconds from the first byte to the end of stream, when anything came.
+    fn rate(&self) -> Option<(u64, f64)> {
+        let secs = self.end.duration_since(self.first?).as_secs_f64();
+        (self.bytes > 0 && secs > 0.0).then_some((self.bytes, secs))
+    }
+}
+
 /// stdin → socket in a thread (shutdown(WR) at EOF), socket → stdout here until EOF; ends
 /// when both directions are done (or the connection fails). A failed write (the peer died
 /// mid-upload) or read of either direction is the command's error: nonzero exit, a message.
-fn pump(mut s: SmcStream) -> Result<()> {
+fn pump(mut s: SmcStream) -> Result<Received> {
     let mut w = s.try_clone()?;
     let writer = std::thread::spawn(move || -> Result<()> {
         let mut stdin = std::io::stdin().lock();
@@ -160,13 +188,19 @@ fn pump(mut s: SmcStream) -> Result<()> {
     });
     let mut out = std::io::stdout().lock();
     let mut buf = vec![0u8; 64 * 1024];
+    let (mut bytes, mut first) = (0u64, None);
     let read = loop {
         match s.read(&mut buf) {
             Ok(0) => break Ok(()),
-            Ok(n) => out.write_all(&buf[..n])?,
+            Ok(n) => {
+                first.get_or_insert_with(Instant::now);
+                bytes += n as u64;
+                out.write_all(&buf[..n])?
+            }
             Err(e) => break Err(e).context("reading from the connection"),
         }
     };
+    let end = Instant::now();
     out.flush()?;
     drop(out);
     // A reset connection fails both directions: the first error said is the read's, the
@@ -175,7 +209,7 @@ fn pump(mut s: SmcStream) -> Result<()> {
     writer
         .join()
         .map_err(|_| anyhow::anyhow!("the stdin thread panicked"))??;
-    Ok(())
+    Ok(Received { bytes, first, end })
 }
 
 /// `--pingpong SIZE`: round trips of SIZE bytes through an echo listener for `time`; the
