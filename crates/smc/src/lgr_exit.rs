@@ -5,9 +5,11 @@
 //! (10 minutes on a server), with a QP that later retransmits its own DELETE LINK every 136 ms
 //! into a port nobody listens on (shared/spec/smc-rv2.md §13 item 3). So at process exit
 //! (`atexit`) every link group of a stack with RoCE devices is deleted with a DELETE LINK for
-//! the entire group, as the kernel does when it frees a link group. The roce fabric's own exit
-//! handler, registered before this one (`atexit` handlers run in reverse order), then waits
-//! until the peer has acknowledged those SENDs.
+//! the entire group, as the kernel does when it frees a link group — once both sides have
+//! withdrawn their RMBs from it (DELETE RKEY), or else after a quiet period
+//! ([`end_link_groups`]). The roce fabric's own exit handler, registered before this one
+//! (`atexit` handlers run in reverse order), then waits until the peer has acknowledged those
+//! SENDs.
 //!
 //! Stacks on the shared-memory fabric only are left out: their peers are smc-rs processes,
 //! which see the process end on the fabric's sockets.
@@ -149,8 +151,9 @@ pub(crate) fn end_link_groups(inner: &Inner) -> ExitEnd {
                 //# termination is needed and initiating it lies with the server.
                 // A server deletes at once; a client gives an ending server the moment to
                 // do it (its DELETE LINK then makes the group go here, above), so that the
-                // two DELETE LINKs do not cross — the second would reach a QP already gone
-                // and be resent until its sender's exit gives up.
+                // two DELETE LINKs do not cross: one sent after a stall of its sender could
+                // reach a process already gone and be resent until its sender's exit drain
+                // gives up (2 s).
                 let since = *withdrawn_since.get_or_insert_with(Instant::now);
                 let servers_only = core
                     .ep
