@@ -546,6 +546,28 @@ impl LinkGroup {
             .all(|r| r.tokens.is_empty() || r.tokens.contains_key(&num))
     }
 
+    /// Both sides have withdrawn every RMB they gave the group and no connection is on it:
+    /// no connection, no RMB of the peer still known here (each one withdrawn by the peer's
+    /// DELETE RKEY), none of ours the peer still knows (each DELETE RKEY of ours answered)
+    /// and no configuration exchange running or waiting. Nothing is left that either side
+    /// would still send on the group but a DELETE LINK — what a process that ends waits for
+    /// before it deletes the group (`smc::lgr_exit`).
+    //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.2
+    //# Once an SMC-R peer decides to delete an RMB, it sends a DELETE RKEY
+    //# LLC message to its peer.  It can then free the RMB once it receives
+    //# a response from the peer.
+    pub fn rmbs_withdrawn(&self) -> bool {
+        self.conns.is_empty()
+            && self.first_contact.is_none()
+            && self.link_exchange.is_none()
+            && self.rkey_exchange.is_none()
+            && self.pending.is_empty()
+            && self.queued.is_empty()
+            && self.rkey_cont.is_none()
+            && self.peer_rmbs.iter().all(|r| r.tokens.is_empty())
+            && self.local_rmbs.values().all(|r| !r.confirmed)
+    }
+
     /// Whether a link between our `device` and the peer's `gid` would be parallel to an
     /// existing link (same RNIC pair).
     //= https://www.rfc-editor.org/rfc/rfc7609#section-2.2.1

@@ -221,10 +221,39 @@ impl Endpoint {
         }
     }
 
-    /// Remove RMBs we no longer need (Fig. 14). Only RMBs with no element in use.
+    /// Remove RMBs we no longer need (Fig. 14). Only RMBs with no element in use; at most
+    /// one DELETE RKEY's worth (8).
     pub fn delete_unused_rmbs(
         &mut self,
         lgr: LgrId,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) -> usize {
+        self.delete_rmbs_where(lgr, 8, |_| true, res, now)
+    }
+
+    /// Withdraw from group `lgr` every RMB of ours that the peer knows and no element of
+    /// which is in use — at the end of the process, before the group is deleted, so that a
+    /// peer that ends too sees that we will send nothing more (the Linux kernel withdraws its
+    /// RMB in the same way when a connection is freed, shared/spec/smc-rv2.md §12). One
+    /// DELETE RKEY per 8 RMBs, queued behind any exchange in progress. Returns how many RMBs
+    /// were put up for deletion (0 when called again).
+    pub fn withdraw_rmbs(&mut self, lgr: LgrId, res: &mut dyn Resources, now: Timestamp) -> usize {
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.2
+        //# Either peer can delete one or more of its RMBs as long as it is not
+        //# being used for any TCP connections.
+        // An RMB the peer was never told of (its CONFIRM RKEY not done) has nothing to
+        // withdraw: it is freed with the group.
+        self.delete_rmbs_where(lgr, usize::MAX, |r| r.confirmed, res, now)
+    }
+
+    /// Queue DELETE RKEY for up to `max` unused RMBs of `lgr` that pass `which`, 8 per
+    /// request, retiring them from the pool (no element of them is handed out again).
+    fn delete_rmbs_where(
+        &mut self,
+        lgr: LgrId,
+        max: usize,
+        which: impl Fn(&crate::link_group::LocalRmb) -> bool,
         res: &mut dyn Resources,
         now: Timestamp,
     ) -> usize {
@@ -233,10 +262,10 @@ impl Endpoint {
         };
         let unused: Vec<RmbId> = g
             .local_rmbs
-            .keys()
-            .copied()
-            .filter(|id| g.pool.rmb_unused(*id))
-            .take(8)
+            .iter()
+            .filter(|(id, r)| g.pool.rmb_unused(**id) && which(r))
+            .map(|(id, _)| *id)
+            .take(max)
             .collect();
         if unused.is_empty() {
             return 0;
@@ -245,7 +274,15 @@ impl Endpoint {
             g.pool.retire(*id);
         }
         let n = unused.len();
-        g.pending.push_back(LocalRequest::DeleteRkey(unused));
+        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.2
+        //# Multiple RMBs can be deleted in a
+        //# DELETE RKEY exchange.
+        // Up to 8 rkeys fit the 44-byte message (RFC 7609 Fig. 39); a v2 group sends the same
+        // count in its v2 form (shared/spec/smc-rv2.md §10.7).
+        for chunk in unused.chunks(8) {
+            g.pending
+                .push_back(LocalRequest::DeleteRkey(chunk.to_vec()));
+        }
         self.llc_kick(lgr, res, now);
         n
     }

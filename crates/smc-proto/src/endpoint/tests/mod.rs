@@ -3,6 +3,7 @@
 mod appendix_c7;
 mod chaos;
 mod collisions;
+mod exit;
 mod failover;
 mod fallback;
 mod forged;
