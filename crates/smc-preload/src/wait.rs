@@ -62,6 +62,17 @@ pub(crate) struct EpollSet {
     /// instance, given to poll or select), which sleeps in the kernel without our arming:
     /// its connections are armed for good (changed under the interests' lock).
     nested: std::sync::atomic::AtomicBool,
+    /// Connections the program removed (EPOLL_CTL_DEL) whose eventfds stay registered in
+    /// the kernel instance, by number (taken under the interests' lock): an event loop that
+    /// adds and removes a connection's interest for every request (redis-benchmark: DEL and
+    /// ADD twice per request) then makes no system call for it, where each registration of
+    /// the two eventfds cost two (an `epoll_ctl` that allocates and links the kernel's item)
+    /// and each removal two more. A parked registration only wakes a wait of this instance
+    /// when the connection's eventfds are written, which happens while some wait armed it
+    /// (this instance arms only the connections it watches), and such a wake-up reports
+    /// nothing (see `filter_marks`). Weak: a parked registration does not keep the
+    /// connection open (its eventfds close with it, which ends their kernel registration).
+    parked: Mutex<BTreeMap<c_int, std::sync::Weak<Conn>>>,
 }
 
 /// The connections of an epoll instance armed for one sleep (see `Conn::arm`); disarmed
@@ -117,7 +128,46 @@ impl EpollSet {
     /// The program closed connection number `fd`: as the kernel drops a closed file from its
     /// epoll instances.
     pub(crate) fn remove_closed(&self, fd: c_int) {
-        self.lock().remove(&fd);
+        let mut m = self.lock();
+        m.remove(&fd);
+        self.parked_lock().remove(&fd);
+    }
+
+    /// The parked registrations (see `parked`); taken with the interests' lock held.
+    fn parked_lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<c_int, std::sync::Weak<Conn>>> {
+        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Register connection `c`'s eventfds under number `fd` in kernel instance `epfd` for a
+    /// new interest (the interests' lock held), unless a registration of the same connection
+    /// under that number was parked by an earlier EPOLL_CTL_DEL: then it serves again,
+    /// without a system call. A parked registration of another connection under the number
+    /// (still open through another number) is removed first.
+    fn register(&self, m: &BTreeMap<c_int, Interest>, epfd: c_int, fd: c_int, c: &Arc<Conn>) {
+        let old = self.parked_lock().remove(&fd);
+        if let Some(old) = old.and_then(|w| w.upgrade()) {
+            if Arc::ptr_eq(&old, c) {
+                return;
+            }
+            unregister_parked(m, epfd, fd, &old);
+        }
+        kernel_notifiers(epfd, fd, c, true);
+    }
+
+    /// The program removed its interest in connection `c` under number `fd` (the interests'
+    /// lock held): its kernel registration is parked for a later EPOLL_CTL_ADD (see
+    /// `parked`).
+    fn park(&self, fd: c_int, c: &Arc<Conn>) {
+        self.parked_lock().insert(fd, Arc::downgrade(c));
+    }
+
+    /// Take the parked registration under `fd`, if any, out of kernel instance `epfd` (the
+    /// interests' lock held: `m`).
+    fn unpark(&self, m: &BTreeMap<c_int, Interest>, epfd: c_int, fd: c_int) {
+        let old = self.parked_lock().remove(&fd);
+        if let Some(old) = old.and_then(|w| w.upgrade()) {
+            unregister_parked(m, epfd, fd, &old);
+        }
     }
 
     /// Before a wait on this instance sleeps: arm every watched connection, so that the stack
@@ -163,6 +213,16 @@ impl EpollSet {
         for i in m.values() {
             i.conn.arm();
         }
+    }
+}
+
+/// Remove the parked kernel registration of connection `c`'s eventfds (under number `fd`)
+/// from kernel instance `epfd`, unless an interest in `m` watches the same connection under
+/// another number: the kernel registers each eventfd once per instance, so that other
+/// number's ADD found it there (EEXIST) and wakes through it.
+fn unregister_parked(m: &BTreeMap<c_int, Interest>, epfd: c_int, fd: c_int, c: &Arc<Conn>) {
+    if !m.values().any(|i| Arc::ptr_eq(&i.conn, c)) {
+        kernel_notifiers(epfd, fd, c, false);
     }
 }
 
@@ -349,7 +409,7 @@ pub unsafe extern "C" fn epoll_ctl(
                     return -1;
                 }
                 if !exists {
-                    kernel_notifiers(epfd, fd, &conn, true);
+                    set.register(&m, epfd, fd, &conn);
                 }
                 set.insert(
                     &mut m,
@@ -367,7 +427,7 @@ pub unsafe extern "C" fn epoll_ctl(
             }
             libc::EPOLL_CTL_DEL => match m.remove(&fd) {
                 Some(i) => {
-                    kernel_notifiers(epfd, fd, &i.conn, false);
+                    set.park(fd, &i.conn);
                     0
                 }
                 None => {
@@ -1284,6 +1344,7 @@ fn kernel_registration(epfd: c_int, fd: c_int) -> Option<(u32, u64)> {
 pub(crate) fn moved_to_relay(fd: c_int, relay: &crate::relay::Relay) {
     for (epfd, set) in table::epolls() {
         let mut m = set.lock();
+        set.unpark(&m, epfd, fd);
         let Some(i) = m.remove(&fd) else {
             continue;
         };
@@ -1324,9 +1385,10 @@ pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
         let Some(set) = epoll_set(epfd) else {
             continue;
         };
-        kernel_notifiers(epfd, fd, conn, true);
+        let mut m = set.lock();
+        set.register(&m, epfd, fd, conn);
         set.insert(
-            &mut set.lock(),
+            &mut m,
             fd,
             Interest {
                 conn: conn.clone(),
