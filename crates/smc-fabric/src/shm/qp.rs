@@ -1032,7 +1032,7 @@ impl QpShared {
     /// current epoch costs nothing.
     pub(crate) fn map_remote(&self, rkey: u32) -> Result<()> {
         let st = self.state();
-        if st != QpState::Rts {
+        if !matches!(st, QpState::Rtr | QpState::Rts) {
             return Err(FabricError::InvalidState(st));
         }
         let mut s = lock(&self.send);

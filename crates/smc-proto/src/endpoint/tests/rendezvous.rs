@@ -294,6 +294,49 @@ fn refused_peer_rmb(refuser: Side) {
     assert_eq!(p.a.rx[&TcpId(3)], b"third back");
 }
 
+/// The first contact's second link, on which a side cannot take in the peer's RMB (named
+/// in ADD LINK CONTINUATION), fails alone before it carries anything; the group runs on its
+/// first link.
+fn new_link_refusing_peer_rmb(refuser: Side) {
+    let mut p = EndpointPair::new(
+        crate::lgr_harness::config(Side::A, 2),
+        crate::lgr_harness::config(Side::B, 2),
+        13,
+    );
+    p.host_mut(refuser).res.fail_take_peer_rtoken = 1;
+    p.connect(T1);
+    p.run();
+    dump(&p);
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    assert_eq!(p.host(refuser).ep.stats().rkeys_refused, 1);
+    p.app_send(Side::A, T1, b"over one link");
+    p.app_send(Side::B, T1, b"and back");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"over one link");
+    assert_eq!(p.a.rx[&T1], b"and back");
+    // The server that gave the link up tries again (C.8) and, with the resource back, the
+    // group gets its second link; a link the client gave up (its DELETE LINK) is not retried.
+    p.run_for(std::time::Duration::from_secs(30));
+    let links = if refuser == Side::B { 2 } else { 1 };
+    for side in [Side::A, Side::B] {
+        let g = p.host(side).ep.link_groups().next().expect("group");
+        assert_eq!(g.active_links().count(), links, "{side:?}");
+    }
+    p.app_send(Side::A, T1, b"later");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"over one linklater");
+}
+
+#[test]
+fn client_new_link_without_the_peers_rmb_fails_alone() {
+    new_link_refusing_peer_rmb(Side::A);
+}
+
+#[test]
+fn server_new_link_without_the_peers_rmb_fails_alone() {
+    new_link_refusing_peer_rmb(Side::B);
+}
+
 #[test]
 fn client_refusing_the_servers_new_rmb_ends_only_that_connection() {
     refused_peer_rmb(Side::A);
