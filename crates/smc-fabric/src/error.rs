@@ -67,6 +67,16 @@ pub enum FabricError {
     /// The remote QP could not be reached or refused the connection.
     #[error("remote QP unreachable: {0}")]
     PeerUnreachable(String),
+    /// The peer's memory region `rkey` could not be made writable from this QP (shm: its
+    /// memfd not received or not mapped, for want of a descriptor or address space, or the
+    /// peer refused it); `status` is what a WRITE to it would have completed with.
+    #[error("peer memory region {rkey:#x} unavailable ({status:?})")]
+    RemoteRegion {
+        /// The peer's rkey.
+        rkey: u32,
+        /// The completion status a WRITE would have had.
+        status: crate::WcStatus,
+    },
     /// The peer sent a malformed or inconsistent control message or resource.
     #[error("peer protocol violation: {0}")]
     PeerViolation(&'static str),

@@ -999,6 +999,19 @@ impl QueuePair {
             QpImpl::Roce(_, q) => q.post_send_held(wr),
         }
     }
+    /// Make the peer's memory region `rkey` writable from this QP now, with whatever local
+    /// resources that takes, so that a later RDMA WRITE to it needs none: the shm backend
+    /// maps the region (its memfd comes over the QP's control connection and takes a
+    /// descriptor until it is mapped), as the first WRITE to it would; a RoCE RNIC resolves
+    /// an rkey at the peer and needs nothing here. An error when the region cannot be had:
+    /// no descriptor or address space left ([`FabricError::RemoteRegion`]), the peer does
+    /// not grant it, or the QP is not ready to send.
+    pub fn map_remote(&self, rkey: u32) -> Result<()> {
+        match &self.inner {
+            QpImpl::Shm(q) => q.map_remote(rkey),
+            QpImpl::Roce(..) => Ok(()),
+        }
+    }
     /// A handle that places this QP's unsignaled RDMA WRITEs with the copy outside its send
     /// queue's lock, usable without a reference to the QP (see [`WritePlacer`]); `None` on a
     /// backend whose WRITEs do not execute at post (software RoCE).

@@ -285,6 +285,50 @@ fn deregistered_region_is_no_longer_writable() {
     );
 }
 
+/// `map_remote` maps a peer region ahead of the WRITEs (so that they need no descriptor);
+/// a region the peer frees that was never granted over this QP (a local receive buffer,
+/// another link group's RMB) leaves the mapping in place, and one that was granted revokes it.
+#[test]
+fn map_remote_mapping_survives_unrelated_deregistrations() {
+    let cfg = cfg("mapremote");
+    let a = Side::new(&cfg, "shm0", 4096);
+    let b = Side::new(&cfg, "shm0", 4096);
+    connect(&a, &b);
+    let rmb =
+        b.pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let placer = a.qp.placer().expect("shm places WRITEs");
+    assert!(
+        !placer.place(b"x", rmb.addr(), rmb.rkey()),
+        "not mapped yet"
+    );
+    a.qp.map_remote(rmb.rkey()).expect("map");
+    assert!(placer.place(b"mapped", rmb.addr(), rmb.rkey()));
+    let mut got = [0u8; 6];
+    rmb.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"mapped");
+    // Never granted: a local buffer, and a remote-writable region nobody asked for.
+    let local = b.pd.register(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let other =
+        b.pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    drop(local);
+    drop(other);
+    assert!(
+        placer.place(b"still", rmb.addr(), rmb.rkey()),
+        "an unrelated deregistration revoked the mapping"
+    );
+    // A region that was granted over this QP revokes the QP's mappings when it goes.
+    let granted =
+        b.pd.register(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    a.qp.map_remote(granted.rkey()).expect("map");
+    drop(granted);
+    assert!(!placer.place(b"gone", rmb.addr(), rmb.rkey()));
+    // An unknown rkey is an error, not a panic.
+    assert!(a.qp.map_remote(0xdead_beef).is_err());
+}
+
 #[test]
 fn port_down_flushes_outstanding_work() {
     let cfg = cfg("portdown");

@@ -153,6 +153,17 @@ pub trait Resources {
     /// A random 32-bit number.
     fn random_u32(&mut self) -> u32;
 
+    /// Make the peer's RMB, named by its RToken `rkey` on `link`, writable over that link
+    /// now, with whatever local resources that takes (the shm fabric maps the peer's memory,
+    /// which takes a descriptor for a moment), so that no RDMA WRITE to it fails later for
+    /// want of them. Called when the peer adds an RMB to a working link group (CONFIRM
+    /// RKEY): an error there ends only the connection that wanted the RMB. The default needs
+    /// nothing (an RNIC resolves an rkey at the peer).
+    fn take_peer_rtoken(&mut self, link: LinkId, rkey: u32) -> Result<(), ResourceError> {
+        let _ = (link, rkey);
+        Ok(())
+    }
+
     /// Whether our RNIC `device` reaches the RoCE port `gid` (is on the same LAN). A server
     /// prefers such an RNIC for a first contact; the default says yes to every pair.
     fn reaches(&self, device: DeviceId, gid: Gid) -> bool {

@@ -74,6 +74,8 @@ pub struct FakeResources {
     /// Fail one RMB registration after this many more succeed (resource exhaustion knob;
     /// `Some(1)`: an RMB of a two-link group is registered on the first link only).
     pub fail_register_rmb: Option<usize>,
+    /// Fail this many `take_peer_rtoken` calls (a peer RMB that cannot be mapped).
+    pub fail_take_peer_rtoken: usize,
     /// [`Resources::port_for`] (several GIDs of one RNIC as devices): `None` keeps the
     /// default, every device speaks to every GID.
     pub port_for: Option<fn(DeviceId, Gid) -> Option<DeviceId>>,
@@ -97,6 +99,7 @@ impl FakeResources {
             qp_llc: BTreeMap::new(),
             fail_create_qp: 0,
             fail_register_rmb: None,
+            fail_take_peer_rtoken: 0,
             port_for: None,
             connectable: true,
         }
@@ -157,6 +160,14 @@ impl Resources for FakeResources {
 
     fn random_u32(&mut self) -> u32 {
         self.rng.next_u64() as u32
+    }
+
+    fn take_peer_rtoken(&mut self, _link: LinkId, _rkey: u32) -> Result<(), ResourceError> {
+        if self.fail_take_peer_rtoken > 0 {
+            self.fail_take_peer_rtoken -= 1;
+            return Err(ResourceError("no descriptor"));
+        }
+        Ok(())
     }
 
     fn connectable(&self, _device: DeviceId, _gid: Gid) -> bool {

@@ -124,6 +124,11 @@ pub struct StackConfig {
     pub ueids: Vec<smc_wire::Eid>,
     /// The SMC versions offered (client) and accepted (server).
     pub versions: smc_proto::endpoint::SmcVersions,
+    /// Bytes per RMB a link group allocates: an RMB holds `rmb_bytes / RMBE size` elements
+    /// (at least 1, at most 255). Every RMB costs a memory registration per link, a CONFIRM
+    /// RKEY exchange and, on the shm fabric, a memfd on both sides; the default (2 MiB) holds
+    /// two of the default 1 MiB RMBEs.
+    pub rmb_bytes: u32,
 }
 
 impl StackConfig {
@@ -154,6 +159,7 @@ impl StackConfig {
             add_link_retry: Duration::from_secs(10),
             ueids: Vec::new(),
             versions: smc_proto::endpoint::SmcVersions::default(),
+            rmb_bytes: smc_proto::rmb_pool::RmbPoolConfig::default().rmb_target_bytes,
         }
     }
 

@@ -1267,6 +1267,7 @@ impl Stack {
             .unwrap_or_else(|_| "smc-rs".into());
         ec.hostname = smc_wire::clc_v2::FirstContactExt::hostname_field(&host);
         ec.rmbe_size = config.rmbe_size();
+        ec.rmb_pool.rmb_target_bytes = config.rmb_bytes;
         ec.clc_timeout = config.clc_timeout;
         ec.accept_wait = (!config.accept_wait.is_zero()).then_some(config.accept_wait);
         ec.llc_timeout = config.llc_timeout;

@@ -263,7 +263,14 @@ fn handle_request(
             if !matches!(qp.state(), QpState::Rtr | QpState::Rts) || !qp.peer_confirmed() {
                 return refuse(conn, wire::REFUSE_STATE);
             }
-            let mr = lock(&core.mrs).get(&rkey).cloned();
+            let mr = {
+                let mrs = lock(&core.mrs);
+                let mr = mrs.get(&rkey).cloned();
+                if let Some(m) = mr.as_ref().filter(|m| m.pd == qp.pd) {
+                    m.note_grant(qpn);
+                }
+                mr
+            };
             match mr {
                 Some(mr) if mr.pd == qp.pd && mr.access.contains(AccessFlags::REMOTE_WRITE) => {
                     let grant = Msg::MrGrant {

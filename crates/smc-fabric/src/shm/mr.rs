@@ -19,6 +19,9 @@ pub(crate) struct MrInner {
     pub(crate) pd: u32,
     pub(crate) key: u32,
     pub(crate) access: AccessFlags,
+    /// The QPs (numbers) whose peers were granted this region (`MrRequest`): only their
+    /// cached mappings must go when it is deregistered.
+    granted: std::sync::Mutex<Vec<u32>>,
 }
 
 impl MrInner {
@@ -40,6 +43,7 @@ impl MrInner {
             pd,
             key,
             access,
+            granted: Default::default(),
         });
         lock(&core.mrs).insert(key, mr.clone());
         Ok(mr)
@@ -60,6 +64,7 @@ impl MrInner {
             pd,
             key,
             access,
+            granted: Default::default(),
         });
         lock(&core.mrs).insert(key, mr.clone());
         Ok(mr)
@@ -131,12 +136,30 @@ impl MrInner {
         Ok(())
     }
 
-    /// Remove the region from the device table and tell every peer of a QP in its protection
-    /// domain to drop cached mappings (revocation epoch in the QP's receive ring).
+    /// Note that the peer of QP `qpn` was granted this region. Called with the device's
+    /// region table locked (the lookup that found it), so that a deregistration, which
+    /// removes the region from that table first, sees every grant made before.
+    pub(crate) fn note_grant(&self, qpn: u32) {
+        let mut g = lock(&self.granted);
+        if !g.contains(&qpn) {
+            g.push(qpn);
+        }
+    }
+
+    /// Remove the region from the device table and tell the peer of every QP it was granted
+    /// over to drop its cached mappings (revocation epoch in the QP's receive ring). Peers it
+    /// was never granted to keep theirs: a mapping dropped is requested again at the next
+    /// WRITE, which takes a descriptor in the peer's process, and a peer out of descriptors
+    /// then failed the WRITE and with it the link (issue #22: one process's link group
+    /// ending, or a receive buffer freed, used to revoke every peer's mappings).
     pub(crate) fn deregister(&self, core: &DeviceCore) {
         lock(&core.mrs).remove(&self.key);
+        let granted = std::mem::take(&mut *lock(&self.granted));
+        if granted.is_empty() {
+            return;
+        }
         for qp in core.live_qps() {
-            if qp.pd == self.pd {
+            if qp.pd == self.pd && granted.contains(&qp.qpn) {
                 qp.inbound_header().epoch.fetch_add(1, Ordering::AcqRel);
             }
         }

@@ -1027,6 +1027,32 @@ impl QpShared {
         }
     }
 
+    /// Map the peer's region `rkey` now (see `QueuePair::map_remote`): what the first WRITE
+    /// to it does, so that WRITEs need no descriptor later. A region already mapped in the
+    /// current epoch costs nothing.
+    pub(crate) fn map_remote(&self, rkey: u32) -> Result<()> {
+        let st = self.state();
+        if !matches!(st, QpState::Rtr | QpState::Rts) {
+            return Err(FabricError::InvalidState(st));
+        }
+        let mut s = lock(&self.send);
+        let Some(o) = s.out.as_mut() else {
+            return Err(FabricError::InvalidState(st));
+        };
+        let epoch = o.header().epoch.load(Ordering::Acquire);
+        if epoch != o.epoch {
+            o.mrs.clear();
+            o.epoch = epoch;
+        }
+        if o.mrs.contains_key(&rkey) {
+            return Ok(());
+        }
+        let m = request_mr(o, rkey, self.core().fabric.max_mr_size)
+            .map_err(|status| FabricError::RemoteRegion { rkey, status })?;
+        o.mrs.insert(rkey, Arc::new(m));
+        Ok(())
+    }
+
     /// Place the bytes of an unsignaled RDMA WRITE into the peer's region `rkey` at
     /// `remote_addr` with the copy outside the send lock (see
     /// [`WritePlacer`](crate::WritePlacer)): under the lock only the checks a post makes

@@ -463,6 +463,42 @@ impl Endpoint {
 
     // ----- CONFIRM LINK on a new link --------------------------------------------------------
 
+    /// Take in every peer RMB known on the new link `num` (its RTokens from ADD LINK
+    /// CONTINUATION or the CLC) before the link carries anything: a failover onto it must
+    /// not find, at its first WRITE, that what a WRITE needs locally ran out (the shm fabric
+    /// maps the peer's memory then, a descriptor each). `false`: one could not be taken in.
+    pub(super) fn take_peer_rmbs_on(
+        &mut self,
+        lgr: LgrId,
+        num: u8,
+        res: &mut dyn Resources,
+    ) -> bool {
+        let Some(g) = self.lgrs.get(&lgr) else {
+            return false;
+        };
+        let Some(link) = g.links.get(&num).map(|l| l.id) else {
+            return false;
+        };
+        let taken = g
+            .peer_rmbs
+            .iter()
+            .filter_map(|r| r.tokens.get(&num))
+            .try_for_each(|t| res.take_peer_rtoken(link, t.rkey));
+        match taken {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    ?lgr,
+                    num,
+                    "new link cannot take in the peer's RMBs: {}",
+                    e.0
+                );
+                self.stats.rkeys_refused += 1;
+                false
+            }
+        }
+    }
+
     /// Mark link `num` active after its CONFIRM LINK exchange.
     pub(super) fn activate_link(&mut self, lgr: LgrId, num: u8, peer_user_id: u32, now: Timestamp) {
         let Some(l) = self.lgrs.get_mut(&lgr).and_then(|g| g.links.get_mut(&num)) else {
@@ -501,6 +537,16 @@ impl Endpoint {
                     self.abandon_new_link(lgr, new, true, now);
                     return;
                 }
+                // A new link whose RMBs cannot be taken in locally fails alone, as one whose
+                // QP could not be made: the group goes on with the links it has, and the C.8
+                // timer tries again.
+                if !self.take_peer_rmbs_on(lgr, new, res) {
+                    self.server_abandon_add_link(lgr, new, first_contact, res, now);
+                    return;
+                }
+                let Some(g) = self.lgrs.get_mut(&lgr) else {
+                    return;
+                };
                 g.end_link_exchange();
                 g.timers.stop(LgrTimer::AddLinkRetry);
                 // More links while the group is below its maximum and we have an RNIC no
@@ -518,7 +564,9 @@ impl Endpoint {
                 let ok = c.link_num == new
                     && g.peer_rmbs_known_on(new)
                     && g.link_reaches(new, c.sender_qp, c.sender_gid);
-                if !ok {
+                // A new link whose RMBs cannot be taken in locally fails alone, as one whose
+                // QP could not be made: the group goes on with the links it has.
+                if !ok || !self.take_peer_rmbs_on(lgr, new, res) {
                     //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                     //# Protocol error.  The link must be brought down by sending a DELETE LINK
                     //# for the link over another link in the link group if one exists.
@@ -528,6 +576,9 @@ impl Endpoint {
                     }
                     return;
                 }
+                let Some(g) = self.lgrs.get_mut(&lgr) else {
+                    return;
+                };
                 g.end_link_exchange();
                 self.activate_link(lgr, new, c.link_user_id, now);
                 if let Some(reply) = self.confirm_link_msg(lgr, new, true) {

@@ -579,6 +579,11 @@ pub struct EndpointStats {
     pub link_failures: u64,
     /// Negative CONFIRM RKEY replies we sent because of a collision.
     pub rkey_collisions: u64,
+    /// Peer RMBs that could not be taken in (a local resource ran out, see
+    /// `Resources::take_peer_rtoken`): a new RMB refused with a negative CONFIRM RKEY reply
+    /// (the peer declines the connection that wanted it), or a new link abandoned before it
+    /// carried anything; the link group goes on either way.
+    pub rkeys_refused: u64,
     /// TEST LINK requests sent.
     pub test_links_sent: u64,
     /// Connections that closed in order and were held until their last CDC completed (see

@@ -242,6 +242,14 @@ impl Resources for Fabric {
         })
     }
 
+    fn take_peer_rtoken(&mut self, link: LinkId, rkey: u32) -> Result<(), ResourceError> {
+        let l = self.links.get(&link).ok_or(ResourceError("no such link"))?;
+        l.qp.map_remote(rkey).map_err(|e| {
+            tracing::debug!(%link, rkey, "peer RMB not taken in: {e}");
+            ResourceError("peer RMB could not be mapped")
+        })
+    }
+
     fn reaches(&self, device: smc_proto::fabric::DeviceId, gid: smc_wire::Gid) -> bool {
         // On the shm fabric a device is one LAN: the port is reachable when it is open on the
         // same device name.

@@ -154,6 +154,11 @@ impl Stack {
         )
     }
 
+    /// The protocol endpoint's counters (LLC, failover, refused peer RMBs).
+    pub fn endpoint_stats(&self) -> smc_proto::endpoint::EndpointStats {
+        self.inner.lock().ep.stats()
+    }
+
     /// `stats`: the stack's and the endpoint's counters and fallbacks by reason.
     pub(crate) fn query_stats(&self) -> serde_json::Value {
         let core = self.inner.lock();
@@ -175,6 +180,7 @@ impl Stack {
             "failovers": e.failovers,
             "link_failures": e.link_failures,
             "llc_discarded": e.llc_discarded,
+            "peer_rmbs_refused": e.rkeys_refused,
             "llc_v2_add_link_invalid": e.llc_v2_add_link_invalid,
             "test_links_sent": e.test_links_sent,
             "open_sockets": core.streams.len(),

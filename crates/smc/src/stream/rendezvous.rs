@@ -287,13 +287,30 @@ impl Rendezvous {
             return Ok(());
         };
         let (inner, id, client) = (&self.stack.inner, self.id, self.client);
-        let read = (&*self.sock).read(&mut self.buf[..want]);
+        // Under the core lock, and only while the setup lasts: another thread may have ended
+        // it while this one waited (a Decline it sent after a refused CONFIRM RKEY), and what
+        // the peer sent after that Decline is the application's data, not CLC: read here, it
+        // was lost. The Decline goes out under the same lock, so nothing the peer sent in
+        // answer to it can be in the socket while the slot still shows the setup.
+        let mut core = inner.lock();
+        if !matches!(
+            core.slots.get(&id).map(|s| s.state()),
+            Some(SlotState::Setup)
+        ) {
+            return Ok(());
+        }
+        let read = rustix::net::recv(
+            &*self.sock,
+            &mut self.buf[..want],
+            rustix::net::RecvFlags::DONTWAIT,
+        )
+        .map(|(n, _)| n)
+        .map_err(io::Error::from);
         if let Ok(n) = read {
             self.msg_left = self.msg_left.saturating_sub(n);
         }
         match read {
             Ok(0) => {
-                let mut core = inner.lock();
                 if core.ep.connection(id).is_some() {
                     // The connection was established meanwhile (by an LLC exchange another
                     // thread handled) and the peer has already closed it: a closing peer
@@ -309,7 +326,6 @@ impl Rendezvous {
             }
             Ok(n) => {
                 tracing::debug!(?id, n, client, "CLC bytes");
-                let mut core = inner.lock();
                 let now = core.now();
                 let bytes = &self.buf[..n];
                 core.capture_tcp(id, false, bytes);
@@ -325,7 +341,6 @@ impl Rendezvous {
                         | io::ErrorKind::Interrupted
                 ) => {}
             Err(_) => {
-                let mut core = inner.lock();
                 let now = core.now();
                 core.ep.handle_tcp_reset(id, now);
                 core.drain();

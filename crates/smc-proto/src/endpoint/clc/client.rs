@@ -273,6 +273,9 @@ impl Endpoint {
                 _ => false,
             })
             .collect();
+        // A refused RMB (a negative CONFIRM RKEY, or none confirmed) declines as Linux does
+        // when its RMB's CONFIRM RKEY exchange fails: "reg rdma bufs failed" (0x09990003).
+        let refused = DeclineCode::ERR_REGBUF;
         for tcp in waiting {
             let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
                 continue;
@@ -282,13 +285,13 @@ impl Endpoint {
             match state {
                 HsState::ClientAwaitRkey { setup, link } => match (ok, accept) {
                     (true, Some(a)) => self.client_send_confirm(tcp, setup, link, a, now),
-                    _ => self.decline(tcp, DeclineCode::ERR_RTOK, false, now),
+                    _ => self.decline(tcp, refused, false, now),
                 },
                 HsState::ServerAwaitRkey { setup, link } => {
                     if ok {
                         self.send_accept(tcp, setup, link, false, now);
                     } else {
-                        self.decline(tcp, DeclineCode::ERR_RTOK, false, now);
+                        self.decline(tcp, refused, false, now);
                     }
                 }
                 other => {

@@ -205,6 +205,35 @@ impl Endpoint {
             .map(|l| l.num)
             .filter(|n| !last.tokens.contains_key(n))
             .collect();
+        // Take the RMB in on every link it was named for now: what that needs locally (the
+        // shm fabric maps the peer's memory, a descriptor for a moment) can run out, and a
+        // WRITE that found it missing later would fail the link, and with every link the
+        // whole group. Refused here, only the connection that wanted the RMB ends: the peer
+        // declines it.
+        let taken = g
+            .active_links()
+            .filter_map(|l| last.tokens.get(&l.num).map(|t| (l.id, t.rkey)))
+            .try_for_each(|(link, rkey)| res.take_peer_rtoken(link, rkey));
+        if let Err(e) = taken {
+            tracing::warn!(?lgr, rkey = c.rkey, "peer's new RMB refused: {}", e.0);
+            self.stats.rkeys_refused += 1;
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-A.3.5
+            //# The peer responds by simply echoing the message with the response flag set.
+            //# If the response is a negative response, the sender must recalculate the
+            //# RToken set and start a new CONFIRM RKEY exchange from the beginning.
+            //= https://www.rfc-editor.org/rfc/rfc7609#appendix-A.3.5
+            //# If this flag is not set on a negative response, the originator must wait for
+            //# the next natural stimulus (for example, a new TCP connection started that
+            //# requires a new RMB) before retrying.
+            let reply = LlcMessage::ConfirmRkey(ConfirmRkey {
+                reply: true,
+                negative: true,
+                retry: false,
+                ..c
+            });
+            self.post_llc(lgr, via, reply, None, now);
+            return;
+        }
         let reply = LlcMessage::ConfirmRkey(ConfirmRkey {
             reply: true,
             negative: false,

@@ -237,6 +237,116 @@ fn rmb_registration_failure_declines_and_the_next_connection_gets_a_new_rmb() {
     assert_eq!(p.b.rx[&TcpId(3)], b"into a registered RMB");
 }
 
+/// Issue #22/#20: the peer adds an RMB for a second connection and this side cannot take it
+/// in (`take_peer_rtoken` fails: on shm, no descriptor to map it). A negative CONFIRM RKEY
+/// reply; the peer declines that connection only ("reg rdma bufs failed", as Linux when its
+/// CONFIRM RKEY fails); the link group, its links and the first connection go on, and the
+/// next connection confirms the same RMB again (the RFC's "next natural stimulus").
+fn refused_peer_rmb(refuser: Side) {
+    let mut a = crate::lgr_harness::config(Side::A, 2);
+    let mut b = crate::lgr_harness::config(Side::B, 2);
+    // One element per RMB: every connection brings a new RMB on both sides.
+    a.rmb_pool.rmb_target_bytes = 16 * 1024;
+    b.rmb_pool.rmb_target_bytes = 16 * 1024;
+    let mut p = EndpointPair::new(a, b, 11);
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    let (adder, dir) = match refuser {
+        Side::A => (Side::B, "A->B"),
+        Side::B => (Side::A, "B->A"),
+    };
+    p.host_mut(refuser).res.fail_take_peer_rtoken = 1;
+    p.connect(TcpId(2));
+    p.run();
+    dump(&p);
+    assert!(p.sent(&format!("{dir} CONFIRM RKEY negative rsp")));
+    assert_eq!(p.host(refuser).ep.stats().rkeys_refused, 1);
+    let code = smc_wire::DeclineCode::ERR_REGBUF;
+    assert_eq!(
+        fell_back(&p, adder, TcpId(2)),
+        Some(Fallback::Declined(code))
+    );
+    assert_eq!(
+        fell_back(&p, refuser, TcpId(2)),
+        Some(Fallback::PeerDeclined {
+            code,
+            out_of_sync: false
+        })
+    );
+    for side in [Side::A, Side::B] {
+        let g = p.host(side).ep.link_groups().next().expect("group");
+        assert_eq!(g.links.len(), 2, "{side:?}: both links stay");
+        assert_eq!(p.host(side).ep.stats().link_failures, 0);
+    }
+    p.app_send(Side::A, T1, b"still here");
+    p.app_send(Side::B, T1, b"and back");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"still here");
+    assert_eq!(p.a.rx[&T1], b"and back");
+    p.connect(TcpId(3));
+    p.run();
+    assert!(established(&p, Side::A, TcpId(3)) && established(&p, Side::B, TcpId(3)));
+    p.app_send(Side::A, TcpId(3), b"third");
+    p.app_send(Side::B, TcpId(3), b"third back");
+    p.run();
+    assert_eq!(p.b.rx[&TcpId(3)], b"third");
+    assert_eq!(p.a.rx[&TcpId(3)], b"third back");
+}
+
+/// The first contact's second link, on which a side cannot take in the peer's RMB (named
+/// in ADD LINK CONTINUATION), fails alone before it carries anything; the group runs on its
+/// first link.
+fn new_link_refusing_peer_rmb(refuser: Side) {
+    let mut p = EndpointPair::new(
+        crate::lgr_harness::config(Side::A, 2),
+        crate::lgr_harness::config(Side::B, 2),
+        13,
+    );
+    p.host_mut(refuser).res.fail_take_peer_rtoken = 1;
+    p.connect(T1);
+    p.run();
+    dump(&p);
+    assert!(established(&p, Side::A, T1) && established(&p, Side::B, T1));
+    assert_eq!(p.host(refuser).ep.stats().rkeys_refused, 1);
+    p.app_send(Side::A, T1, b"over one link");
+    p.app_send(Side::B, T1, b"and back");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"over one link");
+    assert_eq!(p.a.rx[&T1], b"and back");
+    // The server that gave the link up tries again (C.8) and, with the resource back, the
+    // group gets its second link; a link the client gave up (its DELETE LINK) is not retried.
+    p.run_for(std::time::Duration::from_secs(30));
+    let links = if refuser == Side::B { 2 } else { 1 };
+    for side in [Side::A, Side::B] {
+        let g = p.host(side).ep.link_groups().next().expect("group");
+        assert_eq!(g.active_links().count(), links, "{side:?}");
+    }
+    p.app_send(Side::A, T1, b"later");
+    p.run();
+    assert_eq!(p.b.rx[&T1], b"over one linklater");
+}
+
+#[test]
+fn client_new_link_without_the_peers_rmb_fails_alone() {
+    new_link_refusing_peer_rmb(Side::A);
+}
+
+#[test]
+fn server_new_link_without_the_peers_rmb_fails_alone() {
+    new_link_refusing_peer_rmb(Side::B);
+}
+
+#[test]
+fn client_refusing_the_servers_new_rmb_ends_only_that_connection() {
+    refused_peer_rmb(Side::A);
+}
+
+#[test]
+fn server_refusing_the_clients_new_rmb_ends_only_that_connection() {
+    refused_peer_rmb(Side::B);
+}
+
 /// Fig. 14: an RMB no connection uses is deleted with DELETE RKEY.
 #[test]
 fn fig14_delete_rmb() {
