@@ -36,6 +36,8 @@ pub(crate) const MAX_SEND: usize = 8192;
 const WINDOW: i32 = 256;
 /// The requester window a responder must keep open: rxe's, the smallest a peer has.
 const PEER_WINDOW: i32 = 128;
+/// Most buffers a send queue keeps for reuse: a window's worth.
+const SPARE_MAX: usize = WINDOW as usize;
 /// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
 const ACKREQ_EVERY: u32 = 64;
 /// Bytes of an Acknowledge packet: BTH, AETH, ICRC.
@@ -90,7 +92,8 @@ struct Conn {
 
 struct TxPkt {
     psn: u32,
-    bytes: Box<[u8]>,
+    /// The sealed packet (a buffer of the send queue's pool, [`SendQueue::spare`]).
+    bytes: Vec<u8>,
     /// The IPv4 identification the ICRC in `bytes` is sealed for (gso.rs).
     ipv4_id: u16,
     /// Whether the BTH's AckReq bit is set in `bytes`.
@@ -110,6 +113,11 @@ struct SendQueue {
     wrs: VecDeque<PendingWr>,
     /// Packets not yet acknowledged, oldest first (kept so that a resend is a re-send).
     pkts: VecDeque<TxPkt>,
+    /// Buffers of acknowledged packets, for the next posts: a stream's packets are built
+    /// without an allocation, a zeroing and a free each (the free of a packet was often on the
+    /// progress thread, which receives the ACK, and the allocation on the posting thread).
+    /// At most [`SPARE_MAX`].
+    spare: Vec<Vec<u8>>,
     /// Index in `pkts` of the next packet to (re)transmit.
     next_tx: usize,
     /// The highest PSN ever transmitted (a packet at or before it is a retransmission).
@@ -225,6 +233,7 @@ impl RoceQp {
                 next_psn: sq_psn,
                 wrs: VecDeque::new(),
                 pkts: VecDeque::new(),
+                spare: Vec::new(),
                 next_tx: 0,
                 high_psn: None,
                 last_progress: Instant::now(),
@@ -628,7 +637,10 @@ impl RoceQp {
                 immdt: None,
                 payload: chunk,
             };
-            let mut bytes = vec![0u8; repr.buffer_len()].into_boxed_slice();
+            // A reused buffer keeps its old length and bytes: `emit` writes every byte of
+            // the packet, and `resize` zeroes only what it adds.
+            let mut bytes = sq.spare.pop().unwrap_or_default();
+            bytes.resize(repr.buffer_len(), 0);
             let _ = repr.emit(&mut bytes);
             conn.icrc.seal(&mut bytes);
             sq.pkts.push_back(TxPkt {
@@ -727,7 +739,11 @@ impl RoceQp {
         }
         let mut removed = 0;
         while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
-            sq.pkts.pop_front();
+            if let Some(p) = sq.pkts.pop_front() {
+                if sq.spare.len() < SPARE_MAX {
+                    sq.spare.push(p.bytes);
+                }
+            }
             removed += 1;
         }
         sq.next_tx = sq.next_tx.saturating_sub(removed);
