@@ -279,7 +279,10 @@ mod tests {
         let lens: Vec<usize> = (0..3 * COLUMN_SLOTS).map(|i| 60 + 4 * i).collect();
         for _ in 0..2 {
             for &len in &lens {
-                assert!(id_columns(len) == Ipv4IdColumns::for_len(len), "length {len}");
+                assert!(
+                    id_columns(len) == Ipv4IdColumns::for_len(len),
+                    "length {len}"
+                );
             }
         }
         // A length asked for again at once is a hit, and still right.
