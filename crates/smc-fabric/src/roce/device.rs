@@ -1050,9 +1050,14 @@ impl RoceCore {
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             tables.refresh(self);
             // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
-            // (the last one may be shorter): each is a packet of its own.
+            // (the last one may be shorter): each is a packet of its own. Counted once per
+            // datagram, before they are handled (an atomic add per packet was the only shared
+            // write of the loop).
+            self.counters.rx_packets.fetch_add(
+                super::rx::packets(data, seg).count() as u64,
+                Ordering::Relaxed,
+            );
             for (k, pkt) in super::rx::packets(data, seg).enumerate() {
-                bump(&self.counters.rx_packets);
                 if seg.is_some() && !self.owns_qpn(pkt) {
                     self.gro_off("a coalesced datagram held another process's packets");
                 }
