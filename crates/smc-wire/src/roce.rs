@@ -451,6 +451,35 @@ impl PacketRepr<'_> {
             + ICRC_LEN
     }
 
+    /// [`emit`](Self::emit) into `out`, whose contents it replaces: the same bytes, each
+    /// written once, so a reused buffer (a sender's pool of packet buffers) is neither zeroed
+    /// first nor grown when its capacity suffices.
+    pub fn emit_to_vec(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.reserve(self.buffer_len());
+        let pad = pad_len(self.payload.len());
+        let mut bth = self.bth;
+        bth.pad = pad as u8;
+        let mut head = [0u8; BTH_LEN];
+        bth.emit(&mut head);
+        out.extend_from_slice(&head);
+        if bth.opcode.has_reth() {
+            let mut b = [0u8; RETH_LEN];
+            self.reth.unwrap_or_default().emit(&mut b);
+            out.extend_from_slice(&b);
+        }
+        if bth.opcode.has_aeth() {
+            let mut b = [0u8; AETH_LEN];
+            self.aeth.unwrap_or_default().emit(&mut b);
+            out.extend_from_slice(&b);
+        }
+        if bth.opcode.has_immdt() {
+            out.extend_from_slice(&self.immdt.unwrap_or(0).to_be_bytes());
+        }
+        out.extend_from_slice(self.payload);
+        out.extend_from_slice(&[0u8; 3 + ICRC_LEN][..pad + ICRC_LEN]);
+    }
+
     /// Write the packet into `buf[..buffer_len()]` with zero pad and a zero ICRC placeholder
     /// (fill it with [`IcrcHeaders::seal`]). Returns the length written.
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize, RoceError> {

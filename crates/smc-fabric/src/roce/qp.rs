@@ -637,11 +637,14 @@ impl RoceQp {
                 immdt: None,
                 payload: chunk,
             };
-            // A reused buffer keeps its old length and bytes: `emit` writes every byte of
-            // the packet, and `resize` zeroes only what it adds.
-            let mut bytes = sq.spare.pop().unwrap_or_default();
-            bytes.resize(repr.buffer_len(), 0);
-            let _ = repr.emit(&mut bytes);
+            // A reused buffer is overwritten, not zeroed first (`emit_to_vec` writes every
+            // byte once); a new one has room for the largest packet of the connection, so
+            // that any buffer of the pool fits any packet (one of a CDC SEND included).
+            let mut bytes = sq
+                .spare
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(max_packet(conn.mtu)));
+            repr.emit_to_vec(&mut bytes);
             conn.icrc.seal(&mut bytes);
             sq.pkts.push_back(TxPkt {
                 psn,
@@ -1176,6 +1179,12 @@ impl RoceQp {
         }
         None
     }
+}
+
+/// The longest packet a requester of path MTU `mtu` builds: BTH, RETH, a full payload, pad,
+/// ICRC.
+fn max_packet(mtu: usize) -> usize {
+    roce::BTH_LEN + roce::RETH_LEN + mtu + 3 + roce::ICRC_LEN
 }
 
 /// The shortest WRITE payload whose WRITE ONLY packet (BTH, RETH, payload padded to 4 bytes,
