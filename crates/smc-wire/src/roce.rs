@@ -477,7 +477,10 @@ impl PacketRepr<'_> {
             out.extend_from_slice(&self.immdt.unwrap_or(0).to_be_bytes());
         }
         out.extend_from_slice(self.payload);
-        out.extend_from_slice(&[0u8; 3 + ICRC_LEN][..pad + ICRC_LEN]);
+        // Pad and ICRC placeholder: seven zeros cut back to `pad + 4` (a copy of fixed length
+        // is a move; one of variable length would call `memmove`).
+        out.extend_from_slice(&[0u8; 3 + ICRC_LEN]);
+        out.truncate(out.len() - (3 - pad));
     }
 
     /// Write the packet into `buf[..buffer_len()]` with zero pad and a zero ICRC placeholder

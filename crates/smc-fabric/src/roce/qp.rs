@@ -36,8 +36,11 @@ pub(crate) const MAX_SEND: usize = 8192;
 const WINDOW: i32 = 256;
 /// The requester window a responder must keep open: rxe's, the smallest a peer has.
 const PEER_WINDOW: i32 = 128;
-/// Most buffers a send queue keeps for reuse: a window's worth.
-const SPARE_MAX: usize = WINDOW as usize;
+/// Most bytes of packet buffers a send queue keeps for reuse: what a stream has posted and not
+/// yet had acknowledged when it fills the default RMBE of 1 MiB (up to 1,024 packets at a path
+/// MTU of 1024, of which the window sends 256). A smaller pool (a window's worth was tried)
+/// freed buffers at every drained window and allocated them again at the next posts.
+const SPARE_BYTES: usize = 1 << 20;
 /// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
 const ACKREQ_EVERY: u32 = 64;
 /// Bytes of an Acknowledge packet: BTH, AETH, ICRC.
@@ -116,7 +119,7 @@ struct SendQueue {
     /// Buffers of acknowledged packets, for the next posts: a stream's packets are built
     /// without an allocation, a zeroing and a free each (the free of a packet was often on the
     /// progress thread, which receives the ACK, and the allocation on the posting thread).
-    /// At most [`SPARE_MAX`].
+    /// At most [`SPARE_BYTES`] of them; each has room for the largest packet ([`max_packet`]).
     spare: Vec<Vec<u8>>,
     /// Index in `pkts` of the next packet to (re)transmit.
     next_tx: usize,
@@ -741,9 +744,10 @@ impl RoceQp {
             return;
         }
         let mut removed = 0;
+        let keep = SPARE_BYTES / max_packet(self.conn.get().map_or(4096, |c| c.mtu));
         while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
             if let Some(p) = sq.pkts.pop_front() {
-                if sq.spare.len() < SPARE_MAX {
+                if sq.spare.len() < keep {
                     sq.spare.push(p.bytes);
                 }
             }
