@@ -1057,14 +1057,14 @@ impl RoceCore {
                 super::rx::packets(data, seg).count() as u64,
                 Ordering::Relaxed,
             );
+            let rx_from = super::qp::RxFrom::new(self, from.ip(), from.port(), via);
             for (k, pkt) in super::rx::packets(data, seg).enumerate() {
                 if seg.is_some() && !self.owns_qpn(pkt) {
                     self.gro_off("a coalesced datagram held another process's packets");
                 }
                 // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
                 let id = if seg.is_some() { k as u16 } else { 0 };
-                let from = (from.ip(), from.port(), id, via);
-                super::qp::receive(self, tables, batch, from, pkt);
+                super::qp::receive(self, tables, batch, &rx_from, id, pkt);
             }
         }
     }
