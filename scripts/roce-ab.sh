@@ -7,8 +7,9 @@
 #   scripts/roce-ab.sh stream ROUNDS MIB BIN...      # smc nc -l > /dev/null  <-  smc nc < /dev/shm file
 #   scripts/roce-ab.sh pingpong ROUNDS SIZE BIN...   # smc nc --pingpong SIZE --time 1 against --echo
 #
-# stream prints MB/s (client start to both exits) and each side's CPU ms and context switches
-# (`perf stat`, needs perf); pingpong prints the client's line (p50_us, p99_us). Root only.
+# stream prints MB/s (client start to both exits) and each side's CPU ms (user space's share in
+# parentheses) and context switches (`perf stat`, needs perf); pingpong prints the client's line
+# (p50_us, p99_us). Root only.
 # ROCE_AB_CPUS="SERVER CLIENT" pins pingpong's echo server and client (taskset CPU lists, e.g.
 # "0 1" on two CPUs, "0 0" on one); unset, the scheduler places them.
 # ROCE_AB_MTU sets the veth's MTU (default 1500: path MTU 1024; 4176 or more: path MTU 4096).
@@ -56,14 +57,16 @@ nc_in() {
         SMC_FABRIC_DEVICES="roce:r0=$dev" SMC_FABRIC_DIR="$dir/$side" "$@"
 }
 
+# CPU ms (of which user space: "u"), context switches.
 stat_of() {
-    awk -F, '/task-clock/ {printf "%.0f ms", $1} /context-switches/ {printf " %s cs", $1}' "$1"
+    awk -F, '/task-clock/ {printf "%.0f ms", $1} /user_time/ {printf " (%.0f u)", $1 / 1e6}
+        /context-switches/ {printf " %s cs", $1}' "$1"
 }
 
 stream() {
     local bin=$1 disc=$2 label=$3 file=$dir/in.bin sp t0 t1
     [ -f "$file" ] || head -c $((arg << 20)) /dev/urandom >"$file"
-    nc_in "$a" a "$disc" "$bin" perf stat -x, -e task-clock,context-switches -o "$dir/srv.stat" \
+    nc_in "$a" a "$disc" "$bin" perf stat -x, -e task-clock,context-switches,user_time -o "$dir/srv.stat" \
         "$bin" nc -v -l 7000 --bind 10.79.1.1 >/dev/null 2>"$dir/srv.err" &
     sp=$!
     # Until the listener listens (under load a fixed 0.3 s was not always enough: the client's
@@ -73,7 +76,7 @@ stream() {
         sleep 0.1
     done
     t0=$(date +%s.%N)
-    nc_in "$b" b "$disc" "$bin" perf stat -x, -e task-clock,context-switches -o "$dir/cli.stat" \
+    nc_in "$b" b "$disc" "$bin" perf stat -x, -e task-clock,context-switches,user_time -o "$dir/cli.stat" \
         "$bin" nc -v 10.79.1.1 7000 <"$file" >/dev/null 2>"$dir/cli.err"
     wait "$sp"
     t1=$(date +%s.%N)

@@ -1050,16 +1050,21 @@ impl RoceCore {
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             tables.refresh(self);
             // A coalesced datagram (UDP_GRO) holds several packets of `seg` bytes each
-            // (the last one may be shorter): each is a packet of its own.
+            // (the last one may be shorter): each is a packet of its own. Counted once per
+            // datagram, before they are handled (an atomic add per packet was the only shared
+            // write of the loop).
+            self.counters.rx_packets.fetch_add(
+                super::rx::packets(data, seg).count() as u64,
+                Ordering::Relaxed,
+            );
+            let rx_from = super::qp::RxFrom::new(self, from.ip(), from.port(), via);
             for (k, pkt) in super::rx::packets(data, seg).enumerate() {
-                bump(&self.counters.rx_packets);
                 if seg.is_some() && !self.owns_qpn(pkt) {
                     self.gro_off("a coalesced datagram held another process's packets");
                 }
                 // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
                 let id = if seg.is_some() { k as u16 } else { 0 };
-                let from = (from.ip(), from.port(), id, via);
-                super::qp::receive(self, tables, batch, from, pkt);
+                super::qp::receive(self, tables, batch, &rx_from, id, pkt);
             }
         }
     }

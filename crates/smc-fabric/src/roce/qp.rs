@@ -36,6 +36,11 @@ pub(crate) const MAX_SEND: usize = 8192;
 const WINDOW: i32 = 256;
 /// The requester window a responder must keep open: rxe's, the smallest a peer has.
 const PEER_WINDOW: i32 = 128;
+/// Most bytes of packet buffers a send queue keeps for reuse: what a stream has posted and not
+/// yet had acknowledged when it fills the default RMBE of 1 MiB (up to 1,024 packets at a path
+/// MTU of 1024, of which the window sends 256). A smaller pool (a window's worth was tried)
+/// freed buffers at every drained window and allocated them again at the next posts.
+const SPARE_BYTES: usize = 1 << 20;
 /// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
 const ACKREQ_EVERY: u32 = 64;
 /// Bytes of an Acknowledge packet: BTH, AETH, ICRC.
@@ -90,7 +95,8 @@ struct Conn {
 
 struct TxPkt {
     psn: u32,
-    bytes: Box<[u8]>,
+    /// The sealed packet (a buffer of the send queue's pool, [`SendQueue::spare`]).
+    bytes: Vec<u8>,
     /// The IPv4 identification the ICRC in `bytes` is sealed for (gso.rs).
     ipv4_id: u16,
     /// Whether the BTH's AckReq bit is set in `bytes`.
@@ -110,6 +116,11 @@ struct SendQueue {
     wrs: VecDeque<PendingWr>,
     /// Packets not yet acknowledged, oldest first (kept so that a resend is a re-send).
     pkts: VecDeque<TxPkt>,
+    /// Buffers of acknowledged packets, for the next posts: a stream's packets are built
+    /// without an allocation, a zeroing and a free each (the free of a packet was often on the
+    /// progress thread, which receives the ACK, and the allocation on the posting thread).
+    /// At most [`SPARE_BYTES`] of them; each has room for the largest packet ([`max_packet`]).
+    spare: Vec<Vec<u8>>,
     /// Index in `pkts` of the next packet to (re)transmit.
     next_tx: usize,
     /// The highest PSN ever transmitted (a packet at or before it is a retransmission).
@@ -225,6 +236,7 @@ impl RoceQp {
                 next_psn: sq_psn,
                 wrs: VecDeque::new(),
                 pkts: VecDeque::new(),
+                spare: Vec::new(),
                 next_tx: 0,
                 high_psn: None,
                 last_progress: Instant::now(),
@@ -628,8 +640,14 @@ impl RoceQp {
                 immdt: None,
                 payload: chunk,
             };
-            let mut bytes = vec![0u8; repr.buffer_len()].into_boxed_slice();
-            let _ = repr.emit(&mut bytes);
+            // A reused buffer is overwritten, not zeroed first (`emit_to_vec` writes every
+            // byte once); a new one has room for the largest packet of the connection, so
+            // that any buffer of the pool fits any packet (one of a CDC SEND included).
+            let mut bytes = sq
+                .spare
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(max_packet(conn.mtu)));
+            repr.emit_to_vec(&mut bytes);
             conn.icrc.seal(&mut bytes);
             sq.pkts.push_back(TxPkt {
                 psn,
@@ -726,8 +744,13 @@ impl RoceQp {
             return;
         }
         let mut removed = 0;
+        let keep = SPARE_BYTES / max_packet(self.conn.get().map_or(4096, |c| c.mtu));
         while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
-            sq.pkts.pop_front();
+            if let Some(p) = sq.pkts.pop_front() {
+                if sq.spare.len() < keep {
+                    sq.spare.push(p.bytes);
+                }
+            }
             removed += 1;
         }
         sq.next_tx = sq.next_tx.saturating_sub(removed);
@@ -1162,6 +1185,12 @@ impl RoceQp {
     }
 }
 
+/// The longest packet a requester of path MTU `mtu` builds: BTH, RETH, a full payload, pad,
+/// ICRC.
+fn max_packet(mtu: usize) -> usize {
+    roce::BTH_LEN + roce::RETH_LEN + mtu + 3 + roce::ICRC_LEN
+}
+
 /// The shortest WRITE payload whose WRITE ONLY packet (BTH, RETH, payload padded to 4 bytes,
 /// ICRC) is not shorter than the SEND ONLY packet of `send_len` bytes (BTH, padded payload,
 /// ICRC): then the two make one `UDP_SEGMENT` run (gso.rs), one datagram. For SMC-R's 44-byte
@@ -1223,16 +1252,40 @@ fn roce_gid(a: IpAddr) -> [u8; 16] {
     }
 }
 
-/// One received UDP payload from `src:src_port` on the socket of our GID index `via`, likely
-/// sent with IPv4 identification `id` (packet k of a coalesced datagram: k): packet checks
-/// (rocev2.md 9.1 step 1), then the requester or responder side of its QP.
+/// Where a received datagram came from, for the checks of each of its packets: built once per
+/// datagram (per packet, the address, port and ICRC headers were rebuilt and passed by value,
+/// and reading them back stalled on store forwarding: a third of `receive`'s own samples).
+pub(crate) struct RxFrom {
+    /// The sender's address.
+    pub(crate) src: IpAddr,
+    /// Our GID index (socket) it arrived on.
+    pub(crate) via: u8,
+    /// The ICRC's IP and UDP fields for packets from the sender to us.
+    pub(crate) icrc: IcrcHeaders,
+}
+
+impl RxFrom {
+    pub(crate) fn new(core: &RoceCore, src: IpAddr, src_port: u16, via: u8) -> RxFrom {
+        RxFrom {
+            src,
+            via,
+            icrc: IcrcHeaders::new(src, core.local_ip(via), src_port),
+        }
+    }
+}
+
+/// One received UDP payload from `from`, likely sent with IPv4 identification `id` (packet k
+/// of a coalesced datagram: k): packet checks (rocev2.md 9.1 step 1), then the requester or
+/// responder side of its QP.
 pub(crate) fn receive(
     core: &RoceCore,
     tables: &Tables,
     batch: &mut RxBatch,
-    (src, src_port, id, via): (IpAddr, u16, u16, u8),
+    from: &RxFrom,
+    id: u16,
     buf: &[u8],
 ) {
+    let (src, via) = (from.src, from.via);
     let p = match Packet::parse(buf) {
         Ok(p) => p,
         Err(_) => {
@@ -1245,7 +1298,7 @@ pub(crate) fn receive(
     // identification solved from it (rxe's are hashed; rocev2.md 13.3) with the columns cached
     // per length. The expected one costs a few XORs; solving, an elimination. IPv6 has no
     // identification: its ICRC is checked in full (rocev2.md 13.3).
-    let h = IcrcHeaders::new(src, core.local_ip(via), src_port);
+    let h = &from.icrc;
     let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
     let icrc0 = h.compute(buf);
     let fits = |w: u32| {
