@@ -47,6 +47,7 @@ mod slots;
 
 pub(crate) use fabric::{copy_regions, Fabric};
 use fabric::{open_fabric, LinkQp};
+pub use introspect::{LinkGroupInfo, LinkInfo};
 use runtime::runtime;
 use send::{reset_socket, waits_for_room, Deferred, DirectSend};
 pub(crate) use slots::{Slot, Slots};
@@ -1133,38 +1134,6 @@ impl std::fmt::Debug for Stack {
     }
 }
 
-/// A link of a link group, for display.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkInfo {
-    /// Link number in the group.
-    pub num: u8,
-    /// Our device name.
-    pub device: String,
-    /// Our GID on the link (one of the device's, `smc device` lists them).
-    pub gid: String,
-    /// The peer's GID on the link, once known.
-    pub peer_gid: Option<String>,
-    /// Whether the link is confirmed and carries traffic.
-    pub active: bool,
-}
-
-/// A link group, for display.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkGroupInfo {
-    /// Endpoint-local id.
-    pub id: u32,
-    /// Whether we are the server of the group.
-    pub server: bool,
-    /// The peer's ID.
-    pub peer: String,
-    /// Links.
-    pub links: Vec<LinkInfo>,
-    /// Connections on the group.
-    pub connections: usize,
-    /// The SMC-R version the group speaks: 1, or 2 for an SMC-Rv2 group (docs/v2.md).
-    pub version: u8,
-}
-
 impl Stack {
     /// A stack configured from the environment (see [`StackConfig::from_env`]).
     pub fn from_env() -> Result<Stack, StackError> {
@@ -1393,90 +1362,6 @@ impl Stack {
             (None, DiscoveryMode::Auto) => DiscoveryMode::Off,
             (None, m) => m,
         }
-    }
-
-    /// Counters.
-    pub fn stats(&self) -> StackStats {
-        self.inner.lock().stats
-    }
-
-    /// Names of the stack's devices.
-    pub fn devices(&self) -> Vec<String> {
-        self.inner
-            .lock()
-            .fab
-            .devices
-            .iter()
-            .map(|d| d.name().to_string())
-            .collect()
-    }
-
-    /// Fault injection: bring device `name`'s port down or up (links on it fail over).
-    pub fn set_port_state(&self, name: &str, state: PortState) -> bool {
-        let core = self.inner.lock();
-        match core.fab.devices.iter().find(|d| d.name() == name) {
-            Some(d) => {
-                d.set_port_state(state);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Fault injection: move the QP of link `link` of link group `group` (ids as
-    /// [`link_groups`](Self::link_groups) shows them) to the error state, as an RNIC does on a
-    /// fatal QP error: its connections fail over, the peer's QP fails too. Returns whether
-    /// such a link exists.
-    pub fn fail_link(&self, group: u32, link: u8) -> bool {
-        let core = self.inner.lock();
-        let id = core
-            .ep
-            .link_groups()
-            .find(|g| g.id.0 == group)
-            .and_then(|g| g.links.get(&link))
-            .map(|l| l.id);
-        match id.and_then(|id| core.fab.links.get(&id)) {
-            Some(l) => {
-                l.qp.force_error();
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The link groups with their links.
-    pub fn link_groups(&self) -> Vec<LinkGroupInfo> {
-        let core = self.inner.lock();
-        core.ep
-            .link_groups()
-            .map(|g| LinkGroupInfo {
-                id: g.id.0,
-                server: matches!(g.role, smc_proto::link_group::Role::Server),
-                peer: format!("{:04x}@{}", g.peer_id.instance, g.peer_id.mac),
-                links: g
-                    .links
-                    .values()
-                    .map(|l| LinkInfo {
-                        num: l.num,
-                        device: core
-                            .fab
-                            .port_device(l.device)
-                            .map(|d| d.name().to_string())
-                            .unwrap_or_default(),
-                        gid: core
-                            .fab
-                            .ports
-                            .get(usize::from(l.device.0))
-                            .map(|p| p.gid.to_string())
-                            .unwrap_or_default(),
-                        peer_gid: l.remote.map(|r| smc_fabric::Gid(r.gid.0).to_string()),
-                        active: matches!(l.state, smc_proto::link_group::LinkState::Active),
-                    })
-                    .collect(),
-                connections: g.conns.len(),
-                version: if g.v2.is_some() { 2 } else { 1 },
-            })
-            .collect()
     }
 
     /// Start writing a pcap capture of this stack's SMC-R traffic to `path`: CLC messages as
