@@ -74,8 +74,11 @@ pub struct FakeResources {
     /// Fail one RMB registration after this many more succeed (resource exhaustion knob;
     /// `Some(1)`: an RMB of a two-link group is registered on the first link only).
     pub fail_register_rmb: Option<usize>,
-    /// Fail this many `take_peer_rtoken` calls (a peer RMB that cannot be mapped).
+    /// Fail this many `take_peer_rtoken` calls (a peer RMB that cannot be mapped), after
+    /// `pass_take_peer_rtoken` more have succeeded.
     pub fail_take_peer_rtoken: usize,
+    /// `take_peer_rtoken` calls that succeed before `fail_take_peer_rtoken` applies.
+    pub pass_take_peer_rtoken: usize,
     /// [`Resources::port_for`] (several GIDs of one RNIC as devices): `None` keeps the
     /// default, every device speaks to every GID.
     pub port_for: Option<fn(DeviceId, Gid) -> Option<DeviceId>>,
@@ -100,6 +103,7 @@ impl FakeResources {
             fail_create_qp: 0,
             fail_register_rmb: None,
             fail_take_peer_rtoken: 0,
+            pass_take_peer_rtoken: 0,
             port_for: None,
             connectable: true,
         }
@@ -163,6 +167,10 @@ impl Resources for FakeResources {
     }
 
     fn take_peer_rtoken(&mut self, _link: LinkId, _rkey: u32) -> Result<(), ResourceError> {
+        if self.pass_take_peer_rtoken > 0 {
+            self.pass_take_peer_rtoken -= 1;
+            return Ok(());
+        }
         if self.fail_take_peer_rtoken > 0 {
             self.fail_take_peer_rtoken -= 1;
             return Err(ResourceError("no descriptor"));

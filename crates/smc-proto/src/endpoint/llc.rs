@@ -381,7 +381,7 @@ impl Endpoint {
             LlcMessage::TestLink(t) => self.on_test_link(lgr, via, t, res, now),
             LlcMessage::ConfirmLink(c) => {
                 if let Some(tcp) = g.first_contact {
-                    if self.handshake_confirm_link(tcp, lgr, via, c, now) {
+                    if self.handshake_confirm_link(tcp, lgr, via, c, res, now) {
                         self.llc_kick(lgr, res, now);
                         return;
                     }

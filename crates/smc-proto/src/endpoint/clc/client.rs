@@ -335,6 +335,28 @@ impl Endpoint {
         }))
     }
 
+    /// A client's first link of a new group takes in the server's RMB named in the Accept
+    /// when the server's CONFIRM LINK arrives, before the link carries anything: on the shm
+    /// fabric that maps the peer's memory, a descriptor each, and a process that ran out of
+    /// them found out only at the connection's first WRITE, which then failed the link and,
+    /// with it, the new group (a reset). Failing here, the connection is declined instead
+    /// ("rtoken handling failed", as Linux says when it cannot take in the peer's rtoken)
+    /// and falls back to TCP. `false`: declined.
+    fn first_link_takes_peer_rmbs(
+        &mut self,
+        tcp: TcpId,
+        lgr: LgrId,
+        num: u8,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) -> bool {
+        if self.take_peer_rmbs_on(lgr, num, res) {
+            return true;
+        }
+        self.decline(tcp, DeclineCode::ERR_RTOK, false, now);
+        false
+    }
+
     /// A CONFIRM LINK arrived on the first link of a group whose first contact is `tcp`.
     /// Returns false when the message was not for the handshake.
     pub(in crate::endpoint) fn handshake_confirm_link(
@@ -343,6 +365,7 @@ impl Endpoint {
         lgr: LgrId,
         via: u8,
         m: ConfirmLink,
+        res: &mut dyn Resources,
         now: Timestamp,
     ) -> bool {
         let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) else {
@@ -386,6 +409,11 @@ impl Endpoint {
                         g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
                     }
                 }
+                // The server's RMB named in its Accept, taken in before the link carries
+                // anything (see `first_link_takes_peer_rmbs`).
+                if !self.first_link_takes_peer_rmbs(tcp, lgr, num, res, now) {
+                    return true;
+                }
                 self.activate_link(lgr, num, m.link_user_id, now);
                 if let Some(reply) = self.confirm_link_msg(lgr, num, true) {
                     self.post_llc(lgr, num, reply, Some(tcp), now);
@@ -417,6 +445,9 @@ impl Endpoint {
                         g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
                     }
                 }
+                // (The server side takes in the client's RMB at its first WRITE: a Decline
+                // after the client's CONFIRM LINK reply would reach a client that already
+                // counts the connection as SMC-R, docs/reliability.md.)
                 self.activate_link(lgr, link, m.link_user_id, now);
                 if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
                     h.state = HsState::ExpectSecondLink { setup, peer, link };

@@ -303,6 +303,9 @@ fn new_link_refusing_peer_rmb(refuser: Side) {
         crate::lgr_harness::config(Side::B, 2),
         13,
     );
+    // A client's first link takes in the server's RMB (its first call), the second link
+    // cannot; a server's first link takes in nothing before its first WRITE.
+    p.host_mut(refuser).res.pass_take_peer_rtoken = usize::from(refuser == Side::A);
     p.host_mut(refuser).res.fail_take_peer_rtoken = 1;
     p.connect(T1);
     p.run();
@@ -325,6 +328,49 @@ fn new_link_refusing_peer_rmb(refuser: Side) {
     p.app_send(Side::A, T1, b"later");
     p.run();
     assert_eq!(p.b.rx[&T1], b"over one linklater");
+}
+
+/// A first contact whose client cannot take in the server's RMB named in the Accept (on
+/// shm, no descriptor to map it): declined when the server's CONFIRM LINK arrives, before
+/// the link carries anything ("rtoken handling failed"), both sides fall back to TCP, no
+/// group is left half made; the next connection, with the resource back, is SMC-R. (A
+/// server takes in the client's RMB at its first WRITE: see `handshake_confirm_link`.)
+fn first_link_refusing_peer_rmb(refuser: Side) {
+    let mut p = EndpointPair::new(
+        crate::lgr_harness::config(Side::A, 2),
+        crate::lgr_harness::config(Side::B, 2),
+        17,
+    );
+    p.host_mut(refuser).res.fail_take_peer_rtoken = 1;
+    p.connect(T1);
+    p.run();
+    dump(&p);
+    let code = smc_wire::DeclineCode::ERR_RTOK;
+    let other = match refuser {
+        Side::A => Side::B,
+        Side::B => Side::A,
+    };
+    assert_eq!(fell_back(&p, refuser, T1), Some(Fallback::Declined(code)));
+    assert_eq!(
+        fell_back(&p, other, T1),
+        Some(Fallback::PeerDeclined {
+            code,
+            out_of_sync: false
+        })
+    );
+    assert_eq!(p.host(refuser).ep.stats().rkeys_refused, 1);
+    p.run_for(std::time::Duration::from_secs(5));
+    p.connect(TcpId(2));
+    p.run();
+    assert!(established(&p, Side::A, TcpId(2)) && established(&p, Side::B, TcpId(2)));
+    p.app_send(Side::A, TcpId(2), b"second");
+    p.run();
+    assert_eq!(p.b.rx[&TcpId(2)], b"second");
+}
+
+#[test]
+fn client_first_link_without_the_peers_rmb_declines() {
+    first_link_refusing_peer_rmb(Side::A);
 }
 
 #[test]
