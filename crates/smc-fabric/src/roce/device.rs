@@ -1093,15 +1093,10 @@ fn run(core: Arc<RoceCore>) {
     let mut ack_due: Option<Instant> = None;
     let mut lease = LEASE;
     while !core.shutdown.load(Ordering::Acquire) {
-        // A waiter asleep in the socket's receive call holds the receive lock
-        // (`ReceiveWait::block`): never wait for it here.
-        let idle = match try_lock(&core.rx) {
-            Some(mut st) => {
-                st.tables.refresh(&core);
-                st.tables.qps.is_empty()
-            }
-            None => false,
-        };
+        // Whether the device has a live QP, from the shared table: the receive lock is left
+        // to the receivers (an application thread about to sleep in the socket's receive
+        // call, `ReceiveWait::block`, that found it held here would wait on a futex for it).
+        let idle = lock(&core.qps).values().all(|w| w.strong_count() == 0);
         let mut timeout = if idle {
             Duration::from_millis(20)
         } else {
@@ -1144,17 +1139,19 @@ fn run(core: Arc<RoceCore>) {
                 }
                 now
             };
-            match try_lock(&core.rx) {
-                Some(mut st) => {
+            // Receive only while no application thread promised to, and hold the receive
+            // lock only for that: the timers run from the shared table, so that a thread
+            // going to sleep in the receive call (`ReceiveWait::block`) never waits for them.
+            if core.rx_waiters.load(Ordering::Acquire) == 0 {
+                // A waiter asleep in the socket's receive call holds the receive lock: never
+                // wait for it here.
+                if let Some(mut st) = try_lock(&core.rx) {
                     if core.rx_waiters.load(Ordering::Acquire) == 0 {
                         core.receive_pending(&mut st);
                     }
-                    tick(&mut st.tables.qps.values())
                 }
-                // A waiter sleeps in the receive call holding the lock: the timers all the
-                // same, from the shared table.
-                None => tick(&mut core.live_qps().iter()),
             }
+            tick(&mut core.live_qps().iter())
         };
         {
             let mut l = lock(&core.lingering);
