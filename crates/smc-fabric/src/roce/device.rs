@@ -71,7 +71,8 @@ pub(crate) const TICK: Duration = Duration::from_millis(2);
 /// ([`ReceiveWait`]) and receives what arrives itself: it sleeps that long without watching the
 /// socket (no wake-up per datagram), then looks again. A datagram that arrives just as no
 /// application thread waits any more is received at most this late (by the next waiter, or by
-/// the progress thread). The lease doubles, up to [`TICK`], while the progress thread finds
+/// the progress thread; one `LEASE` more when application threads received since the
+/// progress thread's last look, see `run`). The lease doubles, up to [`TICK`], while the progress thread finds
 /// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
 /// no more wake-ups than the timers do), and starts again at this when it finds none.
 const LEASE: Duration = Duration::from_micros(250);
@@ -151,6 +152,9 @@ pub(crate) struct RoceCore {
     /// Application threads asleep on the socket that will receive when it wakes them (see
     /// [`ReceiveWait`]): while there is one, the progress thread leaves the datagrams to it.
     rx_waiters: AtomicU32,
+    /// How many [`ReceiveWait`]s were ever made: changed since the progress thread's last look,
+    /// application threads receive themselves even if none waits at this moment (see `run`).
+    rx_waits_made: AtomicU64,
     /// How many QPs hold back an ACK (qp.rs, `ACK_DELAY`): a sleeper sends them first.
     pub(crate) acks_owed: AtomicUsize,
 }
@@ -168,6 +172,7 @@ pub(crate) struct ReceiveWait<'a> {
 impl<'a> ReceiveWait<'a> {
     pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
         core.rx_waiters.fetch_add(1, Ordering::AcqRel);
+        core.rx_waits_made.fetch_add(1, Ordering::Relaxed);
         // A thread that goes to sleep has no reply to send now: the ACKs held back for one
         // that are due (`ACK_DELAY` old, as the progress thread would send them) leave before
         // it sleeps; younger ones wait for the next request to carry them (qp.rs). Sending
@@ -916,6 +921,7 @@ impl RoceHandle {
                 batch: RxBatch::default(),
             }),
             rx_waiters: AtomicU32::new(0),
+            rx_waits_made: AtomicU64::new(0),
             acks_owed: AtomicUsize::new(0),
         });
         {
@@ -1092,6 +1098,8 @@ fn run(core: Arc<RoceCore>) {
     // When the oldest ACK held back for a reply falls due (qp.rs, `ACK_DELAY`).
     let mut ack_due: Option<Instant> = None;
     let mut lease = LEASE;
+    // `rx_waits_made` at the last look.
+    let mut waits_seen = 0;
     while !core.shutdown.load(Ordering::Acquire) {
         // Whether the device has a live QP, from the shared table: the receive lock is left
         // to the receivers (an application thread about to sleep in the socket's receive
@@ -1105,11 +1113,21 @@ fn run(core: Arc<RoceCore>) {
         if let Some(t) = ack_due {
             timeout = timeout.min(t.saturating_duration_since(Instant::now()));
         }
+        let waits = core.rx_waits_made.load(Ordering::Relaxed);
+        let receiving = waits != waits_seen;
+        waits_seen = waits;
         if core.rx_waiters.load(Ordering::Acquire) > 0 {
             // An application thread sleeps on the socket and receives what arrives itself:
             // stay off the socket, so that its datagrams wake that thread only.
             std::thread::sleep(timeout.min(lease));
             lease = (lease * 2).min(TICK);
+        } else if receiving {
+            // None sleeps on it right now, but application threads did since the last look:
+            // likely one is between two waits (a ping-pong's, handling a reply and writing
+            // the next request). Watching the socket now, this thread would wake beside it
+            // for the next datagram; look again after the shortest lease instead. A datagram
+            // nobody waits for is then received at most a lease and `LEASE` late.
+            std::thread::sleep(timeout.min(LEASE));
         } else {
             lease = LEASE;
             let ts = rustix::event::Timespec {
