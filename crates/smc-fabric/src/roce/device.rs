@@ -76,6 +76,9 @@ pub(crate) const TICK: Duration = Duration::from_millis(2);
 /// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
 /// no more wake-ups than the timers do), and starts again at this when it finds none.
 const LEASE: Duration = Duration::from_micros(250);
+/// Most looks in a row at which the progress thread leaves the socket to application threads
+/// that waited on it since its last look but do not at this moment (see `run`).
+const MAX_DEFERRED: u32 = 8;
 /// Most IPv6 GIDs (and sockets) of one device: a GID index is a `u8`, and every socket is
 /// looked at on each receive.
 const MAX_V6_GIDS: usize = 32;
@@ -1100,6 +1103,8 @@ fn run(core: Arc<RoceCore>) {
     let mut lease = LEASE;
     // `rx_waits_made` at the last look.
     let mut waits_seen = 0;
+    // Looks in a row that left the socket to application threads between their waits.
+    let mut deferred = 0;
     while !core.shutdown.load(Ordering::Acquire) {
         // Whether the device has a live QP, from the shared table: the receive lock is left
         // to the receivers (an application thread about to sleep in the socket's receive
@@ -1114,22 +1119,27 @@ fn run(core: Arc<RoceCore>) {
             timeout = timeout.min(t.saturating_duration_since(Instant::now()));
         }
         let waits = core.rx_waits_made.load(Ordering::Relaxed);
-        let receiving = waits != waits_seen;
+        let receiving = waits != waits_seen && deferred < MAX_DEFERRED;
         waits_seen = waits;
         if core.rx_waiters.load(Ordering::Acquire) > 0 {
             // An application thread sleeps on the socket and receives what arrives itself:
             // stay off the socket, so that its datagrams wake that thread only.
             std::thread::sleep(timeout.min(lease));
             lease = (lease * 2).min(TICK);
+            deferred = 0;
         } else if receiving {
+            deferred += 1;
             // None sleeps on it right now, but application threads did since the last look:
             // likely one is between two waits (a ping-pong's, handling a reply and writing
             // the next request). Watching the socket now, this thread would wake beside it
             // for the next datagram; look again after the shortest lease instead. A datagram
-            // nobody waits for is then received at most a lease and `LEASE` late.
+            // nobody waits for is then received at most a lease and `LEASE` late (and
+            // [`MAX_DEFERRED`] `LEASE`s late at worst, should the waits go on without
+            // receiving it).
             std::thread::sleep(timeout.min(LEASE));
         } else {
             lease = LEASE;
+            deferred = 0;
             let ts = rustix::event::Timespec {
                 tv_sec: 0,
                 tv_nsec: timeout.as_nanos() as _,
@@ -1160,11 +1170,18 @@ fn run(core: Arc<RoceCore>) {
             // Receive only while no application thread promised to, and hold the receive
             // lock only for that: the timers run from the shared table, so that a thread
             // going to sleep in the receive call (`ReceiveWait::block`) never waits for them.
-            if core.rx_waiters.load(Ordering::Acquire) == 0 {
+            // Nor while application threads began to wait since the look above (they
+            // receive between their waits too; the next look sees it).
+            let left_to_us = || {
+                core.rx_waiters.load(Ordering::Acquire) == 0
+                    && (deferred == 0
+                        || core.rx_waits_made.load(Ordering::Relaxed) == waits_seen)
+            };
+            if left_to_us() {
                 // A waiter asleep in the socket's receive call holds the receive lock: never
                 // wait for it here.
                 if let Some(mut st) = try_lock(&core.rx) {
-                    if core.rx_waiters.load(Ordering::Acquire) == 0 {
+                    if left_to_us() {
                         core.receive_pending(&mut st);
                     }
                 }
