@@ -1119,9 +1119,12 @@ fn run(core: Arc<RoceCore>) {
             timeout = timeout.min(t.saturating_duration_since(Instant::now()));
         }
         let waits = core.rx_waits_made.load(Ordering::Relaxed);
-        let receiving = waits != waits_seen && deferred < MAX_DEFERRED;
+        let waiting = core.rx_waiters.load(Ordering::Acquire) > 0;
+        let receiving = !waiting && waits != waits_seen && deferred < MAX_DEFERRED;
         waits_seen = waits;
-        if core.rx_waiters.load(Ordering::Acquire) > 0 {
+        // Whether this look watches the socket (else it sleeps a lease).
+        let polled = !waiting && !receiving;
+        if waiting {
             // An application thread sleeps on the socket and receives what arrives itself:
             // stay off the socket, so that its datagrams wake that thread only.
             std::thread::sleep(timeout.min(lease));
@@ -1174,8 +1177,7 @@ fn run(core: Arc<RoceCore>) {
             // receive between their waits too; the next look sees it).
             let left_to_us = || {
                 core.rx_waiters.load(Ordering::Acquire) == 0
-                    && (deferred == 0
-                        || core.rx_waits_made.load(Ordering::Relaxed) == waits_seen)
+                    && (polled || core.rx_waits_made.load(Ordering::Relaxed) == waits_seen)
             };
             if left_to_us() {
                 // A waiter asleep in the socket's receive call holds the receive lock: never
