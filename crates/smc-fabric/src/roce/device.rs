@@ -78,7 +78,7 @@ pub(crate) const TICK: Duration = Duration::from_millis(2);
 const LEASE: Duration = Duration::from_micros(250);
 /// Most looks in a row at which the progress thread leaves the socket to application threads
 /// that waited on it since its last look but do not at this moment (see `run`).
-const MAX_DEFERRED: u32 = 8;
+pub(crate) const MAX_DEFERRED: u32 = 8;
 /// Most IPv6 GIDs (and sockets) of one device: a GID index is a `u8`, and every socket is
 /// looked at on each receive.
 const MAX_V6_GIDS: usize = 32;
@@ -1096,6 +1096,38 @@ impl RoceCore {
     }
 }
 
+/// What the progress thread does at a look at the socket (`run`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Look {
+    /// An application thread sleeps on the socket: stay off it for the (doubling) lease.
+    Lease,
+    /// None does right now, but some waited since the last look: stay off it for `LEASE`.
+    Defer,
+    /// Watch the socket and receive.
+    Watch,
+}
+
+impl Look {
+    /// The look given whether an application thread waits on the socket now, whether one
+    /// waited since the last look, and how many looks in a row deferred (updated): at most
+    /// [`MAX_DEFERRED`] in a row.
+    pub(crate) fn at(waiting: bool, waited_since: bool, deferred: &mut u32) -> Look {
+        let look = if waiting {
+            Look::Lease
+        } else if waited_since && *deferred < MAX_DEFERRED {
+            Look::Defer
+        } else {
+            Look::Watch
+        };
+        *deferred = if look == Look::Defer {
+            *deferred + 1
+        } else {
+            0
+        };
+        look
+    }
+}
+
 fn run(core: Arc<RoceCore>) {
     let mut last_port_check = Instant::now();
     // When the oldest ACK held back for a reply falls due (qp.rs, `ACK_DELAY`).
@@ -1119,19 +1151,20 @@ fn run(core: Arc<RoceCore>) {
             timeout = timeout.min(t.saturating_duration_since(Instant::now()));
         }
         let waits = core.rx_waits_made.load(Ordering::Relaxed);
-        let waiting = core.rx_waiters.load(Ordering::Acquire) > 0;
-        let receiving = !waiting && waits != waits_seen && deferred < MAX_DEFERRED;
+        let look = Look::at(
+            core.rx_waiters.load(Ordering::Acquire) > 0,
+            waits != waits_seen,
+            &mut deferred,
+        );
         waits_seen = waits;
         // Whether this look watches the socket (else it sleeps a lease).
-        let polled = !waiting && !receiving;
-        if waiting {
+        let polled = look == Look::Watch;
+        if look == Look::Lease {
             // An application thread sleeps on the socket and receives what arrives itself:
             // stay off the socket, so that its datagrams wake that thread only.
             std::thread::sleep(timeout.min(lease));
             lease = (lease * 2).min(TICK);
-            deferred = 0;
-        } else if receiving {
-            deferred += 1;
+        } else if look == Look::Defer {
             // None sleeps on it right now, but application threads did since the last look:
             // likely one is between two waits (a ping-pong's, handling a reply and writing
             // the next request). Watching the socket now, this thread would wake beside it
@@ -1142,7 +1175,6 @@ fn run(core: Arc<RoceCore>) {
             std::thread::sleep(timeout.min(LEASE));
         } else {
             lease = LEASE;
-            deferred = 0;
             let ts = rustix::event::Timespec {
                 tv_sec: 0,
                 tv_nsec: timeout.as_nanos() as _,
