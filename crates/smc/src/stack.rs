@@ -71,6 +71,10 @@ const MAX_SLEEP: Duration = Duration::from_millis(20);
 /// While an application thread polls the completion queues, the runtime thread looks again
 /// after at most this long (in case that thread stops polling).
 const PARK_SLICE: Duration = Duration::from_millis(2);
+/// While parked, how many looks in a row may find the core locked (an application thread
+/// works under it) and sleep another slice instead of waiting for the lock, as long as no
+/// timer seen at the last look is due.
+const PARKED_SKIPS: u32 = 3;
 /// An application thread that became the poller this recently counts as polling (it is
 /// likely between two waits).
 const POLLER_RECENT: Duration = Duration::from_millis(20);
@@ -1109,6 +1113,15 @@ impl Inner {
     /// enough to continue, and panics are bugs that tests catch).
     pub(crate) fn lock(&self) -> CoreGuard<'_> {
         CoreGuard::new(self.core.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// [`lock`](Self::lock) if nobody holds the core now.
+    pub(crate) fn try_lock(&self) -> Option<CoreGuard<'_>> {
+        match self.core.try_lock() {
+            Ok(g) => Some(CoreGuard::new(g)),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(CoreGuard::new(p.into_inner())),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// A fresh connection id.

@@ -71,10 +71,14 @@ pub(crate) const TICK: Duration = Duration::from_millis(2);
 /// ([`ReceiveWait`]) and receives what arrives itself: it sleeps that long without watching the
 /// socket (no wake-up per datagram), then looks again. A datagram that arrives just as no
 /// application thread waits any more is received at most this late (by the next waiter, or by
-/// the progress thread). The lease doubles, up to [`TICK`], while the progress thread finds
+/// the progress thread; one `LEASE` more when application threads received since the
+/// progress thread's last look, see `run`). The lease doubles, up to [`TICK`], while the progress thread finds
 /// a sleeper on the socket every time it looks (an idle connection's blocked reader costs it
 /// no more wake-ups than the timers do), and starts again at this when it finds none.
 const LEASE: Duration = Duration::from_micros(250);
+/// Most looks in a row at which the progress thread leaves the socket to application threads
+/// that waited on it since its last look but do not at this moment (see `run`).
+pub(crate) const MAX_DEFERRED: u32 = 8;
 /// Most IPv6 GIDs (and sockets) of one device: a GID index is a `u8`, and every socket is
 /// looked at on each receive.
 const MAX_V6_GIDS: usize = 32;
@@ -151,6 +155,9 @@ pub(crate) struct RoceCore {
     /// Application threads asleep on the socket that will receive when it wakes them (see
     /// [`ReceiveWait`]): while there is one, the progress thread leaves the datagrams to it.
     rx_waiters: AtomicU32,
+    /// How many [`ReceiveWait`]s were ever made: changed since the progress thread's last look,
+    /// application threads receive themselves even if none waits at this moment (see `run`).
+    rx_waits_made: AtomicU64,
     /// How many QPs hold back an ACK (qp.rs, `ACK_DELAY`): a sleeper sends them first.
     pub(crate) acks_owed: AtomicUsize,
 }
@@ -168,6 +175,7 @@ pub(crate) struct ReceiveWait<'a> {
 impl<'a> ReceiveWait<'a> {
     pub(crate) fn new(core: &'a RoceCore, cq: &'a super::RoceCq) -> ReceiveWait<'a> {
         core.rx_waiters.fetch_add(1, Ordering::AcqRel);
+        core.rx_waits_made.fetch_add(1, Ordering::Relaxed);
         // A thread that goes to sleep has no reply to send now: the ACKs held back for one
         // that are due (`ACK_DELAY` old, as the progress thread would send them) leave before
         // it sleeps; younger ones wait for the next request to carry them (qp.rs). Sending
@@ -916,6 +924,7 @@ impl RoceHandle {
                 batch: RxBatch::default(),
             }),
             rx_waiters: AtomicU32::new(0),
+            rx_waits_made: AtomicU64::new(0),
             acks_owed: AtomicUsize::new(0),
         });
         {
@@ -1092,21 +1101,52 @@ impl RoceCore {
     }
 }
 
+/// What the progress thread does at a look at the socket (`run`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Look {
+    /// An application thread sleeps on the socket: stay off it for the (doubling) lease.
+    Lease,
+    /// None does right now, but some waited since the last look: stay off it for `LEASE`.
+    Defer,
+    /// Watch the socket and receive.
+    Watch,
+}
+
+impl Look {
+    /// The look given whether an application thread waits on the socket now, whether one
+    /// waited since the last look, and how many looks in a row deferred (updated): at most
+    /// [`MAX_DEFERRED`] in a row.
+    pub(crate) fn at(waiting: bool, waited_since: bool, deferred: &mut u32) -> Look {
+        let look = if waiting {
+            Look::Lease
+        } else if waited_since && *deferred < MAX_DEFERRED {
+            Look::Defer
+        } else {
+            Look::Watch
+        };
+        *deferred = if look == Look::Defer {
+            *deferred + 1
+        } else {
+            0
+        };
+        look
+    }
+}
+
 fn run(core: Arc<RoceCore>) {
     let mut last_port_check = Instant::now();
     // When the oldest ACK held back for a reply falls due (qp.rs, `ACK_DELAY`).
     let mut ack_due: Option<Instant> = None;
     let mut lease = LEASE;
+    // `rx_waits_made` at the last look.
+    let mut waits_seen = 0;
+    // Looks in a row that left the socket to application threads between their waits.
+    let mut deferred = 0;
     while !core.shutdown.load(Ordering::Acquire) {
-        // A waiter asleep in the socket's receive call holds the receive lock
-        // (`ReceiveWait::block`): never wait for it here.
-        let idle = match try_lock(&core.rx) {
-            Some(mut st) => {
-                st.tables.refresh(&core);
-                st.tables.qps.is_empty()
-            }
-            None => false,
-        };
+        // Whether the device has a live QP, from the shared table: the receive lock is left
+        // to the receivers (an application thread about to sleep in the socket's receive
+        // call, `ReceiveWait::block`, that found it held here would wait on a futex for it).
+        let idle = lock(&core.qps).values().all(|w| w.strong_count() == 0);
         let mut timeout = if idle {
             Duration::from_millis(20)
         } else {
@@ -1115,11 +1155,29 @@ fn run(core: Arc<RoceCore>) {
         if let Some(t) = ack_due {
             timeout = timeout.min(t.saturating_duration_since(Instant::now()));
         }
-        if core.rx_waiters.load(Ordering::Acquire) > 0 {
+        let waits = core.rx_waits_made.load(Ordering::Relaxed);
+        let look = Look::at(
+            core.rx_waiters.load(Ordering::Acquire) > 0,
+            waits != waits_seen,
+            &mut deferred,
+        );
+        waits_seen = waits;
+        // Whether this look watches the socket (else it sleeps a lease).
+        let polled = look == Look::Watch;
+        if look == Look::Lease {
             // An application thread sleeps on the socket and receives what arrives itself:
             // stay off the socket, so that its datagrams wake that thread only.
             std::thread::sleep(timeout.min(lease));
             lease = (lease * 2).min(TICK);
+        } else if look == Look::Defer {
+            // None sleeps on it right now, but application threads did since the last look:
+            // likely one is between two waits (a ping-pong's, handling a reply and writing
+            // the next request). Watching the socket now, this thread would wake beside it
+            // for the next datagram; look again after the shortest lease instead. A datagram
+            // nobody waits for is then received at most a lease and `LEASE` late (and
+            // [`MAX_DEFERRED`] `LEASE`s late at worst, should the waits go on without
+            // receiving it).
+            std::thread::sleep(timeout.min(LEASE));
         } else {
             lease = LEASE;
             let ts = rustix::event::Timespec {
@@ -1149,17 +1207,25 @@ fn run(core: Arc<RoceCore>) {
                 }
                 now
             };
-            match try_lock(&core.rx) {
-                Some(mut st) => {
-                    if core.rx_waiters.load(Ordering::Acquire) == 0 {
+            // Receive only while no application thread promised to, and hold the receive
+            // lock only for that: the timers run from the shared table, so that a thread
+            // going to sleep in the receive call (`ReceiveWait::block`) never waits for them.
+            // Nor while application threads began to wait since the look above (they
+            // receive between their waits too; the next look sees it).
+            let left_to_us = || {
+                core.rx_waiters.load(Ordering::Acquire) == 0
+                    && (polled || core.rx_waits_made.load(Ordering::Relaxed) == waits_seen)
+            };
+            if left_to_us() {
+                // A waiter asleep in the socket's receive call holds the receive lock: never
+                // wait for it here.
+                if let Some(mut st) = try_lock(&core.rx) {
+                    if left_to_us() {
                         core.receive_pending(&mut st);
                     }
-                    tick(&mut st.tables.qps.values())
                 }
-                // A waiter sleeps in the receive call holding the lock: the timers all the
-                // same, from the shared table.
-                None => tick(&mut core.live_qps().iter()),
             }
+            tick(&mut core.live_qps().iter())
         };
         {
             let mut l = lock(&core.lingering);

@@ -79,6 +79,10 @@ const ACK_SPAN: i32 = PEER_WINDOW / 4;
 /// [`ACK_DELAY`] old, device.rs `ReceiveWait::new`.)
 pub(crate) const ACK_COALESCE: Duration = Duration::from_micros(50);
 
+/// Most ticks in a row that leave a QP's timers alone because its send queue is busy
+/// ([`RoceQp::on_tick`]): a timer fires at most this many ticks late.
+const MAX_TICKS_SKIPPED: u8 = 3;
+
 fn retransmit_timeout() -> Duration {
     Duration::from_nanos(4096 << TIMEOUT_CODE)
 }
@@ -190,6 +194,9 @@ pub(crate) struct RoceQp {
     ack: Mutex<OwedAck>,
     /// Whether `ack.owed` is set (read without the lock on the send path).
     ack_owed: AtomicBool,
+    /// Ticks in a row that found the send queue's lock held and left the timers for the next
+    /// one (see [`on_tick`](Self::on_tick)).
+    ticks_skipped: AtomicU8,
     /// Set when destroyed with unacknowledged requests (see [`RoceQp::destroy`]).
     linger_until: Mutex<Option<Instant>>,
 }
@@ -259,6 +266,7 @@ impl RoceQp {
                 sent_psn: 0,
             }),
             ack_owed: AtomicBool::new(false),
+            ticks_skipped: AtomicU8::new(0),
             linger_until: Mutex::new(None),
         });
         core.add_qp(&qp);
@@ -844,7 +852,21 @@ impl RoceQp {
         let Some(conn) = self.conn.get().copied() else {
             return;
         };
-        let mut sq = lock(&self.sq);
+        // The send queue's lock held means a thread posts or pumps right now (likely inside
+        // its send system call, where the woken peer may preempt it): waiting for it costs
+        // both threads a futex call and a context switch, for timers of milliseconds. Leave
+        // them to the next tick, a few times in a row at most.
+        let mut sq = match self.sq.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if self.ticks_skipped.fetch_add(1, Ordering::Relaxed) < MAX_TICKS_SKIPPED {
+                    return;
+                }
+                lock(&self.sq)
+            }
+        };
+        self.ticks_skipped.store(0, Ordering::Relaxed);
         let mut exceeded = false;
         if let Some(t) = sq.rnr_until {
             if now >= t {

@@ -839,3 +839,66 @@ fn ipv6_gid_carries_rc_traffic() {
     assert_eq!(c.drop_icrc - before.drop_icrc, 2, "{c:?}");
     assert_eq!(c.drop_unknown_qp - before.drop_unknown_qp, 1, "{c:?}");
 }
+
+/// An application thread that keeps making `ReceiveWait`s between short pauses but never
+/// receives (what a ping-pong's thread looks like to the progress thread between its waits)
+/// keeps the progress thread off the socket only for a bounded number of looks
+/// (`MAX_DEFERRED`): a SEND nobody else receives still arrives and completes. (End to end
+/// only: on a loaded machine the churning thread is also preempted, which ends a deferral by
+/// itself; `deferred_looks_are_bounded` checks the bound.)
+#[test]
+fn waits_that_never_receive_leave_the_socket_to_the_progress_thread() {
+    let (a, b) = pair(21, Vec::new(), 8);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let made = std::sync::atomic::AtomicU32::new(0);
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                drop(device::ReceiveWait::new(&b.dev.core, &b.cq));
+                made.fetch_add(1, Ordering::Release);
+                std::thread::yield_now();
+            }
+        });
+        // The waits go on before the SEND leaves and until it arrives.
+        while made.load(Ordering::Acquire) < 1000 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        a.qp.post_send(&SendWr::Send {
+            wr_id: 1,
+            data: b"ping",
+            signaled: true,
+        })
+        .expect("send");
+        let got = collect(&b.cq, 1);
+        stop.store(true, Ordering::Release);
+        got
+    });
+    assert_eq!(got.len(), 1, "the SEND was never received");
+    assert_eq!((got[0].status, got[0].byte_len), (WcStatus::Success, 4));
+    let done = collect(&a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (1, WcStatus::Success));
+}
+
+/// The progress thread's choice at each look (`device::Look`): a sleeper on the socket gets
+/// the lease; application threads that waited since the last look but not now defer it at
+/// most `MAX_DEFERRED` looks in a row, then it watches the socket; a look with a sleeper or
+/// a watch starts the count again.
+#[test]
+fn deferred_looks_are_bounded() {
+    use device::{Look, MAX_DEFERRED};
+    let mut deferred = 0;
+    let looks: Vec<Look> = (0..2 * MAX_DEFERRED + 2)
+        .map(|_| Look::at(false, true, &mut deferred))
+        .collect();
+    let mut want = vec![Look::Defer; MAX_DEFERRED as usize];
+    want.push(Look::Watch);
+    want.extend(vec![Look::Defer; MAX_DEFERRED as usize]);
+    want.push(Look::Watch);
+    assert_eq!(looks, want);
+    let mut deferred = 3;
+    assert_eq!(Look::at(true, true, &mut deferred), Look::Lease);
+    assert_eq!(deferred, 0);
+    assert_eq!(Look::at(false, false, &mut deferred), Look::Watch);
+    assert_eq!(Look::at(false, true, &mut deferred), Look::Defer);
+    assert_eq!(deferred, 1);
+}

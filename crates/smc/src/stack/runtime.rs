@@ -6,6 +6,10 @@ use super::*;
 pub(super) fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<CompletionQueue>) {
     let mut wcs = [WorkCompletion::EMPTY; 64];
     let mut armed = false;
+    // Parked at the last look: when the earliest timer seen then falls due, and how many
+    // looks since found the core locked.
+    let mut parked: Option<Instant> = None;
+    let mut skipped = 0;
     loop {
         let Some(inner) = weak.upgrade() else {
             return;
@@ -19,8 +23,27 @@ pub(super) fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<Completi
                 dev_events.push((i, e));
             }
         }
+        // Parked, this thread only keeps time: a look that finds an application thread
+        // working under the core lock (the poller, likely) leaves it alone and sleeps another
+        // slice, unless a timer is due or a device had news. Waiting for the lock would cost
+        // both threads a futex call, and that thread a wake-up of this one on its path.
+        let mut core = None;
+        if let Some(due) = parked.filter(|_| dev_events.is_empty() && skipped < PARKED_SKIPS) {
+            core = inner.try_lock();
+            let now = core.is_none().then(Instant::now);
+            if let Some(left) = now.and_then(|now| due.checked_duration_since(now)) {
+                skipped += 1;
+                drop(core);
+                drop(inner);
+                std::thread::sleep(left.min(PARK_SLICE));
+                continue;
+            }
+        }
+        let core = core.unwrap_or_else(|| inner.lock());
+        skipped = 0;
+        parked = None;
         let (deadline, closing) = {
-            let mut core = inner.lock();
+            let mut core = core;
             let closing = std::mem::take(&mut core.closing);
             let now = core.now();
             // Completions are polled under the lock, so that busy-polling application
@@ -81,6 +104,7 @@ pub(super) fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<Completi
         if park {
             drop(inner);
             armed = false;
+            parked = Some(Instant::now() + sleep);
             std::thread::sleep(sleep.min(PARK_SLICE));
             continue;
         }
