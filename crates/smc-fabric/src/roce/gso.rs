@@ -31,46 +31,34 @@ const MAX_SEND_BYTES: usize = 65_507;
 /// `UDP_SEGMENT` (`SOL_UDP`): the segment size of a GSO send.
 const UDP_SEGMENT: libc::c_int = 103;
 
-/// Lengths a thread's column cache holds (a connection uses a handful: full packets, the
-/// last of a message, the CDC SEND, ACKs).
-const COLUMN_SLOTS: usize = 16;
+/// Longest UDP payload whose columns a thread keeps (a RoCE packet's length is a multiple
+/// of 4: payloads padded, BTH and ICRC 4-byte words): at a path MTU of 4096, about 1,050
+/// entries of 64 bytes; the table grows only to the longest length a thread has seen.
+const COLUMN_MAX_LEN: usize = 8192;
 
-/// A thread's identification columns by packet length: the lengths apart from the columns, so
-/// a lookup (once per packet on both sides) compares a few words in one or two cache lines
-/// instead of hashing (a SipHash per packet was 1–2 % of a stream's CPU on each side).
-struct ColumnCache {
-    lens: [usize; COLUMN_SLOTS],
-    cols: [Ipv4IdColumns; COLUMN_SLOTS],
-    used: usize,
-    /// The slot the next new length replaces once all are used (round robin).
-    next: usize,
-}
+/// A thread's identification columns by packet length, indexed by `len / 4` and filled when
+/// a length is first asked for: a lookup (once per packet on both sides) is one index,
+/// where a SipHash per packet was 1–2 % of a stream's CPU on each side. Every length a
+/// connection can produce keeps its slot (a stream whose updates do not end on a path-MTU
+/// boundary makes a new last-packet length for many updates; a small cache replaced in turn
+/// computed the columns again for most of them, about 17 CRC combines each).
+struct ColumnCache(Vec<Option<Ipv4IdColumns>>);
 
 impl ColumnCache {
     fn get(&mut self, len: usize) -> Ipv4IdColumns {
-        if let Some(i) = self.lens[..self.used].iter().position(|l| *l == len) {
-            return self.cols[i];
+        if !len.is_multiple_of(4) || len > COLUMN_MAX_LEN {
+            return Ipv4IdColumns::for_len(len);
         }
-        let i = if self.used < COLUMN_SLOTS {
-            self.used += 1;
-            self.used - 1
-        } else {
-            self.next = (self.next + 1) % COLUMN_SLOTS;
-            self.next
-        };
-        self.lens[i] = len;
-        self.cols[i] = Ipv4IdColumns::for_len(len);
-        self.cols[i]
+        let i = len / 4;
+        if self.0.len() <= i {
+            self.0.resize(i + 1, None);
+        }
+        *self.0[i].get_or_insert_with(|| Ipv4IdColumns::for_len(len))
     }
 }
 
 thread_local! {
-    static COLUMNS: RefCell<ColumnCache> = RefCell::new(ColumnCache {
-        lens: [0; COLUMN_SLOTS],
-        cols: [Ipv4IdColumns::for_len(0); COLUMN_SLOTS],
-        used: 0,
-        next: 0,
-    });
+    static COLUMNS: RefCell<ColumnCache> = const { RefCell::new(ColumnCache(Vec::new())) };
 }
 
 /// The identification columns for a UDP payload of `len` bytes (cached per thread: a
@@ -272,11 +260,12 @@ mod tests {
         assert!(got == Ipv4IdColumns::for_len(100));
     }
 
-    /// The thread's cache gives each length its own columns, also once more lengths than it
-    /// has slots went through it (the oldest are replaced, and computed again when asked).
+    /// The thread's cache gives each length its own columns: many lengths in turn (a stream
+    /// whose last packets vary), lengths that are no multiple of 4 and lengths past the table.
     #[test]
-    fn id_columns_are_right_for_more_lengths_than_slots() {
-        let lens: Vec<usize> = (0..3 * COLUMN_SLOTS).map(|i| 60 + 4 * i).collect();
+    fn id_columns_are_right_for_many_lengths() {
+        let mut lens: Vec<usize> = (0..300).map(|i| 20 + 4 * i).collect();
+        lens.extend([21, 1057, COLUMN_MAX_LEN, COLUMN_MAX_LEN + 4, 65_000]);
         for _ in 0..2 {
             for &len in &lens {
                 assert!(

@@ -388,6 +388,9 @@ impl RoceQp {
         let wcs: Vec<WorkCompletion> = {
             let mut sq = lock(&self.sq);
             sq.pkts.clear();
+            // A QP in error sends nothing again: its pool of packet buffers (up to 1 MiB)
+            // goes now rather than with the QP, which may linger.
+            sq.spare = Vec::new();
             sq.next_tx = 0;
             let mut first = first;
             sq.wrs
