@@ -22,7 +22,8 @@ pub struct NcArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
-    /// Print the connection mode (SMC-R or TCP and why) and addresses on stderr.
+    /// Print the connection mode (SMC-R or TCP and why) and addresses on stderr; a listener
+    /// also says how many bytes it received, in how long from the first to the end of stream.
     #[arg(short, long)]
     verbose: bool,
     /// Client: instead of copying stdin, send SIZE bytes and wait for SIZE bytes back (from an
