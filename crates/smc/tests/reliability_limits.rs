@@ -311,16 +311,7 @@ fn client_out_of_descriptors_declines() {
     // Accept for as long as the test runs: how many connections a client gets under its
     // limit depends on how many descriptors its start-up took (a CI runner's differ from a
     // shell's), so no count is right here; the thread ends with the test process.
-    std::thread::spawn(move || {
-        for s in server.incoming() {
-            match s {
-                Ok(s) => {
-                    std::thread::spawn(move || echo(s));
-                }
-                Err(e) => eprintln!("accept: {e}"),
-            }
-        }
-    });
+    serve_echo(server);
     for nofile in [30u64, 40] {
         let peer = Peer::spawn_connector(
             "child_entry",
@@ -476,6 +467,21 @@ fn child_entry_one_rmb() {
     }
 }
 
+/// Echo every client of `server` in a thread of its own, for as long as the test process
+/// runs.
+fn serve_echo(server: smc::SmcListener) {
+    std::thread::spawn(move || {
+        for s in server.incoming() {
+            match s {
+                Ok(s) => {
+                    std::thread::spawn(move || echo(s));
+                }
+                Err(e) => eprintln!("accept: {e}"),
+            }
+        }
+    });
+}
+
 /// `echo`, counting the bytes echoed in `count`.
 fn echo_counting(mut s: SmcStream, count: &std::sync::atomic::AtomicU64) {
     let mut buf = vec![0u8; 64 * 1024];
@@ -505,16 +511,7 @@ fn client_out_of_descriptors_keeps_the_link_group() {
     let st = one_rmb_stack(&dir);
     let server = smc::SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
     let port = server.local_addr().expect("addr").port();
-    std::thread::spawn(move || {
-        for s in server.incoming() {
-            match s {
-                Ok(s) => {
-                    std::thread::spawn(move || echo(s));
-                }
-                Err(e) => eprintln!("accept: {e}"),
-            }
-        }
-    });
+    serve_echo(server);
     let mut refused = 0;
     for free in free_counts() {
         let peer = Peer::spawn_connector(
