@@ -277,7 +277,9 @@ impl LlcVersion {
 /// A fabric operation the runtime must perform, in the order given.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum FabricOp {
-    /// Connect our QP of `link` to the peer's QP (init → RTR → RTS).
+    /// Connect our QP of `link` to the peer's QP (init → RTR → RTS), then call
+    /// [`Endpoint::link_connected`](crate::Endpoint::link_connected) (or, when it could not
+    /// be connected, [`Endpoint::handle_link_failure`](crate::Endpoint::handle_link_failure)).
     ConnectQp {
         /// The link.
         link: LinkId,

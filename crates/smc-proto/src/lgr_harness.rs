@@ -698,9 +698,13 @@ impl EndpointPair {
         let at = self.now + self.knobs.delay;
         match op {
             FabricOp::ConnectQp { link, remote, .. } => {
+                let now = self.now;
                 let h = self.host_mut(s);
                 let qpn = h.res.qps.get(&link).map(|q| q.qpn).unwrap_or_default();
                 h.qps.insert(link, (qpn, Some(remote.qpn), true));
+                // The driver's part: report the QP connected (a server's first link sends its
+                // CONFIRM LINK then).
+                h.ep.link_connected(link, &mut h.res, now);
             }
             FabricOp::PostSend { link, wr, msg } => {
                 let what = if smc_wire::llc_v2::is_v2_type(msg[0]) {

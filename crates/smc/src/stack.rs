@@ -386,6 +386,19 @@ impl Core {
     fn drain_all(&mut self) {
         loop {
             let mut progress = false;
+            // Fabric operations before TCP writes: a client's QP is ready to receive (RTR)
+            // before its Confirm reaches the server, whose first act on it is to connect its
+            // own QP and take in the client's RMB over it (`Endpoint::link_connected`).
+            // An RMB freed with its link group waits for this turn's events: the unread
+            // bytes of its connections are copied out of it at their `UnreadAtReset`.
+            let mut frees = Vec::new();
+            while let Some(op) = self.ep.poll_fabric() {
+                progress = true;
+                match op {
+                    FabricOp::FreeRmb { .. } => frees.push(op),
+                    op => self.fabric_op(op),
+                }
+            }
             while let Some((tcp, bytes)) = self.ep.poll_tcp_transmit() {
                 progress = true;
                 self.capture_tcp(tcp, true, &bytes);
@@ -396,16 +409,6 @@ impl Core {
                 if failed {
                     let now = self.now();
                     self.ep.handle_tcp_reset(tcp, now);
-                }
-            }
-            // An RMB freed with its link group waits for this turn's events: the unread
-            // bytes of its connections are copied out of it at their `UnreadAtReset`.
-            let mut frees = Vec::new();
-            while let Some(op) = self.ep.poll_fabric() {
-                progress = true;
-                match op {
-                    FabricOp::FreeRmb { .. } => frees.push(op),
-                    op => self.fabric_op(op),
                 }
             }
             while let Some(ev) = self.ep.poll_event() {
@@ -450,9 +453,11 @@ impl Core {
                     }
                     _ => false,
                 };
-                if !ok {
+                let now = self.now();
+                if ok {
+                    self.ep.link_connected(link, &mut self.fab, now);
+                } else {
                     tracing::debug!(%link, "connecting QP failed");
-                    let now = self.now();
                     self.ep.handle_link_failure(link, &mut self.fab, now);
                 }
             }

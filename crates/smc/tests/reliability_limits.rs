@@ -266,20 +266,10 @@ fn server_out_of_descriptors_declines_and_recovers() {
         let mut again = None;
         let ok = wait_until(Duration::from_secs(30), || {
             let st = stack(&dir);
-            let (s, mode) = match round_trip(&st, peer.port, 100) {
-                Ok(r) => r,
-                // The server takes in a first contact's client RMB at its first WRITE
-                // (docs/reliability.md, Resource shortages): with the released group's QPs
-                // still retired there, a connection at the limit's edge can find no
-                // descriptor then and is reset, as a TCP server out of descriptors resets.
-                // Not a dead service: try again once the retired QPs are gone.
-                Err(RoundTrip::Failed(e)) if e.contains("reset") && need_smc => {
-                    println!("ulimit -n {nofile}, after: {e}; again");
-                    std::thread::sleep(Duration::from_millis(2500));
-                    return false;
-                }
-                Err(e) => panic!("ulimit -n {nofile}, after: {e}"),
-            };
+            // (A server that cannot take in a first contact's client RMB declines it,
+            // `Endpoint::link_connected`: no reset at the limit's edge.)
+            let (s, mode) = round_trip(&st, peer.port, 100)
+                .unwrap_or_else(|e| panic!("ulimit -n {nofile}, after: {e}"));
             check_mode(mode, "after");
             again = Some(mode);
             drop(s);

@@ -103,11 +103,15 @@ enum HsState {
         peer: AcceptConfirm,
         link: u8,
     },
-    /// Server, first contact: CONFIRM LINK sent; the reply awaited.
+    /// Server, first contact: our QP is being connected to the client's (`posted` false:
+    /// the CONFIRM LINK goes once it is and the client's RMB is taken in,
+    /// [`Endpoint::link_connected`]); then CONFIRM LINK sent (`sent`: its completion came),
+    /// the reply awaited.
     ExpectConfirmLinkReply {
         setup: LocalSetup,
         peer: AcceptConfirm,
         link: u8,
+        posted: bool,
         sent: bool,
     },
     /// Client, first contact: CONFIRM LINK reply posted; its completion is the point of no

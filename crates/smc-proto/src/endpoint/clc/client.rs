@@ -374,6 +374,15 @@ impl Endpoint {
         let state = std::mem::replace(&mut h.state, HsState::ExpectProposal);
         match state {
             HsState::ExpectConfirmLink { setup, peer, link } if !m.reply && via == link => {
+                // The state stays while the message is checked: a Decline's cleanup needs the
+                // setup to remove the group made for this first contact.
+                if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+                    h.state = HsState::ExpectConfirmLink {
+                        setup,
+                        peer: peer.clone(),
+                        link,
+                    };
+                }
                 //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
                 //# What it indicates: Incorrect link information.
                 if m.sender_qp != peer.qp_num || m.sender_gid != peer.gid || m.link_num == 0 {
@@ -428,7 +437,11 @@ impl Endpoint {
                 true
             }
             HsState::ExpectConfirmLinkReply {
-                setup, peer, link, ..
+                setup,
+                peer,
+                link,
+                posted: true,
+                ..
             } if m.reply && via == link => {
                 if m.sender_qp != peer.qp_num || m.sender_gid != peer.gid || m.link_num != link {
                     self.decline(tcp, DeclineCode::CNFERR, false, now);
@@ -445,9 +458,8 @@ impl Endpoint {
                         g.max_links = negotiated_max_links(self.config.max_links, m.max_links);
                     }
                 }
-                // (The server side takes in the client's RMB at its first WRITE: a Decline
-                // after the client's CONFIRM LINK reply would reach a client that already
-                // counts the connection as SMC-R, docs/reliability.md.)
+                // (The server took in the client's RMB before its CONFIRM LINK went:
+                // `link_connected`.)
                 self.activate_link(lgr, link, m.link_user_id, now);
                 if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
                     h.state = HsState::ExpectSecondLink { setup, peer, link };
@@ -514,11 +526,16 @@ impl Endpoint {
                 HsState::ExpectSecondLink { setup, peer, link }
             }
             HsState::ExpectConfirmLinkReply {
-                setup, peer, link, ..
+                setup,
+                peer,
+                link,
+                posted,
+                ..
             } => HsState::ExpectConfirmLinkReply {
                 setup,
                 peer,
                 link,
+                posted,
                 sent: true,
             },
             other => other,

@@ -454,10 +454,7 @@ impl Endpoint {
             if let Some(g) = self.lgrs.get_mut(&lgr) {
                 g.peer_rmbs.push(PeerRmb::on_link(link, clc_rmb_token(&c)));
             }
-            let msg = self.confirm_link_msg(lgr, link, false);
-            if let Some(msg) = msg {
-                self.post_llc(lgr, link, msg, Some(tcp), now);
-            }
+            // The CONFIRM LINK goes once the stack has connected our QP (`link_connected`).
             //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.7.1
             //# Timer waits for: CONFIRM LINK reply from client.
             let deadline = now + self.config.llc_timeout_first_contact;
@@ -466,6 +463,7 @@ impl Endpoint {
                     setup,
                     peer: c,
                     link,
+                    posted: false,
                     sent: false,
                 };
                 h.llc_deadline = Some(deadline);
@@ -503,5 +501,52 @@ impl Endpoint {
             return;
         };
         self.establish(tcp, setup, None, client_link, &c, held, now);
+    }
+
+    /// The stack connected the QP of `link` ([`FabricOp::ConnectQp`](crate::fabric::FabricOp)
+    /// done). A server's first link of a new group takes in the client's RMB named in the
+    /// Confirm now, before its CONFIRM LINK goes: on the shm fabric that maps the client's
+    /// memory, a descriptor, and a process out of descriptors found out only at the
+    /// connection's first WRITE, which failed the link and the new group with it (a reset),
+    /// too late for a Decline. Now the connection is declined ("rtoken handling failed") and
+    /// both sides use TCP; the client still waits for the CONFIRM LINK, in lieu of which a
+    /// Decline may come.
+    //= https://www.rfc-editor.org/rfc/rfc7609#appendix-C.2
+    //# a first contact peer can send an SMC Decline at any time during LLC negotiation until
+    //# it has successfully sent its CONFIRM LINK (request or response) flow.
+    pub fn link_connected(
+        &mut self,
+        link: crate::fabric::LinkId,
+        res: &mut dyn Resources,
+        now: Timestamp,
+    ) {
+        let Some(&(lgr, num)) = self.links.get(&link) else {
+            return;
+        };
+        let Some(tcp) = self.lgrs.get(&lgr).and_then(|g| g.first_contact) else {
+            return;
+        };
+        let waiting = matches!(
+            self.entries.get(&tcp),
+            Some(Entry::Setup(h)) if matches!(
+                h.state,
+                HsState::ExpectConfirmLinkReply { link, posted: false, .. } if link == num
+            )
+        );
+        if !waiting {
+            return;
+        }
+        if !self.take_peer_rmbs_on(lgr, num, res) {
+            self.decline(tcp, DeclineCode::ERR_RTOK, false, now);
+            return;
+        }
+        if let Some(Entry::Setup(h)) = self.entries.get_mut(&tcp) {
+            if let HsState::ExpectConfirmLinkReply { posted, .. } = &mut h.state {
+                *posted = true;
+            }
+        }
+        if let Some(msg) = self.confirm_link_msg(lgr, num, false) {
+            self.post_llc(lgr, num, msg, Some(tcp), now);
+        }
     }
 }

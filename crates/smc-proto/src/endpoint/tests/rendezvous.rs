@@ -303,9 +303,9 @@ fn new_link_refusing_peer_rmb(refuser: Side) {
         crate::lgr_harness::config(Side::B, 2),
         13,
     );
-    // A client's first link takes in the server's RMB (its first call), the second link
-    // cannot; a server's first link takes in nothing before its first WRITE.
-    p.host_mut(refuser).res.pass_take_peer_rtoken = usize::from(refuser == Side::A);
+    // Each side's first link takes in the peer's RMB (its first call), the second link
+    // cannot.
+    p.host_mut(refuser).res.pass_take_peer_rtoken = 1;
     p.host_mut(refuser).res.fail_take_peer_rtoken = 1;
     p.connect(T1);
     p.run();
@@ -332,9 +332,10 @@ fn new_link_refusing_peer_rmb(refuser: Side) {
 
 /// A first contact whose client cannot take in the server's RMB named in the Accept (on
 /// shm, no descriptor to map it): declined when the server's CONFIRM LINK arrives, before
-/// the link carries anything ("rtoken handling failed"), both sides fall back to TCP, no
-/// group is left half made; the next connection, with the resource back, is SMC-R. (A
-/// server takes in the client's RMB at its first WRITE: see `handshake_confirm_link`.)
+/// the link carries anything ("rtoken handling failed"); or whose server cannot take in the
+/// client's RMB named in the Confirm: declined once its QP is connected, in lieu of its
+/// CONFIRM LINK (`link_connected`). Both sides fall back to TCP, no group is left half
+/// made; the next connection, with the resource back, is SMC-R.
 fn first_link_refusing_peer_rmb(refuser: Side) {
     let mut p = EndpointPair::new(
         crate::lgr_harness::config(Side::A, 2),
@@ -360,6 +361,9 @@ fn first_link_refusing_peer_rmb(refuser: Side) {
     );
     assert_eq!(p.host(refuser).ep.stats().rkeys_refused, 1);
     p.run_for(std::time::Duration::from_secs(5));
+    for side in [Side::A, Side::B] {
+        assert_eq!(p.host(side).ep.link_groups().count(), 0, "{side:?}");
+    }
     p.connect(TcpId(2));
     p.run();
     assert!(established(&p, Side::A, TcpId(2)) && established(&p, Side::B, TcpId(2)));
@@ -371,6 +375,11 @@ fn first_link_refusing_peer_rmb(refuser: Side) {
 #[test]
 fn client_first_link_without_the_peers_rmb_declines() {
     first_link_refusing_peer_rmb(Side::A);
+}
+
+#[test]
+fn server_first_link_without_the_peers_rmb_declines() {
+    first_link_refusing_peer_rmb(Side::B);
 }
 
 #[test]
