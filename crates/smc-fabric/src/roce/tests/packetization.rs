@@ -370,7 +370,7 @@ fn shortest_shared_write_shares_the_sends_datagram() {
 /// and sends nothing, takes no PSN and leaves the QP as it was.
 #[test]
 fn write_from_region_is_read_into_its_packets() {
-    let mut p = raw_peer(14);
+    let mut p = raw_peer(15);
     let mut psn = p.a.qp.local_info().psn;
     let rmb = p.a.rmb.clone();
     let region = rmb.len();
