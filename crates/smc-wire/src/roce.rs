@@ -483,6 +483,63 @@ impl PacketRepr<'_> {
         out.truncate(out.len() - (3 - pad));
     }
 
+    /// [`emit_to_vec`](Self::emit_to_vec) for a payload of `payload_len` bytes that `fill`
+    /// writes in place (`self.payload` is not used): the caller copies the payload from where
+    /// it lives straight into the packet, once, with no staging buffer. `out` ends up exactly
+    /// the packet's length; its old bytes are overwritten, not zeroed first (a buffer at least
+    /// that long is cut to length, a shorter one grown with zeros), so `fill` must write every
+    /// byte of the slice it is given. Headers, pad and the ICRC placeholder are as
+    /// [`emit`](Self::emit) writes them. `fill`'s error is returned as is (`out` then holds no
+    /// packet).
+    pub fn emit_to_vec_with<E>(
+        &self,
+        out: &mut Vec<u8>,
+        payload_len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let pad = pad_len(payload_len);
+        let mut bth = self.bth;
+        bth.pad = pad as u8;
+        let hdr = BTH_LEN + bth.opcode.ext_len();
+        out.resize(hdr + payload_len + pad + ICRC_LEN, 0);
+        let (head, rest) = out.split_at_mut(hdr);
+        self.emit_headers(&bth, head);
+        let (payload, tail) = rest.split_at_mut(payload_len);
+        fill(payload)?;
+        // Pad and ICRC placeholder: at most seven bytes, written one by one (no `memset`).
+        for b in tail {
+            *b = 0;
+        }
+        Ok(())
+    }
+
+    /// BTH (with its pad count set) and the extension headers its opcode has, into `head`
+    /// (exactly `BTH_LEN + ext_len()` bytes).
+    fn emit_headers(&self, bth: &Bth, head: &mut [u8]) {
+        let (b, ext) = head.split_at_mut(BTH_LEN);
+        if let Ok(b) = <&mut [u8; BTH_LEN]>::try_from(b) {
+            bth.emit(b);
+        }
+        let mut at = 0;
+        if bth.opcode.has_reth() {
+            if let Some(r) = ext.get_mut(at..at + RETH_LEN) {
+                self.reth.unwrap_or_default().emit(r);
+            }
+            at += RETH_LEN;
+        }
+        if bth.opcode.has_aeth() {
+            if let Some(a) = ext.get_mut(at..at + AETH_LEN) {
+                self.aeth.unwrap_or_default().emit(a);
+            }
+            at += AETH_LEN;
+        }
+        if bth.opcode.has_immdt() {
+            if let Some(i) = ext.get_mut(at..at + IMMDT_LEN) {
+                i.copy_from_slice(&self.immdt.unwrap_or(0).to_be_bytes());
+            }
+        }
+    }
+
     /// Write the packet into `buf[..buffer_len()]` with zero pad and a zero ICRC placeholder
     /// (fill it with [`IcrcHeaders::seal`]). Returns the length written.
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize, RoceError> {
@@ -496,32 +553,11 @@ impl PacketRepr<'_> {
         let pad = pad_len(self.payload.len());
         let mut bth = self.bth;
         bth.pad = pad as u8;
-        let (head, rest) = out.split_at_mut(BTH_LEN);
-        let head: &mut [u8; BTH_LEN] = head.try_into().map_err(|_| RoceError::BufferTooSmall {
-            len: 0,
-            need: BTH_LEN,
-        })?;
-        bth.emit(head);
-        let mut at = 0;
-        if bth.opcode.has_reth() {
-            self.reth
-                .unwrap_or_default()
-                .emit(&mut rest[at..at + RETH_LEN]);
-            at += RETH_LEN;
-        }
-        if bth.opcode.has_aeth() {
-            self.aeth
-                .unwrap_or_default()
-                .emit(&mut rest[at..at + AETH_LEN]);
-            at += AETH_LEN;
-        }
-        if bth.opcode.has_immdt() {
-            rest[at..at + IMMDT_LEN].copy_from_slice(&self.immdt.unwrap_or(0).to_be_bytes());
-            at += IMMDT_LEN;
-        }
-        rest[at..at + self.payload.len()].copy_from_slice(self.payload);
-        at += self.payload.len();
-        rest[at..at + pad + ICRC_LEN].fill(0);
+        let (head, rest) = out.split_at_mut(BTH_LEN + bth.opcode.ext_len());
+        self.emit_headers(&bth, head);
+        let (payload, tail) = rest.split_at_mut(self.payload.len());
+        payload.copy_from_slice(self.payload);
+        tail.fill(0);
         Ok(len)
     }
 }

@@ -107,6 +107,27 @@ struct TxPkt {
     ack_req: bool,
 }
 
+/// The payload of a send work request being posted.
+enum Payload<'a> {
+    /// The caller's bytes (SEND, WRITE inline).
+    Bytes(&'a [u8]),
+    /// `len` bytes at `off` in a registered region (WRITE from an SGE), bounds checked.
+    Region {
+        mr: Arc<RoceMr>,
+        off: usize,
+        len: usize,
+    },
+}
+
+impl Payload<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Bytes(d) => d.len(),
+            Payload::Region { len, .. } => *len,
+        }
+    }
+}
+
 struct PendingWr {
     wr_id: u64,
     opcode: WcOpcode,
@@ -537,8 +558,9 @@ impl RoceQp {
         let Some(conn) = self.conn.get().copied() else {
             return Err(FabricError::InvalidState(self.state()));
         };
-        let owned;
-        let (data, write, signaled): (&[u8], Option<(u64, u32)>, bool) = match *wr {
+        // Where the payload comes from: the caller's bytes, or (a WRITE from a registered
+        // region) the region itself, read chunk by chunk straight into each packet.
+        let (src, write, signaled) = match *wr {
             SendWr::Send { data, signaled, .. } => {
                 if data.len() > MAX_SEND {
                     return Err(FabricError::MessageTooLarge {
@@ -546,7 +568,7 @@ impl RoceQp {
                         max: MAX_SEND,
                     });
                 }
-                (data, None, signaled)
+                (Payload::Bytes(data), None, signaled)
             }
             SendWr::WriteInline {
                 data,
@@ -554,7 +576,7 @@ impl RoceQp {
                 rkey,
                 signaled,
                 ..
-            } => (data, Some((remote_addr, rkey)), signaled),
+            } => (Payload::Bytes(data), Some((remote_addr, rkey)), signaled),
             SendWr::Write {
                 local,
                 remote_addr,
@@ -567,19 +589,27 @@ impl RoceQp {
                     .lookup_mr(local.lkey)
                     .filter(|m| m.pd == self.pd)
                     .ok_or(FabricError::InvalidLkey(local.lkey))?;
+                // The whole range is checked here, before anything is queued; each chunk's
+                // read checks its own range again (`RoceMr::read_at`).
                 let off = mr
                     .offset_of(local.addr, u64::from(local.length))
                     .ok_or(FabricError::LocalAccess)?;
-                let mut v = vec![0u8; local.length as usize];
-                mr.read_at(off, &mut v)?;
-                owned = v;
-                (&owned[..], Some((remote_addr, rkey)), signaled)
+                (
+                    Payload::Region {
+                        mr,
+                        off,
+                        len: local.length as usize,
+                    },
+                    Some((remote_addr, rkey)),
+                    signaled,
+                )
             }
         };
+        let data_len = src.len();
         let (opcode, byte_len) = wr_shape(wr);
-        if data.len() > u32::MAX as usize >> 1 {
+        if data_len > u32::MAX as usize >> 1 {
             return Err(FabricError::MessageTooLarge {
-                len: data.len(),
+                len: data_len,
                 max: u32::MAX as usize >> 1,
             });
         }
@@ -608,9 +638,12 @@ impl RoceQp {
         // packets (with FIRST / MIDDLE / LAST the RETH makes the first packet 16 bytes longer
         // than the rest, and it needs a run of its own: one more datagram, one more wake-up
         // of the receiver per update; gso.rs).
-        let count = data.len().div_ceil(conn.mtu).max(1);
+        let count = data_len.div_ceil(conn.mtu).max(1);
+        // Where this post's packets start, to take them back should a region read fail.
+        let undo = (sq.pkts.len(), sq.next_psn, sq.since_ackreq);
         for i in 0..count {
-            let chunk = &data[(i * conn.mtu).min(data.len())..((i + 1) * conn.mtu).min(data.len())];
+            let start = (i * conn.mtu).min(data_len);
+            let len = ((i + 1) * conn.mtu).min(data_len) - start;
             let last = i + 1 == count;
             sq.since_ackreq += 1;
             // AckReq (rocev2.md 8.1) on the last packet of a work request whose completion
@@ -628,9 +661,9 @@ impl RoceQp {
                 Some((va, rkey)) => (
                     Opcode::WRITE_ONLY,
                     Some(Reth {
-                        va: va.wrapping_add((i * conn.mtu) as u64),
+                        va: va.wrapping_add(start as u64),
                         rkey,
-                        dma_len: chunk.len() as u32,
+                        dma_len: len as u32,
                     }),
                 ),
                 None => (Opcode::for_segment(false, i, count, false), None),
@@ -649,16 +682,44 @@ impl RoceQp {
                 reth,
                 aeth: None,
                 immdt: None,
-                payload: chunk,
+                payload: &[],
             };
-            // A reused buffer is overwritten, not zeroed first (`emit_to_vec` writes every
-            // byte once); a new one has room for the largest packet of the connection, so
-            // that any buffer of the pool fits any packet (one of a CDC SEND included).
+            // A reused buffer is overwritten, not zeroed first (`emit_to_vec` and
+            // `emit_to_vec_with` write every byte once); a new one has room for the largest
+            // packet of the connection, so that any buffer of the pool fits any packet (one
+            // of a CDC SEND included).
             let mut bytes = sq
                 .spare
                 .pop()
                 .unwrap_or_else(|| Vec::with_capacity(max_packet(conn.mtu)));
-            repr.emit_to_vec(&mut bytes);
+            let built = match &src {
+                Payload::Bytes(data) => {
+                    PacketRepr {
+                        payload: &data[start..start + len],
+                        ..repr
+                    }
+                    .emit_to_vec(&mut bytes);
+                    Ok(())
+                }
+                // One copy, region to packet: the region is memory a peer may write at any
+                // time, so it is read with `read_at`'s raw copy into the packet (private
+                // memory), and the ICRC below covers the bytes as copied.
+                Payload::Region { mr, off, .. } => {
+                    repr.emit_to_vec_with(&mut bytes, len, |buf| match off.checked_add(start) {
+                        Some(at) => mr.read_at(at, buf),
+                        None => Err(FabricError::LocalAccess),
+                    })
+                }
+            };
+            if let Err(e) = built {
+                // Not reached (the whole range was checked above, and a region never
+                // shrinks); were it, the post is taken back whole rather than half sent.
+                let q = &mut *sq;
+                q.spare.push(bytes);
+                q.spare.extend(q.pkts.drain(undo.0..).map(|p| p.bytes));
+                (q.next_psn, q.since_ackreq) = (undo.1, undo.2);
+                return Err(e);
+            }
             conn.icrc.seal(&mut bytes);
             sq.pkts.push_back(TxPkt {
                 psn,

@@ -254,6 +254,38 @@ proptest! {
         prop_assert_eq!(got, want);
     }
 
+    /// `emit_to_vec_with` writes what `emit` writes, whatever the reused buffer held before
+    /// (longer or shorter than the packet), with the payload written by its `fill`; a
+    /// `fill` that fails returns its error.
+    #[test]
+    fn emit_to_vec_with_is_emit(
+        op in opcode(), se: bool, dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
+        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        payload in proptest::collection::vec(any::<u8>(), 0..300),
+        old in proptest::collection::vec(any::<u8>(), 0..400),
+    ) {
+        let bth = Bth { opcode: op, se, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
+        let repr = PacketRepr {
+            bth,
+            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
+            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
+            immdt: op.has_immdt().then_some(imm),
+            payload: &payload,
+        };
+        let mut want = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut want).expect("emit");
+        let unused = PacketRepr { payload: &[0xAB; 7], ..repr };
+        let mut got = old.clone();
+        let r: Result<(), ()> = unused.emit_to_vec_with(&mut got, payload.len(), |p| {
+            p.copy_from_slice(&payload);
+            Ok(())
+        });
+        prop_assert_eq!(r, Ok(()));
+        prop_assert_eq!(got, want);
+        let mut got = old;
+        prop_assert_eq!(repr.emit_to_vec_with(&mut got, payload.len(), |_| Err(7)), Err(7));
+    }
+
     /// Over IPv4 the identification the sender used is recovered from the ICRC alone.
     #[test]
     fn ipv4_identification_is_solved(

@@ -3,6 +3,7 @@
 //! `UDP_SEGMENT` run; and that the responder still takes rxe's WRITE FIRST / MIDDLE / LAST.
 
 use super::*;
+use crate::error::FabricError;
 use crate::roce::rx::{packets, set_gro, RxRing};
 use std::os::fd::{AsFd, OwnedFd};
 
@@ -104,18 +105,24 @@ impl RawPeer {
     /// posts for longer than the hold limit, so that the WRITE left alone. Returns the
     /// datagrams and the PSN of the SEND.
     fn update(&mut self, data: &[u8], va: u64, psn: &mut u32) -> Vec<Datagram> {
-        let want = data.len().div_ceil(1024).max(1) + 1;
+        self.update_wr(
+            &SendWr::WriteInline {
+                wr_id: 1,
+                data,
+                remote_addr: va,
+                rkey: 0x77,
+                signaled: false,
+            },
+            data.len(),
+            psn,
+        )
+    }
+
+    /// [`update`](Self::update) with the WRITE `wr` of `len` bytes.
+    fn update_wr(&mut self, wr: &SendWr<'_>, len: usize, psn: &mut u32) -> Vec<Datagram> {
+        let want = len.div_ceil(1024).max(1) + 1;
         for attempt in 0..3 {
-            self.a
-                .qp
-                .post_send_held(&SendWr::WriteInline {
-                    wr_id: 1,
-                    data,
-                    remote_addr: va,
-                    rkey: 0x77,
-                    signaled: false,
-                })
-                .expect("write");
+            self.a.qp.post_send_held(wr).expect("write");
             self.a
                 .qp
                 .post_send(&SendWr::Send {
@@ -186,6 +193,12 @@ impl RawPeer {
                 "RETH of packet {n}"
             );
             assert!(p.payload == piece, "payload of packet {n}");
+            let pad = usize::from(p.bth.pad);
+            assert_eq!(
+                pkt[pkt.len() - 4 - pad..pkt.len() - 4],
+                [0u8; 3][..pad],
+                "pad of packet {n}"
+            );
             off += piece.len();
         }
         assert_eq!(off, data.len(), "the WRITE's bytes, each once");
@@ -345,5 +358,120 @@ fn shortest_shared_write_shares_the_sends_datagram() {
     let first = psn;
     let got = p.update(&data, va, &mut psn);
     assert_eq!(shape(&got), [(None, 1), (None, 1)], "two datagrams");
+    p.check(&got, &data, va, first);
+}
+
+/// A WRITE from a registered region (`SendWr::Write`) is read from the region straight into
+/// its packets: the same packets as a WRITE inline of the same bytes (one WRITE ONLY per path
+/// MTU, RETHs, payloads, zero pad, ICRCs), at region offsets and lengths that are not
+/// multiples of the MTU, up to the region's last byte, in buffers of the pool that held
+/// longer and shorter packets before. A WRITE reaching outside the region fails with
+/// `LocalAccess` (an unknown lkey or one of another protection domain with `InvalidLkey`)
+/// and sends nothing, takes no PSN and leaves the QP as it was.
+#[test]
+fn write_from_region_is_read_into_its_packets() {
+    let mut p = raw_peer(15);
+    let mut psn = p.a.qp.local_info().psn;
+    let rmb = p.a.rmb.clone();
+    let region = rmb.len();
+    let va = 0x6000_0000;
+    let cases = [
+        (0, 61 * 1024),
+        (1, 3 * 1024 + 1),
+        (4095, 1500),
+        (region - 25, 25),
+        (7, 1),
+        (region - (64 * 1024 - 3), 64 * 1024 - 3),
+        (3, 2 * 1024),
+        (region - 1, 1),
+    ];
+    for (i, &(off, len)) in cases.iter().enumerate() {
+        let data = pattern(len, 20 + i as u8);
+        rmb.write_at(off, &data).expect("fill the region");
+        let wr = SendWr::Write {
+            wr_id: 1,
+            local: Sge {
+                addr: rmb.vaddr() + off as u64,
+                length: len as u32,
+                lkey: rmb.key,
+            },
+            remote_addr: va + off as u64,
+            rkey: 0x77,
+            signaled: false,
+        };
+        let first = psn;
+        let got = p.update_wr(&wr, len, &mut psn);
+        p.check(&got, &data, va + off as u64, first);
+        // The same bytes inline: the same packets (the region's path is checked against
+        // the path every update takes).
+        let first = psn;
+        let inline = p.update(&data, va + off as u64, &mut psn);
+        p.check(&inline, &data, va + off as u64, first);
+        assert_eq!(shape(&got), shape(&inline), "case {i}: datagrams");
+    }
+
+    let sent = p.a.dev.core.counters.tx_packets.load(Ordering::Relaxed);
+    let other_pd = Arc::new(
+        RoceMr::new(
+            p.a.dev.core.alloc_key(),
+            p.a.dev.core.alloc_pd(),
+            4096,
+            AccessFlags::LOCAL_WRITE,
+        )
+        .expect("mr"),
+    );
+    p.a.dev.core.add_mr(other_pd.clone());
+    let bad = |addr: u64, length: u32, lkey: u32| SendWr::Write {
+        wr_id: 9,
+        local: Sge { addr, length, lkey },
+        remote_addr: va,
+        rkey: 0x77,
+        signaled: true,
+    };
+    let base = rmb.vaddr();
+    for (wr, want) in [
+        (bad(base + region as u64 - 10, 11, rmb.key), "LocalAccess"),
+        (bad(base + region as u64, 1, rmb.key), "LocalAccess"),
+        (bad(base - 1, 2, rmb.key), "LocalAccess"),
+        (bad(base + 4, u32::MAX, rmb.key), "LocalAccess"),
+        (bad(other_pd.vaddr(), 16, other_pd.key), "InvalidLkey"),
+        (bad(base, 16, 0xDEAD_BEEF), "InvalidLkey"),
+    ] {
+        let err = p.a.qp.post_send(&wr).expect_err("outside the region");
+        assert!(
+            matches!(
+                (&err, want),
+                (FabricError::LocalAccess, "LocalAccess")
+                    | (FabricError::InvalidLkey(_), "InvalidLkey")
+            ),
+            "{wr:?}: {err:?}"
+        );
+    }
+    assert_eq!(
+        p.a.dev.core.counters.tx_packets.load(Ordering::Relaxed),
+        sent,
+        "nothing sent"
+    );
+    assert_eq!(p.a.qp.state(), QpState::Rts);
+    assert!(!p.a.qp.has_unacked());
+    // The next WRITE takes the next PSN: the failed posts took none.
+    let data = pattern(100, 99);
+    rmb.write_at(0, &data).expect("fill");
+    let first = psn;
+    let got = p.update_wr(
+        &SendWr::Write {
+            wr_id: 1,
+            local: Sge {
+                addr: base,
+                length: 100,
+                lkey: rmb.key,
+            },
+            remote_addr: va,
+            rkey: 0x77,
+            signaled: false,
+        },
+        100,
+        &mut psn,
+    );
     p.check(&got, &data, va, first);
 }
