@@ -30,9 +30,8 @@ const LOCK_WAIT: Duration = Duration::from_millis(200);
 /// Longest the exit handler waits for closing connections.
 const CLOSE_WAIT: Duration = Duration::from_millis(1000);
 /// With no connection left, how long nothing must arrive before the groups are deleted, when
-/// the peer has not withdrawn all its RMBs (a peer that keeps its RMBs although ours are
-/// withdrawn: a DELETE RKEY of its own may still follow the close; an smc-rs peer withdraws
-/// its own when ours are).
+/// the peer has not withdrawn all its RMBs (a peer whose process goes on, or one that keeps
+/// its RMBs: a DELETE RKEY of its own may still follow the close).
 const QUIET: Duration = Duration::from_millis(100);
 /// A client whose groups are withdrawn both ways waits this long for the server's DELETE LINK
 /// before it sends its own (a server that ends too sends it at once; the Linux kernel, whose
@@ -253,15 +252,14 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A client that ends while its server goes on: the server, left with an idle group
-    /// whose peer withdrew every RMB, withdraws its own in answer (smc-proto's
-    /// `on_delete_rkey`), so the client deletes the group after its short wait for the
-    /// server's DELETE LINK instead of after the quiet period (before session 18: `Quiet`,
-    /// 100 ms). The server loses the group to the client's DELETE LINK.
+    /// A client that ends while its server goes on: the server keeps its RMB (an smc-rs stack
+    /// withdraws none before it ends), so the client cannot know that nothing more comes and
+    /// deletes the group only after the quiet period. The server answered its DELETE RKEY
+    /// and then lost the group to its DELETE LINK.
     #[test]
-    fn a_client_whose_server_goes_on_ends_without_waiting_for_quiet() {
+    fn a_client_whose_server_goes_on_waits_for_quiet() {
         let (dir, server, client) = closed_pair("alone");
-        assert_eq!(end_link_groups(&client.inner), ExitEnd::Withdrawn);
+        assert_eq!(end_link_groups(&client.inner), ExitEnd::Quiet);
         assert_eq!(groups(&client), 0);
         let end = Instant::now() + Duration::from_secs(10);
         while groups(&server) > 0 && Instant::now() < end {

@@ -417,23 +417,5 @@ impl Endpoint {
             ..d
         });
         self.post_llc(lgr, via, reply, None, now);
-        // A peer that withdrew every RMB of a group with no connection is ending it (an
-        // smc-rs process does so at its exit; the Linux kernel whenever it frees its last
-        // connection's RMB): withdraw ours as well, so that its exit sees the group withdrawn
-        // both ways at once instead of waiting for quiet (`smc::lgr_exit`). A later
-        // connection on the group registers an RMB again with CONFIRM RKEY, as the Linux
-        // kernel's next connection does.
-        //= https://www.rfc-editor.org/rfc/rfc7609#section-3.5.5.2.2
-        //# Either peer can delete one or more of its RMBs as long as it is not
-        //# being used for any TCP connections.
-        let idle = self.lgrs.get(&lgr).is_some_and(|g| {
-            g.conns.is_empty()
-                && g.first_contact.is_none()
-                && !g.peer_rmbs.is_empty()
-                && g.peer_rmbs.iter().all(|r| r.tokens.is_empty())
-        });
-        if idle && mask == 0 {
-            self.withdraw_rmbs(lgr, res, now);
-        }
     }
 }
