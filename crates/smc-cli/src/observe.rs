@@ -210,7 +210,8 @@ pub fn run(q: Query, args: &ObserveArgs) -> Result<ExitCode> {
                         + n("drop_malformed")
                         + n("drop_unknown_qp")
                         + n("drop_wrong_source")
-                        + n("drop_out_of_sequence");
+                        + n("drop_out_of_sequence")
+                        + n("drop_ghost_acks");
                     t.add_row(vec![
                         pid.clone(),
                         cell(&d["name"]),

@@ -246,6 +246,9 @@ pub struct DeviceCounters {
     pub drop_wrong_source: u64,
     /// Request packets ahead of the expected PSN (dropped; the first is NAKed).
     pub drop_out_of_sequence: u64,
+    /// ACKs past the highest PSN this QP transmitted (ignored: they would complete packets
+    /// that never left).
+    pub drop_ghost_acks: u64,
     /// WRITEs refused for a bad R_Key, protection domain, access or range (NAKed).
     pub remote_access_errors: u64,
     /// Sends the kernel refused (full buffer, unreachable network): recovered by retransmission.

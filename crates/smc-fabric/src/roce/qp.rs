@@ -811,8 +811,18 @@ impl RoceQp {
         let Some(oldest) = sq.pkts.front().map(|p| p.psn) else {
             return;
         };
-        let newest = psn_add(sq.next_psn, roce::U24_MASK);
+        // Only what has left at least once can have been received: an ACK past the highest
+        // PSN transmitted (a forged or confused responder) would complete posted packets that
+        // never left, whose bytes the peer then never gets. Ignored, as an ACK outside the
+        // requests outstanding is (rocev2.md 8.3).
+        let Some(newest) = sq.high_psn else {
+            bump(&self.core.counters.drop_ghost_acks);
+            return;
+        };
         if psn_diff(psn, oldest) < 0 || psn_diff(psn, newest) > 0 {
+            if psn_diff(psn, newest) > 0 {
+                bump(&self.core.counters.drop_ghost_acks);
+            }
             return;
         }
         let mut removed = 0;

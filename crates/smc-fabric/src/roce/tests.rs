@@ -393,6 +393,96 @@ fn forged_packets() {
     assert_eq!(b.dev.core.counters.rx_packets.load(Ordering::Relaxed), 4);
 }
 
+/// An ACK past the highest PSN a QP has transmitted (posted packets the window still holds
+/// back) is a ghost: ignored and counted, so those packets still leave. The peer is a plain
+/// UDP socket of the test that never acknowledges by itself: the window (256 packets) keeps
+/// the rest of a 300-packet WRITE queued, deterministically.
+#[test]
+fn ghost_acks_do_not_complete_unsent_packets() {
+    let f = fabric(Vec::new());
+    let a = end(
+        RoceHandle::open_at(&f, "ra", Some(addr(16, 0))).expect("open ra"),
+        0,
+    );
+    let peer = std::net::UdpSocket::bind((addr(16, 1), wire::UDP_PORT)).expect("bind peer");
+    peer.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let peer_qpn = 0x00_4242;
+    let mut gid = [0u8; 16];
+    gid[10] = 0xff;
+    gid[11] = 0xff;
+    gid[12..].copy_from_slice(&addr(16, 1).octets());
+    a.qp.to_rtr(
+        None,
+        RemoteQpInfo {
+            gid: crate::Gid(gid),
+            qp_num: peer_qpn,
+            psn: 0,
+            mtu: crate::Mtu::Mtu1024,
+        },
+    )
+    .expect("rtr");
+    a.qp.to_rts().expect("rts");
+    let base = a.qp.local_info().psn;
+    let data = pattern(300 * 1024, 3);
+    a.qp.post_send(&SendWr::WriteInline {
+        wr_id: 1,
+        data: &data,
+        remote_addr: 0x1000,
+        rkey: 0x77,
+        signaled: true,
+    })
+    .expect("write");
+    // Each packet's PSN as the peer receives it (the kernel cuts UDP_SEGMENT sends apart).
+    let next_psn = || -> u32 {
+        let mut buf = [0u8; 2048];
+        let (n, _) = peer.recv_from(&mut buf).expect("a packet from the QP");
+        wire::Packet::parse(&buf[..n]).expect("parse").bth.psn
+    };
+    let window_end = wire::psn_add(base, 255);
+    while next_psn() != window_end {}
+    let ack = |psn: u32| {
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: wire::Opcode::ACKNOWLEDGE,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: a.qp.local_info().qp_num,
+                psn,
+                ..wire::Bth::default()
+            },
+            reth: None,
+            aeth: Some(wire::Aeth::new(wire::AethKind::Ack { credit: 31 }, 0)),
+            immdt: None,
+            payload: &[],
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut buf).expect("emit");
+        wire::IcrcHeaders::new(addr(16, 1).into(), addr(16, 0).into(), wire::UDP_PORT)
+            .seal(&mut buf);
+        peer.send_to(&buf, (addr(16, 0), wire::UDP_PORT))
+            .expect("send");
+    };
+    // A ghost: PSN base + 280 was posted but has not left.
+    ack(wire::psn_add(base, 280));
+    let ghosts = || snapshot(&a.dev.core).drop_ghost_acks;
+    let end_t = Instant::now() + Duration::from_secs(5);
+    while ghosts() == 0 && Instant::now() < end_t {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(ghosts(), 1);
+    // The true ACK of the window opens it: the next packet to leave is base + 256 (a
+    // retransmission of the window may come first), not one past the ghost's PSN.
+    ack(window_end);
+    let after = loop {
+        let p = next_psn();
+        if wire::psn_diff(p, window_end) > 0 {
+            break p;
+        }
+    };
+    assert_eq!(after, wire::psn_add(base, 256));
+    assert!(a.qp.has_unacked());
+}
+
 /// A roce entry whose netdev does not exist (or has no IPv4 address) is an error at open that
 /// names the entry.
 #[test]

@@ -143,6 +143,7 @@ impl Stack {
                             "drop_unknown_qp": c.drop_unknown_qp,
                             "drop_wrong_source": c.drop_wrong_source,
                             "drop_out_of_sequence": c.drop_out_of_sequence,
+                            "drop_ghost_acks": c.drop_ghost_acks,
                             "remote_access_errors": c.remote_access_errors,
                             "tx_errors": c.tx_errors,
                             "fault_drops": c.fault_drops,
