@@ -146,3 +146,36 @@ fn tcp_dup(fd: &OwnedFd) -> OwnedFd {
     // SAFETY: just made.
     unsafe { OwnedFd::from_raw_fd(d) }
 }
+
+#[test]
+fn a_request_that_meets_the_owner_s_close_waits_for_its_record() {
+    // The program's close of "the connection" is under way: its entry is gone, the record
+    // that keeps it is being made (here: the entry comes back 50 ms later, as a record would).
+    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+    let mark = keep::closing_mark(id.1);
+    assert!(keep::being_closed(id.1));
+    let (c, s) = socketpair(libc::SOCK_STREAM);
+    let proof = tcp_dup(&conn);
+    send_with_fds(s.as_raw_fd(), LOOKUP, &[proof.as_raw_fd()]).expect("send");
+    let raw = conn.as_raw_fd();
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        let e = Entry::new(Kind::Inherited(None));
+        let _ = e.socket.set(id);
+        assert!(table::set(raw, e).is_ok());
+        drop(mark);
+    });
+    let r = answer(c.as_raw_fd());
+    closer.join().expect("the closer");
+    assert!(!keep::being_closed(id.1));
+    match r {
+        Ok(Answer::Owner) => {}
+        Err(e) if e == libc::ENOSYS || e == libc::EPERM => {
+            eprintln!("skipping: kcmp unavailable (errno {e})");
+        }
+        Err(e) => panic!("the request did not wait for the close's record: errno {e}"),
+        Ok(_) => panic!("a look-up answered with something else"),
+    }
+    let _ = table::take(conn.as_raw_fd());
+}
