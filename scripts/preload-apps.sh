@@ -831,8 +831,8 @@ got0=$(grep -c "received a passed connection" "$SMC_LOG" 2>/dev/null || true)
 py_pair passfd 19191 "a connection passed to a worker by SCM_RIGHTS" "$SMC"
 after=$(grep -c "relayed through it" "$SMC_LOG" || true)
 got=$(($(grep -c "received a passed connection" "$SMC_LOG" || true) - got0))
-[ $((after - before)) -eq 4 ] && [ "$got" -eq 6 ] \
-    || fail "passfd: $((after - before)) relayed (4 expected: the workers that served), $got passes looked up (6 expected)"
+[ $((after - before)) -eq 6 ] && [ "$got" -eq 9 ] \
+    || fail "passfd: $((after - before)) relayed (6 expected: the workers that used it), $got passes looked up (9 expected: 7 to workers, 1 back to the owner, 1 on)"
 grep '^ok' "$work/passfd-c.log" | sed 's/^/   /'
 
 echo "== rsync daemon + rsync client, push and pull of 30 MB (the receiver is forked after the connection is set up)"

@@ -24,6 +24,10 @@ connection listed as SMC-R by `smc ss`):
    connection ends (the client reads the end of stream, or a reset), as TCP's when the last
    holder closes.
 6. exec-exit: the same with the exec'd worker.
+7. fork-on: passed on by a process that is not the owner: the forked worker reads the first
+   half of the client's 2 MB (relayed), sends the connection back to the server, which
+   received its own connection and passes it on to the exec'd worker; that one reads the
+   second half, in order, and answers.
 """
 import hashlib
 import json
@@ -71,11 +75,16 @@ def read_exact(s, n):
 # ---------------------------------------------------------------- workers
 
 
-def serve(c, mode, n):
+def serve(c, mode, n, u):
     """A worker's part: read the client's n bytes, answer with their SHA-256, the answer's
     and the answer (4 MiB), then close."""
     if mode == "exit":
         os._exit(0)
+    if mode == "on":
+        read_exact(c, n // 2)
+        socket.send_fds(u, [b"back"], [c.fileno()])
+        c.close()
+        return
     got = read_exact(c, n)
     data = os.urandom(ANSWER)
     c.sendall(f"{sha(got)} {len(got)} {sha(data)}\n".encode() + data)
@@ -90,7 +99,7 @@ def worker_loop(u):
             return
         mode, n = msg.decode().split()
         c = socket.socket(fileno=fds[0])
-        serve(c, mode, int(n))
+        serve(c, mode, int(n), u)
 
 
 def worker(path):
@@ -156,6 +165,12 @@ def server(port):
         u = to_fork if where == "fork" else to_exec
         socket.send_fds(u, [f"{mode or 'serve'} {n}".encode()], [c.fileno()])
         c.close()
+        if mode == "on":
+            # The worker sends it back after the first half: on to the exec'd worker.
+            _, fds, _, _ = socket.recv_fds(to_fork, 100, 1)
+            back = socket.socket(fileno=fds[0])
+            socket.send_fds(to_exec, [f"serve {int(n) - int(n) // 2}".encode()], [back.fileno()])
+            back.close()
     to_fork.close()
     to_exec.close()
     os.waitpid(pid, 0)
@@ -198,7 +213,10 @@ def scenario(port, smc, name, n, busy):
         return
     if busy:
         w.join()
-    check(head[:2] == [sha(data), str(n)], f"{name}: the worker read the client's {n} bytes in order")
+    if name.endswith("-on"):
+        data = data[n // 2:]
+    check(head[:2] == [sha(data), str(len(data))],
+          f"{name}: the worker read the client's {len(data)} bytes in order")
     check(len(head) == 3 and sha(answer) == head[2] and len(answer) == ANSWER,
           f"{name}: the client read the worker's {len(answer)} bytes in order")
     check(end == b"", f"{name}: then the end of stream")
@@ -231,6 +249,7 @@ def client(port, smc):
         scenario(port, smc, name, 1_000_000, False)
     for name in ("fork-busy", "exec-busy"):
         scenario(port, smc, name, 3_000_000, True)
+    scenario(port, smc, "fork-on", 2_000_000, False)
     for name in ("fork-exit", "exec-exit"):
         scenario_exit(port, smc, name)
     q = socket.create_connection(("127.0.0.1", port))
