@@ -32,6 +32,10 @@
 //! * When the owner's program closes its last number before anyone asked, while a process
 //!   it forked still holds the TCP socket, the connection is kept for that process until no
 //!   process holds it (`keep.rs`).
+//! * A connection passed to another process with SCM_RIGHTS: the owner binds a name of the
+//!   TCP socket (`smc-rs-passed/<dev>/<ino>`) where the receiver's library looks it up; the
+//!   receiver then asks as an exec'd image does, and the connection is kept while the pass
+//!   is in flight or a receiver holds it (`pass.rs`).
 //!
 //! Ends: a holder's `shutdown(SHUT_WR)` ends A's writing; the pump reads the end of B and
 //! shuts the connection down for writing. The peer's end of stream shuts B down for writing:
