@@ -834,8 +834,10 @@ fn answer(c: c_int) -> Result<Answer, c_int> {
     let (b, mut fds) = recv_with_fds(c)?;
     // A connection whose numbers the program is closing right now is looked at again once
     // the close has made its record (`keep::closing_mark`), within 2 s.
+    // (A socket before an fstat looks at it, as in `check_proof`.)
     let closing = fds
         .first()
+        .filter(|f| sock_opt(f.as_raw_fd(), libc::SO_TYPE) == Some(libc::SOCK_STREAM))
         .and_then(|f| table::socket_id(f.as_raw_fd()))
         .map_or(0, |id| id.1);
     let deadline = Instant::now() + Duration::from_secs(2);
