@@ -26,7 +26,8 @@ connection listed as SMC-R by `smc ss`):
 6. exec-exit: the same with the exec'd worker.
 7. fork-on: passed on by a process that is not the owner: the forked worker reads the first
    half of the client's 2 MB (relayed), sends the connection back to the server, which
-   received its own connection and passes it on to the exec'd worker; that one reads the
+   received its own connection and, half a second later, passes it on to the exec'd
+   worker; that one reads the
    second half, in order, and answers.
 """
 import hashlib
@@ -169,6 +170,9 @@ def server(port):
             # The worker sends it back after the first half: on to the exec'd worker.
             _, fds, _, _ = socket.recv_fds(to_fork, 100, 1)
             back = socket.socket(fileno=fds[0])
+            # A while with the connection back in the owner's hands alone (its program's own
+            # entry holds it: a pass brought it back after its close).
+            time.sleep(0.5)
             socket.send_fds(to_exec, [f"serve {int(n) - int(n) // 2}".encode()], [back.fileno()])
             back.close()
     to_fork.close()

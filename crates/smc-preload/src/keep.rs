@@ -351,10 +351,11 @@ pub(super) fn sweep() {
         return;
     }
     let mut held = holders(me, &look);
-    // A pass still under way holds it too (`pass.rs`).
+    // A pass still under way holds it too (`pass.rs`), and so does this process's program
+    // when a pass brought the connection back to it (its entry asks for the relay).
     for (h, id) in held.iter_mut().zip(&ids) {
-        if h.is_empty() && pass::keeps(*id) {
-            h.push(0);
+        if h.is_empty() && (pass::keeps(*id) || !table::entries_of_socket(*id).is_empty()) {
+            h.push(me);
         }
     }
     let gone: Vec<Kept> = with_kept(|v| {
