@@ -125,6 +125,9 @@ pub(super) fn fork_child(pid: i32) {
     // records (the parent's connections) are forgotten, never dropped here.
     std::mem::forget(std::mem::take(unsafe { &mut *kept }));
     KEPT_COUNT.store(0, Ordering::Relaxed);
+    // SAFETY: as above.
+    std::mem::forget(std::mem::take(unsafe { &mut *ORPHANS.0.get() }));
+    ORPHAN_COUNT.store(0, Ordering::Relaxed);
     // A close under way in another thread of the parent is not this process's.
     for s in &CLOSING {
         s.store(0, Ordering::Relaxed);
@@ -197,7 +200,48 @@ fn with_kept<R>(f: impl FnOnce(&mut Vec<Kept>) -> R) -> R {
 
 /// Whether connections are kept.
 pub(super) fn any() -> bool {
-    KEPT_COUNT.load(Ordering::Relaxed) > 0
+    KEPT_COUNT.load(Ordering::Relaxed) > 0 || ORPHAN_COUNT.load(Ordering::Relaxed) > 0
+}
+
+/// Relays made while the program closed a number of their connection (the entry the
+/// conversion would have replaced was gone): the close's record ([`closing`]) takes this
+/// process's copy of A from here, so that it is kept as for a connection relayed before its
+/// close (without it, the record kept the connection itself, and a later request made a
+/// second relay of a connection the first had handed over). Under RELAYS_LOCK; one not
+/// taken within 5 s goes (the close kept nothing).
+type Orphan = ((u64, u64), Arc<Relay>, Instant);
+struct Orphans(std::cell::UnsafeCell<Vec<Orphan>>);
+// SAFETY: only touched under RELAYS_LOCK (or by the one thread of a forked child).
+unsafe impl Sync for Orphans {}
+static ORPHANS: Orphans = Orphans(std::cell::UnsafeCell::new(Vec::new()));
+static ORPHAN_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// See [`ORPHANS`] (RELAYS_LOCK held by the caller).
+pub(super) fn orphan_locked(id: (u64, u64), relay: &Arc<Relay>) {
+    // SAFETY: the caller holds RELAYS_LOCK.
+    let v = unsafe { &mut *ORPHANS.0.get() };
+    let _ = pump_fd_add(relay.fd());
+    v.push((id, relay.clone(), Instant::now()));
+    ORPHAN_COUNT.store(v.len(), Ordering::Relaxed);
+}
+
+/// The orphaned relay of `id`, taken (RELAYS_LOCK held by the caller); with `max_age`, those
+/// older go.
+fn take_orphan_locked(id: Option<(u64, u64)>, max_age: Duration) -> Option<Arc<Relay>> {
+    // SAFETY: the caller holds RELAYS_LOCK.
+    let v = unsafe { &mut *ORPHANS.0.get() };
+    let r = id
+        .and_then(|id| v.iter().position(|(i, _, _)| *i == id))
+        .map(|i| v.swap_remove(i).1);
+    v.retain(|(_, r, at)| {
+        let keep = at.elapsed() < max_age;
+        if !keep {
+            pump_fd_remove(r.fd());
+        }
+        keep
+    });
+    ORPHAN_COUNT.store(v.len(), Ordering::Relaxed);
+    r
 }
 
 /// Whether socket `fd` (a requester's proof) is, as an open file, a kept connection's; its
@@ -263,13 +307,18 @@ pub(crate) fn closing(
         let _ = pump_fd_add(r.fd());
     }
     with_kept(|v| {
+        // Relayed while this close ran: the relay's copy of A is kept, not the connection.
+        let (conn, relay) = match take_orphan_locked(Some(id), Duration::from_secs(5)) {
+            Some(r) => (None, Some(r)),
+            None => (conn.cloned(), relay.cloned()),
+        };
         v.push(Kept {
             id,
             tcp,
             internal,
             misses: 0,
-            conn: conn.cloned(),
-            relay: relay.cloned(),
+            conn,
+            relay,
         })
     });
     kick();
@@ -341,6 +390,13 @@ pub(super) fn relayed(id: (u64, u64), relay: &Arc<Relay>) {
 /// [`SWEEP`] while some are kept).
 pub(super) fn sweep() {
     let me = table::PID.load(Ordering::Relaxed);
+    let old = {
+        RELAYS_LOCK.lock();
+        let r = take_orphan_locked(None, Duration::from_secs(5));
+        RELAYS_LOCK.unlock();
+        r
+    };
+    drop(old);
     type Look = (u64, c_int, Vec<c_int>);
     let (look, ids): (Vec<Look>, Vec<(u64, u64)>) = with_kept(|v| {
         v.iter()

@@ -980,13 +980,20 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         Arc::downgrade(&pump),
     ));
     keep::relayed(id, &relay);
+    let mut lost = false;
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
         if table::replace(fd, &e, new) {
             crate::wait::moved_to_relay(fd, &relay);
             table::release(e);
+        } else {
+            lost = true;
         }
+    }
+    if lost {
+        // The program closed a number meanwhile: its close's record takes this copy of A.
+        keep::orphan_locked(id, &relay);
     }
     // A wait of the program already asleep on the connection (poll, select) looks again and
     // finds the relay socket in the number's place.
