@@ -825,6 +825,16 @@ ended=$(($(grep -c "no process holds the kept connection" "$SMC_LOG" || true) - 
 [ "$kept" -eq 2 ] && [ "$ended" -eq 2 ] || fail "fork: $kept connections kept for a child, $ended closed after (2 and 2 expected)"
 grep '^ok' "$work/fork-c.log" | sed 's/^/   /'
 
+echo "== a connection passed by SCM_RIGHTS to a forked and to an exec'd worker after the request (scripts/preload-passfd.py)"
+before=$(grep -c "relayed through it" "$SMC_LOG" 2>/dev/null || true)
+got0=$(grep -c "received a passed connection" "$SMC_LOG" 2>/dev/null || true)
+py_pair passfd 19191 "a connection passed to a worker by SCM_RIGHTS" "$SMC"
+after=$(grep -c "relayed through it" "$SMC_LOG" || true)
+got=$(($(grep -c "received a passed connection" "$SMC_LOG" || true) - got0))
+[ $((after - before)) -eq 6 ] && [ "$got" -eq 9 ] \
+    || fail "passfd: $((after - before)) relayed (6 expected: the workers that used it), $got passes looked up (9 expected: 7 to workers, 1 back to the owner, 1 on)"
+grep '^ok' "$work/passfd-c.log" | sed 's/^/   /'
+
 echo "== rsync daemon + rsync client, push and pull of 30 MB (the receiver is forked after the connection is set up)"
 command -v rsync >/dev/null 2>&1 || fail "rsync missing: run scripts/install-deps.sh"
 mkdir -p "$work/rsync/mod" "$work/rsync/dst"

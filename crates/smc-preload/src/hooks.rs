@@ -245,37 +245,14 @@ fn pending_as_tcp(
 }
 
 /// Accepted connections waiting for their first use that the program passes to another
-/// process (SCM_RIGHTS in `msg`): settled as TCP first (the client's Proposal declined,
-/// `PASSED`). The receiver has no entry for the socket and uses it as TCP; left pending, the
-/// client would wait for an Accept nobody sends, and the sender's close would reset the
+/// process (SCM_RIGHTS naming `fds`): settled as TCP first (the client's Proposal declined,
+/// `PASSED`). The receiver's library would find no owner to ask for it, and left pending,
+/// the client would wait for an Accept nobody sends, and the sender's close would reset the
 /// connection over the client's unread CLC bytes (vsftpd's passive data connections: the
-/// privileged process accepts, the session process sends the file).
-///
-/// # Safety
-/// `msg` is a valid message header whose control buffer is `msg_controllen` bytes.
-unsafe fn settle_passed(msg: *const msghdr) {
-    // SAFETY: the caller's valid header.
-    let m = unsafe { &*msg };
-    if m.msg_control.is_null() || m.msg_controllen == 0 {
-        return;
-    }
-    let mut fds = Vec::new();
-    // SAFETY: walking the caller's control buffer with the C library's macros, which stay
-    // within `msg_controllen`.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(m);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c).cast::<c_int>();
-                let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
-                for i in 0..len / std::mem::size_of::<c_int>() {
-                    fds.push(data.add(i).read_unaligned());
-                }
-            }
-            c = libc::CMSG_NXTHDR(m, c);
-        }
-    }
-    for fd in fds {
+/// privileged process accepts, the session process sends the file). SMC-R connections are
+/// announced to their owners (`relay::passing`).
+fn settle_passed(fds: &[c_int]) {
+    for &fd in fds {
         if !table::maybe(fd) {
             continue;
         }
@@ -995,9 +972,13 @@ pub unsafe extern "C" fn __recvfrom_chk(
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
-        Target::Pass => {
-            crossed(fd, flags).unwrap_or_else(|| unsafe { real::recvmsg(fd, msg, flags) })
-        }
+        Target::Pass => crossed(fd, flags).unwrap_or_else(|| {
+            // SAFETY: the caller's message header.
+            let r = unsafe { real::recvmsg(fd, msg, flags) };
+            // SAFETY: as above, filled by the kernel.
+            unsafe { received_rights(r, msg) };
+            r
+        }),
         Target::Foreign => foreign(fd),
         // SAFETY: the caller's message header, on the relay socket.
         Target::Relay(r) => unsafe { crate::relay::recvmsg(&r, msg, flags) },
@@ -1018,6 +999,22 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
             }
             smc_recv(&c, &mut v, flags)
         }),
+    }
+}
+
+/// After a `recvmsg` that returned `r` into `msg`: SMC-R connections passed to this process
+/// (SCM_RIGHTS) get their entries (`relay::received`).
+///
+/// # Safety
+/// `msg` is null or the valid message header the call filled.
+pub(crate) unsafe fn received_rights(r: ssize_t, msg: *const msghdr) {
+    // SAFETY: the caller's header, read only when it is there.
+    if r >= 0 && !msg.is_null() && unsafe { (*msg).msg_controllen } > 0 && !crate::inside() {
+        guard((), || {
+            // SAFETY: as above.
+            let fds = unsafe { crate::relay::rights(&*msg) };
+            crate::relay::received(&fds);
+        });
     }
 }
 
@@ -1076,8 +1073,12 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
         && table::ANY.load(std::sync::atomic::Ordering::Relaxed)
         && !crate::inside()
     {
-        // SAFETY: the caller's message header.
-        guard((), || unsafe { settle_passed(msg) });
+        guard((), || {
+            // SAFETY: the caller's valid message header.
+            let fds = unsafe { crate::relay::rights(&*msg) };
+            settle_passed(&fds);
+            crate::relay::passing(fd, &fds);
+        });
     }
     match target(fd) {
         // SAFETY: passed on unchanged.
@@ -1189,6 +1190,10 @@ pub(crate) fn forget(fd: c_int) {
     if !table::maybe(fd) || table::borrowed_memory() {
         return;
     }
+    // (A relay request meanwhile waits for the close's record: `relay::closing_mark`.)
+    let _mark = table::get(fd)
+        .and_then(|e| e.socket.get().copied())
+        .map(|id| crate::relay::closing_mark(id.1));
     let Some(e) = table::take(fd) else {
         return;
     };
@@ -1199,7 +1204,10 @@ pub(crate) fn forget(fd: c_int) {
             }
             closing_last(fd, &e, c);
         }
-        Kind::Relayed(r) => r.closed(fd),
+        Kind::Relayed(r) => {
+            r.closed(fd);
+            crate::relay::closing_relayed(fd, &[fd], &e, r);
+        }
         _ => {}
     }
     table::release(e);
@@ -1216,7 +1224,7 @@ fn closing_last(fd: c_int, e: &Entry, c: &Arc<Conn>) {
         return;
     };
     if table::entries_of_socket(id).is_empty() {
-        crate::relay::closing(fd, &[fd], id, c);
+        crate::relay::closing(fd, &[fd], id, Some(c), None);
     }
 }
 

@@ -15,7 +15,9 @@
 //!   image forks without the page), each looked at in `/proc/<pid>/fd`: a number naming the
 //!   socket's inode (and, with kcmp, the same open file as the owner's copy) that is not one
 //!   of the owner's internal numbers at the fork (the stack's duplicate, which a forked
-//!   child keeps) holds it. A zombie holds nothing; a process this one may not look at
+//!   child keeps) holds it. A connection passed to another process by SCM_RIGHTS
+//!   (`pass.rs`) adds the receivers that looked its owner up, and is kept while a pass of
+//!   it is still in flight. A zombie holds nothing; a process this one may not look at
 //!   (another user) could not be relayed to either, and does not count.
 //! * **Kept.** At the program's close of its last number of a marked connection (or at exit,
 //!   for the numbers it left open), when a candidate holds the socket, the connection is kept
@@ -123,6 +125,13 @@ pub(super) fn fork_child(pid: i32) {
     // records (the parent's connections) are forgotten, never dropped here.
     std::mem::forget(std::mem::take(unsafe { &mut *kept }));
     KEPT_COUNT.store(0, Ordering::Relaxed);
+    // SAFETY: as above.
+    std::mem::forget(std::mem::take(unsafe { &mut *ORPHANS.0.get() }));
+    ORPHAN_COUNT.store(0, Ordering::Relaxed);
+    // A close under way in another thread of the parent is not this process's.
+    for s in &CLOSING {
+        s.store(0, Ordering::Relaxed);
+    }
 }
 
 fn own_page(pid: i32) -> Option<&'static Forked> {
@@ -191,7 +200,48 @@ fn with_kept<R>(f: impl FnOnce(&mut Vec<Kept>) -> R) -> R {
 
 /// Whether connections are kept.
 pub(super) fn any() -> bool {
-    KEPT_COUNT.load(Ordering::Relaxed) > 0
+    KEPT_COUNT.load(Ordering::Relaxed) > 0 || ORPHAN_COUNT.load(Ordering::Relaxed) > 0
+}
+
+/// Relays made while the program closed a number of their connection (the entry the
+/// conversion would have replaced was gone): the close's record ([`closing`]) takes this
+/// process's copy of A from here, so that it is kept as for a connection relayed before its
+/// close (without it, the record kept the connection itself, and a later request made a
+/// second relay of a connection the first had handed over). Under RELAYS_LOCK; one not
+/// taken within 5 s goes (the close kept nothing).
+type Orphan = ((u64, u64), Arc<Relay>, Instant);
+struct Orphans(std::cell::UnsafeCell<Vec<Orphan>>);
+// SAFETY: only touched under RELAYS_LOCK (or by the one thread of a forked child).
+unsafe impl Sync for Orphans {}
+static ORPHANS: Orphans = Orphans(std::cell::UnsafeCell::new(Vec::new()));
+static ORPHAN_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// See [`ORPHANS`] (RELAYS_LOCK held by the caller).
+pub(super) fn orphan_locked(id: (u64, u64), relay: &Arc<Relay>) {
+    // SAFETY: the caller holds RELAYS_LOCK.
+    let v = unsafe { &mut *ORPHANS.0.get() };
+    let _ = pump_fd_add(relay.fd());
+    v.push((id, relay.clone(), Instant::now()));
+    ORPHAN_COUNT.store(v.len(), Ordering::Relaxed);
+}
+
+/// The orphaned relay of `id`, taken (RELAYS_LOCK held by the caller); with `max_age`, those
+/// older go.
+fn take_orphan_locked(id: Option<(u64, u64)>, max_age: Duration) -> Option<Arc<Relay>> {
+    // SAFETY: the caller holds RELAYS_LOCK.
+    let v = unsafe { &mut *ORPHANS.0.get() };
+    let r = id
+        .and_then(|id| v.iter().position(|(i, _, _)| *i == id))
+        .map(|i| v.swap_remove(i).1);
+    v.retain(|(_, r, at)| {
+        let keep = at.elapsed() < max_age;
+        if !keep {
+            pump_fd_remove(r.fd());
+        }
+        keep
+    });
+    ORPHAN_COUNT.store(v.len(), Ordering::Relaxed);
+    r
 }
 
 /// Whether socket `fd` (a requester's proof) is, as an open file, a kept connection's; its
@@ -208,18 +258,28 @@ pub(super) fn proves(fd: c_int, id: (u64, u64)) -> Result<bool, c_int> {
 }
 
 /// The program closes (or leaves at exit) its last numbers `program` of connection `conn`
-/// (socket `id`), which was there when this process forked: keep it when another process
-/// holds the socket. `fd` is one of those numbers, still open.
-pub(crate) fn closing(fd: c_int, program: &[c_int], id: (u64, u64), conn: &Arc<Conn>) {
+/// (socket `id`), which was there when this process forked or was passed to another process
+/// (`pass.rs`): keep it when another process holds the socket, or while a pass of it may
+/// still reach one. `fd` is one of those numbers, still open. A passed connection already
+/// relayed comes with its relay (`relay`, this process's copy of A) instead: kept, a later
+/// receiver gets the same A.
+pub(crate) fn closing(
+    fd: c_int,
+    program: &[c_int],
+    id: (u64, u64),
+    conn: Option<&Arc<Conn>>,
+    relay: Option<&Arc<Relay>>,
+) {
     let me = table::PID.load(Ordering::Relaxed);
     if !serving(me) {
         return;
     }
+    let passed = pass::keeps(id);
     // Most closes end here: no process made since the fork names the socket at all (the
-    // children are gone, or closed it).
+    // children are gone, or closed it), and no pass of it is under way.
     let cands = candidates(me);
     let named = |pid: &i32| sockets_of(*pid).iter().any(|&(_, i)| i == id.1);
-    if !cands.iter().any(named) {
+    if !passed && !cands.iter().any(named) {
         return;
     }
     // SAFETY: a copy of the program's descriptor, still open.
@@ -231,24 +291,78 @@ pub(crate) fn closing(fd: c_int, program: &[c_int], id: (u64, u64), conn: &Arc<C
     let mut internal = numbers_of(me, id.1);
     internal.retain(|n| !program.contains(n));
     let holders = holders(me, &[(id.1, tcp.as_raw_fd(), internal.clone())]);
-    let Some(&pid) = holders.first().and_then(|h| h.first()) else {
-        return;
-    };
+    match holders.first().and_then(|h| h.first()) {
+        Some(pid) => log!(
+            "fd {fd}: closed by the program while process {pid} holds the connection: kept for it"
+        ),
+        None if passed => log!(
+            "fd {fd}: closed by the program while a pass of the connection is under way: kept for it"
+        ),
+        None => return,
+    }
     if !pump_fd_add(tcp.as_raw_fd()) {
         log!("relay: more kept connections than noted for fork");
     }
-    log!("fd {fd}: closed by the program while process {pid} holds the connection: kept for it");
+    if let Some(r) = relay {
+        let _ = pump_fd_add(r.fd());
+    }
     with_kept(|v| {
+        // Relayed while this close ran: the relay's copy of A is kept, not the connection.
+        let (conn, relay) = match take_orphan_locked(Some(id), Duration::from_secs(5)) {
+            Some(r) => (None, Some(r)),
+            None => (conn.cloned(), relay.cloned()),
+        };
         v.push(Kept {
             id,
             tcp,
             internal,
             misses: 0,
-            conn: Some(conn.clone()),
-            relay: None,
+            conn,
+            relay,
         })
     });
     kick();
+}
+
+/// The connection of kept record `id` not relayed yet (RELAYS_LOCK held).
+pub(super) fn conn_of_locked(id: (u64, u64)) -> Option<Weak<Conn>> {
+    with_kept_locked(|v| {
+        v.iter()
+            .find(|k| k.id == id)
+            .and_then(|k| k.conn.as_ref().map(Arc::downgrade))
+    })
+}
+
+/// The inodes of connections whose program numbers are being closed by a thread of this
+/// process (0: a free slot): between the entry's removal from the table and the record made
+/// by [`closing`] (which looks at `/proc` meanwhile), a request for such a connection would
+/// find neither; the server waits for the close to end instead ([`being_closed`]). A
+/// receiver that uses a passed connection at once runs into the sender's close at once.
+static CLOSING: [AtomicU64; 32] = [const { AtomicU64::new(0) }; 32];
+
+/// [`CLOSING`] holds an inode while this lives.
+pub(crate) struct ClosingMark(Option<usize>);
+
+impl Drop for ClosingMark {
+    fn drop(&mut self) {
+        if let Some(i) = self.0 {
+            CLOSING[i].store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Note that the program's numbers of connection `ino` are being closed.
+pub(crate) fn closing_mark(ino: u64) -> ClosingMark {
+    ClosingMark(CLOSING.iter().position(|s| {
+        ino != 0
+            && s.compare_exchange(0, ino, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+    }))
+}
+
+/// Whether a thread of this process is closing the program's numbers of connection `ino`.
+pub(super) fn being_closed(ino: u64) -> bool {
+    ino != 0 && CLOSING.iter().any(|s| s.load(Ordering::Acquire) == ino)
 }
 
 /// A holder asked for a relay of kept connection `id` (RELAYS_LOCK held): the connection
@@ -276,15 +390,30 @@ pub(super) fn relayed(id: (u64, u64), relay: &Arc<Relay>) {
 /// [`SWEEP`] while some are kept).
 pub(super) fn sweep() {
     let me = table::PID.load(Ordering::Relaxed);
-    let look: Vec<(u64, c_int, Vec<c_int>)> = with_kept(|v| {
+    let old = {
+        RELAYS_LOCK.lock();
+        let r = take_orphan_locked(None, Duration::from_secs(5));
+        RELAYS_LOCK.unlock();
+        r
+    };
+    drop(old);
+    type Look = (u64, c_int, Vec<c_int>);
+    let (look, ids): (Vec<Look>, Vec<(u64, u64)>) = with_kept(|v| {
         v.iter()
-            .map(|k| (k.id.1, k.tcp.as_raw_fd(), k.internal.clone()))
-            .collect()
+            .map(|k| ((k.id.1, k.tcp.as_raw_fd(), k.internal.clone()), k.id))
+            .unzip()
     });
     if look.is_empty() {
         return;
     }
-    let held = holders(me, &look);
+    let mut held = holders(me, &look);
+    // A pass still under way holds it too (`pass.rs`), and so does this process's program
+    // when a pass brought the connection back to it (its entry asks for the relay).
+    for (h, id) in held.iter_mut().zip(&ids) {
+        if h.is_empty() && (pass::keeps(*id) || !table::entries_of_socket(*id).is_empty()) {
+            h.push(me);
+        }
+    }
     let gone: Vec<Kept> = with_kept(|v| {
         let mut gone = Vec::new();
         let mut i = 0;
@@ -314,7 +443,7 @@ pub(super) fn sweep() {
 }
 
 /// Wake the server thread (a record was added: its sweeps begin).
-fn kick() {
+pub(super) fn kick() {
     let k = KICK_FD.load(Ordering::Relaxed);
     if k >= 0 {
         let one = 1u64.to_ne_bytes();
@@ -367,6 +496,12 @@ fn candidates(me: i32) -> Vec<i32> {
                 let _ = s.compare_exchange(p, 0, Ordering::Relaxed, Ordering::Relaxed);
                 continue;
             }
+            out.push(p);
+        }
+    }
+    // The processes that received a connection of this one by SCM_RIGHTS (`pass.rs`).
+    for p in pass::receivers() {
+        if p != me && !out.contains(&p) {
             out.push(p);
         }
     }

@@ -249,25 +249,43 @@ extern "C" fn fini() {
         if !table::ANY.load(Ordering::Relaxed) {
             return;
         }
+        // (A relay request meanwhile waits for the records: `relay::closing_mark`.)
+        let marks: Vec<_> = table::connection_sockets()
+            .into_iter()
+            .map(|id| relay::closing_mark(id.1))
+            .collect();
         let open = table::take_all_ours();
-        // Connections a forked child may still hold: kept for it (`relay::closing`).
+        // Connections a forked child (or a receiver of a pass) may still hold: kept for it
+        // (`relay::closing`).
         let mut seen = Vec::new();
         for (fd, e) in &open {
-            let (table::Kind::Smc(c), Some(&id)) = (&e.kind, e.socket.get()) else {
+            let Some(&id) = e.socket.get() else {
                 continue;
             };
-            if !e.ours() || !e.forked.load(Ordering::Relaxed) || seen.contains(&id) {
+            if seen.contains(&id) {
                 continue;
             }
-            seen.push(id);
-            let numbers: Vec<i32> = open
-                .iter()
-                .filter(|(_, x)| x.socket.get() == Some(&id))
-                .map(|(n, _)| *n)
-                .collect();
-            relay::closing(*fd, &numbers, id, c);
+            let numbers = || -> Vec<i32> {
+                open.iter()
+                    .filter(|(_, x)| x.socket.get() == Some(&id))
+                    .map(|(n, _)| *n)
+                    .collect()
+            };
+            match &e.kind {
+                table::Kind::Smc(c) if e.ours() && e.forked.load(Ordering::Relaxed) => {
+                    seen.push(id);
+                    relay::closing(*fd, &numbers(), id, Some(c), None);
+                }
+                // A passed connection this process relays (`relay::closing_relayed`).
+                table::Kind::Relayed(r) => {
+                    seen.push(id);
+                    relay::closing_relayed(*fd, &numbers(), e, r);
+                }
+                _ => {}
+            }
         }
         drop(open);
+        drop(marks);
         let ms = |var: &str, default: u64| {
             std::env::var(var)
                 .ok()

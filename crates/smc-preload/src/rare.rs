@@ -33,7 +33,13 @@ pub unsafe extern "C" fn recvmmsg(
             return r as c_int;
         }
         // SAFETY: passed on unchanged.
-        return unsafe { real::recvmmsg(fd, v, n, flags, t) };
+        let got = unsafe { real::recvmmsg(fd, v, n, flags, t) };
+        // SMC-R connections passed to this process (SCM_RIGHTS) in the messages received.
+        for i in 0..got.max(0) as usize {
+            // SAFETY: the kernel filled the first `got` of the caller's headers.
+            unsafe { hooks::received_rights(0, &(*v.add(i)).msg_hdr) };
+        }
+        return got;
     }
     if v.is_null() {
         set_errno(libc::EFAULT);

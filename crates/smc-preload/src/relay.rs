@@ -32,6 +32,10 @@
 //! * When the owner's program closes its last number before anyone asked, while a process
 //!   it forked still holds the TCP socket, the connection is kept for that process until no
 //!   process holds it (`keep.rs`).
+//! * A connection passed to another process with SCM_RIGHTS: the owner binds a name of the
+//!   TCP socket (`smc-rs-passed/<dev>/<ino>`) where the receiver's library looks it up; the
+//!   receiver then asks as an exec'd image does, and the connection is kept while the pass
+//!   is in flight or a receiver holds it (`pass.rs`).
 //!
 //! Ends: a holder's `shutdown(SHUT_WR)` ends A's writing; the pump reads the end of B and
 //! shuts the connection down for writing. The peer's end of stream shuts B down for writing:
@@ -183,10 +187,14 @@ pub(crate) fn nonce() -> u64 {
 
 /// The abstract unix address of the relay server of process `pid`.
 fn address(pid: i32, nonce: u64) -> (libc::sockaddr_un, libc::socklen_t) {
+    abstract_address(&format!("smc-rs-relay/{pid}/{nonce:016x}"))
+}
+
+/// The abstract unix address `name`.
+fn abstract_address(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
     // SAFETY: zeroed is a valid sockaddr_un.
     let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     a.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let name = format!("smc-rs-relay/{pid}/{nonce:016x}");
     // (The first byte stays 0: an abstract name, gone with the socket.)
     for (d, s) in a.sun_path[1..].iter_mut().zip(name.bytes()) {
         *d = s as libc::c_char;
@@ -243,34 +251,43 @@ fn peer_cred(fd: c_int) -> Option<libc::ucred> {
 
 /// Send one byte with `fd` attached (SCM_RIGHTS) when given.
 fn send_with_fd(sock: c_int, byte: u8, fd: Option<c_int>) -> Result<(), c_int> {
+    send_with_fds(sock, byte, fd.as_slice())
+}
+
+/// Send one byte with `fds` (at most 4) attached (SCM_RIGHTS).
+fn send_with_fds(sock: c_int, byte: u8, fds: &[c_int]) -> Result<(), c_int> {
+    if fds.len() > 4 {
+        return Err(libc::EINVAL);
+    }
     let mut b = [byte];
     let mut iov = libc::iovec {
         iov_base: b.as_mut_ptr().cast(),
         iov_len: 1,
     };
-    // Room for one descriptor, aligned for the header.
-    let mut space = [0u64; 4];
+    // Room for four descriptors, aligned for the header.
+    let mut space = [0u64; 6];
     // SAFETY: zeroed is a valid msghdr.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    if let Some(fd) = fd {
+    if !fds.is_empty() {
+        let bytes = std::mem::size_of_val(fds) as u32;
         // SAFETY: CMSG_SPACE and CMSG_LEN are pure arithmetic.
-        let (sp, ln) = unsafe {
-            (
-                libc::CMSG_SPACE(std::mem::size_of::<c_int>() as u32),
-                libc::CMSG_LEN(std::mem::size_of::<c_int>() as u32),
-            )
-        };
+        let (sp, ln) = unsafe { (libc::CMSG_SPACE(bytes), libc::CMSG_LEN(bytes)) };
         msg.msg_control = space.as_mut_ptr().cast();
         msg.msg_controllen = sp as usize;
-        // SAFETY: the control buffer holds one header and one int (sp ≤ 32 bytes).
+        // SAFETY: the control buffer holds one header and up to four ints (sp ≤ 48 bytes).
         unsafe {
             let c = libc::CMSG_FIRSTHDR(&msg);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = ln as usize;
-            libc::CMSG_DATA(c).cast::<c_int>().write_unaligned(fd);
+            for (i, &fd) in fds.iter().enumerate() {
+                libc::CMSG_DATA(c)
+                    .cast::<c_int>()
+                    .add(i)
+                    .write_unaligned(fd);
+            }
         }
     }
     loop {
@@ -592,6 +609,7 @@ pub(crate) fn fork_child() {
     SERVER_PID.store(0, Ordering::Relaxed);
     PUMPS.store(0, Ordering::Relaxed);
     keep::fork_child(table::PID.load(Ordering::Relaxed));
+    pass::fork_child();
 }
 
 /// Bind and listen on this process's relay address.
@@ -669,87 +687,173 @@ pub(crate) fn serve_spawned() {
     start_server();
 }
 
+/// Before this process passes one of its connections to another process (SCM_RIGHTS,
+/// `pass.rs`): serve relays (the receiver asks this process), as a fork would have made it.
+fn serve_passed() {
+    let pid = table::PID.load(Ordering::Relaxed);
+    if SERVER_PID.load(Ordering::Relaxed) != pid {
+        bind(pid);
+    }
+    start_server();
+}
+
+/// This process's connection whose TCP socket is `id`, wherever it is held: a number of the
+/// program, a record kept for other holders, or a running relay (RELAYS_LOCK not held).
+fn conn_of(id: (u64, u64)) -> Option<Weak<Conn>> {
+    for (_, e) in table::entries_of_socket(id) {
+        if let Kind::Smc(c) = &e.kind {
+            if e.ours() {
+                return Some(Arc::downgrade(c));
+            }
+        }
+    }
+    RELAYS_LOCK.lock();
+    // SAFETY: the lock is held.
+    let r = unsafe { &*RELAYS.0.get() }
+        .iter()
+        .find(|(i, _, c, p)| *i == id && p.strong_count() > 0 && c.strong_count() > 0)
+        .map(|(_, _, c, _)| c.clone())
+        .or_else(|| keep::conn_of_locked(id));
+    RELAYS_LOCK.unlock();
+    r
+}
+
 /// The server thread: answer each request in turn (each is short); while connections are
-/// kept for other holders (`keep.rs`), look at them every sweep.
+/// kept for other holders (`keep.rs`), look at them every sweep; while passed connections
+/// are in flight (`pass.rs`), look at their queues every tick.
 fn serve() {
+    let mut swept = Instant::now();
     loop {
         let l = SERVER_FD.load(Ordering::Relaxed);
         if l < 0 {
             return;
         }
         let kick = KICK_FD.load(Ordering::Relaxed);
-        let mut p = [
-            libc::pollfd {
-                fd: l,
+        // The listeners of passed connections' names (only this thread closes them).
+        let names = pass::listeners();
+        let mut p: Vec<libc::pollfd> = [l, kick]
+            .iter()
+            .chain(names.iter())
+            .map(|&fd| libc::pollfd {
+                fd,
                 events: libc::POLLIN,
                 revents: 0,
-            },
-            libc::pollfd {
-                fd: kick,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        let timeout = if keep::any() {
+            })
+            .collect();
+        let timeout = if pass::in_flight() {
+            pass::TICK.as_millis() as c_int
+        } else if keep::any() {
             keep::SWEEP.as_millis() as c_int
         } else {
             -1
         };
         // SAFETY: our array (a negative fd is ignored by poll).
-        unsafe { real::poll(p.as_mut_ptr(), 2, timeout) };
+        unsafe { real::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout) };
         if p[1].revents != 0 {
             let mut b = [0u8; 8];
             // SAFETY: our eventfd and 8 bytes.
             unsafe { real::read(kick, b.as_mut_ptr().cast(), 8) };
         }
-        if keep::any() {
+        for q in p.iter().skip(2).filter(|q| q.revents != 0) {
+            accept_one(q.fd);
+        }
+        if p[0].revents != 0 {
+            accept_one(l);
+        }
+        // (After the listeners' accepts: a sweep may close a passed name's listener.)
+        pass::sweep();
+        if keep::any() && swept.elapsed() >= keep::SWEEP {
+            swept = Instant::now();
             keep::sweep();
-        }
-        if p[0].revents == 0 {
-            continue;
-        }
-        // SAFETY: our listening socket.
-        let c = unsafe {
-            real::accept4(
-                l,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                libc::SOCK_CLOEXEC,
-            )
-        };
-        if c < 0 {
-            match last_errno() {
-                libc::EINTR | libc::ECONNABORTED | libc::EAGAIN => {}
-                _ => std::thread::sleep(Duration::from_millis(10)),
-            }
-            continue;
-        }
-        let c = high(c);
-        // One thread serves every request: a requester that sends nothing, or reads
-        // nothing, holds it for a second at most.
-        set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
-        match answer(c.as_raw_fd()) {
-            Ok(relay) => {
-                let _ = send_with_fd(c.as_raw_fd(), 0, Some(relay.fd()));
-            }
-            Err(e) => {
-                log!("relay request refused: {}", io::Error::from_raw_os_error(e));
-                let _ = send_with_fd(c.as_raw_fd(), e.clamp(1, 255) as u8, None);
-            }
         }
     }
 }
 
-/// One request: check the requester, read its proof, find or make the relay.
-fn answer(c: c_int) -> Result<Arc<Relay>, c_int> {
+/// Accept one request on listening socket `l` (nonblocking) and answer it.
+fn accept_one(l: c_int) {
+    // SAFETY: our listening socket.
+    let c = unsafe {
+        real::accept4(
+            l,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_CLOEXEC,
+        )
+    };
+    if c < 0 {
+        match last_errno() {
+            libc::EINTR | libc::ECONNABORTED | libc::EAGAIN => {}
+            _ => std::thread::sleep(Duration::from_millis(10)),
+        }
+        return;
+    }
+    let c = high(c);
+    // One thread serves every request: a requester that sends nothing, or reads
+    // nothing, holds it for a second at most.
+    set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
+    match answer(c.as_raw_fd()) {
+        Ok(Answer::Relay(relay)) => {
+            let _ = send_with_fd(c.as_raw_fd(), 0, Some(relay.fd()));
+        }
+        Ok(Answer::Done) => {
+            let _ = send_with_fd(c.as_raw_fd(), 0, None);
+        }
+        Ok(Answer::Owner) => {
+            let mut b = [0u8; 9];
+            b[1..].copy_from_slice(&nonce().to_le_bytes());
+            // SAFETY: our socket and buffer.
+            unsafe { real::send(c.as_raw_fd(), b.as_ptr().cast(), 9, libc::MSG_NOSIGNAL) };
+        }
+        Err(e) => {
+            log!("relay request refused: {}", io::Error::from_raw_os_error(e));
+            let _ = send_with_fd(c.as_raw_fd(), e.clamp(1, 255) as u8, None);
+        }
+    }
+}
+
+/// What a request is answered with.
+enum Answer {
+    /// The relay socket A (a request, [`ASK`]).
+    Relay(Arc<Relay>),
+    /// A status byte of 0 (an announced pass, [`pass::PASS`]).
+    Done,
+    /// A status byte of 0 and this process's nonce (a receiver's look-up, [`pass::LOOKUP`]).
+    Owner,
+}
+
+/// One request: check the requester, read its proof, and answer it: find or make the relay
+/// ([`ASK`]), note a pass of one of this process's connections ([`pass::PASS`]: the proof
+/// and the sender's unix socket), or name this process to a receiver ([`pass::LOOKUP`]).
+fn answer(c: c_int) -> Result<Answer, c_int> {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
-    match peer_cred(c) {
-        Some(p) if p.uid == me || me == 0 => {}
+    let peer = match peer_cred(c) {
+        Some(p) if p.uid == me || me == 0 => p,
         _ => return Err(libc::EACCES),
-    }
-    let (b, fds) = recv_with_fds(c)?;
-    let r = check_proof(b, &fds).and_then(convert);
+    };
+    let (b, mut fds) = recv_with_fds(c)?;
+    // A connection whose numbers the program is closing right now is looked at again once
+    // the close has made its record (`keep::closing_mark`), within 2 s.
+    // (A socket before an fstat looks at it, as in `check_proof`.)
+    let closing = fds
+        .first()
+        .filter(|f| sock_opt(f.as_raw_fd(), libc::SO_TYPE) == Some(libc::SOCK_STREAM))
+        .and_then(|f| table::socket_id(f.as_raw_fd()))
+        .map_or(0, |id| id.1);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let r = loop {
+        let r = match b {
+            pass::PASS => pass::announced(&mut fds).map(|()| Answer::Done),
+            pass::LOOKUP => pass::looked_up(&fds, peer.pid).map(|()| Answer::Owner),
+            _ => check_proof(b, &fds).and_then(convert).map(Answer::Relay),
+        };
+        match r {
+            Err(libc::ENOENT) if keep::being_closed(closing) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            r => break r,
+        }
+    };
     // The received copies are closed by a thread of their own: the close of a socket whose
     // last reference this is may block (a lingering TCP socket), never the server.
     if !fds.is_empty() {
@@ -876,13 +980,20 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         Arc::downgrade(&pump),
     ));
     keep::relayed(id, &relay);
+    let mut lost = false;
     for (fd, e, _) in own {
         let new = Entry::new(Kind::Relayed(relay.clone()));
         let _ = new.socket.set(id);
         if table::replace(fd, &e, new) {
             crate::wait::moved_to_relay(fd, &relay);
             table::release(e);
+        } else {
+            lost = true;
         }
+    }
+    if lost {
+        // The program closed a number meanwhile: its close's record takes this copy of A.
+        keep::orphan_locked(id, &relay);
     }
     // A wait of the program already asleep on the connection (poll, select) looks again and
     // finds the relay socket in the number's place.
@@ -946,103 +1057,6 @@ pub(crate) fn set_timeout(fd: c_int, name: c_int, t: Duration) {
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         )
     };
-}
-
-// ---------------------------------------------------------------------------------------
-// The program's calls on a relayed connection (the simple ones are made on `Relay::fd` by
-// the hooks themselves).
-
-/// recv on a relayed connection: the relay socket's, but urgent data does not cross a relay
-/// (EINVAL, as TCP without urgent data pending).
-pub(crate) unsafe fn recv(r: &Relay, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        crate::set_errno(libc::EINVAL);
-        return -1;
-    }
-    // SAFETY: the caller's buffer of `n` bytes.
-    unsafe { real::recv(r.fd(), buf, n, flags) }
-}
-
-/// recv into `bufs` on a relayed connection (a read redone there, see `hooks::smc_recv`).
-pub(crate) fn recv_bufs(r: &Relay, bufs: &mut [&mut [u8]], flags: c_int) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        crate::set_errno(libc::EINVAL);
-        return -1;
-    }
-    let mut iov: Vec<libc::iovec> = bufs
-        .iter_mut()
-        .map(|b| libc::iovec {
-            iov_base: b.as_mut_ptr().cast(),
-            iov_len: b.len(),
-        })
-        .collect();
-    // SAFETY: zeroed is a valid msghdr.
-    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = iov.as_mut_ptr();
-    m.msg_iovlen = iov.len() as _;
-    // SAFETY: iovecs over the caller's buffers, on the relay socket.
-    unsafe { real::recvmsg(r.fd(), &mut m, flags) }
-}
-
-/// recvmsg on a relayed connection: no address (a connected stream fills in none, as TCP).
-pub(crate) unsafe fn recvmsg(r: &Relay, msg: *mut libc::msghdr, flags: c_int) -> ssize_t {
-    if msg.is_null() {
-        crate::set_errno(libc::EFAULT);
-        return -1;
-    }
-    if flags & libc::MSG_OOB != 0 {
-        crate::set_errno(libc::EINVAL);
-        return -1;
-    }
-    // SAFETY: the caller's message header, its iovecs and control buffer as given.
-    unsafe {
-        let name = (*msg).msg_name;
-        (*msg).msg_name = std::ptr::null_mut();
-        (*msg).msg_namelen = 0;
-        let got = real::recvmsg(r.fd(), msg, flags);
-        (*msg).msg_name = name;
-        got
-    }
-}
-
-/// send on a relayed connection (urgent data: EOPNOTSUPP, see [`oob`]).
-pub(crate) unsafe fn send(r: &Relay, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
-    if flags & libc::MSG_OOB != 0 {
-        return oob();
-    }
-    // SAFETY: the caller's buffer of `n` bytes.
-    unsafe { real::send(r.fd(), buf, n, flags) }
-}
-
-/// sendmsg on a relayed connection: the address is ignored (a connected stream, as TCP);
-/// control data (SCM_RIGHTS) and urgent data give EOPNOTSUPP.
-pub(crate) unsafe fn sendmsg(r: &Relay, msg: *const libc::msghdr, flags: c_int) -> ssize_t {
-    if msg.is_null() {
-        crate::set_errno(libc::EFAULT);
-        return -1;
-    }
-    // SAFETY: the caller's message header.
-    let mut m = unsafe { msg.read_unaligned() };
-    if m.msg_controllen > 0 {
-        log!("sendmsg with control data on a relayed SMC-R connection: EOPNOTSUPP");
-        crate::set_errno(libc::EOPNOTSUPP);
-        return -1;
-    }
-    if flags & libc::MSG_OOB != 0 {
-        return oob();
-    }
-    m.msg_name = std::ptr::null_mut();
-    m.msg_namelen = 0;
-    // SAFETY: the caller's iovecs, on the relay socket.
-    unsafe { real::sendmsg(r.fd(), &m, flags) }
-}
-
-/// Urgent data (MSG_OOB) on a relayed connection: not carried (a byte stream relay has no
-/// urgent pointer); EOPNOTSUPP, logged.
-fn oob() -> ssize_t {
-    log!("send(MSG_OOB) on a relayed SMC-R connection: EOPNOTSUPP");
-    crate::set_errno(libc::EOPNOTSUPP);
-    -1
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1387,7 +1401,15 @@ pub(crate) fn linger(max: Duration) {
 
 #[path = "keep.rs"]
 mod keep;
-pub(crate) use keep::closing;
+pub(crate) use keep::{closing, closing_mark};
+
+#[path = "relay_calls.rs"]
+mod calls;
+pub(crate) use calls::{recv, recv_bufs, recvmsg, send, sendmsg};
+
+#[path = "pass.rs"]
+mod pass;
+pub(crate) use pass::{closing_relayed, passing, received, rights};
 
 #[cfg(test)]
 #[path = "relay_tests.rs"]

@@ -1,0 +1,579 @@
+//! An SMC-R connection passed to another process with `sendmsg` and SCM_RIGHTS (a part of
+//! `relay.rs`): the receiver gets the real TCP socket, which carries nothing once SMC-R runs,
+//! so, as a forked child does, it asks the connection's owner for a relay.
+//!
+//! * **The sender** (`sendmsg` with SCM_RIGHTS naming an SMC-R connection, [`passing`]) makes
+//!   sure the owner serves relays and tells it of the pass before the message goes: the
+//!   owner itself notes it; any other holder (a forked child, a relayed receiver passing it
+//!   on) sends the owner a [`PASS`] request with its copy of the TCP socket as the proof and
+//!   a copy of the unix socket the message goes through. The owner binds, once per
+//!   connection, the abstract name `smc-rs-passed/<device>/<inode>` of the TCP socket (what
+//!   a receiver sees with `fstat`) and keeps the copy of the unix socket while its queue
+//!   holds what was sent (`SIOCOUTQ`: the kernel charges a unix socket for what it sent
+//!   until the receiver takes it, or its socket goes): the pass is *in flight*.
+//! * **The receiver** (`recvmsg` that brings SCM_RIGHTS, [`received`]) looks at each
+//!   descriptor: an AF_INET/AF_INET6 stream socket of a connection this process already
+//!   has an entry for is a duplicate (a pass to itself, or to another thread); any other is
+//!   looked up at that name ([`LOOKUP`], with the socket as the proof, checked as a relay
+//!   request is): the owner answers with its nonce and notes the receiver's pid, and the
+//!   descriptor gets an entry that asks that owner for a relay at its first use, as an
+//!   exec'd image's inherited one does. No name: not an SMC-R connection, or its owner is
+//!   gone or in another network namespace (abstract names are per namespace); the socket
+//!   stays as it is.
+//! * **How long** (`keep.rs`): once the owner's program closed its numbers, a passed
+//!   connection is kept while a pass is in flight, for [`GRACE`] after the last pass was
+//!   taken when fewer receivers looked it up than passes were made (a receiver between its
+//!   `recvmsg` and its look-up, or one without the library), and while a process holds the
+//!   socket among the usual candidates and the receivers that looked it up (and their
+//!   children). A pass is in flight at most `SMC_PASS_WAIT_MS` (default 60000): a queue
+//!   nobody reads does not keep a connection for ever.
+
+use super::*;
+
+/// A holder tells the owner of a pass: the proof and the sender's unix socket.
+pub(super) const PASS: u8 = b'P';
+/// A receiver asks who owns a connection: the proof.
+pub(super) const LOOKUP: u8 = b'L';
+
+/// How often the server thread looks at the queues of passes in flight.
+pub(super) const TICK: Duration = Duration::from_millis(10);
+
+/// How long a passed connection is kept after its last pass was taken, when fewer receivers
+/// looked it up than passes were made.
+pub(super) const GRACE: Duration = Duration::from_secs(2);
+
+/// How long a pass counts as in flight at most (`SMC_PASS_WAIT_MS`).
+fn wait_bound() -> Duration {
+    static MS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    Duration::from_millis(*MS.get_or_init(|| {
+        std::env::var("SMC_PASS_WAIT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60_000)
+    }))
+}
+
+/// The abstract name under which the owner of the connection whose TCP socket is `id`
+/// answers look-ups.
+pub(super) fn name((dev, ino): (u64, u64)) -> (libc::sockaddr_un, libc::socklen_t) {
+    abstract_address(&format!("smc-rs-passed/{dev}/{ino}"))
+}
+
+/// A connection of this process passed to another one.
+struct Passed {
+    id: (u64, u64),
+    /// Listening on [`name`] of `id`.
+    listener: OwnedFd,
+    conn: Weak<Conn>,
+    /// Copies of the unix sockets the passes went through, with the time of the pass.
+    in_flight: Vec<(OwnedFd, Instant)>,
+    passes: u32,
+    lookups: u32,
+    /// When the last pass in flight was seen taken.
+    drained: Option<Instant>,
+    /// The processes that looked the connection up.
+    receivers: Vec<i32>,
+}
+
+impl Drop for Passed {
+    fn drop(&mut self) {
+        pump_fd_remove(self.listener.as_raw_fd());
+        for (fd, _) in &self.in_flight {
+            pump_fd_remove(fd.as_raw_fd());
+        }
+    }
+}
+
+impl Passed {
+    fn keeps(&self, now: Instant) -> bool {
+        keeps_rule(
+            !self.in_flight.is_empty(),
+            self.passes,
+            self.lookups,
+            self.drained,
+            now,
+        )
+    }
+}
+
+/// Whether a passed connection is kept for a receiver that may still ask: a pass in flight,
+/// or, when fewer look-ups came than passes were made, for [`GRACE`] after the last was
+/// taken.
+fn keeps_rule(
+    in_flight: bool,
+    passes: u32,
+    lookups: u32,
+    drained: Option<Instant>,
+    now: Instant,
+) -> bool {
+    in_flight || (passes > lookups && drained.is_some_and(|d| now.duration_since(d) < GRACE))
+}
+
+/// The passed connections, under RELAYS_LOCK.
+struct PassedList(std::cell::UnsafeCell<Vec<Passed>>);
+// SAFETY: only touched under RELAYS_LOCK (or by the one thread of a forked child).
+unsafe impl Sync for PassedList {}
+static PASSED: PassedList = PassedList(std::cell::UnsafeCell::new(Vec::new()));
+/// How many passes are in flight (read without the lock).
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+fn with_passed<R>(f: impl FnOnce(&mut Vec<Passed>) -> R) -> R {
+    RELAYS_LOCK.lock();
+    // SAFETY: the lock is held: the only reference.
+    let v = unsafe { &mut *PASSED.0.get() };
+    let r = f(v);
+    IN_FLIGHT.store(v.iter().map(|p| p.in_flight.len()).sum(), Ordering::Relaxed);
+    RELAYS_LOCK.unlock();
+    r
+}
+
+/// Whether a pass is in flight (the server thread then looks every [`TICK`]).
+pub(super) fn in_flight() -> bool {
+    IN_FLIGHT.load(Ordering::Relaxed) > 0
+}
+
+/// Whether the passed connection `id` is to be kept for a receiver that may still ask.
+pub(super) fn keeps(id: (u64, u64)) -> bool {
+    let now = Instant::now();
+    with_passed(|v| v.iter().any(|p| p.id == id && p.keeps(now)))
+}
+
+/// The processes that looked up a connection of this process.
+pub(super) fn receivers() -> Vec<i32> {
+    with_passed(|v| v.iter().flat_map(|p| p.receivers.clone()).collect())
+}
+
+/// The listening sockets of the passed connections' names (the server thread's poll).
+pub(super) fn listeners() -> Vec<c_int> {
+    with_passed(|v| v.iter().map(|p| p.listener.as_raw_fd()).collect())
+}
+
+/// In a forked child: the parent's records are not this process's (their descriptors were
+/// closed with the pumps', `close_pump_fds`).
+pub(super) fn fork_child() {
+    // SAFETY: one thread after the fork, RELAYS_LOCK released: the only reference. The
+    // records are forgotten, never dropped here (their descriptors are closed already).
+    std::mem::forget(std::mem::take(unsafe { &mut *PASSED.0.get() }));
+    IN_FLIGHT.store(0, Ordering::Relaxed);
+}
+
+/// The bytes a unix socket sent that its receiver has not taken yet (`SIOCOUTQ`; 0 when
+/// unknown).
+pub(super) fn unsent(fd: c_int) -> usize {
+    let mut n: c_int = 0;
+    // SAFETY: SIOCOUTQ writes an int.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) };
+    if r == 0 {
+        n.max(0) as usize
+    } else {
+        0
+    }
+}
+
+/// This process passes its connection `id` (`conn`) through unix socket `unix` (a copy of
+/// the sender's): note the pass, bind the connection's name if not yet.
+fn note(id: (u64, u64), conn: Weak<Conn>, unix: Option<OwnedFd>) -> Result<(), c_int> {
+    let bound = with_passed(|v| v.iter().any(|p| p.id == id && p.conn.strong_count() > 0));
+    // The name, bound outside the lock (the listener of a closed connection's record of the
+    // same socket goes first: its name is this one).
+    let listener = if bound {
+        None
+    } else {
+        let stale: Vec<Passed> = with_passed(|v| {
+            let (gone, keep): (Vec<Passed>, Vec<Passed>) = std::mem::take(v)
+                .into_iter()
+                .partition(|p| p.id == id && p.conn.strong_count() == 0);
+            *v = keep;
+            gone
+        });
+        drop(stale);
+        match listen(id) {
+            Ok(l) => Some(l),
+            // Another thread's pass of the same connection bound it a moment ago.
+            Err(libc::EADDRINUSE) => None,
+            Err(e) => return Err(e),
+        }
+    };
+    with_passed(|v| {
+        let i = match v.iter().position(|p| p.id == id) {
+            Some(i) => i,
+            None => {
+                let Some(listener) = listener else {
+                    return Err(libc::EADDRINUSE);
+                };
+                if !pump_fd_add(listener.as_raw_fd()) {
+                    log!("relay: more passed connections than noted for fork");
+                }
+                v.push(Passed {
+                    id,
+                    listener,
+                    conn,
+                    in_flight: Vec::new(),
+                    passes: 0,
+                    lookups: 0,
+                    drained: None,
+                    receivers: Vec::new(),
+                });
+                v.len() - 1
+            }
+        };
+        let p = &mut v[i];
+        p.passes = p.passes.saturating_add(1);
+        if let Some(u) = unix {
+            let _ = pump_fd_add(u.as_raw_fd());
+            p.in_flight.push((u, Instant::now()));
+        }
+        Ok(())
+    })?;
+    keep::kick();
+    Ok(())
+}
+
+/// Bind and listen on the name of connection `id`.
+fn listen(id: (u64, u64)) -> Result<OwnedFd, c_int> {
+    // SAFETY: a new socket of ours.
+    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return Err(last_errno());
+    }
+    let s = high(s);
+    let (addr, len) = name(id);
+    // SAFETY: the address and its length; plain listen.
+    let ok = unsafe {
+        libc::bind(
+            s.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        ) == 0
+            && real::listen(s.as_raw_fd(), 64) == 0
+    };
+    if !ok {
+        let e = last_errno();
+        if e == libc::EADDRINUSE {
+            return Err(e);
+        }
+        log!(
+            "relay: the name of a passed connection (inode {}) cannot be bound: {}",
+            id.1,
+            io::Error::from_raw_os_error(e)
+        );
+        return Err(e);
+    }
+    set_nonblocking(s.as_raw_fd(), true);
+    Ok(s)
+}
+
+/// The server thread: the passes taken or too old go (their copies of the unix sockets are
+/// closed: the program's close of its own reaches the peer), so do the records of
+/// connections this process no longer has, and the receivers that are gone.
+pub(super) fn sweep() {
+    let now = Instant::now();
+    let bound = wait_bound();
+    let gone: Vec<Passed> = with_passed(|v| {
+        let mut gone = Vec::new();
+        let mut i = 0;
+        while i < v.len() {
+            if v[i].conn.strong_count() == 0 {
+                gone.push(v.swap_remove(i));
+                continue;
+            }
+            let p = &mut v[i];
+            let before = p.in_flight.len();
+            p.in_flight.retain(|(fd, at)| {
+                let keep = unsent(fd.as_raw_fd()) > 0 && now.duration_since(*at) < bound;
+                if !keep {
+                    pump_fd_remove(fd.as_raw_fd());
+                }
+                keep
+            });
+            if before > 0 && p.in_flight.is_empty() {
+                p.drained = Some(now);
+            }
+            p.receivers
+                .retain(|pid| std::fs::metadata(format!("/proc/{pid}")).is_ok());
+            i += 1;
+        }
+        gone
+    });
+    drop(gone);
+}
+
+/// A [`PASS`] request (RELAYS_LOCK not held): `fds` are the proof and the sender's unix
+/// socket; the latter is taken out (kept while the pass is in flight).
+pub(super) fn announced(fds: &mut Vec<OwnedFd>) -> Result<(), c_int> {
+    let [proof, unix] = &fds[..] else {
+        return Err(libc::EPROTO);
+    };
+    if sock_opt(unix.as_raw_fd(), libc::SO_DOMAIN) != Some(libc::AF_UNIX) {
+        return Err(libc::EPROTO);
+    }
+    let id = check_proof(ASK, std::slice::from_ref(proof))?;
+    let conn = conn_of(id).ok_or(libc::ENOENT)?;
+    mark_passed(id);
+    let unix = fds.pop().ok_or(libc::EPROTO)?;
+    note(id, conn, Some(unix))
+}
+
+/// A [`LOOKUP`] by process `pid` (RELAYS_LOCK not held): `fds` is the proof.
+pub(super) fn looked_up(fds: &[OwnedFd], pid: i32) -> Result<(), c_int> {
+    let id = check_proof(ASK, fds)?;
+    with_passed(|v| {
+        if let Some(p) = v.iter_mut().find(|p| p.id == id) {
+            p.lookups = p.lookups.saturating_add(1);
+            if pid > 0 && !p.receivers.contains(&pid) {
+                p.receivers.push(pid);
+            }
+        }
+    });
+    log!(
+        "relay: process {pid} received a passed connection (inode {})",
+        id.1
+    );
+    Ok(())
+}
+
+/// The program closes (or leaves at exit) its last numbers `program` of a relayed connection
+/// whose relay this process runs (`e`, `r`; `fd` one of them, still open): when it was
+/// passed, it is kept as an unrelayed one would be (`keep.rs`), with this process's copy of
+/// A for a receiver that has not asked yet.
+pub(crate) fn closing_relayed(fd: c_int, program: &[c_int], e: &Entry, r: &Arc<Relay>) {
+    let me = table::PID.load(Ordering::Relaxed);
+    if r.owner() != Owner::of_tree(me) {
+        return;
+    }
+    let Some(&id) = e.socket.get() else {
+        return;
+    };
+    if !table::entries_of_socket(id).is_empty() || !with_passed(|v| v.iter().any(|p| p.id == id)) {
+        return;
+    }
+    keep::closing(fd, program, id, None, Some(r));
+}
+
+/// The program's numbers of connection `id` now may name a socket another process holds:
+/// their close looks for holders (`keep.rs`), as after a fork.
+fn mark_passed(id: (u64, u64)) {
+    for (_, e) in table::entries_of_socket(id) {
+        e.forked.store(true, Ordering::Relaxed);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The program's side.
+
+/// The descriptors that SCM_RIGHTS messages in `m`'s control buffer carry.
+///
+/// # Safety
+/// `m` is a valid message header whose control buffer is `msg_controllen` bytes.
+pub(crate) unsafe fn rights(m: &libc::msghdr) -> Vec<c_int> {
+    let mut fds = Vec::new();
+    if m.msg_control.is_null() || m.msg_controllen == 0 {
+        return fds;
+    }
+    // SAFETY: walking the caller's control buffer with the C library's macros, which stay
+    // within `msg_controllen`.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(m);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<c_int>();
+                let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..len / std::mem::size_of::<c_int>() {
+                    fds.push(data.add(i).read_unaligned());
+                }
+            }
+            c = libc::CMSG_NXTHDR(m, c);
+        }
+    }
+    fds
+}
+
+/// `sendmsg` on `sock` with SCM_RIGHTS naming `fds`: each SMC-R connection among them is
+/// announced to its owner before the message goes (see the module's doc). Nothing fails
+/// the program's call: a pass the owner cannot note reaches the receiver as a silent socket.
+pub(crate) fn passing(sock: c_int, fds: &[c_int]) {
+    // (The child of a `vfork` leaves its parent's table alone.)
+    if table::borrowed_memory() {
+        return;
+    }
+    let me = Owner::of_tree(table::PID.load(Ordering::Relaxed));
+    let mut seen = Vec::new();
+    for &fd in fds {
+        if !table::maybe(fd) {
+            continue;
+        }
+        let Some(e) = table::get(fd) else {
+            continue;
+        };
+        let Some(&id) = e.socket.get() else {
+            continue;
+        };
+        if seen.contains(&id) {
+            continue;
+        }
+        let owner = match &e.kind {
+            Kind::Smc(_) if e.ours() => me,
+            Kind::Smc(_) => Owner::of_tree(e.pid),
+            Kind::Relayed(r) => r.owner(),
+            Kind::Inherited(Some(o)) => *o,
+            _ => continue,
+        };
+        seen.push(id);
+        let r = if owner == me {
+            serve_passed();
+            mark_passed(id);
+            // SAFETY: a copy of the program's unix socket, for the time the pass is in flight.
+            let d = unsafe { real::fcntl(sock, libc::F_DUPFD_CLOEXEC, 0) };
+            let unix = (d >= 0).then(|| high(d));
+            match conn_of(id) {
+                Some(conn) => note(id, conn, unix),
+                None => Err(libc::ENOENT),
+            }
+        } else {
+            announce(owner, fd, sock)
+        };
+        match r {
+            Ok(()) => log!(
+                "fd {fd}: SMC-R connection passed to another process (owner {})",
+                owner.pid
+            ),
+            Err(e) => log!(
+                "fd {fd}: SMC-R connection passed to another process, not announced to its owner {} ({}): the receiver gets a silent socket",
+                owner.pid,
+                io::Error::from_raw_os_error(e)
+            ),
+        }
+    }
+}
+
+/// Tell `owner` of a pass of the connection this process has as `fd` through `unix`.
+fn announce(owner: Owner, fd: c_int, unix: c_int) -> Result<(), c_int> {
+    let s = connect_to(address(owner.pid, owner.nonce), Some(owner.pid))?;
+    send_with_fds(s.as_raw_fd(), PASS, &[fd, unix])?;
+    let (status, _) = recv_with_fds(s.as_raw_fd())?;
+    if status != 0 {
+        return Err(c_int::from(status));
+    }
+    Ok(())
+}
+
+/// A unix stream socket connected to `addr` with bounded waits, whose server runs as this
+/// user or root and, when given, is process `pid`; the server's pid with it.
+fn connect_to(
+    (addr, len): (libc::sockaddr_un, libc::socklen_t),
+    pid: Option<i32>,
+) -> Result<OwnedFd, c_int> {
+    connect_cred((addr, len), pid).map(|(s, _)| s)
+}
+
+fn connect_cred(
+    (addr, len): (libc::sockaddr_un, libc::socklen_t),
+    pid: Option<i32>,
+) -> Result<(OwnedFd, i32), c_int> {
+    // SAFETY: a new socket of ours.
+    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return Err(last_errno());
+    }
+    // SAFETY: just made.
+    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
+    // SAFETY: the address and its length.
+    if unsafe {
+        real::connect(
+            s.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    } != 0
+    {
+        return Err(last_errno());
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    match peer_cred(s.as_raw_fd()) {
+        Some(c) if pid.is_none_or(|p| c.pid == p) && (c.uid == me || c.uid == 0) => Ok((s, c.pid)),
+        _ => Err(libc::EACCES),
+    }
+}
+
+/// `recvmsg` brought SCM_RIGHTS with `fds`: give each SMC-R connection among them an entry
+/// (see the module's doc).
+pub(crate) fn received(fds: &[c_int]) {
+    for &fd in fds {
+        if !crate::hooks::is_inet_stream(fd) {
+            continue;
+        }
+        let Some(id) = table::socket_id(fd) else {
+            continue;
+        };
+        // A connection this process has under another number: a duplicate.
+        if let Some((_, e)) = table::entries_of_socket(id)
+            .into_iter()
+            .find(|(n, e)| *n != fd && !matches!(e.kind, Kind::Epoll(_)))
+        {
+            if let Ok(Some(old)) = table::set(fd, e) {
+                table::release(old);
+            }
+            continue;
+        }
+        match lookup(fd, id) {
+            Ok(owner) => {
+                log!(
+                    "fd {fd}: a passed SMC-R connection of process {}: its relay is asked for at the first use",
+                    owner.pid
+                );
+                let e = Entry::new(Kind::Inherited(Some(owner)));
+                let _ = e.socket.set(id);
+                if let Ok(Some(old)) = table::set(fd, e) {
+                    table::release(old);
+                }
+            }
+            // No name: not an SMC-R connection (or its owner cannot be reached).
+            Err(libc::ECONNREFUSED) | Err(libc::ENOENT) => {}
+            Err(e) => log!(
+                "fd {fd}: a passed socket whose owner did not answer ({}): left as it is",
+                io::Error::from_raw_os_error(e)
+            ),
+        }
+    }
+}
+
+/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`).
+fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
+    let (s, pid) = connect_cred(name(id), None)?;
+    send_with_fds(s.as_raw_fd(), LOOKUP, &[fd])?;
+    let nonce = lookup_answer(s.as_raw_fd())?;
+    Ok(Owner { pid, nonce })
+}
+
+/// The answer to a [`LOOKUP`]: a status byte of 0 and the owner's nonce.
+fn lookup_answer(s: c_int) -> Result<u64, c_int> {
+    let mut b = [0u8; 9];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: our socket and the rest of the buffer.
+        let r = unsafe { real::recv(s, b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if r < 0 && last_errno() == libc::EINTR {
+            continue;
+        }
+        if r <= 0 {
+            break;
+        }
+        got += r as usize;
+    }
+    match (got, b[0]) {
+        (9, 0) => {
+            let mut n = [0u8; 8];
+            n.copy_from_slice(&b[1..]);
+            let nonce = u64::from_le_bytes(n);
+            (nonce != 0).then_some(nonce).ok_or(libc::EPROTO)
+        }
+        (n, e) if n >= 1 && e != 0 => Err(c_int::from(e)),
+        _ => Err(libc::EPROTO),
+    }
+}
+
+#[cfg(test)]
+#[path = "pass_tests.rs"]
+mod tests;
