@@ -100,7 +100,7 @@ pub(crate) fn install_if(fd: c_int, old: &Arc<Entry>, setup: Setup, nonblocking:
 }
 
 /// The entry kind of what a rendezvous on `fd` ended in.
-fn kind_of(fd: c_int, setup: Setup, nonblocking: bool) -> Kind {
+pub(crate) fn kind_of(fd: c_int, setup: Setup, nonblocking: bool) -> Kind {
     match setup {
         Setup::Smc(c) => {
             c.set_nonblocking(nonblocking);
@@ -177,6 +177,14 @@ pub(crate) fn target(fd: c_int) -> Target {
         // A connection of another process named by the image before the exec.
         Kind::Inherited(Some(owner)) if !table::borrowed_memory() => ask_relay(fd, *owner),
         Kind::Inherited(_) => Target::Foreign,
+        // A client handshake still waiting for the server's answer: finished first (a
+        // write may not reach the TCP socket in front of the CLC messages).
+        Kind::Connecting(c) if e.ours() => {
+            crate::connecting::finish(&e, c);
+            target(fd)
+        }
+        // (Finished before every fork: a copy here is another process's, mid handshake.)
+        Kind::Connecting(_) => Target::Foreign,
         Kind::Pending(once) => {
             // In a process cloned without fork handlers, its own stack (see there).
             let _ = table::borrowed_memory();
@@ -209,6 +217,19 @@ pub(crate) fn target(fd: c_int) -> Target {
         }
         _ => Target::Pass,
     }
+}
+
+/// [`target`] for a call that must not wait for a client handshake in progress (the wait
+/// calls, SO_ERROR, O_NONBLOCK): such a connection is its real TCP socket for now.
+pub(crate) fn target_wait(fd: c_int) -> Target {
+    if table::maybe(fd) && !crate::inside() {
+        if let Some(e) = table::get(fd) {
+            if matches!(e.kind, Kind::Connecting(_)) && e.ours() {
+                return Target::Pass;
+            }
+        }
+    }
+    target(fd)
 }
 
 /// An accepted connection made before a raw `clone` into new namespaces and first used in
@@ -282,6 +303,13 @@ unsafe fn settle_passed(msg: *const msghdr) {
         let Some(e) = table::get(fd) else {
             continue;
         };
+        if let Kind::Connecting(c) = &e.kind {
+            // The receiver has no entry for it: the handshake ends here first.
+            if e.ours() {
+                crate::connecting::finish(&e, c);
+            }
+            continue;
+        }
         let Kind::Pending(once) = &e.kind else {
             continue;
         };
@@ -421,12 +449,29 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     }
     guard(-1, || {
         let own = own_listener(to);
-        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to, own));
+        let wait = crate::connecting::connect_wait();
+        let (r, nb) = blocking(fd, || fdapi::connect_start(bfd(fd), to, own, wait));
         match r {
-            Ok(setup) => {
+            Ok(fdapi::Connecting::Done(setup)) => {
                 install(fd, setup, nb);
                 0
             }
+            // The server has not answered the Proposal yet (`connecting.rs`).
+            Ok(fdapi::Connecting::Waiting(h)) => match crate::connecting::started(fd, h) {
+                Ok(()) => 0,
+                Err(mut h) => match h.advance(None) {
+                    Ok(Some(setup)) => {
+                        install(fd, setup, nb);
+                        0
+                    }
+                    Ok(None) => 0,
+                    Err(e) => {
+                        log!("fd {fd}: connect to {to}: {e}");
+                        set_errno(errno_of(&e));
+                        -1
+                    }
+                },
+            },
             Err(e) => {
                 log!("fd {fd}: connect to {to}: {e}");
                 set_errno(errno_of(&e));
@@ -819,6 +864,9 @@ pub unsafe extern "C" fn setsockopt(
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, 0) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, 0).unwrap_or_else(|| unsafe { real::read(fd, buf, n) }),
@@ -868,6 +916,9 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 
 #[no_mangle]
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, 0) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, 0).unwrap_or_else(|| unsafe { real::readv(fd, iov, n) }),
@@ -907,6 +958,9 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
 
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, flags) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => {
@@ -947,6 +1001,9 @@ pub unsafe extern "C" fn recvfrom(
     addr: *mut sockaddr,
     len: *mut socklen_t,
 ) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, flags) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, flags)
@@ -993,6 +1050,9 @@ pub unsafe extern "C" fn __recvfrom_chk(
 
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, flags) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => {
@@ -1336,7 +1396,8 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     let r = unsafe { real::fcntl(fd, cmd, arg) };
     if r >= 0 && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         match cmd {
-            libc::F_SETFL => match target(fd) {
+            // (A client handshake in progress takes the flag from the socket at its end.)
+            libc::F_SETFL => match target_wait(fd) {
                 Target::Smc(c) => c.set_nonblocking(arg as c_int & libc::O_NONBLOCK != 0),
                 // The relay socket stands for the TCP socket's open file description.
                 Target::Relay(r) => {
@@ -1403,7 +1464,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                     return 0;
                 }
             }
-            libc::FIONBIO => match target(fd) {
+            libc::FIONBIO => match target_wait(fd) {
                 Target::Smc(c) if arg != 0 => {
                     // SAFETY: the caller's int.
                     c.set_nonblocking(unsafe { (arg as *const c_int).read_unaligned() } != 0);
@@ -1431,7 +1492,9 @@ pub unsafe extern "C" fn getsockopt(
     len: *mut socklen_t,
 ) -> c_int {
     if level == libc::SOL_SOCKET && name == libc::SO_ERROR && table::maybe(fd) {
-        let t = target(fd);
+        // (A client that waits for writability and then asks SO_ERROR, as a nonblocking
+        // connect's caller does, must not wait for the server's answer here.)
+        let t = target_wait(fd);
         if let Target::Relay(r) = &t {
             // A reset reaches the relay socket (see `relay.rs`): its pending error is the
             // connection's.
