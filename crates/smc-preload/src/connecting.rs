@@ -100,8 +100,11 @@ impl Connecting {
     }
 }
 
-/// The pending handshakes of this process, for the completer: number at `connect`, entry.
-static LIST: Mutex<Vec<(c_int, Weak<Entry>)>> = Mutex::new(Vec::new());
+/// Pending handshakes: number at `connect`, entry.
+type PendingList = Vec<(c_int, Weak<Entry>)>;
+
+/// The pending handshakes of this process, for the completer.
+static LIST: Mutex<PendingList> = Mutex::new(Vec::new());
 /// The completer's wake-up eventfd, with the process it belongs to (a forked child makes
 /// its own).
 static WAKE: Mutex<Option<(i32, OwnedFd)>> = Mutex::new(None);
@@ -438,7 +441,7 @@ fn run() {
 
 std::thread_local! {
     /// The completer's list lock, held by the forking thread across a `fork()`.
-    static FORK_HELD: std::cell::RefCell<Option<MutexGuard<'static, Vec<(c_int, Weak<Entry>)>>>> =
+    static FORK_HELD: std::cell::RefCell<Option<MutexGuard<'static, PendingList>>> =
         const { std::cell::RefCell::new(None) };
 }
 
