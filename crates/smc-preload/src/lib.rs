@@ -17,6 +17,7 @@
 // C one, documented in the manual pages.
 #![allow(clippy::missing_safety_doc)]
 
+mod connect;
 mod connecting;
 mod creds;
 
