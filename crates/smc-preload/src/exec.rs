@@ -44,6 +44,11 @@ pub(crate) fn surviving_connections(spawn: bool) -> Option<String> {
     if !table::ANY.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
     }
+    if !table::borrowed_memory() {
+        // A client handshake in progress ends here: the new program (or, for a spawn, the
+        // other process) would find the socket in the middle of it.
+        crate::connecting::finish_all();
+    }
     if spawn && !table::borrowed_memory() {
         // posix_spawn from this process: the new program may ask it for relays.
         relay::serve_spawned();

@@ -68,7 +68,7 @@ pub(crate) fn blocking<R>(fd: c_int, f: impl FnOnce() -> R) -> (R, bool) {
 }
 
 /// Install what a rendezvous on `fd` ended in.
-fn install(fd: c_int, setup: Setup, nonblocking: bool) {
+pub(crate) fn install(fd: c_int, setup: Setup, nonblocking: bool) {
     if let Setup::Smc(c) = &setup {
         crate::wait::adopt(fd, c);
     }
@@ -100,7 +100,7 @@ pub(crate) fn install_if(fd: c_int, old: &Arc<Entry>, setup: Setup, nonblocking:
 }
 
 /// The entry kind of what a rendezvous on `fd` ended in.
-fn kind_of(fd: c_int, setup: Setup, nonblocking: bool) -> Kind {
+pub(crate) fn kind_of(fd: c_int, setup: Setup, nonblocking: bool) -> Kind {
     match setup {
         Setup::Smc(c) => {
             c.set_nonblocking(nonblocking);
@@ -177,6 +177,14 @@ pub(crate) fn target(fd: c_int) -> Target {
         // A connection of another process named by the image before the exec.
         Kind::Inherited(Some(owner)) if !table::borrowed_memory() => ask_relay(fd, *owner),
         Kind::Inherited(_) => Target::Foreign,
+        // A client handshake still waiting for the server's answer: finished first (a
+        // write may not reach the TCP socket in front of the CLC messages).
+        Kind::Connecting(c) if e.ours() => {
+            crate::connecting::finish(&e, c);
+            target(fd)
+        }
+        // (Finished before every fork: a copy here is another process's, mid handshake.)
+        Kind::Connecting(_) => Target::Foreign,
         Kind::Pending(once) => {
             // In a process cloned without fork handlers, its own stack (see there).
             let _ = table::borrowed_memory();
@@ -209,6 +217,19 @@ pub(crate) fn target(fd: c_int) -> Target {
         }
         _ => Target::Pass,
     }
+}
+
+/// [`target`] for a call that must not wait for a client handshake in progress (the wait
+/// calls, SO_ERROR, O_NONBLOCK): such a connection is its real TCP socket for now.
+pub(crate) fn target_wait(fd: c_int) -> Target {
+    if table::maybe(fd) && !crate::inside() {
+        if let Some(e) = table::get(fd) {
+            if matches!(e.kind, Kind::Connecting(_)) && e.ours() {
+                return Target::Pass;
+            }
+        }
+    }
+    target(fd)
 }
 
 /// An accepted connection made before a raw `clone` into new namespaces and first used in
@@ -259,6 +280,13 @@ fn settle_passed(fds: &[c_int]) {
         let Some(e) = table::get(fd) else {
             continue;
         };
+        if let Kind::Connecting(c) = &e.kind {
+            // The receiver has no entry for it: the handshake ends here first.
+            if e.ours() {
+                crate::connecting::finish(&e, c);
+            }
+            continue;
+        }
         let Kind::Pending(once) = &e.kind else {
             continue;
         };
@@ -350,7 +378,7 @@ pub(crate) fn sock_opt(fd: c_int, name: c_int) -> Option<c_int> {
 }
 
 /// A socket address from C.
-unsafe fn sockaddr_of(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+pub(crate) unsafe fn sockaddr_of(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
     if addr.is_null() {
         return None;
     }
@@ -377,101 +405,6 @@ unsafe fn sockaddr_of(addr: *const sockaddr, len: socklen_t) -> Option<SocketAdd
         }
         _ => None,
     }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
-    // SAFETY: the caller's address.
-    let Some(to) = (unsafe { sockaddr_of(addr, len) }) else {
-        // SAFETY: passed on unchanged.
-        return unsafe { real::connect(fd, addr, len) };
-    };
-    if table::maybe(fd) || !is_inet_stream(fd) {
-        // SAFETY: passed on unchanged.
-        return unsafe { real::connect(fd, addr, len) };
-    }
-    if let Err(e) = fdapi::stack() {
-        // No stack (fabric directory, resources): the program gets its TCP connection.
-        log!("fd {fd}: no SMC-R stack ({e}); plain TCP");
-        // SAFETY: passed on unchanged.
-        return unsafe { real::connect(fd, addr, len) };
-    }
-    guard(-1, || {
-        let own = own_listener(to);
-        let (r, nb) = blocking(fd, || fdapi::connect(bfd(fd), to, own));
-        match r {
-            Ok(setup) => {
-                install(fd, setup, nb);
-                0
-            }
-            Err(e) => {
-                log!("fd {fd}: connect to {to}: {e}");
-                set_errno(errno_of(&e));
-                -1
-            }
-        }
-    })
-}
-
-/// Whether `to` is the address of a listening socket of this process (the same port, and the
-/// same address or a listener on the unspecified address).
-fn own_listener(to: SocketAddr) -> bool {
-    table::listeners().into_iter().any(|l| {
-        // SAFETY: zeroed storage is a valid sockaddr_storage.
-        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
-        // SAFETY: the storage and its length.
-        let r = unsafe {
-            libc::getsockname(l, (&mut ss as *mut libc::sockaddr_storage).cast(), &mut len)
-        };
-        // SAFETY: what getsockname filled in, of `len` bytes.
-        let a = (r == 0)
-            .then(|| unsafe { sockaddr_of((&ss as *const libc::sockaddr_storage).cast(), len) });
-        a.flatten().is_some_and(|a| {
-            a.port() == to.port()
-                && (a.ip() == to.ip() || (a.ip().is_unspecified() && is_local_address(to.ip())))
-        })
-    })
-}
-
-/// Whether `ip` is an address of this host (a loopback address, or one of an interface's).
-fn is_local_address(ip: std::net::IpAddr) -> bool {
-    if ip.is_loopback() {
-        return true;
-    }
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills in a list that freeifaddrs releases.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return false;
-    }
-    let mut found = false;
-    let mut at = list;
-    while !at.is_null() {
-        // SAFETY: an entry of the list.
-        let e = unsafe { &*at };
-        if !e.ifa_addr.is_null() {
-            let len = match c_int::from(
-                // SAFETY: the entry's address.
-                unsafe { (*e.ifa_addr).sa_family },
-            ) {
-                libc::AF_INET => std::mem::size_of::<libc::sockaddr_in>(),
-                libc::AF_INET6 => std::mem::size_of::<libc::sockaddr_in6>(),
-                _ => 0,
-            };
-            // SAFETY: an address of its family's length.
-            if len > 0
-                && unsafe { sockaddr_of(e.ifa_addr, len as socklen_t) }
-                    .is_some_and(|a| a.ip() == ip)
-            {
-                found = true;
-                break;
-            }
-        }
-        at = e.ifa_next;
-    }
-    // SAFETY: the list getifaddrs made.
-    unsafe { libc::freeifaddrs(list) };
-    found
 }
 
 #[no_mangle]
@@ -796,6 +729,9 @@ pub unsafe extern "C" fn setsockopt(
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, 0) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, 0).unwrap_or_else(|| unsafe { real::read(fd, buf, n) }),
@@ -845,6 +781,9 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 
 #[no_mangle]
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, 0) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, 0).unwrap_or_else(|| unsafe { real::readv(fd, iov, n) }),
@@ -884,6 +823,9 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
 
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, flags) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => {
@@ -924,6 +866,9 @@ pub unsafe extern "C" fn recvfrom(
     addr: *mut sockaddr,
     len: *mut socklen_t,
 ) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, flags) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, flags)
@@ -970,6 +915,9 @@ pub unsafe extern "C" fn __recvfrom_chk(
 
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    if let Some(r) = crate::connecting::read_would_block(fd, flags) {
+        return r;
+    }
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => crossed(fd, flags).unwrap_or_else(|| {
@@ -1344,7 +1292,8 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     let r = unsafe { real::fcntl(fd, cmd, arg) };
     if r >= 0 && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         match cmd {
-            libc::F_SETFL => match target(fd) {
+            // (A client handshake in progress takes the flag from the socket at its end.)
+            libc::F_SETFL => match target_wait(fd) {
                 Target::Smc(c) => c.set_nonblocking(arg as c_int & libc::O_NONBLOCK != 0),
                 // The relay socket stands for the TCP socket's open file description.
                 Target::Relay(r) => {
@@ -1411,7 +1360,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                     return 0;
                 }
             }
-            libc::FIONBIO => match target(fd) {
+            libc::FIONBIO => match target_wait(fd) {
                 Target::Smc(c) if arg != 0 => {
                     // SAFETY: the caller's int.
                     c.set_nonblocking(unsafe { (arg as *const c_int).read_unaligned() } != 0);
@@ -1439,7 +1388,9 @@ pub unsafe extern "C" fn getsockopt(
     len: *mut socklen_t,
 ) -> c_int {
     if level == libc::SOL_SOCKET && name == libc::SO_ERROR && table::maybe(fd) {
-        let t = target(fd);
+        // (A client that waits for writability and then asks SO_ERROR, as a nonblocking
+        // connect's caller does, must not wait for the server's answer here.)
+        let t = target_wait(fd);
         if let Target::Relay(r) = &t {
             // A reset reaches the relay socket (see `relay.rs`): its pending error is the
             // connection's.

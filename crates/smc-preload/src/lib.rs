@@ -17,6 +17,8 @@
 // C one, documented in the manual pages.
 #![allow(clippy::missing_safety_doc)]
 
+mod connect;
+mod connecting;
 mod creds;
 
 /// Tests that make child processes, or look at this process's children, run one at a time:
@@ -180,6 +182,7 @@ pub(crate) fn held(fd: i32) -> bool {
 }
 
 extern "C" fn at_fork_prepare() {
+    guard((), connecting::fork_prepare);
     settle::fork_prepare();
     guard((), relay::fork_prepare);
     smc::fdapi::fork_prepare();
@@ -191,6 +194,7 @@ extern "C" fn at_fork_parent() {
     smc::fdapi::fork_parent();
     guard((), relay::fork_parent);
     settle::fork_parent();
+    connecting::fork_parent();
 }
 
 extern "C" fn at_fork_child() {
@@ -200,6 +204,7 @@ extern "C" fn at_fork_child() {
     smc::fdapi::fork_child();
     relay::fork_child();
     settle::fork_child();
+    connecting::fork_child();
     // The numbers the parent's threads held are ordinary copies here.
     for s in &HELD {
         s.store(-1, Ordering::Relaxed);

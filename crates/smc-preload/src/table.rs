@@ -121,6 +121,10 @@ pub(crate) enum Kind {
     /// the program first uses it (in whichever process that is; the lock is held while it
     /// runs).
     Pending(std::sync::Mutex<()>),
+    /// A client connection whose Proposal is out and whose server has not answered yet
+    /// (`connecting.rs`): the program's first use finishes the handshake; wait calls watch
+    /// the real socket meanwhile.
+    Connecting(Arc<crate::connecting::Connecting>),
     /// An SMC-R connection.
     Smc(Arc<Conn>),
     /// A connection on TCP (its calls pass through; the entry keeps it listed by `smc ss`).
@@ -276,6 +280,19 @@ pub(crate) fn replace(fd: i32, old: &Arc<Entry>, new: Arc<Entry>) -> bool {
             true
         }
         _ => false,
+    })
+}
+
+/// The numbers whose entry is `e`.
+pub(crate) fn numbers_of(e: &Arc<Entry>) -> Vec<i32> {
+    with_map(|m| {
+        let mut v: Vec<i32> = m
+            .iter()
+            .filter(|(_, x)| Arc::ptr_eq(x, e))
+            .map(|(fd, _)| *fd)
+            .collect();
+        v.sort_unstable();
+        v
     })
 }
 

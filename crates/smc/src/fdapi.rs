@@ -38,8 +38,8 @@ mod setup;
 mod spin;
 mod uid;
 pub use setup::{
-    accepted_tcp, connect, decline_accepted, decline_cloned, decline_passed, listen_mark,
-    setup_server, Listening, Setup, TcpConn,
+    accepted_tcp, connect, connect_start, decline_accepted, decline_cloned, decline_passed,
+    listen_mark, setup_server, ClientHandshake, Connecting, Listening, Setup, TcpConn,
 };
 pub use spin::LoopSpin;
 pub use uid::{before_uid_change, refuse_after_uid_change, UidGrant};

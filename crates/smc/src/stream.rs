@@ -31,6 +31,7 @@ mod listener;
 mod rendezvous;
 
 pub use connect::ConnectOptions;
+pub(crate) use connect::{ClientRendezvous, ClientStart};
 pub(crate) use data::AdaptiveSpin;
 pub use listener::SmcListener;
 use listener::{setup_waker, wait_socket_or_waker, AcceptShared};
@@ -293,6 +294,11 @@ impl SmcStream {
             c.config().peer_rmbe_len,
         );
         Some(u64::try_from(d).unwrap_or(0))
+    }
+
+    /// The stream's TCP socket (for socket options the caller keeps).
+    pub(crate) fn socket_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&*self.sock)
     }
 
     /// SO_RCVBUF: over SMC-R the size of our RMBE (the peer writes into it; at most this

@@ -345,6 +345,15 @@ pub unsafe extern "C" fn epoll_ctl(
     if op == libc::EPOLL_CTL_ADD && ANY_EPOLL.load(std::sync::atomic::Ordering::Relaxed) {
         note_nested(fd);
     }
+    // A client handshake in progress: its real socket is registered (writable at once,
+    // readable when the server answers), under the handshake's lock, so that its end, which
+    // moves the registrations of an SMC-R connection to user space (`adopt`), finds it.
+    // SAFETY: passed on unchanged.
+    if let Some(rc) =
+        crate::connecting::while_pending(fd, || unsafe { real::epoll_ctl(epfd, op, fd, ev) })
+    {
+        return rc;
+    }
     let conn = match target(fd) {
         Target::Smc(c) => c,
         Target::Relay(r) => {
@@ -928,6 +937,10 @@ pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
         };
         let mut m = set.lock();
         set.register(&m, epfd, fd, conn);
+        // A one-shot registration the kernel already reported keeps only its flags (no
+        // event left): it stays silent until the program's EPOLL_CTL_MOD, as there.
+        let live = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLPRI | libc::EPOLLRDHUP) as u32;
+        let disabled = events & libc::EPOLLONESHOT as u32 != 0 && events & live == 0;
         set.insert(
             &mut m,
             fd,
@@ -937,7 +950,7 @@ pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
                 data,
                 news: true,
                 seen: (0, 0),
-                disabled: false,
+                disabled,
             },
         );
         crate::log!("fd {fd}: its registration in epoll {epfd} moved to user space");

@@ -3,6 +3,7 @@
 //! other descriptors plus the connections' eventfds (see the parent module).
 
 use super::*;
+use crate::hooks::target_wait;
 
 /// poll's revents of an SMC-R connection for `events`.
 pub(super) fn poll_revents(r: Ready, events: i16) -> i16 {
@@ -52,7 +53,14 @@ unsafe fn ppoll_managed(
     if !fds.iter().any(|p| table::maybe(p.fd)) {
         return None;
     }
-    let mut targets: Vec<Target> = fds.iter().map(|p| target(p.fd)).collect();
+    // Client handshakes in progress (`connecting.rs`), looked for before the targets: one
+    // that ends after this wakes the wait through its `done` eventfd, and the wait starts
+    // over with what it became.
+    let pending: Vec<Arc<crate::connecting::Connecting>> = fds
+        .iter()
+        .filter_map(|p| crate::connecting::of(p.fd).map(|(_, c)| c))
+        .collect();
+    let mut targets: Vec<Target> = fds.iter().map(|p| target_wait(p.fd)).collect();
     if targets.iter().any(|t| matches!(t, Target::Foreign)) {
         // Another process's connection: its idle TCP socket would never be ready; report
         // the error at once (the read that follows fails with EIO).
@@ -93,7 +101,7 @@ unsafe fn ppoll_managed(
             _ => None,
         })
         .collect();
-    if conns.iter().all(Option::is_none) {
+    if conns.iter().all(Option::is_none) && pending.is_empty() {
         if swapped.is_empty() {
             return None;
         }
@@ -128,7 +136,7 @@ unsafe fn ppoll_managed(
         if let Some(w) = &waiter {
             w.clear();
         }
-        if crate::relay::conversions() != conversions {
+        if crate::relay::conversions() != conversions || pending.iter().any(|p| p.ended()) {
             again = true;
             return 0;
         }
@@ -173,6 +181,13 @@ unsafe fn ppoll_managed(
                 Err(_) => no_waiter = true,
             }
             continue;
+        }
+        for p in &pending {
+            real_fds.push(pollfd {
+                fd: p.done_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
         }
         if let Some(w) = &waiter {
             real_fds.push(pollfd {

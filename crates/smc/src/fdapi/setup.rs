@@ -435,6 +435,101 @@ pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::
     Setup::of(s)
 }
 
+/// What [`connect_start`] got to.
+#[derive(Debug)]
+pub enum Connecting {
+    /// Set up: SMC-R, or TCP (the peer did not offer SMC-R, the server answered at once
+    /// with a Decline, or the Decline in place of the Proposal).
+    Done(Setup),
+    /// The Proposal is out and the server's answer not in yet: finish it with
+    /// [`ClientHandshake::advance`].
+    Waiting(ClientHandshake),
+}
+
+/// A client's CLC handshake whose Proposal is out (see [`connect_start`]).
+#[derive(Debug)]
+pub struct ClientHandshake {
+    rendezvous: crate::stream::ClientRendezvous,
+    /// The program's SO_OOBINLINE (a fallback turns it on; put back at the end).
+    oobinline: bool,
+}
+
+impl ClientHandshake {
+    /// Drive the handshake for at most `limit` (`None`: until it ends; zero: only look
+    /// whether it ended, as when the stack's `accept_wait` Decline ended it): `Ok(Some)`
+    /// with the connection it ended in, `Ok(None)` while the server's answer is still
+    /// missing. Works whatever the socket's O_NONBLOCK flag (it waits with `poll`).
+    pub fn advance(&mut self, limit: Option<std::time::Duration>) -> io::Result<Option<Setup>> {
+        const STEP: std::time::Duration = std::time::Duration::from_secs(1);
+        let start = std::time::Instant::now();
+        loop {
+            let step = match limit {
+                Some(l) => l.saturating_sub(start.elapsed()),
+                None => STEP,
+            };
+            if let Some(r) = self.rendezvous.advance(step) {
+                let s = r?;
+                set_oobinline(s.socket_fd(), self.oobinline);
+                return Setup::of(s).map(Some);
+            }
+            if limit.is_some() {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Whether the server's answer (or anything else) is waiting in the socket: the
+    /// handshake would go on at once.
+    pub fn answered(&self) -> bool {
+        let Some(sock) = self.rendezvous.socket() else {
+            return true;
+        };
+        let mut b = [0u8; 1];
+        !matches!(
+            rustix::net::recv(
+                sock,
+                &mut b,
+                rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT
+            ),
+            Err(rustix::io::Errno::AGAIN)
+        )
+    }
+}
+
+/// [`connect`] that returns once the Proposal is out when the server's answer takes longer
+/// than `wait`: the caller finishes the handshake later ([`ClientHandshake::advance`]) — at
+/// the program's first use of the connection, or in a thread of its own as soon as the
+/// answer arrives. A server program that accepts a connection only after its client used
+/// another one (FTP: the client connects the data connection, then sends RETR on the
+/// control connection; the server accepts after RETR) answers only then.
+pub fn connect_start(
+    fd: BorrowedFd<'_>,
+    addr: SocketAddr,
+    own_listener: bool,
+    wait: std::time::Duration,
+) -> io::Result<Connecting> {
+    let stack = stack()?;
+    let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
+    let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
+    let was = oobinline(fd);
+    match SmcStream::connect_socket_started(&stack, dup, addr, decline)? {
+        crate::stream::ClientStart::Ended(s) => {
+            set_oobinline(fd, was);
+            Setup::of(s).map(Connecting::Done)
+        }
+        crate::stream::ClientStart::Waiting(rendezvous) => {
+            let mut h = ClientHandshake {
+                rendezvous,
+                oobinline: was,
+            };
+            Ok(match h.advance(Some(wait))? {
+                Some(setup) => Connecting::Done(setup),
+                None => Connecting::Waiting(h),
+            })
+        }
+    }
+}
+
 impl Setup {
     fn of(s: SmcStream) -> io::Result<Setup> {
         match s.smc_id() {

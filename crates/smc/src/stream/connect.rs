@@ -118,30 +118,7 @@ impl SmcStream {
             // The TCP receive buffer too, for a fallback (best effort: the kernel clamps it).
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&fd, b as usize);
         }
-        let mode = stack.discovery_mode();
-        let cookie = match (&stack.inner.discovery, mode) {
-            (Some(d), DiscoveryMode::Ebpf) => Some(d.mark_client(&fd).map_err(io::Error::other)?),
-            _ => None,
-        };
-        let sock = match tcp_connect(fd, addr, timeout) {
-            Ok(s) => Arc::new(s),
-            Err(e) => {
-                if let (Some(d), Some(c)) = (&stack.inner.discovery, cookie) {
-                    d.unmark_client(c);
-                }
-                return Err(e);
-            }
-        };
-        let offered = match mode {
-            DiscoveryMode::Ebpf => match (&stack.inner.discovery, cookie) {
-                (Some(d), Some(c)) => matches!(d.client_outcome(c), Ok(Outcome::BothOffered))
-                    .then_some(())
-                    .ok_or(FallbackReason::PeerWithoutOption),
-                _ => Err(FallbackReason::DiscoveryOff),
-            },
-            DiscoveryMode::AssertPeer => Ok(()),
-            DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
-        };
+        let (sock, offered) = connect_discovered(stack, fd, addr, timeout)?;
         match offered {
             Ok(()) => handed(
                 Rendezvous::start_with(stack, sock, true, recv_buffer, addr, decline)?
@@ -149,6 +126,36 @@ impl SmcStream {
             ),
             Err(reason) => Ok(SmcStream::fallback(stack, sock, reason, Vec::new(), false)),
         }
+    }
+
+    /// [`connect_socket_declining`](Self::connect_socket_declining) up to the Proposal: the
+    /// TCP connection made, discovery asked and the Proposal sent (or the Decline in its
+    /// place), then `Waiting` with the handshake when the server's answer is not in yet.
+    /// The caller finishes it ([`ClientRendezvous::advance`]) when it likes: a program whose
+    /// server accepts only after the client used another connection (FTP's data
+    /// connections) gets its `connect` back before the server's Accept.
+    pub(crate) fn connect_socket_started(
+        stack: &Stack,
+        fd: OwnedFd,
+        addr: SocketAddr,
+        decline: Option<smc_wire::DeclineCode>,
+    ) -> io::Result<ClientStart> {
+        let (sock, offered) = connect_discovered(stack, fd, addr, None)?;
+        if let Err(reason) = offered {
+            return Ok(ClientStart::Ended(SmcStream::fallback(
+                stack,
+                sock,
+                reason,
+                Vec::new(),
+                false,
+            )));
+        }
+        let r = Rendezvous::start_with(stack, sock, true, None, addr, decline)?;
+        let mut c = ClientRendezvous(Some(r));
+        Ok(match c.advance(Duration::ZERO) {
+            Some(r) => ClientStart::Ended(r?),
+            None => ClientStart::Waiting(c),
+        })
     }
 
     pub(crate) fn fallback(
@@ -226,9 +233,82 @@ impl SmcStream {
     }
 }
 
+/// What [`SmcStream::connect_socket_started`] got to.
+#[derive(Debug)]
+pub(crate) enum ClientStart {
+    /// The connection is set up (SMC-R) or on TCP (fallback, or the Decline in place of the
+    /// Proposal).
+    Ended(SmcStream),
+    /// The Proposal is out; the server's answer is not in yet.
+    Waiting(ClientRendezvous),
+}
+
+/// A client's CLC handshake whose Proposal is out, finished in steps by its owner.
+#[derive(Debug)]
+pub(crate) struct ClientRendezvous(Option<Box<Rendezvous>>);
+
+impl ClientRendezvous {
+    /// Drive the handshake for at most `limit` (zero: only look whether it ended, e.g. by
+    /// the stack's `accept_wait` Decline): `Some` with what it ended in, `None` while it
+    /// still waits for the server. Waits on the socket with `poll` in slices, so the
+    /// socket's O_NONBLOCK flag (the program's) does not matter.
+    pub(crate) fn advance(&mut self, limit: Duration) -> Option<io::Result<SmcStream>> {
+        let Some(r) = self.0.take() else {
+            return Some(Err(io::Error::other("rendezvous already ended")));
+        };
+        match r.run_for(&mut |r| Err(r), Some(limit)) {
+            Ok(r) => Some(handed(r)),
+            Err(back) => {
+                self.0 = Some(back);
+                None
+            }
+        }
+    }
+
+    /// The connection's TCP socket (the stack's duplicate of it).
+    pub(crate) fn socket(&self) -> Option<&TcpStream> {
+        self.0.as_ref().map(|r| &*r.sock)
+    }
+}
+
 /// The end of a rendezvous run that hands off nothing.
 fn handed(r: Option<io::Result<SmcStream>>) -> io::Result<SmcStream> {
     r.unwrap_or_else(|| Err(io::Error::other("rendezvous handed off")))
+}
+
+/// TCP connect of `fd` to `addr` with the discovery's marks around it: the socket, and
+/// whether both ends offered SMC-R (else why not).
+fn connect_discovered(
+    stack: &Stack,
+    fd: OwnedFd,
+    addr: SocketAddr,
+    timeout: Option<Duration>,
+) -> io::Result<(Arc<TcpStream>, Result<(), FallbackReason>)> {
+    let mode = stack.discovery_mode();
+    let cookie = match (&stack.inner.discovery, mode) {
+        (Some(d), DiscoveryMode::Ebpf) => Some(d.mark_client(&fd).map_err(io::Error::other)?),
+        _ => None,
+    };
+    let sock = match tcp_connect(fd, addr, timeout) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            if let (Some(d), Some(c)) = (&stack.inner.discovery, cookie) {
+                d.unmark_client(c);
+            }
+            return Err(e);
+        }
+    };
+    let offered = match mode {
+        DiscoveryMode::Ebpf => match (&stack.inner.discovery, cookie) {
+            (Some(d), Some(c)) => matches!(d.client_outcome(c), Ok(Outcome::BothOffered))
+                .then_some(())
+                .ok_or(FallbackReason::PeerWithoutOption),
+            _ => Err(FallbackReason::DiscoveryOff),
+        },
+        DiscoveryMode::AssertPeer => Ok(()),
+        DiscoveryMode::Auto | DiscoveryMode::Off => Err(FallbackReason::DiscoveryOff),
+    };
+    Ok((sock, offered))
 }
 
 fn tcp_connect(fd: OwnedFd, addr: SocketAddr, timeout: Option<Duration>) -> io::Result<TcpStream> {
