@@ -75,6 +75,10 @@ pub(crate) struct Connecting {
     /// wakes on it).
     done: OwnedFd,
     ended: AtomicBool,
+    /// What it ended in, when that is a connection to install: a number that still names
+    /// this entry afterwards (a `dup` while it ended, or one the end's listing missed) takes
+    /// it from here ([`settle_leftover`]).
+    result: std::sync::OnceLock<Arc<Entry>>,
 }
 
 impl Connecting {
@@ -140,6 +144,7 @@ pub(crate) fn started(fd: c_int, h: ClientHandshake) -> Result<(), ClientHandsha
         watch,
         done,
         ended: AtomicBool::new(false),
+        result: std::sync::OnceLock::new(),
     });
     let e = Entry::new(Kind::Connecting(c.clone()));
     // (In range, checked above.)
@@ -165,7 +170,15 @@ pub(crate) fn of(fd: c_int) -> Option<(Arc<Entry>, Arc<Connecting>)> {
         return None;
     };
     let c = c.clone();
-    e.ours().then_some((e, c))
+    if !e.ours() {
+        return None;
+    }
+    if c.ended() {
+        // A number left naming the ended handshake: it takes what the handshake ended in.
+        settle_leftover(&e, &c);
+        return None;
+    }
+    Some((e, c))
 }
 
 /// Run `f` (a registration of `fd`'s real socket in a kernel epoll instance) while the
@@ -212,7 +225,7 @@ pub(crate) fn finish(e: &Arc<Entry>, c: &Connecting) {
             let limit = match g.as_ref() {
                 None => {
                     drop(g);
-                    drop_stale(e);
+                    settle_leftover(e, c);
                     return;
                 }
                 Some(h) if h.answered() => STEP,
@@ -239,8 +252,30 @@ pub(crate) fn finish(e: &Arc<Entry>, c: &Connecting) {
     }
 }
 
-/// A number that still names an entry whose handshake ended (made by a `dup` while it
-/// ended): forgotten, the program uses the socket as it is.
+/// Numbers that still name entry `e` after its handshake ended (a `dup` while it ended):
+/// they take the connection it ended in; when it ended in nothing to install (failed, the
+/// socket shut down) they are forgotten and the program uses the socket as it is.
+fn settle_leftover(e: &Arc<Entry>, c: &Connecting) {
+    match c.result.get() {
+        Some(new) => {
+            let conn = match &new.kind {
+                Kind::Smc(conn) => Some(conn.clone()),
+                _ => None,
+            };
+            for fd in table::numbers_of(e) {
+                if table::replace(fd, e, new.clone()) {
+                    if let Some(conn) = &conn {
+                        crate::wait::adopt(fd, conn);
+                    }
+                }
+            }
+        }
+        None => drop_stale(e),
+    }
+}
+
+/// A number that still names an entry whose handshake ended with nothing to install:
+/// forgotten, the program uses the socket as it is.
 fn drop_stale(e: &Arc<Entry>) {
     for fd in table::numbers_of(e) {
         if let Some(old) = table::take_if(fd, e) {
@@ -274,7 +309,10 @@ fn step(
         Ok(None) => false,
         Ok(Some(setup)) => {
             **g = None;
-            install_all(e, &numbers, setup);
+            // Listed again: the step may have taken a while, and the program may have
+            // duplicated or closed numbers meanwhile (bash's `dup2` of a new connection).
+            let numbers = table::numbers_of(e);
+            install_all(e, c, &numbers, setup);
             c.signal_end();
             true
         }
@@ -296,17 +334,21 @@ fn step(
     }
 }
 
-/// Install what the handshake of entry `e` ended in under each of its numbers.
-fn install_all(e: &Arc<Entry>, numbers: &[c_int], setup: Setup) {
-    let first = numbers[0];
+/// Install what the handshake of entry `e` ended in under each of its numbers (kept in `c`
+/// for numbers that name `e` later, [`settle_leftover`]).
+fn install_all(e: &Arc<Entry>, c: &Connecting, numbers: &[c_int], setup: Setup) {
+    let first = numbers.first().copied().unwrap_or(-1);
     let conn = match &setup {
         Setup::Smc(c) => Some(c.clone()),
         Setup::Tcp(_) => None,
     };
-    let new = Entry::new(kind_of(first, setup, nonblocking_flag(first)));
+    // O_NONBLOCK from the watch, which shares the socket's open file description (the
+    // program's number may already name another file).
+    let new = Entry::new(kind_of(first, setup, nonblocking_flag(c.watch.as_raw_fd())));
     if let Some(id) = e.socket.get() {
         let _ = new.socket.set(*id);
     }
+    let _ = c.result.set(new.clone());
     for &fd in numbers {
         if table::replace(fd, e, new.clone()) {
             if let Some(c) = &conn {
@@ -319,9 +361,6 @@ fn install_all(e: &Arc<Entry>, numbers: &[c_int], setup: Setup) {
 /// Finish every pending handshake of this process (before a `fork` or an `exec`: the child
 /// or the new image would find the socket in the middle of it).
 pub(crate) fn finish_all() {
-    if COMPLETER_PID.load(Ordering::Relaxed) == 0 {
-        return;
-    }
     let list: Vec<Arc<Entry>> = LIST
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -439,9 +478,16 @@ fn run() {
     });
 }
 
+/// The completer's locks held by the forking thread across a `fork()` (a child that
+/// inherited one taken by the completer in that instant would wait for it forever, as the
+/// settler's did, docs/preload.md).
+type ForkHeld = (
+    MutexGuard<'static, PendingList>,
+    MutexGuard<'static, Option<(i32, OwnedFd)>>,
+);
+
 std::thread_local! {
-    /// The completer's list lock, held by the forking thread across a `fork()`.
-    static FORK_HELD: std::cell::RefCell<Option<MutexGuard<'static, PendingList>>> =
+    static FORK_HELD: std::cell::RefCell<Option<ForkHeld>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -450,7 +496,8 @@ std::thread_local! {
 pub(crate) fn fork_prepare() {
     finish_all();
     let l = LIST.lock().unwrap_or_else(|p| p.into_inner());
-    FORK_HELD.with(|h| *h.borrow_mut() = Some(l));
+    let w = WAKE.lock().unwrap_or_else(|p| p.into_inner());
+    FORK_HELD.with(|h| *h.borrow_mut() = Some((l, w)));
 }
 
 /// After a `fork()`, in the parent.
@@ -461,8 +508,9 @@ pub(crate) fn fork_parent() {
 /// After a `fork()`, in the child: the parent's pending handshakes are not the child's.
 pub(crate) fn fork_child() {
     FORK_HELD.with(|h| {
-        if let Some(mut l) = h.borrow_mut().take() {
+        if let Some((mut l, w)) = h.borrow_mut().take() {
             l.clear();
+            drop(w);
         }
     });
 }

@@ -377,7 +377,13 @@ pub(crate) unsafe fn rights(m: &libc::msghdr) -> Vec<c_int> {
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<c_int>();
-                let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                // A `cmsg_len` past the control buffer (the program's mistake, which the
+                // kernel answers with EINVAL) is cut at its end: nothing is read beyond it.
+                let end = (m.msg_control as usize).saturating_add(m.msg_controllen);
+                let room = end.saturating_sub(data as usize);
+                let len = ((*c).cmsg_len as usize)
+                    .saturating_sub(libc::CMSG_LEN(0) as usize)
+                    .min(room);
                 for i in 0..len / std::mem::size_of::<c_int>() {
                     fds.push(data.add(i).read_unaligned());
                 }

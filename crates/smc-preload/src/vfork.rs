@@ -22,6 +22,9 @@ static REAL: AtomicUsize = AtomicUsize::new(0);
 /// found: a copy of the memory instead of a borrowed one, which a `vfork` caller accepts).
 extern "C" fn vfork_prepare() -> usize {
     if !table::borrowed_memory() {
+        // A pending client handshake ends first: the new program would get its socket in
+        // the middle of it (and not named as a connection to ask the owner for).
+        guard((), crate::connecting::finish_all);
         guard((), relay::serve_spawned);
     }
     let mut p = REAL.load(Ordering::Relaxed);
