@@ -463,9 +463,10 @@ fn announce(owner: Owner, fd: c_int, unix: c_int) -> Result<(), c_int> {
     Ok(())
 }
 
-/// A unix stream socket connected to `addr` with bounded waits, whose server runs as this
-/// user or root and, when given, is process `pid`; the server's pid with it.
-fn connect_to(
+/// A unix stream socket connected to `addr` with bounded waits (set before the connect),
+/// whose server runs as this user or root and, when given, is process `pid` (also the
+/// relay's request, `relay::request`).
+pub(crate) fn connect_to(
     (addr, len): (libc::sockaddr_un, libc::socklen_t),
     pid: Option<i32>,
 ) -> Result<OwnedFd, c_int> {

@@ -419,36 +419,11 @@ pub(crate) fn attach(fd: c_int, owner: Owner) -> Result<Arc<Relay>, c_int> {
 
 /// The request itself: connect, check the server, send the proof, receive A.
 fn request(fd: c_int, owner: i32, nonce: u64) -> Result<OwnedFd, c_int> {
-    // SAFETY: a new socket of ours.
-    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
-        return Err(last_errno());
-    }
-    // SAFETY: just made.
-    let s = unsafe { OwnedFd::from_raw_fd(s) };
-    // A bounded wait, set before connect (a unix connect to a full backlog sleeps for the
-    // send timeout): an owner that does not answer (stopped, busy) is an error, not a hang.
-    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
-    let (addr, len) = address(owner, nonce);
-    // SAFETY: the address and its length.
-    if unsafe {
-        real::connect(
-            s.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    } != 0
-    {
-        return Err(last_errno());
-    }
-    // The server must be the owner (its pid) running as this user or as root: anyone else
-    // who bound the name first gets neither our socket nor our data.
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    match peer_cred(s.as_raw_fd()) {
-        Some(c) if c.pid == owner && (c.uid == me || c.uid == 0) => {}
-        _ => return Err(libc::EACCES),
-    }
+    // Bounded waits (a unix connect to a full backlog sleeps for the send timeout: an owner
+    // that does not answer is an error, not a hang), and the server must be the owner (its
+    // pid) running as this user or as root: anyone else who bound the name first gets
+    // neither our socket nor our data.
+    let s = pass::connect_to(address(owner, nonce), Some(owner))?;
     send_with_fd(s.as_raw_fd(), ASK, Some(fd))?;
     let (status, mut fds) = recv_with_fds(s.as_raw_fd())?;
     if status != 0 {
