@@ -341,11 +341,17 @@ fn rmb_exhaustion_falls_back_cleanly_and_recovers() {
     let _serial = serial();
     let dir = test_dir("rmb-exhaust");
     let peer = Peer::spawn("child_entry", "rmb-starved-server", &dir, &[]);
-    let st = Stack::new(scale_config(&dir)).expect("stack");
+    // The client's RMBs hold twice as many elements as the server's, so the connection
+    // that needs the server's second RMB does not need a new client RMB too. (If it did,
+    // the starved server could also fail to map the client's new RMB — its CONFIRM RKEY
+    // needs a descriptor — and which of the two declines came first would be a race.)
+    let mut cfg = scale_config(&dir);
+    cfg.rmb_bytes *= 2;
+    let st = Stack::new(cfg).expect("stack");
     let mut conns: Vec<(u64, SmcStream)> = Vec::new();
     let mut fallback = None;
-    // 64 elements of 16 KiB fit in an RMB (1 MiB target): the 65th connection needs a new
-    // RMB, so a fallback comes after at most a few RMBs' worth of connections.
+    // 128 elements of 16 KiB fit in the server's RMB (2 MiB): the 129th connection needs a
+    // new RMB, so a fallback comes after at most a few RMBs' worth of connections.
     for i in 0..600u64 {
         let s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port))
             .unwrap_or_else(|e| panic!("connection {i}: {e}"));
