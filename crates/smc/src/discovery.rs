@@ -375,9 +375,11 @@ mod imp {
             })?;
             let links_before = bpf_links();
             // No kernel BTF: the program reads only `bpf_sock_ops` fields, a stable ABI, so it
-            // has no CO-RE relocation to resolve against the running kernel's types, and
-            // parsing `/sys/kernel/btf/vmlinux` (aya's default) cost every new stack 15–40 ms
-            // of CPU (`perf stat` of `smc nc` sending 1 MiB: 70–94 ms with it, 53–57 without).
+            // has no CO-RE relocation to resolve against the running kernel's types. aya
+            // 0.13's `Ebpf::load` parses `/sys/kernel/btf/vmlinux` twice (in
+            // `EbpfLoader::new` and for its `btf` argument); this way once (`new` still
+            // does): `perf stat` of `smc nc` sending 1 MiB, 70–94 ms of CPU → 53–57 ms, of
+            // which the one parse left is about 18 % (`perf record`).
             let mut bpf = EbpfLoader::new()
                 .btf(None)
                 .load(PROGRAM)
