@@ -50,6 +50,11 @@ pub struct BenchArgs {
     /// the bench): a stream over SMC-R against TCP on the same veth.
     #[arg(long, default_value = "shm", value_parser = ["shm", "roce"])]
     fabric: String,
+    /// With `--fabric roce`: the veth pair's MTU, bytes (1500: a RoCE path MTU of 1,024;
+    /// 4176 or more: 4,096, as RoCE networks with jumbo frames run). TCP runs over the same
+    /// veth.
+    #[arg(long, value_name = "BYTES", value_parser = crate::roce_netns::parse_mtu)]
+    mtu: Option<u32>,
     /// Measure nothing: read the results from a JSON lines file of an earlier run (for the
     /// table and the plot).
     #[arg(long, value_name = "FILE")]
@@ -640,7 +645,11 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         return crate::roce_netns::bench(
             bytes,
             args.rounds.unwrap_or(if args.quick { 1 } else { 3 }),
+            args.mtu.unwrap_or(crate::roce_netns::DEFAULT_MTU),
         );
+    }
+    if args.mtu.is_some() {
+        bail!("--mtu sets the veth pair of --fabric roce; the shm fabric has no MTU");
     }
     if let Some(from) = &args.from {
         let text =

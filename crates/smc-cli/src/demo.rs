@@ -47,6 +47,10 @@ pub struct DemoArgs {
     /// removed by the demo; `--fail-at` takes one veth pair down).
     #[arg(long, default_value = "shm", value_parser = ["shm", "roce"])]
     fabric: String,
+    /// With `--fabric roce`: the veth pairs' MTU, bytes (1500: a RoCE path MTU of 1,024;
+    /// 4176 or more: 4,096).
+    #[arg(long, value_name = "BYTES", value_parser = crate::roce_netns::parse_mtu)]
+    mtu: Option<u32>,
 }
 
 /// Arguments of the hidden `smc demo-server`.
@@ -228,7 +232,14 @@ fn rate(bytes: u64, d: Duration) -> String {
 /// Run `smc demo`.
 pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     if args.fabric == "roce" {
-        return crate::roce_netns::demo(args.bytes, args.fail_at);
+        return crate::roce_netns::demo(
+            args.bytes,
+            args.fail_at,
+            args.mtu.unwrap_or(crate::roce_netns::DEFAULT_MTU),
+        );
+    }
+    if args.mtu.is_some() {
+        bail!("--mtu sets the veth pairs of --fabric roce; the shm fabric has no MTU");
     }
     let dir = std::env::temp_dir().join(format!("smc-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

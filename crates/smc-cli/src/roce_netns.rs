@@ -36,8 +36,26 @@ fn ip(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// The veth MTU when none is asked for: Ethernet's, a path MTU of 1,024 bytes.
+pub const DEFAULT_MTU: u32 = 1500;
+
+/// Check a veth MTU given on the command line: a software RoCEv2 device needs room for a
+/// path MTU of at least 256 bytes plus its headers, and a veth takes at most 65,535.
+pub fn parse_mtu(s: &str) -> std::result::Result<u32, String> {
+    let v: u32 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of bytes"))?;
+    if !(576..=65_535).contains(&v) {
+        return Err(format!(
+            "{v} is outside 576..=65535 (the veth's MTU, bytes)"
+        ));
+    }
+    Ok(v)
+}
+
 impl Net {
-    fn new() -> Result<Net> {
+    /// Two namespaces joined by two veth pairs of the given MTU.
+    fn new(mtu: u32) -> Result<Net> {
         let uid = std::fs::read_to_string("/proc/self/status")
             .ok()
             .and_then(|s| {
@@ -78,6 +96,7 @@ impl Net {
             for (ns, v, side) in [(&net.a, &va, 'a'), (&net.b, &vb, 'b')] {
                 let addr = format!("{}/24", net.addr(side, k));
                 ip(&["-n", ns, "addr", "add", &addr, "dev", v])?;
+                ip(&["-n", ns, "link", "set", v, "mtu", &mtu.to_string()])?;
                 ip(&["-n", ns, "link", "set", v, "up"])?;
                 ip(&["-n", ns, "link", "set", "lo", "up"])?;
             }
@@ -394,10 +413,10 @@ fn input(dir: &Path, len: u64) -> Result<PathBuf> {
 }
 
 /// `smc demo --fabric roce`.
-pub fn demo(bytes: u64, fail_at: u8) -> Result<ExitCode> {
-    let net = Net::new()?;
+pub fn demo(bytes: u64, fail_at: u8, mtu: u32) -> Result<ExitCode> {
+    let net = Net::new(mtu)?;
     println!(
-        "namespaces {} and {}: veth pairs {}/{} ({}), {}/{} ({})",
+        "namespaces {} and {}: veth pairs (MTU {mtu}) {}/{} ({}), {}/{} ({})",
         net.a,
         net.b,
         net.veth('a', 0),
@@ -434,8 +453,8 @@ pub fn demo(bytes: u64, fail_at: u8) -> Result<ExitCode> {
 
 /// `smc bench --fabric roce`: streaming over SMC-R and TCP on the same veth pair, in the same
 /// run, alternating, `rounds` times each; the median of each is reported.
-pub fn bench(bytes: u64, rounds: usize) -> Result<ExitCode> {
-    let net = Net::new()?;
+pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
+    let net = Net::new(mtu)?;
     let src = input(&net.dir, bytes)?;
     // One round of each kept in a file and checked by SHA-256, not timed.
     net.stream(true, &src, true, 0, || Ok(()))?;
@@ -456,7 +475,7 @@ pub fn bench(bytes: u64, rounds: usize) -> Result<ExitCode> {
     let mbs = |secs: f64| bytes as f64 / secs / 1e6;
     println!(
         "stream of {bytes} bytes from a file in memory between two namespaces over one veth \
-         pair (smc nc in 64 KiB reads and writes, received bytes counted and discarded after one untimed round of each checked by SHA-256; median of {} rounds)",
+         pair of MTU {mtu} (smc nc in 64 KiB reads and writes, received bytes counted and discarded after one untimed round of each checked by SHA-256; median of {} rounds)",
         smc.len()
     );
     println!("  {:<46} {:>14} {:>14} {:>8}", "", "SMC-R", "TCP", "ratio");
@@ -512,7 +531,18 @@ pub fn bench(bytes: u64, rounds: usize) -> Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
-    use super::transfer_of;
+    use super::{parse_mtu, transfer_of};
+
+    #[test]
+    fn veth_mtus_outside_what_a_roce_device_and_a_veth_take_are_refused() {
+        assert_eq!(parse_mtu("1500"), Ok(1500));
+        assert_eq!(parse_mtu("9000"), Ok(9000));
+        assert_eq!(parse_mtu("576"), Ok(576));
+        assert_eq!(parse_mtu("65535"), Ok(65_535));
+        for bad in ["575", "65536", "0", "-1", "9k", ""] {
+            assert!(parse_mtu(bad).is_err(), "{bad:?} taken");
+        }
+    }
 
     #[test]
     fn reads_the_receivers_transfer_line() {
