@@ -33,9 +33,17 @@ struct smc_flow_key {
 	__u32 remote_ip[4];
 };
 
+// The hash maps allocate their elements as entries are added (BPF_F_NO_PREALLOC) instead of
+// all of them when the map is made: every process's stack makes its own maps, and making
+// 65,536 + 4,096 preallocated elements cost a few milliseconds of CPU and megabytes of kernel
+// memory at each start. The LRU map must stay preallocated (the kernel refuses the flag); it
+// holds a passive connection only from its handshake to the program's accept (userspace removes
+// it there), so 16,384 entries (2 MiB) cover any backlog: an entry pushed out before its accept
+// makes that one connection TCP, as a peer without the option would.
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, __u64);
 	__type(value, __u32);
 } smc_sockets SEC(".maps");
@@ -43,13 +51,14 @@ struct {
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 4096);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, __u32);
 	__type(value, __u32);
 } smc_listen_ports SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, 16384);
 	__type(key, struct smc_flow_key);
 	__type(value, __u32);
 } smc_accepted SEC(".maps");
