@@ -2,24 +2,31 @@
 //! `relay.rs`): the receiver gets the real TCP socket, which carries nothing once SMC-R runs,
 //! so, as a forked child does, it asks the connection's owner for a relay.
 //!
-//! * **The sender** (`sendmsg` with SCM_RIGHTS naming an SMC-R connection, [`passing`]) makes
-//!   sure the owner serves relays and tells it of the pass before the message goes: the
-//!   owner itself notes it; any other holder (a forked child, a relayed receiver passing it
-//!   on) sends the owner a [`PASS`] request with its copy of the TCP socket as the proof and
-//!   a copy of the unix socket the message goes through. The owner binds, once per
+//! * **The sender** (`sendmsg` or `sendmmsg` with SCM_RIGHTS naming an SMC-R connection,
+//!   [`passing`]) makes sure the owner serves relays and tells it of the pass before the
+//!   message goes: the owner itself notes it; any other holder (a forked child, a relayed
+//!   receiver passing it on) sends the owner a [`PASS`] request with its copy of the TCP
+//!   socket as the proof and a copy of the unix socket the message goes through. The owner binds, once per
 //!   connection, the abstract name `smc-rs-passed/<device>/<inode>` of the TCP socket (what
 //!   a receiver sees with `fstat`) and keeps the copy of the unix socket while its queue
 //!   holds what was sent (`SIOCOUTQ`: the kernel charges a unix socket for what it sent
-//!   until the receiver takes it, or its socket goes): the pass is *in flight*.
+//!   until the receiver takes it, or its socket goes): the pass is *in flight*. The note
+//!   comes before the message goes (the receiver may look it up before the sender's call
+//!   returns) and is undone when the send fails ([`sent`]; [`UNPASS`] to another owner).
+//!   When another socket holds the name (anyone can bind it first: `/proc/net/tcp` shows
+//!   the inode), the owner binds a name under it with 128 random bits ([`random_name`]).
 //! * **The receiver** (`recvmsg` that brings SCM_RIGHTS, [`received`]) looks at each
 //!   descriptor: an AF_INET/AF_INET6 stream socket of a connection this process already
 //!   has an entry for is a duplicate (a pass to itself, or to another thread); any other is
 //!   looked up at that name ([`LOOKUP`], with the socket as the proof, checked as a relay
 //!   request is): the owner answers with its nonce and notes the receiver's pid, and the
 //!   descriptor gets an entry that asks that owner for a relay at its first use, as an
-//!   exec'd image's inherited one does. No name: not an SMC-R connection, or its owner is
-//!   gone or in another network namespace (abstract names are per namespace); the socket
-//!   stays as it is.
+//!   exec'd image's inherited one does. The server at the name must run as the receiver's
+//!   user or root (SO_PEERCRED, before anything is sent: [`connect_cred`]); one that is
+//!   refused, answers as no owner, or holds the name without listening sends the receiver
+//!   to the names under it, read from `/proc/net/unix` ([`candidates`]). No name: not an
+//!   SMC-R connection, or its owner is gone or in another network namespace (abstract names
+//!   are per namespace); the socket stays as it is.
 //! * **How long** (`keep.rs`): once the owner's program closed its numbers, a passed
 //!   connection is kept while a pass is in flight, for [`GRACE`] after the last pass was
 //!   taken when fewer receivers looked it up than passes were made (a receiver between its

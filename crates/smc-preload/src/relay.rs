@@ -11,7 +11,8 @@
 //!   nonce that its forked descendants know from their copy of its memory
 //!   (`smc-rs-relay/<pid>/<nonce>`), bound at the first `fork()` while the process holds
 //!   SMC-R connections (a fork without connections, or a program that never forks, costs
-//!   nothing), served by one thread started after that fork.
+//!   nothing), served by one thread started after that fork, which no requester holds up
+//!   (`relay_server.rs`).
 //! * The requester proves it holds the connection by sending its copy of the TCP socket
 //!   (SCM_RIGHTS); the owner checks that it is, as an open file, the one a number of its
 //!   connection names (kcmp; see [`same_file`]), and the requester's credentials
@@ -33,7 +34,8 @@
 //!   it forked still holds the TCP socket, the connection is kept for that process until no
 //!   process holds it (`keep.rs`).
 //! * A connection passed to another process with SCM_RIGHTS: the owner binds a name of the
-//!   TCP socket (`smc-rs-passed/<dev>/<ino>`) where the receiver's library looks it up; the
+//!   TCP socket (`smc-rs-passed/<dev>/<ino>`, or a random name under it when another
+//!   socket holds that) where the receiver's library looks it up; the
 //!   receiver then asks as an exec'd image does, and the connection is kept while the pass
 //!   is in flight or a receiver holds it (`pass.rs`).
 //!
