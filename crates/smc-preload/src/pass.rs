@@ -126,8 +126,13 @@ fn candidates_in(t: &str, id: (u64, u64)) -> Vec<String> {
 /// A connection of this process passed to another one.
 struct Passed {
     id: (u64, u64),
-    /// Listening on [`name`] of `id`.
+    /// Listening on [`name`] of `id`, or, when another socket held that, on a
+    /// [`random_name`] under it (`random`).
     listener: OwnedFd,
+    random: bool,
+    /// With a random name: [`name`] of `id`, bound once the socket that held it let it go
+    /// ([`retake`]): a receiver that finds the name free looks no further.
+    retaken: Option<OwnedFd>,
     conn: Weak<Conn>,
     /// The passes in flight.
     in_flight: Vec<Flight>,
@@ -174,6 +179,9 @@ impl Flight {
 impl Drop for Passed {
     fn drop(&mut self) {
         pump_fd_remove(self.listener.as_raw_fd());
+        if let Some(l) = &self.retaken {
+            pump_fd_remove(l.as_raw_fd());
+        }
         for f in &self.in_flight {
             pump_fd_remove(f.unix.as_raw_fd());
         }
@@ -241,7 +249,12 @@ pub(super) fn receivers() -> Vec<i32> {
 
 /// The listening sockets of the passed connections' names (the server thread's poll).
 pub(super) fn listeners() -> Vec<c_int> {
-    with_passed(|v| v.iter().map(|p| p.listener.as_raw_fd()).collect())
+    with_passed(|v| {
+        v.iter()
+            .flat_map(|p| std::iter::once(&p.listener).chain(&p.retaken))
+            .map(|l| l.as_raw_fd())
+            .collect()
+    })
 }
 
 /// In a forked child: the parent's records are not this process's (their descriptors were
@@ -301,6 +314,8 @@ fn note(
                 v.push(Passed {
                     id,
                     listener,
+                    random: random.is_some(),
+                    retaken: None,
                     conn,
                     in_flight: Vec::new(),
                     passes: 0,
@@ -409,12 +424,13 @@ fn listen_at(n: &str) -> Result<OwnedFd, c_int> {
 
 /// The server thread: the passes taken or too old go (their copies of the unix sockets are
 /// closed: the program's close of its own reaches the peer), so do the records of
-/// connections this process no longer has, and the receivers that are gone.
+/// connections this process no longer has, and the receivers that are gone; a name let go
+/// by the socket that held it is bound ([`retake`]).
 pub(super) fn sweep() {
     let now = Instant::now();
     let bound = wait_bound();
-    let gone: Vec<Passed> = with_passed(|v| {
-        let mut gone = Vec::new();
+    let (gone, retaken) = with_passed(|v| {
+        let mut gone: Vec<Passed> = Vec::new();
         let mut i = 0;
         while i < v.len() {
             if v[i].conn.strong_count() == 0 {
@@ -437,9 +453,28 @@ pub(super) fn sweep() {
                 .retain(|pid| std::fs::metadata(format!("/proc/{pid}")).is_ok());
             i += 1;
         }
-        gone
+        let retaken = retake(v);
+        (gone, retaken)
     });
     drop(gone);
+    for ino in retaken {
+        log!("relay: the name of a passed connection (inode {ino}) was let go by the socket that held it: bound");
+    }
+}
+
+/// Bind the names of the connections among `v` that have a random name only, where the
+/// socket that held the name let it go (under the lock of the records: `with_passed`);
+/// their inodes.
+fn retake(v: &mut [Passed]) -> Vec<u64> {
+    let mut done = Vec::new();
+    for p in v.iter_mut().filter(|p| p.random && p.retaken.is_none()) {
+        if let Ok(l) = listen_at(&name_text(p.id)) {
+            let _ = pump_fd_add(l.as_raw_fd());
+            p.retaken = Some(l);
+            done.push(p.id.1);
+        }
+    }
+    done
 }
 
 /// A [`PASS`] request (RELAYS_LOCK not held): `fds` are the proof and the sender's unix

@@ -84,6 +84,8 @@ fn a_lookup_names_the_owner_and_notes_the_receiver() {
         v.push(Passed {
             id,
             listener: l,
+            random: false,
+            retaken: None,
             conn: Weak::new(),
             in_flight: Vec::new(),
             passes: 1,
@@ -313,6 +315,8 @@ fn a_name_held_by_another_user_is_refused_and_the_owner_is_found_under_it() {
             v.push(Passed {
                 id,
                 listener: l,
+                random: true,
+                retaken: None,
                 conn: Weak::new(),
                 in_flight: Vec::new(),
                 passes: 1,
@@ -462,4 +466,40 @@ fn an_announced_pass_whose_send_failed_is_undone_by_its_owner() {
         "the record stays"
     );
     let _ = table::take(conn.as_raw_fd());
+}
+
+#[test]
+fn a_name_let_go_by_its_squatter_is_bound_by_the_owner() {
+    let _children = crate::TEST_CHILDREN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+    let Some(sq) = squatter(&[(name_text(id), true)]) else {
+        return;
+    };
+    let (l, random) = listen(id).expect("the owner found no name");
+    assert!(random.is_some());
+    let mut v = vec![Passed {
+        id,
+        listener: l,
+        random: true,
+        retaken: None,
+        conn: Weak::new(),
+        in_flight: Vec::new(),
+        passes: 1,
+        lookups: 0,
+        drained: None,
+        receivers: Vec::new(),
+    }];
+    // Still held: nothing to retake.
+    assert!(retake(&mut v).is_empty());
+    end_squatter(sq);
+    // Let go: the owner binds it, and a receiver that asks there finds this process.
+    assert_eq!(retake(&mut v), vec![id.1]);
+    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
+    let (_s, pid) = connect_cred(name(id), None, until).expect("the connection's name");
+    // SAFETY: getpid has no preconditions.
+    assert_eq!(pid, unsafe { libc::getpid() });
+    assert!(retake(&mut v).is_empty(), "bound twice");
 }
