@@ -841,14 +841,21 @@ ended=$(($(grep -c "no process holds the kept connection" "$SMC_LOG" || true) - 
 [ "$kept" -eq 2 ] && [ "$ended" -eq 2 ] || fail "fork: $kept connections kept for a child, $ended closed after (2 and 2 expected)"
 grep '^ok' "$work/fork-c.log" | sed 's/^/   /'
 
-echo "== a connection passed by SCM_RIGHTS to a forked and to an exec'd worker after the request (scripts/preload-passfd.py)"
+echo "== a connection passed by SCM_RIGHTS (sendmsg, sendmmsg) to forked and exec'd workers after the request, past a squatter of its name and a failed send (scripts/preload-passfd.py)"
 before=$(grep -c "relayed through it" "$SMC_LOG" 2>/dev/null || true)
 got0=$(grep -c "received a passed connection" "$SMC_LOG" 2>/dev/null || true)
 py_pair passfd 19191 "a connection passed to a worker by SCM_RIGHTS" "$SMC"
 after=$(grep -c "relayed through it" "$SMC_LOG" || true)
 got=$(($(grep -c "received a passed connection" "$SMC_LOG" || true) - got0))
-[ $((after - before)) -eq 6 ] && [ "$got" -eq 9 ] \
-    || fail "passfd: $((after - before)) relayed (6 expected: the workers that used it), $got passes looked up (9 expected: 7 to workers, 1 back to the owner, 1 on)"
+[ $((after - before)) -eq 8 ] && [ "$got" -eq 12 ] \
+    || fail "passfd: $((after - before)) relayed (8 expected: the workers that used it), $got passes looked up (12 expected: 10 to workers, 1 back to the owner, 1 on)"
+# The squatter of the pass name: refused by the receiver, which found the owner under it;
+# the failed send of a pass: undone.
+grep -q "the name of a passed connection (inode [0-9]*) is held by another socket: bound as" "$SMC_LOG" \
+    && grep -q "relay: the server at @smc-rs-passed/[0-9/]* is process [0-9]* of uid 65534, .*: refused" "$SMC_LOG" \
+    && grep -q "the name of a passed connection is held by another socket; its owner [0-9]* answered at" "$SMC_LOG" \
+    || fail "passfd: the squatted pass name was not refused and passed by"
+grep -q "the send of a pass failed: undone" "$SMC_LOG" || fail "passfd: the failed send of a pass was not undone"
 grep '^ok' "$work/passfd-c.log" | sed 's/^/   /'
 
 echo "== rsync daemon + rsync client, push and pull of 30 MB (the receiver is forked after the connection is set up)"

@@ -8,8 +8,10 @@ request (docs/preload.md, "SCM_RIGHTS"): the receiver serves it, relayed through
     preload-passfd.py worker PATH       (started by the server, detached: an unrelated
                                          process that takes connections on unix socket PATH)
 
-Two workers: one forked by the server before its first accept (a socketpair), one exec'd
-apart from it (double fork: not the server's child) that connects to a named unix socket.
+Three workers: one forked by the server before its first accept (a socketpair), one exec'd
+apart from it (double fork: not the server's child) that connects to a named unix socket,
+and a forked one on a SOCK_SEQPACKET socketpair that the server sends to with `sendmmsg` and
+that receives with `recvmmsg` (both through ctypes: Python has neither).
 Scenarios, one connection each (SHA-256 of every payload compared both ways, the client's
 connection listed as SMC-R by `smc ss`):
 
@@ -29,7 +31,17 @@ connection listed as SMC-R by `smc ss`):
    received its own connection and, half a second later, passes it on to the exec'd
    worker; that one reads the
    second half, in order, and answers.
+8. mmsg: as 1, the connection passed with `sendmmsg` (two messages: a greeting without
+   descriptors, then the connection) and received with `recvmmsg`.
+9. exec-squat: as 2, with the connection's pass name (`smc-rs-passed/<dev>/<ino>`) bound
+   first by a process of another user (uid 65534, without the library): the owner binds a
+   name under it, the receiver refuses the squatter's server and finds the owner's.
+10. mmsg-failed: as 5 through the mmsg worker, after a `sendmsg` of the connection that
+   failed (EAGAIN: a unix socket whose queue is full): the failed send is no pass, so the
+   connection is not kept for it (`SMC_PASS_WAIT_MS`, 60 s, longer than the client's 30 s
+   wait) and ends when the worker exits.
 """
+import ctypes
 import hashlib
 import json
 import os
@@ -92,15 +104,105 @@ def serve(c, mode, n, u):
     c.close()
 
 
-def worker_loop(u):
-    """Take connections from unix socket u: a line `MODE N` with the connection attached."""
+def worker_loop(u, mmsg=False):
+    """Take connections from unix socket u: a line `MODE N` with the connection attached
+    (with `recvmmsg` when mmsg; a message without a descriptor is a greeting)."""
     while True:
-        msg, fds, _, _ = socket.recv_fds(u, 100, 1)
-        if not msg:
-            return
-        mode, n = msg.decode().split()
-        c = socket.socket(fileno=fds[0])
-        serve(c, mode, int(n), u)
+        if mmsg:
+            got = recv_mmsg(u)
+        else:
+            msg, fds, _, _ = socket.recv_fds(u, 100, 1)
+            got = [(msg, fds)]
+        for msg, fds in got:
+            if not msg:
+                return
+            if not fds:
+                continue
+            mode, n = msg.decode().split()
+            c = socket.socket(fileno=fds[0])
+            serve(c, mode, int(n), u)
+
+
+# ---------------------------------------------------------------- sendmmsg/recvmmsg
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+SOL_SOCKET, SCM_RIGHTS, MSG_WAITFORONE = 1, 1, 0x10000
+
+
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class Msghdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32),
+                ("iov", ctypes.POINTER(Iovec)), ("iovlen", ctypes.c_size_t),
+                ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+class Mmsghdr(ctypes.Structure):
+    _fields_ = [("hdr", Msghdr), ("len", ctypes.c_uint)]
+
+
+class Cmsg1(ctypes.Structure):
+    """A control message with one descriptor (CMSG_SPACE(4) = 24 bytes on 64-bit Linux)."""
+    _fields_ = [("len", ctypes.c_size_t), ("level", ctypes.c_int), ("type", ctypes.c_int),
+                ("fd", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+def send_mmsg(u, msgs):
+    """sendmmsg on u of [(bytes, fd or None)], all in one call; returns how many went."""
+    keep = []
+    v = (Mmsghdr * len(msgs))()
+    for i, (data, fd) in enumerate(msgs):
+        buf = ctypes.create_string_buffer(data, len(data))
+        iov = Iovec(ctypes.cast(buf, ctypes.c_void_p), len(data))
+        keep += [buf, iov]
+        v[i].hdr.iov = ctypes.pointer(iov)
+        v[i].hdr.iovlen = 1
+        if fd is not None:
+            c = Cmsg1(20, SOL_SOCKET, SCM_RIGHTS, fd, 0)
+            keep.append(c)
+            v[i].hdr.control = ctypes.cast(ctypes.pointer(c), ctypes.c_void_p)
+            v[i].hdr.controllen = ctypes.sizeof(c)
+    n = LIBC.sendmmsg(u.fileno(), v, len(msgs), 0)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "sendmmsg")
+    return n
+
+
+def recv_mmsg(u):
+    """recvmmsg on u of up to two messages (the first waited for): [(bytes, [fd])]."""
+    v = (Mmsghdr * 2)()
+    bufs, iovs, cms = [], [], []
+    for i in range(2):
+        bufs.append(ctypes.create_string_buffer(100))
+        iovs.append(Iovec(ctypes.cast(bufs[i], ctypes.c_void_p), 100))
+        cms.append(Cmsg1())
+        v[i].hdr.iov = ctypes.pointer(iovs[i])
+        v[i].hdr.iovlen = 1
+        v[i].hdr.control = ctypes.cast(ctypes.pointer(cms[i]), ctypes.c_void_p)
+        v[i].hdr.controllen = ctypes.sizeof(cms[i])
+    n = LIBC.recvmmsg(u.fileno(), v, 2, MSG_WAITFORONE | socket.MSG_CMSG_CLOEXEC, None)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "recvmmsg")
+    out = []
+    for i in range(n):
+        has = v[i].hdr.controllen >= 20 and cms[i].level == SOL_SOCKET and cms[i].type == SCM_RIGHTS
+        out.append((bufs[i].raw[:v[i].len], [cms[i].fd] if has else []))
+    return out
+
+
+# The squatter (run as `python3 -c SQUAT NAME`: another user may not read this file): bind and
+# listen on abstract name NAME, say so, and hold it until stdin ends.
+SQUAT = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind("\\0" + sys.argv[1])
+s.listen(4)
+print(f"ready {os.getuid()}", flush=True)
+sys.stdin.read()
+"""
 
 
 def worker(path):
@@ -148,6 +250,25 @@ def server(port):
         worker_loop(theirs)
         os._exit(0)
     theirs.close()
+    # The third worker, forked too: sendmmsg/recvmmsg over a SOCK_SEQPACKET socketpair.
+    to_mmsg, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mpid = os.fork()
+    if mpid == 0:
+        to_mmsg.close()
+        to_fork.close()
+        to_exec.close()
+        worker_loop(theirs, mmsg=True)
+        os._exit(0)
+    theirs.close()
+    # A unix socket whose queue is full: a send of a connection on it fails (EAGAIN).
+    jam, jam_peer = socket.socketpair()
+    jam.setblocking(False)
+    try:
+        while True:
+            jam.send(b"j" * 65536)
+    except BlockingIOError:
+        pass
+    squatters = []
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     ls.bind(("127.0.0.1", port))
@@ -163,8 +284,23 @@ def server(port):
         n = cmd[1]
         if mode == "busy":
             c.sendall(b"s" * (512 << 10))
-        u = to_fork if where == "fork" else to_exec
-        socket.send_fds(u, [f"{mode or 'serve'} {n}".encode()], [c.fileno()])
+        if mode == "failed":
+            try:
+                socket.send_fds(jam, [b"exit 0"], [c.fileno()])
+                print("FAIL server: a send on the full socket went", flush=True)
+            except BlockingIOError:
+                pass
+            mode = "exit"
+        if mode == "squat":
+            squatters.append(start_squatter(c))
+            mode = "serve"
+        if where == "mmsg":
+            sent = send_mmsg(to_mmsg, [(b"hello", None), (f"{mode or 'serve'} {n}".encode(), c.fileno())])
+            if sent != 2:
+                print(f"FAIL server: sendmmsg sent {sent} of 2", flush=True)
+        else:
+            u = to_fork if where == "fork" else to_exec
+            socket.send_fds(u, [f"{mode or 'serve'} {n}".encode()], [c.fileno()])
         c.close()
         if mode == "on":
             # The worker sends it back after the first half: on to the exec'd worker.
@@ -177,8 +313,29 @@ def server(port):
             back.close()
     to_fork.close()
     to_exec.close()
+    to_mmsg.close()
+    jam.close()
+    jam_peer.close()
+    for q in squatters:
+        q.stdin.close()
+        q.wait()
     os.waitpid(pid, 0)
+    os.waitpid(mpid, 0)
     print("ok   server done", flush=True)
+
+
+def start_squatter(c):
+    """A process of uid 65534 without the library that binds the pass name of connection c
+    (`smc-rs-passed/<dev>/<ino>` of its TCP socket) before the server passes it."""
+    st = os.fstat(c.fileno())
+    name = f"smc-rs-passed/{st.st_dev}/{st.st_ino}"
+    q = subprocess.Popen(["env", "-u", "LD_PRELOAD", "setpriv", "--reuid=65534", "--regid=65534",
+                          "--clear-groups", sys.executable, "-c", SQUAT, name],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = q.stdout.readline().split()
+    if line != ["ready", "65534"]:
+        print(f"FAIL server: the squatter did not bind {name}: {line}", flush=True)
+    return q
 
 
 # ---------------------------------------------------------------- client
@@ -254,6 +411,10 @@ def client(port, smc):
     for name in ("fork-busy", "exec-busy"):
         scenario(port, smc, name, 3_000_000, True)
     scenario(port, smc, "fork-on", 2_000_000, False)
+    scenario(port, smc, "mmsg", 1_000_000, False)
+    scenario(port, smc, "exec-squat", 1_000_000, False)
+    # (The workers exit in these.)
+    scenario_exit(port, smc, "mmsg-failed")
     for name in ("fork-exit", "exec-exit"):
         scenario_exit(port, smc, name)
     q = socket.create_connection(("127.0.0.1", port))

@@ -1021,13 +1021,35 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
         && table::ANY.load(std::sync::atomic::Ordering::Relaxed)
         && !crate::inside()
     {
-        guard((), || {
-            // SAFETY: the caller's valid message header.
-            let fds = unsafe { crate::relay::rights(&*msg) };
-            settle_passed(&fds);
-            crate::relay::passing(fd, &fds);
-        });
+        // SAFETY: the caller's valid message header.
+        let noted = unsafe { passing_in(fd, &*msg) };
+        // SAFETY: as below.
+        let r = unsafe { sendmsg_on(fd, msg, flags) };
+        // A pass is one only when its message went.
+        guard((), || crate::relay::sent(noted, fd, r >= 0));
+        return r;
     }
+    // SAFETY: the caller's arguments.
+    unsafe { sendmsg_on(fd, msg, flags) }
+}
+
+/// The SMC-R connections among the descriptors that `msg` (sent on `fd`) carries with
+/// SCM_RIGHTS: those waiting for their first use settle as TCP, the others are noted as
+/// passed (`relay::passing`; `relay::sent` keeps or undoes the note after the send).
+///
+/// # Safety
+/// `msg` is a valid message header whose control buffer is `msg_controllen` bytes.
+pub(crate) unsafe fn passing_in(fd: c_int, msg: &msghdr) -> crate::relay::Noted {
+    guard(crate::relay::Noted::none(), || {
+        // SAFETY: as the caller promised.
+        let fds = unsafe { crate::relay::rights(msg) };
+        settle_passed(&fds);
+        crate::relay::passing(fd, &fds)
+    })
+}
+
+/// sendmsg itself (the SCM_RIGHTS were looked at).
+unsafe fn sendmsg_on(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
     match target(fd) {
         // SAFETY: passed on unchanged.
         Target::Pass => unsafe { real::sendmsg(fd, msg, flags) },

@@ -2,24 +2,31 @@
 //! `relay.rs`): the receiver gets the real TCP socket, which carries nothing once SMC-R runs,
 //! so, as a forked child does, it asks the connection's owner for a relay.
 //!
-//! * **The sender** (`sendmsg` with SCM_RIGHTS naming an SMC-R connection, [`passing`]) makes
-//!   sure the owner serves relays and tells it of the pass before the message goes: the
-//!   owner itself notes it; any other holder (a forked child, a relayed receiver passing it
-//!   on) sends the owner a [`PASS`] request with its copy of the TCP socket as the proof and
-//!   a copy of the unix socket the message goes through. The owner binds, once per
+//! * **The sender** (`sendmsg` or `sendmmsg` with SCM_RIGHTS naming an SMC-R connection,
+//!   [`passing`]) makes sure the owner serves relays and tells it of the pass before the
+//!   message goes: the owner itself notes it; any other holder (a forked child, a relayed
+//!   receiver passing it on) sends the owner a [`PASS`] request with its copy of the TCP
+//!   socket as the proof and a copy of the unix socket the message goes through. The owner binds, once per
 //!   connection, the abstract name `smc-rs-passed/<device>/<inode>` of the TCP socket (what
 //!   a receiver sees with `fstat`) and keeps the copy of the unix socket while its queue
 //!   holds what was sent (`SIOCOUTQ`: the kernel charges a unix socket for what it sent
-//!   until the receiver takes it, or its socket goes): the pass is *in flight*.
+//!   until the receiver takes it, or its socket goes): the pass is *in flight*. The note
+//!   comes before the message goes (the receiver may look it up before the sender's call
+//!   returns) and is undone when the send fails ([`sent`]; [`UNPASS`] to another owner).
+//!   When another socket holds the name (anyone can bind it first: `/proc/net/tcp` shows
+//!   the inode), the owner binds a name under it with 128 random bits ([`random_name`]).
 //! * **The receiver** (`recvmsg` that brings SCM_RIGHTS, [`received`]) looks at each
 //!   descriptor: an AF_INET/AF_INET6 stream socket of a connection this process already
 //!   has an entry for is a duplicate (a pass to itself, or to another thread); any other is
 //!   looked up at that name ([`LOOKUP`], with the socket as the proof, checked as a relay
 //!   request is): the owner answers with its nonce and notes the receiver's pid, and the
 //!   descriptor gets an entry that asks that owner for a relay at its first use, as an
-//!   exec'd image's inherited one does. No name: not an SMC-R connection, or its owner is
-//!   gone or in another network namespace (abstract names are per namespace); the socket
-//!   stays as it is.
+//!   exec'd image's inherited one does. The server at the name must run as the receiver's
+//!   user or root (SO_PEERCRED, before anything is sent: [`connect_cred`]); one that is
+//!   refused, answers as no owner, or holds the name without listening sends the receiver
+//!   to the names under it, read from `/proc/net/unix` ([`candidates`]). No name: not an
+//!   SMC-R connection, or its owner is gone or in another network namespace (abstract names
+//!   are per namespace); the socket stays as it is.
 //! * **How long** (`keep.rs`): once the owner's program closed its numbers, a passed
 //!   connection is kept while a pass is in flight, for [`GRACE`] after the last pass was
 //!   taken when fewer receivers looked it up than passes were made (a receiver between its
@@ -34,6 +41,8 @@ use super::*;
 pub(super) const PASS: u8 = b'P';
 /// A receiver asks who owns a connection: the proof.
 pub(super) const LOOKUP: u8 = b'L';
+/// A holder's send of an announced pass failed: the proof and the sender's unix socket.
+pub(super) const UNPASS: u8 = b'U';
 
 /// How often the server thread looks at the queues of passes in flight.
 pub(super) const TICK: Duration = Duration::from_millis(10);
@@ -41,6 +50,19 @@ pub(super) const TICK: Duration = Duration::from_millis(10);
 /// How long a passed connection is kept after its last pass was taken, when fewer receivers
 /// looked it up than passes were made.
 pub(super) const GRACE: Duration = Duration::from_secs(2);
+
+/// How long an announced pass (a holder's, not the owner's) counts as being sent before its
+/// message was seen queued: the holder sends it right after the owner's answer (or undoes
+/// it, [`UNPASS`]), and one taken before the owner looked is then taken.
+const SEND_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a receiver's look-up waits, in all, for the listeners' backlogs (a full one
+/// refuses a nonblocking connect; a squatter's that is never accepted must not hold the
+/// receiver's `recvmsg` for long).
+const LOOKUP_CONNECT_WAIT: Duration = Duration::from_secs(1);
+
+/// How many sockets named under a connection's name a look-up tries at most.
+const MAX_CANDIDATES: usize = 16;
 
 /// How long a pass counts as in flight at most (`SMC_PASS_WAIT_MS`).
 fn wait_bound() -> Duration {
@@ -55,18 +77,65 @@ fn wait_bound() -> Duration {
 
 /// The abstract name under which the owner of the connection whose TCP socket is `id`
 /// answers look-ups.
-pub(super) fn name((dev, ino): (u64, u64)) -> (libc::sockaddr_un, libc::socklen_t) {
-    abstract_address(&format!("smc-rs-passed/{dev}/{ino}"))
+pub(super) fn name(id: (u64, u64)) -> (libc::sockaddr_un, libc::socklen_t) {
+    abstract_address(&name_text(id))
+}
+
+fn name_text((dev, ino): (u64, u64)) -> String {
+    format!("smc-rs-passed/{dev}/{ino}")
+}
+
+/// The name an owner binds when another socket holds [`name`]: under it, with 128 random
+/// bits (`None`: no randomness to be had). A receiver finds it in `/proc/net/unix`
+/// ([`candidates`]); nobody can take it first.
+fn random_name(id: (u64, u64)) -> Option<String> {
+    let mut b = [0u8; 16];
+    // SAFETY: a buffer of 16 bytes.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    (n == 16).then(|| {
+        let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        format!("{}/{hex}", name_text(id))
+    })
+}
+
+/// The abstract names bound under connection `id`'s name (`smc-rs-passed/<dev>/<ino>/…`),
+/// from `/proc/net/unix` (readable by every process of the network namespace; empty
+/// without /proc), at most [`MAX_CANDIDATES`].
+fn candidates(id: (u64, u64)) -> Vec<String> {
+    let Ok(t) = std::fs::read_to_string("/proc/net/unix") else {
+        return Vec::new();
+    };
+    candidates_in(&t, id)
+}
+
+/// [`candidates`] in the text of `/proc/net/unix`.
+fn candidates_in(t: &str, id: (u64, u64)) -> Vec<String> {
+    let under = format!("@{}/", name_text(id));
+    let mut v: Vec<String> = t
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .filter(|p| p.starts_with(&under) && p.len() > under.len())
+        .map(|p| p[1..].to_string())
+        .collect();
+    v.sort();
+    v.dedup();
+    v.truncate(MAX_CANDIDATES);
+    v
 }
 
 /// A connection of this process passed to another one.
 struct Passed {
     id: (u64, u64),
-    /// Listening on [`name`] of `id`.
+    /// Listening on [`name`] of `id`, or, when another socket held that, on a
+    /// [`random_name`] under it (`random`).
     listener: OwnedFd,
+    random: bool,
+    /// With a random name: [`name`] of `id`, bound once the socket that held it let it go
+    /// ([`retake`]): a receiver that finds the name free looks no further.
+    retaken: Option<OwnedFd>,
     conn: Weak<Conn>,
-    /// Copies of the unix sockets the passes went through, with the time of the pass.
-    in_flight: Vec<(OwnedFd, Instant)>,
+    /// The passes in flight.
+    in_flight: Vec<Flight>,
     passes: u32,
     lookups: u32,
     /// When the last pass in flight was seen taken.
@@ -75,11 +144,46 @@ struct Passed {
     receivers: Vec<i32>,
 }
 
+/// A pass in flight: a copy of the unix socket it went through.
+struct Flight {
+    unix: OwnedFd,
+    /// When it was noted.
+    at: Instant,
+    /// Noted before the program's send, which has not been seen to succeed yet: the
+    /// owner's own pass until its send returned ([`sent`]), a holder's announced one until
+    /// its message is seen queued (at most [`SEND_WAIT`]). Until then an empty queue does
+    /// not mean taken.
+    sending: bool,
+    /// Announced by another holder ([`PASS`]).
+    told: bool,
+}
+
+impl Flight {
+    /// Whether the pass still counts as in flight at `now` (`bound`: `SMC_PASS_WAIT_MS`).
+    fn stays(&mut self, now: Instant, bound: Duration) -> bool {
+        let age = now.duration_since(self.at);
+        if age >= bound {
+            return false;
+        }
+        let queued = unsent(self.unix.as_raw_fd()) > 0;
+        if self.sending {
+            if self.told && queued {
+                self.sending = false;
+            }
+            return !self.told || queued || age < SEND_WAIT;
+        }
+        queued
+    }
+}
+
 impl Drop for Passed {
     fn drop(&mut self) {
         pump_fd_remove(self.listener.as_raw_fd());
-        for (fd, _) in &self.in_flight {
-            pump_fd_remove(fd.as_raw_fd());
+        if let Some(l) = &self.retaken {
+            pump_fd_remove(l.as_raw_fd());
+        }
+        for f in &self.in_flight {
+            pump_fd_remove(f.unix.as_raw_fd());
         }
     }
 }
@@ -145,7 +249,12 @@ pub(super) fn receivers() -> Vec<i32> {
 
 /// The listening sockets of the passed connections' names (the server thread's poll).
 pub(super) fn listeners() -> Vec<c_int> {
-    with_passed(|v| v.iter().map(|p| p.listener.as_raw_fd()).collect())
+    with_passed(|v| {
+        v.iter()
+            .flat_map(|p| std::iter::once(&p.listener).chain(&p.retaken))
+            .map(|l| l.as_raw_fd())
+            .collect()
+    })
 }
 
 /// In a forked child: the parent's records are not this process's (their descriptors were
@@ -171,42 +280,42 @@ pub(super) fn unsent(fd: c_int) -> usize {
 }
 
 /// This process passes its connection `id` (`conn`) through unix socket `unix` (a copy of
-/// the sender's): note the pass, bind the connection's name if not yet.
-fn note(id: (u64, u64), conn: Weak<Conn>, unix: Option<OwnedFd>) -> Result<(), c_int> {
-    let bound = with_passed(|v| v.iter().any(|p| p.id == id && p.conn.strong_count() > 0));
-    // The name, bound outside the lock (the listener of a closed connection's record of the
-    // same socket goes first: its name is this one).
-    let listener = if bound {
-        None
-    } else {
-        let stale: Vec<Passed> = with_passed(|v| {
-            let (gone, keep): (Vec<Passed>, Vec<Passed>) = std::mem::take(v)
-                .into_iter()
-                .partition(|p| p.id == id && p.conn.strong_count() == 0);
-            *v = keep;
-            gone
-        });
-        drop(stale);
-        match listen(id) {
-            Ok(l) => Some(l),
-            // Another thread's pass of the same connection bound it a moment ago.
-            Err(libc::EADDRINUSE) => None,
-            Err(e) => return Err(e),
-        }
-    };
-    with_passed(|v| {
+/// the sender's; `told`: announced by another holder): note the pass before its message
+/// goes, bind the connection's name if not yet. The number of the copy noted (-1: none), by
+/// which [`unnote`] finds it when the send fails.
+fn note(
+    id: (u64, u64),
+    conn: Weak<Conn>,
+    unix: Option<OwnedFd>,
+    told: bool,
+) -> Result<c_int, c_int> {
+    // The records of closed connections of the same socket go first (their listener's name
+    // is this one).
+    let stale: Vec<Passed> = with_passed(|v| {
+        let (gone, keep): (Vec<Passed>, Vec<Passed>) = std::mem::take(v)
+            .into_iter()
+            .partition(|p| p.id == id && p.conn.strong_count() == 0);
+        *v = keep;
+        gone
+    });
+    drop(stale);
+    let mut random = None;
+    let r = with_passed(|v| {
         let i = match v.iter().position(|p| p.id == id) {
             Some(i) => i,
             None => {
-                let Some(listener) = listener else {
-                    return Err(libc::EADDRINUSE);
-                };
+                // Bound under the lock: another thread's pass of the same connection finds
+                // this record, so a name held by another socket is never ours.
+                let (listener, r) = listen(id)?;
+                random = r;
                 if !pump_fd_add(listener.as_raw_fd()) {
                     log!("relay: more passed connections than noted for fork");
                 }
                 v.push(Passed {
                     id,
                     listener,
+                    random: random.is_some(),
+                    retaken: None,
                     conn,
                     in_flight: Vec::new(),
                     passes: 0,
@@ -219,25 +328,84 @@ fn note(id: (u64, u64), conn: Weak<Conn>, unix: Option<OwnedFd>) -> Result<(), c
         };
         let p = &mut v[i];
         p.passes = p.passes.saturating_add(1);
-        if let Some(u) = unix {
-            let _ = pump_fd_add(u.as_raw_fd());
-            p.in_flight.push((u, Instant::now()));
+        Ok(match unix {
+            Some(u) => {
+                let raw = u.as_raw_fd();
+                let _ = pump_fd_add(raw);
+                p.in_flight.push(Flight {
+                    unix: u,
+                    at: Instant::now(),
+                    sending: true,
+                    told,
+                });
+                raw
+            }
+            None => -1,
+        })
+    });
+    match &r {
+        Err(e) => log!(
+            "relay: the name of a passed connection (inode {}) cannot be bound: {}",
+            id.1,
+            io::Error::from_raw_os_error(*e)
+        ),
+        Ok(_) => {
+            if let Some(n) = random {
+                log!("relay: the name of a passed connection (inode {}) is held by another socket: bound as {n}", id.1);
+            }
         }
-        Ok(())
-    })?;
+    }
+    keep::kick();
+    r
+}
+
+/// Undo a pass of connection `id` noted by [`note`] whose send failed: one pass less, and
+/// the copy of the unix socket that `is_it` recognizes (the newest) is no longer in flight;
+/// a record left with no pass, look-up or pass in flight goes (its name with it).
+fn unnote(id: (u64, u64), is_it: impl Fn(c_int) -> bool) -> Result<(), c_int> {
+    let gone = with_passed(|v| -> Result<(Option<Flight>, Option<Passed>), c_int> {
+        let i = v.iter().position(|p| p.id == id).ok_or(libc::ENOENT)?;
+        let p = &mut v[i];
+        p.passes = p.passes.saturating_sub(1);
+        let copy = p
+            .in_flight
+            .iter()
+            .rposition(|f| is_it(f.unix.as_raw_fd()))
+            .map(|j| p.in_flight.remove(j));
+        if let Some(f) = &copy {
+            pump_fd_remove(f.unix.as_raw_fd());
+        }
+        let record =
+            (p.passes == 0 && p.lookups == 0 && p.in_flight.is_empty()).then(|| v.swap_remove(i));
+        Ok((copy, record))
+    });
+    // (Closed outside the lock.)
+    drop(gone?);
     keep::kick();
     Ok(())
 }
 
-/// Bind and listen on the name of connection `id`.
-fn listen(id: (u64, u64)) -> Result<OwnedFd, c_int> {
+/// Bind and listen on the name of connection `id`, or, when another socket holds it (the
+/// caller holds the lock under which this process's records are made: not one of ours), on
+/// a random name under it (`Some(that name)`).
+fn listen(id: (u64, u64)) -> Result<(OwnedFd, Option<String>), c_int> {
+    match listen_at(&name_text(id)) {
+        Err(libc::EADDRINUSE) => {}
+        r => return r.map(|l| (l, None)),
+    }
+    let n = random_name(id).ok_or(libc::EADDRINUSE)?;
+    listen_at(&n).map(|l| (l, Some(n)))
+}
+
+/// Bind and listen on abstract name `n` (nonblocking).
+fn listen_at(n: &str) -> Result<OwnedFd, c_int> {
     // SAFETY: a new socket of ours.
     let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     if s < 0 {
         return Err(last_errno());
     }
     let s = high(s);
-    let (addr, len) = name(id);
+    let (addr, len) = abstract_address(n);
     // SAFETY: the address and its length; plain listen.
     let ok = unsafe {
         libc::bind(
@@ -248,16 +416,7 @@ fn listen(id: (u64, u64)) -> Result<OwnedFd, c_int> {
             && real::listen(s.as_raw_fd(), 64) == 0
     };
     if !ok {
-        let e = last_errno();
-        if e == libc::EADDRINUSE {
-            return Err(e);
-        }
-        log!(
-            "relay: the name of a passed connection (inode {}) cannot be bound: {}",
-            id.1,
-            io::Error::from_raw_os_error(e)
-        );
-        return Err(e);
+        return Err(last_errno());
     }
     set_nonblocking(s.as_raw_fd(), true);
     Ok(s)
@@ -265,12 +424,13 @@ fn listen(id: (u64, u64)) -> Result<OwnedFd, c_int> {
 
 /// The server thread: the passes taken or too old go (their copies of the unix sockets are
 /// closed: the program's close of its own reaches the peer), so do the records of
-/// connections this process no longer has, and the receivers that are gone.
+/// connections this process no longer has, and the receivers that are gone; a name let go
+/// by the socket that held it is bound ([`retake`]).
 pub(super) fn sweep() {
     let now = Instant::now();
     let bound = wait_bound();
-    let gone: Vec<Passed> = with_passed(|v| {
-        let mut gone = Vec::new();
+    let (gone, retaken) = with_passed(|v| {
+        let mut gone: Vec<Passed> = Vec::new();
         let mut i = 0;
         while i < v.len() {
             if v[i].conn.strong_count() == 0 {
@@ -279,10 +439,10 @@ pub(super) fn sweep() {
             }
             let p = &mut v[i];
             let before = p.in_flight.len();
-            p.in_flight.retain(|(fd, at)| {
-                let keep = unsent(fd.as_raw_fd()) > 0 && now.duration_since(*at) < bound;
+            p.in_flight.retain_mut(|f| {
+                let keep = f.stays(now, bound);
                 if !keep {
-                    pump_fd_remove(fd.as_raw_fd());
+                    pump_fd_remove(f.unix.as_raw_fd());
                 }
                 keep
             });
@@ -293,9 +453,28 @@ pub(super) fn sweep() {
                 .retain(|pid| std::fs::metadata(format!("/proc/{pid}")).is_ok());
             i += 1;
         }
-        gone
+        let retaken = retake(v);
+        (gone, retaken)
     });
     drop(gone);
+    for ino in retaken {
+        log!("relay: the name of a passed connection (inode {ino}) was let go by the socket that held it: bound");
+    }
+}
+
+/// Bind the names of the connections among `v` that have a random name only, where the
+/// socket that held the name let it go (under the lock of the records: `with_passed`);
+/// their inodes.
+fn retake(v: &mut [Passed]) -> Vec<u64> {
+    let mut done = Vec::new();
+    for p in v.iter_mut().filter(|p| p.random && p.retaken.is_none()) {
+        if let Ok(l) = listen_at(&name_text(p.id)) {
+            let _ = pump_fd_add(l.as_raw_fd());
+            p.retaken = Some(l);
+            done.push(p.id.1);
+        }
+    }
+    done
 }
 
 /// A [`PASS`] request (RELAYS_LOCK not held): `fds` are the proof and the sender's unix
@@ -311,7 +490,18 @@ pub(super) fn announced(fds: &mut Vec<OwnedFd>) -> Result<(), c_int> {
     let conn = conn_of(id).ok_or(libc::ENOENT)?;
     mark_passed(id);
     let unix = fds.pop().ok_or(libc::EPROTO)?;
-    note(id, conn, Some(unix))
+    note(id, conn, Some(unix), true).map(|_| ())
+}
+
+/// An [`UNPASS`] request (RELAYS_LOCK not held): `fds` are the proof and the sender's unix
+/// socket, whose send of an announced pass failed: the pass is undone.
+pub(super) fn unannounced(fds: &[OwnedFd]) -> Result<(), c_int> {
+    let [proof, unix] = fds else {
+        return Err(libc::EPROTO);
+    };
+    let id = check_proof(ASK, std::slice::from_ref(proof))?;
+    let unix = unix.as_raw_fd();
+    unnote(id, |fd| same_file(fd, unix) == Ok(true))
 }
 
 /// A [`LOOKUP`] by process `pid` (RELAYS_LOCK not held): `fds` is the proof.
@@ -394,13 +584,35 @@ pub(crate) unsafe fn rights(m: &libc::msghdr) -> Vec<c_int> {
     fds
 }
 
+/// The passes [`passing`] noted before the program's send: [`sent`] keeps or undoes them.
+#[must_use]
+pub(crate) struct Noted(Vec<Note>);
+
+enum Note {
+    /// This process's connection `id`, with the number of its copy of the unix socket
+    /// (-1: none).
+    Own { id: (u64, u64), unix: c_int },
+    /// Announced to `owner`, with a copy of the TCP socket (the proof of the undo).
+    Told { owner: Owner, proof: OwnedFd },
+}
+
+impl Noted {
+    /// Nothing noted.
+    pub(crate) fn none() -> Noted {
+        Noted(Vec::new())
+    }
+}
+
 /// `sendmsg` on `sock` with SCM_RIGHTS naming `fds`: each SMC-R connection among them is
-/// announced to its owner before the message goes (see the module's doc). Nothing fails
-/// the program's call: a pass the owner cannot note reaches the receiver as a silent socket.
-pub(crate) fn passing(sock: c_int, fds: &[c_int]) {
+/// noted as passed before the message goes (see the module's doc: the receiver may look it
+/// up before the sender's call returns), and [`sent`] undoes it when the send fails.
+/// Nothing fails the program's call: a pass the owner cannot note reaches the receiver as
+/// a silent socket.
+pub(crate) fn passing(sock: c_int, fds: &[c_int]) -> Noted {
+    let mut noted = Noted::none();
     // (The child of a `vfork` leaves its parent's table alone.)
     if table::borrowed_memory() {
-        return;
+        return noted;
     }
     let me = Owner::of_tree(table::PID.load(Ordering::Relaxed));
     let mut seen = Vec::new();
@@ -432,17 +644,27 @@ pub(crate) fn passing(sock: c_int, fds: &[c_int]) {
             let d = unsafe { real::fcntl(sock, libc::F_DUPFD_CLOEXEC, 0) };
             let unix = (d >= 0).then(|| high(d));
             match conn_of(id) {
-                Some(conn) => note(id, conn, unix),
+                Some(conn) => note(id, conn, unix, false).map(|unix| Note::Own { id, unix }),
                 None => Err(libc::ENOENT),
             }
         } else {
-            announce(owner, fd, sock)
+            // SAFETY: a copy of the program's TCP socket, the proof of an undo.
+            let d = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+            if d < 0 {
+                Err(last_errno())
+            } else {
+                let proof = high(d);
+                announce(owner, PASS, proof.as_raw_fd(), sock).map(|()| Note::Told { owner, proof })
+            }
         };
         match r {
-            Ok(()) => log!(
-                "fd {fd}: SMC-R connection passed to another process (owner {})",
-                owner.pid
-            ),
+            Ok(n) => {
+                noted.0.push(n);
+                log!(
+                    "fd {fd}: SMC-R connection passed to another process (owner {})",
+                    owner.pid
+                )
+            }
             Err(e) => log!(
                 "fd {fd}: SMC-R connection passed to another process, not announced to its owner {} ({}): the receiver gets a silent socket",
                 owner.pid,
@@ -450,12 +672,58 @@ pub(crate) fn passing(sock: c_int, fds: &[c_int]) {
             ),
         }
     }
+    noted
 }
 
-/// Tell `owner` of a pass of the connection this process has as `fd` through `unix`.
-fn announce(owner: Owner, fd: c_int, unix: c_int) -> Result<(), c_int> {
+/// The program's send on `sock` of the message whose passes [`passing`] noted returned:
+/// `ok` when it went (then the passes are in flight), else they are undone (a failed or
+/// retried send is no pass). Keeps the caller's errno.
+pub(crate) fn sent(noted: Noted, sock: c_int, ok: bool) {
+    if noted.0.is_empty() {
+        return;
+    }
+    let errno = io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    for n in noted.0 {
+        match (n, ok) {
+            (Note::Own { id, unix }, true) => with_passed(|v| {
+                if let Some(f) = v
+                    .iter_mut()
+                    .filter(|p| p.id == id)
+                    .flat_map(|p| p.in_flight.iter_mut())
+                    .find(|f| f.unix.as_raw_fd() == unix)
+                {
+                    f.sending = false;
+                    f.at = Instant::now();
+                }
+            }),
+            // (An announced pass is seen sent by its owner when its message is queued.)
+            (Note::Told { .. }, true) => {}
+            (Note::Own { id, unix }, false) => {
+                let _ = unnote(id, |fd| fd == unix);
+                log!("inode {}: the send of a pass failed: undone", id.1);
+            }
+            (Note::Told { owner, proof }, false) => {
+                let r = announce(owner, UNPASS, proof.as_raw_fd(), sock);
+                log!(
+                    "inode {}: the send of a pass failed: undone by its owner {} ({})",
+                    table::socket_id(proof.as_raw_fd()).map_or(0, |id| id.1),
+                    owner.pid,
+                    match r {
+                        Ok(()) => "done".to_string(),
+                        Err(e) => io::Error::from_raw_os_error(e).to_string(),
+                    }
+                );
+            }
+        }
+    }
+    crate::set_errno(errno);
+}
+
+/// Tell `owner` of a pass (`what`: [`PASS`]) of the connection whose TCP socket this
+/// process has as `fd` through `unix`, or that its send failed ([`UNPASS`]).
+fn announce(owner: Owner, what: u8, fd: c_int, unix: c_int) -> Result<(), c_int> {
     let s = connect_to(address(owner.pid, owner.nonce), Some(owner.pid))?;
-    send_with_fds(s.as_raw_fd(), PASS, &[fd, unix])?;
+    send_with_fds(s.as_raw_fd(), what, &[fd, unix])?;
     let (status, _) = recv_with_fds(s.as_raw_fd())?;
     if status != 0 {
         return Err(c_int::from(status));
@@ -463,44 +731,92 @@ fn announce(owner: Owner, fd: c_int, unix: c_int) -> Result<(), c_int> {
     Ok(())
 }
 
-/// A unix stream socket connected to `addr` with bounded waits (set before the connect),
-/// whose server runs as this user or root and, when given, is process `pid` (also the
-/// relay's request, `relay::request`).
+/// A unix stream socket connected to `addr` with bounded waits (10 s for a full backlog;
+/// the replies' timeouts set after the connect), whose server runs as this user or root
+/// and, when given, is process `pid` (also the relay's request, `relay::request`).
 pub(crate) fn connect_to(
-    (addr, len): (libc::sockaddr_un, libc::socklen_t),
+    addr: (libc::sockaddr_un, libc::socklen_t),
     pid: Option<i32>,
 ) -> Result<OwnedFd, c_int> {
-    connect_cred((addr, len), pid).map(|(s, _)| s)
+    connect_cred(addr, pid, Instant::now() + Duration::from_secs(10)).map(|(s, _)| s)
 }
 
+/// [`connect_to`], a full backlog tried again until `until` (at least once); the server's
+/// pid with the socket. A server of another user (not root), or another process than `pid`,
+/// is refused (EACCES) and logged: who bound the name first gets neither our descriptors
+/// nor our data.
 fn connect_cred(
     (addr, len): (libc::sockaddr_un, libc::socklen_t),
     pid: Option<i32>,
+    until: Instant,
 ) -> Result<(OwnedFd, i32), c_int> {
     // SAFETY: a new socket of ours.
-    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let s = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
     if s < 0 {
         return Err(last_errno());
     }
     // SAFETY: just made.
     let s = unsafe { OwnedFd::from_raw_fd(s) };
-    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
-    // SAFETY: the address and its length.
-    if unsafe {
-        real::connect(
-            s.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    } != 0
-    {
-        return Err(last_errno());
+    loop {
+        // SAFETY: the address and its length.
+        let r = unsafe {
+            real::connect(
+                s.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if r == 0 {
+            break;
+        }
+        match last_errno() {
+            libc::EINTR => {}
+            // A full backlog (a unix connect completes at once or not at all).
+            libc::EAGAIN if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            e => return Err(e),
+        }
     }
+    set_nonblocking(s.as_raw_fd(), false);
+    set_timeouts(s.as_raw_fd(), Duration::from_secs(10));
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     match peer_cred(s.as_raw_fd()) {
-        Some(c) if pid.is_none_or(|p| c.pid == p) && (c.uid == me || c.uid == 0) => Ok((s, c.pid)),
-        _ => Err(libc::EACCES),
+        Some(c) if trusted_server(&c, me, pid) => Ok((s, c.pid)),
+        c => {
+            let (p, u) = c.map_or((0, u32::MAX), |c| (c.pid, c.uid));
+            log!(
+                "relay: the server at {} is process {p} of uid {u}, not {} of uid {me} or root: refused",
+                address_text(&addr, len),
+                pid.map_or("a process".to_string(), |p| format!("process {p}"))
+            );
+            Err(libc::EACCES)
+        }
+    }
+}
+
+/// Whether the server at the other end of a unix socket, of credentials `c`, may be asked
+/// by this process (running as `me`): its user is ours or root, and it is process `pid` when
+/// the asker knows which process it should be.
+fn trusted_server(c: &libc::ucred, me: libc::uid_t, pid: Option<i32>) -> bool {
+    pid.is_none_or(|p| c.pid == p) && (c.uid == me || c.uid == 0)
+}
+
+/// An abstract unix address as text (`@name`), for the log.
+fn address_text(a: &libc::sockaddr_un, len: libc::socklen_t) -> String {
+    let off = std::mem::offset_of!(libc::sockaddr_un, sun_path);
+    let n = (len as usize).saturating_sub(off).min(a.sun_path.len());
+    let b: Vec<u8> = a.sun_path[..n].iter().map(|&c| c as u8).collect();
+    match b.split_first() {
+        Some((0, name)) => format!("@{}", String::from_utf8_lossy(name)),
+        _ => String::from_utf8_lossy(&b).into_owned(),
     }
 }
 
@@ -546,12 +862,64 @@ pub(crate) fn received(fds: &[c_int]) {
     }
 }
 
-/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`).
+/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`):
+/// at its name; when another socket holds that (one that is refused, or does not answer as
+/// the owner), at the names bound under it ([`random_name`], found by [`candidates`]).
 fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
-    let (s, pid) = connect_cred(name(id), None)?;
+    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
+    let first = ask_owner(name(id), fd, until);
+    match first {
+        Ok(o) => return Ok(o),
+        // Nothing holds the name: not a connection passed by an owner this process can reach.
+        Err(libc::ECONNREFUSED) if !name_held(id) => return first,
+        Err(_) => {}
+    }
+    let mut last = first;
+    for n in candidates(id) {
+        last = ask_owner(abstract_address(&n), fd, until);
+        if let Ok(o) = &last {
+            log!(
+                "fd {fd}: the name of a passed connection is held by another socket; its owner {} answered at @{n}",
+                o.pid
+            );
+            break;
+        }
+    }
+    last
+}
+
+/// A [`LOOKUP`] at `addr` with the proof `fd`.
+fn ask_owner(
+    addr: (libc::sockaddr_un, libc::socklen_t),
+    fd: c_int,
+    until: Instant,
+) -> Result<Owner, c_int> {
+    let (s, pid) = connect_cred(addr, None, until)?;
     send_with_fds(s.as_raw_fd(), LOOKUP, &[fd])?;
     let nonce = lookup_answer(s.as_raw_fd())?;
     Ok(Owner { pid, nonce })
+}
+
+/// Whether a socket holds connection `id`'s name (one that refused the connect: bound, not
+/// listening): a bind of it fails.
+fn name_held(id: (u64, u64)) -> bool {
+    // SAFETY: a new socket of ours.
+    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return false;
+    }
+    // SAFETY: just made.
+    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let (addr, len) = name(id);
+    // SAFETY: the address and its length.
+    let r = unsafe {
+        libc::bind(
+            s.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    r != 0 && last_errno() == libc::EADDRINUSE
 }
 
 /// The answer to a [`LOOKUP`]: a status byte of 0 and the owner's nonce.

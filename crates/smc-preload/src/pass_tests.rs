@@ -84,6 +84,8 @@ fn a_lookup_names_the_owner_and_notes_the_receiver() {
         v.push(Passed {
             id,
             listener: l,
+            random: false,
+            retaken: None,
             conn: Weak::new(),
             in_flight: Vec::new(),
             passes: 1,
@@ -178,4 +180,326 @@ fn a_request_that_meets_the_owner_s_close_waits_for_its_record() {
         Ok(_) => panic!("a look-up answered with something else"),
     }
     let _ = table::take(conn.as_raw_fd());
+}
+
+#[test]
+fn the_names_under_a_connection_s_name_are_found_in_proc_net_unix() {
+    let t = "Num       RefCount Protocol Flags    Type St Inode Path\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 101 @smc-rs-passed/8/77/00ff\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 102 @smc-rs-passed/8/77\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 103 @smc-rs-passed/8/777/ab\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 104 @smc-rs-passed/8/77/\n\
+        0000000000000000: 00000003 00000000 00000000 0001 03 105\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 106 /run/smc-rs-passed/8/77/x\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 107 @smc-rs-passed/8/77/0a\n";
+    assert_eq!(
+        candidates_in(t, (8, 77)),
+        vec![
+            "smc-rs-passed/8/77/00ff".to_string(),
+            "smc-rs-passed/8/77/0a".to_string()
+        ]
+    );
+    let many: String = (0..100)
+        .map(|i| format!("0: 2 0 10000 1 1 {i} @smc-rs-passed/1/2/{i:03}\n"))
+        .collect();
+    assert_eq!(candidates_in(&many, (1, 2)).len(), MAX_CANDIDATES);
+}
+
+#[test]
+fn a_server_of_another_user_or_process_is_not_trusted() {
+    let c = |pid, uid| libc::ucred { pid, uid, gid: uid };
+    assert!(trusted_server(&c(10, 1000), 1000, None));
+    assert!(trusted_server(&c(10, 0), 1000, None));
+    assert!(trusted_server(&c(10, 1000), 1000, Some(10)));
+    assert!(
+        !trusted_server(&c(11, 1000), 1000, Some(10)),
+        "another process"
+    );
+    assert!(!trusted_server(&c(10, 33), 1000, None), "another user");
+    assert!(
+        !trusted_server(&c(10, 33), 0, None),
+        "another user, of a root receiver"
+    );
+}
+
+/// A squatter of another user (a child that became uid 65534) holding the names `names`,
+/// listening on those with `true`: its pid and the pipe that ends it when dropped.
+fn squatter(names: &[(String, bool)]) -> Option<(i32, OwnedFd)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: not root (no other user to squat as)");
+        return None;
+    }
+    let addrs: Vec<_> = names
+        .iter()
+        .map(|(n, l)| (abstract_address(n), *l))
+        .collect();
+    let (ready_r, ready_w) = socketpair(libc::SOCK_STREAM);
+    let (end_r, end_w) = socketpair(libc::SOCK_STREAM);
+    // SAFETY: the child makes only system calls (close, setgid, setuid, socket, bind,
+    // listen, write, read) and exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: as above.
+        unsafe {
+            // (Raw system calls: the library's setuid hook is not what is tested here.)
+            drop(ready_r);
+            drop(end_w);
+            let mut ok = libc::syscall(libc::SYS_setgid, 65534) == 0
+                && libc::syscall(libc::SYS_setuid, 65534) == 0;
+            for ((a, len), listen) in &addrs {
+                let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                ok &= s >= 0
+                    && libc::bind(s, (a as *const libc::sockaddr_un).cast(), *len) == 0
+                    && (!listen || libc::listen(s, 4) == 0);
+            }
+            libc::write(ready_w.as_raw_fd(), [u8::from(ok)].as_ptr().cast(), 1);
+            let mut b = [0u8];
+            libc::read(end_r.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    drop(ready_w);
+    drop(end_r);
+    let mut b = [0u8];
+    // SAFETY: our socket and buffer.
+    let n = unsafe { libc::read(ready_r.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
+    assert_eq!((n, b[0]), (1, 1), "the squatter could not bind");
+    Some((pid, end_w))
+}
+
+fn end_squatter((pid, end): (i32, OwnedFd)) {
+    drop(end);
+    let mut status = 0;
+    // SAFETY: our child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+}
+
+#[test]
+fn a_name_held_by_another_user_is_refused_and_the_owner_is_found_under_it() {
+    let _children = crate::TEST_CHILDREN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    // Two connections: a squatter listens on the first one's name, only binds the second's.
+    let (conn1, _peer1) = socketpair(libc::SOCK_STREAM);
+    let (conn2, _peer2) = socketpair(libc::SOCK_STREAM);
+    let ids =
+        [conn1.as_raw_fd(), conn2.as_raw_fd()].map(|fd| table::socket_id(fd).expect("a socket"));
+    let Some(sq) = squatter(&[(name_text(ids[0]), true), (name_text(ids[1]), false)]) else {
+        return;
+    };
+    // The receiver's credential check: the squatter's server is refused (EACCES), not
+    // asked; the one that only binds refuses the connect, and holds the name.
+    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
+    assert_eq!(
+        connect_cred(name(ids[0]), None, until).map(|_| ()),
+        Err(libc::EACCES)
+    );
+    assert_eq!(
+        connect_cred(name(ids[1]), None, until).map(|_| ()),
+        Err(libc::ECONNREFUSED)
+    );
+    assert!(name_held(ids[1]));
+    for (conn, id) in [(&conn1, ids[0]), (&conn2, ids[1])] {
+        // The owner binds a random name under the connection's name.
+        let (l, random) = listen(id).expect("the owner found no name");
+        let random = random.expect("the owner bound the squatted name");
+        assert!(random.starts_with(&format!("{}/", name_text(id))));
+        assert!(candidates(id).contains(&random), "not in /proc/net/unix");
+        // The owner answers there; the receiver finds it past the squatter.
+        let e = Entry::new(Kind::Inherited(None));
+        let _ = e.socket.set(id);
+        assert!(table::set(conn.as_raw_fd(), e).is_ok());
+        with_passed(|v| {
+            v.push(Passed {
+                id,
+                listener: l,
+                random: true,
+                retaken: None,
+                conn: Weak::new(),
+                in_flight: Vec::new(),
+                passes: 1,
+                lookups: 0,
+                drained: None,
+                receivers: Vec::new(),
+            })
+        });
+        let lfd = with_passed(|v| {
+            v.iter()
+                .find(|p| p.id == id)
+                .map(|p| p.listener.as_raw_fd())
+        });
+        let lfd = lfd.expect("the record");
+        let owner = std::thread::spawn(move || {
+            let mut p = libc::pollfd {
+                fd: lfd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd; then accept on our listener.
+            let c = unsafe {
+                libc::poll(&mut p, 1, 10_000);
+                libc::accept4(
+                    lfd,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC,
+                )
+            };
+            assert!(c >= 0, "nobody came to the owner's name");
+            // SAFETY: just accepted.
+            let c = unsafe { OwnedFd::from_raw_fd(c) };
+            let r = answer(c.as_raw_fd());
+            if let Ok(Answer::Owner) = r {
+                let mut b = [0u8; 9];
+                b[1..].copy_from_slice(&nonce().to_le_bytes());
+                // SAFETY: our socket and buffer.
+                unsafe { libc::send(c.as_raw_fd(), b.as_ptr().cast(), 9, 0) };
+            }
+            r.map(|_| ())
+        });
+        let proof = tcp_dup(conn);
+        let found = lookup(proof.as_raw_fd(), id);
+        let answered = owner.join().expect("the owner");
+        with_passed(|v| v.retain(|p| p.id != id));
+        let _ = table::take(conn.as_raw_fd());
+        match answered {
+            Err(e) if e == libc::ENOSYS || e == libc::EPERM => {
+                eprintln!("skipping: kcmp unavailable (errno {e})");
+                end_squatter(sq);
+                return;
+            }
+            a => assert_eq!(a, Ok(())),
+        }
+        // SAFETY: getpid has no preconditions.
+        let me = unsafe { libc::getpid() };
+        let owner = found.expect("the receiver did not find the owner");
+        assert_eq!((owner.pid, owner.nonce), (me, nonce()));
+    }
+    end_squatter(sq);
+}
+
+#[test]
+fn a_pass_whose_send_failed_is_undone() {
+    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+    let (s, r) = socketpair(libc::SOCK_STREAM);
+    let record = |id| {
+        with_passed(|v| {
+            v.iter_mut().find(|p| p.id == id).map(|p| {
+                let now = Instant::now();
+                let flights: Vec<(bool, bool)> = p
+                    .in_flight
+                    .iter_mut()
+                    .map(|f| (f.sending, f.stays(now, Duration::from_secs(60))))
+                    .collect();
+                (p.passes, flights)
+            })
+        })
+    };
+    // Noted before the send: in flight although nothing is queued yet (the sweep must not
+    // take it for taken).
+    let unix = note(id, Weak::new(), Some(tcp_dup(&s)), false).expect("noted");
+    assert_eq!(record(id), Some((1, vec![(true, true)])));
+    assert!(name_held(id), "the connection's name is not bound");
+    // The send failed: no pass, no record, no name.
+    sent(Noted(vec![Note::Own { id, unix }]), s.as_raw_fd(), false);
+    assert_eq!(record(id), None, "a failed send still counts as a pass");
+    assert!(!name_held(id), "the name stays bound");
+    // Noted, sent: in flight while its message is queued, then taken.
+    let unix = note(id, Weak::new(), Some(tcp_dup(&s)), false).expect("noted");
+    send_with_fd(s.as_raw_fd(), PASS, Some(conn.as_raw_fd())).expect("send");
+    sent(Noted(vec![Note::Own { id, unix }]), s.as_raw_fd(), true);
+    assert_eq!(record(id), Some((1, vec![(false, true)])));
+    let _ = recv_with_fds(r.as_raw_fd()).expect("recv");
+    assert_eq!(record(id), Some((1, vec![(false, false)])));
+    with_passed(|v| v.retain(|p| p.id != id));
+}
+
+#[test]
+fn an_announced_pass_whose_send_failed_is_undone_by_its_owner() {
+    // The owner's record of an announced pass (a copy of the holder's unix socket).
+    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+    let e = Entry::new(Kind::Inherited(None));
+    let _ = e.socket.set(id);
+    assert!(table::set(conn.as_raw_fd(), e).is_ok());
+    let (s, _r) = socketpair(libc::SOCK_STREAM);
+    let (other, _o) = socketpair(libc::SOCK_STREAM);
+    note(id, Weak::new(), Some(tcp_dup(&s)), true).expect("noted");
+    // An announced pass not yet seen queued counts as being sent, for a while.
+    let stays = with_passed(|v| {
+        let f = &mut v.iter_mut().find(|p| p.id == id).expect("record").in_flight[0];
+        (
+            f.sending,
+            f.stays(f.at, Duration::from_secs(60)),
+            f.stays(f.at + SEND_WAIT, Duration::from_secs(60)),
+        )
+    });
+    assert_eq!(stays, (true, true, false));
+    // An undo naming another unix socket leaves it in flight; the holder's own undoes it.
+    let undo = |unix: &OwnedFd| unannounced(&[tcp_dup(&conn), tcp_dup(unix)]);
+    match undo(&other) {
+        Err(e) if e == libc::ENOSYS || e == libc::EPERM => {
+            eprintln!("skipping: kcmp unavailable (errno {e})");
+            with_passed(|v| v.retain(|p| p.id != id));
+            let _ = table::take(conn.as_raw_fd());
+            return;
+        }
+        r => assert_eq!(r, Ok(())),
+    }
+    let left = with_passed(|v| {
+        v.iter()
+            .find(|p| p.id == id)
+            .map(|p| (p.passes, p.in_flight.len()))
+    });
+    assert_eq!(
+        left,
+        Some((0, 1)),
+        "another socket's undo took the pass in flight"
+    );
+    // The holder's own: the pass in flight goes, and the record with it (no pass left).
+    assert_eq!(undo(&s), Ok(()));
+    assert!(
+        with_passed(|v| v.iter().all(|p| p.id != id)),
+        "the record stays"
+    );
+    let _ = table::take(conn.as_raw_fd());
+}
+
+#[test]
+fn a_name_let_go_by_its_squatter_is_bound_by_the_owner() {
+    let _children = crate::TEST_CHILDREN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+    let Some(sq) = squatter(&[(name_text(id), true)]) else {
+        return;
+    };
+    let (l, random) = listen(id).expect("the owner found no name");
+    assert!(random.is_some());
+    let mut v = vec![Passed {
+        id,
+        listener: l,
+        random: true,
+        retaken: None,
+        conn: Weak::new(),
+        in_flight: Vec::new(),
+        passes: 1,
+        lookups: 0,
+        drained: None,
+        receivers: Vec::new(),
+    }];
+    // Still held: nothing to retake.
+    assert!(retake(&mut v).is_empty());
+    end_squatter(sq);
+    // Let go: the owner binds it, and a receiver that asks there finds this process.
+    assert_eq!(retake(&mut v), vec![id.1]);
+    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
+    let (_s, pid) = connect_cred(name(id), None, until).expect("the connection's name");
+    // SAFETY: getpid has no preconditions.
+    assert_eq!(pid, unsafe { libc::getpid() });
+    assert!(retake(&mut v).is_empty(), "bound twice");
 }

@@ -77,8 +77,37 @@ pub unsafe extern "C" fn sendmmsg(fd: c_int, v: *mut mmsghdr, n: c_uint, flags: 
         target(fd),
         Target::Smc(_) | Target::Foreign | Target::Relay(_)
     ) {
+        if v.is_null()
+            || n == 0
+            || !table::ANY.load(std::sync::atomic::Ordering::Relaxed)
+            || crate::inside()
+        {
+            // SAFETY: passed on unchanged.
+            return unsafe { real::sendmmsg(fd, v, n, flags) };
+        }
+        // SCM_RIGHTS in any of the messages: looked at as sendmsg does, each message's
+        // passes kept when the kernel sent it (the first `sent` of them), else undone.
+        // (The kernel takes at most UIO_MAXIOV messages.)
+        let n = n.min(1024);
+        let mut noted = Vec::new();
+        for i in 0..n as usize {
+            // SAFETY: the caller's array of `n` headers.
+            let m = unsafe { &(*v.add(i)).msg_hdr };
+            noted.push(if m.msg_controllen > 0 {
+                // SAFETY: the caller's valid message header.
+                unsafe { hooks::passing_in(fd, m) }
+            } else {
+                crate::relay::Noted::none()
+            });
+        }
         // SAFETY: passed on unchanged.
-        return unsafe { real::sendmmsg(fd, v, n, flags) };
+        let sent = unsafe { real::sendmmsg(fd, v, n, flags) };
+        guard((), || {
+            for (i, note) in noted.into_iter().enumerate() {
+                crate::relay::sent(note, fd, (i as c_int) < sent);
+            }
+        });
+        return sent;
     }
     if v.is_null() {
         set_errno(libc::EFAULT);

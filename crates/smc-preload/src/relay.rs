@@ -11,7 +11,8 @@
 //!   nonce that its forked descendants know from their copy of its memory
 //!   (`smc-rs-relay/<pid>/<nonce>`), bound at the first `fork()` while the process holds
 //!   SMC-R connections (a fork without connections, or a program that never forks, costs
-//!   nothing), served by one thread started after that fork.
+//!   nothing), served by one thread started after that fork, which no requester holds up
+//!   (`relay_server.rs`).
 //! * The requester proves it holds the connection by sending its copy of the TCP socket
 //!   (SCM_RIGHTS); the owner checks that it is, as an open file, the one a number of its
 //!   connection names (kcmp; see [`same_file`]), and the requester's credentials
@@ -33,7 +34,8 @@
 //!   it forked still holds the TCP socket, the connection is kept for that process until no
 //!   process holds it (`keep.rs`).
 //! * A connection passed to another process with SCM_RIGHTS: the owner binds a name of the
-//!   TCP socket (`smc-rs-passed/<dev>/<ino>`) where the receiver's library looks it up; the
+//!   TCP socket (`smc-rs-passed/<dev>/<ino>`, or a random name under it when another
+//!   socket holds that) where the receiver's library looks it up; the
 //!   receiver then asks as an exec'd image does, and the connection is kept while the pass
 //!   is in flight or a receiver holds it (`pass.rs`).
 //!
@@ -693,158 +695,6 @@ fn conn_of(id: (u64, u64)) -> Option<Weak<Conn>> {
     r
 }
 
-/// The server thread: answer each request in turn (each is short); while connections are
-/// kept for other holders (`keep.rs`), look at them every sweep; while passed connections
-/// are in flight (`pass.rs`), look at their queues every tick.
-fn serve() {
-    let mut swept = Instant::now();
-    loop {
-        let l = SERVER_FD.load(Ordering::Relaxed);
-        if l < 0 {
-            return;
-        }
-        let kick = KICK_FD.load(Ordering::Relaxed);
-        // The listeners of passed connections' names (only this thread closes them).
-        let names = pass::listeners();
-        let mut p: Vec<libc::pollfd> = [l, kick]
-            .iter()
-            .chain(names.iter())
-            .map(|&fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        let timeout = if pass::in_flight() {
-            pass::TICK.as_millis() as c_int
-        } else if keep::any() {
-            keep::SWEEP.as_millis() as c_int
-        } else {
-            -1
-        };
-        // SAFETY: our array (a negative fd is ignored by poll).
-        unsafe { real::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout) };
-        if p[1].revents != 0 {
-            let mut b = [0u8; 8];
-            // SAFETY: our eventfd and 8 bytes.
-            unsafe { real::read(kick, b.as_mut_ptr().cast(), 8) };
-        }
-        for q in p.iter().skip(2).filter(|q| q.revents != 0) {
-            accept_one(q.fd);
-        }
-        if p[0].revents != 0 {
-            accept_one(l);
-        }
-        // (After the listeners' accepts: a sweep may close a passed name's listener.)
-        pass::sweep();
-        if keep::any() && swept.elapsed() >= keep::SWEEP {
-            swept = Instant::now();
-            keep::sweep();
-        }
-    }
-}
-
-/// Accept one request on listening socket `l` (nonblocking) and answer it.
-fn accept_one(l: c_int) {
-    // SAFETY: our listening socket.
-    let c = unsafe {
-        real::accept4(
-            l,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            libc::SOCK_CLOEXEC,
-        )
-    };
-    if c < 0 {
-        match last_errno() {
-            libc::EINTR | libc::ECONNABORTED | libc::EAGAIN => {}
-            _ => std::thread::sleep(Duration::from_millis(10)),
-        }
-        return;
-    }
-    let c = high(c);
-    // One thread serves every request: a requester that sends nothing, or reads
-    // nothing, holds it for a second at most.
-    set_timeouts(c.as_raw_fd(), Duration::from_secs(1));
-    match answer(c.as_raw_fd()) {
-        Ok(Answer::Relay(relay)) => {
-            let _ = send_with_fd(c.as_raw_fd(), 0, Some(relay.fd()));
-        }
-        Ok(Answer::Done) => {
-            let _ = send_with_fd(c.as_raw_fd(), 0, None);
-        }
-        Ok(Answer::Owner) => {
-            let mut b = [0u8; 9];
-            b[1..].copy_from_slice(&nonce().to_le_bytes());
-            // SAFETY: our socket and buffer.
-            unsafe { real::send(c.as_raw_fd(), b.as_ptr().cast(), 9, libc::MSG_NOSIGNAL) };
-        }
-        Err(e) => {
-            log!("relay request refused: {}", io::Error::from_raw_os_error(e));
-            let _ = send_with_fd(c.as_raw_fd(), e.clamp(1, 255) as u8, None);
-        }
-    }
-}
-
-/// What a request is answered with.
-enum Answer {
-    /// The relay socket A (a request, [`ASK`]).
-    Relay(Arc<Relay>),
-    /// A status byte of 0 (an announced pass, [`pass::PASS`]).
-    Done,
-    /// A status byte of 0 and this process's nonce (a receiver's look-up, [`pass::LOOKUP`]).
-    Owner,
-}
-
-/// One request: check the requester, read its proof, and answer it: find or make the relay
-/// ([`ASK`]), note a pass of one of this process's connections ([`pass::PASS`]: the proof
-/// and the sender's unix socket), or name this process to a receiver ([`pass::LOOKUP`]).
-fn answer(c: c_int) -> Result<Answer, c_int> {
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    let peer = match peer_cred(c) {
-        Some(p) if p.uid == me || me == 0 => p,
-        _ => return Err(libc::EACCES),
-    };
-    let (b, mut fds) = recv_with_fds(c)?;
-    // A connection whose numbers the program is closing right now is looked at again once
-    // the close has made its record (`keep::closing_mark`), within 2 s.
-    // (A socket before an fstat looks at it, as in `check_proof`.)
-    let closing = fds
-        .first()
-        .filter(|f| sock_opt(f.as_raw_fd(), libc::SO_TYPE) == Some(libc::SOCK_STREAM))
-        .and_then(|f| table::socket_id(f.as_raw_fd()))
-        .map_or(0, |id| id.1);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    let r = loop {
-        let r = match b {
-            pass::PASS => pass::announced(&mut fds).map(|()| Answer::Done),
-            pass::LOOKUP => pass::looked_up(&fds, peer.pid).map(|()| Answer::Owner),
-            _ => check_proof(b, &fds).and_then(convert).map(Answer::Relay),
-        };
-        match r {
-            Err(libc::ENOENT) if keep::being_closed(closing) && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            r => break r,
-        }
-    };
-    // The received copies are closed by a thread of their own: the close of a socket whose
-    // last reference this is may block (a lingering TCP socket), never the server.
-    if !fds.is_empty() {
-        let spawned = smc::fdapi::signals_blocked(|| {
-            smc_fabric::threads::spawn_running(
-                std::thread::Builder::new().name("smc-relay-close".into()),
-                move || drop(fds),
-            )
-        });
-        if let Err(e) = spawned {
-            log!("relay server: no thread to close a request's descriptor: {e}");
-        }
-    }
-    r
-}
-
 /// The proof of a request (its byte and the descriptors that came with it): one TCP socket
 /// that is, as an open file, the one a number of this process's connection names. The
 /// socket's identity (device, inode) on success.
@@ -1382,9 +1232,15 @@ pub(crate) use keep::{closing, closing_mark};
 mod calls;
 pub(crate) use calls::{recv, recv_bufs, recvmsg, send, sendmsg};
 
+#[path = "relay_server.rs"]
+mod server;
+use server::serve;
+#[cfg(test)]
+use server::{answer, Answer};
+
 #[path = "pass.rs"]
 mod pass;
-pub(crate) use pass::{closing_relayed, passing, received, rights};
+pub(crate) use pass::{closing_relayed, passing, received, rights, sent, Noted};
 
 #[cfg(test)]
 #[path = "relay_tests.rs"]
