@@ -36,10 +36,12 @@ struct smc_flow_key {
 // The hash maps allocate their elements as entries are added (BPF_F_NO_PREALLOC) instead of
 // all of them when the map is made: every process's stack makes its own maps, and making
 // 65,536 + 4,096 preallocated elements cost a few milliseconds of CPU and megabytes of kernel
-// memory at each start. The LRU map must stay preallocated (the kernel refuses the flag); it
-// holds a passive connection only from its handshake to the program's accept (userspace removes
-// it there), so 16,384 entries (2 MiB) cover any backlog: an entry pushed out before its accept
-// makes that one connection TCP, as a peer without the option would.
+// memory at each start. The LRU map must stay preallocated (the kernel refuses the flag) and
+// keeps its 65,536 flows: an entry lives from the handshake to the program's accept (userspace
+// removes it there), but one pushed out before its accept is worse than a peer without the
+// option — the SYN-ACK already carried the option, so the client sends its CLC Proposal while
+// the server, finding no entry, runs plain TCP — and the kernel's LRU recycles entries well
+// before the map is full (free lists per CPU).
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
@@ -58,7 +60,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
+	__uint(max_entries, 65536);
 	__type(key, struct smc_flow_key);
 	__type(value, __u32);
 } smc_accepted SEC(".maps");
