@@ -56,13 +56,16 @@ pub(super) const GRACE: Duration = Duration::from_secs(2);
 /// it, [`UNPASS`]), and one taken before the owner looked is then taken.
 const SEND_WAIT: Duration = Duration::from_secs(1);
 
-/// How long a receiver's look-up waits, in all, for the listeners' backlogs (a full one
-/// refuses a nonblocking connect; a squatter's that is never accepted must not hold the
-/// receiver's `recvmsg` for long).
-const LOOKUP_CONNECT_WAIT: Duration = Duration::from_secs(1);
+/// How long the look-ups of the descriptors one `recvmsg` brought take, in all: every
+/// connect (a full backlog refuses a nonblocking connect; a squatter's that is never
+/// accepted) and every answer (an owner that is stopped) must not hold the receiver's
+/// `recvmsg` for long.
+const LOOKUP_CONNECT_WAIT: Duration = Duration::from_secs(2);
 
-/// How many sockets named under a connection's name a look-up tries at most.
-const MAX_CANDIDATES: usize = 16;
+/// How many sockets named under a connection's name a look-up reads at most from
+/// `/proc/net/unix` (the look-up's time, [`LOOKUP_CONNECT_WAIT`], is its real bound: a
+/// refused candidate costs a nonblocking connect and SO_PEERCRED).
+const MAX_CANDIDATES: usize = 1024;
 
 /// How long a pass counts as in flight at most (`SMC_PASS_WAIT_MS`).
 fn wait_bound() -> Duration {
@@ -98,28 +101,38 @@ fn random_name(id: (u64, u64)) -> Option<String> {
     })
 }
 
-/// The abstract names bound under connection `id`'s name (`smc-rs-passed/<dev>/<ino>/…`),
-/// from `/proc/net/unix` (readable by every process of the network namespace; empty
-/// without /proc), at most [`MAX_CANDIDATES`].
+/// The abstract names bound under connection `id`'s name that [`random_name`] could have
+/// made (`smc-rs-passed/<dev>/<ino>/` and 32 lowercase hex digits), from `/proc/net/unix`
+/// (readable by every process of the network namespace; empty without /proc), at most
+/// [`MAX_CANDIDATES`]. Not sorted, nor cut to a few: whoever binds names under it (names
+/// that sort first) hides the owner's from no receiver.
 fn candidates(id: (u64, u64)) -> Vec<String> {
-    let Ok(t) = std::fs::read_to_string("/proc/net/unix") else {
+    use std::io::BufRead;
+    let Ok(f) = std::fs::File::open("/proc/net/unix") else {
         return Vec::new();
     };
-    candidates_in(&t, id)
+    candidates_in(io::BufReader::new(f).lines().map_while(Result::ok), id)
 }
 
-/// [`candidates`] in the text of `/proc/net/unix`.
-fn candidates_in(t: &str, id: (u64, u64)) -> Vec<String> {
+/// [`candidates`] in the lines of `/proc/net/unix`.
+fn candidates_in(lines: impl Iterator<Item = String>, id: (u64, u64)) -> Vec<String> {
     let under = format!("@{}/", name_text(id));
-    let mut v: Vec<String> = t
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(7))
-        .filter(|p| p.starts_with(&under) && p.len() > under.len())
-        .map(|p| p[1..].to_string())
-        .collect();
-    v.sort();
-    v.dedup();
-    v.truncate(MAX_CANDIDATES);
+    let mut v: Vec<String> = Vec::new();
+    for l in lines {
+        let Some(p) = l.split_whitespace().nth(7) else {
+            continue;
+        };
+        let Some(hex) = p.strip_prefix(&under) else {
+            continue;
+        };
+        let random = hex.len() == 32 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if random && !v.iter().any(|n| *n == p[1..]) {
+            v.push(p[1..].to_string());
+            if v.len() == MAX_CANDIDATES {
+                break;
+            }
+        }
+    }
     v
 }
 
@@ -821,10 +834,15 @@ fn address_text(a: &libc::sockaddr_un, len: libc::socklen_t) -> String {
 }
 
 /// `recvmsg` brought SCM_RIGHTS with `fds`: give each SMC-R connection among them an entry
-/// (see the module's doc).
+/// (see the module's doc). The look-ups of all of them take at most [`LOOKUP_CONNECT_WAIT`]
+/// in all (a name held by a listener that never accepts, or an owner that never answers,
+/// holds the program's `recvmsg` no longer); one that runs out of time leaves its socket
+/// as it is.
 pub(crate) fn received(fds: &[c_int]) {
+    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
     for &fd in fds {
-        if !crate::hooks::is_inet_stream(fd) {
+        // (A listening socket carries no connection.)
+        if !crate::hooks::is_inet_stream(fd) || sock_opt(fd, libc::SO_ACCEPTCONN) != Some(0) {
             continue;
         }
         let Some(id) = table::socket_id(fd) else {
@@ -840,7 +858,7 @@ pub(crate) fn received(fds: &[c_int]) {
             }
             continue;
         }
-        match lookup(fd, id) {
+        match lookup(fd, id, until) {
             Ok(owner) => {
                 log!(
                     "fd {fd}: a passed SMC-R connection of process {}: its relay is asked for at the first use",
@@ -862,11 +880,14 @@ pub(crate) fn received(fds: &[c_int]) {
     }
 }
 
-/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`):
-/// at its name; when another socket holds that (one that is refused, or does not answer as
-/// the owner), at the names bound under it ([`random_name`], found by [`candidates`]).
-fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
-    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
+/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`),
+/// by `until` (every connect and answer; ETIMEDOUT once it passed): at its name; when
+/// another socket holds that (one that is refused, or does not answer as the owner), at the
+/// names bound under it ([`random_name`], found by [`candidates`]).
+fn lookup(fd: c_int, id: (u64, u64), until: Instant) -> Result<Owner, c_int> {
+    if Instant::now() >= until {
+        return Err(libc::ETIMEDOUT);
+    }
     let first = ask_owner(name(id), fd, until);
     match first {
         Ok(o) => return Ok(o),
@@ -876,6 +897,9 @@ fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
     }
     let mut last = first;
     for n in candidates(id) {
+        if Instant::now() >= until {
+            return Err(libc::ETIMEDOUT);
+        }
         last = ask_owner(abstract_address(&n), fd, until);
         if let Ok(o) = &last {
             log!(
@@ -888,13 +912,16 @@ fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
     last
 }
 
-/// A [`LOOKUP`] at `addr` with the proof `fd`.
+/// A [`LOOKUP`] at `addr` with the proof `fd`, answered by `until`.
 fn ask_owner(
     addr: (libc::sockaddr_un, libc::socklen_t),
     fd: c_int,
     until: Instant,
 ) -> Result<Owner, c_int> {
     let (s, pid) = connect_cred(addr, None, until)?;
+    // (Not the 10 s of a relay's request: the rest of the look-up's time.)
+    let left = until.saturating_duration_since(Instant::now());
+    set_timeouts(s.as_raw_fd(), left.max(Duration::from_millis(1)));
     send_with_fds(s.as_raw_fd(), LOOKUP, &[fd])?;
     let nonce = lookup_answer(s.as_raw_fd())?;
     Ok(Owner { pid, nonce })
