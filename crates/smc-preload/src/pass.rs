@@ -255,6 +255,13 @@ pub(super) fn keeps(id: (u64, u64)) -> bool {
     with_passed(|v| v.iter().any(|p| p.id == id && p.keeps(now)))
 }
 
+/// Whether a passed connection has a random name only (its name held by another socket):
+/// the server thread then sweeps every `keep::SWEEP`, to bind the name once let go
+/// ([`retake`]).
+pub(super) fn to_retake() -> bool {
+    with_passed(|v| v.iter().any(|p| p.random && p.retaken.is_none()))
+}
+
 /// The processes that looked up a connection of this process.
 pub(super) fn receivers() -> Vec<i32> {
     with_passed(|v| v.iter().flat_map(|p| p.receivers.clone()).collect())

@@ -47,13 +47,7 @@ pub(super) fn serve() {
             events: libc::POLLIN,
             revents: 0,
         }];
-        let timeout = if pass::in_flight() {
-            pass::TICK.as_millis() as c_int
-        } else if keep::any() {
-            keep::SWEEP.as_millis() as c_int
-        } else {
-            -1
-        };
+        let timeout = poll_timeout(pass::in_flight(), keep::any(), pass::to_retake());
         requests.round(&listeners, &mut others, timeout);
         if others[0].revents != 0 {
             let mut b = [0u8; 8];
@@ -66,6 +60,19 @@ pub(super) fn serve() {
             swept = Instant::now();
             keep::sweep();
         }
+    }
+}
+
+/// How long the server waits for news (ms; -1: no bound): a tick while passes are in flight,
+/// a sweep while connections are kept for other holders or a passed connection's name is
+/// held by another socket (the sweep binds it once let go, `pass::retake`).
+pub(super) fn poll_timeout(in_flight: bool, kept: bool, to_retake: bool) -> c_int {
+    if in_flight {
+        pass::TICK.as_millis() as c_int
+    } else if kept || to_retake {
+        keep::SWEEP.as_millis() as c_int
+    } else {
+        -1
     }
 }
 

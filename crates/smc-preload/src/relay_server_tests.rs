@@ -194,3 +194,23 @@ fn many_other_users_leave_places_for_the_owner_s_user_and_root() {
     let mine = std::iter::repeat_n(1000, MAX_WAITING_OF_OTHERS);
     assert!(admit(mine, cred(9, 1000), 1000).is_ok());
 }
+
+#[test]
+fn the_server_wakes_while_a_name_is_to_be_retaken() {
+    // Nothing to look at: the server sleeps until a request.
+    assert_eq!(poll_timeout(false, false, false), -1);
+    // A passed connection's name held by another socket: looked at every sweep, so that a
+    // name let go is bound before the next request.
+    assert_eq!(
+        poll_timeout(false, false, true),
+        keep::SWEEP.as_millis() as c_int
+    );
+    assert_eq!(
+        poll_timeout(false, true, false),
+        keep::SWEEP.as_millis() as c_int
+    );
+    assert_eq!(
+        poll_timeout(true, false, true),
+        pass::TICK.as_millis() as c_int
+    );
+}
