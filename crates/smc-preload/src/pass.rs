@@ -380,9 +380,9 @@ fn note(
 }
 
 /// Undo a pass of connection `id` noted by [`note`] whose send failed: one pass less, and
-/// the copy of the unix socket that `is_it` recognizes (the newest) is no longer in flight;
+/// the pass that `is_it` recognizes (the newest) is no longer in flight;
 /// a record left with no pass, look-up or pass in flight goes (its name with it).
-fn unnote(id: (u64, u64), is_it: impl Fn(c_int) -> bool) -> Result<(), c_int> {
+fn unnote(id: (u64, u64), is_it: impl Fn(&Flight) -> bool) -> Result<(), c_int> {
     let gone = with_passed(|v| -> Result<(Option<Flight>, Option<Passed>), c_int> {
         let i = v.iter().position(|p| p.id == id).ok_or(libc::ENOENT)?;
         let p = &mut v[i];
@@ -390,7 +390,7 @@ fn unnote(id: (u64, u64), is_it: impl Fn(c_int) -> bool) -> Result<(), c_int> {
         let copy = p
             .in_flight
             .iter()
-            .rposition(|f| is_it(f.unix.as_raw_fd()))
+            .rposition(&is_it)
             .map(|j| p.in_flight.remove(j));
         if let Some(f) = &copy {
             pump_fd_remove(f.unix.as_raw_fd());
@@ -521,7 +521,11 @@ pub(super) fn unannounced(fds: &[OwnedFd]) -> Result<(), c_int> {
     };
     let id = check_proof(ASK, std::slice::from_ref(proof))?;
     let unix = unix.as_raw_fd();
-    unnote(id, |fd| same_file(fd, unix) == Ok(true))
+    // Only a pass another holder announced: this process's own pass through the same open
+    // file (a forked child's unix socket is its parent's) went, whatever the child's did.
+    unnote(id, |f| {
+        f.told && same_file(f.unix.as_raw_fd(), unix) == Ok(true)
+    })
 }
 
 /// A [`LOOKUP`] by process `pid` (RELAYS_LOCK not held): `fds` is the proof.
@@ -719,7 +723,7 @@ pub(crate) fn sent(noted: Noted, sock: c_int, ok: bool) {
             // (An announced pass is seen sent by its owner when its message is queued.)
             (Note::Told { .. }, true) => {}
             (Note::Own { id, unix }, false) => {
-                let _ = unnote(id, |fd| fd == unix);
+                let _ = unnote(id, |f| f.unix.as_raw_fd() == unix);
                 log!("inode {}: the send of a pass failed: undone", id.1);
             }
             (Note::Told { owner, proof }, false) => {

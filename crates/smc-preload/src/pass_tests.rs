@@ -488,7 +488,28 @@ fn an_announced_pass_whose_send_failed_is_undone_by_its_owner() {
         Some((0, 1)),
         "another socket's undo took the pass in flight"
     );
+    // This process's own pass through the same unix socket (a forked child's is its
+    // parent's open file), then the child's undo: the child's pass goes, not the owner's.
+    note(id, Weak::new(), Some(tcp_dup(&s)), false).expect("noted");
+    assert_eq!(undo(&s), Ok(()));
+    let left = with_passed(|v| {
+        v.iter()
+            .find(|p| p.id == id)
+            .map(|p| p.in_flight.iter().map(|f| f.told).collect::<Vec<_>>())
+    });
+    assert_eq!(
+        left,
+        Some(vec![false]),
+        "a holder's undo took the owner's own pass"
+    );
+    let unix = with_passed(|v| {
+        v.iter()
+            .find(|p| p.id == id)
+            .map_or(-1, |p| p.in_flight[0].unix.as_raw_fd())
+    });
+    sent(Noted(vec![Note::Own { id, unix }]), s.as_raw_fd(), false);
     // The holder's own: the pass in flight goes, and the record with it (no pass left).
+    note(id, Weak::new(), Some(tcp_dup(&s)), true).expect("noted");
     assert_eq!(undo(&s), Ok(()));
     assert!(
         with_passed(|v| v.iter().all(|p| p.id != id)),
