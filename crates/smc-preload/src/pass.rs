@@ -584,11 +584,17 @@ pub(crate) unsafe fn rights(m: &libc::msghdr) -> Vec<c_int> {
     if m.msg_control.is_null() || m.msg_controllen == 0 {
         return fds;
     }
+    // A header's `cmsg_len` larger than the whole buffer (near usize::MAX, its alignment
+    // wraps and CMSG_NXTHDR gives the same header again) ends the walk, and no buffer holds
+    // more headers than fit in it.
+    let controllen = m.msg_controllen as usize;
+    let mut headers = controllen / std::mem::size_of::<libc::cmsghdr>();
     // SAFETY: walking the caller's control buffer with the C library's macros, which stay
     // within `msg_controllen`.
     unsafe {
         let mut c = libc::CMSG_FIRSTHDR(m);
-        while !c.is_null() {
+        while !c.is_null() && headers > 0 && (*c).cmsg_len as usize <= controllen {
+            headers -= 1;
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<c_int>();
                 // A `cmsg_len` past the control buffer (the program's mistake, which the

@@ -625,3 +625,38 @@ fn a_received_listening_socket_is_not_looked_up() {
     received(&[t.as_raw_fd()]);
     assert!(!came(&l), "a listening socket was looked up");
 }
+
+#[test]
+fn a_control_buffer_with_a_huge_cmsg_len_ends_the_walk() {
+    // Two headers: one SCM_RIGHTS with one descriptor, then one whose `cmsg_len` is near
+    // usize::MAX (its alignment wraps: the next header would be itself).
+    let mut buf = [0u64; 16];
+    let hdr = std::mem::size_of::<libc::cmsghdr>();
+    // SAFETY: CMSG_LEN and CMSG_SPACE are arithmetic.
+    let (len1, space1) = unsafe { (libc::CMSG_LEN(4), libc::CMSG_SPACE(4)) };
+    let base = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: both headers and the descriptor lie within `buf` (128 bytes).
+    unsafe {
+        let c = base.cast::<libc::cmsghdr>();
+        (*c).cmsg_len = len1 as _;
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        libc::CMSG_DATA(c).cast::<c_int>().write_unaligned(7);
+        let d = base.add(space1 as usize).cast::<libc::cmsghdr>();
+        (*d).cmsg_len = (usize::MAX - 3) as _;
+        (*d).cmsg_level = libc::SOL_SOCKET;
+        (*d).cmsg_type = libc::SCM_RIGHTS;
+    }
+    assert!(space1 as usize + hdr <= std::mem::size_of_val(&buf));
+    // SAFETY: zeroed is a valid msghdr.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_control = base.cast();
+    m.msg_controllen = std::mem::size_of_val(&buf) as _;
+    // SAFETY: the control buffer is `msg_controllen` bytes.
+    assert_eq!(unsafe { rights(&m) }, vec![7]);
+    // The huge header first: nothing, and an end.
+    m.msg_control = base.wrapping_add(space1 as usize).cast();
+    m.msg_controllen = (std::mem::size_of_val(&buf) - space1 as usize) as _;
+    // SAFETY: as above.
+    assert_eq!(unsafe { rights(&m) }, Vec::<c_int>::new());
+}
