@@ -392,15 +392,17 @@ fn unnote(id: (u64, u64), is_it: impl Fn(&Flight) -> bool) -> Result<(), c_int> 
             .iter()
             .rposition(&is_it)
             .map(|j| p.in_flight.remove(j));
-        if let Some(f) = &copy {
-            pump_fd_remove(f.unix.as_raw_fd());
-        }
         let record =
             (p.passes == 0 && p.lookups == 0 && p.in_flight.is_empty()).then(|| v.swap_remove(i));
         Ok((copy, record))
     });
-    // (Closed outside the lock.)
-    drop(gone?);
+    // (Closed outside the lock; among the pumps' descriptors until then, for a fork.)
+    let (copy, record) = gone?;
+    if let Some(f) = copy {
+        pump_fd_remove(f.unix.as_raw_fd());
+        drop(f);
+    }
+    drop(record);
     keep::kick();
     Ok(())
 }
@@ -445,12 +447,20 @@ fn listen_at(n: &str) -> Result<OwnedFd, c_int> {
 /// The server thread: the passes taken or too old go (their copies of the unix sockets are
 /// closed: the program's close of its own reaches the peer), so do the records of
 /// connections this process no longer has, and the receivers that are gone; a name let go
-/// by the socket that held it is bound ([`retake`]).
+/// by the socket that held it is bound ([`retake`], at most every `keep::SWEEP`). The lock
+/// of the records (a spin lock the program's threads wait on in `sendmsg`, `close`, `fork`)
+/// is not held across a close, a bind or a look at /proc.
 pub(super) fn sweep() {
     let now = Instant::now();
     let bound = wait_bound();
-    let (gone, retaken) = with_passed(|v| {
+    let pids: Vec<i32> = with_passed(|v| v.iter().flat_map(|p| p.receivers.clone()).collect());
+    let ended: Vec<i32> = pids
+        .into_iter()
+        .filter(|pid| std::fs::metadata(format!("/proc/{pid}")).is_err())
+        .collect();
+    let (gone, taken) = with_passed(|v| {
         let mut gone: Vec<Passed> = Vec::new();
+        let mut taken: Vec<Flight> = Vec::new();
         let mut i = 0;
         while i < v.len() {
             if v[i].conn.strong_count() == 0 {
@@ -459,39 +469,74 @@ pub(super) fn sweep() {
             }
             let p = &mut v[i];
             let before = p.in_flight.len();
-            p.in_flight.retain_mut(|f| {
-                let keep = f.stays(now, bound);
-                if !keep {
-                    pump_fd_remove(f.unix.as_raw_fd());
+            let mut j = 0;
+            while j < p.in_flight.len() {
+                if p.in_flight[j].stays(now, bound) {
+                    j += 1;
+                } else {
+                    taken.push(p.in_flight.remove(j));
                 }
-                keep
-            });
+            }
             if before > 0 && p.in_flight.is_empty() {
                 p.drained = Some(now);
             }
-            p.receivers
-                .retain(|pid| std::fs::metadata(format!("/proc/{pid}")).is_ok());
+            p.receivers.retain(|pid| !ended.contains(pid));
             i += 1;
         }
-        let retaken = retake(v);
-        (gone, retaken)
+        (gone, taken)
     });
     drop(gone);
-    for ino in retaken {
-        log!("relay: the name of a passed connection (inode {ino}) was let go by the socket that held it: bound");
+    // (Among the pumps' descriptors until closed here: a child forked meanwhile closes its
+    // copy.)
+    for f in taken {
+        pump_fd_remove(f.unix.as_raw_fd());
+        drop(f);
+    }
+    static RETAKEN: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+    let mut last = RETAKEN.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|t| now.duration_since(t) >= keep::SWEEP) {
+        *last = Some(now);
+        for ino in retake() {
+            log!("relay: the name of a passed connection (inode {ino}) was let go by the socket that held it: bound");
+        }
     }
 }
 
-/// Bind the names of the connections among `v` that have a random name only, where the
-/// socket that held the name let it go (under the lock of the records: `with_passed`);
-/// their inodes.
-fn retake(v: &mut [Passed]) -> Vec<u64> {
+/// Bind the names of the passed connections that have a random name only, where the socket
+/// that held the name let it go (bound outside the lock of the records); their inodes.
+fn retake() -> Vec<u64> {
+    let ids: Vec<(u64, u64)> = with_passed(|v| {
+        v.iter()
+            .filter(|p| p.random && p.retaken.is_none())
+            .map(|p| p.id)
+            .collect()
+    });
     let mut done = Vec::new();
-    for p in v.iter_mut().filter(|p| p.random && p.retaken.is_none()) {
-        if let Ok(l) = listen_at(&name_text(p.id)) {
-            let _ = pump_fd_add(l.as_raw_fd());
-            p.retaken = Some(l);
-            done.push(p.id.1);
+    for id in ids {
+        let Ok(l) = listen_at(&name_text(id)) else {
+            continue;
+        };
+        let _ = pump_fd_add(l.as_raw_fd());
+        let raw = l.as_raw_fd();
+        // (The record may have gone meanwhile: then the name goes too, outside the lock.)
+        let unused = with_passed(|v| {
+            match v
+                .iter_mut()
+                .find(|p| p.id == id && p.random && p.retaken.is_none())
+            {
+                Some(p) => {
+                    p.retaken = Some(l);
+                    None
+                }
+                None => Some(l),
+            }
+        });
+        match unused {
+            Some(l) => {
+                pump_fd_remove(raw);
+                drop(l);
+            }
+            None => done.push(id.1),
         }
     }
     done
@@ -520,12 +565,27 @@ pub(super) fn unannounced(fds: &[OwnedFd]) -> Result<(), c_int> {
         return Err(libc::EPROTO);
     };
     let id = check_proof(ASK, std::slice::from_ref(proof))?;
-    let unix = unix.as_raw_fd();
     // Only a pass another holder announced: this process's own pass through the same open
     // file (a forked child's unix socket is its parent's) went, whatever the child's did.
-    unnote(id, |f| {
-        f.told && same_file(f.unix.as_raw_fd(), unix) == Ok(true)
-    })
+    // Compared (kcmp) outside the lock of the records, on copies of the flights' sockets.
+    let told: Vec<(c_int, Option<OwnedFd>)> = with_passed(|v| {
+        v.iter()
+            .filter(|p| p.id == id)
+            .flat_map(|p| &p.in_flight)
+            .filter(|f| f.told)
+            .map(|f| (f.unix.as_raw_fd(), f.unix.try_clone().ok()))
+            .collect()
+    });
+    let theirs: Vec<c_int> = told
+        .iter()
+        .filter(|(_, c)| {
+            c.as_ref()
+                .is_some_and(|c| same_file(c.as_raw_fd(), unix.as_raw_fd()) == Ok(true))
+        })
+        .map(|(fd, _)| *fd)
+        .collect();
+    drop(told);
+    unnote(id, |f| f.told && theirs.contains(&f.unix.as_raw_fd()))
 }
 
 /// A [`LOOKUP`] by process `pid` (RELAYS_LOCK not held): `fds` is the proof.
@@ -587,7 +647,7 @@ pub(crate) unsafe fn rights(m: &libc::msghdr) -> Vec<c_int> {
     // A header's `cmsg_len` larger than the whole buffer (near usize::MAX, its alignment
     // wraps and CMSG_NXTHDR gives the same header again) ends the walk, and no buffer holds
     // more headers than fit in it.
-    let controllen = m.msg_controllen as usize;
+    let controllen = m.msg_controllen;
     let mut headers = controllen / std::mem::size_of::<libc::cmsghdr>();
     // SAFETY: walking the caller's control buffer with the C library's macros, which stay
     // within `msg_controllen`.
