@@ -16,17 +16,18 @@
 //!   When another socket holds the name (anyone can bind it first: `/proc/net/tcp` shows
 //!   the inode), the owner binds a name under it with 128 random bits ([`random_name`]).
 //! * **The receiver** (`recvmsg` that brings SCM_RIGHTS, [`received`]) looks at each
-//!   descriptor: an AF_INET/AF_INET6 stream socket of a connection this process already
-//!   has an entry for is a duplicate (a pass to itself, or to another thread); any other is
-//!   looked up at that name ([`LOOKUP`], with the socket as the proof, checked as a relay
-//!   request is): the owner answers with its nonce and notes the receiver's pid, and the
+//!   descriptor: an AF_INET/AF_INET6 TCP socket (not listening) of a connection this
+//!   process already has an entry for is a duplicate (a pass to itself, or to another
+//!   thread); any other is looked up at that name ([`LOOKUP`], with the socket as the
+//!   proof, checked as a relay request is): the owner answers with its nonce and notes the receiver's pid, and the
 //!   descriptor gets an entry that asks that owner for a relay at its first use, as an
 //!   exec'd image's inherited one does. The server at the name must run as the receiver's
 //!   user or root (SO_PEERCRED, before anything is sent: [`connect_cred`]); one that is
 //!   refused, answers as no owner, or holds the name without listening sends the receiver
 //!   to the names under it, read from `/proc/net/unix` ([`candidates`]). No name: not an
 //!   SMC-R connection, or its owner is gone or in another network namespace (abstract names
-//!   are per namespace); the socket stays as it is.
+//!   are per namespace); the socket stays as it is. The look-ups of one `recvmsg` take at
+//!   most [`LOOKUP_CONNECT_WAIT`] in all; one that runs out of time leaves its socket too.
 //! * **How long** (`keep.rs`): once the owner's program closed its numbers, a passed
 //!   connection is kept while a pass is in flight, for [`GRACE`] after the last pass was
 //!   taken when fewer receivers looked it up than passes were made (a receiver between its
