@@ -16,17 +16,18 @@
 //!   When another socket holds the name (anyone can bind it first: `/proc/net/tcp` shows
 //!   the inode), the owner binds a name under it with 128 random bits ([`random_name`]).
 //! * **The receiver** (`recvmsg` that brings SCM_RIGHTS, [`received`]) looks at each
-//!   descriptor: an AF_INET/AF_INET6 stream socket of a connection this process already
-//!   has an entry for is a duplicate (a pass to itself, or to another thread); any other is
-//!   looked up at that name ([`LOOKUP`], with the socket as the proof, checked as a relay
-//!   request is): the owner answers with its nonce and notes the receiver's pid, and the
+//!   descriptor: an AF_INET/AF_INET6 TCP socket (not listening) of a connection this
+//!   process already has an entry for is a duplicate (a pass to itself, or to another
+//!   thread); any other is looked up at that name ([`LOOKUP`], with the socket as the
+//!   proof, checked as a relay request is): the owner answers with its nonce and notes the receiver's pid, and the
 //!   descriptor gets an entry that asks that owner for a relay at its first use, as an
 //!   exec'd image's inherited one does. The server at the name must run as the receiver's
 //!   user or root (SO_PEERCRED, before anything is sent: [`connect_cred`]); one that is
 //!   refused, answers as no owner, or holds the name without listening sends the receiver
 //!   to the names under it, read from `/proc/net/unix` ([`candidates`]). No name: not an
 //!   SMC-R connection, or its owner is gone or in another network namespace (abstract names
-//!   are per namespace); the socket stays as it is.
+//!   are per namespace); the socket stays as it is. The look-ups of one `recvmsg` take at
+//!   most [`LOOKUP_CONNECT_WAIT`] in all; one that runs out of time leaves its socket too.
 //! * **How long** (`keep.rs`): once the owner's program closed its numbers, a passed
 //!   connection is kept while a pass is in flight, for [`GRACE`] after the last pass was
 //!   taken when fewer receivers looked it up than passes were made (a receiver between its
@@ -56,13 +57,16 @@ pub(super) const GRACE: Duration = Duration::from_secs(2);
 /// it, [`UNPASS`]), and one taken before the owner looked is then taken.
 const SEND_WAIT: Duration = Duration::from_secs(1);
 
-/// How long a receiver's look-up waits, in all, for the listeners' backlogs (a full one
-/// refuses a nonblocking connect; a squatter's that is never accepted must not hold the
-/// receiver's `recvmsg` for long).
-const LOOKUP_CONNECT_WAIT: Duration = Duration::from_secs(1);
+/// How long the look-ups of the descriptors one `recvmsg` brought take, in all: every
+/// connect (a full backlog refuses a nonblocking connect; a squatter's that is never
+/// accepted) and every answer (an owner that is stopped) must not hold the receiver's
+/// `recvmsg` for long.
+const LOOKUP_CONNECT_WAIT: Duration = Duration::from_secs(2);
 
-/// How many sockets named under a connection's name a look-up tries at most.
-const MAX_CANDIDATES: usize = 16;
+/// How many sockets named under a connection's name a look-up reads at most from
+/// `/proc/net/unix` (the look-up's time, [`LOOKUP_CONNECT_WAIT`], is its real bound: a
+/// refused candidate costs a nonblocking connect and SO_PEERCRED).
+const MAX_CANDIDATES: usize = 1024;
 
 /// How long a pass counts as in flight at most (`SMC_PASS_WAIT_MS`).
 fn wait_bound() -> Duration {
@@ -98,28 +102,38 @@ fn random_name(id: (u64, u64)) -> Option<String> {
     })
 }
 
-/// The abstract names bound under connection `id`'s name (`smc-rs-passed/<dev>/<ino>/…`),
-/// from `/proc/net/unix` (readable by every process of the network namespace; empty
-/// without /proc), at most [`MAX_CANDIDATES`].
+/// The abstract names bound under connection `id`'s name that [`random_name`] could have
+/// made (`smc-rs-passed/<dev>/<ino>/` and 32 lowercase hex digits), from `/proc/net/unix`
+/// (readable by every process of the network namespace; empty without /proc), at most
+/// [`MAX_CANDIDATES`]. Not sorted, nor cut to a few: whoever binds names under it (names
+/// that sort first) hides the owner's from no receiver.
 fn candidates(id: (u64, u64)) -> Vec<String> {
-    let Ok(t) = std::fs::read_to_string("/proc/net/unix") else {
+    use std::io::BufRead;
+    let Ok(f) = std::fs::File::open("/proc/net/unix") else {
         return Vec::new();
     };
-    candidates_in(&t, id)
+    candidates_in(io::BufReader::new(f).lines().map_while(Result::ok), id)
 }
 
-/// [`candidates`] in the text of `/proc/net/unix`.
-fn candidates_in(t: &str, id: (u64, u64)) -> Vec<String> {
+/// [`candidates`] in the lines of `/proc/net/unix`.
+fn candidates_in(lines: impl Iterator<Item = String>, id: (u64, u64)) -> Vec<String> {
     let under = format!("@{}/", name_text(id));
-    let mut v: Vec<String> = t
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(7))
-        .filter(|p| p.starts_with(&under) && p.len() > under.len())
-        .map(|p| p[1..].to_string())
-        .collect();
-    v.sort();
-    v.dedup();
-    v.truncate(MAX_CANDIDATES);
+    let mut v: Vec<String> = Vec::new();
+    for l in lines {
+        let Some(p) = l.split_whitespace().nth(7) else {
+            continue;
+        };
+        let Some(hex) = p.strip_prefix(&under) else {
+            continue;
+        };
+        let random = hex.len() == 32 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if random && !v.iter().any(|n| *n == p[1..]) {
+            v.push(p[1..].to_string());
+            if v.len() == MAX_CANDIDATES {
+                break;
+            }
+        }
+    }
     v
 }
 
@@ -242,6 +256,13 @@ pub(super) fn keeps(id: (u64, u64)) -> bool {
     with_passed(|v| v.iter().any(|p| p.id == id && p.keeps(now)))
 }
 
+/// Whether a passed connection has a random name only (its name held by another socket):
+/// the server thread then sweeps every `keep::SWEEP`, to bind the name once let go
+/// ([`retake`]).
+pub(super) fn to_retake() -> bool {
+    with_passed(|v| v.iter().any(|p| p.random && p.retaken.is_none()))
+}
+
 /// The processes that looked up a connection of this process.
 pub(super) fn receivers() -> Vec<i32> {
     with_passed(|v| v.iter().flat_map(|p| p.receivers.clone()).collect())
@@ -360,9 +381,9 @@ fn note(
 }
 
 /// Undo a pass of connection `id` noted by [`note`] whose send failed: one pass less, and
-/// the copy of the unix socket that `is_it` recognizes (the newest) is no longer in flight;
+/// the pass that `is_it` recognizes (the newest) is no longer in flight;
 /// a record left with no pass, look-up or pass in flight goes (its name with it).
-fn unnote(id: (u64, u64), is_it: impl Fn(c_int) -> bool) -> Result<(), c_int> {
+fn unnote(id: (u64, u64), is_it: impl Fn(&Flight) -> bool) -> Result<(), c_int> {
     let gone = with_passed(|v| -> Result<(Option<Flight>, Option<Passed>), c_int> {
         let i = v.iter().position(|p| p.id == id).ok_or(libc::ENOENT)?;
         let p = &mut v[i];
@@ -370,17 +391,19 @@ fn unnote(id: (u64, u64), is_it: impl Fn(c_int) -> bool) -> Result<(), c_int> {
         let copy = p
             .in_flight
             .iter()
-            .rposition(|f| is_it(f.unix.as_raw_fd()))
+            .rposition(&is_it)
             .map(|j| p.in_flight.remove(j));
-        if let Some(f) = &copy {
-            pump_fd_remove(f.unix.as_raw_fd());
-        }
         let record =
             (p.passes == 0 && p.lookups == 0 && p.in_flight.is_empty()).then(|| v.swap_remove(i));
         Ok((copy, record))
     });
-    // (Closed outside the lock.)
-    drop(gone?);
+    // (Closed outside the lock; among the pumps' descriptors until then, for a fork.)
+    let (copy, record) = gone?;
+    if let Some(f) = copy {
+        pump_fd_remove(f.unix.as_raw_fd());
+        drop(f);
+    }
+    drop(record);
     keep::kick();
     Ok(())
 }
@@ -425,12 +448,20 @@ fn listen_at(n: &str) -> Result<OwnedFd, c_int> {
 /// The server thread: the passes taken or too old go (their copies of the unix sockets are
 /// closed: the program's close of its own reaches the peer), so do the records of
 /// connections this process no longer has, and the receivers that are gone; a name let go
-/// by the socket that held it is bound ([`retake`]).
+/// by the socket that held it is bound ([`retake`], at most every `keep::SWEEP`). The lock
+/// of the records (a spin lock the program's threads wait on in `sendmsg`, `close`, `fork`)
+/// is not held across a close, a bind or a look at /proc.
 pub(super) fn sweep() {
     let now = Instant::now();
     let bound = wait_bound();
-    let (gone, retaken) = with_passed(|v| {
+    let pids: Vec<i32> = with_passed(|v| v.iter().flat_map(|p| p.receivers.clone()).collect());
+    let ended: Vec<i32> = pids
+        .into_iter()
+        .filter(|pid| std::fs::metadata(format!("/proc/{pid}")).is_err())
+        .collect();
+    let (gone, taken) = with_passed(|v| {
         let mut gone: Vec<Passed> = Vec::new();
+        let mut taken: Vec<Flight> = Vec::new();
         let mut i = 0;
         while i < v.len() {
             if v[i].conn.strong_count() == 0 {
@@ -439,39 +470,74 @@ pub(super) fn sweep() {
             }
             let p = &mut v[i];
             let before = p.in_flight.len();
-            p.in_flight.retain_mut(|f| {
-                let keep = f.stays(now, bound);
-                if !keep {
-                    pump_fd_remove(f.unix.as_raw_fd());
+            let mut j = 0;
+            while j < p.in_flight.len() {
+                if p.in_flight[j].stays(now, bound) {
+                    j += 1;
+                } else {
+                    taken.push(p.in_flight.remove(j));
                 }
-                keep
-            });
+            }
             if before > 0 && p.in_flight.is_empty() {
                 p.drained = Some(now);
             }
-            p.receivers
-                .retain(|pid| std::fs::metadata(format!("/proc/{pid}")).is_ok());
+            p.receivers.retain(|pid| !ended.contains(pid));
             i += 1;
         }
-        let retaken = retake(v);
-        (gone, retaken)
+        (gone, taken)
     });
     drop(gone);
-    for ino in retaken {
-        log!("relay: the name of a passed connection (inode {ino}) was let go by the socket that held it: bound");
+    // (Among the pumps' descriptors until closed here: a child forked meanwhile closes its
+    // copy.)
+    for f in taken {
+        pump_fd_remove(f.unix.as_raw_fd());
+        drop(f);
+    }
+    static RETAKEN: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+    let mut last = RETAKEN.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|t| now.duration_since(t) >= keep::SWEEP) {
+        *last = Some(now);
+        for ino in retake() {
+            log!("relay: the name of a passed connection (inode {ino}) was let go by the socket that held it: bound");
+        }
     }
 }
 
-/// Bind the names of the connections among `v` that have a random name only, where the
-/// socket that held the name let it go (under the lock of the records: `with_passed`);
-/// their inodes.
-fn retake(v: &mut [Passed]) -> Vec<u64> {
+/// Bind the names of the passed connections that have a random name only, where the socket
+/// that held the name let it go (bound outside the lock of the records); their inodes.
+fn retake() -> Vec<u64> {
+    let ids: Vec<(u64, u64)> = with_passed(|v| {
+        v.iter()
+            .filter(|p| p.random && p.retaken.is_none())
+            .map(|p| p.id)
+            .collect()
+    });
     let mut done = Vec::new();
-    for p in v.iter_mut().filter(|p| p.random && p.retaken.is_none()) {
-        if let Ok(l) = listen_at(&name_text(p.id)) {
-            let _ = pump_fd_add(l.as_raw_fd());
-            p.retaken = Some(l);
-            done.push(p.id.1);
+    for id in ids {
+        let Ok(l) = listen_at(&name_text(id)) else {
+            continue;
+        };
+        let _ = pump_fd_add(l.as_raw_fd());
+        let raw = l.as_raw_fd();
+        // (The record may have gone meanwhile: then the name goes too, outside the lock.)
+        let unused = with_passed(|v| {
+            match v
+                .iter_mut()
+                .find(|p| p.id == id && p.random && p.retaken.is_none())
+            {
+                Some(p) => {
+                    p.retaken = Some(l);
+                    None
+                }
+                None => Some(l),
+            }
+        });
+        match unused {
+            Some(l) => {
+                pump_fd_remove(raw);
+                drop(l);
+            }
+            None => done.push(id.1),
         }
     }
     done
@@ -500,8 +566,27 @@ pub(super) fn unannounced(fds: &[OwnedFd]) -> Result<(), c_int> {
         return Err(libc::EPROTO);
     };
     let id = check_proof(ASK, std::slice::from_ref(proof))?;
-    let unix = unix.as_raw_fd();
-    unnote(id, |fd| same_file(fd, unix) == Ok(true))
+    // Only a pass another holder announced: this process's own pass through the same open
+    // file (a forked child's unix socket is its parent's) went, whatever the child's did.
+    // Compared (kcmp) outside the lock of the records, on copies of the flights' sockets.
+    let told: Vec<(c_int, Option<OwnedFd>)> = with_passed(|v| {
+        v.iter()
+            .filter(|p| p.id == id)
+            .flat_map(|p| &p.in_flight)
+            .filter(|f| f.told)
+            .map(|f| (f.unix.as_raw_fd(), f.unix.try_clone().ok()))
+            .collect()
+    });
+    let theirs: Vec<c_int> = told
+        .iter()
+        .filter(|(_, c)| {
+            c.as_ref()
+                .is_some_and(|c| same_file(c.as_raw_fd(), unix.as_raw_fd()) == Ok(true))
+        })
+        .map(|(fd, _)| *fd)
+        .collect();
+    drop(told);
+    unnote(id, |f| f.told && theirs.contains(&f.unix.as_raw_fd()))
 }
 
 /// A [`LOOKUP`] by process `pid` (RELAYS_LOCK not held): `fds` is the proof.
@@ -560,11 +645,17 @@ pub(crate) unsafe fn rights(m: &libc::msghdr) -> Vec<c_int> {
     if m.msg_control.is_null() || m.msg_controllen == 0 {
         return fds;
     }
+    // A header's `cmsg_len` larger than the whole buffer (near usize::MAX, its alignment
+    // wraps and CMSG_NXTHDR gives the same header again) ends the walk, and no buffer holds
+    // more headers than fit in it.
+    let controllen = m.msg_controllen;
+    let mut headers = controllen / std::mem::size_of::<libc::cmsghdr>();
     // SAFETY: walking the caller's control buffer with the C library's macros, which stay
     // within `msg_controllen`.
     unsafe {
         let mut c = libc::CMSG_FIRSTHDR(m);
-        while !c.is_null() {
+        while !c.is_null() && headers > 0 && (*c).cmsg_len as usize <= controllen {
+            headers -= 1;
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<c_int>();
                 // A `cmsg_len` past the control buffer (the program's mistake, which the
@@ -699,7 +790,7 @@ pub(crate) fn sent(noted: Noted, sock: c_int, ok: bool) {
             // (An announced pass is seen sent by its owner when its message is queued.)
             (Note::Told { .. }, true) => {}
             (Note::Own { id, unix }, false) => {
-                let _ = unnote(id, |fd| fd == unix);
+                let _ = unnote(id, |f| f.unix.as_raw_fd() == unix);
                 log!("inode {}: the send of a pass failed: undone", id.1);
             }
             (Note::Told { owner, proof }, false) => {
@@ -821,10 +912,15 @@ fn address_text(a: &libc::sockaddr_un, len: libc::socklen_t) -> String {
 }
 
 /// `recvmsg` brought SCM_RIGHTS with `fds`: give each SMC-R connection among them an entry
-/// (see the module's doc).
+/// (see the module's doc). The look-ups of all of them take at most [`LOOKUP_CONNECT_WAIT`]
+/// in all (a name held by a listener that never accepts, or an owner that never answers,
+/// holds the program's `recvmsg` no longer); one that runs out of time leaves its socket
+/// as it is.
 pub(crate) fn received(fds: &[c_int]) {
+    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
     for &fd in fds {
-        if !crate::hooks::is_inet_stream(fd) {
+        // (A listening socket carries no connection.)
+        if !crate::hooks::is_inet_stream(fd) || sock_opt(fd, libc::SO_ACCEPTCONN) != Some(0) {
             continue;
         }
         let Some(id) = table::socket_id(fd) else {
@@ -840,7 +936,7 @@ pub(crate) fn received(fds: &[c_int]) {
             }
             continue;
         }
-        match lookup(fd, id) {
+        match lookup(fd, id, until) {
             Ok(owner) => {
                 log!(
                     "fd {fd}: a passed SMC-R connection of process {}: its relay is asked for at the first use",
@@ -862,11 +958,14 @@ pub(crate) fn received(fds: &[c_int]) {
     }
 }
 
-/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`):
-/// at its name; when another socket holds that (one that is refused, or does not answer as
-/// the owner), at the names bound under it ([`random_name`], found by [`candidates`]).
-fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
-    let until = Instant::now() + LOOKUP_CONNECT_WAIT;
+/// Ask who owns the connection whose TCP socket this process has as `fd` (identity `id`),
+/// by `until` (every connect and answer; ETIMEDOUT once it passed): at its name; when
+/// another socket holds that (one that is refused, or does not answer as the owner), at the
+/// names bound under it ([`random_name`], found by [`candidates`]).
+fn lookup(fd: c_int, id: (u64, u64), until: Instant) -> Result<Owner, c_int> {
+    if Instant::now() >= until {
+        return Err(libc::ETIMEDOUT);
+    }
     let first = ask_owner(name(id), fd, until);
     match first {
         Ok(o) => return Ok(o),
@@ -876,6 +975,9 @@ fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
     }
     let mut last = first;
     for n in candidates(id) {
+        if Instant::now() >= until {
+            return Err(libc::ETIMEDOUT);
+        }
         last = ask_owner(abstract_address(&n), fd, until);
         if let Ok(o) = &last {
             log!(
@@ -888,13 +990,16 @@ fn lookup(fd: c_int, id: (u64, u64)) -> Result<Owner, c_int> {
     last
 }
 
-/// A [`LOOKUP`] at `addr` with the proof `fd`.
+/// A [`LOOKUP`] at `addr` with the proof `fd`, answered by `until`.
 fn ask_owner(
     addr: (libc::sockaddr_un, libc::socklen_t),
     fd: c_int,
     until: Instant,
 ) -> Result<Owner, c_int> {
     let (s, pid) = connect_cred(addr, None, until)?;
+    // (Not the 10 s of a relay's request: the rest of the look-up's time.)
+    let left = until.saturating_duration_since(Instant::now());
+    set_timeouts(s.as_raw_fd(), left.max(Duration::from_millis(1)));
     send_with_fds(s.as_raw_fd(), LOOKUP, &[fd])?;
     let nonce = lookup_answer(s.as_raw_fd())?;
     Ok(Owner { pid, nonce })

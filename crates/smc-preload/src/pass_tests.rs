@@ -184,25 +184,54 @@ fn a_request_that_meets_the_owner_s_close_waits_for_its_record() {
 
 #[test]
 fn the_names_under_a_connection_s_name_are_found_in_proc_net_unix() {
-    let t = "Num       RefCount Protocol Flags    Type St Inode Path\n\
-        0000000000000000: 00000002 00000000 00010000 0001 01 101 @smc-rs-passed/8/77/00ff\n\
+    let r1 = "00ff00ff00ff00ff00ff00ff00ff00ff";
+    let r2 = "0123456789abcdef0123456789abcdef";
+    let t = format!(
+        "Num       RefCount Protocol Flags    Type St Inode Path\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 101 @smc-rs-passed/8/77/{r1}\n\
         0000000000000000: 00000002 00000000 00010000 0001 01 102 @smc-rs-passed/8/77\n\
-        0000000000000000: 00000002 00000000 00010000 0001 01 103 @smc-rs-passed/8/777/ab\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 103 @smc-rs-passed/8/777/{r2}\n\
         0000000000000000: 00000002 00000000 00010000 0001 01 104 @smc-rs-passed/8/77/\n\
         0000000000000000: 00000003 00000000 00000000 0001 03 105\n\
-        0000000000000000: 00000002 00000000 00010000 0001 01 106 /run/smc-rs-passed/8/77/x\n\
-        0000000000000000: 00000002 00000000 00010000 0001 01 107 @smc-rs-passed/8/77/0a\n";
+        0000000000000000: 00000002 00000000 00010000 0001 01 106 /run/smc-rs-passed/8/77/{r2}\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 107 @smc-rs-passed/8/77/0a\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 108 @smc-rs-passed/8/77/{}\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 109 @smc-rs-passed/8/77/{r1}0\n\
+        0000000000000000: 00000003 00000000 00000000 0001 03 110 @smc-rs-passed/8/77/{r1}\n\
+        0000000000000000: 00000002 00000000 00010000 0001 01 111 @smc-rs-passed/8/77/{r2}\n",
+        r2.to_uppercase()
+    );
+    // Only the names a random name could be (32 lowercase hex digits), each once (an
+    // accepted socket shows its listener's name).
     assert_eq!(
-        candidates_in(t, (8, 77)),
+        candidates_in(t.lines().map(str::to_string), (8, 77)),
         vec![
-            "smc-rs-passed/8/77/00ff".to_string(),
-            "smc-rs-passed/8/77/0a".to_string()
+            format!("smc-rs-passed/8/77/{r1}"),
+            format!("smc-rs-passed/8/77/{r2}")
         ]
     );
-    let many: String = (0..100)
-        .map(|i| format!("0: 2 0 10000 1 1 {i} @smc-rs-passed/1/2/{i:03}\n"))
+}
+
+#[test]
+fn names_that_sort_first_hide_no_owner() {
+    // Someone bound many names under the connection's name, before the owner's random one,
+    // and names that sort before it: the owner's is still a candidate.
+    let owner = "f0e1d2c3b4a5968778695a4b3c2d1e0f";
+    let mut lines: Vec<String> = (0..100)
+        .map(|i| format!("0: 2 0 10000 1 1 {i} @smc-rs-passed/1/2/!{i:03}"))
         .collect();
-    assert_eq!(candidates_in(&many, (1, 2)).len(), MAX_CANDIDATES);
+    lines.extend((0..100).map(|i| format!("0: 2 0 10000 1 1 {i} @smc-rs-passed/1/2/{i:032x}")));
+    lines.push(format!("0: 2 0 10000 1 1 999 @smc-rs-passed/1/2/{owner}"));
+    let c = candidates_in(lines.into_iter(), (1, 2));
+    assert!(
+        c.contains(&format!("smc-rs-passed/1/2/{owner}")),
+        "the owner's name is hidden"
+    );
+    assert_eq!(c.len(), 101);
+    // Bounded all the same.
+    let many = (0..2 * MAX_CANDIDATES)
+        .map(|i| format!("0: 2 0 10000 1 1 {i} @smc-rs-passed/1/2/{i:032x}"));
+    assert_eq!(candidates_in(many, (1, 2)).len(), MAX_CANDIDATES);
 }
 
 #[test]
@@ -360,7 +389,7 @@ fn a_name_held_by_another_user_is_refused_and_the_owner_is_found_under_it() {
             r.map(|_| ())
         });
         let proof = tcp_dup(conn);
-        let found = lookup(proof.as_raw_fd(), id);
+        let found = lookup(proof.as_raw_fd(), id, Instant::now() + LOOKUP_CONNECT_WAIT);
         let answered = owner.join().expect("the owner");
         with_passed(|v| v.retain(|p| p.id != id));
         let _ = table::take(conn.as_raw_fd());
@@ -459,7 +488,28 @@ fn an_announced_pass_whose_send_failed_is_undone_by_its_owner() {
         Some((0, 1)),
         "another socket's undo took the pass in flight"
     );
+    // This process's own pass through the same unix socket (a forked child's is its
+    // parent's open file), then the child's undo: the child's pass goes, not the owner's.
+    note(id, Weak::new(), Some(tcp_dup(&s)), false).expect("noted");
+    assert_eq!(undo(&s), Ok(()));
+    let left = with_passed(|v| {
+        v.iter()
+            .find(|p| p.id == id)
+            .map(|p| p.in_flight.iter().map(|f| f.told).collect::<Vec<_>>())
+    });
+    assert_eq!(
+        left,
+        Some(vec![false]),
+        "a holder's undo took the owner's own pass"
+    );
+    let unix = with_passed(|v| {
+        v.iter()
+            .find(|p| p.id == id)
+            .map_or(-1, |p| p.in_flight[0].unix.as_raw_fd())
+    });
+    sent(Noted(vec![Note::Own { id, unix }]), s.as_raw_fd(), false);
     // The holder's own: the pass in flight goes, and the record with it (no pass left).
+    note(id, Weak::new(), Some(tcp_dup(&s)), true).expect("noted");
     assert_eq!(undo(&s), Ok(()));
     assert!(
         with_passed(|v| v.iter().all(|p| p.id != id)),
@@ -480,26 +530,148 @@ fn a_name_let_go_by_its_squatter_is_bound_by_the_owner() {
     };
     let (l, random) = listen(id).expect("the owner found no name");
     assert!(random.is_some());
-    let mut v = vec![Passed {
-        id,
-        listener: l,
-        random: true,
-        retaken: None,
-        conn: Weak::new(),
-        in_flight: Vec::new(),
-        passes: 1,
-        lookups: 0,
-        drained: None,
-        receivers: Vec::new(),
-    }];
-    // Still held: nothing to retake.
-    assert!(retake(&mut v).is_empty());
+    with_passed(|v| {
+        v.push(Passed {
+            id,
+            listener: l,
+            random: true,
+            retaken: None,
+            conn: Weak::new(),
+            in_flight: Vec::new(),
+            passes: 1,
+            lookups: 0,
+            drained: None,
+            receivers: Vec::new(),
+        })
+    });
+    // Still held: nothing to retake, and the server looks again every sweep.
+    assert!(!retake().contains(&id.1));
+    assert!(to_retake());
     end_squatter(sq);
     // Let go: the owner binds it, and a receiver that asks there finds this process.
-    assert_eq!(retake(&mut v), vec![id.1]);
+    assert!(retake().contains(&id.1));
     let until = Instant::now() + LOOKUP_CONNECT_WAIT;
     let (_s, pid) = connect_cred(name(id), None, until).expect("the connection's name");
     // SAFETY: getpid has no preconditions.
     assert_eq!(pid, unsafe { libc::getpid() });
-    assert!(retake(&mut v).is_empty(), "bound twice");
+    assert!(!retake().contains(&id.1), "bound twice");
+    with_passed(|v| v.retain(|p| p.id != id));
+}
+
+/// A listening abstract unix socket on `n` (nonblocking) that never accepts: a server that
+/// never answers.
+fn silent_server(n: &str) -> OwnedFd {
+    listen_at(n).expect("the name")
+}
+
+/// Whether `l` has a connection waiting to be accepted (taken and dropped).
+fn came(l: &OwnedFd) -> bool {
+    // SAFETY: our nonblocking listener.
+    let c = unsafe {
+        libc::accept4(
+            l.as_raw_fd(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_CLOEXEC,
+        )
+    };
+    if c >= 0 {
+        // SAFETY: just accepted.
+        drop(unsafe { OwnedFd::from_raw_fd(c) });
+    }
+    c >= 0
+}
+
+#[test]
+fn a_lookup_past_its_time_asks_nobody_and_a_silent_server_is_not_an_owner() {
+    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
+    let l = silent_server(&name_text(id));
+    // The time of the `recvmsg` is out (earlier descriptors took it): nobody is asked.
+    assert_eq!(
+        lookup(conn.as_raw_fd(), id, Instant::now()).map(|_| ()),
+        Err(libc::ETIMEDOUT)
+    );
+    assert!(!came(&l), "asked past its time");
+    // A server of this user that never answers: no owner, within the time given.
+    let r = lookup(
+        conn.as_raw_fd(),
+        id,
+        Instant::now() + Duration::from_millis(100),
+    );
+    assert!(r.is_err(), "a silent server is an owner");
+    assert!(came(&l), "not asked");
+}
+
+#[test]
+fn a_received_listening_socket_is_not_looked_up() {
+    // A listening TCP socket whose name a server holds: not a connection, not asked. (The
+    // system calls themselves: the library's hooks of socket, listen and close, linked into
+    // this test, are not what is tested.)
+    // SAFETY: a new socket of ours, bound to loopback (any port) and listening, then closed.
+    let t = unsafe {
+        libc::syscall(
+            libc::SYS_socket,
+            libc::AF_INET,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+        )
+    } as c_int;
+    assert!(t >= 0);
+    // SAFETY: as above.
+    let ok = unsafe {
+        let mut a: libc::sockaddr_in = std::mem::zeroed();
+        a.sin_family = libc::AF_INET as libc::sa_family_t;
+        a.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        libc::syscall(
+            libc::SYS_bind,
+            t,
+            &a as *const libc::sockaddr_in,
+            std::mem::size_of::<libc::sockaddr_in>(),
+        ) == 0
+            && real::listen(t, 1) == 0
+    };
+    assert!(ok, "listen: {}", io::Error::last_os_error());
+    let id = table::socket_id(t).expect("a socket");
+    let l = silent_server(&name_text(id));
+    received(&[t]);
+    let asked = came(&l);
+    // SAFETY: ours.
+    unsafe { real::close(t) };
+    assert!(!asked, "a listening socket was looked up");
+}
+
+#[test]
+fn a_control_buffer_with_a_huge_cmsg_len_ends_the_walk() {
+    // Two headers: one SCM_RIGHTS with one descriptor, then one whose `cmsg_len` is near
+    // usize::MAX (its alignment wraps: the next header would be itself).
+    let mut buf = [0u64; 16];
+    let hdr = std::mem::size_of::<libc::cmsghdr>();
+    // SAFETY: CMSG_LEN and CMSG_SPACE are arithmetic.
+    let (len1, space1) = unsafe { (libc::CMSG_LEN(4), libc::CMSG_SPACE(4)) };
+    let base = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: both headers and the descriptor lie within `buf` (128 bytes).
+    unsafe {
+        let c = base.cast::<libc::cmsghdr>();
+        (*c).cmsg_len = len1 as _;
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        libc::CMSG_DATA(c).cast::<c_int>().write_unaligned(7);
+        let d = base.add(space1 as usize).cast::<libc::cmsghdr>();
+        (*d).cmsg_len = (usize::MAX - 3) as _;
+        (*d).cmsg_level = libc::SOL_SOCKET;
+        (*d).cmsg_type = libc::SCM_RIGHTS;
+    }
+    assert!(space1 as usize + hdr <= std::mem::size_of_val(&buf));
+    // SAFETY: zeroed is a valid msghdr.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_control = base.cast();
+    m.msg_controllen = std::mem::size_of_val(&buf) as _;
+    // SAFETY: the control buffer is `msg_controllen` bytes.
+    assert_eq!(unsafe { rights(&m) }, vec![7]);
+    // The huge header first: nothing, and an end.
+    m.msg_control = base.wrapping_add(space1 as usize).cast();
+    m.msg_controllen = (std::mem::size_of_val(&buf) - space1 as usize) as _;
+    // SAFETY: as above.
+    assert_eq!(unsafe { rights(&m) }, Vec::<c_int>::new());
 }

@@ -10,8 +10,10 @@
 //! ([`Requests`]) polled with the listeners, each answered when its bytes are there and
 //! dropped when they are not within [`REQUEST_WAIT`]; the list is bounded (at most
 //! [`MAX_WAITING`], of them at most [`MAX_WAITING_OF_USER`] of any one user other than this
-//! process's and root; more are refused at once), and requesters of another user are
-//! refused at the accept unless this process runs as root.
+//! process's and root, and [`MAX_WAITING_OF_OTHERS`] of all such users together, so that
+//! places stay for this process's user and root however many users ask; more are refused
+//! at once), and requesters of another user are refused at the accept unless this process
+//! runs as root.
 
 use super::*;
 
@@ -21,6 +23,9 @@ pub(super) const REQUEST_WAIT: Duration = Duration::from_secs(1);
 pub(super) const MAX_WAITING: usize = 128;
 /// How many of them may come from one user other than this process's and root.
 pub(super) const MAX_WAITING_OF_USER: usize = 8;
+/// How many of them may come from all users other than this process's and root together
+/// (any user may have many uids: subordinate ids).
+pub(super) const MAX_WAITING_OF_OTHERS: usize = 64;
 
 /// The server thread: answer the requests as they come; while connections are kept for
 /// other holders (`keep.rs`), look at them every sweep; while passed connections are in
@@ -42,13 +47,7 @@ pub(super) fn serve() {
             events: libc::POLLIN,
             revents: 0,
         }];
-        let timeout = if pass::in_flight() {
-            pass::TICK.as_millis() as c_int
-        } else if keep::any() {
-            keep::SWEEP.as_millis() as c_int
-        } else {
-            -1
-        };
+        let timeout = poll_timeout(pass::in_flight(), keep::any(), pass::to_retake());
         requests.round(&listeners, &mut others, timeout);
         if others[0].revents != 0 {
             let mut b = [0u8; 8];
@@ -61,6 +60,19 @@ pub(super) fn serve() {
             swept = Instant::now();
             keep::sweep();
         }
+    }
+}
+
+/// How long the server waits for news (ms; -1: no bound): a tick while passes are in flight,
+/// a sweep while connections are kept for other holders or a passed connection's name is
+/// held by another socket (the sweep binds it once let go, `pass::retake`).
+pub(super) fn poll_timeout(in_flight: bool, kept: bool, to_retake: bool) -> c_int {
+    if in_flight {
+        pass::TICK.as_millis() as c_int
+    } else if kept || to_retake {
+        keep::SWEEP.as_millis() as c_int
+    } else {
+        -1
     }
 }
 
@@ -208,13 +220,16 @@ pub(super) fn admit(
     if !trusted_requester(&p, me) {
         return Err(libc::EACCES);
     }
-    let (mut all, mut theirs) = (0, 0);
+    let other = |uid: libc::uid_t| uid != me && uid != 0;
+    let (mut all, mut theirs, mut others) = (0, 0, 0);
     for uid in waiting {
         all += 1;
         theirs += usize::from(uid == p.uid);
+        others += usize::from(other(uid));
     }
-    let other_user = p.uid != me && p.uid != 0;
-    if all >= MAX_WAITING || (other_user && theirs >= MAX_WAITING_OF_USER) {
+    if all >= MAX_WAITING
+        || (other(p.uid) && (theirs >= MAX_WAITING_OF_USER || others >= MAX_WAITING_OF_OTHERS))
+    {
         return Err(libc::EAGAIN);
     }
     Ok(p)

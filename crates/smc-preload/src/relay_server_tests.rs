@@ -161,3 +161,56 @@ fn who_may_wait_for_the_server() {
     assert_eq!(admit(all(), cred(7, 0), 0).map(|_| ()), Err(libc::EAGAIN));
     assert!(admit(std::iter::repeat_n(0, MAX_WAITING - 1), cred(7, 0), 0).is_ok());
 }
+
+#[test]
+fn many_other_users_leave_places_for_the_owner_s_user_and_root() {
+    let cred = |pid, uid| Some(libc::ucred { pid, uid, gid: uid });
+    // A root owner. Sixteen other uids (one user's subordinate ids), each up to its own
+    // bound, until refused: together they fill no more than their share.
+    let mut waiting: Vec<libc::uid_t> = Vec::new();
+    for uid in 100_000..100_016 {
+        while admit(waiting.iter().copied(), cred(7, uid), 0).is_ok() {
+            waiting.push(uid);
+        }
+    }
+    assert_eq!(
+        waiting.len(),
+        MAX_WAITING_OF_OTHERS,
+        "the others together are not bounded"
+    );
+    // Root (this owner's user) still gets every other place.
+    for _ in MAX_WAITING_OF_OTHERS..MAX_WAITING {
+        assert!(
+            admit(waiting.iter().copied(), cred(8, 0), 0).is_ok(),
+            "no place left for root"
+        );
+        waiting.push(0);
+    }
+    assert_eq!(
+        admit(waiting.iter().copied(), cred(8, 0), 0).map(|_| ()),
+        Err(libc::EAGAIN)
+    );
+    // An owner of uid 1000: its own user's requests are not counted among the others.
+    let mine = std::iter::repeat_n(1000, MAX_WAITING_OF_OTHERS);
+    assert!(admit(mine, cred(9, 1000), 1000).is_ok());
+}
+
+#[test]
+fn the_server_wakes_while_a_name_is_to_be_retaken() {
+    // Nothing to look at: the server sleeps until a request.
+    assert_eq!(poll_timeout(false, false, false), -1);
+    // A passed connection's name held by another socket: looked at every sweep, so that a
+    // name let go is bound before the next request.
+    assert_eq!(
+        poll_timeout(false, false, true),
+        keep::SWEEP.as_millis() as c_int
+    );
+    assert_eq!(
+        poll_timeout(false, true, false),
+        keep::SWEEP.as_millis() as c_int
+    );
+    assert_eq!(
+        poll_timeout(true, false, true),
+        pass::TICK.as_millis() as c_int
+    );
+}
