@@ -492,10 +492,8 @@ impl RoceCore {
         use rustix::net::addr::SocketAddrArg as _;
         use rustix::net::{MMsgHdr, SendAncillaryBuffer};
         let addr = SocketAddr::new(dst.ip, roce::UDP_PORT).as_any();
-        let iovs: Vec<[std::io::IoSlice<'_>; 3]> = pkts
-            .iter()
-            .map(|p| p.map(std::io::IoSlice::new))
-            .collect();
+        let iovs: Vec<[std::io::IoSlice<'_>; 3]> =
+            pkts.iter().map(|p| p.map(std::io::IoSlice::new)).collect();
         let mut ctrls: Vec<SendAncillaryBuffer<'_, '_, '_>> = pkts
             .iter()
             .map(|_| SendAncillaryBuffer::default())

@@ -811,11 +811,7 @@ impl RoceQp {
             }
         }
         // The packets the window lets go: UDP_SEGMENT runs, else one sendmmsg.
-        let mut batch: Vec<Wire<'_>> = sq
-            .pkts
-            .range_mut(start..end)
-            .map(TxPkt::wire)
-            .collect();
+        let mut batch: Vec<Wire<'_>> = sq.pkts.range_mut(start..end).map(TxPkt::wire).collect();
         // An ACK this QP owes as responder leaves in the same system call, after the requests
         // (the peer, woken by the first datagram, finds the reply first). RoCE has no
         // piggybacked acknowledgement: it is an ACK packet of its own, but no datagram of

@@ -489,7 +489,14 @@ fn write_shared_is_sent_as_write_inline() {
     let mut psn = p.a.qp.local_info().psn;
     let va = 0x6000_0000;
     let all = bytes::Bytes::from(pattern(70_000, 9));
-    let cases = [(0, 1), (1, 25), (3, 1023), (5, 1024), (7, 3001), (11, 65_536)];
+    let cases = [
+        (0, 1),
+        (1, 25),
+        (3, 1023),
+        (5, 1024),
+        (7, 3001),
+        (11, 65_536),
+    ];
     for (i, (from, len)) in cases.into_iter().enumerate() {
         let data = all.slice(from..from + len);
         let at = va + (i as u64) * 0x20000;

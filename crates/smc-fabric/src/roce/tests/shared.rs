@@ -103,9 +103,6 @@ fn a_failed_qp_lets_go_of_shared_bytes() {
     assert!(!data.is_unique(), "the packets hold the buffer");
     a.qp.enter_error(None, "test");
     let done = collect(&a.cq, 1);
-    assert_eq!(
-        (done[0].wr_id, done[0].status),
-        (1, WcStatus::WrFlushError)
-    );
+    assert_eq!((done[0].wr_id, done[0].status), (1, WcStatus::WrFlushError));
     assert!(data.is_unique(), "the failed QP let go of the buffer");
 }
