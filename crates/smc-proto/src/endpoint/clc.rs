@@ -970,7 +970,7 @@ impl Endpoint {
                 route,
                 unacked: super::replay::Replay::default(),
                 unacked_from,
-                arena: bytes::BytesMut::new(),
+                arena: super::replay::Arena::default(),
                 ss: 0,
                 last_posted: None,
                 held: false,

@@ -420,7 +420,7 @@ struct SmcConn {
     unacked_from: Cursor,
     /// Where the shared bytes of this connection's WRITEs are cut from
     /// ([`WritePiece::shared`]).
-    arena: bytes::BytesMut,
+    arena: replay::Arena,
     /// SS (§4.6.1): sequence number of the last CDC whose send completed.
     ss: u16,
     /// Sequence number of the last CDC posted.

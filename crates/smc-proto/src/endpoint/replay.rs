@@ -4,13 +4,87 @@
 //! hold the same reference-counted buffer, docs/performance.md).
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
 
 use bytes::{Bytes, BytesMut};
 
-/// Bytes of the arena a connection cuts shared bytes from, at the least, when its free space
-/// runs out: small updates share one allocation (no malloc per update), and an idle
-/// connection keeps at most this much unused.
+/// Bytes of the arena a connection cuts small pieces' shared bytes from, at the least, when
+/// its free space runs out: small updates share one allocation (no malloc per update), and an
+/// idle connection keeps at most this much unused.
 const ARENA_CHUNK: usize = 32 * 1024;
+/// A piece this long or longer gets a buffer of its own from the connection's pool: a
+/// stream's updates (64 KiB and more) would otherwise take a fresh allocation each, whose
+/// pages the allocator may have given back (page faults and zeroing for every byte copied).
+const POOLED_MIN: usize = 16 * 1024;
+/// Most bytes of buffers a connection's pool keeps for reuse (a default RMBE's worth: what a
+/// stream has in flight), and the largest buffer it keeps.
+const POOL_BYTES: usize = 1 << 20;
+
+/// Buffers of a connection's large pieces, back for reuse once no packet and no replay store
+/// holds a slice of them any more (the last reference may drop on another thread: the
+/// fabric's progress thread, which receives the ACK).
+type Pool = Mutex<Vec<Vec<u8>>>;
+
+/// Where a connection's shared bytes come from. Its default allocates nothing (the engine
+/// takes it out of the connection for each send and puts it back).
+#[derive(Debug, Default)]
+pub(super) struct Arena {
+    small: BytesMut,
+    /// Made at the first long piece.
+    pool: Option<Arc<Pool>>,
+}
+
+/// A pooled buffer holding one piece's bytes; returned to its pool when dropped.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Weak<Pool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
+        let buf = std::mem::take(&mut self.buf);
+        let mut p = pool.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = p.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= POOL_BYTES {
+            p.push(buf);
+        }
+    }
+}
+
+impl Arena {
+    /// `bytes` copied once into a shared buffer: packed into the arena when short, else into
+    /// a buffer of the pool.
+    fn share(&mut self, bytes: &[u8]) -> Bytes {
+        if bytes.len() < POOLED_MIN {
+            if self.small.capacity() < bytes.len() {
+                self.small.reserve(bytes.len().max(ARENA_CHUNK));
+            }
+            self.small.extend_from_slice(bytes);
+            return self.small.split().freeze();
+        }
+        let pool = self.pool.get_or_insert_with(Arc::default);
+        let mut buf = pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(bytes);
+        Bytes::from_owner(Pooled {
+            buf,
+            pool: Arc::downgrade(pool),
+        })
+    }
+}
 
 /// The bytes kept for replay, oldest first, as the shared buffers they were posted from (or
 /// copies, where the send path posted none).
@@ -72,12 +146,12 @@ impl Replay {
 #[derive(Debug)]
 pub struct WritePiece<'a> {
     bytes: &'a [u8],
-    arena: &'a mut BytesMut,
+    arena: &'a mut Arena,
     shared: Option<Bytes>,
 }
 
 impl<'a> WritePiece<'a> {
-    pub(super) fn new(bytes: &'a [u8], arena: &'a mut BytesMut) -> WritePiece<'a> {
+    pub(super) fn new(bytes: &'a [u8], arena: &'a mut Arena) -> WritePiece<'a> {
         WritePiece {
             bytes,
             arena,
@@ -97,13 +171,7 @@ impl<'a> WritePiece<'a> {
     /// second copy: the engine keeps this buffer for replay.
     pub fn shared(&mut self) -> &Bytes {
         let (bytes, arena) = (self.bytes, &mut *self.arena);
-        self.shared.get_or_insert_with(|| {
-            if arena.capacity() < bytes.len() {
-                arena.reserve(bytes.len().max(ARENA_CHUNK));
-            }
-            arena.extend_from_slice(bytes);
-            arena.split().freeze()
-        })
+        self.shared.get_or_insert_with(|| arena.share(bytes))
     }
 
     /// The shared buffer, if the path made one.
@@ -137,11 +205,16 @@ mod tests {
         assert!(r.is_empty() && r.to_vec().is_empty());
     }
 
+    fn pooled(a: &Arena) -> usize {
+        a.pool.as_ref().map_or(0, |p| p.lock().expect("pool").len())
+    }
+
     /// A piece's shared bytes are its bytes, made once; pieces cut from one arena do not
-    /// overlap, and a piece longer than the arena's free space gets room of its own.
+    /// overlap; a long piece gets a buffer of the pool, which comes back for the next one
+    /// only when the last slice of it is gone.
     #[test]
     fn shared_pieces_are_their_bytes() {
-        let mut arena = BytesMut::new();
+        let mut arena = Arena::default();
         let a: Vec<u8> = (0..100u8).collect();
         let b = vec![7u8; 3 * ARENA_CHUNK];
         let mut p = WritePiece::new(&a, &mut arena);
@@ -150,8 +223,26 @@ mod tests {
         assert_eq!(p.take_shared().as_deref(), Some(&a[..]));
         let mut q = WritePiece::new(&b, &mut arena);
         assert_eq!(&q.shared()[..], &b[..]);
+        let long = q.take_shared().expect("made");
         let mut r = WritePiece::new(&a[..5], &mut arena);
         assert_eq!(&r.shared()[..], &a[..5]);
         assert_eq!(&sa[..], &a[..], "earlier pieces unchanged");
+        // The long piece's buffer is in use: the next long piece gets another.
+        let c = vec![9u8; POOLED_MIN];
+        let sc = WritePiece::new(&c, &mut arena).shared().clone();
+        assert_ne!(sc.as_ptr(), long.as_ptr());
+        assert_eq!(&long[..], &b[..], "the long piece unchanged");
+        // Once every slice of it is gone it comes back, and is reused.
+        let tail = long.slice(10..);
+        drop(long);
+        assert_eq!(pooled(&arena), 0, "a slice still holds it");
+        let at = tail.as_ptr() as usize - 10;
+        drop(tail);
+        assert_eq!(pooled(&arena), 1);
+        let d = vec![5u8; POOLED_MIN + 1];
+        let sd = WritePiece::new(&d, &mut arena).shared().clone();
+        assert_eq!(sd.as_ptr() as usize, at, "the pooled buffer reused");
+        assert_eq!(&sd[..], &d[..]);
+        assert_eq!(&sc[..], &c[..]);
     }
 }
