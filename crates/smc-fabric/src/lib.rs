@@ -1024,6 +1024,17 @@ impl QueuePair {
             QpImpl::Roce(..) => None,
         }
     }
+    /// Whether this QP keeps the bytes of a posted WRITE until the peer acknowledges them
+    /// (software RoCE: for retransmission): then a [`SendWr::WriteShared`] is kept by
+    /// reference, where any other WRITE is copied into its packets, so a caller that keeps
+    /// the bytes itself (SMC-R's replay store) saves a copy by posting shared bytes. `false`
+    /// where WRITEs place their bytes at post (shm), which copies shared bytes as inline ones.
+    pub fn keeps_write_bytes(&self) -> bool {
+        match &self.inner {
+            QpImpl::Shm(_) => false,
+            QpImpl::Roce(..) => true,
+        }
+    }
     /// The shortest RDMA WRITE (bytes) that can leave in one datagram with a SEND of
     /// `send_len` bytes posted behind it; 0 where any can (shm). On the roce backend a WRITE
     /// and the SEND behind it share a `UDP_SEGMENT` run only when the SEND's packet is not

@@ -300,15 +300,54 @@ pub enum SendWr<'a> {
         /// Generate a completion on success (errors always complete).
         signaled: bool,
     },
+    /// RDMA WRITE of shared, reference-counted bytes: a backend that keeps a WRITE's bytes
+    /// until the peer acknowledges them (roce, for retransmission) keeps a reference to
+    /// `data` instead of a copy (its packets are sent from the buffer itself); one that places
+    /// them at once (shm) treats it as [`SendWr::WriteInline`]. The bytes are immutable
+    /// (`Bytes`), so what a retransmission sends is what was posted.
+    WriteShared {
+        /// Caller's identifier, returned in the completion.
+        wr_id: u64,
+        /// Source bytes.
+        data: &'a bytes::Bytes,
+        /// Destination virtual address in the remote region.
+        remote_addr: u64,
+        /// Remote key of the destination region.
+        rkey: u32,
+        /// Generate a completion on success (errors always complete).
+        signaled: bool,
+    },
 }
 
-impl SendWr<'_> {
+impl<'a> SendWr<'a> {
     /// The work request identifier.
     pub fn wr_id(&self) -> u64 {
         match *self {
             SendWr::Send { wr_id, .. }
             | SendWr::Write { wr_id, .. }
-            | SendWr::WriteInline { wr_id, .. } => wr_id,
+            | SendWr::WriteInline { wr_id, .. }
+            | SendWr::WriteShared { wr_id, .. } => wr_id,
+        }
+    }
+
+    /// This work request with a [`SendWr::WriteShared`] seen as the
+    /// [`SendWr::WriteInline`] of the same bytes (for a backend that copies them anyway).
+    pub fn flattened(&self) -> SendWr<'a> {
+        match *self {
+            SendWr::WriteShared {
+                wr_id,
+                data,
+                remote_addr,
+                rkey,
+                signaled,
+            } => SendWr::WriteInline {
+                wr_id,
+                data: &data[..],
+                remote_addr,
+                rkey,
+                signaled,
+            },
+            wr => wr,
         }
     }
 }

@@ -408,6 +408,10 @@ pub struct Knobs {
     /// one delay later, like the classic path, and is kept for replay), and one on a dead
     /// link or lost by the `drop` knob fails (not taken, completes in error).
     pub direct_writes: bool,
+    /// With `direct_writes`: every WRITE on a live link only queues, as on the roce fabric
+    /// (none is placed at post), posted from its piece's shared bytes, which the engine keeps
+    /// for replay in place of a copy.
+    pub all_posted: bool,
     /// An RDMA WRITE with an unknown rkey or outside the registered RMB panics (an engine
     /// bug when both peers are honest). When false it completes in error instead, as a real
     /// RNIC reports a remote access error: for tests and fuzzing that forge peer input.
@@ -424,6 +428,7 @@ impl fmt::Debug for Knobs {
             .field("deliver_tcp_rst", &self.deliver_tcp_rst)
             .field("max_steps", &self.max_steps)
             .field("direct_writes", &self.direct_writes)
+            .field("all_posted", &self.all_posted)
             .field("strict_writes", &self.strict_writes)
             .finish()
     }
@@ -439,6 +444,7 @@ impl Default for Knobs {
             deliver_tcp_rst: true,
             max_steps: 200_000,
             direct_writes: false,
+            all_posted: false,
             strict_writes: true,
         }
     }
@@ -835,6 +841,7 @@ impl EndpointPair {
             .map(|l| (*l, self.peer_link(s, *l).is_some()))
             .collect();
         let mut drop = self.knobs.drop.take();
+        let all_posted = self.knobs.all_posted;
         let mut traced = Vec::new();
         // (rkey, addr, bytes) executed at post; work requests that failed.
         let mut placed = Vec::new();
@@ -847,7 +854,8 @@ impl EndpointPair {
         let plan =
             h.ep.write_plan(tcp, u32::try_from(data.len()).unwrap_or(u32::MAX));
         let mut seen: Vec<(RdmaWriteTarget, usize)> = Vec::new();
-        let write = |t: RdmaWriteTarget, piece: &[u8]| {
+        let write = |t: RdmaWriteTarget, wp: &mut crate::endpoint::WritePiece<'_>| {
+            let piece = wp.bytes();
             seen.push((t, piece.len()));
             if !alive.get(&t.link).copied().unwrap_or(false) {
                 h.outstanding.insert(t.wr, t.link);
@@ -876,10 +884,12 @@ impl EndpointPair {
                 h.outstanding.insert(t.wr, t.link);
                 failed.push(t.wr);
                 WriteOutcome::Failed
-            } else if t.wr.0.is_multiple_of(5) {
+            } else if all_posted || t.wr.0.is_multiple_of(5) {
                 // Now and then a WRITE queues behind earlier work (as on shm when the peer's
-                // ring is full): only posted, it lands later and its bytes are kept for replay.
-                posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
+                // ring is full, and every WRITE on roce): only posted, it lands later and its
+                // bytes are kept for replay. Posted from the piece's shared bytes, as the
+                // roce path posts them: the replay then keeps that buffer, not a copy.
+                posted.push((t.link, t.wr, t.rkey, t.addr, wp.shared().to_vec()));
                 WriteOutcome::Posted
             } else {
                 // Widened as a runtime may (`RdmaWriteTarget::room`): up to 64 bytes the peer is
@@ -1322,8 +1332,14 @@ struct DirectCdcs<'a, W> {
     cdcs: &'a mut Vec<(LinkId, WrId, [u8; 44])>,
 }
 
-impl<W: FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome> SendPath for DirectCdcs<'_, W> {
-    fn write(&mut self, target: RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+impl<W: FnMut(RdmaWriteTarget, &mut crate::endpoint::WritePiece<'_>) -> WriteOutcome> SendPath
+    for DirectCdcs<'_, W>
+{
+    fn write(
+        &mut self,
+        target: RdmaWriteTarget,
+        piece: &mut crate::endpoint::WritePiece<'_>,
+    ) -> WriteOutcome {
         (self.write)(target, piece)
     }
 

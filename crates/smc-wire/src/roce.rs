@@ -513,6 +513,26 @@ impl PacketRepr<'_> {
         Ok(())
     }
 
+    /// The packet's headers for a payload of `payload_len` bytes that travels apart from them
+    /// (a sender that keeps the payload where it is and sends headers, payload, pad and ICRC
+    /// as pieces of one datagram): BTH, with the pad count for that payload, and the extension
+    /// headers its opcode has, into the start of `head`. Returns their length, `BTH_LEN +
+    /// ext_len()`, or an error when `head` is shorter. The bytes are those
+    /// [`emit`](Self::emit) writes before the payload (`self.payload` is not used).
+    pub fn emit_head(&self, payload_len: usize, head: &mut [u8]) -> Result<usize, RoceError> {
+        let mut bth = self.bth;
+        bth.pad = pad_len(payload_len) as u8;
+        let len = BTH_LEN + bth.opcode.ext_len();
+        let Some(out) = head.get_mut(..len) else {
+            return Err(RoceError::BufferTooSmall {
+                len: head.len(),
+                need: len,
+            });
+        };
+        self.emit_headers(&bth, out);
+        Ok(len)
+    }
+
     /// BTH (with its pad count set) and the extension headers its opcode has, into `head`
     /// (exactly `BTH_LEN + ext_len()` bytes).
     fn emit_headers(&self, bth: &Bth, head: &mut [u8]) {
@@ -653,18 +673,47 @@ impl IcrcHeaders {
         h.finalize()
     }
 
+    /// [`compute`](Self::compute) of a packet held in pieces: `head` (the BTH and the
+    /// extension headers), `payload`, `pad` zero bytes (at most 3) and the four ICRC bytes,
+    /// which are not covered. The same value as `compute` over the pieces laid end to end: the
+    /// CRC runs over the header bytes, then over the payload where it lies, with no copy.
+    pub fn compute_pieces(&self, head: &[u8], payload: &[u8], pad: usize) -> u32 {
+        let pad = pad.min(3);
+        let len = head.len() + payload.len() + pad + ICRC_LEN;
+        if head.len() < BTH_LEN {
+            // Not a packet of ours (every one has a whole BTH); hashed the plain way.
+            let mut flat = Vec::with_capacity(len);
+            flat.extend_from_slice(head);
+            flat.extend_from_slice(payload);
+            flat.extend_from_slice(&[0u8; 3 + ICRC_LEN][..pad + ICRC_LEN]);
+            return self.compute(&flat);
+        }
+        let mut h = self.hasher_from(len, &head[..BTH_LEN]);
+        h.update(&head[BTH_LEN..]);
+        h.update(payload);
+        h.update(&[0u8; 3][..pad]);
+        h.finalize()
+    }
+
     /// A hasher that has consumed the pseudo-packet up to the end of the (masked) BTH: the
     /// eight `0xFF`, the masked IP and UDP headers and the masked BTH laid out in one buffer
     /// and hashed in one update (48 bytes over IPv4: crc32fast folds them with PCLMULQDQ,
     /// where three updates of 8, 28 and 12 bytes each went through its byte table — about 2 %
     /// of a stream's receiver, docs/performance.md).
     fn hasher_to_bth(&self, udp_payload: &[u8]) -> crc32fast::Hasher {
+        let end = udp_payload.len().saturating_sub(ICRC_LEN);
+        self.hasher_from(udp_payload.len(), &udp_payload[..end.min(BTH_LEN)])
+    }
+
+    /// [`hasher_to_bth`](Self::hasher_to_bth) of a UDP payload of `len` bytes whose covered
+    /// bytes start with `bth` (its whole BTH, or all it covers when shorter).
+    fn hasher_from(&self, len: usize, bth: &[u8]) -> crc32fast::Hasher {
         // Copies of fixed lengths (IPv4 or IPv6 headers, a whole BTH) in the usual cases:
         // the compiler makes them moves, where a copy of a variable length calls `memmove`.
         let mut pre = [0u8; LRH_ONES.len() + 48 + BTH_LEN];
         pre[..LRH_ONES.len()].copy_from_slice(&LRH_ONES);
         let mut ph = [0u8; 48];
-        let n = self.pseudo_header(udp_payload.len(), &mut ph);
+        let n = self.pseudo_header(len, &mut ph);
         let at = LRH_ONES.len();
         if n == 28 {
             pre[at..at + 28].copy_from_slice(&ph[..28]);
@@ -672,11 +721,10 @@ impl IcrcHeaders {
             pre[at..at + 48].copy_from_slice(&ph);
         }
         let at = at + n;
-        let end = udp_payload.len().saturating_sub(ICRC_LEN);
-        let bth_end = end.min(BTH_LEN);
-        match udp_payload.first_chunk::<BTH_LEN>() {
-            Some(bth) if bth_end == BTH_LEN => pre[at..at + BTH_LEN].copy_from_slice(bth),
-            _ => pre[at..at + bth_end].copy_from_slice(&udp_payload[..bth_end]),
+        let bth_end = bth.len().min(BTH_LEN);
+        match bth.first_chunk::<BTH_LEN>() {
+            Some(b) => pre[at..at + BTH_LEN].copy_from_slice(b),
+            None => pre[at..at + bth_end].copy_from_slice(&bth[..bth_end]),
         }
         if bth_end > 4 {
             pre[at + 4] = 0xFF; // FECN, BECN, reserved: masked

@@ -476,7 +476,7 @@ impl Core {
                     wr,
                     rkey,
                     addr,
-                    data: data.to_vec(),
+                    data: data.into(),
                     signaled: true,
                 };
                 self.post_or_defer(link, op);

@@ -476,20 +476,24 @@ impl RoceCore {
         self.send_raw(dst, pkt);
     }
 
-    /// Send several UDP payloads to `dst:4791` with one `sendmmsg` per batch (faults, when
-    /// configured, apply per packet).
-    pub(crate) fn transmit_batch(&self, dst: Dest, pkts: &[&[u8]]) {
+    /// Send several UDP payloads to `dst:4791` with one `sendmmsg` per batch, each given as
+    /// pieces laid end to end (one iovec each; faults, when configured, apply per packet).
+    pub(crate) fn transmit_batch(&self, dst: Dest, pkts: &[[&[u8]; 3]]) {
         if self.faults.is_some() || pkts.len() == 1 {
             for p in pkts {
-                self.transmit(dst, p);
+                if p[1].is_empty() && p[2].is_empty() {
+                    self.transmit(dst, p[0]);
+                } else {
+                    self.transmit(dst, &p.concat());
+                }
             }
             return;
         }
         use rustix::net::addr::SocketAddrArg as _;
         use rustix::net::{MMsgHdr, SendAncillaryBuffer};
         let addr = SocketAddr::new(dst.ip, roce::UDP_PORT).as_any();
-        let iovs: Vec<[std::io::IoSlice<'_>; 1]> =
-            pkts.iter().map(|p| [std::io::IoSlice::new(p)]).collect();
+        let iovs: Vec<[std::io::IoSlice<'_>; 3]> =
+            pkts.iter().map(|p| p.map(std::io::IoSlice::new)).collect();
         let mut ctrls: Vec<SendAncillaryBuffer<'_, '_, '_>> = pkts
             .iter()
             .map(|_| SendAncillaryBuffer::default())
@@ -510,7 +514,10 @@ impl RoceCore {
                 Ok(k) => sent += k,
             }
         }
-        let bytes: usize = pkts[..sent].iter().map(|p| p.len()).sum();
+        let bytes: usize = pkts[..sent]
+            .iter()
+            .map(|p| p.iter().map(|s| s.len()).sum::<usize>())
+            .sum();
         self.counters
             .tx_packets
             .fetch_add(sent as u64, Ordering::Relaxed);
@@ -526,23 +533,25 @@ impl RoceCore {
     /// Send a QP's kept packets, each with the IPv4 identification its ICRC is sealed for:
     /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
     /// can, else one datagram per packet with identification 0 (also when faults are
-    /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed.
-    pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [(&mut [u8], &mut u16)]) {
+    /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed. A
+    /// packet's pieces (txpkt.rs) go as iovecs: nothing is copied here.
+    pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
         if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
-            let lens: Vec<usize> = pkts.iter().map(|(b, _)| b.len()).collect();
+            let lens: Vec<usize> = pkts.iter().map(|w| w.len()).collect();
             let to = SocketAddr::new(dst.ip, roce::UDP_PORT);
             let runs = super::gso::runs(&lens);
             for &(start, end) in runs.iter().filter(|_| v4) {
-                for (k, (bytes, id)) in pkts[start..end].iter_mut().enumerate() {
-                    super::gso::reseal(bytes, id, k as u16);
+                for (k, w) in pkts[start..end].iter_mut().enumerate() {
+                    w.reseal(k as u16);
                 }
             }
             let msgs: Vec<super::gso::Run<'_>> = runs
                 .iter()
                 .map(|&(start, end)| super::gso::Run {
-                    segs: pkts[start..end].iter().map(|(b, _)| &b[..]).collect(),
+                    pieces: pkts[start..end].iter().flat_map(|w| w.pieces()).collect(),
+                    packets: end - start,
                     // A run longer than one packet is cut by the kernel at the first length.
                     gso_size: if end - start > 1 {
                         u16::try_from(lens[start]).ok()
@@ -557,8 +566,8 @@ impl RoceCore {
                     Ok(k) => {
                         let (n, bytes) = msgs[next..next + k].iter().fold((0, 0), |(n, b), m| {
                             (
-                                n + m.segs.len(),
-                                b + m.segs.iter().map(|s| s.len()).sum::<usize>(),
+                                n + m.packets,
+                                b + m.pieces.iter().map(|s| s.len()).sum::<usize>(),
                             )
                         });
                         self.counters
@@ -581,7 +590,7 @@ impl RoceCore {
                     // A full socket buffer or a network that is down loses the message: the
                     // RC retransmission recovers it.
                     Err(_) => {
-                        let n = msgs[next].segs.len() as u64;
+                        let n = msgs[next].packets as u64;
                         self.counters.tx_errors.fetch_add(n, Ordering::Relaxed);
                         next += 1;
                     }
@@ -593,10 +602,10 @@ impl RoceCore {
         if done == pkts.len() {
             return;
         }
-        for (bytes, id) in pkts[done..].iter_mut().filter(|_| v4) {
-            super::gso::reseal(bytes, id, 0);
+        for w in pkts[done..].iter_mut().filter(|_| v4) {
+            w.reseal(0);
         }
-        let rest: Vec<&[u8]> = pkts[done..].iter().map(|(b, _)| &b[..]).collect();
+        let rest: Vec<[&[u8]; 3]> = pkts[done..].iter().map(|w| w.pieces()).collect();
         self.transmit_batch(dst, &rest);
     }
 

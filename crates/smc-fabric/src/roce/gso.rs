@@ -72,16 +72,23 @@ pub(crate) fn id_columns(len: usize) -> Ipv4IdColumns {
 }
 
 /// Re-seal a packet whose ICRC is for identification `*id` for identification `to`.
+#[cfg(test)]
 pub(crate) fn reseal(bytes: &mut [u8], id: &mut u16, to: u16) {
-    if *id == to || bytes.len() < ICRC_LEN {
+    reseal_tail(bytes.len(), bytes, id, to);
+}
+
+/// [`reseal`] of a packet of `len` bytes whose ICRC is the last four bytes of `tail` (a
+/// packet kept in pieces: only its ICRC changes).
+pub(crate) fn reseal_tail(len: usize, tail: &mut [u8], id: &mut u16, to: u16) {
+    if *id == to || len < ICRC_LEN {
         return;
     }
-    let cols = id_columns(bytes.len());
-    if let Some(tail) = bytes.last_chunk_mut::<ICRC_LEN>() {
+    let cols = id_columns(len);
+    if let Some(tail) = tail.last_chunk_mut::<ICRC_LEN>() {
         let icrc = u32::from_le_bytes(*tail) ^ cols.delta(*id) ^ cols.delta(to);
         *tail = icrc.to_le_bytes();
+        *id = to;
     }
-    *id = to;
 }
 
 /// Cut packets of lengths `lens` into runs `(start, end)` that one GSO send can carry.
@@ -119,10 +126,13 @@ pub(crate) fn unsupported(e: Errno) -> bool {
     )
 }
 
-/// One message of [`send_runs`]: its packets, and the `UDP_SEGMENT` size when it has more
-/// than one.
+/// One message of [`send_runs`]: the pieces of its packets in order (one iovec each; the
+/// kernel lays them end to end and, with `UDP_SEGMENT`, cuts the result every `gso_size`
+/// bytes, wherever the pieces' own bounds are), how many packets they make, and the
+/// `UDP_SEGMENT` size when more than one.
 pub(crate) struct Run<'a> {
-    pub(crate) segs: Vec<&'a [u8]>,
+    pub(crate) pieces: Vec<&'a [u8]>,
+    pub(crate) packets: usize,
     pub(crate) gso_size: Option<u16>,
 }
 
@@ -141,8 +151,9 @@ pub(crate) fn send_runs(
     let mut iovs: Vec<Vec<libc::iovec>> = runs
         .iter()
         .map(|r| {
-            r.segs
+            r.pieces
                 .iter()
+                .filter(|s| !s.is_empty())
                 .map(|s| libc::iovec {
                     iov_base: s.as_ptr() as *mut libc::c_void,
                     iov_len: s.len(),

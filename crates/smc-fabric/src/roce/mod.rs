@@ -21,6 +21,7 @@ mod netdev;
 mod qp;
 mod rx;
 mod steer;
+mod txpkt;
 
 pub(crate) use cq::RoceCq;
 pub(crate) use device::{receive_now, snapshot, ReceiveWait, RoceHandle};

@@ -9,6 +9,7 @@
 use super::cq::RoceCq;
 use super::device::{bump, lock, Dest, RoceCore, Tables};
 use super::mr::RoceMr;
+use super::txpkt::{Body, TxPkt, Wire};
 use crate::error::{FabricError, Result};
 use crate::types::{
     AccessFlags, LocalQpInfo, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
@@ -45,8 +46,6 @@ const SPARE_BYTES: usize = 1 << 20;
 const ACKREQ_EVERY: u32 = 64;
 /// Bytes of an Acknowledge packet: BTH, AETH, ICRC.
 const ACK_LEN: usize = roce::BTH_LEN + roce::AETH_LEN + roce::ICRC_LEN;
-/// Where the AckReq bit lives in a sealed packet: BTH byte 8, bit 7 (rocev2.md 3.1).
-const BTH_ACKREQ: (usize, u8) = (8, 0x80);
 /// QP attribute `timeout` as Linux SMC-R sets it: 4.096 µs × 2^15 = 134 ms (rocev2.md 10.2).
 pub(crate) const TIMEOUT_CODE: u32 = 15;
 /// QP attributes `retry_cnt` and `rnr_retry` as Linux SMC-R sets them; rxe treats 7 as
@@ -97,20 +96,12 @@ struct Conn {
     remote: RemoteQpInfo,
 }
 
-struct TxPkt {
-    psn: u32,
-    /// The sealed packet (a buffer of the send queue's pool, [`SendQueue::spare`]).
-    bytes: Vec<u8>,
-    /// The IPv4 identification the ICRC in `bytes` is sealed for (gso.rs).
-    ipv4_id: u16,
-    /// Whether the BTH's AckReq bit is set in `bytes`.
-    ack_req: bool,
-}
-
 /// The payload of a send work request being posted.
 enum Payload<'a> {
     /// The caller's bytes (SEND, WRITE inline).
     Bytes(&'a [u8]),
+    /// Shared bytes (WRITE shared): each packet keeps a slice of them, not a copy.
+    Shared(&'a bytes::Bytes),
     /// `len` bytes at `off` in a registered region (WRITE from an SGE), bounds checked.
     Region {
         mr: Arc<RoceMr>,
@@ -123,6 +114,7 @@ impl Payload<'_> {
     fn len(&self) -> usize {
         match self {
             Payload::Bytes(d) => d.len(),
+            Payload::Shared(d) => d.len(),
             Payload::Region { len, .. } => *len,
         }
     }
@@ -577,6 +569,13 @@ impl RoceQp {
                 signaled,
                 ..
             } => (Payload::Bytes(data), Some((remote_addr, rkey)), signaled),
+            SendWr::WriteShared {
+                data,
+                remote_addr,
+                rkey,
+                signaled,
+                ..
+            } => (Payload::Shared(data), Some((remote_addr, rkey)), signaled),
             SendWr::Write {
                 local,
                 remote_addr,
@@ -684,49 +683,78 @@ impl RoceQp {
                 immdt: None,
                 payload: &[],
             };
-            // A reused buffer is overwritten, not zeroed first (`emit_to_vec` and
-            // `emit_to_vec_with` write every byte once); a new one has room for the largest
-            // packet of the connection, so that any buffer of the pool fits any packet (one
-            // of a CDC SEND included).
-            let mut bytes = sq
-                .spare
-                .pop()
-                .unwrap_or_else(|| Vec::with_capacity(max_packet(conn.mtu)));
             let built = match &src {
-                Payload::Bytes(data) => {
-                    PacketRepr {
-                        payload: &data[start..start + len],
-                        ..repr
+                // No copy: the packet keeps a slice of the shared bytes (txpkt.rs).
+                Payload::Shared(data) => TxPkt::shared(
+                    psn,
+                    &repr,
+                    data.slice(start..start + len),
+                    &conn.icrc,
+                    ack_req,
+                )
+                .map_err(|_| FabricError::InvalidArgument("shared WRITE headers")),
+                _ => {
+                    // A reused buffer is overwritten, not zeroed first (`emit_to_vec` and
+                    // `emit_to_vec_with` write every byte once); a new one has room for the
+                    // largest packet of the connection, so that any buffer of the pool fits
+                    // any packet (one of a CDC SEND included).
+                    let mut bytes = sq
+                        .spare
+                        .pop()
+                        .unwrap_or_else(|| Vec::with_capacity(max_packet(conn.mtu)));
+                    let filled = match &src {
+                        // One copy, region to packet: the region is memory a peer may write
+                        // at any time, so it is read with `read_at`'s raw copy into the
+                        // packet (private memory), and the ICRC below covers the bytes as
+                        // copied.
+                        Payload::Region { mr, off, .. } => {
+                            repr.emit_to_vec_with(&mut bytes, len, |buf| {
+                                match off.checked_add(start) {
+                                    Some(at) => mr.read_at(at, buf),
+                                    None => Err(FabricError::LocalAccess),
+                                }
+                            })
+                        }
+                        Payload::Bytes(data) => {
+                            PacketRepr {
+                                payload: &data[start..start + len],
+                                ..repr
+                            }
+                            .emit_to_vec(&mut bytes);
+                            Ok(())
+                        }
+                        Payload::Shared(_) => Ok(()),
+                    };
+                    match filled {
+                        Ok(()) => {
+                            conn.icrc.seal(&mut bytes);
+                            Ok(TxPkt {
+                                psn,
+                                body: Body::Flat(bytes),
+                                ipv4_id: 0,
+                                ack_req,
+                            })
+                        }
+                        Err(e) => {
+                            sq.spare.push(bytes);
+                            Err(e)
+                        }
                     }
-                    .emit_to_vec(&mut bytes);
-                    Ok(())
-                }
-                // One copy, region to packet: the region is memory a peer may write at any
-                // time, so it is read with `read_at`'s raw copy into the packet (private
-                // memory), and the ICRC below covers the bytes as copied.
-                Payload::Region { mr, off, .. } => {
-                    repr.emit_to_vec_with(&mut bytes, len, |buf| match off.checked_add(start) {
-                        Some(at) => mr.read_at(at, buf),
-                        None => Err(FabricError::LocalAccess),
-                    })
                 }
             };
-            if let Err(e) = built {
-                // Not reached (the whole range was checked above, and a region never
-                // shrinks); were it, the post is taken back whole rather than half sent.
-                let q = &mut *sq;
-                q.spare.push(bytes);
-                q.spare.extend(q.pkts.drain(undo.0..).map(|p| p.bytes));
-                (q.next_psn, q.since_ackreq) = (undo.1, undo.2);
-                return Err(e);
+            match built {
+                Ok(p) => sq.pkts.push_back(p),
+                Err(e) => {
+                    // Not reached (the whole range was checked above, and a region never
+                    // shrinks; a WRITE ONLY's headers fit the inline array); were it, the
+                    // post is taken back whole rather than half sent.
+                    let q = &mut *sq;
+                    q.spare
+                        .extend(q.pkts.drain(undo.0..).filter_map(TxPkt::into_buffer));
+                    (q.next_psn, q.since_ackreq) = (undo.1, undo.2);
+                    return Err(e);
+                }
             }
-            conn.icrc.seal(&mut bytes);
-            sq.pkts.push_back(TxPkt {
-                psn,
-                bytes,
-                ipv4_id: 0,
-                ack_req,
-            });
             sq.next_psn = psn_add(psn, 1);
         }
         let last_psn = psn_add(sq.next_psn, roce::U24_MASK);
@@ -778,19 +806,12 @@ impl RoceQp {
         // kept copy keeps the bit for any retransmission.
         if let Some(p) = sq.pkts.get_mut(end - 1) {
             if !p.ack_req {
-                p.bytes[BTH_ACKREQ.0] |= BTH_ACKREQ.1;
-                conn.icrc.seal(&mut p.bytes);
-                p.ipv4_id = 0;
-                p.ack_req = true;
+                p.ask_ack(&conn.icrc);
                 sq.since_ackreq = 0;
             }
         }
         // The packets the window lets go: UDP_SEGMENT runs, else one sendmmsg.
-        let mut batch: Vec<(&mut [u8], &mut u16)> = sq
-            .pkts
-            .range_mut(start..end)
-            .map(|p| (&mut p.bytes[..], &mut p.ipv4_id))
-            .collect();
+        let mut batch: Vec<Wire<'_>> = sq.pkts.range_mut(start..end).map(TxPkt::wire).collect();
         // An ACK this QP owes as responder leaves in the same system call, after the requests
         // (the peer, woken by the first datagram, finds the reply first). RoCE has no
         // piggybacked acknowledgement: it is an ACK packet of its own, but no datagram of
@@ -799,7 +820,7 @@ impl RoceQp {
         let mut ack_id = 0u16;
         if let Some((psn, msn)) = self.take_owed_ack(ACK_COALESCE) {
             self.ack_packet(conn, AethKind::Ack { credit: 31 }, psn, msn, &mut ack);
-            batch.push((&mut ack[..], &mut ack_id));
+            batch.push(Wire::flat(&mut ack, &mut ack_id));
         }
         self.core.transmit_pkts(conn.ip, &mut batch);
         sq.next_tx = end;
@@ -828,9 +849,10 @@ impl RoceQp {
         let mut removed = 0;
         let keep = SPARE_BYTES / max_packet(self.conn.get().map_or(4096, |c| c.mtu));
         while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
-            if let Some(p) = sq.pkts.pop_front() {
+            // A shared packet lets go of its slice of the WRITE's bytes here.
+            if let Some(b) = sq.pkts.pop_front().and_then(TxPkt::into_buffer) {
                 if sq.spare.len() < keep {
-                    sq.spare.push(p.bytes);
+                    sq.spare.push(b);
                 }
             }
             removed += 1;
@@ -1317,6 +1339,7 @@ fn wr_shape(wr: &SendWr<'_>) -> (WcOpcode, u32) {
     match *wr {
         SendWr::Send { data, .. } => (WcOpcode::Send, data.len() as u32),
         SendWr::WriteInline { data, .. } => (WcOpcode::RdmaWrite, data.len() as u32),
+        SendWr::WriteShared { data, .. } => (WcOpcode::RdmaWrite, data.len() as u32),
         SendWr::Write { local, .. } => (WcOpcode::RdmaWrite, local.length),
     }
 }

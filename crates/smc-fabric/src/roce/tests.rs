@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod packetization;
+mod shared;
 
 /// A loopback address private to this test (second octet) and process (last two).
 fn addr(test: u8, side: u8) -> Ipv4Addr {

@@ -21,6 +21,10 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// A [`SendWr::WriteShared`] past [`SendWr::flattened`] (not reached: `post_send` flattens
+/// every work request first).
+const NOT_FLAT: FabricError = FabricError::InvalidArgument("shared WRITE not flattened");
+
 /// Largest receive-ring capacity accepted from a peer.
 const MAX_RING_CAP: u32 = 1 << 16;
 
@@ -592,6 +596,10 @@ impl QpShared {
 
     /// Post a send-queue work request.
     pub(crate) fn post_send(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
+        // Bytes are placed at once (or copied into the pending queue): shared bytes are
+        // written as inline ones.
+        let flat = wr.flattened();
+        let wr = &flat;
         let mut status = PostStatus::Queued;
         let st = self.state();
         match st {
@@ -627,6 +635,7 @@ impl QpShared {
                     false,
                 )?);
             }
+            SendWr::WriteShared { .. } => return Err(NOT_FLAT),
             SendWr::WriteInline { data, .. } => {
                 if u32::try_from(data.len()).is_err() {
                     return Err(FabricError::MessageTooLarge {
@@ -681,6 +690,7 @@ impl QpShared {
                         WcOpcode::RdmaWrite,
                     ),
                     (SendWr::Write { .. }, None) => return Err(FabricError::LocalAccess),
+                    (SendWr::WriteShared { .. }, _) => return Err(NOT_FLAT),
                 };
                 match self.exec(&mut s.out, wr.wr_id(), op, opcode, signaled) {
                     Exec::Done(Some(c)) => self.send_cq.push(c),
@@ -770,6 +780,7 @@ impl QpShared {
                 signaled,
             },
             (SendWr::Write { .. }, None) => return Err(FabricError::LocalAccess),
+            (SendWr::WriteShared { .. }, _) => return Err(NOT_FLAT),
         };
         s.pending.push_back(p);
         self.has_pending.store(true, Ordering::Release);

@@ -7,7 +7,7 @@
 //! goes `ExpectProposal` → (`ServerAwaitRkey` →) `ExpectConfirm` → established, or on a first
 //! contact `ExpectConfirm` → `ExpectConfirmLinkReply` → `ExpectSecondLink` → established.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use smc_wire::clc::{Ipv6Prefix, SmcdArea};
@@ -968,8 +968,9 @@ impl Endpoint {
                 peer_key,
                 send_link,
                 route,
-                unacked: VecDeque::new(),
+                unacked: super::replay::Replay::default(),
                 unacked_from,
+                arena: super::replay::Arena::default(),
                 ss: 0,
                 last_posted: None,
                 held: false,

@@ -239,7 +239,10 @@ impl Endpoint {
             off += len;
         }
         c.conn.produced(n, now)?;
-        c.unacked.extend(&data[..n as usize]);
+        // The fabric queue's WRITEs copy their bytes (`FabricOp::RdmaWrite`): a copy of
+        // its own for replay.
+        c.unacked
+            .push(bytes::Bytes::copy_from_slice(&data[..n as usize]));
         c.conn
             .set_send_backlog((data.len() - n as usize) as u64, now);
         self.post_writes(tcp, link, rkey, writes);
@@ -381,7 +384,11 @@ impl Endpoint {
         let mut done = 0u32;
         // Offset in `data` of the first byte that must be kept for replay.
         let mut keep_from: Option<u32> = keep_all.then_some(0);
-        for (&(addr, len), &room) in pieces[..count].iter().zip(&rooms) {
+        // Each piece's shared buffer, where the path posted one (the replay keeps it).
+        let mut shared: [Option<bytes::Bytes>; 2] = [None, None];
+        // The arena is the connection's; taken out while `self` posts (put back below).
+        let mut arena = std::mem::take(&mut c.arena);
+        for ((&(addr, len), &room), kept) in pieces[..count].iter().zip(&rooms).zip(&mut shared) {
             let Some(piece) = data.get(done as usize..(done + len) as usize) else {
                 break;
             };
@@ -396,7 +403,10 @@ impl Endpoint {
                 addr,
                 room,
             };
-            match path.write(target, piece) {
+            let mut wp = super::WritePiece::new(piece, &mut arena);
+            let outcome = path.write(target, &mut wp);
+            *kept = wp.take_shared();
+            match outcome {
                 WriteOutcome::Placed => {}
                 WriteOutcome::Posted => {
                     keep_from.get_or_insert(done);
@@ -411,6 +421,7 @@ impl Endpoint {
         let Some(Entry::Smc(c)) = self.entries.get_mut(&tcp) else {
             return Err(EndpointError::NotEstablished);
         };
+        c.arena = arena;
         if done == 0 {
             // The link refused the WRITE (its failure is on its way): nothing was taken.
             return Ok(0);
@@ -436,7 +447,23 @@ impl Endpoint {
                         c.unacked_from = ring.advance(before, k);
                     }
                 }
-                c.unacked.extend(&data[k as usize..done as usize]);
+                // Each piece from `k` on: its shared buffer (no copy), else a copy.
+                let mut at = 0u32;
+                for (&(_, len), kept) in pieces[..count].iter().zip(&mut shared) {
+                    let end = (at + len).min(done);
+                    if end > at && end > k {
+                        let from = at.max(k);
+                        let b = match kept.take() {
+                            Some(b) if from == at && end == at + len => b,
+                            Some(b) => b.slice((from - at) as usize..(end - at) as usize),
+                            None => {
+                                bytes::Bytes::copy_from_slice(&data[from as usize..end as usize])
+                            }
+                        };
+                        c.unacked.push(b);
+                    }
+                    at += len;
+                }
             }
         }
         self.after_conn_with(
@@ -728,7 +755,7 @@ impl Endpoint {
         if let Ok(ring) = ring {
             let n = c.unacked.len() as u32;
             let regions = ring.regions(c.unacked_from, n);
-            let bytes: Vec<u8> = c.unacked.iter().copied().collect();
+            let bytes: Vec<u8> = c.unacked.to_vec();
             let mut off = 0usize;
             for r in regions.iter() {
                 let len = r.len as usize;
@@ -800,7 +827,7 @@ fn drop_unacked_to(c: &mut super::SmcConn, to: Cursor) {
     if let Ok(n) = ring.distance(c.unacked_from, to) {
         let n = n as usize;
         if n > 0 && n <= c.unacked.len() {
-            c.unacked.drain(..n);
+            c.unacked.drop_front(n);
             c.unacked_from = to;
         }
     }

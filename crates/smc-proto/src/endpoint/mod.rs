@@ -6,6 +6,7 @@
 mod clc;
 mod data;
 mod llc;
+mod replay;
 mod v2;
 
 #[cfg(test)]
@@ -27,6 +28,7 @@ use crate::time::Timestamp;
 use crate::timer::DeadlineMap;
 
 pub use clc::{subnet_matches, ConnectOptions, Handshake};
+pub use replay::WritePiece;
 pub use v2::{llc_from_v2 as llc_view_of_v2, LgrV2, SmcVersions, V2_MAX_LINKS};
 
 /// The runtime's handle for one TCP connection (a socket); chosen by the caller, unique while
@@ -308,8 +310,11 @@ impl WritePlan {
 /// `FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome` is one that posts only the WRITEs (the CDC
 /// then comes out of [`Endpoint::poll_fabric`] as usual).
 pub trait SendPath {
-    /// Post one RDMA WRITE of `piece` to `target`, unsignaled; say what the fabric did.
-    fn write(&mut self, target: RdmaWriteTarget, piece: &[u8]) -> WriteOutcome;
+    /// Post one RDMA WRITE of `piece` to `target`, unsignaled; say what the fabric did. A
+    /// path whose fabric keeps a posted WRITE's bytes (roce) posts
+    /// [`piece.shared()`](WritePiece::shared): the engine then keeps that buffer for replay
+    /// rather than a copy (one copy per byte in all).
+    fn write(&mut self, target: RdmaWriteTarget, piece: &mut WritePiece<'_>) -> WriteOutcome;
 
     /// Post the CDC message `msg` on `link` as a signaled SEND with work-request id `wr`,
     /// now, if nothing stands in its way; `false` leaves it to [`Endpoint::poll_fabric`]
@@ -324,8 +329,8 @@ pub trait SendPath {
 }
 
 impl<F: FnMut(RdmaWriteTarget, &[u8]) -> WriteOutcome> SendPath for F {
-    fn write(&mut self, target: RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
-        self(target, piece)
+    fn write(&mut self, target: RdmaWriteTarget, piece: &mut WritePiece<'_>) -> WriteOutcome {
+        self(target, piece.bytes())
     }
 }
 
@@ -411,8 +416,11 @@ struct SmcConn {
     route: Option<SendRoute>,
     /// Bytes written to the peer but not known received: from `unacked_from` to our
     /// producer cursor (kept for replay, §4.6.2).
-    unacked: VecDeque<u8>,
+    unacked: replay::Replay,
     unacked_from: Cursor,
+    /// Where the shared bytes of this connection's WRITEs are cut from
+    /// ([`WritePiece::shared`]).
+    arena: replay::Arena,
     /// SS (§4.6.1): sequence number of the last CDC whose send completed.
     ss: u16,
     /// Sequence number of the last CDC posted.

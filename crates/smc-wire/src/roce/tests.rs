@@ -286,6 +286,44 @@ proptest! {
         prop_assert_eq!(repr.emit_to_vec_with(&mut got, payload.len(), |_| Err(7)), Err(7));
     }
 
+    /// A packet kept in pieces (its headers from `emit_head`, the payload where it lies, pad
+    /// zeros, the ICRC from `compute_pieces`) is, laid end to end, byte for byte the packet
+    /// `emit` and `seal` make, for any opcode, payload length and addresses.
+    #[test]
+    fn pieces_are_emit(
+        op in opcode(), se: bool, dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
+        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        payload in proptest::collection::vec(any::<u8>(), 0..1100),
+        src in ip(), dst in ip(), port: u16, id: u16,
+    ) {
+        let bth = Bth { opcode: op, se, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
+        let repr = PacketRepr {
+            bth,
+            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
+            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
+            immdt: op.has_immdt().then_some(imm),
+            payload: &payload,
+        };
+        let mut h = IcrcHeaders::new(src, dst, port);
+        h.ipv4_id = id;
+        let mut want = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut want).expect("emit");
+        h.seal(&mut want);
+        // Headers into a buffer longer than they are (as a sender's inline array is).
+        let mut head = [0x5Au8; 40];
+        let unused = PacketRepr { payload: &[0xAB; 5], ..repr };
+        let n = unused.emit_head(payload.len(), &mut head).expect("emit_head");
+        let pad = pad_len(payload.len());
+        let icrc = h.compute_pieces(&head[..n], &payload, pad);
+        let mut got = head[..n].to_vec();
+        got.extend_from_slice(&payload);
+        got.extend_from_slice(&[0u8; 3][..pad]);
+        got.extend_from_slice(&icrc.to_le_bytes());
+        prop_assert_eq!(got, want);
+        // A head buffer too short is an error, not a panic.
+        prop_assert!(repr.emit_head(payload.len(), &mut [0u8; 11]).is_err());
+    }
+
     /// Over IPv4 the identification the sender used is recovered from the ICRC alone.
     #[test]
     fn ipv4_identification_is_solved(

@@ -1,10 +1,14 @@
 //! The stack's side of the one-copy send and of the posts it defers.
 
 use super::*;
+use smc_proto::endpoint::WritePiece;
 
 /// The stack's side of the one-copy send ([`Core::send_direct`]): each RDMA WRITE is posted
-/// straight from the application's slice, and the CDC that announces them as soon as the
-/// engine built it (see [`smc_proto::endpoint::SendPath`]).
+/// straight from the application's slice (shm: placed in the peer's RMB at once), or, where
+/// the fabric keeps a WRITE's bytes until acknowledged (roce), from the piece's shared buffer,
+/// which the engine keeps for replay too: one copy per byte either way. The CDC that
+/// announces them is posted as soon as the engine built it (see
+/// [`smc_proto::endpoint::SendPath`]).
 pub(super) struct DirectSend<'a> {
     pub(super) fab: &'a Fabric,
     pub(super) failed_posts: &'a mut Vec<(WrId, LinkId, Instant)>,
@@ -37,12 +41,17 @@ pub(super) fn waits_for_room(
 }
 
 impl smc_proto::endpoint::SendPath for DirectSend<'_> {
-    fn write(&mut self, t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
+    fn write(
+        &mut self,
+        t: smc_proto::endpoint::RdmaWriteTarget,
+        piece: &mut WritePiece<'_>,
+    ) -> WriteOutcome {
         let Some(l) = self.fab.links.get(&t.link) else {
             self.failed_posts.push((t.wr, t.link, Instant::now()));
             return WriteOutcome::Failed;
         };
-        let defer = |deferred: &mut HashMap<LinkId, std::collections::VecDeque<Deferred>>| {
+        let defer = |deferred: &mut HashMap<LinkId, std::collections::VecDeque<Deferred>>,
+                     piece: &mut WritePiece<'_>| {
             deferred
                 .entry(t.link)
                 .or_default()
@@ -50,38 +59,48 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
                     wr: t.wr,
                     rkey: t.rkey,
                     addr: t.addr,
-                    data: piece.to_vec(),
+                    // The engine keeps the same buffer for replay.
+                    data: piece.shared().clone(),
                     signaled: false,
                 });
-            // Queued in software: the engine keeps its replay copy until the CDC after it
+            // Queued in software: the engine keeps the bytes until the CDC after them
             // completes.
             WriteOutcome::Posted
         };
         if waits_for_room(self.deferred, t.link) {
             // Behind work already waiting for room: keep the order.
-            return defer(self.deferred);
+            return defer(self.deferred, piece);
         }
         // A WRITE shorter than the CDC SEND behind it would leave in a datagram of its own on
         // the roce backend: widened into the free space after it (bytes no CDC announces,
-        // `RdmaWriteTarget::room`), it shares the CDC's.
+        // `RdmaWriteTarget::room`), it shares the CDC's. (Copied into its packet: at most
+        // 24 bytes, and the engine keeps its own copy of them.)
         let mut wide = [0u8; WIDEN_MAX];
-        let data = widened(
-            piece,
-            t.room,
-            l.qp.shortest_shared_write(CDC_LEN),
-            &mut wide,
-        );
+        let want = l.qp.shortest_shared_write(CDC_LEN);
+        let bytes = piece.bytes();
+        let data = widened(bytes, t.room, want, &mut wide);
         // Held: the WRITE leaves with the CDC SEND posted next (one system call on the roce
-        // backend, and one acknowledgement for both), or when this path is dropped.
-        let posted = l.qp.post_send_held(&SendWr::WriteInline {
-            wr_id: t.wr.0,
-            data,
-            remote_addr: t.addr,
-            rkey: t.rkey,
-            // Only a failure is of interest (see `Endpoint::send_with`): no completion
-            // to queue and process per WRITE.
-            signaled: false,
-        });
+        // backend, and one acknowledgement for both), or when this path is dropped. Only a
+        // failure is of interest (see `Endpoint::send_with`): unsignaled, no completion to
+        // queue and process per WRITE.
+        let posted = if data.len() == bytes.len() && l.qp.keeps_write_bytes() {
+            // roce: the packets keep slices of the shared buffer, not copies.
+            l.qp.post_send_held(&SendWr::WriteShared {
+                wr_id: t.wr.0,
+                data: piece.shared(),
+                remote_addr: t.addr,
+                rkey: t.rkey,
+                signaled: false,
+            })
+        } else {
+            l.qp.post_send_held(&SendWr::WriteInline {
+                wr_id: t.wr.0,
+                data,
+                remote_addr: t.addr,
+                rkey: t.rkey,
+                signaled: false,
+            })
+        };
         match posted {
             Ok(PostStatus::Executed) => WriteOutcome::Placed,
             Ok(PostStatus::Queued) => {
@@ -90,7 +109,7 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
                 }
                 WriteOutcome::Posted
             }
-            Err(smc_fabric::FabricError::QueueFull) => defer(self.deferred),
+            Err(smc_fabric::FabricError::QueueFull) => defer(self.deferred, piece),
             Err(_) => {
                 self.failed_posts.push((t.wr, t.link, Instant::now()));
                 WriteOutcome::Failed
@@ -148,8 +167,12 @@ pub(super) struct PrePlaced<'a> {
 }
 
 impl smc_proto::endpoint::SendPath for PrePlaced<'_> {
-    fn write(&mut self, t: smc_proto::endpoint::RdmaWriteTarget, piece: &[u8]) -> WriteOutcome {
-        let len = u32::try_from(piece.len()).unwrap_or(u32::MAX);
+    fn write(
+        &mut self,
+        t: smc_proto::endpoint::RdmaWriteTarget,
+        piece: &mut WritePiece<'_>,
+    ) -> WriteOutcome {
+        let len = u32::try_from(piece.bytes().len()).unwrap_or(u32::MAX);
         for (placed, &(addr, plen)) in self.placed.iter_mut().zip(&self.plan.pieces) {
             if *placed
                 && t.link == self.plan.link
@@ -174,12 +197,13 @@ impl smc_proto::endpoint::SendPath for PrePlaced<'_> {
 pub(super) enum Deferred {
     /// An LLC or CDC message (44 bytes inline, an LLC v2 message up to 8192).
     Send { wr: WrId, msg: SendMsg },
-    /// An RDMA WRITE of application bytes (copied: the application's slice is gone).
+    /// An RDMA WRITE of application bytes (not the application's slice, which is gone: the
+    /// shared buffer the engine keeps for replay, or the fabric queue's copy).
     Write {
         wr: WrId,
         rkey: u32,
         addr: u64,
-        data: Vec<u8>,
+        data: bytes::Bytes,
         /// Whether a success completes too (the direct send path wants only failures).
         signaled: bool,
     },
@@ -205,7 +229,7 @@ impl Deferred {
                 addr,
                 data,
                 signaled,
-            } => qp.post_send(&SendWr::WriteInline {
+            } => qp.post_send(&SendWr::WriteShared {
                 wr_id: wr.0,
                 data,
                 remote_addr: *addr,

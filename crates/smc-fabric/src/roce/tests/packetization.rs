@@ -475,3 +475,63 @@ fn write_from_region_is_read_into_its_packets() {
     );
     p.check(&got, &data, va, first);
 }
+
+/// A WRITE of shared bytes (`SendWr::WriteShared`) leaves as the same packets as a WRITE
+/// inline of those bytes — one WRITE ONLY per path MTU, RETHs, payloads, zero pad, ICRCs
+/// sealed for each segment's IPv4 identification — in the same datagrams, though its packets
+/// are kept as headers, a slice of the shared buffer and the ICRC, and go out as iovecs: for
+/// lengths of every pad, one that shares the CDC's datagram, slices starting inside their
+/// buffer, and an update that needs two datagrams. The packets let go of the buffer once
+/// acknowledged.
+#[test]
+fn write_shared_is_sent_as_write_inline() {
+    let mut p = raw_peer(23);
+    let mut psn = p.a.qp.local_info().psn;
+    let va = 0x6000_0000;
+    let all = bytes::Bytes::from(pattern(70_000, 9));
+    let cases = [
+        (0, 1),
+        (1, 25),
+        (3, 1023),
+        (5, 1024),
+        (7, 3001),
+        (11, 65_536),
+    ];
+    for (i, (from, len)) in cases.into_iter().enumerate() {
+        let data = all.slice(from..from + len);
+        let at = va + (i as u64) * 0x20000;
+        let first = psn;
+        let got = p.update_wr(
+            &SendWr::WriteShared {
+                wr_id: 1,
+                data: &data,
+                remote_addr: at,
+                rkey: 0x77,
+                signaled: false,
+            },
+            len,
+            &mut psn,
+        );
+        p.check(&got, &data, at, first);
+        assert_eq!(shape(&got), inline_shape(len), "length {len}");
+    }
+    assert!(!p.a.qp.has_unacked());
+    assert!(all.is_unique(), "acknowledged packets hold no slice");
+}
+
+/// The datagrams (segment size, packets) of a WRITE inline of `len` bytes and its CDC SEND:
+/// one WRITE ONLY per 1,024 bytes (BTH, RETH, payload, pad, ICRC), then the SEND's 60-byte
+/// packet, cut into runs as the device cuts them.
+fn inline_shape(len: usize) -> Vec<(Option<usize>, usize)> {
+    let mut lens: Vec<usize> = (0..len.div_ceil(1024))
+        .map(|i| {
+            let n = (len - i * 1024).min(1024);
+            28 + n + wire::pad_len(n) + 4
+        })
+        .collect();
+    lens.push(60);
+    crate::roce::gso::runs(&lens)
+        .into_iter()
+        .map(|(s, e)| ((e - s > 1).then_some(lens[s]), e - s))
+        .collect()
+}

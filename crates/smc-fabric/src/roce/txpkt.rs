@@ -1,0 +1,276 @@
+//! The packets a roce requester keeps until they are acknowledged (go-back-N resends them as
+//! they are), and their view for transmission.
+//!
+//! A packet is kept one of two ways. *Flat*: the whole sealed packet in one buffer of the send
+//! queue's pool (SENDs, WRITEs of the caller's slice or of a registered region: their bytes
+//! are copied into the packet once). *Shared*: a WRITE ONLY packet of
+//! [`SendWr::WriteShared`](crate::SendWr::WriteShared) bytes, kept as its headers (BTH and
+//! RETH, in an inline array), a slice of the shared, reference-counted buffer, and its pad
+//! and ICRC: the payload is never copied in user space. The kernel gathers the pieces of a
+//! datagram from an iovec list (`sendmmsg`, and with `UDP_SEGMENT` it cuts the gathered bytes
+//! every `gso_size` bytes, so a run of shared packets is one message as a run of flat ones is,
+//! gso.rs). The buffer is immutable, and the packet holds a reference to it until the packet
+//! is acknowledged or its QP fails, so a retransmission sends the bytes that were posted.
+
+use bytes::Bytes;
+use smc_wire::roce::{self, IcrcHeaders, PacketRepr, BTH_LEN, ICRC_LEN, RETH_LEN};
+
+/// Where the AckReq bit lives in a packet: BTH byte 8, bit 7 (rocev2.md 3.1).
+const BTH_ACKREQ: (usize, u8) = (8, 0x80);
+/// The headers of a shared packet: BTH and RETH (every shared packet is a WRITE ONLY).
+const HEAD_MAX: usize = BTH_LEN + RETH_LEN;
+/// Pad (at most 3 bytes) and ICRC.
+const TAIL_MAX: usize = 3 + ICRC_LEN;
+
+/// How a kept packet holds its bytes.
+pub(crate) enum Body {
+    /// The whole sealed packet (a buffer of the send queue's pool).
+    Flat(Vec<u8>),
+    /// Headers, payload and tail (pad zeros, then the ICRC) apart; the payload a slice of the
+    /// WRITE's shared bytes.
+    Shared {
+        head: [u8; HEAD_MAX],
+        head_len: u8,
+        payload: Bytes,
+        tail: [u8; TAIL_MAX],
+        tail_len: u8,
+    },
+}
+
+/// A packet posted and not yet acknowledged.
+pub(crate) struct TxPkt {
+    pub(crate) psn: u32,
+    pub(crate) body: Body,
+    /// The IPv4 identification the packet's ICRC is sealed for (gso.rs).
+    pub(crate) ipv4_id: u16,
+    /// Whether the BTH's AckReq bit is set.
+    pub(crate) ack_req: bool,
+}
+
+impl TxPkt {
+    /// A packet of `repr`'s headers and `payload` (`repr.payload` is not used), sealed with
+    /// `icrc` for identification 0, without copying the payload.
+    pub(crate) fn shared(
+        psn: u32,
+        repr: &PacketRepr<'_>,
+        payload: Bytes,
+        icrc: &IcrcHeaders,
+        ack_req: bool,
+    ) -> Result<TxPkt, roce::RoceError> {
+        let mut head = [0u8; HEAD_MAX];
+        let head_len = repr.emit_head(payload.len(), &mut head)?;
+        let pad = roce::pad_len(payload.len());
+        let mut tail = [0u8; TAIL_MAX];
+        let sum = icrc.compute_pieces(&head[..head_len], &payload, pad);
+        tail[pad..pad + ICRC_LEN].copy_from_slice(&sum.to_le_bytes());
+        Ok(TxPkt {
+            psn,
+            body: Body::Shared {
+                head,
+                head_len: head_len as u8,
+                payload,
+                tail,
+                tail_len: (pad + ICRC_LEN) as u8,
+            },
+            ipv4_id: 0,
+            ack_req,
+        })
+    }
+
+    /// Set the AckReq bit of a packet that has it not, and seal it again (for identification
+    /// 0): the kept packet keeps the bit for any retransmission.
+    pub(crate) fn ask_ack(&mut self, icrc: &IcrcHeaders) {
+        if self.ack_req {
+            return;
+        }
+        match &mut self.body {
+            Body::Flat(bytes) => {
+                if let Some(b) = bytes.get_mut(BTH_ACKREQ.0) {
+                    *b |= BTH_ACKREQ.1;
+                }
+                icrc.seal(bytes);
+            }
+            Body::Shared {
+                head,
+                head_len,
+                payload,
+                tail,
+                tail_len,
+            } => {
+                head[BTH_ACKREQ.0] |= BTH_ACKREQ.1;
+                let pad = usize::from(*tail_len).saturating_sub(ICRC_LEN);
+                let sum = icrc.compute_pieces(&head[..usize::from(*head_len)], payload, pad);
+                tail[pad..pad + ICRC_LEN].copy_from_slice(&sum.to_le_bytes());
+            }
+        }
+        self.ipv4_id = 0;
+        self.ack_req = true;
+    }
+
+    /// The packet's pieces for transmission.
+    pub(crate) fn wire(&mut self) -> Wire<'_> {
+        match &mut self.body {
+            Body::Flat(bytes) => Wire::flat(bytes, &mut self.ipv4_id),
+            Body::Shared {
+                head,
+                head_len,
+                payload,
+                tail,
+                tail_len,
+            } => Wire {
+                parts: [&head[..usize::from(*head_len)], &payload[..]],
+                tail: &mut tail[..usize::from(*tail_len)],
+                id: &mut self.ipv4_id,
+            },
+        }
+    }
+
+    /// The pool buffer of a flat packet, for reuse; a shared packet lets go of its slice.
+    pub(crate) fn into_buffer(self) -> Option<Vec<u8>> {
+        match self.body {
+            Body::Flat(bytes) => Some(bytes),
+            Body::Shared { .. } => None,
+        }
+    }
+}
+
+/// One packet as it leaves: its bytes are `parts` then `tail`, laid end to end by the kernel
+/// (one iovec each); the ICRC is the last four bytes of `tail`, sealed for identification
+/// `id`.
+pub(crate) struct Wire<'a> {
+    pub(crate) parts: [&'a [u8]; 2],
+    pub(crate) tail: &'a mut [u8],
+    pub(crate) id: &'a mut u16,
+}
+
+impl<'a> Wire<'a> {
+    /// A packet in one buffer (its last four bytes the ICRC).
+    pub(crate) fn flat(bytes: &'a mut [u8], id: &'a mut u16) -> Wire<'a> {
+        let at = bytes.len().saturating_sub(ICRC_LEN);
+        let (body, tail) = bytes.split_at_mut(at);
+        Wire {
+            parts: [body, &[]],
+            tail,
+            id,
+        }
+    }
+
+    /// The packet's length (the UDP payload).
+    pub(crate) fn len(&self) -> usize {
+        self.parts[0].len() + self.parts[1].len() + self.tail.len()
+    }
+
+    /// Its pieces in order (some may be empty).
+    pub(crate) fn pieces(&self) -> [&[u8]; 3] {
+        [self.parts[0], self.parts[1], &self.tail[..]]
+    }
+
+    /// Its bytes laid end to end (tests).
+    #[cfg(test)]
+    pub(crate) fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len());
+        for p in self.pieces() {
+            v.extend_from_slice(p);
+        }
+        v
+    }
+
+    /// Seal the packet for identification `to` (four XORed bytes, gso.rs).
+    pub(crate) fn reseal(&mut self, to: u16) {
+        let len = self.len();
+        super::gso::reseal_tail(len, self.tail, self.id, to);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use smc_wire::roce::{Bth, Opcode, Reth};
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    fn repr(psn: u32, len: usize, ack_req: bool) -> PacketRepr<'static> {
+        PacketRepr {
+            bth: Bth {
+                opcode: Opcode::WRITE_ONLY,
+                pkey: roce::DEFAULT_PKEY,
+                dest_qp: 0x12,
+                ack_req,
+                psn,
+                ..Bth::default()
+            },
+            reth: Some(Reth {
+                va: 0x1000 + psn as u64,
+                rkey: 0xAB,
+                dma_len: len as u32,
+            }),
+            aeth: None,
+            immdt: None,
+            payload: &[],
+        }
+    }
+
+    /// A shared packet, laid end to end, is the flat packet `emit_to_vec` and `seal` make of
+    /// the same headers and payload, for payloads of every pad, over IPv4 and IPv6; after
+    /// `ask_ack` it is the flat packet with AckReq set; resealed for an identification, it
+    /// is the flat packet resealed for it.
+    #[test]
+    fn shared_packets_are_the_flat_ones() {
+        let v4 = IcrcHeaders::new(
+            IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
+            IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)),
+            49152,
+        );
+        let v6 = IcrcHeaders::new(
+            IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1)),
+            IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2)),
+            49152,
+        );
+        let all: Bytes = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for icrc in [v4, v6] {
+            for len in [0usize, 1, 2, 3, 4, 25, 1023, 1024, 4096] {
+                let payload = all.slice(100..100 + len);
+                let r = repr(7, len, false);
+                let mut flat = Vec::new();
+                PacketRepr {
+                    payload: &payload,
+                    ..r
+                }
+                .emit_to_vec(&mut flat);
+                icrc.seal(&mut flat);
+                let mut p = TxPkt::shared(7, &r, payload.clone(), &icrc, false).expect("shared");
+                assert_eq!(p.wire().to_vec(), flat, "length {len}");
+                // AckReq set afterwards: the packet built with it.
+                p.ask_ack(&icrc);
+                let mut want = Vec::new();
+                PacketRepr {
+                    payload: &payload,
+                    ..repr(7, len, true)
+                }
+                .emit_to_vec(&mut want);
+                icrc.seal(&mut want);
+                assert_eq!(p.wire().to_vec(), want, "length {len}, AckReq");
+                // Resealed for identification 9 and back.
+                let mut id0 = 0u16;
+                let mut flat9 = want.clone();
+                super::super::gso::reseal(&mut flat9, &mut id0, 9);
+                p.wire().reseal(9);
+                assert_eq!(p.ipv4_id, 9);
+                assert_eq!(p.wire().to_vec(), flat9, "length {len}, id 9");
+                p.wire().reseal(0);
+                assert_eq!(p.wire().to_vec(), want);
+                assert!(p.into_buffer().is_none());
+            }
+        }
+    }
+
+    /// A flat packet's wire view is its buffer, cut before the ICRC.
+    #[test]
+    fn flat_wire_is_the_buffer() {
+        let mut b: Vec<u8> = (0..40u8).collect();
+        let mut id = 0;
+        let w = Wire::flat(&mut b, &mut id);
+        assert_eq!(w.len(), 40);
+        assert_eq!(w.tail.len(), ICRC_LEN);
+        assert_eq!(w.to_vec(), (0..40u8).collect::<Vec<_>>());
+    }
+}

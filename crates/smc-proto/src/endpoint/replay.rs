@@ -1,0 +1,248 @@
+//! The replay store of a connection (RFC 7609 §4.6.2): the bytes written to the peer and not
+//! known received, kept so that a failover can write them again over another link; and the
+//! shared bytes a send path posts (one copy per byte: the store and the fabric's kept packets
+//! hold the same reference-counted buffer, docs/performance.md).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
+
+use bytes::{Bytes, BytesMut};
+
+/// Bytes of the arena a connection cuts small pieces' shared bytes from, at the least, when
+/// its free space runs out: small updates share one allocation (no malloc per update), and an
+/// idle connection keeps at most this much unused.
+const ARENA_CHUNK: usize = 32 * 1024;
+/// A piece this long or longer gets a buffer of its own from the connection's pool: a
+/// stream's updates (64 KiB and more) would otherwise take a fresh allocation each, whose
+/// pages the allocator may have given back (page faults and zeroing for every byte copied).
+const POOLED_MIN: usize = 16 * 1024;
+/// Most bytes of buffers a connection's pool keeps for reuse (a default RMBE's worth: what a
+/// stream has in flight), and the largest buffer it keeps.
+const POOL_BYTES: usize = 1 << 20;
+
+/// Buffers of a connection's large pieces, back for reuse once no packet and no replay store
+/// holds a slice of them any more (the last reference may drop on another thread: the
+/// fabric's progress thread, which receives the ACK).
+type Pool = Mutex<Vec<Vec<u8>>>;
+
+/// Where a connection's shared bytes come from. Its default allocates nothing (the engine
+/// takes it out of the connection for each send and puts it back).
+#[derive(Debug, Default)]
+pub(super) struct Arena {
+    small: BytesMut,
+    /// Made at the first long piece.
+    pool: Option<Arc<Pool>>,
+}
+
+/// A pooled buffer holding one piece's bytes; returned to its pool when dropped.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Weak<Pool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
+        let buf = std::mem::take(&mut self.buf);
+        let mut p = pool.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = p.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= POOL_BYTES {
+            p.push(buf);
+        }
+    }
+}
+
+impl Arena {
+    /// `bytes` copied once into a shared buffer: packed into the arena when short, else into
+    /// a buffer of the pool.
+    fn share(&mut self, bytes: &[u8]) -> Bytes {
+        if bytes.len() < POOLED_MIN {
+            if self.small.capacity() < bytes.len() {
+                self.small.reserve(bytes.len().max(ARENA_CHUNK));
+            }
+            self.small.extend_from_slice(bytes);
+            return self.small.split().freeze();
+        }
+        let pool = self.pool.get_or_insert_with(Arc::default);
+        let mut buf = pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(bytes);
+        Bytes::from_owner(Pooled {
+            buf,
+            pool: Arc::downgrade(pool),
+        })
+    }
+}
+
+/// The bytes kept for replay, oldest first, as the shared buffers they were posted from (or
+/// copies, where the send path posted none).
+#[derive(Debug, Default)]
+pub(super) struct Replay {
+    chunks: VecDeque<Bytes>,
+    len: usize,
+}
+
+impl Replay {
+    pub(super) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Keep `b` after the bytes kept.
+    pub(super) fn push(&mut self, b: Bytes) {
+        if !b.is_empty() {
+            self.len += b.len();
+            self.chunks.push_back(b);
+        }
+    }
+
+    /// Forget the first `n` bytes (at most all of them).
+    pub(super) fn drop_front(&mut self, mut n: usize) {
+        n = n.min(self.len);
+        self.len -= n;
+        while n > 0 {
+            let Some(front) = self.chunks.front_mut() else {
+                break;
+            };
+            if front.len() <= n {
+                n -= front.len();
+                self.chunks.pop_front();
+            } else {
+                let _ = front.split_to(n);
+                n = 0;
+            }
+        }
+    }
+
+    /// The bytes kept, in order, copied into one buffer (a failover's replay, which is rare).
+    pub(super) fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len);
+        for c in &self.chunks {
+            v.extend_from_slice(c);
+        }
+        v
+    }
+}
+
+/// One piece of a [`send_with`](super::Endpoint::send_with) for a
+/// [`SendPath`](super::SendPath) to post: the application's bytes, and, when the path asks,
+/// the same bytes in a shared, reference-counted buffer, which the engine then keeps for
+/// replay instead of a copy of its own.
+#[derive(Debug)]
+pub struct WritePiece<'a> {
+    bytes: &'a [u8],
+    arena: &'a mut Arena,
+    shared: Option<Bytes>,
+}
+
+impl<'a> WritePiece<'a> {
+    pub(super) fn new(bytes: &'a [u8], arena: &'a mut Arena) -> WritePiece<'a> {
+        WritePiece {
+            bytes,
+            arena,
+            shared: None,
+        }
+    }
+
+    /// The piece's bytes (the application's slice).
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// The piece's bytes in a shared buffer, for a fabric that keeps a posted WRITE's bytes
+    /// until they are acknowledged (roce, `SendWr::WriteShared`): copied from the
+    /// application's slice once, at the first call, into the connection's arena. A WRITE
+    /// posted from these bytes and reported [`Posted`](super::WriteOutcome::Posted) costs no
+    /// second copy: the engine keeps this buffer for replay.
+    pub fn shared(&mut self) -> &Bytes {
+        let (bytes, arena) = (self.bytes, &mut *self.arena);
+        self.shared.get_or_insert_with(|| arena.share(bytes))
+    }
+
+    /// The shared buffer, if the path made one.
+    pub(super) fn take_shared(&mut self) -> Option<Bytes> {
+        self.shared.take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dropping from the front walks over whole chunks and cuts into the next; what stays is
+    /// the tail of the bytes pushed, in order.
+    #[test]
+    fn drop_front_keeps_the_tail() {
+        let mut r = Replay::default();
+        let all: Vec<u8> = (0..100u8).collect();
+        r.push(Bytes::copy_from_slice(&all[..10]));
+        r.push(Bytes::new());
+        r.push(Bytes::copy_from_slice(&all[10..40]));
+        r.push(Bytes::copy_from_slice(&all[40..]));
+        assert_eq!(r.len(), 100);
+        r.drop_front(0);
+        assert_eq!(r.to_vec(), all);
+        r.drop_front(15);
+        assert_eq!(r.to_vec(), &all[15..]);
+        r.drop_front(25);
+        assert_eq!(r.to_vec(), &all[40..]);
+        r.drop_front(1000);
+        assert!(r.is_empty() && r.to_vec().is_empty());
+    }
+
+    fn pooled(a: &Arena) -> usize {
+        a.pool.as_ref().map_or(0, |p| p.lock().expect("pool").len())
+    }
+
+    /// A piece's shared bytes are its bytes, made once; pieces cut from one arena do not
+    /// overlap; a long piece gets a buffer of the pool, which comes back for the next one
+    /// only when the last slice of it is gone.
+    #[test]
+    fn shared_pieces_are_their_bytes() {
+        let mut arena = Arena::default();
+        let a: Vec<u8> = (0..100u8).collect();
+        let b = vec![7u8; 3 * ARENA_CHUNK];
+        let mut p = WritePiece::new(&a, &mut arena);
+        let sa = p.shared().clone();
+        assert_eq!(p.shared().as_ptr(), sa.as_ptr(), "made once");
+        assert_eq!(p.take_shared().as_deref(), Some(&a[..]));
+        let mut q = WritePiece::new(&b, &mut arena);
+        assert_eq!(&q.shared()[..], &b[..]);
+        let long = q.take_shared().expect("made");
+        let mut r = WritePiece::new(&a[..5], &mut arena);
+        assert_eq!(&r.shared()[..], &a[..5]);
+        assert_eq!(&sa[..], &a[..], "earlier pieces unchanged");
+        // The long piece's buffer is in use: the next long piece gets another.
+        let c = vec![9u8; POOLED_MIN];
+        let sc = WritePiece::new(&c, &mut arena).shared().clone();
+        assert_ne!(sc.as_ptr(), long.as_ptr());
+        assert_eq!(&long[..], &b[..], "the long piece unchanged");
+        // Once every slice of it is gone it comes back, and is reused.
+        let tail = long.slice(10..);
+        drop(long);
+        assert_eq!(pooled(&arena), 0, "a slice still holds it");
+        let at = tail.as_ptr() as usize - 10;
+        drop(tail);
+        assert_eq!(pooled(&arena), 1);
+        let d = vec![5u8; POOLED_MIN + 1];
+        let sd = WritePiece::new(&d, &mut arena).shared().clone();
+        assert_eq!(sd.as_ptr() as usize, at, "the pooled buffer reused");
+        assert_eq!(&sd[..], &d[..]);
+        assert_eq!(&sc[..], &c[..]);
+    }
+}
