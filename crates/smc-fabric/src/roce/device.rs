@@ -534,7 +534,9 @@ impl RoceCore {
     /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
     /// can, else one datagram per packet with identification 0 (also when faults are
     /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed. A
-    /// packet's pieces (txpkt.rs) go as iovecs: nothing is copied here.
+    /// packet's pieces (txpkt.rs) go as iovecs in runs; a lone packet (or every packet when
+    /// faults are injected) is joined into one buffer first — a copy, and for a lone shared
+    /// WRITE packet a second copy of its payload (review: a vectored send would avoid it).
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
