@@ -429,16 +429,7 @@ fn listen_at(n: &str) -> Result<OwnedFd, c_int> {
     }
     let s = high(s);
     let (addr, len) = abstract_address(n);
-    // SAFETY: the address and its length; plain listen.
-    let ok = unsafe {
-        libc::bind(
-            s.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        ) == 0
-            && real::listen(s.as_raw_fd(), 64) == 0
-    };
-    if !ok {
+    if !bind_listen(&s, &addr, len) {
         return Err(last_errno());
     }
     set_nonblocking(s.as_raw_fd(), true);

@@ -80,20 +80,7 @@ fn a_lookup_names_the_owner_and_notes_the_receiver() {
     let _ = e.socket.set(id);
     assert!(table::set(conn.as_raw_fd(), e).is_ok());
     let (l, _) = socketpair(libc::SOCK_STREAM);
-    with_passed(|v| {
-        v.push(Passed {
-            id,
-            listener: l,
-            random: false,
-            retaken: None,
-            conn: Weak::new(),
-            in_flight: Vec::new(),
-            passes: 1,
-            lookups: 0,
-            drained: None,
-            receivers: Vec::new(),
-        })
-    });
+    with_passed(|v| v.push(pass_record(id, l, false)));
     let (c, s) = socketpair(libc::SOCK_STREAM);
     let proof = tcp_dup(&conn);
     send_with_fds(s.as_raw_fd(), LOOKUP, &[proof.as_raw_fd()]).expect("send");
@@ -340,20 +327,7 @@ fn a_name_held_by_another_user_is_refused_and_the_owner_is_found_under_it() {
         let e = Entry::new(Kind::Inherited(None));
         let _ = e.socket.set(id);
         assert!(table::set(conn.as_raw_fd(), e).is_ok());
-        with_passed(|v| {
-            v.push(Passed {
-                id,
-                listener: l,
-                random: true,
-                retaken: None,
-                conn: Weak::new(),
-                in_flight: Vec::new(),
-                passes: 1,
-                lookups: 0,
-                drained: None,
-                receivers: Vec::new(),
-            })
-        });
+        with_passed(|v| v.push(pass_record(id, l, true)));
         let lfd = with_passed(|v| {
             v.iter()
                 .find(|p| p.id == id)
@@ -530,20 +504,7 @@ fn a_name_let_go_by_its_squatter_is_bound_by_the_owner() {
     };
     let (l, random) = listen(id).expect("the owner found no name");
     assert!(random.is_some());
-    with_passed(|v| {
-        v.push(Passed {
-            id,
-            listener: l,
-            random: true,
-            retaken: None,
-            conn: Weak::new(),
-            in_flight: Vec::new(),
-            passes: 1,
-            lookups: 0,
-            drained: None,
-            receivers: Vec::new(),
-        })
-    });
+    with_passed(|v| v.push(pass_record(id, l, true)));
     // Still held: nothing to retake, and the server looks again every sweep.
     assert!(!retake().contains(&id.1));
     assert!(to_retake());
@@ -674,4 +635,20 @@ fn a_control_buffer_with_a_huge_cmsg_len_ends_the_walk() {
     m.msg_controllen = (std::mem::size_of_val(&buf) - space1 as usize) as _;
     // SAFETY: as above.
     assert_eq!(unsafe { rights(&m) }, Vec::<c_int>::new());
+}
+
+/// A pass record of connection `id` as the owner notes it at its first pass.
+fn pass_record(id: (u64, u64), listener: OwnedFd, random: bool) -> Passed {
+    Passed {
+        id,
+        listener,
+        random,
+        retaken: None,
+        conn: Weak::new(),
+        in_flight: Vec::new(),
+        passes: 1,
+        lookups: 0,
+        drained: None,
+        receivers: Vec::new(),
+    }
 }

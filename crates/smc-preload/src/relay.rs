@@ -205,6 +205,20 @@ fn abstract_address(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
     (a, len as libc::socklen_t)
 }
 
+/// Bind `fd` to the unix address (`addr`, `len`) and listen on it (the library's own
+/// listen, not the hooked one).
+fn bind_listen(fd: &OwnedFd, addr: &libc::sockaddr_un, len: libc::socklen_t) -> bool {
+    // SAFETY: a valid address of `len` bytes; plain bind and listen on our own descriptor.
+    unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (addr as *const libc::sockaddr_un).cast(),
+            len,
+        ) == 0
+            && real::listen(fd.as_raw_fd(), 64) == 0
+    }
+}
+
 fn last_errno() -> c_int {
     io::Error::last_os_error()
         .raw_os_error()
@@ -599,16 +613,7 @@ fn bind(pid: i32) {
     // SAFETY: just made.
     let s = high(s);
     let (addr, len) = address(pid, nonce());
-    // SAFETY: the address and its length; plain listen.
-    let ok = unsafe {
-        libc::bind(
-            s.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        ) == 0
-            && real::listen(s.as_raw_fd(), 64) == 0
-    };
-    if !ok {
+    if !bind_listen(&s, &addr, len) {
         log!("relay server: bind failed: {}", io::Error::last_os_error());
         return;
     }
