@@ -30,7 +30,7 @@
 //! without them binds the port alone, as before, and a second process then gets a clear error.
 
 use std::io::{Read, Seek, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -242,51 +242,23 @@ impl Registry {
 }
 
 /// Whether a UDP socket of this namespace is bound to `ip:port` or to the wildcard address on
-/// `port` (`/proc/net/udp` and `udp6`; a line's local address is `ADDR:PORT` in hex, the IPv4
-/// address as the kernel's network-order word printed in host order, the IPv6 address as four
-/// such words).
+/// `port`: a probe socket without SO_REUSEPORT binds there, and the kernel answers EADDRINUSE
+/// exactly when one is. (A scan of `/proc/net/udp` was used before; its text is produced a page
+/// at a time, and a line can be skipped while other sockets are bound or closed during the read.)
+/// The probe holds the port only between its bind and its close; a process of our own group
+/// cannot come in between, since it waits on the registry's lock that the caller holds.
 fn port_is_bound(ip: IpAddr, port: u16) -> bool {
-    let mut found = false;
-    for (file, v6) in [("/proc/net/udp", false), ("/proc/net/udp6", true)] {
-        let Ok(text) = std::fs::read_to_string(file) else {
-            continue;
-        };
-        for line in text.lines().skip(1) {
-            let Some(local) = line.split_whitespace().nth(1) else {
-                continue;
-            };
-            let Some((a, p)) = local.split_once(':') else {
-                continue;
-            };
-            if u16::from_str_radix(p, 16).ok() != Some(port) {
-                continue;
-            }
-            let any = a.bytes().all(|b| b == b'0');
-            let same = match ip {
-                IpAddr::V4(ip) => {
-                    !v6 && u32::from_str_radix(a, 16)
-                        .is_ok_and(|w| Ipv4Addr::from(w.to_ne_bytes()) == ip)
-                }
-                IpAddr::V6(ip) => v6 && proc_ipv6(a) == Some(ip),
-            };
-            found |= any || same;
-        }
-    }
-    found
-}
-
-/// An IPv6 address as `/proc/net/udp6` prints it: 32 hex digits, four 32-bit words each in
-/// host byte order.
-fn proc_ipv6(hex: &str) -> Option<Ipv6Addr> {
-    if hex.len() != 32 || !hex.is_ascii() {
-        return None;
-    }
-    let mut b = [0u8; 16];
-    for (i, chunk) in b.chunks_mut(4).enumerate() {
-        let w = u32::from_str_radix(&hex[8 * i..8 * i + 8], 16).ok()?;
-        chunk.copy_from_slice(&w.to_ne_bytes());
-    }
-    Some(Ipv6Addr::from(b))
+    let domain = match ip {
+        IpAddr::V4(_) => rustix::net::AddressFamily::INET,
+        IpAddr::V6(_) => rustix::net::AddressFamily::INET6,
+    };
+    let Ok(probe) = rustix::net::socket(domain, rustix::net::SocketType::DGRAM, None) else {
+        return false;
+    };
+    matches!(
+        rustix::net::bind(&probe, &SocketAddr::new(ip, port)),
+        Err(Errno::ADDRINUSE)
+    )
 }
 
 // ---- the bpf(2) system call, with the union bpf_attr laid out by hand ----
@@ -520,23 +492,25 @@ fn load_program(map: &OwnedFd) -> Result<OwnedFd, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     #[test]
-    fn proc_net_udp6_addresses_parse() {
-        // What /proc/net/udp6 prints for ::1 and fd00::2 on a little-endian host.
-        let lo = if cfg!(target_endian = "little") {
-            "00000000000000000000000001000000"
-        } else {
-            "00000000000000000000000000000001"
-        };
-        assert_eq!(proc_ipv6(lo), Some(Ipv6Addr::LOCALHOST));
-        let s = std::net::UdpSocket::bind("[::1]:0");
-        if let Ok(s) = s {
+    fn a_probe_sees_a_bound_port() {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = s.local_addr().unwrap().port();
+        assert!(port_is_bound(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
+        drop(s);
+        assert!(!port_is_bound(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
+        // The wildcard address holds every address's port.
+        let any = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        let port = any.local_addr().unwrap().port();
+        assert!(port_is_bound(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
+        if let Ok(s) = std::net::UdpSocket::bind("[::1]:0") {
             let port = s.local_addr().unwrap().port();
             assert!(port_is_bound(IpAddr::V6(Ipv6Addr::LOCALHOST), port));
+            // Not a local address: nothing can be bound there.
             assert!(!port_is_bound("fd00::2".parse().unwrap(), port));
         }
-        assert_eq!(proc_ipv6("zz"), None);
     }
 
     #[test]
