@@ -18,7 +18,8 @@
 //! stack's next descriptor usually takes the freed number again.
 
 use rustix::fd::{AsRawFd as _, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 static HIGH: AtomicBool = AtomicBool::new(false);
 
@@ -81,6 +82,95 @@ pub fn unplaced_runs(first: u32, last: u32) -> Vec<(u32, u32)> {
     }
     runs.push((start, last));
     runs
+}
+
+// ---- the moment between a descriptor's making and its placing ----
+//
+// A thread of the stack that makes a descriptor gets the lowest free number, which the
+// program may close (or `dup2` onto) at that very moment: a number it closed already, as bash
+// closes some of its pipes twice. That second close then closes the stack's descriptor, and
+// the stack later closes a number it no longer owns (in a debug build Rust aborts the process:
+// "IO Safety violation"). So a make and its placing ([`make`], [`making`]) and the program's
+// closes ([`program_closes`], the preload library's `close`, `dup2`, `dup3`, `close_range`)
+// exclude each other: two counters, each side announcing itself and then waiting for the
+// other side's count to be zero (sequentially consistent, so that of two sides arriving at
+// once at least one sees the other). Makes win: a close arriving during one waits for it.
+// Both sides are system calls that do not block, so every wait is short.
+
+/// Makes in flight.
+static MAKING: AtomicUsize = AtomicUsize::new(0);
+/// The program's closes in flight.
+static CLOSING: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// This thread is inside a make or a close (a signal handler that closes in the middle
+    /// of one must not wait for itself).
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Clears [`INSIDE`] and takes this side's count back, on return and on unwind alike.
+struct Side(&'static AtomicUsize);
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+        INSIDE.with(|c| c.set(false));
+    }
+}
+
+fn wait_for_zero(n: &AtomicUsize) {
+    let mut spins = 0u32;
+    while n.load(Ordering::SeqCst) != 0 {
+        if spins < 64 {
+            std::hint::spin_loop();
+            spins += 1;
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Run `f`, a make of descriptors that does not block (with their placing, [`placed`]),
+/// while no close of the program runs.
+pub fn making<T>(f: impl FnOnce() -> T) -> T {
+    if INSIDE.with(|c| c.replace(true)) {
+        return f();
+    }
+    MAKING.fetch_add(1, Ordering::SeqCst);
+    let _side = Side(&MAKING);
+    wait_for_zero(&CLOSING);
+    f()
+}
+
+/// A descriptor made by `make` (a call that does not block) and placed ([`placed`]), with
+/// the program's closes held off meanwhile ([`making`]).
+pub fn make<E>(make: impl FnOnce() -> Result<OwnedFd, E>) -> Result<OwnedFd, E> {
+    making(|| make().map(placed))
+}
+
+/// Run `f`, the program's close of numbers (a system call that does not block), while no
+/// make of the stack is between its making and its placing.
+pub fn program_closes<T>(f: impl FnOnce() -> T) -> T {
+    if INSIDE.with(|c| c.replace(true)) {
+        return f();
+    }
+    loop {
+        CLOSING.fetch_add(1, Ordering::SeqCst);
+        if MAKING.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        CLOSING.fetch_sub(1, Ordering::SeqCst);
+        wait_for_zero(&MAKING);
+    }
+    let _side = Side(&CLOSING);
+    f()
+}
+
+/// In a forked child: the makes and closes of the parent's other threads are not here.
+pub fn fork_child() {
+    MAKING.store(0, Ordering::SeqCst);
+    CLOSING.store(0, Ordering::SeqCst);
+    INSIDE.with(|c| c.set(false));
 }
 
 /// Keep the descriptors made from now on out of the low numbers (process-wide, for good).
@@ -167,6 +257,34 @@ mod tests {
             }
             None => assert!(after.as_raw_fd() < 256),
         }
+    }
+
+    #[test]
+    fn a_close_waits_for_a_make_in_flight() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let placed = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let maker = {
+            let placed = placed.clone();
+            std::thread::spawn(move || {
+                making(|| {
+                    tx.send(()).unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    placed.store(true, Ordering::SeqCst);
+                })
+            })
+        };
+        rx.recv().unwrap();
+        // The make is between its making and its placing: the close runs after it.
+        assert!(program_closes(|| placed.load(Ordering::SeqCst)));
+        maker.join().unwrap();
+        // Inside a make, a close (a signal handler's) does not wait for itself, and the
+        // other way round.
+        assert_eq!(making(|| program_closes(|| 7)), 7);
+        assert_eq!(program_closes(|| making(|| 8)), 8);
+        let fd = make(|| rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC));
+        assert!(fd.is_ok());
     }
 
     #[test]

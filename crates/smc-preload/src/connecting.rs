@@ -117,13 +117,7 @@ static COMPLETER_PID: AtomicI32 = AtomicI32::new(0);
 
 fn eventfd() -> Option<OwnedFd> {
     // SAFETY: plain eventfd.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: just made, ours.
-    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-    Some(smc::fdapi::place_high(fd))
+    crate::relay::made(|| unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) }).ok()
 }
 
 /// The handshake of `fd` (just connected) is pending: enter it, and have the completer

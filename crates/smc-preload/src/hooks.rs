@@ -1214,8 +1214,9 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if table::maybe(fd) {
         guard((), || forget(fd));
     }
-    // SAFETY: passed on unchanged.
-    unsafe { real::close(fd) }
+    // SAFETY: passed on unchanged (after any make of the library in flight, see
+    // `smc_fabric::fdplace::making`).
+    smc_fabric::fdplace::program_closes(|| unsafe { real::close(fd) })
 }
 
 #[no_mangle]
@@ -1286,8 +1287,8 @@ pub unsafe extern "C" fn dup2(fd: c_int, to: c_int) -> c_int {
     if fd != to && table::maybe(to) {
         forget(to);
     }
-    // SAFETY: passed on unchanged.
-    let new = unsafe { real::dup2(fd, to) };
+    // SAFETY: passed on unchanged (`to` is closed: as close).
+    let new = smc_fabric::fdplace::program_closes(|| unsafe { real::dup2(fd, to) });
     if fd != to && (table::maybe(fd) || crate::wait::is_epoll(fd)) {
         duplicated(fd, new);
     }
@@ -1299,8 +1300,8 @@ pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
     if fd != to && table::maybe(to) {
         forget(to);
     }
-    // SAFETY: passed on unchanged.
-    let new = unsafe { real::dup3(fd, to, flags) };
+    // SAFETY: passed on unchanged (`to` is closed: as close).
+    let new = smc_fabric::fdplace::program_closes(|| unsafe { real::dup3(fd, to, flags) });
     if table::maybe(fd) || crate::wait::is_epoll(fd) {
         duplicated(fd, new);
     }

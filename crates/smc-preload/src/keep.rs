@@ -282,12 +282,10 @@ pub(crate) fn closing(
     if !passed && !cands.iter().any(named) {
         return;
     }
-    // SAFETY: a copy of the program's descriptor, still open.
-    let d = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-    if d < 0 {
+    // A copy of the program's descriptor, still open.
+    let Ok(tcp) = smc_fabric::fdplace::dup_placed(crate::hooks::bfd(fd)) else {
         return;
-    }
-    let tcp = high(d);
+    };
     let mut internal = numbers_of(me, id.1);
     internal.retain(|n| !program.contains(n));
     let holders = holders(me, &[(id.1, tcp.as_raw_fd(), internal.clone())]);

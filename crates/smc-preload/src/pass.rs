@@ -423,11 +423,8 @@ fn listen(id: (u64, u64)) -> Result<(OwnedFd, Option<String>), c_int> {
 /// Bind and listen on abstract name `n` (nonblocking).
 fn listen_at(n: &str) -> Result<OwnedFd, c_int> {
     // SAFETY: a new socket of ours.
-    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
-        return Err(last_errno());
-    }
-    let s = high(s);
+    let s =
+        made(|| unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
     let (addr, len) = abstract_address(n);
     if !bind_listen(&s, &addr, len) {
         return Err(last_errno());
@@ -722,21 +719,18 @@ pub(crate) fn passing(sock: c_int, fds: &[c_int]) -> Noted {
         let r = if owner == me {
             serve_passed();
             mark_passed(id);
-            // SAFETY: a copy of the program's unix socket, for the time the pass is in flight.
-            let d = unsafe { real::fcntl(sock, libc::F_DUPFD_CLOEXEC, 0) };
-            let unix = (d >= 0).then(|| high(d));
+            // A copy of the program's unix socket, for the time the pass is in flight.
+            let unix = smc_fabric::fdplace::dup_placed(crate::hooks::bfd(sock)).ok();
             match conn_of(id) {
                 Some(conn) => note(id, conn, unix, false).map(|unix| Note::Own { id, unix }),
                 None => Err(libc::ENOENT),
             }
         } else {
-            // SAFETY: a copy of the program's TCP socket, the proof of an undo.
-            let d = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-            if d < 0 {
-                Err(last_errno())
-            } else {
-                let proof = high(d);
-                announce(owner, PASS, proof.as_raw_fd(), sock).map(|()| Note::Told { owner, proof })
+            // A copy of the program's TCP socket, the proof of an undo.
+            match smc_fabric::fdplace::dup_placed(crate::hooks::bfd(fd)) {
+                Err(e) => Err(e.raw_os_error()),
+                Ok(proof) => announce(owner, PASS, proof.as_raw_fd(), sock)
+                    .map(|()| Note::Told { owner, proof }),
             }
         };
         match r {

@@ -546,8 +546,8 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
             return unsafe { close_sparing(first, last, flags) };
         }
     }
-    // SAFETY: passed on unchanged.
-    unsafe { real::close_range(first, last, flags) }
+    // SAFETY: passed on unchanged (as close).
+    smc_fabric::fdplace::program_closes(|| unsafe { real::close_range(first, last, flags) })
 }
 
 /// The program's `close_range(first, last, flags)` over every number in the range but the
@@ -558,8 +558,9 @@ unsafe fn close_sparing(first: c_uint, last: c_uint, flags: c_int) -> c_int {
     let mut r = 0;
     let mut err = 0;
     for (a, b) in smc_fabric::fdplace::unplaced_runs(first, last) {
-        // SAFETY: close_range(2) over numbers that are not the library's.
-        if unsafe { real::close_range(a, b, flags) } != 0 && r == 0 {
+        // SAFETY: close_range(2) over numbers that are not the library's (as close).
+        let rc = smc_fabric::fdplace::program_closes(|| unsafe { real::close_range(a, b, flags) });
+        if rc != 0 && r == 0 {
             r = -1;
             err = std::io::Error::last_os_error()
                 .raw_os_error()
@@ -589,14 +590,16 @@ pub unsafe extern "C" fn closefrom(first: c_int) {
         P.store(p, std::sync::atomic::Ordering::Relaxed);
     }
     if p == 0 {
-        // SAFETY: the system call closefrom is made of.
-        unsafe { real::close_range(first.max(0) as c_uint, c_uint::MAX, 0) };
+        // SAFETY: the system call closefrom is made of (as close).
+        smc_fabric::fdplace::program_closes(|| unsafe {
+            real::close_range(first.max(0) as c_uint, c_uint::MAX, 0)
+        });
         return;
     }
     // SAFETY: dlsym's address of closefrom.
     let f: F = unsafe { std::mem::transmute(p) };
-    // SAFETY: passed on unchanged.
-    unsafe { f(first) }
+    // SAFETY: passed on unchanged (as close).
+    smc_fabric::fdplace::program_closes(|| unsafe { f(first) })
 }
 
 type Spawn = unsafe extern "C" fn(

@@ -323,6 +323,30 @@ fn send_with_fds(sock: c_int, byte: u8, fds: &[c_int]) -> Result<(), c_int> {
 /// Receive one byte and the descriptors attached to it (every one is returned, owned, so
 /// that none is left open by a misbehaving sender).
 fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
+    // First wait for the byte as the socket's mode and timeouts say, taking nothing: a peek
+    // without room for control data installs no descriptor.
+    let mut b = [0u8];
+    let r = loop {
+        // SAFETY: a one-byte buffer of ours.
+        let r = unsafe { real::recv(sock, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
+        if r < 0 && last_errno() == libc::EINTR {
+            continue;
+        }
+        break r;
+    };
+    if r < 0 {
+        return Err(last_errno());
+    }
+    if r == 0 {
+        return Err(libc::ECONNRESET);
+    }
+    // Then take it with its descriptors, without blocking, placed before the program's
+    // closes go on (see `made`).
+    smc_fabric::fdplace::making(|| take_with_fds(sock))
+}
+
+/// [`recv_with_fds`]' receive of the byte that is there, with its descriptors.
+fn take_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
     let mut b = [0u8];
     let mut iov = libc::iovec {
         iov_base: b.as_mut_ptr().cast(),
@@ -337,7 +361,8 @@ fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
     msg.msg_controllen = std::mem::size_of_val(&space);
     let r = loop {
         // SAFETY: the message built above.
-        let r = unsafe { real::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let r =
+            unsafe { real::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
         if r < 0 && last_errno() == libc::EINTR {
             continue;
         }
@@ -375,12 +400,23 @@ fn recv_with_fds(sock: c_int) -> Result<(u8, Vec<OwnedFd>), c_int> {
 /// The request byte.
 const ASK: u8 = b'R';
 
-/// `fd`, just made by a thread of the library (the kernel gave it the lowest free number),
-/// moved to the upper half of the descriptor numbers (`smc::fdapi::place_high`). While it is
-/// low, the program's close of that number is refused ([`crate::Held`]): a program may close
-/// a number it already closed (bash closes some of its pipes twice), which would close ours.
+/// A descriptor made by `make` (a system call that does not block: the number, or -1 with
+/// errno), moved to the upper half of the descriptor numbers (`smc::fdapi::place_high`).
+/// The kernel gives it the lowest free number, which the program may close at that moment
+/// (a number it closed already: bash closes some of its pipes twice); its closes wait until
+/// ours is placed (`smc_fabric::fdplace::making`).
+pub(crate) fn made(make: impl FnOnce() -> c_int) -> Result<OwnedFd, c_int> {
+    smc_fabric::fdplace::making(|| {
+        let fd = make();
+        if fd < 0 {
+            return Err(last_errno());
+        }
+        Ok(high(fd))
+    })
+}
+
+/// `fd`, just made inside [`smc_fabric::fdplace::making`], moved to the upper half.
 fn high(fd: RawFd) -> OwnedFd {
-    let _held = crate::Held::new(fd);
     // SAFETY: just made by the caller, ours.
     smc::fdapi::place_high(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -606,12 +642,11 @@ pub(crate) fn fork_child() {
 /// Bind and listen on this process's relay address.
 fn bind(pid: i32) {
     // SAFETY: a new socket of ours.
-    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
+    let made_s =
+        made(|| unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) });
+    let Ok(s) = made_s else {
         return;
-    }
-    // SAFETY: just made.
-    let s = high(s);
+    };
     let (addr, len) = address(pid, nonce());
     if !bind_listen(&s, &addr, len) {
         log!("relay server: bind failed: {}", io::Error::last_os_error());
@@ -621,10 +656,8 @@ fn bind(pid: i32) {
     set_nonblocking(s.as_raw_fd(), true);
     if KICK_FD.load(Ordering::Relaxed) < 0 {
         // SAFETY: a new eventfd of ours.
-        let k = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if k >= 0 {
-            // SAFETY: just made.
-            let k = high(k);
+        let k = made(|| unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) });
+        if let Ok(k) = k {
             KICK_FD.store(std::os::fd::IntoRawFd::into_raw_fd(k), Ordering::Relaxed);
         }
     }
@@ -763,23 +796,23 @@ fn convert_locked(id: (u64, u64)) -> Result<Arc<Relay>, c_int> {
         Some((first, _, conn)) => (*first, conn.clone()),
         None => keep::take_for_relay(id).ok_or(libc::ENOENT)?,
     };
-    let mut pair = [0; 2];
-    // SAFETY: an array of two ints.
-    if unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
-            0,
-            pair.as_mut_ptr(),
-        )
-    } != 0
-    {
-        return Err(last_errno());
-    }
-    let second = crate::Held::new(pair[1]);
-    let a = high(pair[0]);
-    let b = high(pair[1]);
-    drop(second);
+    // Both ends placed before the program's closes go on (see `made`).
+    let (a, b) = smc_fabric::fdplace::making(|| {
+        let mut pair = [0; 2];
+        // SAFETY: an array of two ints.
+        if unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+                0,
+                pair.as_mut_ptr(),
+            )
+        } != 0
+        {
+            return Err(last_errno());
+        }
+        Ok((high(pair[0]), high(pair[1])))
+    })?;
     // A stands for the TCP socket, whose open file description every holder shares: its
     // O_NONBLOCK and timeouts are the program's (later changes are mirrored, see hooks).
     // SAFETY: plain fcntl.
@@ -963,15 +996,11 @@ impl Pump {
 /// touch the connection.
 fn start_pumps(conn: Arc<Conn>, b: OwnedFd, relay: Weak<Relay>) -> Result<Arc<Pump>, c_int> {
     // SAFETY: a new eventfd of ours.
-    let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if stop < 0 {
-        return Err(last_errno());
-    }
+    let stop = made(|| unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
     let pump = Arc::new(Pump {
         conn,
         b,
-        // SAFETY: just made.
-        stop: high(stop),
+        stop,
         reset: Mutex::new(false),
         gate: Mutex::new(None),
         gate_cv: std::sync::Condvar::new(),
@@ -1021,11 +1050,12 @@ fn spawn_pump(
 /// failure ([`reset`]), or every holder gone.
 fn inbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut waiter = Waiter::new().ok();
-    // (Its eventfd stays at a low number while the pump runs.)
-    let _held = waiter
-        .as_ref()
-        .map(|w| crate::Held::new(w.fd().as_raw_fd()));
+    // (Its eventfd stays at a low number while the pump runs: held from its making on.)
+    let (mut waiter, _held) = smc_fabric::fdplace::making(|| {
+        let w = Waiter::new().ok();
+        let held = w.as_ref().map(|w| crate::Held::new(w.fd().as_raw_fd()));
+        (w, held)
+    });
     if let Some(w) = waiter.as_mut() {
         w.watch(&p.conn, true, false);
     }
@@ -1118,11 +1148,12 @@ fn reset(p: &Pump, relay: &Weak<Relay>) {
 /// writing), then until every holder closed A (POLLHUP on B): the relay ends.
 fn outbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut waiter = Waiter::new().ok();
-    // (Its eventfd stays at a low number while the pump runs.)
-    let _held = waiter
-        .as_ref()
-        .map(|w| crate::Held::new(w.fd().as_raw_fd()));
+    // (Its eventfd stays at a low number while the pump runs: held from its making on.)
+    let (mut waiter, _held) = smc_fabric::fdplace::making(|| {
+        let w = Waiter::new().ok();
+        let held = w.as_ref().map(|w| crate::Held::new(w.fd().as_raw_fd()));
+        (w, held)
+    });
     if let Some(w) = waiter.as_mut() {
         w.watch(&p.conn, false, true);
     }

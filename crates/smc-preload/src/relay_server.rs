@@ -156,24 +156,24 @@ impl Requests {
     /// answered at once when its request is there, else it waits.
     pub(super) fn accept(&mut self, l: c_int, now: Instant) {
         for _ in 0..16 {
-            // SAFETY: our listening socket.
-            let c = unsafe {
+            // SAFETY: our listening socket (nonblocking).
+            let c = made(|| unsafe {
                 real::accept4(
                     l,
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
                     libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
                 )
-            };
-            if c < 0 {
-                match last_errno() {
-                    libc::EINTR | libc::ECONNABORTED | libc::EAGAIN => {}
+            });
+            let c = match c {
+                Ok(c) => c,
+                Err(libc::EINTR | libc::ECONNABORTED | libc::EAGAIN) => return,
+                Err(_) => {
                     // (EMFILE and the like: the next round tries again, a little later.)
-                    _ => std::thread::sleep(Duration::from_millis(10)),
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
                 }
-                return;
-            }
-            let c = high(c);
+            };
             // SAFETY: geteuid has no preconditions.
             let me = unsafe { libc::geteuid() };
             let cred = peer_cred(c.as_raw_fd());

@@ -138,9 +138,9 @@ pub(crate) fn start(inner: Weak<Inner>, path: PathBuf) -> std::io::Result<Contro
     let _ = std::fs::remove_file(&path);
     let short = smc_fabric::sockpath::SocketPath::new(&path).map_err(std::io::Error::other)?;
     // Out of the program's low numbers, as every descriptor the stack keeps.
-    let l = Arc::new(UnixListener::from(smc_fabric::fdplace::placed(
-        UnixListener::bind(short.as_path())?.into(),
-    )));
+    let l = Arc::new(UnixListener::from(smc_fabric::fdplace::make(|| {
+        UnixListener::bind(short.as_path()).map(std::os::fd::OwnedFd::from)
+    })?));
     drop(short);
     if let Some(d) = path.parent() {
         // Reachable by the users the directory is granted to (`smc_fabric::access`).

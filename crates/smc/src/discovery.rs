@@ -299,12 +299,13 @@ mod imp {
             return Ok(m);
         }
         let moved = |data: &MapData| -> Result<MapData, DiscoveryError> {
-            let dup =
-                rustix::io::fcntl_dupfd_cloexec(data.fd(), 0).map_err(|e| DiscoveryError::Map {
+            let dup = smc_fabric::fdplace::dup_placed(data.fd().as_fd()).map_err(|e| {
+                DiscoveryError::Map {
                     map: "dup",
                     msg: e.to_string(),
-                })?;
-            MapData::from_fd(smc_fabric::fdplace::placed(dup)).map_err(map_err("from_fd"))
+                }
+            })?;
+            MapData::from_fd(dup).map_err(map_err("from_fd"))
         };
         Ok(match m {
             Map::HashMap(data) => Map::HashMap(moved(&data)?),
@@ -341,8 +342,7 @@ mod imp {
         // SAFETY: a descriptor of this process that aya's link owns and keeps open until
         // after the duplicate is made (the `Ebpf` is dropped by the caller afterwards).
         let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(n) };
-        let dup = rustix::io::fcntl_dupfd_cloexec(fd, 0).ok()?;
-        Some(smc_fabric::fdplace::placed(dup))
+        smc_fabric::fdplace::dup_placed(fd).ok()
     }
 
     /// The kernel's ids of the maps, asked through their descriptors.

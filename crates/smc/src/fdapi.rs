@@ -968,7 +968,9 @@ impl Waiter {
     pub fn new() -> io::Result<Waiter> {
         let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
         Ok(Waiter {
-            fd: Arc::new(place_high(rustix::event::eventfd(0, flags)?)),
+            fd: Arc::new(smc_fabric::fdplace::make(|| {
+                rustix::event::eventfd(0, flags)
+            })?),
             watched: Vec::new(),
         })
     }

@@ -148,8 +148,8 @@ impl Notifiers {
     pub(crate) fn new() -> std::io::Result<Notifiers> {
         let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
         Ok(Notifiers {
-            read: smc_fabric::fdplace::placed(rustix::event::eventfd(0, flags)?),
-            write: smc_fabric::fdplace::placed(rustix::event::eventfd(0, flags)?),
+            read: smc_fabric::fdplace::make(|| rustix::event::eventfd(0, flags))?,
+            write: smc_fabric::fdplace::make(|| rustix::event::eventfd(0, flags))?,
             read_count: Default::default(),
             write_count: Default::default(),
             subscribers: Mutex::new(Vec::new()),

@@ -84,9 +84,9 @@ pub(crate) struct TcpWatch {
 impl TcpWatch {
     pub(crate) fn new() -> io::Result<TcpWatch> {
         Ok(TcpWatch {
-            epoll: Arc::new(smc_fabric::fdplace::placed(epoll::create(
-                epoll::CreateFlags::CLOEXEC,
-            )?)),
+            epoll: Arc::new(smc_fabric::fdplace::make(|| {
+                epoll::create(epoll::CreateFlags::CLOEXEC)
+            })?),
         })
     }
 

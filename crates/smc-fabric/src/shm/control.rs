@@ -180,14 +180,14 @@ pub(crate) fn run(core: Arc<DeviceCore>, listener: OwnedFd) {
         // New connections.
         if revents[1].contains(PollFlags::IN) {
             loop {
-                match rustix::net::accept_with(
-                    &listener,
-                    SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-                ) {
-                    Ok(sock) => incoming.push(Incoming {
-                        sock: crate::fdplace::placed(sock),
-                        qpn: None,
-                    }),
+                // (Nonblocking: made and placed while the program's closes wait.)
+                match crate::fdplace::make(|| {
+                    rustix::net::accept_with(
+                        &listener,
+                        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+                    )
+                }) {
+                    Ok(sock) => incoming.push(Incoming { sock, qpn: None }),
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(_) => break,
                 }

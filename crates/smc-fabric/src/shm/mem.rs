@@ -68,11 +68,13 @@ const SEALS: SealFlags = SealFlags::SHRINK
 
 /// Create a zeroed memfd of `len` bytes sealed against shrink and grow.
 pub(crate) fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
-    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-        .map_err(|e| FabricError::os("memfd_create", e))?;
-    rustix::fs::ftruncate(&fd, len as u64).map_err(|e| FabricError::os("ftruncate", e))?;
-    rustix::fs::fcntl_add_seals(&fd, SEALS).map_err(|e| FabricError::os("add seals", e))?;
-    Ok(crate::fdplace::placed(fd))
+    crate::fdplace::make(|| {
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| FabricError::os("memfd_create", e))?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(|e| FabricError::os("ftruncate", e))?;
+        rustix::fs::fcntl_add_seals(&fd, SEALS).map_err(|e| FabricError::os("add seals", e))?;
+        Ok(fd)
+    })
 }
 
 /// Check that a memfd received from a peer is sealed against shrinking and holds at least `len`

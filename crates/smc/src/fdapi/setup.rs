@@ -427,7 +427,7 @@ fn leading_decline(
 /// TCP (the server, whenever it comes to it, reads the Decline: [`setup_server`]).
 pub fn connect(fd: BorrowedFd<'_>, addr: SocketAddr, own_listener: bool) -> io::Result<Setup> {
     let stack = stack()?;
-    let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
+    let dup: OwnedFd = smc_fabric::fdplace::dup_placed(fd)?;
     let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
     let was = oobinline(fd);
     let s = SmcStream::connect_socket_declining(&stack, dup, addr, None, None, decline)?;
@@ -509,7 +509,7 @@ pub fn connect_start(
     wait: std::time::Duration,
 ) -> io::Result<Connecting> {
     let stack = stack()?;
-    let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
+    let dup: OwnedFd = smc_fabric::fdplace::dup_placed(fd)?;
     let decline = own_listener.then_some(smc_wire::DeclineCode::NOACCEPT);
     let was = oobinline(fd);
     match SmcStream::connect_socket_started(&stack, dup, addr, decline)? {
@@ -540,7 +540,7 @@ impl Setup {
 }
 
 fn dup_stream(fd: BorrowedFd<'_>) -> io::Result<TcpStream> {
-    let dup: OwnedFd = smc_fabric::fdplace::placed(rustix::io::fcntl_dupfd_cloexec(fd, 0)?);
+    let dup: OwnedFd = smc_fabric::fdplace::dup_placed(fd)?;
     Ok(TcpStream::from(dup))
 }
 

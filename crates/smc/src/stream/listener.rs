@@ -505,9 +505,9 @@ fn starts_with_clc(sock: &TcpStream, wait: Duration) -> io::Result<First> {
 /// An eventfd for a slot's `setup_waker`.
 pub(super) fn setup_waker() -> io::Result<Arc<OwnedFd>> {
     let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
-    Ok(Arc::new(smc_fabric::fdplace::placed(
-        rustix::event::eventfd(0, flags)?,
-    )))
+    Ok(Arc::new(smc_fabric::fdplace::make(|| {
+        rustix::event::eventfd(0, flags)
+    })?))
 }
 
 /// Sleep until `sock` has bytes (or an error) or `waker` (if any) is signalled, at most

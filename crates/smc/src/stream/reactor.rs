@@ -80,8 +80,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Reactor {
     pub(super) fn new() -> io::Result<Reactor> {
         let flags = rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC;
-        let wake = smc_fabric::fdplace::placed(rustix::event::eventfd(0, flags)?);
-        let ep = smc_fabric::fdplace::placed(epoll::create(epoll::CreateFlags::CLOEXEC)?);
+        let wake = smc_fabric::fdplace::make(|| rustix::event::eventfd(0, flags))?;
+        let ep = smc_fabric::fdplace::make(|| epoll::create(epoll::CreateFlags::CLOEXEC))?;
         epoll::add(
             &ep,
             &wake,
