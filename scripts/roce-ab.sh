@@ -92,14 +92,18 @@ pingpong() {
         pin_s=(taskset -c "$s")
         pin_c=(taskset -c "$c")
     fi
-    nc_in "$a" a "$disc" "$bin" "${pin_s[@]}" "$bin" nc -v -l 7001 --echo --bind 10.79.1.1 2>"$dir/pp-srv.err" &
+    local st=()
+    command -v perf >/dev/null && st=(perf stat -x, -e task-clock,context-switches,user_time)
+    nc_in "$a" a "$disc" "$bin" "${pin_s[@]}" "${st[@]}" ${st:+-o "$dir/pp-srv.stat"} \
+        "$bin" nc -v -l 7001 --echo --bind 10.79.1.1 2>"$dir/pp-srv.err" &
     sp=$!
     # Until the listener listens (a loaded machine starts it slowly), at most 5 s.
     for _ in $(seq 1 50); do
         ip netns exec "$a" ss -Hltn 'sport = :7001' | grep -q . && break
         sleep 0.1
     done
-    out=$(nc_in "$b" b "$disc" "$bin" "${pin_c[@]}" "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err") ||
+    out=$(nc_in "$b" b "$disc" "$bin" "${pin_c[@]}" "${st[@]}" ${st:+-o "$dir/pp-cli.stat"} \
+        "$bin" nc -v 10.79.1.1 7001 --pingpong "$arg" --time 1 2>"$dir/pp-cli.err") ||
         out="failed: $(tail -1 "$dir/pp-cli.err")"
     # The echo listener serves until killed. `$sp` is the subshell running `nc_in`; the
     # listener is its child (`ip netns exec` and `env` exec into it): kill that one, or it
@@ -107,6 +111,19 @@ pingpong() {
     # It takes a moment to exit (its exit handlers): wait until it is gone, at most 5 s.
     local kids
     kids=$(pgrep -P "$sp" || true)
+    # Under perf stat the listener is one level further down: kill it, and perf writes its
+    # counts and exits.
+    if [ -n "${st[*]}" ]; then
+        local grand=""
+        for p in $kids; do grand="$grand $(pgrep -P "$p" || true)"; done
+        for p in $grand; do kill "$p" 2>/dev/null || true; done
+        for p in $grand; do
+            for _ in $(seq 1 100); do
+                kill -0 "$p" 2>/dev/null || break
+                sleep 0.05
+            done
+        done
+    fi
     for p in $kids; do kill "$p" 2>/dev/null || true; done
     for p in $kids; do
         for _ in $(seq 1 100); do
@@ -116,6 +133,14 @@ pingpong() {
     done
     kill "$sp" 2>/dev/null || true
     wait "$sp" 2>/dev/null || true
+    if [ -n "${st[*]}" ] && [ -s "$dir/pp-cli.stat" ]; then
+        # CPU per round trip: the client's, and the echo server's (its whole life, whose
+        # start and exit add a little).
+        local rt
+        rt=$(awk '{for (i = 1; i < NF; i++) if ($i == "round_trips") print $(i + 1)}' <<<"$out")
+        out="$out client $(stat_of "$dir/pp-cli.stat") server $(stat_of "$dir/pp-srv.stat")"
+        [ -n "$rt" ] && out="$out cpu_us_per_rt $(awk -F, -v n="$rt" '/task-clock/ {printf "%.1f", $1 * 1000 / n}' "$dir/pp-cli.stat")"
+    fi
     echo "$label $out"
 }
 
