@@ -479,14 +479,15 @@ impl RoceCore {
     /// Send several UDP payloads to `dst:4791` with one `sendmmsg` per batch, each given as
     /// pieces laid end to end (one iovec each; faults, when configured, apply per packet).
     pub(crate) fn transmit_batch(&self, dst: Dest, pkts: &[[&[u8]; 3]]) {
-        if self.faults.is_some() || pkts.len() == 1 {
+        if self.faults.is_some() {
+            // The faults act on whole packets: each joined into one buffer.
             for p in pkts {
-                if p[1].is_empty() && p[2].is_empty() {
-                    self.transmit(dst, p[0]);
-                } else {
-                    self.transmit(dst, &p.concat());
-                }
+                self.transmit(dst, &p.concat());
             }
+            return;
+        }
+        if let [p] = pkts {
+            self.send_vectored(dst, p);
             return;
         }
         use rustix::net::addr::SocketAddrArg as _;
@@ -534,9 +535,8 @@ impl RoceCore {
     /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
     /// can, else one datagram per packet with identification 0 (also when faults are
     /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed. A
-    /// packet's pieces (txpkt.rs) go as iovecs in runs; a lone packet (or every packet when
-    /// faults are injected) is joined into one buffer first — a copy, and for a lone shared
-    /// WRITE packet a second copy of its payload (review: a vectored send would avoid it).
+    /// packet's pieces (txpkt.rs) go as iovecs, in runs and alone alike; only when faults are
+    /// injected is each packet joined into one buffer first.
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
@@ -609,6 +609,31 @@ impl RoceCore {
         }
         let rest: Vec<[&[u8]; 3]> = pkts[done..].iter().map(|w| w.pieces()).collect();
         self.transmit_batch(dst, &rest);
+    }
+
+    /// Send one packet given as pieces laid end to end (one `sendmsg`, one iovec each: no
+    /// join in user space).
+    fn send_vectored(&self, dst: Dest, pieces: &[&[u8]; 3]) {
+        use rustix::net::SendAncillaryBuffer;
+        let addr = SocketAddr::new(dst.ip, roce::UDP_PORT);
+        let iov = pieces.map(std::io::IoSlice::new);
+        let len: usize = pieces.iter().map(|p| p.len()).sum();
+        match rustix::net::sendmsg_addr(
+            self.sock_of(dst.via),
+            &addr,
+            &iov,
+            &mut SendAncillaryBuffer::default(),
+            rustix::net::SendFlags::DONTWAIT,
+        ) {
+            Ok(_) => {
+                bump(&self.counters.tx_packets);
+                self.counters
+                    .tx_bytes
+                    .fetch_add(len as u64, Ordering::Relaxed);
+            }
+            // As send_raw: the RC retransmission recovers a packet lost here.
+            Err(_) => bump(&self.counters.tx_errors),
+        }
     }
 
     fn send_raw(&self, dst: Dest, pkt: &[u8]) {
