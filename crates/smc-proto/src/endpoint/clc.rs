@@ -971,6 +971,8 @@ impl Endpoint {
                 unacked: super::replay::Replay::default(),
                 unacked_from,
                 arena: super::replay::Arena::default(),
+                arena_idle_until: None,
+                arena_used: Timestamp::ZERO,
                 ss: 0,
                 last_posted: None,
                 held: false,

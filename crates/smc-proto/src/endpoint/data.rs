@@ -422,6 +422,12 @@ impl Endpoint {
             return Err(EndpointError::NotEstablished);
         };
         c.arena = arena;
+        if c.arena.holds_memory() {
+            // Its trim is checked ARENA_IDLE after the first write, then after the last.
+            c.arena_used = now;
+            c.arena_idle_until
+                .get_or_insert(now + super::replay::ARENA_IDLE);
+        }
         if done == 0 {
             // The link refused the WRITE (its failure is on its way): nothing was taken.
             return Ok(0);

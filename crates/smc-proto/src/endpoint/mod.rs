@@ -421,6 +421,11 @@ struct SmcConn {
     /// Where the shared bytes of this connection's WRITEs are cut from
     /// ([`WritePiece::shared`]).
     arena: replay::Arena,
+    /// When the arena's idleness is checked next ([`replay::ARENA_IDLE`]): it is trimmed
+    /// then if nothing was written since `arena_used` for that long.
+    arena_idle_until: Option<Timestamp>,
+    /// The last write that took shared bytes from the arena.
+    arena_used: Timestamp,
     /// SS (§4.6.1): sequence number of the last CDC whose send completed.
     ss: u16,
     /// Sequence number of the last CDC posted.
@@ -469,7 +474,10 @@ impl crate::timer::HasDeadline for Entry {
     fn deadline(&self) -> Option<Timestamp> {
         match self {
             Entry::Setup(h) => h.deadline(),
-            Entry::Smc(c) => c.conn.poll_timeout(),
+            Entry::Smc(c) => match (c.conn.poll_timeout(), c.arena_idle_until) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
         }
     }
 }
@@ -597,6 +605,9 @@ pub struct EndpointStats {
     /// Connections that closed in order and were held until their last CDC completed (see
     /// the failover of a closing indication).
     pub closes_held: u64,
+    /// Idle connections' shared-byte arenas and pools let go (`ARENA_IDLE` after their last
+    /// bytes were known received).
+    pub arenas_trimmed: u64,
 }
 
 impl Endpoint {
@@ -718,6 +729,16 @@ impl Endpoint {
                 Some(Entry::Setup(_)) => self.handshake_timeout(tcp, res, now),
                 Some(Entry::Smc(c)) => {
                     c.conn.handle_timeout(now);
+                    if c.arena_idle_until.is_some_and(|t| t <= now) {
+                        let idle_from = c.arena_used + replay::ARENA_IDLE;
+                        if idle_from <= now {
+                            c.arena.trim();
+                            c.arena_idle_until = None;
+                            self.stats.arenas_trimmed += 1;
+                        } else {
+                            c.arena_idle_until = Some(idle_from);
+                        }
+                    }
                     self.after_conn(tcp, now);
                 }
                 None => {}

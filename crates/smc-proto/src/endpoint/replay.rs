@@ -20,6 +20,12 @@ const POOLED_MIN: usize = 16 * 1024;
 /// stream has in flight), and the largest buffer it keeps.
 const POOL_BYTES: usize = 1 << 20;
 
+/// How long a connection's arena and pool stay after its last write that took shared bytes
+/// ([`Arena::trim`]): a stream's pauses are shorter, an idle connection's are not. (Bytes
+/// still in the replay store or in packets stay theirs; they are freed, not pooled, when
+/// their last slice drops.)
+pub(super) const ARENA_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Buffers of a connection's large pieces, back for reuse once no packet and no replay store
 /// holds a slice of them any more (the last reference may drop on another thread: the
 /// fabric's progress thread, which receives the ACK).
@@ -61,6 +67,19 @@ impl Drop for Pooled {
 }
 
 impl Arena {
+    /// Whether it keeps memory of its own (a pool, or room in the small arena).
+    pub(super) fn holds_memory(&self) -> bool {
+        self.pool.is_some() || self.small.capacity() > 0
+    }
+
+    /// Let go of the pool's buffers and the small arena's room (an idle connection keeps
+    /// nothing; the next long piece makes a new pool). Buffers still lent out are freed when
+    /// their last slice drops.
+    pub(super) fn trim(&mut self) {
+        self.pool = None;
+        self.small = BytesMut::new();
+    }
+
     /// `bytes` copied once into a shared buffer: packed into the arena when short, else into
     /// a buffer of the pool.
     fn share(&mut self, bytes: &[u8]) -> Bytes {
@@ -203,6 +222,25 @@ mod tests {
         assert_eq!(r.to_vec(), &all[40..]);
         r.drop_front(1000);
         assert!(r.is_empty() && r.to_vec().is_empty());
+    }
+
+    #[test]
+    fn a_trimmed_arena_keeps_nothing() {
+        let mut arena = Arena::default();
+        assert!(!arena.holds_memory());
+        let long = vec![7u8; POOLED_MIN];
+        let lent = WritePiece::new(&long, &mut arena).shared().clone();
+        let short = WritePiece::new(b"abc", &mut arena).shared().clone();
+        assert!(arena.holds_memory());
+        arena.trim();
+        assert!(!arena.holds_memory());
+        // What was lent out stays right, and is not given back to a pool.
+        assert_eq!(&lent[..], &long[..]);
+        assert_eq!(&short[..], b"abc");
+        drop(lent);
+        assert_eq!(pooled(&arena), 0);
+        let again = WritePiece::new(&long, &mut arena).shared().clone();
+        assert_eq!(&again[..], &long[..]);
     }
 
     fn pooled(a: &Arena) -> usize {

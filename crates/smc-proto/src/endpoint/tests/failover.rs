@@ -148,6 +148,42 @@ fn failover_replays_shared_bytes_exactly() {
     );
 }
 
+/// As the roce fabric sends (every WRITE posted from shared bytes): a connection whose bytes
+/// were all received and that writes nothing for `ARENA_IDLE` lets go of its arena and pool
+/// (counted once); one that goes on writing keeps them; the next bytes after a trim arrive
+/// right.
+#[test]
+fn an_idle_connection_lets_go_of_its_arena() {
+    let mut p = EndpointPair::new(config(Side::A, 1), config(Side::B, 1), 7);
+    p.knobs.direct_writes = true;
+    p.knobs.all_posted = true;
+    p.connect(T1);
+    p.run();
+    assert!(established(&p, Side::A, T1));
+    let a = pattern(100_000, 1);
+    p.app_send(Side::A, T1, &a);
+    p.run();
+    assert_eq!(p.b.rx.get(&T1).map(Vec::len), Some(a.len()));
+    assert_eq!(p.a.ep.stats().arenas_trimmed, 0);
+    // Writing on, well within the idle time: nothing trimmed.
+    for i in 0..5u8 {
+        p.run_for(Duration::from_millis(300));
+        p.app_send(Side::A, T1, &pattern(20_000, i));
+        p.run();
+    }
+    assert_eq!(p.a.ep.stats().arenas_trimmed, 0);
+    p.run_for(Duration::from_secs(2));
+    assert_eq!(p.a.ep.stats().arenas_trimmed, 1);
+    // B wrote nothing: it never had an arena to let go of.
+    assert_eq!(p.b.ep.stats().arenas_trimmed, 0);
+    let more = pattern(70_000, 9);
+    p.app_send(Side::A, T1, &more);
+    p.run_for(Duration::from_secs(2));
+    let rx = &p.b.rx[&T1];
+    assert_eq!(&rx[rx.len() - more.len()..], &more[..]);
+    assert_eq!(p.a.ep.stats().arenas_trimmed, 2);
+}
+
 /// One link only: when it dies every connection is reset with a clear error.
 #[test]
 fn last_link_failure_resets_connections() {
