@@ -95,7 +95,10 @@ pub fn unplaced_runs(first: u32, last: u32) -> Vec<(u32, u32)> {
 // exclude each other: two counters, each side announcing itself and then waiting for the
 // other side's count to be zero (sequentially consistent, so that of two sides arriving at
 // once at least one sees the other). Makes win: a close arriving during one waits for it.
-// Both sides are system calls that do not block, so every wait is short.
+// Makes are system calls that do not block (a blocking accept or receive waits for
+// readiness first, outside); a close usually does not either, but may (a lingering TCP
+// socket), so a long wait sleeps. Overlapping makes on many threads can hold a close off
+// for as long as they overlap.
 
 /// Makes in flight.
 static MAKING: AtomicUsize = AtomicUsize::new(0);
@@ -118,15 +121,20 @@ impl Drop for Side {
     }
 }
 
+/// Wait until `n` is zero: spinning a little, then yielding, then sleeping 50 µs at a time
+/// (a close may block: a TCP socket lingering, a file on NFS flushing; and `sched_yield`
+/// gives nothing to a thread of lower priority under a real-time policy).
 fn wait_for_zero(n: &AtomicUsize) {
     let mut spins = 0u32;
     while n.load(Ordering::SeqCst) != 0 {
         if spins < 64 {
             std::hint::spin_loop();
-            spins += 1;
-        } else {
+        } else if spins < 128 {
             std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
+        spins = spins.saturating_add(1);
     }
 }
 
@@ -199,6 +207,11 @@ pub fn placed(fd: OwnedFd) -> OwnedFd {
     match rustix::io::fcntl_dupfd_cloexec(&fd, min) {
         Ok(high) => {
             note(high.as_raw_fd());
+            // The low number closed by the system call itself: `OwnedFd`'s drop calls the C
+            // library's `close`, which under the preload library is the program's hooked
+            // close (with its table look-ups and locks, inside a make).
+            // SAFETY: `fd` is ours and consumed here.
+            unsafe { rustix::io::close(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
             high
         }
         Err(_) => fd,
@@ -206,14 +219,15 @@ pub fn placed(fd: OwnedFd) -> OwnedFd {
 }
 
 /// A close-on-exec duplicate of `fd`, made in the upper half of the soft `RLIMIT_NOFILE` at
-/// once (never at a low number, even for a moment) once [`keep_high`] was called.
+/// once once [`keep_high`] was called (at a low number only when the upper half is full), as
+/// a make ([`making`]: a program's `close_range` in flight must not take it).
 pub fn dup_placed(fd: rustix::fd::BorrowedFd<'_>) -> rustix::io::Result<OwnedFd> {
     let min = if HIGH.load(Ordering::Relaxed) {
         lowest_high().unwrap_or(0)
     } else {
         0
     };
-    match rustix::io::fcntl_dupfd_cloexec(fd, min) {
+    making(|| match rustix::io::fcntl_dupfd_cloexec(fd, min) {
         Ok(high) => {
             if min > 0 {
                 note(high.as_raw_fd());
@@ -221,7 +235,7 @@ pub fn dup_placed(fd: rustix::fd::BorrowedFd<'_>) -> rustix::io::Result<OwnedFd>
             Ok(high)
         }
         Err(_) => rustix::io::fcntl_dupfd_cloexec(fd, 0),
-    }
+    })
 }
 
 /// The first number of the upper half of the soft limit; `None` below 256 descriptors.

@@ -1204,19 +1204,22 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // SAFETY: the library's own descriptor, passed on unchanged.
         return unsafe { real::close(fd) };
     }
-    if crate::held(fd) {
-        // A number a thread of the library holds for a moment: not the program's (it
-        // closed its own of that number already).
-        set_errno(libc::EBADF);
-        return -1;
-    }
     crate::wait::closed(fd);
     if table::maybe(fd) {
         guard((), || forget(fd));
     }
-    // SAFETY: passed on unchanged (after any make of the library in flight, see
-    // `smc_fabric::fdplace::making`).
-    smc_fabric::fdplace::program_closes(|| unsafe { real::close(fd) })
+    // After any make of the library in flight (`smc_fabric::fdplace::making`), which may
+    // hold the number it made.
+    smc_fabric::fdplace::program_closes(|| {
+        if crate::held(fd) {
+            // A number a thread of the library holds: not the program's (it closed its own
+            // of that number already).
+            set_errno(libc::EBADF);
+            return -1;
+        }
+        // SAFETY: passed on unchanged.
+        unsafe { real::close(fd) }
+    })
 }
 
 #[no_mangle]

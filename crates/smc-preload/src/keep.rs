@@ -283,7 +283,7 @@ pub(crate) fn closing(
         return;
     }
     // A copy of the program's descriptor, still open.
-    let Ok(tcp) = smc_fabric::fdplace::dup_placed(crate::hooks::bfd(fd)) else {
+    let Ok(tcp) = crate::relay::dup_high(fd) else {
         return;
     };
     let mut internal = numbers_of(me, id.1);

@@ -198,6 +198,8 @@ extern "C" fn at_fork_parent() {
 }
 
 extern "C" fn at_fork_child() {
+    // The parent's other threads' makes and closes are not here.
+    smc_fabric::fdplace::fork_child();
     // SAFETY: getpid has no preconditions.
     table::PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
     table::fork_release();
@@ -205,8 +207,6 @@ extern "C" fn at_fork_child() {
     relay::fork_child();
     settle::fork_child();
     connecting::fork_child();
-    // The parent's other threads' makes and closes are not here.
-    smc_fabric::fdplace::fork_child();
     // The numbers the parent's threads held are ordinary copies here.
     for s in &HELD {
         s.store(-1, Ordering::Relaxed);

@@ -720,15 +720,15 @@ pub(crate) fn passing(sock: c_int, fds: &[c_int]) -> Noted {
             serve_passed();
             mark_passed(id);
             // A copy of the program's unix socket, for the time the pass is in flight.
-            let unix = smc_fabric::fdplace::dup_placed(crate::hooks::bfd(sock)).ok();
+            let unix = crate::relay::dup_high(sock).ok();
             match conn_of(id) {
                 Some(conn) => note(id, conn, unix, false).map(|unix| Note::Own { id, unix }),
                 None => Err(libc::ENOENT),
             }
         } else {
             // A copy of the program's TCP socket, the proof of an undo.
-            match smc_fabric::fdplace::dup_placed(crate::hooks::bfd(fd)) {
-                Err(e) => Err(e.raw_os_error()),
+            match crate::relay::dup_high(fd) {
+                Err(e) => Err(e),
                 Ok(proof) => announce(owner, PASS, proof.as_raw_fd(), sock)
                     .map(|()| Note::Told { owner, proof }),
             }

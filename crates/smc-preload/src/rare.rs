@@ -515,6 +515,8 @@ pub unsafe extern "C" fn syscall(
                 let r = unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) };
                 if r == 0 {
                     table::RAW_CLONE_FLAGS.store(flags, std::sync::atomic::Ordering::Relaxed);
+                    // The parent's other threads' makes and closes are not here.
+                    smc_fabric::fdplace::fork_child();
                 }
                 return r;
             }
@@ -555,22 +557,25 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
 /// program's `closefrom(3)` would close under its threads). One system call per run of the
 /// program's numbers; the first failure is the call's.
 unsafe fn close_sparing(first: c_uint, last: c_uint, flags: c_int) -> c_int {
-    let mut r = 0;
-    let mut err = 0;
-    for (a, b) in smc_fabric::fdplace::unplaced_runs(first, last) {
-        // SAFETY: close_range(2) over numbers that are not the library's (as close).
-        let rc = smc_fabric::fdplace::program_closes(|| unsafe { real::close_range(a, b, flags) });
-        if rc != 0 && r == 0 {
-            r = -1;
-            err = std::io::Error::last_os_error()
-                .raw_os_error()
-                .unwrap_or(libc::EBADF);
+    // One exclusion over the runs' reckoning and their closes: a descriptor the stack makes
+    // and places meanwhile would otherwise fall inside a run reckoned before it.
+    smc_fabric::fdplace::program_closes(|| {
+        let mut r = 0;
+        let mut err = 0;
+        for (a, b) in smc_fabric::fdplace::unplaced_runs(first, last) {
+            // SAFETY: close_range(2) over numbers that are not the library's.
+            if unsafe { real::close_range(a, b, flags) } != 0 && r == 0 {
+                r = -1;
+                err = std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EBADF);
+            }
         }
-    }
-    if r != 0 {
-        set_errno(err);
-    }
-    r
+        if r != 0 {
+            set_errno(err);
+        }
+        r
+    })
 }
 
 #[no_mangle]

@@ -415,6 +415,15 @@ pub(crate) fn made(make: impl FnOnce() -> c_int) -> Result<OwnedFd, c_int> {
     })
 }
 
+/// A close-on-exec copy of the program's descriptor `fd`, made high at once
+/// (`smc_fabric::fdplace::dup_placed`); EBADF for a negative number.
+pub(crate) fn dup_high(fd: c_int) -> Result<OwnedFd, c_int> {
+    if fd < 0 {
+        return Err(libc::EBADF);
+    }
+    smc_fabric::fdplace::dup_placed(crate::hooks::bfd(fd)).map_err(|e| e.raw_os_error())
+}
+
 /// `fd`, just made inside [`smc_fabric::fdplace::making`], moved to the upper half.
 fn high(fd: RawFd) -> OwnedFd {
     // SAFETY: just made by the caller, ours.
@@ -1050,7 +1059,8 @@ fn spawn_pump(
 /// failure ([`reset`]), or every holder gone.
 fn inbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
-    // (Its eventfd stays at a low number while the pump runs: held from its making on.)
+    // (Its eventfd is placed high; where it cannot be, it stays low while the pump runs:
+    // held from its making on.)
     let (mut waiter, _held) = smc_fabric::fdplace::making(|| {
         let w = Waiter::new().ok();
         let held = w.as_ref().map(|w| crate::Held::new(w.fd().as_raw_fd()));
@@ -1148,7 +1158,8 @@ fn reset(p: &Pump, relay: &Weak<Relay>) {
 /// writing), then until every holder closed A (POLLHUP on B): the relay ends.
 fn outbound(p: &Pump, relay: &Weak<Relay>) {
     let mut buf = vec![0u8; 64 * 1024];
-    // (Its eventfd stays at a low number while the pump runs: held from its making on.)
+    // (Its eventfd is placed high; where it cannot be, it stays low while the pump runs:
+    // held from its making on.)
     let (mut waiter, _held) = smc_fabric::fdplace::making(|| {
         let w = Waiter::new().ok();
         let held = w.as_ref().map(|w| crate::Held::new(w.fd().as_raw_fd()));

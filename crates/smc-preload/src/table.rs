@@ -49,6 +49,7 @@ pub(crate) fn borrowed_memory() -> bool {
     if !wiped {
         return true;
     }
+    smc_fabric::fdplace::fork_child();
     let forgot = smc::fdapi::forked_without_handlers();
     RAW_CLONED.store(true, Ordering::Relaxed);
     PID.store(pid, Ordering::Relaxed);

@@ -189,8 +189,15 @@ fn serve(l: &UnixListener, inner: Weak<Inner>) {
         if inner.strong_count() == 0 {
             return;
         }
-        let s = match l.accept() {
-            Ok((s, _)) => s,
+        // (The listener does not block: a make, placed before a program's close can hit it.)
+        let s = match smc_fabric::fdplace::making(|| {
+            l.accept().map(|(s, _)| {
+                std::os::unix::net::UnixStream::from(smc_fabric::fdplace::placed(
+                    std::os::fd::OwnedFd::from(s),
+                ))
+            })
+        }) {
+            Ok(s) => s,
             Err(e)
                 if matches!(
                     e.kind(),

@@ -886,9 +886,10 @@ impl RoceHandle {
         let waitset = if v6.is_empty() {
             None
         } else {
-            let ep = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
-                .map(crate::fdplace::placed)
-                .map_err(|e| FabricError::os("epoll_create", e))?;
+            let ep = crate::fdplace::make(|| {
+                rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
+            })
+            .map_err(|e| FabricError::os("epoll_create", e))?;
             for (via, s) in std::iter::once(&sock)
                 .chain(v6.iter().map(|s| &s.sock))
                 .enumerate()

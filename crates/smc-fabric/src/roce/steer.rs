@@ -133,10 +133,18 @@ pub(crate) fn bind(
     let bound_before = fresh && port_is_bound(ip, port);
     rustix::net::sockopt::set_socket_reuseport(sock, true)
         .map_err(|e| BindError::Other(format!("SO_REUSEPORT: {e}")))?;
-    match rustix::net::bind(sock, &addr) {
-        Ok(()) => {}
-        Err(Errno::ADDRINUSE) => return Err(BindError::InUse { shared: true }),
-        Err(e) => return Err(BindError::Other(format!("bind {addr}: {e}"))),
+    let mut tried = false;
+    loop {
+        match rustix::net::bind(sock, &addr) {
+            Ok(()) => break,
+            // Perhaps another group's probe of the port ([`port_is_bound`]) for an instant.
+            Err(Errno::ADDRINUSE) if !tried => {
+                tried = true;
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            Err(Errno::ADDRINUSE) => return Err(BindError::InUse { shared: true }),
+            Err(e) => return Err(BindError::Other(format!("bind {addr}: {e}"))),
+        }
     }
     if bound_before {
         return Err(BindError::ForeignGroup {
@@ -246,13 +254,17 @@ impl Registry {
 /// exactly when one is. (A scan of `/proc/net/udp` was used before; its text is produced a page
 /// at a time, and a line can be skipped while other sockets are bound or closed during the read.)
 /// The probe holds the port only between its bind and its close; a process of our own group
-/// cannot come in between, since it waits on the registry's lock that the caller holds.
+/// cannot come in between, since it waits on the registry's lock that the caller holds. A
+/// process of another registry (another fabric directory) can, and its bind then fails once
+/// with EADDRINUSE: [`bind`] tries once more a moment later.
 fn port_is_bound(ip: IpAddr, port: u16) -> bool {
     let domain = match ip {
         IpAddr::V4(_) => rustix::net::AddressFamily::INET,
         IpAddr::V6(_) => rustix::net::AddressFamily::INET6,
     };
-    let Ok(probe) = rustix::net::socket(domain, rustix::net::SocketType::DGRAM, None) else {
+    let Ok(probe) =
+        crate::fdplace::make(|| rustix::net::socket(domain, rustix::net::SocketType::DGRAM, None))
+    else {
         return false;
     };
     matches!(
@@ -499,8 +511,12 @@ mod tests {
         let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = s.local_addr().unwrap().port();
         assert!(port_is_bound(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
+        // Another address's port of that number is free (all of 127/8 is local).
+        assert!(!port_is_bound(
+            IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)),
+            port
+        ));
         drop(s);
-        assert!(!port_is_bound(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
         // The wildcard address holds every address's port.
         let any = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
         let port = any.local_addr().unwrap().port();

@@ -31,13 +31,14 @@ struct Incoming {
 /// Create the device's listening SEQPACKET socket at `path`.
 pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
     let _ = std::fs::remove_file(path);
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )
-    .map(crate::fdplace::placed)
+    let sock = crate::fdplace::make(|| {
+        rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+    })
     .map_err(|e| FabricError::os("socket", e))?;
     let short = crate::sockpath::SocketPath::new(path)?;
     let addr =
@@ -56,13 +57,14 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
 
 /// Connect to a peer device socket (blocking, with send/receive timeouts).
 pub(crate) fn connect(path: &Path) -> Result<OwnedFd> {
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map(crate::fdplace::placed)
+    let sock = crate::fdplace::make(|| {
+        rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+    })
     .map_err(|e| FabricError::os("socket", e))?;
     let short = crate::sockpath::SocketPath::new(path)?;
     let addr = SocketAddrUnix::new(short.as_path())

@@ -34,8 +34,7 @@ pub(crate) struct CqShared {
 
 impl CqShared {
     pub(crate) fn new(dev: Arc<DeviceHandle>) -> Result<Arc<CqShared>> {
-        let epfd = epoll::create(epoll::CreateFlags::CLOEXEC)
-            .map(crate::fdplace::placed)
+        let epfd = crate::fdplace::make(|| epoll::create(epoll::CreateFlags::CLOEXEC))
             .map_err(|e| FabricError::os("epoll_create", e))?;
         let local_bell = mem::new_eventfd()?;
         epoll::add(

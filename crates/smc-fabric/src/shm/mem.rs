@@ -97,9 +97,10 @@ pub(crate) fn validate_peer_memfd(fd: BorrowedFd<'_>, len: usize) -> Result<()> 
 /// A non-blocking eventfd.
 pub(crate) fn new_eventfd() -> Result<OwnedFd> {
     use rustix::event::EventfdFlags;
-    rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-        .map(crate::fdplace::placed)
-        .map_err(|e| FabricError::os("eventfd", e))
+    crate::fdplace::make(|| {
+        rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+    })
+    .map_err(|e| FabricError::os("eventfd", e))
 }
 
 /// Make a doorbell fd received from a peer non-blocking, so that ringing it can never stall

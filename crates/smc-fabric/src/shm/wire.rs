@@ -179,24 +179,46 @@ pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let res = loop {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        match rustix::net::recvmsg(sock, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+        // Wait as the socket says with a peek (no room for control data: no descriptor is
+        // installed by it), then take the message and its descriptors without blocking, as a
+        // make (`fdplace::making`: the descriptors come at low numbers, which a program's
+        // close must not hit before they are placed).
+        let mut one = [0u8; 1];
+        match rustix::net::recv(sock, &mut one, RecvFlags::PEEK) {
             Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => break Err(e),
+            Ok(_) => {}
+        }
+        let taken = crate::fdplace::making(|| {
+            let mut iov = [IoSliceMut::new(&mut buf)];
+            rustix::net::recvmsg(
+                sock,
+                &mut iov,
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
+            )
+            .map(|r| {
+                let mut fds = Vec::new();
+                for m in control.drain() {
+                    if let RecvAncillaryMessage::ScmRights(it) = m {
+                        fds.extend(it.map(crate::fdplace::placed));
+                    }
+                }
+                (r, fds)
+            })
+        });
+        match taken {
+            // (Taken by another reader between the peek and here: wait again.)
+            Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => continue,
             other => break other,
         }
     };
-    let r = match res {
+    let (r, fds) = match res {
         Ok(r) => r,
         Err(rustix::io::Errno::AGAIN) => return Ok(Received::WouldBlock),
         Err(rustix::io::Errno::CONNRESET) => return Ok(Received::Closed),
         Err(e) => return Err(FabricError::os("recvmsg", e)),
     };
-    let mut fds = Vec::new();
-    for m in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(it) = m {
-            fds.extend(it.map(crate::fdplace::placed));
-        }
-    }
     if r.bytes == 0 {
         return Ok(Received::Closed);
     }

@@ -606,7 +606,7 @@ pub struct EndpointStats {
     /// the failover of a closing indication).
     pub closes_held: u64,
     /// Idle connections' shared-byte arenas and pools let go (`ARENA_IDLE` after their last
-    /// bytes were known received).
+    /// write while they held memory).
     pub arenas_trimmed: u64,
 }
 

@@ -232,9 +232,12 @@ mod tests {
         let lent = WritePiece::new(&long, &mut arena).shared().clone();
         let short = WritePiece::new(b"abc", &mut arena).shared().clone();
         assert!(arena.holds_memory());
+        let old_pool = Arc::downgrade(arena.pool.as_ref().expect("a pool"));
         arena.trim();
         assert!(!arena.holds_memory());
-        // What was lent out stays right, and is not given back to a pool.
+        // The pool is gone at once (a lent buffer holds it weakly); what was lent out stays
+        // right, and is freed, not pooled, when its last slice drops.
+        assert!(old_pool.upgrade().is_none());
         assert_eq!(&lent[..], &long[..]);
         assert_eq!(&short[..], b"abc");
         drop(lent);

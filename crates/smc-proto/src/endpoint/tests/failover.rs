@@ -148,10 +148,9 @@ fn failover_replays_shared_bytes_exactly() {
     );
 }
 
-/// As the roce fabric sends (every WRITE posted from shared bytes): a connection whose bytes
-/// were all received and that writes nothing for `ARENA_IDLE` lets go of its arena and pool
-/// (counted once); one that goes on writing keeps them; the next bytes after a trim arrive
-/// right.
+/// As the roce fabric sends (every WRITE posted from shared bytes): a connection that writes
+/// nothing for `ARENA_IDLE` lets go of its arena and pool (counted once); one that goes on
+/// writing keeps them; the next bytes after a trim arrive right.
 #[test]
 fn an_idle_connection_lets_go_of_its_arena() {
     let mut p = EndpointPair::new(config(Side::A, 1), config(Side::B, 1), 7);
