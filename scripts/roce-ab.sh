@@ -85,6 +85,18 @@ stream() {
         "$(stat_of "$dir/cli.stat")" "$(stat_of "$dir/srv.stat")"
 }
 
+# Kill each process given and wait until it is gone (at most 5 s each).
+kill_and_wait() {
+    local p
+    for p in "$@"; do kill "$p" 2>/dev/null || true; done
+    for p in "$@"; do
+        for _ in $(seq 1 100); do
+            kill -0 "$p" 2>/dev/null || break
+            sleep 0.05
+        done
+    done
+}
+
 pingpong() {
     local bin=$1 disc=$2 label=$3 sp out s c pin_s=() pin_c=()
     if [ -n "${ROCE_AB_CPUS:-}" ]; then
@@ -111,26 +123,14 @@ pingpong() {
     # It takes a moment to exit (its exit handlers): wait until it is gone, at most 5 s.
     local kids
     kids=$(pgrep -P "$sp" || true)
-    # Under perf stat the listener is one level further down: kill it, and perf writes its
-    # counts and exits.
+    # Under perf stat the listener is one level further down: kill it first, and perf writes
+    # its counts and exits.
     if [ -n "${st[*]}" ]; then
         local grand=""
         for p in $kids; do grand="$grand $(pgrep -P "$p" || true)"; done
-        for p in $grand; do kill "$p" 2>/dev/null || true; done
-        for p in $grand; do
-            for _ in $(seq 1 100); do
-                kill -0 "$p" 2>/dev/null || break
-                sleep 0.05
-            done
-        done
+        kill_and_wait $grand
     fi
-    for p in $kids; do kill "$p" 2>/dev/null || true; done
-    for p in $kids; do
-        for _ in $(seq 1 100); do
-            kill -0 "$p" 2>/dev/null || break
-            sleep 0.05
-        done
-    done
+    kill_and_wait $kids
     kill "$sp" 2>/dev/null || true
     wait "$sp" 2>/dev/null || true
     if [ -n "${st[*]}" ] && [ -s "$dir/pp-cli.stat" ]; then
