@@ -70,15 +70,22 @@ fn a_pass_is_in_flight_until_taken_or_dropped_with_the_receiving_socket() {
     }
 }
 
-#[test]
-fn a_lookup_names_the_owner_and_notes_the_receiver() {
-    // A socket of "the connection", named in the table as a number of this process, and
-    // its record as a passed connection.
-    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
+/// A socket standing for "the connection", entered in the table as an inherited number of
+/// this process (the caller takes it out), its peer and its id.
+fn inherited_conn() -> (OwnedFd, OwnedFd, (u64, u64)) {
+    let (conn, peer) = socketpair(libc::SOCK_STREAM);
     let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
     let e = Entry::new(Kind::Inherited(None));
     let _ = e.socket.set(id);
     assert!(table::set(conn.as_raw_fd(), e).is_ok());
+    (conn, peer, id)
+}
+
+#[test]
+fn a_lookup_names_the_owner_and_notes_the_receiver() {
+    // A socket of "the connection", named in the table as a number of this process, and
+    // its record as a passed connection.
+    let (conn, _peer, id) = inherited_conn();
     let (l, _) = socketpair(libc::SOCK_STREAM);
     with_passed(|v| v.push(pass_record(id, l, false)));
     let (c, s) = socketpair(libc::SOCK_STREAM);
@@ -423,11 +430,7 @@ fn a_pass_whose_send_failed_is_undone() {
 #[test]
 fn an_announced_pass_whose_send_failed_is_undone_by_its_owner() {
     // The owner's record of an announced pass (a copy of the holder's unix socket).
-    let (conn, _peer) = socketpair(libc::SOCK_STREAM);
-    let id = table::socket_id(conn.as_raw_fd()).expect("a socket");
-    let e = Entry::new(Kind::Inherited(None));
-    let _ = e.socket.set(id);
-    assert!(table::set(conn.as_raw_fd(), e).is_ok());
+    let (conn, _peer, id) = inherited_conn();
     let (s, _r) = socketpair(libc::SOCK_STREAM);
     let (other, _o) = socketpair(libc::SOCK_STREAM);
     note(id, Weak::new(), Some(tcp_dup(&s)), true).expect("noted");

@@ -8,11 +8,7 @@ fn listener(tag: &str) -> (OwnedFd, (libc::sockaddr_un, libc::socklen_t)) {
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
     let addr = abstract_address(&format!("smc-rs-test/{me}/{tag}/{:x}", nonce()));
-    // SAFETY: a new socket of ours.
-    let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    assert!(s >= 0);
-    // SAFETY: just made.
-    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let s = unix_stream();
     // SAFETY: the address and its length; plain listen.
     let ok = unsafe {
         libc::bind(
@@ -27,12 +23,17 @@ fn listener(tag: &str) -> (OwnedFd, (libc::sockaddr_un, libc::socklen_t)) {
     (s, addr)
 }
 
-fn connect(addr: &(libc::sockaddr_un, libc::socklen_t)) -> OwnedFd {
+/// A new unix stream socket of this test.
+fn unix_stream() -> OwnedFd {
     // SAFETY: a new socket of ours.
     let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     assert!(s >= 0);
     // SAFETY: just made.
-    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    unsafe { OwnedFd::from_raw_fd(s) }
+}
+
+fn connect(addr: &(libc::sockaddr_un, libc::socklen_t)) -> OwnedFd {
+    let s = unix_stream();
     // SAFETY: the address and its length.
     let r = unsafe {
         libc::connect(
