@@ -535,8 +535,10 @@ impl RoceCore {
     /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
     /// can, else one datagram per packet with identification 0 (also when faults are
     /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed. A
-    /// packet's pieces (txpkt.rs) go as iovecs, in runs and alone alike; only when faults are
-    /// injected is each packet joined into one buffer first.
+    /// packet's pieces (txpkt.rs) go as iovecs, in runs and alone alike (in a run, the short
+    /// pieces between two payloads — a tail and the next packet's headers — as one,
+    /// `gso::glue_short`); only when faults are injected is each packet joined into one
+    /// buffer first.
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
@@ -549,10 +551,17 @@ impl RoceCore {
                     w.reseal(k as u16);
                 }
             }
+            let pieces: Vec<Vec<&[u8]>> = runs
+                .iter()
+                .map(|&(start, end)| pkts[start..end].iter().flat_map(|w| w.pieces()).collect())
+                .collect();
+            let mut glue = Vec::new();
+            let pieces = super::gso::glue_short(pieces, &mut glue);
             let msgs: Vec<super::gso::Run<'_>> = runs
                 .iter()
-                .map(|&(start, end)| super::gso::Run {
-                    pieces: pkts[start..end].iter().flat_map(|w| w.pieces()).collect(),
+                .zip(pieces)
+                .map(|(&(start, end), pieces)| super::gso::Run {
+                    pieces,
                     packets: end - start,
                     // A run longer than one packet is cut by the kernel at the first length.
                     gso_size: if end - start > 1 {
