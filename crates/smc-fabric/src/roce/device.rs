@@ -1109,11 +1109,13 @@ impl RoceCore {
             // (the last one may be shorter): each is a packet of its own. Counted once per
             // datagram, before they are handled (an atomic add per packet was the only shared
             // write of the loop).
-            self.counters.rx_packets.fetch_add(
-                super::rx::packets(data, seg).count() as u64,
-                Ordering::Relaxed,
-            );
-            let rx_from = super::qp::RxFrom::new(self, from.ip(), from.port(), via);
+            let packets = super::rx::packets(data, seg).count();
+            self.counters
+                .rx_packets
+                .fetch_add(packets as u64, Ordering::Relaxed);
+            let seg_len = seg.unwrap_or(data.len());
+            let rx_from =
+                super::qp::RxFrom::new(self, from.ip(), from.port(), via, seg_len, packets);
             for (k, pkt) in super::rx::packets(data, seg).enumerate() {
                 if seg.is_some() && !self.owns_qpn(pkt) {
                     self.gro_off("a coalesced datagram held another process's packets");

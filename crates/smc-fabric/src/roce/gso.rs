@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use rustix::io::Errno;
-use smc_wire::roce::{Ipv4IdColumns, ICRC_LEN};
+use smc_wire::roce::{IcrcHeaders, IcrcPrefix, Ipv4IdColumns, ICRC_LEN};
 
 /// Most segments in one send (64 before Linux 6.x raised `UDP_MAX_SEGMENTS` to 128).
 pub(crate) const MAX_SEGMENTS: usize = 64;
@@ -42,9 +42,21 @@ const COLUMN_MAX_LEN: usize = 8192;
 /// connection can produce keeps its slot (a stream whose updates do not end on a path-MTU
 /// boundary makes a new last-packet length for many updates; a small cache replaced in turn
 /// computed the columns again for most of them, about 17 CRC combines each).
-struct ColumnCache(Vec<Option<Ipv4IdColumns>>);
+struct ColumnCache(Vec<Option<Ipv4IdColumns>>, Vec<Option<u32>>);
 
 impl ColumnCache {
+    /// [`smc_wire::roce::bth_mask_fix`] by length, cached as the columns are.
+    fn mask_fix(&mut self, len: usize) -> u32 {
+        if !len.is_multiple_of(4) || len > COLUMN_MAX_LEN {
+            return smc_wire::roce::bth_mask_fix(len);
+        }
+        let i = len / 4;
+        if self.1.len() <= i {
+            self.1.resize(i + 1, None);
+        }
+        *self.1[i].get_or_insert_with(|| smc_wire::roce::bth_mask_fix(len))
+    }
+
     fn get(&mut self, len: usize) -> Ipv4IdColumns {
         if !len.is_multiple_of(4) || len > COLUMN_MAX_LEN {
             return Ipv4IdColumns::for_len(len);
@@ -58,7 +70,8 @@ impl ColumnCache {
 }
 
 thread_local! {
-    static COLUMNS: RefCell<ColumnCache> = const { RefCell::new(ColumnCache(Vec::new())) };
+    static COLUMNS: RefCell<ColumnCache> =
+        const { RefCell::new(ColumnCache(Vec::new(), Vec::new())) };
 }
 
 /// The identification columns for a UDP payload of `len` bytes (cached per thread: a
@@ -69,6 +82,16 @@ pub(crate) fn id_columns(len: usize) -> Ipv4IdColumns {
     COLUMNS
         .try_with(|c| c.borrow_mut().get(len))
         .unwrap_or_else(|_| Ipv4IdColumns::for_len(len))
+}
+
+/// The ICRC's fixed start for packets of `len` bytes with headers `h` (smc-wire
+/// `IcrcPrefix`), its mask correction cached per thread and length as the columns are: about
+/// 20 ns, where hashing the correction takes about 300 at a path MTU of 1024.
+pub(crate) fn icrc_prefix(h: &IcrcHeaders, len: usize) -> IcrcPrefix {
+    let fix = COLUMNS
+        .try_with(|c| c.borrow_mut().mask_fix(len))
+        .unwrap_or_else(|_| smc_wire::roce::bth_mask_fix(len));
+    h.prefix_with(len, fix)
 }
 
 /// Re-seal a packet whose ICRC is for identification `*id` for identification `to`.
@@ -386,6 +409,23 @@ mod tests {
             }
         }
         assert_eq!(glue_short(Vec::new(), &mut glue).len(), 0);
+    }
+
+    /// The cached prefix is the one made afresh, for many lengths in turn, twice over.
+    #[test]
+    fn icrc_prefixes_are_right_for_many_lengths() {
+        let h = IcrcHeaders::new(
+            "10.1.2.3".parse().expect("ip"),
+            "10.1.2.4".parse().expect("ip"),
+            49152,
+        );
+        let mut lens: Vec<usize> = (0..300).map(|i| 16 + 4 * i).collect();
+        lens.extend([21, 1057, COLUMN_MAX_LEN, COLUMN_MAX_LEN + 4, 65_000]);
+        for _ in 0..2 {
+            for &len in &lens {
+                assert_eq!(icrc_prefix(&h, len), h.prefix(len), "length {len}");
+            }
+        }
     }
 
     #[test]

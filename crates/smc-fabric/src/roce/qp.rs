@@ -16,8 +16,8 @@ use crate::types::{
     WcStatus, WorkCompletion,
 };
 use smc_wire::roce::{
-    self, nak, psn_add, psn_diff, Aeth, AethKind, Bth, IcrcHeaders, Opcode, Packet, PacketRepr,
-    Reth,
+    self, nak, psn_add, psn_diff, Aeth, AethKind, Bth, IcrcHeaders, IcrcPrefix, Opcode, Packet,
+    PacketRepr, Reth,
 };
 use std::collections::VecDeque;
 use std::net::IpAddr;
@@ -25,6 +25,10 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+/// Fewest packets of one length for which a post or a received datagram hashes the ICRC's
+/// fixed start once (`gso::icrc_prefix`, about 20 ns) instead of in each packet (it saves
+/// about 30 ns per packet of 1,024 bytes).
+pub(crate) const PREFIX_MIN_PACKETS: usize = 2;
 /// Largest SEND message (SMC-Rv2 LLC messages reach 8192 bytes, rocev2.md 6.2).
 pub(crate) const MAX_SEND: usize = 8192;
 /// Most PSNs in flight beyond the oldest unacknowledged one. rxe's requester keeps 128
@@ -640,6 +644,9 @@ impl RoceQp {
         let count = data_len.div_ceil(conn.mtu).max(1);
         // Where this post's packets start, to take them back should a region read fail.
         let undo = (sq.pkts.len(), sq.next_psn, sq.since_ackreq);
+        // The ICRC's fixed start for the packets' common length (all but a shorter last),
+        // hashed once per post where enough packets share it (smc-wire `IcrcPrefix`).
+        let mut prefix = IcrcPrefix::none(conn.icrc);
         for i in 0..count {
             let start = (i * conn.mtu).min(data_len);
             let len = ((i + 1) * conn.mtu).min(data_len) - start;
@@ -667,6 +674,12 @@ impl RoceQp {
                 ),
                 None => (Opcode::for_segment(false, i, count, false), None),
             };
+            if i == 0 && count >= PREFIX_MIN_PACKETS {
+                prefix = super::gso::icrc_prefix(
+                    &conn.icrc,
+                    roce::BTH_LEN + opcode.ext_len() + len + roce::pad_len(len) + roce::ICRC_LEN,
+                );
+            }
             let repr = PacketRepr {
                 bth: Bth {
                     opcode,
@@ -685,14 +698,10 @@ impl RoceQp {
             };
             let built = match &src {
                 // No copy: the packet keeps a slice of the shared bytes (txpkt.rs).
-                Payload::Shared(data) => TxPkt::shared(
-                    psn,
-                    &repr,
-                    data.slice(start..start + len),
-                    &conn.icrc,
-                    ack_req,
-                )
-                .map_err(|_| FabricError::InvalidArgument("shared WRITE headers")),
+                Payload::Shared(data) => {
+                    TxPkt::shared(psn, &repr, data.slice(start..start + len), &prefix, ack_req)
+                        .map_err(|_| FabricError::InvalidArgument("shared WRITE headers"))
+                }
                 _ => {
                     // A reused buffer is overwritten, not zeroed first (`emit_to_vec` and
                     // `emit_to_vec_with` write every byte once); a new one has room for the
@@ -727,7 +736,7 @@ impl RoceQp {
                     };
                     match filled {
                         Ok(()) => {
-                            conn.icrc.seal(&mut bytes);
+                            prefix.seal(&mut bytes);
                             Ok(TxPkt {
                                 psn,
                                 body: Body::Flat(bytes),
@@ -1379,16 +1388,32 @@ pub(crate) struct RxFrom {
     pub(crate) src: IpAddr,
     /// Our GID index (socket) it arrived on.
     pub(crate) via: u8,
-    /// The ICRC's IP and UDP fields for packets from the sender to us.
-    pub(crate) icrc: IcrcHeaders,
+    /// The ICRC's IP and UDP fields for packets from the sender to us, with its fixed start
+    /// for the datagram's segment length hashed when the datagram holds at least
+    /// [`PREFIX_MIN_PACKETS`] packets (smc-wire `IcrcPrefix`), else none.
+    pub(crate) prefix: IcrcPrefix,
 }
 
 impl RxFrom {
-    pub(crate) fn new(core: &RoceCore, src: IpAddr, src_port: u16, via: u8) -> RxFrom {
+    /// The sender of a datagram of `packets` packets of `seg` bytes each (the last may be
+    /// shorter).
+    pub(crate) fn new(
+        core: &RoceCore,
+        src: IpAddr,
+        src_port: u16,
+        via: u8,
+        seg: usize,
+        packets: usize,
+    ) -> RxFrom {
+        let icrc = IcrcHeaders::new(src, core.local_ip(via), src_port);
         RxFrom {
             src,
             via,
-            icrc: IcrcHeaders::new(src, core.local_ip(via), src_port),
+            prefix: if packets >= PREFIX_MIN_PACKETS {
+                super::gso::icrc_prefix(&icrc, seg)
+            } else {
+                IcrcPrefix::none(icrc)
+            },
         }
     }
 }
@@ -1417,9 +1442,8 @@ pub(crate) fn receive(
     // identification solved from it (rxe's are hashed; rocev2.md 13.3) with the columns cached
     // per length. The expected one costs a few XORs; solving, an elimination. IPv6 has no
     // identification: its ICRC is checked in full (rocev2.md 13.3).
-    let h = &from.icrc;
     let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
-    let icrc0 = h.compute(buf);
+    let icrc0 = from.prefix.compute(buf);
     let fits = |w: u32| {
         if w == icrc0 {
             return true;

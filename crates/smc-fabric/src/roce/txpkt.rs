@@ -13,7 +13,7 @@
 //! is acknowledged or its QP fails, so a retransmission sends the bytes that were posted.
 
 use bytes::Bytes;
-use smc_wire::roce::{self, IcrcHeaders, PacketRepr, BTH_LEN, ICRC_LEN, RETH_LEN};
+use smc_wire::roce::{self, IcrcHeaders, IcrcPrefix, PacketRepr, BTH_LEN, ICRC_LEN, RETH_LEN};
 
 /// Where the AckReq bit lives in a packet: BTH byte 8, bit 7 (rocev2.md 3.1).
 const BTH_ACKREQ: (usize, u8) = (8, 0x80);
@@ -49,12 +49,13 @@ pub(crate) struct TxPkt {
 
 impl TxPkt {
     /// A packet of `repr`'s headers and `payload` (`repr.payload` is not used), sealed with
-    /// `icrc` for identification 0, without copying the payload.
+    /// `icrc` for identification 0 (a prefix made for the packet's length, or any other: it
+    /// falls back to the full computation), without copying the payload.
     pub(crate) fn shared(
         psn: u32,
         repr: &PacketRepr<'_>,
         payload: Bytes,
-        icrc: &IcrcHeaders,
+        icrc: &IcrcPrefix,
         ack_req: bool,
     ) -> Result<TxPkt, roce::RoceError> {
         let mut head = [0u8; HEAD_MAX];
@@ -237,7 +238,11 @@ mod tests {
                 }
                 .emit_to_vec(&mut flat);
                 icrc.seal(&mut flat);
-                let mut p = TxPkt::shared(7, &r, payload.clone(), &icrc, false).expect("shared");
+                // With a prefix for the packet's length, and with none (the full way).
+                let pre = icrc.prefix(flat.len());
+                let p2 = TxPkt::shared(7, &r, payload.clone(), &IcrcPrefix::none(icrc), false);
+                assert_eq!(p2.expect("shared").wire().to_vec(), flat, "length {len}");
+                let mut p = TxPkt::shared(7, &r, payload.clone(), &pre, false).expect("shared");
                 assert_eq!(p.wire().to_vec(), flat, "length {len}");
                 // AckReq set afterwards: the packet built with it.
                 p.ask_ack(&icrc);

@@ -324,6 +324,54 @@ proptest! {
         prop_assert!(repr.emit_head(payload.len(), &mut [0u8; 11]).is_err());
     }
 
+    /// The ICRC with a prefix made for the packet's length is the full computation's, for
+    /// any headers, identification, opcode, payload and BTH byte 4 (set: the full way), whole
+    /// and in pieces; a prefix of another length falls back to the full computation.
+    #[test]
+    fn prefix_is_compute(
+        op in opcode(), dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
+        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        payload in proptest::collection::vec(any::<u8>(), 0..2100),
+        src in ip(), dst in ip(), port: u16, id: u16, byte4 in prop_oneof![Just(0u8), any::<u8>()],
+        other in 0usize..2200,
+    ) {
+        let bth = Bth { opcode: op, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
+        let repr = PacketRepr {
+            bth,
+            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
+            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
+            immdt: op.has_immdt().then_some(imm),
+            payload: &payload,
+        };
+        let mut h = IcrcHeaders::new(src, dst, port);
+        h.ipv4_id = id;
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut buf).expect("emit");
+        buf[4] = byte4;
+        let pre = h.prefix(buf.len());
+        prop_assert_eq!(pre, h.prefix_with(buf.len(), bth_mask_fix(buf.len())));
+        prop_assert_eq!(pre.len(), buf.len());
+        prop_assert_eq!(pre.compute(&buf), h.compute(&buf));
+        prop_assert_eq!(h.prefix(other).compute(&buf), h.compute(&buf));
+        prop_assert_eq!(IcrcPrefix::none(h).compute(&buf), h.compute(&buf));
+        let mut sealed = buf.clone();
+        pre.seal(&mut sealed);
+        h.seal(&mut buf);
+        prop_assert_eq!(&sealed, &buf);
+        let mut head = [0u8; 40];
+        let n = repr.emit_head(payload.len(), &mut head).expect("emit_head");
+        head[4] = byte4;
+        let pad = pad_len(payload.len());
+        prop_assert_eq!(
+            pre.compute_pieces(&head[..n], &payload, pad),
+            h.compute_pieces(&head[..n], &payload, pad)
+        );
+        prop_assert_eq!(
+            h.prefix(other).compute_pieces(&head[..n], &payload, pad),
+            h.compute_pieces(&head[..n], &payload, pad)
+        );
+    }
+
     /// Over IPv4 the identification the sender used is recovered from the ICRC alone.
     #[test]
     fn ipv4_identification_is_solved(
