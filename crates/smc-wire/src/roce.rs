@@ -826,9 +826,9 @@ pub fn bth_mask_fix(udp_payload_len: usize) -> u32 {
 
 /// [`IcrcHeaders::prefix`]: the ICRC's running value after the part of the pseudo-packet
 /// that is the same for every UDP payload of one length between two endpoints, and the
-/// correction for the BTH's masked byte. Per packet this saves the pseudo-header's assembly
-/// and one short CRC update (two on a receiver) — about 50 ns of a 1,024-byte packet's
-/// 150–200 (docs/performance.md, "The ICRC's fixed start hashed once").
+/// correction for the BTH's masked byte. Per packet this saves the pseudo-header's assembly,
+/// the copy and mask of the BTH and one CRC update — about 30 ns of a 1,024-byte packet's 100
+/// (docs/performance.md, "Session 21").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IcrcPrefix {
     headers: IcrcHeaders,

@@ -149,7 +149,7 @@ const GLUE_MAX: usize = 64;
 /// and lone short ones stay as they are, empty ones are left out. The bytes each run lays end
 /// to end do not change. A run of n shared packets (headers, payload, tail each) goes as
 /// 2n + 1 iovecs instead of 3n: the kernel's gather costs about 40 ns per iovec
-/// (docs/performance.md, "Fewer iovecs per run"), and the glue copies 32–36 bytes per packet.
+/// (docs/performance.md, "Session 21"), and the glue copies 32–36 bytes per packet.
 pub(crate) fn glue_short<'a>(
     runs: Vec<Vec<&'a [u8]>>,
     glue: &'a mut Vec<u8>,
