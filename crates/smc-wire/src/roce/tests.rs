@@ -197,23 +197,79 @@ fn ip() -> impl Strategy<Value = IpAddr> {
     ]
 }
 
+/// Header fields of any packet we emit, drawn together (the tests below draw a payload and
+/// addresses apart).
+#[derive(Clone, Copy, Debug)]
+struct Fields {
+    op: Opcode,
+    se: bool,
+    dest_qp: u32,
+    ack_req: bool,
+    psn: u32,
+    reth: Reth,
+    aeth: Aeth,
+    imm: u32,
+}
+
+impl Fields {
+    fn bth(&self) -> Bth {
+        Bth {
+            opcode: self.op,
+            se: self.se,
+            pkey: DEFAULT_PKEY,
+            dest_qp: self.dest_qp,
+            ack_req: self.ack_req,
+            psn: self.psn,
+            ..Bth::default()
+        }
+    }
+
+    /// The packet of these fields (each extension header where the opcode has one).
+    fn repr<'a>(&self, payload: &'a [u8]) -> PacketRepr<'a> {
+        PacketRepr {
+            bth: self.bth(),
+            reth: self.op.has_reth().then_some(self.reth),
+            aeth: self.op.has_aeth().then_some(self.aeth),
+            immdt: self.op.has_immdt().then_some(self.imm),
+            payload,
+        }
+    }
+}
+
+fn fields() -> impl Strategy<Value = Fields> {
+    (
+        opcode(),
+        any::<bool>(),
+        0u32..=U24_MASK,
+        any::<bool>(),
+        0u32..=U24_MASK,
+        (any::<u64>(), any::<u32>(), any::<u32>()),
+        (any::<u8>(), 0u32..=U24_MASK),
+        any::<u32>(),
+    )
+        .prop_map(
+            |(op, se, dest_qp, ack_req, psn, (va, rkey, dma_len), (syndrome, msn), imm)| Fields {
+                op,
+                se,
+                dest_qp,
+                ack_req,
+                psn,
+                reth: Reth { va, rkey, dma_len },
+                aeth: Aeth { syndrome, msn },
+                imm,
+            },
+        )
+}
+
 proptest! {
     /// Every packet we emit parses back to what was emitted, and its ICRC verifies.
     #[test]
     fn emit_parse_round_trip(
-        op in opcode(), se: bool, dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
-        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        f in fields(),
         payload in proptest::collection::vec(any::<u8>(), 0..300),
         src in ip(), dst in ip(), port: u16,
     ) {
-        let bth = Bth { opcode: op, se, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
-        let repr = PacketRepr {
-            bth,
-            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
-            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
-            immdt: op.has_immdt().then_some(imm),
-            payload: &payload,
-        };
+        let repr = f.repr(&payload);
         let mut buf = vec![0xEEu8; repr.buffer_len() + 3];
         let n = repr.emit(&mut buf).expect("emit");
         let buf = &mut buf[..n];
@@ -221,7 +277,7 @@ proptest! {
         h.seal(buf);
         prop_assert!(h.verify(buf));
         let p = Packet::parse(buf).expect("parse");
-        let mut want = bth;
+        let mut want = f.bth();
         want.pad = pad_len(payload.len()) as u8;
         prop_assert_eq!(p.bth, want);
         prop_assert_eq!(p.repr().reth, repr.reth);
@@ -234,19 +290,11 @@ proptest! {
     /// `emit_to_vec` writes what `emit` writes, whatever the reused buffer held before.
     #[test]
     fn emit_to_vec_is_emit(
-        op in opcode(), se: bool, dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
-        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        f in fields(),
         payload in proptest::collection::vec(any::<u8>(), 0..300),
         old in proptest::collection::vec(any::<u8>(), 0..400),
     ) {
-        let bth = Bth { opcode: op, se, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
-        let repr = PacketRepr {
-            bth,
-            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
-            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
-            immdt: op.has_immdt().then_some(imm),
-            payload: &payload,
-        };
+        let repr = f.repr(&payload);
         let mut want = vec![0u8; repr.buffer_len()];
         repr.emit(&mut want).expect("emit");
         let mut got = old;
@@ -259,19 +307,11 @@ proptest! {
     /// `fill` that fails returns its error.
     #[test]
     fn emit_to_vec_with_is_emit(
-        op in opcode(), se: bool, dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
-        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        f in fields(),
         payload in proptest::collection::vec(any::<u8>(), 0..300),
         old in proptest::collection::vec(any::<u8>(), 0..400),
     ) {
-        let bth = Bth { opcode: op, se, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
-        let repr = PacketRepr {
-            bth,
-            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
-            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
-            immdt: op.has_immdt().then_some(imm),
-            payload: &payload,
-        };
+        let repr = f.repr(&payload);
         let mut want = vec![0u8; repr.buffer_len()];
         repr.emit(&mut want).expect("emit");
         let unused = PacketRepr { payload: &[0xAB; 7], ..repr };
@@ -291,19 +331,11 @@ proptest! {
     /// `emit` and `seal` make, for any opcode, payload length and addresses.
     #[test]
     fn pieces_are_emit(
-        op in opcode(), se: bool, dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
-        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        f in fields(),
         payload in proptest::collection::vec(any::<u8>(), 0..1100),
         src in ip(), dst in ip(), port: u16, id: u16,
     ) {
-        let bth = Bth { opcode: op, se, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
-        let repr = PacketRepr {
-            bth,
-            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
-            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
-            immdt: op.has_immdt().then_some(imm),
-            payload: &payload,
-        };
+        let repr = f.repr(&payload);
         let mut h = IcrcHeaders::new(src, dst, port);
         h.ipv4_id = id;
         let mut want = vec![0u8; repr.buffer_len()];
@@ -329,20 +361,12 @@ proptest! {
     /// and in pieces; a prefix of another length falls back to the full computation.
     #[test]
     fn prefix_is_compute(
-        op in opcode(), dest_qp in 0u32..=U24_MASK, ack_req: bool, psn in 0u32..=U24_MASK,
-        va: u64, rkey: u32, dma_len: u32, syndrome: u8, msn in 0u32..=U24_MASK, imm: u32,
+        f in fields(),
         payload in proptest::collection::vec(any::<u8>(), 0..2100),
         src in ip(), dst in ip(), port: u16, id: u16, byte4 in prop_oneof![Just(0u8), any::<u8>()],
         other in 0usize..2200,
     ) {
-        let bth = Bth { opcode: op, pkey: DEFAULT_PKEY, dest_qp, ack_req, psn, ..Bth::default() };
-        let repr = PacketRepr {
-            bth,
-            reth: op.has_reth().then_some(Reth { va, rkey, dma_len }),
-            aeth: op.has_aeth().then_some(Aeth { syndrome, msn }),
-            immdt: op.has_immdt().then_some(imm),
-            payload: &payload,
-        };
+        let repr = f.repr(&payload);
         let mut h = IcrcHeaders::new(src, dst, port);
         h.ipv4_id = id;
         let mut buf = vec![0u8; repr.buffer_len()];
