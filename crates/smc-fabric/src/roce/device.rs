@@ -4,9 +4,10 @@
 //! retransmission and port-state timers.
 
 use super::fault::Faults;
+use super::inbound::RxBatch;
 use super::mr::RoceMr;
 use super::netdev;
-use super::qp::{RoceQp, RxBatch};
+use super::qp::RoceQp;
 use crate::config::{DeviceConfig, FabricConfig, Fault};
 use crate::error::{FabricError, Result};
 use crate::types::{DeviceEvent, Gid, Mac, Mtu, PortState};
@@ -1115,14 +1116,14 @@ impl RoceCore {
                 .fetch_add(packets as u64, Ordering::Relaxed);
             let seg_len = seg.unwrap_or(data.len());
             let rx_from =
-                super::qp::RxFrom::new(self, from.ip(), from.port(), via, seg_len, packets);
+                super::inbound::RxFrom::new(self, from.ip(), from.port(), via, seg_len, packets);
             for (k, pkt) in super::rx::packets(data, seg).enumerate() {
                 if seg.is_some() && !self.owns_qpn(pkt) {
                     self.gro_off("a coalesced datagram held another process's packets");
                 }
                 // Packet k of a coalesced send left with IPv4 identification k (gso.rs).
                 let id = if seg.is_some() { k as u16 } else { 0 };
-                super::qp::receive(self, tables, batch, &rx_from, id, pkt);
+                super::inbound::receive(self, tables, batch, &rx_from, id, pkt);
             }
         }
     }

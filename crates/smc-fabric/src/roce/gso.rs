@@ -42,7 +42,11 @@ const COLUMN_MAX_LEN: usize = 8192;
 /// connection can produce keeps its slot (a stream whose updates do not end on a path-MTU
 /// boundary makes a new last-packet length for many updates; a small cache replaced in turn
 /// computed the columns again for most of them, about 17 CRC combines each).
-struct ColumnCache(Vec<Option<Ipv4IdColumns>>, Vec<Option<u32>>);
+struct ColumnCache {
+    columns: Vec<Option<Ipv4IdColumns>>,
+    /// [`smc_wire::roce::bth_mask_fix`] by length (4 bytes per slot).
+    mask_fixes: Vec<Option<u32>>,
+}
 
 impl ColumnCache {
     /// [`smc_wire::roce::bth_mask_fix`] by length, cached as the columns are.
@@ -51,10 +55,10 @@ impl ColumnCache {
             return smc_wire::roce::bth_mask_fix(len);
         }
         let i = len / 4;
-        if self.1.len() <= i {
-            self.1.resize(i + 1, None);
+        if self.mask_fixes.len() <= i {
+            self.mask_fixes.resize(i + 1, None);
         }
-        *self.1[i].get_or_insert_with(|| smc_wire::roce::bth_mask_fix(len))
+        *self.mask_fixes[i].get_or_insert_with(|| smc_wire::roce::bth_mask_fix(len))
     }
 
     fn get(&mut self, len: usize) -> Ipv4IdColumns {
@@ -62,16 +66,21 @@ impl ColumnCache {
             return Ipv4IdColumns::for_len(len);
         }
         let i = len / 4;
-        if self.0.len() <= i {
-            self.0.resize(i + 1, None);
+        if self.columns.len() <= i {
+            self.columns.resize(i + 1, None);
         }
-        *self.0[i].get_or_insert_with(|| Ipv4IdColumns::for_len(len))
+        *self.columns[i].get_or_insert_with(|| Ipv4IdColumns::for_len(len))
     }
 }
 
 thread_local! {
     static COLUMNS: RefCell<ColumnCache> =
-        const { RefCell::new(ColumnCache(Vec::new(), Vec::new())) };
+        const {
+        RefCell::new(ColumnCache {
+            columns: Vec::new(),
+            mask_fixes: Vec::new(),
+        })
+    };
 }
 
 /// The identification columns for a UDP payload of `len` bytes (cached per thread: a
@@ -86,8 +95,17 @@ pub(crate) fn id_columns(len: usize) -> Ipv4IdColumns {
 
 /// The ICRC's fixed start for packets of `len` bytes with headers `h` (smc-wire
 /// `IcrcPrefix`), its mask correction cached per thread and length as the columns are: about
-/// 20 ns, where hashing the correction takes about 300 at a path MTU of 1024.
+/// 30 ns, where hashing the correction takes about 300 at a path MTU of 1024.
+/// A length no packet has (not a multiple of 4, shorter than a BTH and ICRC, or past
+/// [`COLUMN_MAX_LEN`], the longest a path MTU of 4096 makes) gets no prefix: its packets are
+/// computed the full way, and a peer's datagrams cannot make the correction be hashed afresh
+/// for lengths outside the cache.
 pub(crate) fn icrc_prefix(h: &IcrcHeaders, len: usize) -> IcrcPrefix {
+    if !len.is_multiple_of(4)
+        || !(smc_wire::roce::BTH_LEN + ICRC_LEN..=COLUMN_MAX_LEN).contains(&len)
+    {
+        return IcrcPrefix::none(*h);
+    }
     let fix = COLUMNS
         .try_with(|c| c.borrow_mut().mask_fix(len))
         .unwrap_or_else(|_| smc_wire::roce::bth_mask_fix(len));
@@ -149,14 +167,14 @@ const GLUE_MAX: usize = 64;
 /// and lone short ones stay as they are, empty ones are left out. The bytes each run lays end
 /// to end do not change. A run of n shared packets (headers, payload, tail each) goes as
 /// 2n + 1 iovecs instead of 3n: the kernel's gather costs about 40 ns per iovec
-/// (docs/performance.md, "Session 21"), and the glue copies 32–36 bytes per packet.
+/// (docs/performance.md, "Session 21"), and the glue copies 32–36 bytes per packet. The runs'
+/// vectors are rewritten in place, and `glue` takes its room once.
 pub(crate) fn glue_short<'a>(
-    runs: Vec<Vec<&'a [u8]>>,
+    mut runs: Vec<Vec<&'a [u8]>>,
     glue: &'a mut Vec<u8>,
 ) -> Vec<Vec<&'a [u8]>> {
-    enum Part<'a> {
-        Piece(&'a [u8]),
-        Glued(usize, usize),
+    for run in &mut runs {
+        run.retain(|p| !p.is_empty());
     }
     glue.clear();
     // One allocation: room for every short piece (growing piece by piece reallocated several
@@ -168,45 +186,53 @@ pub(crate) fn glue_short<'a>(
             .map(|p| p.len())
             .sum(),
     );
-    let plans: Vec<Vec<Part<'a>>> = runs
-        .into_iter()
-        .map(|pieces| {
-            let mut out = Vec::with_capacity(pieces.len());
-            let mut i = 0;
-            while i < pieces.len() {
-                let mut j = i;
-                while j < pieces.len() && pieces[j].len() <= GLUE_MAX {
-                    j += 1;
+    // Each stretch's bytes, in order.
+    for run in &runs {
+        let mut i = 0;
+        while i < run.len() {
+            let j = stretch_end(run, i);
+            if j - i >= 2 {
+                for p in &run[i..j] {
+                    glue.extend_from_slice(p);
                 }
-                if j - i >= 2 {
-                    let at = glue.len();
-                    for p in &pieces[i..j] {
-                        glue.extend_from_slice(p);
-                    }
-                    out.push(Part::Glued(at, glue.len()));
-                    i = j;
-                } else {
-                    out.push(Part::Piece(pieces[i]));
-                    i += 1;
-                }
+                i = j;
+            } else {
+                i += 1;
             }
-            out
-        })
-        .collect();
+        }
+    }
     // Filled: from here on only read, for as long as the pieces live.
     let glue: &'a [u8] = glue;
-    plans
-        .into_iter()
-        .map(|plan| {
-            plan.into_iter()
-                .map(|part| match part {
-                    Part::Piece(s) => s,
-                    Part::Glued(a, b) => &glue[a..b],
-                })
-                .filter(|s| !s.is_empty())
-                .collect()
-        })
-        .collect()
+    // The same stretches in the same order, each replaced by its bytes in `glue` (the write
+    // index never passes the read index).
+    let mut at = 0;
+    for run in &mut runs {
+        let (mut w, mut i) = (0, 0);
+        while i < run.len() {
+            let j = stretch_end(run, i);
+            if j - i >= 2 {
+                let len: usize = run[i..j].iter().map(|p| p.len()).sum();
+                run[w] = &glue[at..at + len];
+                at += len;
+                i = j;
+            } else {
+                run[w] = run[i];
+                i += 1;
+            }
+            w += 1;
+        }
+        run.truncate(w);
+    }
+    runs
+}
+
+/// Where the stretch of short pieces starting at `i` ends (`i` itself when `run[i]` is long).
+fn stretch_end(run: &[&[u8]], i: usize) -> usize {
+    let mut j = i;
+    while j < run.len() && run[j].len() <= GLUE_MAX {
+        j += 1;
+    }
+    j
 }
 
 /// Whether a failed GSO send means this socket cannot do GSO at all (then the device falls
@@ -432,7 +458,12 @@ mod tests {
         lens.extend([21, 1057, COLUMN_MAX_LEN, COLUMN_MAX_LEN + 4, 65_000]);
         for _ in 0..2 {
             for &len in &lens {
-                assert_eq!(icrc_prefix(&h, len), h.prefix(len), "length {len}");
+                let want = if len.is_multiple_of(4) && len <= COLUMN_MAX_LEN {
+                    h.prefix(len)
+                } else {
+                    IcrcPrefix::none(h)
+                };
+                assert_eq!(icrc_prefix(&h, len), want, "length {len}");
             }
         }
     }

@@ -16,6 +16,7 @@ mod cq;
 mod device;
 mod fault;
 mod gso;
+mod inbound;
 mod mr;
 mod netdev;
 mod qp;

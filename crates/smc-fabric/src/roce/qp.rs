@@ -8,6 +8,7 @@
 
 use super::cq::RoceCq;
 use super::device::{bump, lock, Dest, RoceCore, Tables};
+use super::inbound::RxBatch;
 use super::mr::RoceMr;
 use super::txpkt::{Body, TxPkt, Wire};
 use crate::error::{FabricError, Result};
@@ -26,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Fewest packets of one length for which a post or a received datagram hashes the ICRC's
-/// fixed start once (`gso::icrc_prefix`, about 20 ns) instead of in each packet (it saves
+/// fixed start once (`gso::icrc_prefix`, about 30 ns) instead of in each packet (it saves
 /// about 30 ns per packet of 1,024 bytes).
 pub(crate) const PREFIX_MIN_PACKETS: usize = 2;
 /// Largest SEND message (SMC-Rv2 LLC messages reach 8192 bytes, rocev2.md 6.2).
@@ -91,9 +92,9 @@ fn retransmit_timeout() -> Duration {
 }
 
 #[derive(Clone, Copy)]
-struct Conn {
+pub(super) struct Conn {
     /// The peer's address and our GID index (socket) for it.
-    ip: Dest,
+    pub(super) ip: Dest,
     dest_qp: u32,
     mtu: usize,
     icrc: IcrcHeaders,
@@ -204,7 +205,7 @@ pub(crate) struct RoceQp {
     caps: QpCaps,
     state: AtomicU8,
     sq_psn: u32,
-    conn: OnceLock<Conn>,
+    pub(super) conn: OnceLock<Conn>,
     sq: Mutex<SendQueue>,
     rq: Mutex<VecDeque<RecvEntry>>,
     resp: Mutex<Responder>,
@@ -892,7 +893,7 @@ impl RoceQp {
     }
 
     /// An Acknowledge packet for this QP (requester side).
-    fn on_ack(&self, aeth: Aeth, psn: u32) {
+    pub(super) fn on_ack(&self, aeth: Aeth, psn: u32) {
         let Some(conn) = self.conn.get().copied() else {
             return;
         };
@@ -1041,7 +1042,7 @@ impl RoceQp {
     }
 
     /// A request packet for this QP (responder side), in the order of rocev2.md 9.1 steps 2–8.
-    fn on_request(
+    pub(super) fn on_request(
         &self,
         tables: &Tables,
         batch: &mut RxBatch,
@@ -1240,7 +1241,7 @@ impl RoceQp {
     /// The end of a receive batch: the ACK the batch's AckReq packets call for (one, for the
     /// highest; ACKs are cumulative) is held back for a reply to carry it ([`ACK_DELAY`]),
     /// unless that would leave [`ACK_SPAN`] PSNs or more unacknowledged.
-    fn flush_ack(&self, now: Instant) {
+    pub(super) fn flush_ack(&self, now: Instant) {
         let Some(conn) = self.conn.get().copied() else {
             return;
         };
@@ -1353,142 +1354,10 @@ fn wr_shape(wr: &SendWr<'_>) -> (WcOpcode, u32) {
     }
 }
 
-/// What one receive batch owes: the QPs with an ACK to send. ACKs are cumulative, so one per
-/// QP per batch, for the highest AckReq PSN executed, answers them all (rocev2.md 8.3).
-#[derive(Default)]
-pub(crate) struct RxBatch {
-    acks: Vec<Arc<RoceQp>>,
-}
-
-impl RxBatch {
-    pub(crate) fn flush(&mut self, _core: &RoceCore) {
-        if self.acks.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        for qp in self.acks.drain(..) {
-            qp.flush_ack(now);
-        }
-    }
-}
-
 /// The GID of an address: itself for IPv6, `::ffff:a.b.c.d` for IPv4.
 fn roce_gid(a: IpAddr) -> [u8; 16] {
     match a {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
         IpAddr::V6(v6) => v6.octets(),
     }
-}
-
-/// Where a received datagram came from, for the checks of each of its packets: built once per
-/// datagram (per packet, the address, port and ICRC headers were rebuilt and passed by value,
-/// and reading them back stalled on store forwarding: a third of `receive`'s own samples).
-pub(crate) struct RxFrom {
-    /// The sender's address.
-    pub(crate) src: IpAddr,
-    /// Our GID index (socket) it arrived on.
-    pub(crate) via: u8,
-    /// The ICRC's IP and UDP fields for packets from the sender to us, with its fixed start
-    /// for the datagram's segment length hashed when the datagram holds at least
-    /// [`PREFIX_MIN_PACKETS`] packets (smc-wire `IcrcPrefix`), else none.
-    pub(crate) prefix: IcrcPrefix,
-}
-
-impl RxFrom {
-    /// The sender of a datagram of `packets` packets of `seg` bytes each (the last may be
-    /// shorter).
-    pub(crate) fn new(
-        core: &RoceCore,
-        src: IpAddr,
-        src_port: u16,
-        via: u8,
-        seg: usize,
-        packets: usize,
-    ) -> RxFrom {
-        let icrc = IcrcHeaders::new(src, core.local_ip(via), src_port);
-        RxFrom {
-            src,
-            via,
-            prefix: if packets >= PREFIX_MIN_PACKETS {
-                super::gso::icrc_prefix(&icrc, seg)
-            } else {
-                IcrcPrefix::none(icrc)
-            },
-        }
-    }
-}
-
-/// One received UDP payload from `from`, likely sent with IPv4 identification `id` (packet k
-/// of a coalesced datagram: k): packet checks (rocev2.md 9.1 step 1), then the requester or
-/// responder side of its QP.
-pub(crate) fn receive(
-    core: &RoceCore,
-    tables: &Tables,
-    batch: &mut RxBatch,
-    from: &RxFrom,
-    id: u16,
-    buf: &[u8],
-) {
-    let (src, via) = (from.src, from.via);
-    let p = match Packet::parse(buf) {
-        Ok(p) => p,
-        Err(_) => {
-            bump(&core.counters.drop_malformed);
-            return;
-        }
-    };
-    // The ICRC: identification 0 (how this engine and any kernel socket with IP_PMTUDISC_DO
-    // send) or the one expected (segment k of a UDP_SEGMENT send carries k), else the
-    // identification solved from it (rxe's are hashed; rocev2.md 13.3) with the columns cached
-    // per length. The expected one costs a few XORs; solving, an elimination. IPv6 has no
-    // identification: its ICRC is checked in full (rocev2.md 13.3).
-    let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
-    let icrc0 = from.prefix.compute(buf);
-    let fits = |w: u32| {
-        if w == icrc0 {
-            return true;
-        }
-        if !src.is_ipv4() {
-            return false;
-        }
-        let cols = super::gso::id_columns(buf.len());
-        (id != 0 && w ^ icrc0 == cols.delta(id)) || cols.solve(w ^ icrc0).is_some()
-    };
-    if !wire.is_some_and(fits) {
-        bump(&core.counters.drop_icrc);
-        return;
-    }
-    if p.bth.pkey & 0x7FFF != 0x7FFF {
-        bump(&core.counters.drop_malformed);
-        return;
-    }
-    let Some(qp) = tables.qps.get(&p.bth.dest_qp) else {
-        bump(&core.counters.drop_unknown_qp);
-        return;
-    };
-    let state = qp.state();
-    if !matches!(state, QpState::Rtr | QpState::Rts) {
-        bump(&core.counters.drop_unknown_qp);
-        return;
-    }
-    let Some(conn) = qp.conn.get() else {
-        bump(&core.counters.drop_unknown_qp);
-        return;
-    };
-    // Only the connected peer's address may speak to a QP (RC carries no source QPN; the
-    // source address is what identifies the peer), and only to the GID the QP speaks from
-    // (rocev2.md 11.1: rxe checks both addresses against the QP's address vector).
-    if conn.ip != (Dest { ip: src, via }) {
-        bump(&core.counters.drop_wrong_source);
-        return;
-    }
-    if p.bth.opcode == Opcode::ACKNOWLEDGE {
-        if state == QpState::Rts {
-            if let Some(aeth) = p.aeth {
-                qp.on_ack(aeth, p.bth.psn);
-            }
-        }
-        return;
-    }
-    qp.on_request(tables, batch, qp, &p);
 }

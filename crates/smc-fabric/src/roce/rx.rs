@@ -35,6 +35,11 @@ const UDP_GRO: libc::c_int = 104;
 /// samples against 455 (TCP's copy of the same bytes: 569; docs/performance.md, "Session 21").
 /// Half a page is as far from either side as a slot can be.
 const SLOT_PAGE_OFFSET: usize = 2048;
+/// How far past `addr` the first slot starts: the next address at [`SLOT_PAGE_OFFSET`]
+/// into a page (less than 4096).
+fn slot_start(addr: usize) -> usize {
+    (SLOT_PAGE_OFFSET + 4096 - addr % 4096) % 4096
+}
 /// Control buffer per datagram: room for one cmsg carrying an `int`, aligned for cmsghdr.
 type Ctrl = [u64; 4];
 /// The receive timeout (`SO_RCVTIMEO`) of a device socket: the longest a thread sleeps in
@@ -117,8 +122,7 @@ impl RxRing {
         // SAFETY: sockaddr_in6, iovec and mmsghdr are plain old data; all-zero is valid.
         let zero_addr: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
         let bufs = vec![0u8; BATCH * RX_BUF + 4096];
-        let at = bufs.as_ptr() as usize % 4096;
-        let start = (SLOT_PAGE_OFFSET + 4096 - at) % 4096;
+        let start = slot_start(bufs.as_ptr() as usize);
         RxRing {
             bufs,
             start,
@@ -221,15 +225,19 @@ impl RxRing {
 mod tests {
     use super::*;
 
-    /// Every slot starts half-way into a page, whatever address the allocator gave.
+    /// Every slot starts half-way into a page, whatever address the allocator gives.
     #[test]
     fn slots_start_half_way_into_a_page() {
-        for _ in 0..4 {
-            let r = RxRing::new();
-            let slot0 = r.bufs.as_ptr() as usize + r.start;
-            assert_eq!(slot0 % 4096, SLOT_PAGE_OFFSET);
-            assert!(r.start + BATCH * RX_BUF <= r.bufs.len());
+        for addr in (0..3 * 4096).step_by(8) {
+            let start = slot_start(addr);
+            assert!(start < 4096, "address {addr}");
+            assert_eq!((addr + start) % 4096, SLOT_PAGE_OFFSET, "address {addr}");
         }
+        let r = RxRing::new();
+        let slot0 = r.bufs.as_ptr() as usize + r.start;
+        assert_eq!(slot0 % 4096, SLOT_PAGE_OFFSET);
+        assert!(r.start + BATCH * RX_BUF <= r.bufs.len());
+        assert_eq!(RX_BUF % 4096, 0, "every slot at the same page offset");
     }
 
     #[test]

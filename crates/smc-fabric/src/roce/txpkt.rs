@@ -49,20 +49,20 @@ pub(crate) struct TxPkt {
 
 impl TxPkt {
     /// A packet of `repr`'s headers and `payload` (`repr.payload` is not used), sealed with
-    /// `icrc` for identification 0 (a prefix made for the packet's length, or any other: it
+    /// `prefix` for identification 0 (a prefix made for the packet's length, or any other: it
     /// falls back to the full computation), without copying the payload.
     pub(crate) fn shared(
         psn: u32,
         repr: &PacketRepr<'_>,
         payload: Bytes,
-        icrc: &IcrcPrefix,
+        prefix: &IcrcPrefix,
         ack_req: bool,
     ) -> Result<TxPkt, roce::RoceError> {
         let mut head = [0u8; HEAD_MAX];
         let head_len = repr.emit_head(payload.len(), &mut head)?;
         let pad = roce::pad_len(payload.len());
         let mut tail = [0u8; TAIL_MAX];
-        let sum = icrc.compute_pieces(&head[..head_len], &payload, pad);
+        let sum = prefix.compute_pieces(&head[..head_len], &payload, pad);
         tail[pad..pad + ICRC_LEN].copy_from_slice(&sum.to_le_bytes());
         Ok(TxPkt {
             psn,
