@@ -604,6 +604,8 @@ pub struct IcrcHeaders {
 
 /// Register value after the eight `0xFF` bytes that stand for the absent LRH (rocev2.md 12.1).
 const LRH_ONES: [u8; 8] = [0xFF; 8];
+/// Room for the eight `0xFF`, the longest masked IP and UDP headers (IPv6) and a BTH.
+const PRE_MAX: usize = LRH_ONES.len() + 48 + BTH_LEN;
 
 impl IcrcHeaders {
     /// The headers of a packet from `src` to `dst` sent the way the engine sends (identification
@@ -705,12 +707,11 @@ impl IcrcHeaders {
         self.hasher_from(udp_payload.len(), &udp_payload[..end.min(BTH_LEN)])
     }
 
-    /// [`hasher_to_bth`](Self::hasher_to_bth) of a UDP payload of `len` bytes whose covered
-    /// bytes start with `bth` (its whole BTH, or all it covers when shorter).
-    fn hasher_from(&self, len: usize, bth: &[u8]) -> crc32fast::Hasher {
-        // Copies of fixed lengths (IPv4 or IPv6 headers, a whole BTH) in the usual cases:
-        // the compiler makes them moves, where a copy of a variable length calls `memmove`.
-        let mut pre = [0u8; LRH_ONES.len() + 48 + BTH_LEN];
+    /// The eight `0xFF` and the masked IP and UDP headers for a UDP payload of `len` bytes,
+    /// at the start of `pre`; returns how many bytes (36 over IPv4, 56 over IPv6). Copies of
+    /// fixed lengths (IPv4 or IPv6 headers) in the usual cases: the compiler makes them moves,
+    /// where a copy of a variable length calls `memmove`.
+    fn lrh_and_pseudo_header(&self, len: usize, pre: &mut [u8; PRE_MAX]) -> usize {
         pre[..LRH_ONES.len()].copy_from_slice(&LRH_ONES);
         let mut ph = [0u8; 48];
         let n = self.pseudo_header(len, &mut ph);
@@ -720,7 +721,15 @@ impl IcrcHeaders {
         } else {
             pre[at..at + 48].copy_from_slice(&ph);
         }
-        let at = at + n;
+        at + n
+    }
+
+    /// [`hasher_to_bth`](Self::hasher_to_bth) of a UDP payload of `len` bytes whose covered
+    /// bytes start with `bth` (its whole BTH, or all it covers when shorter).
+    fn hasher_from(&self, len: usize, bth: &[u8]) -> crc32fast::Hasher {
+        // A whole BTH copied as a fixed length in the usual case (a move, not `memmove`).
+        let mut pre = [0u8; PRE_MAX];
+        let at = self.lrh_and_pseudo_header(len, &mut pre);
         let bth_end = bth.len().min(BTH_LEN);
         match bth.first_chunk::<BTH_LEN>() {
             Some(b) => pre[at..at + BTH_LEN].copy_from_slice(b),
@@ -745,13 +754,10 @@ impl IcrcHeaders {
     /// [`prefix`](Self::prefix) with the mask correction for the length already known
     /// ([`bth_mask_fix`], which a caller may keep per length: it is most of the cost).
     pub fn prefix_with(&self, udp_payload_len: usize, mask_fix: u32) -> IcrcPrefix {
-        let mut pre = [0u8; LRH_ONES.len() + 48];
-        pre[..LRH_ONES.len()].copy_from_slice(&LRH_ONES);
-        let mut ph = [0u8; 48];
-        let n = self.pseudo_header(udp_payload_len, &mut ph);
-        pre[LRH_ONES.len()..LRH_ONES.len() + n].copy_from_slice(&ph[..n]);
+        let mut pre = [0u8; PRE_MAX];
+        let n = self.lrh_and_pseudo_header(udp_payload_len, &mut pre);
         let mut h = crc32fast::Hasher::new();
-        h.update(&pre[..LRH_ONES.len() + n]);
+        h.update(&pre[..n]);
         IcrcPrefix {
             headers: *self,
             len: udp_payload_len,

@@ -51,26 +51,26 @@ struct ColumnCache {
 impl ColumnCache {
     /// [`smc_wire::roce::bth_mask_fix`] by length, cached as the columns are.
     fn mask_fix(&mut self, len: usize) -> u32 {
-        if !len.is_multiple_of(4) || len > COLUMN_MAX_LEN {
-            return smc_wire::roce::bth_mask_fix(len);
-        }
-        let i = len / 4;
-        if self.mask_fixes.len() <= i {
-            self.mask_fixes.resize(i + 1, None);
-        }
-        *self.mask_fixes[i].get_or_insert_with(|| smc_wire::roce::bth_mask_fix(len))
+        by_len(&mut self.mask_fixes, len, smc_wire::roce::bth_mask_fix)
     }
 
     fn get(&mut self, len: usize) -> Ipv4IdColumns {
-        if !len.is_multiple_of(4) || len > COLUMN_MAX_LEN {
-            return Ipv4IdColumns::for_len(len);
-        }
-        let i = len / 4;
-        if self.columns.len() <= i {
-            self.columns.resize(i + 1, None);
-        }
-        *self.columns[i].get_or_insert_with(|| Ipv4IdColumns::for_len(len))
+        by_len(&mut self.columns, len, Ipv4IdColumns::for_len)
     }
+}
+
+/// The value for packet length `len` in `slots` (indexed by `len / 4`), made by `make` the
+/// first time; a length no packet has (not a multiple of 4, or past [`COLUMN_MAX_LEN`]) is
+/// made afresh and not kept.
+fn by_len<T: Copy>(slots: &mut Vec<Option<T>>, len: usize, make: fn(usize) -> T) -> T {
+    if !len.is_multiple_of(4) || len > COLUMN_MAX_LEN {
+        return make(len);
+    }
+    let i = len / 4;
+    if slots.len() <= i {
+        slots.resize(i + 1, None);
+    }
+    *slots[i].get_or_insert_with(|| make(len))
 }
 
 thread_local! {
