@@ -11,6 +11,7 @@ mod decode;
 mod demo;
 mod nc;
 mod observe;
+mod roce_floor;
 mod roce_netns;
 mod run;
 mod ueid;
@@ -60,6 +61,9 @@ enum Command {
     /// The server process of `smc demo`.
     #[command(hide = true)]
     DemoServer(demo::DemoServerArgs),
+    /// The floor of `smc bench --fabric roce`: a software RoCE stream's per-byte work alone.
+    #[command(hide = true)]
+    RoceFloor(roce_floor::FloorArgs),
 }
 
 fn main() -> ExitCode {
@@ -78,6 +82,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::BenchServer(args) => bench_server::run_server(&args),
+        Command::RoceFloor(args) => roce_floor::run(&args),
     };
     match result {
         Ok(code) => code,
