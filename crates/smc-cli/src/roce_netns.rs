@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+/// The UDP port of the floor's receiver (`smc roce-floor`; not RoCEv2's 4791, which the
+/// devices of a stack in the namespace may hold).
+const FLOOR_PORT: u16 = 4792;
+
 /// Two namespaces `a` and `b`, veth pairs 0 and 1 between them (10.N.1.0/24, 10.N.2.0/24).
 struct Net {
     a: String,
@@ -227,10 +231,13 @@ struct Streamed {
     transfer: Option<f64>,
 }
 
-/// Bytes and seconds of the receiver's line `smc nc: received N bytes in S s (...)`.
+/// Bytes and seconds of the receiver's line `smc nc: received N bytes in S s (...)` (or
+/// `smc roce-floor: received ...`).
 fn transfer_of(stderr: &str) -> Option<(u64, f64)> {
     stderr.lines().find_map(|l| {
-        let rest = l.strip_prefix("smc nc: received ")?;
+        let rest = l
+            .strip_prefix("smc nc: received ")
+            .or_else(|| l.strip_prefix("smc roce-floor: received "))?;
         let (n, t) = rest.split_once(" bytes in ")?;
         Some((n.parse().ok()?, t.split_whitespace().next()?.parse().ok()?))
     })
@@ -280,14 +287,52 @@ impl Net {
         result
     }
 
+    /// The floor (`smc roce-floor`, roce_floor.rs): `src` from b to a over the same veth
+    /// pair with only the per-byte work of a software RoCE stream (copy into packets, CRC,
+    /// `UDP_SEGMENT` runs; CRC check, placement, read) at the path MTU the devices use; the
+    /// receiver's transfer seconds (first byte to end of stream).
+    fn floor(&self, src: &Path, path_mtu: usize) -> Result<f64> {
+        let exe = std::env::current_exe().context("locating the smc binary")?;
+        let at = format!("{}:{FLOOR_PORT}", self.addr('a', 0));
+        let mtu = path_mtu.to_string();
+        let run = |ns: &str, role: &str, stdin: Stdio| {
+            Command::new("ip")
+                .args(["netns", "exec", ns])
+                .arg(&exe)
+                .args(["roce-floor", role, &at, "--mtu", &mtu])
+                .stdin(stdin)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("starting smc roce-floor in a namespace")
+        };
+        let mut server = Reaped(Some(run(&self.a, "--listen", Stdio::null())?));
+        self.wait_bound(FLOOR_PORT, true)?;
+        let client = run(&self.b, "--connect", Stdio::from(File::open(src)?))?;
+        finish(client, "floor sender")?;
+        let se = finish(server.take(), "floor receiver")?;
+        let len = std::fs::metadata(src)?.len();
+        match transfer_of(&se) {
+            Some((n, secs)) if n == len => Ok(secs),
+            _ => bail!("the floor's receiver did not say it received all {len} bytes:\n{se}"),
+        }
+    }
+
     /// Until something listens on TCP `port` in namespace a (at most 30 s: a stack's first
     /// start in a namespace loads its devices and eBPF program).
     fn wait_listening(&self, port: u16) -> Result<()> {
+        self.wait_bound(port, false)
+    }
+
+    /// Until a TCP socket listens, or a UDP socket is bound (`udp`), on `port` in namespace a
+    /// (at most 30 s).
+    fn wait_bound(&self, port: u16, udp: bool) -> Result<()> {
         let filter = format!("sport = :{port}");
         let end = Instant::now() + Duration::from_secs(30);
+        let flags = if udp { "-Hlun" } else { "-Hltn" };
         loop {
             let o = Command::new("ip")
-                .args(["netns", "exec", &self.a, "ss", "-Hltn", &filter])
+                .args(["netns", "exec", &self.a, "ss", flags, &filter])
                 .output()
                 .context("running ss in the namespace")?;
             if o.status.success() && !o.stdout.is_empty() {
@@ -459,14 +504,19 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
     // One round of each kept in a file and checked by SHA-256, not timed.
     net.stream(true, &src, true, 0, || Ok(()))?;
     net.stream(false, &src, true, 0, || Ok(()))?;
+    let path_mtu = smc_fabric::roce_path_mtu(mtu)
+        .map(|m| m.bytes())
+        .context("no RoCE path MTU on this veth MTU")?;
     let (mut smc, mut tcp) = (Vec::new(), Vec::new());
     let (mut smc_x, mut tcp_x) = (Vec::new(), Vec::new());
+    let mut floor = Vec::new();
     for _ in 0..rounds.max(1) {
         for (on, whole, transfer) in [(true, &mut smc, &mut smc_x), (false, &mut tcp, &mut tcp_x)] {
             let r = net.stream(on, &src, false, 0, || Ok(()))?;
             whole.push(r.took.as_secs_f64());
             transfer.extend(r.transfer);
         }
+        floor.push(net.floor(&src, path_mtu)?);
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -497,6 +547,21 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
         mbs(t),
         t / s
     );
+    if tcp_x.len() == tcp.len() {
+        let (f, t) = (median(&mut floor), median(&mut tcp_x));
+        println!(
+            "  {:<46} {:>9.1} MB/s {:>14} {:>7.2}x",
+            "floor: transfer of the per-byte work alone",
+            mbs(f),
+            "",
+            t / f
+        );
+        println!(
+            "  (the floor, `smc roce-floor`: the same bytes copied into packets of path MTU \
+             {path_mtu}, a CRC-32 each, UDP_SEGMENT runs; CRC check, placement and read at the \
+             receiver — what any software RoCE device must do per byte, with no protocol)"
+        );
+    }
     // Ping-pong: SMC-R and TCP alternate, each round of each size; medians of the p50s.
     let secs = if bytes <= 64 << 20 { 1.0 } else { 2.0 };
     println!(

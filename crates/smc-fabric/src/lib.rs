@@ -165,6 +165,13 @@ pub unsafe fn place_rdma_write(src: &[u8], dst: *mut u8) {
     unsafe { shm::place(src.as_ptr(), dst, src.len()) }
 }
 
+/// The path MTU a software RoCE device offers on a netdev of MTU `netdev_mtu`, as rxe picks it
+/// (the netdev's MTU less 80 bytes of headers, rounded down to an IB MTU): 1,024 on an
+/// Ethernet MTU of 1,500, 4,096 from 4,176. `None` below 336.
+pub fn roce_path_mtu(netdev_mtu: u32) -> Option<Mtu> {
+    roce::active_mtu(netdev_mtu)
+}
+
 /// Names of the devices of a fabric configuration (verbs `ibv_get_device_list`).
 pub fn list_devices(config: &FabricConfig) -> Vec<String> {
     config.device_names()

@@ -25,7 +25,7 @@ mod steer;
 mod txpkt;
 
 pub(crate) use cq::RoceCq;
-pub(crate) use device::{receive_now, snapshot, ReceiveWait, RoceHandle};
+pub(crate) use device::{active_mtu, receive_now, snapshot, ReceiveWait, RoceHandle};
 pub(crate) use mr::RoceMr;
 pub(crate) use qp::{shortest_shared_write, RoceQp, MAX_SEND};
 pub(crate) use rx::BLOCK;
