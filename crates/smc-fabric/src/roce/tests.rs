@@ -394,6 +394,83 @@ fn forged_packets() {
     assert_eq!(b.dev.core.counters.rx_packets.load(Ordering::Relaxed), 4);
 }
 
+/// A coalesced datagram — one `UDP_SEGMENT` send of three WRITE ONLY packets, packet k sealed
+/// for IPv4 identification k as the kernel numbers the segments, the receiver taking them
+/// whole (`UDP_GRO`) — whose middle packet is corrupted: the first packet is placed, the
+/// corrupted one dropped and counted as a bad ICRC, the third (now out of sequence) dropped,
+/// counted and NAKed, and neither of the last two writes a byte.
+#[test]
+fn a_coalesced_datagram_with_a_corrupted_packet() {
+    let (a, b) = pair(30, Vec::new(), 4);
+    let bq = b.qp.local_info();
+    let epsn = a.qp.local_info().psn;
+    let s = std::net::UdpSocket::bind((addr(30, 0), 0)).expect("bind");
+    let port = s.local_addr().expect("addr").port();
+    rustix::net::sockopt::set_ip_mtu_discover(&s, rustix::net::sockopt::Ipv4PathMtuDiscovery::DO)
+        .expect("don't fragment");
+    let mut datagram = Vec::new();
+    let mut seg = 0;
+    for k in 0..3u32 {
+        let payload = [0x60 + k as u8; 64];
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: wire::Opcode::WRITE_ONLY,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: bq.qp_num,
+                ack_req: k == 2,
+                psn: wire::psn_add(epsn, k),
+                ..wire::Bth::default()
+            },
+            reth: Some(wire::Reth {
+                va: b.rmb.vaddr() + 64 * u64::from(k),
+                rkey: b.rmb.key,
+                dma_len: 64,
+            }),
+            aeth: None,
+            immdt: None,
+            payload: &payload,
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut buf).expect("emit");
+        let mut icrc = wire::IcrcHeaders::new(addr(30, 0).into(), addr(30, 1).into(), port);
+        icrc.ipv4_id = k as u16;
+        icrc.seal(&mut buf);
+        if k == 1 {
+            buf[40] ^= 1;
+        }
+        seg = buf.len();
+        datagram.extend_from_slice(&buf);
+    }
+    let gso = seg as libc::c_int;
+    // SAFETY: a plain setsockopt with a pointer to a live c_int and its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&s),
+            libc::SOL_UDP,
+            libc::UDP_SEGMENT,
+            (&gso as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "UDP_SEGMENT");
+    s.send_to(&datagram, (addr(30, 1), wire::UDP_PORT))
+        .expect("send");
+    let c = |f: fn(&crate::DeviceCounters) -> u64| f(&snapshot(&b.dev.core));
+    let end = Instant::now() + Duration::from_secs(5);
+    while (c(|c| c.drop_icrc) == 0 || c(|c| c.drop_out_of_sequence) == 0) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(c(|c| c.rx_packets), 3, "three packets received");
+    assert_eq!(c(|c| c.drop_icrc), 1, "the corrupted packet");
+    assert_eq!(c(|c| c.drop_out_of_sequence), 1, "the packet after it");
+    assert_eq!(c(|c| c.naks_sent), 1, "one sequence NAK");
+    let mut back = [0u8; 192];
+    b.rmb.read_at(0, &mut back).expect("read");
+    assert_eq!(back[..64], [0x60u8; 64], "the first packet placed");
+    assert_eq!(back[64..], [0u8; 128], "nothing of the other two");
+    assert_eq!(b.qp.state(), QpState::Rts);
+}
+
 /// An ACK past the highest PSN a QP has transmitted (posted packets the window still holds
 /// back) is a ghost: ignored and counted, so those packets still leave. The peer is a plain
 /// UDP socket of the test that never acknowledges by itself: the window (256 packets) keeps
