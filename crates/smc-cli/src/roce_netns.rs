@@ -516,7 +516,11 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
             whole.push(r.took.as_secs_f64());
             transfer.extend(r.transfer);
         }
-        floor.push(net.floor(&src, path_mtu)?);
+        // The floor is a yardstick: a round of it that fails is said, not fatal.
+        match net.floor(&src, path_mtu) {
+            Ok(secs) => floor.push(secs),
+            Err(e) => eprintln!("smc bench: a round of the floor failed: {e:#}"),
+        }
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -538,6 +542,23 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
             mbs(t),
             t / s
         );
+        if !floor.is_empty() {
+            let n = floor.len();
+            let f = median(&mut floor);
+            println!(
+                "  {:<46} {:>9.1} MB/s {:>9.1} MB/s {:>7.2}x",
+                format!("floor, transfer ({n} of {} rounds)", smc.len()),
+                mbs(f),
+                mbs(t),
+                t / f
+            );
+            println!(
+                "  (the floor, `smc roce-floor`, in place of SMC-R: the same bytes copied into \
+                 packets of path MTU {path_mtu}, a CRC-32 each, UDP_SEGMENT runs; CRC check, \
+                 placement and read at the receiver — the per-byte work of a software RoCE \
+                 device with no protocol: an upper bound for a stream over it)"
+            );
+        }
     }
     let (s, t) = (median(&mut smc), median(&mut tcp));
     println!(
@@ -547,21 +568,6 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
         mbs(t),
         t / s
     );
-    if tcp_x.len() == tcp.len() {
-        let (f, t) = (median(&mut floor), median(&mut tcp_x));
-        println!(
-            "  {:<46} {:>9.1} MB/s {:>14} {:>7.2}x",
-            "floor: transfer of the per-byte work alone",
-            mbs(f),
-            "",
-            t / f
-        );
-        println!(
-            "  (the floor, `smc roce-floor`: the same bytes copied into packets of path MTU \
-             {path_mtu}, a CRC-32 each, UDP_SEGMENT runs; CRC check, placement and read at the \
-             receiver — what any software RoCE device must do per byte, with no protocol)"
-        );
-    }
     // Ping-pong: SMC-R and TCP alternate, each round of each size; medians of the p50s.
     let secs = if bytes <= 64 << 20 { 1.0 } else { 2.0 };
     println!(
