@@ -331,31 +331,15 @@ fn forged_packets() {
     let forge = |from: Ipv4Addr, psn: u32, rkey: u32, corrupt: bool| {
         let s = std::net::UdpSocket::bind((from, 0)).expect("bind");
         let port = s.local_addr().expect("addr").port();
-        let payload = [0x55u8; 64];
-        let repr = wire::PacketRepr {
-            bth: wire::Bth {
-                opcode: wire::Opcode::WRITE_ONLY,
-                pkey: wire::DEFAULT_PKEY,
-                dest_qp: bq.qp_num,
-                ack_req: true,
-                psn,
-                ..wire::Bth::default()
-            },
-            reth: Some(wire::Reth {
-                va: b.rmb.vaddr(),
-                rkey,
-                dma_len: 64,
-            }),
-            aeth: None,
-            immdt: None,
-            payload: &payload,
+        let icrc = wire::IcrcHeaders::new(from.into(), addr(5, 1).into(), port);
+        let w = Forged {
+            dest_qp: bq.qp_num,
+            psn,
+            ack_req: true,
+            va: b.rmb.vaddr(),
+            rkey,
         };
-        let mut buf = vec![0u8; repr.buffer_len()];
-        repr.emit(&mut buf).expect("emit");
-        wire::IcrcHeaders::new(from.into(), addr(5, 1).into(), port).seal(&mut buf);
-        if corrupt {
-            buf[40] ^= 1;
-        }
+        let buf = w.packet(&[0x55u8; 64], &icrc, corrupt);
         s.send_to(&buf, (addr(5, 1), wire::UDP_PORT)).expect("send");
     };
     let c = |f: fn(&crate::DeviceCounters) -> u64| f(&snapshot(&b.dev.core));
@@ -394,6 +378,46 @@ fn forged_packets() {
     assert_eq!(b.dev.core.counters.rx_packets.load(Ordering::Relaxed), 4);
 }
 
+/// The headers of a WRITE ONLY packet a test forges.
+struct Forged {
+    dest_qp: u32,
+    psn: u32,
+    ack_req: bool,
+    va: u64,
+    rkey: u32,
+}
+
+impl Forged {
+    /// The packet with `payload`, sealed for `icrc`, one payload bit flipped when `corrupt`.
+    fn packet(&self, payload: &[u8], icrc: &wire::IcrcHeaders, corrupt: bool) -> Vec<u8> {
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: wire::Opcode::WRITE_ONLY,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: self.dest_qp,
+                ack_req: self.ack_req,
+                psn: self.psn,
+                ..wire::Bth::default()
+            },
+            reth: Some(wire::Reth {
+                va: self.va,
+                rkey: self.rkey,
+                dma_len: payload.len() as u32,
+            }),
+            aeth: None,
+            immdt: None,
+            payload,
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut buf).expect("emit");
+        icrc.seal(&mut buf);
+        if corrupt {
+            buf[40] ^= 1;
+        }
+        buf
+    }
+}
+
 /// A coalesced datagram — one `UDP_SEGMENT` send of three WRITE ONLY packets, packet k sealed
 /// for IPv4 identification k as the kernel numbers the segments, the receiver taking them
 /// whole (`UDP_GRO`) — whose middle packet is corrupted: the first packet is placed, the
@@ -411,33 +435,16 @@ fn a_coalesced_datagram_with_a_corrupted_packet() {
     let mut datagram = Vec::new();
     let mut seg = 0;
     for k in 0..3u32 {
-        let payload = [0x60 + k as u8; 64];
-        let repr = wire::PacketRepr {
-            bth: wire::Bth {
-                opcode: wire::Opcode::WRITE_ONLY,
-                pkey: wire::DEFAULT_PKEY,
-                dest_qp: bq.qp_num,
-                ack_req: k == 2,
-                psn: wire::psn_add(epsn, k),
-                ..wire::Bth::default()
-            },
-            reth: Some(wire::Reth {
-                va: b.rmb.vaddr() + 64 * u64::from(k),
-                rkey: b.rmb.key,
-                dma_len: 64,
-            }),
-            aeth: None,
-            immdt: None,
-            payload: &payload,
-        };
-        let mut buf = vec![0u8; repr.buffer_len()];
-        repr.emit(&mut buf).expect("emit");
         let mut icrc = wire::IcrcHeaders::new(addr(30, 0).into(), addr(30, 1).into(), port);
         icrc.ipv4_id = k as u16;
-        icrc.seal(&mut buf);
-        if k == 1 {
-            buf[40] ^= 1;
-        }
+        let w = Forged {
+            dest_qp: bq.qp_num,
+            psn: wire::psn_add(epsn, k),
+            ack_req: k == 2,
+            va: b.rmb.vaddr() + 64 * u64::from(k),
+            rkey: b.rmb.key,
+        };
+        let buf = w.packet(&[0x60 + k as u8; 64], &icrc, k == 1);
         seg = buf.len();
         datagram.extend_from_slice(&buf);
     }
