@@ -1365,8 +1365,14 @@ enum V6Error {
 }
 
 /// Set an integer socket option rustix has no call for.
-fn setsockopt_int(sock: &OwnedFd, level: i32, name: i32, value: i32) -> rustix::io::Result<()> {
+pub(crate) fn setsockopt_int(
+    sock: impl rustix::fd::AsFd,
+    level: i32,
+    name: i32,
+    value: i32,
+) -> rustix::io::Result<()> {
     use rustix::fd::AsRawFd as _;
+    let sock = sock.as_fd();
     // SAFETY: a plain setsockopt with a pointer to a live c_int and its size.
     let rc = unsafe {
         libc::setsockopt(

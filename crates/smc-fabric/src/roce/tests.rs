@@ -448,18 +448,8 @@ fn a_coalesced_datagram_with_a_corrupted_packet() {
         seg = buf.len();
         datagram.extend_from_slice(&buf);
     }
-    let gso = seg as libc::c_int;
-    // SAFETY: a plain setsockopt with a pointer to a live c_int and its size.
-    let rc = unsafe {
-        libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&s),
-            libc::SOL_UDP,
-            libc::UDP_SEGMENT,
-            (&gso as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0, "UDP_SEGMENT");
+    super::device::setsockopt_int(&s, libc::SOL_UDP, libc::UDP_SEGMENT, seg as i32)
+        .expect("UDP_SEGMENT");
     s.send_to(&datagram, (addr(30, 1), wire::UDP_PORT))
         .expect("send");
     let c = |f: fn(&crate::DeviceCounters) -> u64| f(&snapshot(&b.dev.core));
