@@ -538,78 +538,52 @@ impl RoceCore {
     /// injected, which act per packet). IPv6 has no identification: nothing is re-sealed. A
     /// packet's pieces (txpkt.rs) go as iovecs, in runs and alone alike (in a run, the short
     /// pieces between two payloads — a tail and the next packet's headers — as one,
-    /// `gso::glue_short`); only when faults are injected is each packet joined into one
+    /// `gso::Layout`); only when faults are injected is each packet joined into one
     /// buffer first.
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
         if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
-            let lens: Vec<usize> = pkts.iter().map(|w| w.len()).collect();
             let to = SocketAddr::new(dst.ip, roce::UDP_PORT);
-            let runs = super::gso::runs(&lens);
-            for &(start, end) in runs.iter().filter(|_| v4) {
-                for (k, w) in pkts[start..end].iter_mut().enumerate() {
-                    w.reseal(k as u16);
-                }
-            }
-            let pieces: Vec<Vec<&[u8]>> = runs
-                .iter()
-                .map(|&(start, end)| pkts[start..end].iter().flat_map(|w| w.pieces()).collect())
-                .collect();
-            let mut glue = Vec::new();
-            let pieces = super::gso::glue_short(pieces, &mut glue);
-            let msgs: Vec<super::gso::Run<'_>> = runs
-                .iter()
-                .zip(pieces)
-                .map(|(&(start, end), pieces)| super::gso::Run {
-                    pieces,
-                    packets: end - start,
-                    // A run longer than one packet is cut by the kernel at the first length.
-                    gso_size: if end - start > 1 {
-                        u16::try_from(lens[start]).ok()
-                    } else {
-                        None
-                    },
-                })
-                .collect();
-            let mut next = 0;
-            while next < msgs.len() {
-                match super::gso::send_runs(self.sock_of(dst.via).as_fd(), to, &msgs[next..]) {
-                    Ok(k) => {
-                        let (n, bytes) = msgs[next..next + k].iter().fold((0, 0), |(n, b), m| {
-                            (
-                                n + m.packets,
-                                b + m.pieces.iter().map(|s| s.len()).sum::<usize>(),
-                            )
-                        });
-                        self.counters
-                            .tx_packets
-                            .fetch_add(n as u64, Ordering::Relaxed);
-                        self.counters
-                            .tx_bytes
-                            .fetch_add(bytes as u64, Ordering::Relaxed);
-                        next += k;
-                    }
-                    Err(e) if msgs[next].gso_size.is_some() && super::gso::unsupported(e) => {
-                        tracing::info!(
-                            device = %self.config.name,
-                            error = %e,
-                            "roce: UDP_SEGMENT refused; one datagram per packet from now on"
-                        );
-                        self.gso_off.store(true, Ordering::Relaxed);
-                        break;
-                    }
-                    // A full socket buffer or a network that is down loses the message: the
-                    // RC retransmission recovers it.
-                    Err(_) => {
-                        let n = msgs[next].packets as u64;
-                        self.counters.tx_errors.fetch_add(n, Ordering::Relaxed);
-                        next += 1;
+            done = super::gso::with_layout(|layout| {
+                layout.lay_out(pkts, v4);
+                let mut next = 0;
+                while let Some(&msg) = layout.msgs().get(next) {
+                    match layout.send(self.sock_of(dst.via).as_fd(), to, next) {
+                        Ok(k) => {
+                            let sent = layout.msgs().get(next..next + k).unwrap_or_default();
+                            let (n, bytes) = sent
+                                .iter()
+                                .fold((0, 0), |(n, b), m| (n + m.packets, b + m.bytes));
+                            self.counters
+                                .tx_packets
+                                .fetch_add(n as u64, Ordering::Relaxed);
+                            self.counters
+                                .tx_bytes
+                                .fetch_add(bytes as u64, Ordering::Relaxed);
+                            next += k;
+                        }
+                        Err(e) if msg.gso_size.is_some() && super::gso::unsupported(e) => {
+                            tracing::info!(
+                                device = %self.config.name,
+                                error = %e,
+                                "roce: UDP_SEGMENT refused; one datagram per packet from now on"
+                            );
+                            self.gso_off.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                        // A full socket buffer or a network that is down loses the message:
+                        // the RC retransmission recovers it.
+                        Err(_) => {
+                            self.counters
+                                .tx_errors
+                                .fetch_add(msg.packets as u64, Ordering::Relaxed);
+                            next += 1;
+                        }
                     }
                 }
-            }
-            done = runs.get(next).map_or(pkts.len(), |r| r.0);
-            drop(msgs);
+                layout.msgs().get(next).map_or(pkts.len(), |m| m.first)
+            });
         }
         if done == pkts.len() {
             return;

@@ -133,106 +133,275 @@ pub(crate) fn reseal_tail(len: usize, tail: &mut [u8], id: &mut u16, to: u16) {
 }
 
 /// Cut packets of lengths `lens` into runs `(start, end)` that one GSO send can carry.
+#[cfg(test)]
 pub(crate) fn runs(lens: &[usize]) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut start = 0;
     while start < lens.len() {
-        let size = lens[start];
-        let mut end = start + 1;
-        let mut total = size;
-        while end < lens.len()
-            && end - start < MAX_SEGMENTS
-            && lens[end] <= size
-            && total + lens[end] <= MAX_SEND_BYTES
-        {
-            total += lens[end];
-            end += 1;
-            if lens[end - 1] < size {
-                break; // only the last segment may be shorter
-            }
-        }
+        let end = run_end(|i| lens[i], start, lens.len());
         out.push((start, end));
         start = end;
     }
     out
 }
 
-/// Pieces this short are gathered with their short neighbours into one iovec by
-/// [`glue_short`]: a shared packet's pad and ICRC (4–7 bytes) and the next packet's BTH and
-/// RETH (28 bytes); a payload piece is longer.
-const GLUE_MAX: usize = 64;
-
-/// The runs' pieces with every stretch of two or more consecutive short pieces (at most
-/// [`GLUE_MAX`] bytes each) copied end to end into `glue` and sent as one piece; longer pieces
-/// and lone short ones stay as they are, empty ones are left out. The bytes each run lays end
-/// to end do not change. A run of n shared packets (headers, payload, tail each) goes as
-/// 2n + 1 iovecs instead of 3n: the kernel's gather costs about 40 ns per iovec
-/// (docs/performance.md, "Session 21"), and the glue copies 32–36 bytes per packet. The runs'
-/// vectors are rewritten in place, and `glue` takes its room once.
-pub(crate) fn glue_short<'a>(
-    mut runs: Vec<Vec<&'a [u8]>>,
-    glue: &'a mut Vec<u8>,
-) -> Vec<Vec<&'a [u8]>> {
-    for run in &mut runs {
-        run.retain(|p| !p.is_empty());
-    }
-    glue.clear();
-    // One allocation: room for every short piece (growing piece by piece reallocated several
-    // times per transmission: the most frequent allocation of a 16 KiB round trip).
-    glue.reserve(
-        runs.iter()
-            .flatten()
-            .filter(|p| p.len() <= GLUE_MAX)
-            .map(|p| p.len())
-            .sum(),
-    );
-    // Each stretch's bytes, in order.
-    for run in &runs {
-        let mut i = 0;
-        while i < run.len() {
-            let j = stretch_end(run, i);
-            if j - i >= 2 {
-                for p in &run[i..j] {
-                    glue.extend_from_slice(p);
-                }
-                i = j;
-            } else {
-                i += 1;
-            }
+/// Where the run that starts with packet `start` of `n` ends (exclusive), `len(i)` being
+/// packet i's length: at most [`MAX_SEGMENTS`] packets and [`MAX_SEND_BYTES`] bytes, all of
+/// the first one's length but a shorter last (the kernel cuts the payload into pieces of the
+/// first length).
+fn run_end(len: impl Fn(usize) -> usize, start: usize, n: usize) -> usize {
+    let size = len(start);
+    let mut end = start + 1;
+    let mut total = size;
+    while end < n && end - start < MAX_SEGMENTS {
+        let l = len(end);
+        if l > size || total + l > MAX_SEND_BYTES {
+            break;
+        }
+        total += l;
+        end += 1;
+        if l < size {
+            break; // only the last segment may be shorter
         }
     }
-    // Filled: from here on only read, for as long as the pieces live.
-    let glue: &'a [u8] = glue;
-    // The same stretches in the same order, each replaced by its bytes in `glue` (the write
-    // index never passes the read index).
-    let mut at = 0;
-    for run in &mut runs {
-        let (mut w, mut i) = (0, 0);
-        while i < run.len() {
-            let j = stretch_end(run, i);
-            if j - i >= 2 {
-                let len: usize = run[i..j].iter().map(|p| p.len()).sum();
-                run[w] = &glue[at..at + len];
-                at += len;
-                i = j;
-            } else {
-                run[w] = run[i];
-                i += 1;
-            }
-            w += 1;
-        }
-        run.truncate(w);
-    }
-    runs
+    end
 }
 
-/// Where the stretch of short pieces starting at `i` ends (`i` itself when `run[i]` is long).
-fn stretch_end(run: &[&[u8]], i: usize) -> usize {
-    let mut j = i;
-    while j < run.len() && run[j].len() <= GLUE_MAX {
-        j += 1;
+/// Pieces this short are gathered with their short neighbours into one iovec by
+/// [`Layout::lay_out`]: a shared packet's pad and ICRC (4–7 bytes) and the next packet's BTH
+/// and RETH (28 bytes), an ACK; a payload piece, or a flat packet, is longer.
+const GLUE_MAX: usize = 64;
+
+/// One message of a transmission: its iovecs (a range of [`Layout`]'s), the packets it
+/// carries (the first one's index among the call's), its bytes, its `UDP_SEGMENT` size when
+/// it holds more than one packet.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Msg {
+    iovs: (usize, usize),
+    pub(crate) first: usize,
+    pub(crate) packets: usize,
+    pub(crate) bytes: usize,
+    pub(crate) gso_size: Option<u16>,
+}
+
+/// The messages of one transmission laid out for `sendmmsg`, in buffers a thread reuses from
+/// one transmission to the next ([`with_layout`]): building them allocated nine vectors or
+/// more per transmission (about 2 % of a stream sender's CPU with the glue's own pass,
+/// docs/performance.md "Session 23"). Its iovecs point into the packets laid out (and into
+/// its own glue) and are valid only until those are touched again: [`lay_out`](Self::lay_out)
+/// and [`send`](Self::send) go together, with the packets borrowed in between.
+#[derive(Default)]
+pub(crate) struct Layout {
+    iovs: Vec<libc::iovec>,
+    /// Iovecs of glued stretches: (index in `iovs`, offset in `glue`), pointed at the glue
+    /// once it is complete (it may move while it grows).
+    glued: Vec<(usize, usize)>,
+    glue: Vec<u8>,
+    msgs: Vec<Msg>,
+    hdrs: Vec<libc::mmsghdr>,
+    /// One control buffer per message: room for one cmsg carrying a u16, aligned for
+    /// cmsghdr.
+    ctrls: Vec<[u64; 4]>,
+}
+
+thread_local! {
+    static LAYOUT: std::cell::Cell<Layout> = const {
+        std::cell::Cell::new(Layout {
+            iovs: Vec::new(),
+            glued: Vec::new(),
+            glue: Vec::new(),
+            msgs: Vec::new(),
+            hdrs: Vec::new(),
+            ctrls: Vec::new(),
+        })
+    };
+}
+
+/// Run `f` with the calling thread's [`Layout`] (a fresh one when the thread's is gone, at
+/// exit, or in use).
+pub(crate) fn with_layout<R>(f: impl FnOnce(&mut Layout) -> R) -> R {
+    let mut layout = LAYOUT.try_with(std::cell::Cell::take).unwrap_or_default();
+    let r = f(&mut layout);
+    // No pointer outlives the call.
+    layout.clear();
+    let _ = LAYOUT.try_with(|c| c.set(layout));
+    r
+}
+
+/// A stretch of short pieces being gathered: the first one (sent from where it lies if it
+/// stays alone), where its copy starts in the glue, how many.
+struct Stretch {
+    first: libc::iovec,
+    at: usize,
+    count: usize,
+}
+
+impl Layout {
+    fn clear(&mut self) {
+        self.iovs.clear();
+        self.glued.clear();
+        self.glue.clear();
+        self.msgs.clear();
+        self.hdrs.clear();
+        self.ctrls.clear();
     }
-    j
+
+    /// Lay `pkts` out as messages: runs of equal packets (a shorter last), each packet of a
+    /// run re-sealed for its index in the run when `v4` (the kernel numbers the segments'
+    /// identifications 0, 1, 2…), each run one message of the packets' pieces, every stretch
+    /// of two or more consecutive short pieces ([`GLUE_MAX`] bytes at most each) copied end to
+    /// end into one iovec; longer pieces and lone short ones go from where they lie, empty
+    /// ones are left out. A run of n shared packets (headers, payload, tail each) goes as
+    /// 2n + 1 iovecs instead of 3n: the kernel's gather costs about 40 ns per iovec
+    /// (docs/performance.md, "Session 21"), the glue 32–36 bytes of copy per packet.
+    pub(crate) fn lay_out(&mut self, pkts: &mut [super::txpkt::Wire<'_>], v4: bool) {
+        self.clear();
+        let n = pkts.len();
+        let mut start = 0;
+        while start < n {
+            let end = run_end(|i| pkts[i].len(), start, n);
+            if v4 {
+                for (k, w) in pkts[start..end].iter_mut().enumerate() {
+                    w.reseal(k as u16);
+                }
+            }
+            let first_iov = self.iovs.len();
+            let mut bytes = 0;
+            let mut stretch: Option<Stretch> = None;
+            for w in &pkts[start..end] {
+                for p in w.pieces().into_iter().filter(|p| !p.is_empty()) {
+                    bytes += p.len();
+                    if p.len() > GLUE_MAX {
+                        self.end_stretch(stretch.take());
+                        self.iovs.push(iovec(p));
+                        continue;
+                    }
+                    let s = stretch.get_or_insert(Stretch {
+                        first: iovec(p),
+                        at: self.glue.len(),
+                        count: 0,
+                    });
+                    s.count += 1;
+                    self.glue.extend_from_slice(p);
+                }
+            }
+            self.end_stretch(stretch);
+            self.msgs.push(Msg {
+                iovs: (first_iov, self.iovs.len()),
+                first: start,
+                packets: end - start,
+                bytes,
+                gso_size: (end - start > 1)
+                    .then(|| u16::try_from(pkts[start].len()).ok())
+                    .flatten(),
+            });
+            start = end;
+        }
+        // The glue is complete: its stretches' iovecs point into it from here on.
+        for &(i, at) in &self.glued {
+            if let (Some(v), Some(b)) = (self.iovs.get_mut(i), self.glue.get(at..)) {
+                v.iov_base = b.as_ptr() as *mut libc::c_void;
+            }
+        }
+    }
+
+    /// Close a stretch of short pieces: alone, its piece goes from where it lies (its copy is
+    /// taken back); else its copy in the glue is one iovec.
+    fn end_stretch(&mut self, s: Option<Stretch>) {
+        let Some(s) = s else { return };
+        if s.count == 1 {
+            self.glue.truncate(s.at);
+            self.iovs.push(s.first);
+        } else {
+            self.glued.push((self.iovs.len(), s.at));
+            self.iovs.push(libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: self.glue.len() - s.at,
+            });
+        }
+    }
+
+    /// The messages laid out.
+    pub(crate) fn msgs(&self) -> &[Msg] {
+        &self.msgs
+    }
+
+    /// The pieces of message `i` (tests).
+    #[cfg(test)]
+    fn pieces(&self, i: usize) -> Vec<&[u8]> {
+        let (a, b) = self.msgs[i].iovs;
+        self.iovs[a..b]
+            .iter()
+            // SAFETY: every iovec points at `iov_len` live bytes: a piece of the packets the
+            // test still holds, or the glue.
+            .map(|v| unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) })
+            .collect()
+    }
+
+    /// Send the messages from `from` on to `dst` with one `sendmmsg`, each with its own
+    /// `UDP_SEGMENT` control message when it holds several packets. Returns how many messages
+    /// the kernel took (at least one), or the error of the first. The packets laid out must
+    /// not have been touched since [`lay_out`](Self::lay_out).
+    pub(crate) fn send(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        dst: SocketAddr,
+        from: usize,
+    ) -> Result<usize, Errno> {
+        let msgs = self.msgs.get(from..).unwrap_or_default();
+        if msgs.is_empty() {
+            return Ok(0);
+        }
+        let (addr, addr_len) = sockaddr(dst);
+        self.ctrls.clear();
+        self.ctrls.resize(msgs.len(), [0u64; 4]);
+        self.hdrs.clear();
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+        debug_assert!(space <= std::mem::size_of::<[u64; 4]>());
+        // SAFETY: mmsghdr is plain data; every pointer stored in it points to a live buffer of
+        // the stated length (`addr`; `iovs` and `ctrls`, not resized until the call returns;
+        // the iovecs' own targets, the packets borrowed by the caller since `lay_out` and the
+        // glue), and the kernel only reads them during the call.
+        let rc = unsafe {
+            for (m, ctrl) in msgs.iter().zip(self.ctrls.iter_mut()) {
+                let mut h: libc::mmsghdr = std::mem::zeroed();
+                h.msg_hdr.msg_name = (&addr as *const libc::sockaddr_in6).cast_mut().cast();
+                h.msg_hdr.msg_namelen = addr_len;
+                h.msg_hdr.msg_iov = self.iovs.as_mut_ptr().add(m.iovs.0);
+                h.msg_hdr.msg_iovlen = (m.iovs.1 - m.iovs.0) as _;
+                if let Some(gso) = m.gso_size {
+                    h.msg_hdr.msg_control = ctrl.as_mut_ptr().cast();
+                    h.msg_hdr.msg_controllen = space as _;
+                    let c = libc::CMSG_FIRSTHDR(&h.msg_hdr);
+                    (*c).cmsg_level = libc::SOL_UDP;
+                    (*c).cmsg_type = UDP_SEGMENT;
+                    (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+                    std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), gso);
+                }
+                self.hdrs.push(h);
+            }
+            libc::sendmmsg(
+                sock.as_raw_fd(),
+                self.hdrs.as_mut_ptr(),
+                self.hdrs.len() as libc::c_uint,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if rc <= 0 {
+            Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO))
+        } else {
+            Ok(rc as usize)
+        }
+    }
+}
+
+/// An iovec of `p` (the kernel only reads through it).
+fn iovec(p: &[u8]) -> libc::iovec {
+    libc::iovec {
+        iov_base: p.as_ptr() as *mut libc::c_void,
+        iov_len: p.len(),
+    }
 }
 
 /// Whether a failed GSO send means this socket cannot do GSO at all (then the device falls
@@ -243,82 +412,6 @@ pub(crate) fn unsupported(e: Errno) -> bool {
         e,
         Errno::IO | Errno::INVAL | Errno::NOPROTOOPT | Errno::OPNOTSUPP | Errno::MSGSIZE
     )
-}
-
-/// One message of [`send_runs`]: the pieces of its packets in order (one iovec each; the
-/// kernel lays them end to end and, with `UDP_SEGMENT`, cuts the result every `gso_size`
-/// bytes, wherever the pieces' own bounds are), how many packets they make, and the
-/// `UDP_SEGMENT` size when more than one.
-pub(crate) struct Run<'a> {
-    pub(crate) pieces: Vec<&'a [u8]>,
-    pub(crate) packets: usize,
-    pub(crate) gso_size: Option<u16>,
-}
-
-/// Send several runs to `dst` with one `sendmmsg`: each run is one message, with its own
-/// `UDP_SEGMENT` control message when it holds several packets. Returns how many messages
-/// the kernel took (at least one), or the error of the first.
-pub(crate) fn send_runs(
-    sock: BorrowedFd<'_>,
-    dst: SocketAddr,
-    runs: &[Run<'_>],
-) -> Result<usize, Errno> {
-    if runs.is_empty() {
-        return Ok(0);
-    }
-    let (addr, addr_len) = sockaddr(dst);
-    let mut iovs: Vec<Vec<libc::iovec>> = runs
-        .iter()
-        .map(|r| {
-            r.pieces
-                .iter()
-                .filter(|s| !s.is_empty())
-                .map(|s| libc::iovec {
-                    iov_base: s.as_ptr() as *mut libc::c_void,
-                    iov_len: s.len(),
-                })
-                .collect()
-        })
-        .collect();
-    // One control buffer per message, room for one cmsg carrying a u16, aligned for cmsghdr.
-    let mut ctrls: Vec<[u64; 4]> = vec![[0u64; 4]; runs.len()];
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
-    debug_assert!(space <= std::mem::size_of::<[u64; 4]>());
-    // SAFETY: mmsghdr is plain data; every pointer stored in it points to a live local buffer
-    // of the stated length (`addr`, `iovs`, `ctrls` outlive the call), and the kernel only
-    // reads them during the call.
-    let rc = unsafe {
-        let mut msgs: Vec<libc::mmsghdr> = Vec::with_capacity(runs.len());
-        for ((run, iov), ctrl) in runs.iter().zip(iovs.iter_mut()).zip(ctrls.iter_mut()) {
-            let mut m: libc::mmsghdr = std::mem::zeroed();
-            m.msg_hdr.msg_name = (&addr as *const libc::sockaddr_in6).cast_mut().cast();
-            m.msg_hdr.msg_namelen = addr_len;
-            m.msg_hdr.msg_iov = iov.as_mut_ptr();
-            m.msg_hdr.msg_iovlen = iov.len() as _;
-            if let Some(gso) = run.gso_size {
-                m.msg_hdr.msg_control = ctrl.as_mut_ptr().cast();
-                m.msg_hdr.msg_controllen = space as _;
-                let c = libc::CMSG_FIRSTHDR(&m.msg_hdr);
-                (*c).cmsg_level = libc::SOL_UDP;
-                (*c).cmsg_type = UDP_SEGMENT;
-                (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
-                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), gso);
-            }
-            msgs.push(m);
-        }
-        libc::sendmmsg(
-            sock.as_raw_fd(),
-            msgs.as_mut_ptr(),
-            msgs.len() as libc::c_uint,
-            libc::MSG_DONTWAIT,
-        )
-    };
-    if rc <= 0 {
-        Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO))
-    } else {
-        Ok(rc as usize)
-    }
 }
 
 /// `dst` as a socket address for the kernel, in a `sockaddr_in6` (which has room for a
@@ -409,41 +502,82 @@ mod tests {
         assert!(id_columns(1056) == Ipv4IdColumns::for_len(1056));
     }
 
-    /// Short neighbours are joined, long pieces stay the same slices, each run's bytes are
-    /// unchanged, and a run of n packets of (head, payload, tail) goes as 2n + 1 pieces.
+    /// A transmission's layout: runs cut as [`runs`] cuts them, short neighbours joined, long
+    /// pieces sent from where they lie, lone short ones too, each message's bytes the
+    /// packets' bytes; a run of n packets of (head, payload, tail) goes as 2n + 1 iovecs. The
+    /// thread's layout is reused: a second transmission starts afresh.
     #[test]
-    fn short_pieces_are_glued() {
+    fn layouts_glue_short_neighbours_and_cut_runs() {
+        use super::super::txpkt::Wire;
         let payload = [[7u8; 1024], [8u8; 1024], [9u8; 1024]];
         let heads = [[1u8; 28], [2u8; 28], [3u8; 28]];
-        let tails = [[4u8; 4], [5u8; 4], [6u8; 4]];
-        let mut run = Vec::new();
-        for k in 0..3 {
-            run.extend([&heads[k][..], &payload[k][..], &tails[k][..]]);
+        let mut tails = [[4u8; 4], [5u8; 4], [6u8; 4]];
+        // Two flat packets of the same length, a short one (an ACK's length), and one more
+        // of the first length, which a shorter packet before it puts in a run of its own.
+        let mut flat: Vec<Vec<u8>> = vec![vec![10u8; 1056], vec![11u8; 1056], vec![12u8; 20]];
+        let mut last = vec![13u8; 1056];
+        // Where the long pieces lie.
+        let long: Vec<*const u8> = payload
+            .iter()
+            .map(|p| p.as_ptr())
+            .chain(flat.iter().map(|b| b.as_ptr()))
+            .chain([last.as_ptr()])
+            .collect();
+        let mut ids = [0u16; 7];
+        let (id_shared, id_flat) = ids.split_at_mut(3);
+        let mut pkts: Vec<Wire<'_>> = Vec::new();
+        for ((k, tail), id) in tails.iter_mut().enumerate().zip(id_shared.iter_mut()) {
+            pkts.push(Wire {
+                parts: [&heads[k], &payload[k]],
+                tail,
+                id,
+            });
         }
-        // A second run: a flat packet (body, nothing, ICRC), a lone short piece between two
-        // long ones, and empties.
-        let body = [10u8; 1052];
-        let icrc = [11u8; 4];
-        let flat: Vec<&[u8]> = vec![&body, &[], &icrc, &body, &[], &[], &icrc[..2], &body];
-        let mut glue = Vec::new();
-        let out = glue_short(vec![run.clone(), flat.clone()], &mut glue);
-        assert_eq!(out.len(), 2);
-        assert_eq!(out[0].len(), 2 * 3 + 1);
-        assert_eq!(out[0].concat(), run.concat());
-        assert_eq!(out[1].concat(), flat.concat());
-        for run in &out {
-            assert!(run.iter().all(|p| !p.is_empty()));
-            assert!(run
-                .windows(2)
-                .all(|w| w[0].len() > GLUE_MAX || w[1].len() > GLUE_MAX));
-            for p in run.iter().filter(|p| p.len() > GLUE_MAX) {
-                assert!(
-                    payload.iter().any(|x| x.as_ptr() == p.as_ptr()) || p.as_ptr() == body.as_ptr(),
-                    "a long piece is sent from where it lies"
-                );
-            }
+        let (id_flat, id_last) = id_flat.split_at_mut(3);
+        for (b, id) in flat.iter_mut().zip(id_flat.iter_mut()) {
+            pkts.push(Wire::flat(b, id));
         }
-        assert_eq!(glue_short(Vec::new(), &mut glue).len(), 0);
+        pkts.push(Wire::flat(&mut last, &mut id_last[0]));
+        let want: Vec<Vec<u8>> = pkts.iter().map(Wire::to_vec).collect();
+        let lens: Vec<usize> = want.iter().map(Vec::len).collect();
+        assert_eq!(runs(&lens), vec![(0, 6), (6, 7)]);
+        for round in 0..2 {
+            with_layout(|l| {
+                l.lay_out(&mut pkts, false);
+                let msgs = l.msgs().to_vec();
+                assert_eq!(msgs.len(), 2, "round {round}");
+                assert_eq!((msgs[0].first, msgs[0].packets), (0, 6));
+                assert_eq!((msgs[1].first, msgs[1].packets), (6, 1));
+                assert_eq!(msgs[0].gso_size, Some(1056));
+                assert_eq!(msgs[1].gso_size, None);
+                for (i, m) in msgs.iter().enumerate() {
+                    let pieces = l.pieces(i);
+                    let bytes = want[m.first..m.first + m.packets].concat();
+                    assert_eq!(pieces.concat(), bytes);
+                    assert_eq!(m.bytes, bytes.len());
+                    assert!(pieces.iter().all(|p| !p.is_empty()));
+                    assert!(pieces
+                        .windows(2)
+                        .all(|w| w[0].len() > GLUE_MAX || w[1].len() > GLUE_MAX));
+                    for p in pieces.iter().filter(|p| p.len() > GLUE_MAX) {
+                        assert!(
+                            long.contains(&p.as_ptr()),
+                            "a long piece is sent from where it lies"
+                        );
+                    }
+                }
+                // Three shared packets: head, payload, then (tail + head) and payload twice,
+                // the last tail alone before the first flat body (long): 7; the two flat
+                // packets' bodies with a lone ICRC between them, then the second one's ICRC
+                // glued to the short packet: 4.
+                assert_eq!(l.pieces(0).len(), 7 + 4);
+                assert_eq!(l.pieces(1).len(), 2);
+            });
+        }
+        with_layout(|l| {
+            l.lay_out(&mut [], true);
+            assert!(l.msgs().is_empty());
+        });
     }
 
     /// The cached prefix is the one made afresh, for many lengths in turn, twice over.
