@@ -144,8 +144,8 @@ pub use ring::{MAX_INLINE, MAX_SEND};
 pub use sched::QuietWake;
 pub use sleepers::Sleepers;
 pub use types::{
-    AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PortState, PostStatus, QpCaps, QpState,
-    RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    AccessFlags, DeviceEvent, Gid, LocalQpInfo, Mac, Mtu, PackedBytes, PortState, PostStatus,
+    QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use rustix::fd::BorrowedFd;
@@ -1053,6 +1053,27 @@ impl QueuePair {
         match &self.inner {
             QpImpl::Shm(_) => 0,
             QpImpl::Roce(..) => roce::shortest_shared_write(send_len),
+        }
+    }
+    /// Post an unsignaled RDMA WRITE of `data` held as [`QueuePair::post_send_held`] does, on
+    /// a backend that keeps a WRITE's bytes ([`QueuePair::keeps_write_bytes`]): its packets
+    /// are built end to end in one buffer (the one copy of the bytes), sealed for the place
+    /// each takes in the datagrams that carry them, and sent from it as they are; the buffer
+    /// is returned for the caller to keep (no copy of its own for replay). `None` when the
+    /// QP is in error (the request completes flushed, as any post does then).
+    /// [`FabricError::InvalidArgument`] on a backend that places WRITEs at post (shm).
+    pub fn post_write_packed_held(
+        &self,
+        wr_id: u64,
+        data: &[u8],
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<Option<PackedBytes>> {
+        match &self.inner {
+            QpImpl::Shm(_) => Err(FabricError::InvalidArgument(
+                "packed WRITEs are posted on software RoCE only",
+            )),
+            QpImpl::Roce(_, q) => q.post_write_packed(wr_id, data, remote_addr, rkey),
         }
     }
     /// Transmit what [`QueuePair::post_send_held`] left waiting (nothing to do if nothing

@@ -319,6 +319,41 @@ pub enum SendWr<'a> {
     },
 }
 
+/// The bytes of a packed RDMA WRITE ([`QueuePair::post_write_packed_held`](crate::QueuePair::post_write_packed_held))
+/// where the backend keeps them: its packets lie end to end in `buf`, each with the WRITE's
+/// next `piece` bytes `stride` bytes after the previous packet's (the last piece may be
+/// shorter). The buffer is immutable and reference-counted: a caller that keeps it (SMC-R's
+/// replay store) needs no copy of its own.
+#[derive(Clone, Debug)]
+pub struct PackedBytes {
+    /// The buffer the packets lie in.
+    pub buf: bytes::Bytes,
+    /// Where the WRITE's first byte is in `buf`.
+    pub first: usize,
+    /// From one piece's start to the next one's.
+    pub stride: usize,
+    /// The length of every piece but a shorter last.
+    pub piece: usize,
+    /// The WRITE's length.
+    pub len: usize,
+}
+
+impl PackedBytes {
+    /// The WRITE's bytes, piece by piece.
+    pub fn pieces(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        let n = if self.piece == 0 {
+            0
+        } else {
+            self.len.div_ceil(self.piece)
+        };
+        (0..n).filter_map(move |i| {
+            let at = self.first + i * self.stride;
+            let len = self.piece.min(self.len - i * self.piece);
+            self.buf.get(at..at + len)
+        })
+    }
+}
+
 impl<'a> SendWr<'a> {
     /// The work request identifier.
     pub fn wr_id(&self) -> u64 {

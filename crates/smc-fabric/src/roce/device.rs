@@ -588,10 +588,27 @@ impl RoceCore {
         if done == pkts.len() {
             return;
         }
-        for w in pkts[done..].iter_mut().filter(|_| v4) {
-            w.reseal(0);
-        }
-        let rest: Vec<[&[u8]; 3]> = pkts[done..].iter().map(|w| w.pieces()).collect();
+        // Alone, each packet is sealed for identification 0 (a fixed one sealed for another:
+        // a copy).
+        let copies: Vec<Option<Vec<u8>>> = pkts[done..]
+            .iter_mut()
+            .map(|w| match (v4, w.sealed_for(0)) {
+                (false, _) => None,
+                (true, true) => {
+                    w.reseal(0);
+                    None
+                }
+                (true, false) => Some(w.copy_sealed_for(0)),
+            })
+            .collect();
+        let rest: Vec<[&[u8]; 3]> = pkts[done..]
+            .iter()
+            .zip(&copies)
+            .map(|(w, c)| match c {
+                Some(c) => [&c[..], &[], &[]],
+                None => w.pieces(),
+            })
+            .collect();
         self.transmit_batch(dst, &rest);
     }
 

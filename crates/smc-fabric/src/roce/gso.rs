@@ -145,6 +145,12 @@ pub(crate) fn runs(lens: &[usize]) -> Vec<(usize, usize)> {
     out
 }
 
+/// How many packets of `len` bytes one run carries at most ([`run_end`]'s limits): a packed
+/// post (qp.rs) seals its packets for their places in runs of this many.
+pub(crate) fn run_capacity(len: usize) -> usize {
+    MAX_SEGMENTS.min(MAX_SEND_BYTES / len.max(1)).max(1)
+}
+
 /// Where the run that starts with packet `start` of `n` ends (exclusive), `len(i)` being
 /// packet i's length: at most [`MAX_SEGMENTS`] packets and [`MAX_SEND_BYTES`] bytes, all of
 /// the first one's length but a shorter last (the kernel cuts the payload into pieces of the
@@ -197,6 +203,11 @@ pub(crate) struct Layout {
     /// once it is complete (it may move while it grows).
     glued: Vec<(usize, usize)>,
     glue: Vec<u8>,
+    /// Copies of fixed packets sealed for another identification than their place in the
+    /// run needs (a retransmission, a run cut elsewhere than at post), each resealed, and
+    /// their iovecs: (index in `iovs`, offset in `copies`), pointed at once complete.
+    copies: Vec<u8>,
+    copied: Vec<(usize, usize)>,
     msgs: Vec<Msg>,
     hdrs: Vec<libc::mmsghdr>,
     /// One control buffer per message: room for one cmsg carrying a u16, aligned for
@@ -210,6 +221,8 @@ thread_local! {
             iovs: Vec::new(),
             glued: Vec::new(),
             glue: Vec::new(),
+            copies: Vec::new(),
+            copied: Vec::new(),
             msgs: Vec::new(),
             hdrs: Vec::new(),
             ctrls: Vec::new(),
@@ -241,6 +254,8 @@ impl Layout {
         self.iovs.clear();
         self.glued.clear();
         self.glue.clear();
+        self.copies.clear();
+        self.copied.clear();
         self.msgs.clear();
         self.hdrs.clear();
         self.ctrls.clear();
@@ -268,12 +283,36 @@ impl Layout {
             let first_iov = self.iovs.len();
             let mut bytes = 0;
             let mut stretch: Option<Stretch> = None;
-            for w in &pkts[start..end] {
+            for (k, w) in pkts[start..end].iter().enumerate() {
+                let to = if v4 { k as u16 } else { *w.id };
+                if !w.sealed_for(to) {
+                    // A fixed packet sealed for another place: a copy, resealed.
+                    let copy = w.copy_sealed_for(to);
+                    bytes += copy.len();
+                    self.end_stretch(stretch.take());
+                    self.copied.push((self.iovs.len(), self.copies.len()));
+                    self.iovs.push(libc::iovec {
+                        iov_base: std::ptr::null_mut(),
+                        iov_len: copy.len(),
+                    });
+                    self.copies.extend_from_slice(&copy);
+                    continue;
+                }
                 for p in w.pieces().into_iter().filter(|p| !p.is_empty()) {
                     bytes += p.len();
                     if p.len() > GLUE_MAX {
                         self.end_stretch(stretch.take());
-                        self.iovs.push(iovec(p));
+                        // Pieces that lie end to end (a packed post's packets) are one.
+                        match self.iovs[first_iov..].last_mut() {
+                            Some(v)
+                                if (v.iov_base as usize).wrapping_add(v.iov_len)
+                                    == p.as_ptr() as usize
+                                    && !v.iov_base.is_null() =>
+                            {
+                                v.iov_len += p.len();
+                            }
+                            _ => self.iovs.push(iovec(p)),
+                        }
                         continue;
                     }
                     let s = stretch.get_or_insert(Stretch {
@@ -297,10 +336,12 @@ impl Layout {
             });
             start = end;
         }
-        // The glue is complete: its stretches' iovecs point into it from here on.
-        for &(i, at) in &self.glued {
-            if let (Some(v), Some(b)) = (self.iovs.get_mut(i), self.glue.get(at..)) {
-                v.iov_base = b.as_ptr() as *mut libc::c_void;
+        // The glue and the copies are complete: their iovecs point into them from here on.
+        for (list, buf) in [(&self.glued, &self.glue), (&self.copied, &self.copies)] {
+            for &(i, at) in list {
+                if let (Some(v), Some(b)) = (self.iovs.get_mut(i), buf.get(at..)) {
+                    v.iov_base = b.as_ptr() as *mut libc::c_void;
+                }
             }
         }
     }
@@ -531,6 +572,7 @@ mod tests {
                 parts: [&heads[k], &payload[k]],
                 tail,
                 id,
+                fixed: false,
             });
         }
         let (id_flat, id_last) = id_flat.split_at_mut(3);

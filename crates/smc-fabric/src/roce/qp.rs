@@ -13,8 +13,8 @@ use super::mr::RoceMr;
 use super::txpkt::{Body, TxPkt, Wire};
 use crate::error::{FabricError, Result};
 use crate::types::{
-    AccessFlags, LocalQpInfo, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo, SendWr, WcOpcode,
-    WcStatus, WorkCompletion,
+    AccessFlags, LocalQpInfo, PackedBytes, PostStatus, QpCaps, QpState, RecvWr, RemoteQpInfo,
+    SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 use smc_wire::roce::{
     self, nak, psn_add, psn_diff, Aeth, AethKind, Bth, IcrcHeaders, IcrcPrefix, Opcode, Packet,
@@ -152,6 +152,9 @@ struct SendQueue {
     /// progress thread, which receives the ACK, and the allocation on the posting thread).
     /// At most [`SPARE_BYTES`] of them; each has room for the largest packet ([`max_packet`]).
     spare: Vec<Vec<u8>>,
+    /// Buffers of packed posts ([`RoceQp::post_write_packed`]), back once no packet and no
+    /// caller holds a slice of them.
+    post_pool: Arc<super::txpkt::PostPool>,
     /// Index in `pkts` of the next packet to (re)transmit.
     next_tx: usize,
     /// The highest PSN ever transmitted (a packet at or before it is a retransmission).
@@ -271,6 +274,7 @@ impl RoceQp {
                 wrs: VecDeque::new(),
                 pkts: VecDeque::new(),
                 spare: Vec::new(),
+                post_pool: Arc::default(),
                 next_tx: 0,
                 high_psn: None,
                 last_progress: Instant::now(),
@@ -792,6 +796,164 @@ impl RoceQp {
         Ok(PostStatus::Queued)
     }
 
+    /// Post an unsignaled RDMA WRITE of `data`, held as [`RoceQp::post_send_held`] holds, its
+    /// packets built end to end in one buffer of the QP's pool and sealed at post for good:
+    /// the bytes are copied once, from `data` into the packets, and the packets leave from
+    /// the buffer as they lie, several in one iovec. One WRITE ONLY per path MTU as in
+    /// [`post`](Self::post); packet i is sealed for IPv4 identification i mod c, c the
+    /// packets one `UDP_SEGMENT` run carries (gso.rs), and asks for an ACK at every c-th
+    /// packet and at the last — the places where [`pump`](Self::pump) ends a transmission,
+    /// so that a stream's runs start where the post's packets expect them to. A packet sent
+    /// elsewhere (a retransmission from inside a run) leaves as a copy resealed for its
+    /// place (gso.rs `Layout::lay_out`). Returns the buffer with where the WRITE's bytes lie
+    /// in it, for the caller to keep instead of a copy; `None` when the QP is in error (the
+    /// request completes flushed).
+    pub(crate) fn post_write_packed(
+        &self,
+        wr_id: u64,
+        data: &[u8],
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<Option<PackedBytes>> {
+        match self.state() {
+            QpState::Rts => {}
+            QpState::Error => {
+                self.send_cq.push(wc(
+                    wr_id,
+                    WcStatus::WrFlushError,
+                    WcOpcode::RdmaWrite,
+                    data.len() as u32,
+                    self.qpn,
+                ));
+                return Ok(None);
+            }
+            s => return Err(FabricError::InvalidState(s)),
+        }
+        let Some(conn) = self.conn.get().copied() else {
+            return Err(FabricError::InvalidState(self.state()));
+        };
+        if data.len() > u32::MAX as usize >> 1 {
+            return Err(FabricError::MessageTooLarge {
+                len: data.len(),
+                max: u32::MAX as usize >> 1,
+            });
+        }
+        let mut sq = lock(&self.sq);
+        if sq.wrs.len() >= self.caps.max_send_wr as usize {
+            return Err(FabricError::QueueFull);
+        }
+        if self.core.take_fail_token() {
+            drop(sq);
+            self.send_cq.push(wc(
+                wr_id,
+                WcStatus::RetryExceeded,
+                WcOpcode::RdmaWrite,
+                data.len() as u32,
+                self.qpn,
+            ));
+            self.enter_error(None, "injected failure");
+            return Ok(None);
+        }
+        let mtu = conn.mtu;
+        let count = data.len().div_ceil(mtu).max(1);
+        let head_len = roce::BTH_LEN + roce::RETH_LEN;
+        let packet_len = |len: usize| head_len + len + roce::pad_len(len) + roce::ICRC_LEN;
+        let full = packet_len(mtu.min(data.len()));
+        let per_run = super::gso::run_capacity(full);
+        let v4 = conn.ip.ip.is_ipv4();
+        let total = (count - 1) * full + packet_len(data.len() - (count - 1) * mtu);
+        let mut buf = lock(&sq.post_pool).pop().unwrap_or_default();
+        buf.clear();
+        buf.reserve(total);
+        // The ICRC's fixed start for the full packets' length, hashed once per post.
+        let prefix = if count >= PREFIX_MIN_PACKETS {
+            super::gso::icrc_prefix(&conn.icrc, full)
+        } else {
+            IcrcPrefix::none(conn.icrc)
+        };
+        // (PSN, offset, length, identification, AckReq) of each packet.
+        let mut laid = Vec::with_capacity(count);
+        let mut psn = sq.next_psn;
+        for i in 0..count {
+            let start = i * mtu;
+            let len = (data.len() - start).min(mtu);
+            let k = i % per_run;
+            // rocev2.md 8.1: AckReq where a transmission may end (see above).
+            let ack_req = k + 1 == per_run || i + 1 == count;
+            let repr = PacketRepr {
+                bth: Bth {
+                    opcode: Opcode::WRITE_ONLY,
+                    pkey: roce::DEFAULT_PKEY,
+                    dest_qp: conn.dest_qp,
+                    ack_req,
+                    psn,
+                    ..Bth::default()
+                },
+                reth: Some(Reth {
+                    va: remote_addr.wrapping_add(start as u64),
+                    rkey,
+                    dma_len: len as u32,
+                }),
+                aeth: None,
+                immdt: None,
+                payload: &[],
+            };
+            let mut head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
+            let off = buf.len();
+            let Ok(h) = repr.emit_head(len, &mut head) else {
+                // Not reached: a WRITE ONLY's headers fit; the buffer goes back unused.
+                lock(&sq.post_pool).push(buf);
+                return Err(FabricError::InvalidArgument("packed WRITE headers"));
+            };
+            buf.extend_from_slice(&head[..h]);
+            buf.extend_from_slice(&data[start..start + len]);
+            buf.resize(buf.len() + roce::pad_len(len) + roce::ICRC_LEN, 0);
+            let packet = &mut buf[off..];
+            if packet.len() == full {
+                prefix.seal(packet);
+            } else {
+                conn.icrc.seal(packet);
+            }
+            let mut id = 0u16;
+            if v4 {
+                super::gso::reseal_tail(packet.len(), packet, &mut id, k as u16);
+            }
+            laid.push((psn, off, packet.len(), id, ack_req));
+            psn = psn_add(psn, 1);
+        }
+        let bytes = bytes::Bytes::from_owner(super::txpkt::PostBuf {
+            buf,
+            pool: Arc::downgrade(&sq.post_pool),
+        });
+        for (psn, off, len, ipv4_id, ack_req) in laid {
+            sq.pkts.push_back(TxPkt {
+                psn,
+                body: Body::Fixed(bytes.slice(off..off + len)),
+                ipv4_id,
+                ack_req,
+            });
+        }
+        sq.next_psn = psn;
+        sq.since_ackreq = 0;
+        sq.wrs.push_back(PendingWr {
+            wr_id,
+            opcode: WcOpcode::RdmaWrite,
+            byte_len: data.len() as u32,
+            last_psn: psn_add(psn, roce::U24_MASK),
+            signaled: false,
+        });
+        if sq.held_since.is_none() {
+            sq.held_since = Some(Instant::now());
+        }
+        Ok(Some(PackedBytes {
+            buf: bytes,
+            first: head_len,
+            stride: full,
+            piece: mtu,
+            len: data.len(),
+        }))
+    }
+
     /// Transmit queued packets while the window allows.
     fn pump(&self, sq: &mut SendQueue, conn: &Conn) {
         sq.held_since = None;
@@ -817,6 +979,18 @@ impl RoceQp {
                 sq.high_psn = Some(p.psn);
             }
             end += 1;
+        }
+        // A packed post's packets are sealed for runs that start at its AckReq packets' next:
+        // a window that cuts between two of those sends up to the last one it takes in full
+        // (each asks for an ACK), unless that is nothing.
+        if end < sq.pkts.len() {
+            if let Some(cut) = (start..end).rev().find(|&i| {
+                sq.pkts
+                    .get(i)
+                    .is_some_and(|p| p.ack_req || !matches!(p.body, Body::Fixed(_)))
+            }) {
+                end = cut + 1;
+            }
         }
         if end == start {
             return;

@@ -24,6 +24,12 @@ const TAIL_MAX: usize = 3 + ICRC_LEN;
 
 /// How a kept packet holds its bytes.
 pub(crate) enum Body {
+    /// A packet of a packed WRITE (`RoceQp::post_write_packed`): a slice of the post's
+    /// immutable buffer, where the packets lie end to end, sealed at post for the
+    /// identification the packet gets in its `UDP_SEGMENT` run (`TxPkt::ipv4_id`). Sent as it
+    /// lies; a transmission that needs it sealed for another identification sends a copy
+    /// (gso.rs `Layout::lay_out`).
+    Fixed(Bytes),
     /// The whole sealed packet (a buffer of the send queue's pool).
     Flat(Vec<u8>),
     /// Headers, payload and tail (pad zeros, then the ICRC) apart; the payload a slice of the
@@ -85,6 +91,8 @@ impl TxPkt {
             return;
         }
         match &mut self.body {
+            // Sealed at post, AckReq included (the QP ends transmissions where it is set).
+            Body::Fixed(_) => return,
             Body::Flat(bytes) => {
                 if let Some(b) = bytes.get_mut(BTH_ACKREQ.0) {
                     *b |= BTH_ACKREQ.1;
@@ -111,6 +119,12 @@ impl TxPkt {
     /// The packet's pieces for transmission.
     pub(crate) fn wire(&mut self) -> Wire<'_> {
         match &mut self.body {
+            Body::Fixed(bytes) => Wire {
+                parts: [&bytes[..], &[]],
+                tail: &mut [],
+                id: &mut self.ipv4_id,
+                fixed: true,
+            },
             Body::Flat(bytes) => Wire::flat(bytes, &mut self.ipv4_id),
             Body::Shared {
                 head,
@@ -122,26 +136,65 @@ impl TxPkt {
                 parts: [&head[..usize::from(*head_len)], &payload[..]],
                 tail: &mut tail[..usize::from(*tail_len)],
                 id: &mut self.ipv4_id,
+                fixed: false,
             },
         }
     }
 
-    /// The pool buffer of a flat packet, for reuse; a shared packet lets go of its slice.
+    /// The pool buffer of a flat packet, for reuse; a shared or packed packet lets go of its
+    /// slice.
     pub(crate) fn into_buffer(self) -> Option<Vec<u8>> {
         match self.body {
             Body::Flat(bytes) => Some(bytes),
-            Body::Shared { .. } => None,
+            Body::Shared { .. } | Body::Fixed(_) => None,
+        }
+    }
+}
+
+/// The buffers of a QP's packed posts, back for reuse once no packet and no replay store
+/// holds a slice of them (the last slice may drop on any thread).
+pub(crate) type PostPool = std::sync::Mutex<Vec<Vec<u8>>>;
+
+/// Most bytes of buffers a QP's pool keeps: what a stream has posted and not had
+/// acknowledged (a default RMBE, 1 MiB, of packets and the replay's hold on them), with room.
+pub(crate) const POST_POOL_BYTES: usize = 2 << 20;
+
+/// A packed post's buffer, returned to its QP's pool when the last slice of it drops.
+pub(crate) struct PostBuf {
+    pub(crate) buf: Vec<u8>,
+    pub(crate) pool: std::sync::Weak<PostPool>,
+}
+
+impl AsRef<[u8]> for PostBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for PostBuf {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
+        let buf = std::mem::take(&mut self.buf);
+        let mut p = pool.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = p.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= POST_POOL_BYTES {
+            p.push(buf);
         }
     }
 }
 
 /// One packet as it leaves: its bytes are `parts` then `tail`, laid end to end by the kernel
 /// (one iovec each); the ICRC is the last four bytes of `tail`, sealed for identification
-/// `id`.
+/// `id` — or, `fixed`, the last four of `parts[0]`, the whole packet, which is immutable:
+/// [`reseal`](Wire::reseal) leaves it as it is, and a transmission that needs it sealed
+/// for another identification sends a copy.
 pub(crate) struct Wire<'a> {
     pub(crate) parts: [&'a [u8]; 2],
     pub(crate) tail: &'a mut [u8],
     pub(crate) id: &'a mut u16,
+    pub(crate) fixed: bool,
 }
 
 impl<'a> Wire<'a> {
@@ -153,6 +206,7 @@ impl<'a> Wire<'a> {
             parts: [body, &[]],
             tail,
             id,
+            fixed: false,
         }
     }
 
@@ -176,10 +230,32 @@ impl<'a> Wire<'a> {
         v
     }
 
-    /// Seal the packet for identification `to` (four XORed bytes, gso.rs).
+    /// Seal the packet for identification `to` (four XORed bytes, gso.rs); a fixed packet
+    /// stays as it is (see [`sealed_for`](Wire::sealed_for)).
     pub(crate) fn reseal(&mut self, to: u16) {
+        if self.fixed {
+            return;
+        }
         let len = self.len();
         super::gso::reseal_tail(len, self.tail, self.id, to);
+    }
+
+    /// Whether the packet leaves sealed for identification `to` as it is (a fixed packet
+    /// sealed for another needs a copy).
+    pub(crate) fn sealed_for(&self, to: u16) -> bool {
+        !self.fixed || *self.id == to
+    }
+
+    /// The packet's bytes as one buffer sealed for identification `to` (a copy).
+    pub(crate) fn copy_sealed_for(&self, to: u16) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len());
+        for p in self.pieces() {
+            v.extend_from_slice(p);
+        }
+        let mut id = *self.id;
+        let len = v.len();
+        super::gso::reseal_tail(len, &mut v, &mut id, to);
+        v
     }
 }
 

@@ -79,6 +79,11 @@ impl RawPeer {
 
     /// Acknowledge everything up to `psn`.
     fn ack(&self, psn: u32) {
+        self.acknowledge(psn, wire::AethKind::Ack { credit: 31 });
+    }
+
+    /// An Acknowledge packet of `kind` for `psn`.
+    fn acknowledge(&self, psn: u32, kind: wire::AethKind) {
         let repr = wire::PacketRepr {
             bth: wire::Bth {
                 opcode: wire::Opcode::ACKNOWLEDGE,
@@ -88,7 +93,7 @@ impl RawPeer {
                 ..wire::Bth::default()
             },
             reth: None,
-            aeth: Some(wire::Aeth::new(wire::AethKind::Ack { credit: 31 }, 0)),
+            aeth: Some(wire::Aeth::new(kind, 0)),
             immdt: None,
             payload: &[],
         };
@@ -156,6 +161,18 @@ impl RawPeer {
     /// SEND with AckReq; every ICRC sealed for the IPv4 identification the kernel gives
     /// segment k of its datagram (k).
     fn check(&self, got: &[Datagram], data: &[u8], va: u64, first: u32) {
+        self.check_with(got, data, va, first, &|_| false);
+    }
+
+    /// [`check`](Self::check) with AckReq on the WRITE's packets `ack_req` says (by index).
+    fn check_with(
+        &self,
+        got: &[Datagram],
+        data: &[u8],
+        va: u64,
+        first: u32,
+        ack_req: &dyn Fn(usize) -> bool,
+    ) {
         let mut psn = first;
         let mut off = 0usize;
         let all: Vec<(usize, &Vec<u8>)> = got
@@ -181,7 +198,7 @@ impl RawPeer {
                 continue;
             }
             assert_eq!(p.bth.opcode, wire::Opcode::WRITE_ONLY, "packet {n}");
-            assert!(!p.bth.ack_req, "packet {n}: the SEND's ACK covers it");
+            assert_eq!(p.bth.ack_req, ack_req(n), "AckReq of packet {n}");
             let piece = &data[off..(off + 1024).min(data.len())];
             assert_eq!(
                 p.reth,
@@ -534,4 +551,124 @@ fn inline_shape(len: usize) -> Vec<(Option<usize>, usize)> {
         .into_iter()
         .map(|(s, e)| ((e - s > 1).then_some(lens[s]), e - s))
         .collect()
+}
+
+/// A packed WRITE (`RoceQp::post_write_packed`: its packets built end to end in one buffer
+/// and sealed at post) leaves in the datagrams a WRITE inline of the same bytes takes, every
+/// ICRC sealed for the packet's place in its datagram, AckReq on every 62nd packet and the
+/// last (where a transmission may end); the buffer returned holds the WRITE's bytes piece by
+/// piece; once all is acknowledged and the caller lets go of it, the next post reuses it (no
+/// packet holds a slice of it any more).
+#[test]
+fn packed_writes_leave_as_sealed_at_post() {
+    let mut p = raw_peer(26);
+    let mut psn = p.a.qp.local_info().psn;
+    let va = 0x5000_0000;
+    let all = pattern(200_000, 4);
+    let mut last_buf: Option<usize> = None;
+    // Longest first: each post after the first finds the buffer it needs in the pool.
+    for (i, len) in [130_000usize, 65_536, 61 * 1024, 3001, 1024, 1023, 25, 1]
+        .into_iter()
+        .enumerate()
+    {
+        let data = &all[i * 7..i * 7 + len];
+        let at = va + (i as u64) * 0x40000;
+        let mut got = Vec::new();
+        let mut first = psn;
+        let mut packed = None;
+        for _ in 0..3 {
+            first = psn;
+            let kept =
+                p.a.qp
+                    .post_write_packed(1, data, at, 0x77)
+                    .expect("packed")
+                    .expect("a QP ready to send");
+            p.a.qp
+                .post_send(&SendWr::Send {
+                    wr_id: 2,
+                    data: &[0xCD; 44],
+                    signaled: true,
+                })
+                .expect("send");
+            let want = len.div_ceil(1024) + 1;
+            got = p.datagrams(want);
+            assert_eq!(got.iter().map(|d| d.1.len()).sum::<usize>(), want);
+            psn = wire::psn_add(psn, want as u32);
+            p.ack(wire::psn_add(psn, wire::U24_MASK));
+            let done = collect(&p.a.cq, 1);
+            assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+            packed = Some(kept);
+            // The WRITE left alone when this thread was off the CPU past the hold limit.
+            if shape(&got) == inline_shape(len) {
+                break;
+            }
+        }
+        let packed = packed.expect("posted");
+        assert_eq!(shape(&got), inline_shape(len), "length {len}");
+        let count = len.div_ceil(1024);
+        p.check_with(&got, data, at, first, &|n| n % 62 == 61 || n + 1 == count);
+        assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
+        assert_eq!(packed.len, len);
+        if let Some(b) = last_buf {
+            assert_eq!(
+                packed.buf.as_ptr() as usize,
+                b,
+                "length {len}: the buffer reused"
+            );
+        }
+        assert!(!p.a.qp.has_unacked());
+        last_buf = Some(packed.buf.as_ptr() as usize);
+    }
+}
+
+/// Go-back-N from inside a packed post (a PSN-sequence NAK for its 11th packet): the packets
+/// from there leave again in a run that starts there, each a copy sealed for its new place in
+/// the datagram (the kept packets were sealed for the places they had), with the same bytes.
+#[test]
+fn a_packed_post_resent_from_inside_a_run_is_resealed() {
+    let mut p = raw_peer(27);
+    let first = p.a.qp.local_info().psn;
+    let va = 0x5800_0000;
+    let data = pattern(64 * 1024, 5);
+    let packed =
+        p.a.qp
+            .post_write_packed(1, &data, va, 0x77)
+            .expect("packed")
+            .expect("ready");
+    p.a.qp
+        .post_send(&SendWr::Send {
+            wr_id: 2,
+            data: &[0xCD; 44],
+            signaled: true,
+        })
+        .expect("send");
+    let got = p.datagrams(65);
+    assert_eq!(got.iter().map(|d| d.1.len()).sum::<usize>(), 65);
+    let resend_from = wire::psn_add(first, 10);
+    p.acknowledge(
+        resend_from,
+        wire::AethKind::Nak {
+            code: wire::nak::PSN_SEQUENCE,
+        },
+    );
+    let again = p.datagrams(55);
+    assert_eq!(again.iter().map(|d| d.1.len()).sum::<usize>(), 55);
+    // The WRITE's packets 10.. and the SEND, every ICRC for its segment in its datagram;
+    // AckReq as posted (on packets 61 and 63 of the WRITE).
+    p.check_with(
+        &again,
+        &data[10 * 1024..],
+        va + 10 * 1024,
+        resend_from,
+        &|n| n + 10 == 61 || n + 10 == 63,
+    );
+    assert!(
+        again.iter().any(|d| d.1.len() > 1),
+        "the resent packets leave in runs"
+    );
+    p.ack(wire::psn_add(first, 64));
+    let done = collect(&p.a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+    assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
+    assert!(snapshot(&p.a.dev.core).retransmits >= 55);
 }
