@@ -889,7 +889,14 @@ impl EndpointPair {
                 // ring is full, and every WRITE on roce): only posted, it lands later and its
                 // bytes are kept for replay. Posted from the piece's shared bytes, as the
                 // roce path posts them: the replay then keeps that buffer, not a copy.
-                posted.push((t.link, t.wr, t.rkey, t.addr, wp.shared().to_vec()));
+                // With `all_posted`, every other WRITE as a fabric's packed WRITE instead
+                // (software RoCE's packets laid end to end): the replay then keeps that
+                // buffer, whose pieces lie between other bytes.
+                if all_posted && every_other_post() && wp.keep(packed(piece)) {
+                    posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
+                } else {
+                    posted.push((t.link, t.wr, t.rkey, t.addr, wp.shared().to_vec()));
+                }
                 WriteOutcome::Posted
             } else {
                 // Widened as a runtime may (`RdmaWriteTarget::room`): up to 64 bytes the peer is
@@ -1350,4 +1357,38 @@ impl<W: FnMut(RdmaWriteTarget, &mut crate::endpoint::WritePiece<'_>) -> WriteOut
         self.cdcs.push((link, wr, *msg));
         true
     }
+}
+
+/// `bytes` laid out as a fabric's packed WRITE lays them (software RoCE): pieces of 100 bytes,
+/// each after 28 bytes of other bytes (where the packets' headers go) and before 4 (the ICRC).
+fn packed(bytes: &[u8]) -> crate::endpoint::Strided {
+    const HEAD: usize = 28;
+    const PIECE: usize = 100;
+    let mut buf = Vec::with_capacity(bytes.len() / PIECE * (PIECE + 32) + PIECE + 32);
+    for c in bytes.chunks(PIECE) {
+        buf.extend_from_slice(&[0xAB; HEAD]);
+        buf.extend_from_slice(c);
+        buf.extend_from_slice(&[0xCD; 4]);
+    }
+    crate::endpoint::Strided {
+        buf: bytes::Bytes::from(buf),
+        first: HEAD,
+        stride: HEAD + PIECE + 4,
+        piece: PIECE,
+        len: bytes.len(),
+    }
+}
+
+thread_local! {
+    /// Posted WRITEs of this thread's harness so far (each test runs on a thread of its own,
+    /// so a seed replays the same choices).
+    static POSTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// True for every other WRITE posted on this thread.
+fn every_other_post() -> bool {
+    POSTS.with(|n| {
+        n.set(n.get() + 1);
+        n.get().is_multiple_of(2)
+    })
 }

@@ -385,7 +385,7 @@ impl Endpoint {
         // Offset in `data` of the first byte that must be kept for replay.
         let mut keep_from: Option<u32> = keep_all.then_some(0);
         // Each piece's shared buffer, where the path posted one (the replay keeps it).
-        let mut shared: [Option<bytes::Bytes>; 2] = [None, None];
+        let mut shared: [Option<super::replay::Kept>; 2] = [None, None];
         // The arena is the connection's; taken out while `self` posts (put back below).
         let mut arena = std::mem::take(&mut c.arena);
         for ((&(addr, len), &room), kept) in pieces[..count].iter().zip(&rooms).zip(&mut shared) {
@@ -405,7 +405,7 @@ impl Endpoint {
             };
             let mut wp = super::WritePiece::new(piece, &mut arena);
             let outcome = path.write(target, &mut wp);
-            *kept = wp.take_shared();
+            *kept = wp.take_kept();
             match outcome {
                 WriteOutcome::Placed => {}
                 WriteOutcome::Posted => {
@@ -459,14 +459,15 @@ impl Endpoint {
                     let end = (at + len).min(done);
                     if end > at && end > k {
                         let from = at.max(k);
-                        let b = match kept.take() {
-                            Some(b) if from == at && end == at + len => b,
-                            Some(b) => b.slice((from - at) as usize..(end - at) as usize),
-                            None => {
-                                bytes::Bytes::copy_from_slice(&data[from as usize..end as usize])
-                            }
-                        };
-                        c.unacked.push(b);
+                        match kept.take() {
+                            Some(b) if from == at && end == at + len => c.unacked.push_kept(b),
+                            Some(b) => c
+                                .unacked
+                                .push_kept(b.range((from - at) as usize, (end - at) as usize)),
+                            None => c.unacked.push(bytes::Bytes::copy_from_slice(
+                                &data[from as usize..end as usize],
+                            )),
+                        }
                     }
                     at += len;
                 }

@@ -28,7 +28,7 @@ use crate::time::Timestamp;
 use crate::timer::DeadlineMap;
 
 pub use clc::{subnet_matches, ConnectOptions, Handshake};
-pub use replay::WritePiece;
+pub use replay::{Strided, WritePiece};
 pub use v2::{llc_from_v2 as llc_view_of_v2, LgrV2, SmcVersions, V2_MAX_LINKS};
 
 /// The runtime's handle for one TCP connection (a socket); chosen by the caller, unique while

@@ -105,11 +105,143 @@ impl Arena {
     }
 }
 
+/// Bytes laid out in pieces at a fixed distance in one buffer: a fabric's packed WRITE
+/// (software RoCE), whose packets lie end to end with the WRITE's bytes between their
+/// headers. A send path that posted one hands it to [`WritePiece::keep`], and the replay
+/// store keeps the buffer instead of a copy of the bytes.
+#[derive(Clone, Debug)]
+pub struct Strided {
+    /// The buffer.
+    pub buf: Bytes,
+    /// Where the first byte is in `buf`.
+    pub first: usize,
+    /// From one piece's start to the next one's.
+    pub stride: usize,
+    /// The length of every piece but a shorter last.
+    pub piece: usize,
+    /// How many bytes in all.
+    pub len: usize,
+}
+
+impl Strided {
+    /// Whether every piece lies inside the buffer without overlapping the next.
+    fn is_sound(&self) -> bool {
+        if self.len == 0 {
+            return true;
+        }
+        if self.piece == 0 || self.stride < self.piece {
+            return false;
+        }
+        let last = (self.len - 1) / self.piece;
+        last.checked_mul(self.stride)
+            .and_then(|a| a.checked_add(self.first))
+            .and_then(|a| a.checked_add(self.len - last * self.piece))
+            .is_some_and(|end| end <= self.buf.len())
+    }
+}
+
+/// One stretch of kept bytes.
+#[derive(Debug)]
+enum Chunk {
+    /// In one piece.
+    Flat(Bytes),
+    /// The bytes of a [`Strided`] from `skip` bytes into the piece at `start`, `len` of them.
+    Strided {
+        buf: Bytes,
+        start: usize,
+        skip: usize,
+        stride: usize,
+        piece: usize,
+        len: usize,
+    },
+}
+
+impl Chunk {
+    fn len(&self) -> usize {
+        match self {
+            Chunk::Flat(b) => b.len(),
+            Chunk::Strided { len, .. } => *len,
+        }
+    }
+
+    /// Forget the first `n` bytes (fewer than it holds).
+    fn drop_front(&mut self, n: usize) {
+        match self {
+            Chunk::Flat(b) => {
+                let _ = b.split_to(n.min(b.len()));
+            }
+            Chunk::Strided {
+                start,
+                skip,
+                stride,
+                piece,
+                len,
+                ..
+            } => {
+                let n = n.min(*len);
+                *len -= n;
+                let at = *skip + n;
+                *start += at / *piece * *stride;
+                *skip = at % *piece;
+            }
+        }
+    }
+
+    /// Keep the first `n` bytes only.
+    fn truncate(&mut self, n: usize) {
+        match self {
+            Chunk::Flat(b) => b.truncate(n),
+            Chunk::Strided { len, .. } => *len = (*len).min(n),
+        }
+    }
+
+    /// Its bytes, in order, after `out`'s.
+    fn extend_into(&self, out: &mut Vec<u8>) {
+        match self {
+            Chunk::Flat(b) => out.extend_from_slice(b),
+            Chunk::Strided {
+                buf,
+                start,
+                skip,
+                stride,
+                piece,
+                len,
+            } => {
+                let (mut at, mut from, mut left) = (*start, *skip, *len);
+                while left > 0 {
+                    let take = (*piece - from).min(left);
+                    let Some(b) = buf.get(at + from..at + from + take) else {
+                        break; // not reached: checked sound when kept
+                    };
+                    out.extend_from_slice(b);
+                    left -= take;
+                    at += *stride;
+                    from = 0;
+                }
+            }
+        }
+    }
+}
+
+/// Bytes a send path's piece left for the replay store: its shared buffer, or the packed
+/// WRITE's (see [`WritePiece::keep`]).
+#[derive(Debug)]
+pub(super) struct Kept(Chunk);
+
+impl Kept {
+    /// Bytes `from..to` of it.
+    pub(super) fn range(mut self, from: usize, to: usize) -> Kept {
+        self.0.truncate(to);
+        self.0.drop_front(from);
+        self
+    }
+}
+
 /// The bytes kept for replay, oldest first, as the shared buffers they were posted from (or
 /// copies, where the send path posted none).
 #[derive(Debug, Default)]
 pub(super) struct Replay {
-    chunks: VecDeque<Bytes>,
+    chunks: VecDeque<Chunk>,
     len: usize,
 }
 
@@ -124,9 +256,18 @@ impl Replay {
 
     /// Keep `b` after the bytes kept.
     pub(super) fn push(&mut self, b: Bytes) {
-        if !b.is_empty() {
-            self.len += b.len();
-            self.chunks.push_back(b);
+        self.push_chunk(Chunk::Flat(b));
+    }
+
+    /// Keep what a send path's piece left after the bytes kept.
+    pub(super) fn push_kept(&mut self, k: Kept) {
+        self.push_chunk(k.0);
+    }
+
+    fn push_chunk(&mut self, c: Chunk) {
+        if c.len() > 0 {
+            self.len += c.len();
+            self.chunks.push_back(c);
         }
     }
 
@@ -142,7 +283,7 @@ impl Replay {
                 n -= front.len();
                 self.chunks.pop_front();
             } else {
-                let _ = front.split_to(n);
+                front.drop_front(n);
                 n = 0;
             }
         }
@@ -152,7 +293,7 @@ impl Replay {
     pub(super) fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len);
         for c in &self.chunks {
-            v.extend_from_slice(c);
+            c.extend_into(&mut v);
         }
         v
     }
@@ -167,6 +308,8 @@ pub struct WritePiece<'a> {
     bytes: &'a [u8],
     arena: &'a mut Arena,
     shared: Option<Bytes>,
+    /// A packed WRITE's buffer ([`WritePiece::keep`]).
+    packed: Option<Strided>,
 }
 
 impl<'a> WritePiece<'a> {
@@ -175,6 +318,7 @@ impl<'a> WritePiece<'a> {
             bytes,
             arena,
             shared: None,
+            packed: None,
         }
     }
 
@@ -193,7 +337,50 @@ impl<'a> WritePiece<'a> {
         self.shared.get_or_insert_with(|| arena.share(bytes))
     }
 
-    /// The shared buffer, if the path made one.
+    /// Keep `packed` for replay: the buffer of a WRITE the path posted with the piece's bytes
+    /// copied into it (a fabric's packed WRITE), so that the engine keeps no copy of its own.
+    /// Refused (`false`, and the engine copies as for a path that shares nothing) unless it
+    /// holds exactly the piece's bytes, in pieces that lie inside its buffer.
+    pub fn keep(&mut self, packed: Strided) -> bool {
+        let mut got = Vec::new();
+        let ok = packed.is_sound()
+            && packed.len == self.bytes.len()
+            && cfg!(debug_assertions).then(|| {
+                Chunk::Strided {
+                    buf: packed.buf.clone(),
+                    start: packed.first,
+                    skip: 0,
+                    stride: packed.stride,
+                    piece: packed.piece,
+                    len: packed.len,
+                }
+                .extend_into(&mut got);
+                got == self.bytes
+            }) != Some(false);
+        if ok {
+            self.packed = Some(packed);
+        }
+        ok
+    }
+
+    /// What the path left for replay: a packed WRITE's buffer, else the shared buffer, if
+    /// it made one.
+    pub(super) fn take_kept(&mut self) -> Option<Kept> {
+        if let Some(p) = self.packed.take() {
+            return Some(Kept(Chunk::Strided {
+                buf: p.buf,
+                start: p.first,
+                skip: 0,
+                stride: p.stride,
+                piece: p.piece,
+                len: p.len,
+            }));
+        }
+        self.shared.take().map(|b| Kept(Chunk::Flat(b)))
+    }
+
+    /// The shared buffer, if the path made one (tests).
+    #[cfg(test)]
     pub(super) fn take_shared(&mut self) -> Option<Bytes> {
         self.shared.take()
     }
@@ -222,6 +409,66 @@ mod tests {
         assert_eq!(r.to_vec(), &all[40..]);
         r.drop_front(1000);
         assert!(r.is_empty() && r.to_vec().is_empty());
+    }
+
+    /// A packed WRITE's buffer: 10 bytes of header before each piece of 7 (the last
+    /// shorter), kept whole and in ranges; dropping from the front walks over pieces and cuts
+    /// into them; what stays is always the tail of the bytes, in order. A buffer that does
+    /// not hold the piece's bytes is refused.
+    #[test]
+    fn packed_buffers_are_kept_as_laid_out() {
+        let data: Vec<u8> = (0..40u8).collect();
+        let mut buf = Vec::new();
+        for c in data.chunks(7) {
+            buf.extend_from_slice(&[0xEE; 10]);
+            buf.extend_from_slice(c);
+            buf.extend_from_slice(&[0xDD; 3]);
+        }
+        let strided = |len: usize| Strided {
+            buf: Bytes::from(buf.clone()),
+            first: 10,
+            stride: 20,
+            piece: 7,
+            len,
+        };
+        let mut arena = Arena::default();
+        let mut p = WritePiece::new(&data, &mut arena);
+        assert!(!p.keep(strided(39)), "a length that is not the piece's");
+        assert!(
+            !p.keep(Strided {
+                first: 14,
+                ..strided(40)
+            }),
+            "pieces past the buffer's end"
+        );
+        assert!(p.keep(strided(40)));
+        let kept = p.take_kept().expect("kept");
+        assert!(p.take_kept().is_none());
+        let mut r = Replay::default();
+        r.push(Bytes::copy_from_slice(b"ab"));
+        r.push_kept(kept);
+        let mut want: Vec<u8> = b"ab".to_vec();
+        want.extend_from_slice(&data);
+        assert_eq!(r.len(), 42);
+        assert_eq!(r.to_vec(), want);
+        for n in [1, 1, 3, 4, 7, 13, 2, 20] {
+            r.drop_front(n);
+            let left = want.len().saturating_sub(n);
+            want.drain(..want.len() - left);
+            assert_eq!(r.len(), want.len());
+            assert_eq!(r.to_vec(), want, "after dropping {n}");
+        }
+        // Ranges: every cut of the buffer's bytes.
+        for from in 0..40 {
+            for to in from..=40 {
+                let mut p = WritePiece::new(&data, &mut arena);
+                assert!(p.keep(strided(40)));
+                let mut r = Replay::default();
+                r.push_kept(p.take_kept().expect("kept").range(from, to));
+                assert_eq!(r.len(), to - from);
+                assert_eq!(r.to_vec(), &data[from..to], "{from}..{to}");
+            }
+        }
     }
 
     #[test]
