@@ -980,16 +980,20 @@ impl RoceQp {
             }
             end += 1;
         }
-        // A packed post's packets are sealed for runs that start at its AckReq packets' next:
-        // a window that cuts between two of those sends up to the last one it takes in full
-        // (each asks for an ACK), unless that is nothing.
+        // A packed post's packets are sealed for runs that start after its AckReq packets: a
+        // window that cuts between two of those sends up to the last one it takes in full
+        // (each asks for an ACK); if that is nothing, the rest waits for the window while
+        // packets are in flight (their ACKs open it), and goes as far as the window lets it
+        // when none are (resealed copies, gso.rs).
         if end < sq.pkts.len() {
-            if let Some(cut) = (start..end).rev().find(|&i| {
+            match (start..end).rev().find(|&i| {
                 sq.pkts
                     .get(i)
                     .is_some_and(|p| p.ack_req || !matches!(p.body, Body::Fixed(_)))
             }) {
-                end = cut + 1;
+                Some(cut) => end = cut + 1,
+                None if start > 0 => end = start,
+                None => {}
             }
         }
         if end == start {

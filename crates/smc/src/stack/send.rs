@@ -84,14 +84,25 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         // failure is of interest (see `Endpoint::send_with`): unsignaled, no completion to
         // queue and process per WRITE.
         let posted = if data.len() == bytes.len() && l.qp.keeps_write_bytes() {
-            // roce: the packets keep slices of the shared buffer, not copies.
-            l.qp.post_send_held(&SendWr::WriteShared {
-                wr_id: t.wr.0,
-                data: piece.shared(),
-                remote_addr: t.addr,
-                rkey: t.rkey,
-                signaled: false,
-            })
+            // roce: the bytes copied once, straight into the WRITE's packets (built end to
+            // end and sealed at post, smc-fabric `post_write_packed_held`); the engine keeps
+            // the packets' buffer for replay, not a copy.
+            match l.qp.post_write_packed_held(t.wr.0, bytes, t.addr, t.rkey) {
+                Ok(Some(p)) => {
+                    piece.keep(smc_proto::endpoint::Strided {
+                        buf: p.buf,
+                        first: p.first,
+                        stride: p.stride,
+                        piece: p.piece,
+                        len: p.len,
+                    });
+                    Ok(PostStatus::Queued)
+                }
+                // The QP is in error: the request completes flushed (the engine copies the
+                // bytes for replay, as for any WRITE whose bytes it was not given).
+                Ok(None) => Ok(PostStatus::Queued),
+                Err(e) => Err(e),
+            }
         } else {
             l.qp.post_send_held(&SendWr::WriteInline {
                 wr_id: t.wr.0,
