@@ -540,18 +540,25 @@ impl RoceCore {
     /// pieces between two payloads — a tail and the next packet's headers — as one,
     /// `gso::Layout`); only when faults are injected is each packet joined into one
     /// buffer first.
+    /// Whether packets leave in `UDP_SEGMENT` runs ([`transmit_pkts`](Self::transmit_pkts)):
+    /// not once the kernel refused them, nor while faults are injected (they act per packet).
+    pub(crate) fn sends_runs(&self) -> bool {
+        self.faults.is_none() && !self.gso_off.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
-        if self.faults.is_none() && pkts.len() > 1 && !self.gso_off.load(Ordering::Relaxed) {
+        if pkts.len() > 1 && self.sends_runs() {
             let to = SocketAddr::new(dst.ip, roce::UDP_PORT);
+            let n = pkts.len();
             done = super::gso::with_layout(|layout| {
-                layout.lay_out(pkts, v4);
+                let mut laid = layout.lay_out(pkts, v4);
                 let mut next = 0;
-                while let Some(&msg) = layout.msgs().get(next) {
-                    match layout.send(self.sock_of(dst.via).as_fd(), to, next) {
+                while let Some(&msg) = laid.msgs().get(next) {
+                    match laid.send(self.sock_of(dst.via).as_fd(), to, next) {
                         Ok(k) => {
-                            let sent = layout.msgs().get(next..next + k).unwrap_or_default();
+                            let sent = laid.msgs().get(next..next + k).unwrap_or_default();
                             let (n, bytes) = sent
                                 .iter()
                                 .fold((0, 0), |(n, b), m| (n + m.packets, b + m.bytes));
@@ -582,7 +589,7 @@ impl RoceCore {
                         }
                     }
                 }
-                layout.msgs().get(next).map_or(pkts.len(), |m| m.first)
+                laid.msgs().get(next).map_or(n, |m| m.first)
             });
         }
         if done == pkts.len() {
@@ -592,14 +599,7 @@ impl RoceCore {
         // a copy).
         let copies: Vec<Option<Vec<u8>>> = pkts[done..]
             .iter_mut()
-            .map(|w| match (v4, w.sealed_for(0)) {
-                (false, _) => None,
-                (true, true) => {
-                    w.reseal(0);
-                    None
-                }
-                (true, false) => Some(w.copy_sealed_for(0)),
-            })
+            .map(|w| if v4 { w.seal_for(0) } else { None })
             .collect();
         let rest: Vec<[&[u8]; 3]> = pkts[done..]
             .iter()

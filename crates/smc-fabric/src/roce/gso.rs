@@ -213,6 +213,8 @@ pub(crate) struct Layout {
     /// their iovecs: (index in `iovs`, offset in `copies`), pointed at once complete.
     copies: Vec<u8>,
     copied: Vec<(usize, usize)>,
+    /// The packets copied: (index among the call's, offset in `copies`, length).
+    copy_of: Vec<(usize, usize, usize)>,
     msgs: Vec<Msg>,
     hdrs: Vec<libc::mmsghdr>,
     /// One control buffer per message: room for one cmsg carrying a u16, aligned for
@@ -228,6 +230,7 @@ thread_local! {
             glue: Vec::new(),
             copies: Vec::new(),
             copied: Vec::new(),
+            copy_of: Vec::new(),
             msgs: Vec::new(),
             hdrs: Vec::new(),
             ctrls: Vec::new(),
@@ -261,6 +264,7 @@ impl Layout {
         self.glue.clear();
         self.copies.clear();
         self.copied.clear();
+        self.copy_of.clear();
         self.msgs.clear();
         self.hdrs.clear();
         self.ctrls.clear();
@@ -274,7 +278,11 @@ impl Layout {
     /// ones are left out. A run of n shared packets (headers, payload, tail each) goes as
     /// 2n + 1 iovecs instead of 3n: the kernel's gather costs about 40 ns per iovec
     /// (docs/performance.md, "Session 21"), the glue 32–36 bytes of copy per packet.
-    pub(crate) fn lay_out(&mut self, pkts: &mut [super::txpkt::Wire<'_>], v4: bool) {
+    pub(crate) fn lay_out<'l>(
+        &'l mut self,
+        pkts: &'l mut [super::txpkt::Wire<'_>],
+        v4: bool,
+    ) -> Laid<'l> {
         self.clear();
         let n = pkts.len();
         let mut start = 0;
@@ -287,27 +295,31 @@ impl Layout {
                 start,
                 n,
             );
+            // Each packet sealed for its index in the run: in place, or (a fixed packet
+            // sealed for another place) a copy into `copies`, noted by packet.
+            let copies_from = self.copy_of.len();
             if v4 {
                 for (k, w) in pkts[start..end].iter_mut().enumerate() {
-                    w.reseal(k as u16);
+                    if let Some(copy) = w.seal_for(k as u16) {
+                        self.copy_of.push((start + k, self.copies.len(), copy.len()));
+                        self.copies.extend_from_slice(&copy);
+                    }
                 }
             }
+            let mut next_copy = copies_from;
             let first_iov = self.iovs.len();
             let mut bytes = 0;
             let mut stretch: Option<Stretch> = None;
-            for (k, w) in pkts[start..end].iter().enumerate() {
-                let to = if v4 { k as u16 } else { *w.id };
-                if !w.sealed_for(to) {
-                    // A fixed packet sealed for another place: a copy, resealed.
-                    let copy = w.copy_sealed_for(to);
-                    bytes += copy.len();
+            for (i, w) in pkts.iter().enumerate().take(end).skip(start) {
+                if let Some(&(_, at, len)) = self.copy_of.get(next_copy).filter(|c| c.0 == i) {
+                    next_copy += 1;
+                    bytes += len;
                     self.end_stretch(stretch.take());
-                    self.copied.push((self.iovs.len(), self.copies.len()));
+                    self.copied.push((self.iovs.len(), at));
                     self.iovs.push(libc::iovec {
                         iov_base: std::ptr::null_mut(),
-                        iov_len: copy.len(),
+                        iov_len: len,
                     });
-                    self.copies.extend_from_slice(&copy);
                     continue;
                 }
                 for p in w.pieces().into_iter().filter(|p| !p.is_empty()) {
@@ -356,6 +368,10 @@ impl Layout {
                 }
             }
         }
+        Laid {
+            layout: self,
+            _pkts: std::marker::PhantomData,
+        }
     }
 
     /// Close a stretch of short pieces: alone, its piece goes from where it lies (its copy is
@@ -374,16 +390,26 @@ impl Layout {
         }
     }
 
+}
+
+/// A transmission laid out ([`Layout::lay_out`]): it holds the packets borrowed, so the
+/// iovecs that point into them stay valid for as long as it lives.
+pub(crate) struct Laid<'l> {
+    layout: &'l mut Layout,
+    _pkts: std::marker::PhantomData<&'l mut ()>,
+}
+
+impl Laid<'_> {
     /// The messages laid out.
     pub(crate) fn msgs(&self) -> &[Msg] {
-        &self.msgs
+        &self.layout.msgs
     }
 
     /// The pieces of message `i` (tests).
     #[cfg(test)]
     fn pieces(&self, i: usize) -> Vec<&[u8]> {
-        let (a, b) = self.msgs[i].iovs;
-        self.iovs[a..b]
+        let (a, b) = self.layout.msgs[i].iovs;
+        self.layout.iovs[a..b]
             .iter()
             // SAFETY: every iovec points at `iov_len` live bytes: a piece of the packets the
             // test still holds, or the glue.
@@ -393,22 +419,22 @@ impl Layout {
 
     /// Send the messages from `from` on to `dst` with one `sendmmsg`, each with its own
     /// `UDP_SEGMENT` control message when it holds several packets. Returns how many messages
-    /// the kernel took (at least one), or the error of the first. The packets laid out must
-    /// not have been touched since [`lay_out`](Self::lay_out).
+    /// the kernel took (at least one), or the error of the first.
     pub(crate) fn send(
         &mut self,
         sock: BorrowedFd<'_>,
         dst: SocketAddr,
         from: usize,
     ) -> Result<usize, Errno> {
-        let msgs = self.msgs.get(from..).unwrap_or_default();
+        let l = &mut *self.layout;
+        let msgs = l.msgs.get(from..).unwrap_or_default();
         if msgs.is_empty() {
             return Ok(0);
         }
         let (addr, addr_len) = sockaddr(dst);
-        self.ctrls.clear();
-        self.ctrls.resize(msgs.len(), [0u64; 4]);
-        self.hdrs.clear();
+        l.ctrls.clear();
+        l.ctrls.resize(msgs.len(), [0u64; 4]);
+        l.hdrs.clear();
         // SAFETY: CMSG_SPACE only computes a size.
         let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
         debug_assert!(space <= std::mem::size_of::<[u64; 4]>());
@@ -417,11 +443,11 @@ impl Layout {
         // the iovecs' own targets, the packets borrowed by the caller since `lay_out` and the
         // glue), and the kernel only reads them during the call.
         let rc = unsafe {
-            for (m, ctrl) in msgs.iter().zip(self.ctrls.iter_mut()) {
+            for (m, ctrl) in msgs.iter().zip(l.ctrls.iter_mut()) {
                 let mut h: libc::mmsghdr = std::mem::zeroed();
                 h.msg_hdr.msg_name = (&addr as *const libc::sockaddr_in6).cast_mut().cast();
                 h.msg_hdr.msg_namelen = addr_len;
-                h.msg_hdr.msg_iov = self.iovs.as_mut_ptr().add(m.iovs.0);
+                h.msg_hdr.msg_iov = l.iovs.as_mut_ptr().add(m.iovs.0);
                 h.msg_hdr.msg_iovlen = (m.iovs.1 - m.iovs.0) as _;
                 if let Some(gso) = m.gso_size {
                     h.msg_hdr.msg_control = ctrl.as_mut_ptr().cast();
@@ -432,12 +458,12 @@ impl Layout {
                     (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
                     std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), gso);
                 }
-                self.hdrs.push(h);
+                l.hdrs.push(h);
             }
             libc::sendmmsg(
                 sock.as_raw_fd(),
-                self.hdrs.as_mut_ptr(),
-                self.hdrs.len() as libc::c_uint,
+                l.hdrs.as_mut_ptr(),
+                l.hdrs.len() as libc::c_uint,
                 libc::MSG_DONTWAIT,
             )
         };
@@ -596,8 +622,8 @@ mod tests {
         let lens: Vec<usize> = want.iter().map(Vec::len).collect();
         assert_eq!(runs(&lens), vec![(0, 6), (6, 7)]);
         for round in 0..2 {
-            with_layout(|l| {
-                l.lay_out(&mut pkts, false);
+            with_layout(|layout| {
+                let l = layout.lay_out(&mut pkts, false);
                 let msgs = l.msgs().to_vec();
                 assert_eq!(msgs.len(), 2, "round {round}");
                 assert_eq!((msgs[0].first, msgs[0].packets), (0, 6));
@@ -628,9 +654,8 @@ mod tests {
                 assert_eq!(l.pieces(1).len(), 2);
             });
         }
-        with_layout(|l| {
-            l.lay_out(&mut [], true);
-            assert!(l.msgs().is_empty());
+        with_layout(|layout| {
+            assert!(layout.lay_out(&mut [], true).msgs().is_empty());
         });
     }
 
@@ -661,8 +686,8 @@ mod tests {
             fixed(&b[200..], i4),
             fixed(&a[100..], i5),
         ];
-        with_layout(|l| {
-            l.lay_out(&mut pkts, true);
+        with_layout(|layout| {
+            let l = layout.lay_out(&mut pkts, true);
             let msgs = l.msgs().to_vec();
             let runs: Vec<(usize, usize)> = msgs.iter().map(|m| (m.first, m.packets)).collect();
             // The retransmitted packet, sealed for 1, is the fourth of the second run.
@@ -676,10 +701,10 @@ mod tests {
             let mut id = 1;
             reseal(&mut want, &mut id, 3);
             assert_eq!(second[1], &want[..], "a copy sealed for its place");
-            assert_ne!(second[1].as_ptr(), a[64..].as_ptr());
+            assert_ne!(second[1].as_ptr(), a[100..].as_ptr());
         });
-        with_layout(|l| {
-            l.lay_out(&mut pkts, false);
+        with_layout(|layout| {
+            let l = layout.lay_out(&mut pkts, false);
             let runs: Vec<(usize, usize)> = l.msgs().iter().map(|m| (m.first, m.packets)).collect();
             assert_eq!(runs, vec![(0, 6)]);
             assert_eq!(l.pieces(0).concat(), [&a[..], &b[..], &a[100..]].concat());

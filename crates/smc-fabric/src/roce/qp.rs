@@ -422,6 +422,9 @@ impl RoceQp {
             // A QP in error sends nothing again: its pool of packet buffers (up to 1 MiB)
             // goes now rather than with the QP, which may linger.
             sq.spare = Vec::new();
+            // Its packed posts' buffers too; those the caller still holds are freed, not
+            // pooled, when it lets go of them.
+            sq.post_pool = Arc::default();
             sq.next_tx = 0;
             let mut first = first;
             sq.wrs
@@ -554,20 +557,60 @@ impl RoceQp {
         }
     }
 
-    fn post(&self, wr: &SendWr<'_>, ring: bool) -> Result<PostStatus> {
+    /// The checks every post makes before it queues anything, in order: the QP's state (in
+    /// error: the request completes flushed at once, `Ok(None)`), its connection, room in
+    /// the send queue, an injected failure (the request fails and the QP with it,
+    /// `Ok(None)`). The state is looked at again under the send queue's lock: `enter_error`
+    /// sets it before it takes that lock to flush what is queued, so a post that gets the
+    /// lock after the flush completes flushed rather than queue on a QP in error.
+    fn begin_post(
+        &self,
+        wr_id: u64,
+        opcode: WcOpcode,
+        byte_len: u32,
+    ) -> Result<Option<(Conn, std::sync::MutexGuard<'_, SendQueue>)>> {
+        let flushed = || {
+            self.send_cq.push(wc(
+                wr_id,
+                WcStatus::WrFlushError,
+                opcode,
+                byte_len,
+                self.qpn,
+            ));
+            Ok(None)
+        };
         match self.state() {
             QpState::Rts => {}
-            QpState::Error => {
-                let (op, len) = wr_shape(wr);
-                self.send_cq
-                    .push(wc(wr.wr_id(), WcStatus::WrFlushError, op, len, self.qpn));
-                return Ok(PostStatus::Queued);
-            }
+            QpState::Error => return flushed(),
             s => return Err(FabricError::InvalidState(s)),
         }
         let Some(conn) = self.conn.get().copied() else {
             return Err(FabricError::InvalidState(self.state()));
         };
+        let sq = lock(&self.sq);
+        if self.state() == QpState::Error {
+            drop(sq);
+            return flushed();
+        }
+        if sq.wrs.len() >= self.caps.max_send_wr as usize {
+            return Err(FabricError::QueueFull);
+        }
+        if self.core.take_fail_token() {
+            drop(sq);
+            self.send_cq.push(wc(
+                wr_id,
+                WcStatus::RetryExceeded,
+                opcode,
+                byte_len,
+                self.qpn,
+            ));
+            self.enter_error(None, "injected failure");
+            return Ok(None);
+        }
+        Ok(Some((conn, sq)))
+    }
+
+    fn post(&self, wr: &SendWr<'_>, ring: bool) -> Result<PostStatus> {
         // Where the payload comes from: the caller's bytes, or (a WRITE from a registered
         // region) the region itself, read chunk by chunk straight into each packet.
         let (src, write, signaled) = match *wr {
@@ -630,22 +673,9 @@ impl RoceQp {
                 max: u32::MAX as usize >> 1,
             });
         }
-        let mut sq = lock(&self.sq);
-        if sq.wrs.len() >= self.caps.max_send_wr as usize {
-            return Err(FabricError::QueueFull);
-        }
-        if self.core.take_fail_token() {
-            drop(sq);
-            self.send_cq.push(wc(
-                wr.wr_id(),
-                WcStatus::RetryExceeded,
-                opcode,
-                byte_len,
-                self.qpn,
-            ));
-            self.enter_error(None, "injected failure");
+        let Some((conn, mut sq)) = self.begin_post(wr.wr_id(), opcode, byte_len)? else {
             return Ok(PostStatus::Queued);
-        }
+        };
         // rocev2.md 6.2: ceil(L / MTU) packets, at least one. A SEND is one message (ONLY,
         // or FIRST / MIDDLE… / LAST: FIRST and MIDDLE carry exactly one MTU). A WRITE is cut
         // into one WRITE ONLY message per path MTU, each with its own RETH (its piece's
@@ -815,54 +845,34 @@ impl RoceQp {
         remote_addr: u64,
         rkey: u32,
     ) -> Result<Option<PackedBytes>> {
-        match self.state() {
-            QpState::Rts => {}
-            QpState::Error => {
-                self.send_cq.push(wc(
-                    wr_id,
-                    WcStatus::WrFlushError,
-                    WcOpcode::RdmaWrite,
-                    data.len() as u32,
-                    self.qpn,
-                ));
-                return Ok(None);
-            }
-            s => return Err(FabricError::InvalidState(s)),
-        }
-        let Some(conn) = self.conn.get().copied() else {
-            return Err(FabricError::InvalidState(self.state()));
-        };
         if data.len() > u32::MAX as usize >> 1 {
             return Err(FabricError::MessageTooLarge {
                 len: data.len(),
                 max: u32::MAX as usize >> 1,
             });
         }
-        let mut sq = lock(&self.sq);
-        if sq.wrs.len() >= self.caps.max_send_wr as usize {
-            return Err(FabricError::QueueFull);
-        }
-        if self.core.take_fail_token() {
-            drop(sq);
-            self.send_cq.push(wc(
-                wr_id,
-                WcStatus::RetryExceeded,
-                WcOpcode::RdmaWrite,
-                data.len() as u32,
-                self.qpn,
-            ));
-            self.enter_error(None, "injected failure");
+        let Some((conn, mut sq)) =
+            self.begin_post(wr_id, WcOpcode::RdmaWrite, data.len() as u32)?
+        else {
             return Ok(None);
-        }
+        };
         let mtu = conn.mtu;
         let count = data.len().div_ceil(mtu).max(1);
         let head_len = roce::BTH_LEN + roce::RETH_LEN;
         let packet_len = |len: usize| head_len + len + roce::pad_len(len) + roce::ICRC_LEN;
         let full = packet_len(mtu.min(data.len()));
         let per_run = super::gso::run_capacity(full);
-        let v4 = conn.ip.ip.is_ipv4();
+        // Where packets leave one by one (injected faults, no UDP_SEGMENT), each is sealed
+        // for identification 0; IPv6 has none.
+        let by_run = conn.ip.ip.is_ipv4() && self.core.sends_runs();
         let total = (count - 1) * full + packet_len(data.len() - (count - 1) * mtu);
-        let mut buf = lock(&sq.post_pool).pop().unwrap_or_default();
+        // A post of more than a packet takes a buffer of the pool (a stream's: the same few
+        // go round); a lone packet a buffer of its own, not a large one for a few bytes.
+        let mut buf = if count > 1 {
+            lock(&sq.post_pool).pop().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         buf.clear();
         buf.reserve(total);
         // The ICRC's fixed start for the full packets' length, hashed once per post.
@@ -871,22 +881,21 @@ impl RoceQp {
         } else {
             IcrcPrefix::none(conn.icrc)
         };
-        // (PSN, offset, length, identification, AckReq) of each packet.
-        let mut laid = Vec::with_capacity(count);
-        let mut psn = sq.next_psn;
+        // rocev2.md 8.1: AckReq where a transmission may end (see above).
+        let ends_run = |i: usize| (i + 1) % per_run == 0 || i + 1 == count;
+        let first_psn = sq.next_psn;
         for i in 0..count {
             let start = i * mtu;
             let len = (data.len() - start).min(mtu);
             let k = i % per_run;
-            // rocev2.md 8.1: AckReq where a transmission may end (see above).
-            let ack_req = k + 1 == per_run || i + 1 == count;
+            let ack_req = ends_run(i);
             let repr = PacketRepr {
                 bth: Bth {
                     opcode: Opcode::WRITE_ONLY,
                     pkey: roce::DEFAULT_PKEY,
                     dest_qp: conn.dest_qp,
                     ack_req,
-                    psn,
+                    psn: psn_add(first_psn, i as u32),
                     ..Bth::default()
                 },
                 reth: Some(Reth {
@@ -914,25 +923,28 @@ impl RoceQp {
             } else {
                 conn.icrc.seal(packet);
             }
-            let mut id = 0u16;
-            if v4 {
+            if by_run {
+                let mut id = 0u16;
                 super::gso::reseal_tail(packet.len(), packet, &mut id, k as u16);
             }
-            laid.push((psn, off, packet.len(), id, ack_req));
-            psn = psn_add(psn, 1);
         }
         let bytes = bytes::Bytes::from_owner(super::txpkt::PostBuf {
             buf,
             pool: Arc::downgrade(&sq.post_pool),
         });
-        for (psn, off, len, ipv4_id, ack_req) in laid {
+        // The packets as slices of the buffer: packet i at i × `full`, the last one to the end.
+        for i in 0..count {
+            let off = i * full;
+            let end = if i + 1 == count { total } else { off + full };
+            let k = i % per_run;
             sq.pkts.push_back(TxPkt {
-                psn,
-                body: Body::Fixed(bytes.slice(off..off + len)),
-                ipv4_id,
-                ack_req,
+                psn: psn_add(first_psn, i as u32),
+                body: Body::Fixed(bytes.slice(off..end)),
+                ipv4_id: if by_run { k as u16 } else { 0 },
+                ack_req: ends_run(i),
             });
         }
+        let psn = psn_add(first_psn, count as u32);
         sq.next_psn = psn;
         sq.since_ackreq = 0;
         sq.wrs.push_back(PendingWr {
@@ -969,15 +981,11 @@ impl RoceQp {
         let start = sq.next_tx;
         let mut end = start;
         let window = window(conn.mtu);
-        while let Some(p) = sq.pkts.get(end) {
-            if psn_diff(p.psn, oldest) >= window {
-                break;
-            }
-            if sq.high_psn.is_some_and(|h| psn_diff(p.psn, h) <= 0) {
-                bump(&self.core.counters.retransmits);
-            } else {
-                sq.high_psn = Some(p.psn);
-            }
+        while sq
+            .pkts
+            .get(end)
+            .is_some_and(|p| psn_diff(p.psn, oldest) < window)
+        {
             end += 1;
         }
         // A packed post's packets are sealed for runs that start after its AckReq packets: a
@@ -998,6 +1006,15 @@ impl RoceQp {
         }
         if end == start {
             return;
+        }
+        // What leaves now: the highest PSN sent (the bound of the ACKs taken), and what is
+        // sent again.
+        for p in sq.pkts.range(start..end) {
+            if sq.high_psn.is_some_and(|h| psn_diff(p.psn, h) <= 0) {
+                bump(&self.core.counters.retransmits);
+            } else {
+                sq.high_psn = Some(p.psn);
+            }
         }
         // The last packet of a transmission always asks for an ACK (a held post's last
         // packet, or one the window cut a run before, may not yet): re-sealed once, and the

@@ -240,14 +240,18 @@ impl<'a> Wire<'a> {
         super::gso::reseal_tail(len, self.tail, self.id, to);
     }
 
-    /// Whether the packet leaves sealed for identification `to` as it is (a fixed packet
-    /// sealed for another needs a copy).
-    pub(crate) fn sealed_for(&self, to: u16) -> bool {
-        !self.fixed || *self.id == to
+    /// Seal the packet for identification `to`: in place, or — a fixed packet sealed for
+    /// another — as a copy, returned (to be sent instead of the packet).
+    pub(crate) fn seal_for(&mut self, to: u16) -> Option<Vec<u8>> {
+        if !self.fixed || *self.id == to {
+            self.reseal(to);
+            return None;
+        }
+        Some(self.copy_sealed_for(to))
     }
 
     /// The packet's bytes as one buffer sealed for identification `to` (a copy).
-    pub(crate) fn copy_sealed_for(&self, to: u16) -> Vec<u8> {
+    fn copy_sealed_for(&self, to: u16) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len());
         for p in self.pieces() {
             v.extend_from_slice(p);
