@@ -301,7 +301,8 @@ impl Layout {
             if v4 {
                 for (k, w) in pkts[start..end].iter_mut().enumerate() {
                     if let Some(copy) = w.seal_for(k as u16) {
-                        self.copy_of.push((start + k, self.copies.len(), copy.len()));
+                        self.copy_of
+                            .push((start + k, self.copies.len(), copy.len()));
                         self.copies.extend_from_slice(&copy);
                     }
                 }
@@ -389,7 +390,6 @@ impl Layout {
             });
         }
     }
-
 }
 
 /// A transmission laid out ([`Layout::lay_out`]): it holds the packets borrowed, so the

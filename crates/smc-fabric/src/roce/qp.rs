@@ -46,7 +46,7 @@ const WINDOW_BYTES: usize = 256 << 10;
 
 /// The requester's window in PSNs at path MTU `mtu`: [`WINDOW_BYTES`] of packets, 256 at a
 /// path MTU of 1024, 64 at 4096 (at least 16).
-fn window(mtu: usize) -> i32 {
+pub(crate) fn window(mtu: usize) -> i32 {
     (WINDOW_BYTES / mtu.max(1)).clamp(16, 1024) as i32
 }
 /// The requester window a responder must keep open: rxe's, the smallest a peer has.

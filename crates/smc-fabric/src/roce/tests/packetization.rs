@@ -557,8 +557,8 @@ fn inline_shape(len: usize) -> Vec<(Option<usize>, usize)> {
 /// and sealed at post) leaves in the datagrams a WRITE inline of the same bytes takes, every
 /// ICRC sealed for the packet's place in its datagram, AckReq on every 62nd packet and the
 /// last (where a transmission may end); the buffer returned holds the WRITE's bytes piece by
-/// piece; once all is acknowledged and the caller lets go of it, the next post reuses it (no
-/// packet holds a slice of it any more).
+/// piece; once all is acknowledged and the caller lets go of it, the next post of several
+/// packets reuses it (no packet holds a slice of it any more).
 #[test]
 fn packed_writes_leave_as_sealed_at_post() {
     let mut p = raw_peer(26);
@@ -609,7 +609,8 @@ fn packed_writes_leave_as_sealed_at_post() {
         p.check_with(&got, data, at, first, &|n| n % 62 == 61 || n + 1 == count);
         assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
         assert_eq!(packed.len, len);
-        if let Some(b) = last_buf {
+        // A post of several packets takes the pool's buffer, a lone packet one of its own.
+        if let (Some(b), true) = (last_buf, count > 1) {
             assert_eq!(
                 packed.buf.as_ptr() as usize,
                 b,
@@ -617,7 +618,9 @@ fn packed_writes_leave_as_sealed_at_post() {
             );
         }
         assert!(!p.a.qp.has_unacked());
-        last_buf = Some(packed.buf.as_ptr() as usize);
+        if count > 1 {
+            last_buf = Some(packed.buf.as_ptr() as usize);
+        }
     }
 }
 
@@ -671,4 +674,102 @@ fn a_packed_post_resent_from_inside_a_run_is_resealed() {
     assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
     assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
     assert!(snapshot(&p.a.dev.core).retransmits >= 55);
+}
+
+/// A packed post longer than the requester's window (300 packets against 256 at a path MTU
+/// of 1,024), nothing lost: the first transmission ends at the last AckReq packet the window
+/// takes whole (packet 248: four runs of 62) and nothing after it leaves before an ACK; an
+/// ACK for a packet held back is a ghost (those packets have not left) and completes nothing;
+/// the real ACK lets the rest go. Every packet leaves sealed for its place as posted (no
+/// copies: each ICRC for its segment in its datagram), and the retransmissions counted are
+/// the packets seen twice (none, unless the retransmission timer fired on a slow machine).
+#[test]
+fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
+    let mut p = raw_peer(29);
+    // Room for a window's datagrams (four of 64 KiB) in the peer's socket, as our devices
+    // make for theirs.
+    crate::roce::device::setsockopt_int(&p.sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)
+        .expect("SO_RCVBUFFORCE (root)");
+    let first = p.a.qp.local_info().psn;
+    let va = 0x5C00_0000;
+    let data = pattern(300 * 1024, 6);
+    p.a.qp
+        .post_write_packed(1, &data, va, 0x77)
+        .expect("packed")
+        .expect("ready");
+    p.a.qp
+        .post_send(&SendWr::Send {
+            wr_id: 2,
+            data: &[0xCD; 44],
+            signaled: true,
+        })
+        .expect("send");
+    let index = |pkt: &[u8]| {
+        wire::Packet::parse(pkt).map_or(usize::MAX, |x| {
+            (x.bth.psn.wrapping_sub(first) & wire::U24_MASK) as usize
+        })
+    };
+    let mut got = p.datagrams(248);
+    let highest = |got: &[Datagram]| got.iter().flat_map(|d| &d.1).map(|x| index(x)).max();
+    assert_eq!(highest(&got), Some(247), "{:?}", shape(&got));
+    // Whatever comes before an ACK (the retransmission timer's go-back-N) stops there too.
+    got.extend(p.datagrams(1));
+    assert_eq!(
+        highest(&got),
+        Some(247),
+        "nothing past the window before an ACK"
+    );
+    let ghosts = snapshot(&p.a.dev.core).drop_ghost_acks;
+    p.ack(wire::psn_add(first, 250));
+    let end = Instant::now() + Duration::from_secs(5);
+    while snapshot(&p.a.dev.core).drop_ghost_acks == ghosts && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(snapshot(&p.a.dev.core).drop_ghost_acks, ghosts + 1);
+    p.ack(wire::psn_add(first, 247));
+    while highest(&got) != Some(300) && Instant::now() < end {
+        got.extend(p.datagrams(1));
+    }
+    p.ack(wire::psn_add(first, 300));
+    let done = collect(&p.a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+    // Each packet: its ICRC sealed for its segment in its datagram, its bytes, its AckReq.
+    let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
+    let mut seen = vec![0usize; 301];
+    for (seg, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
+        let cols = crate::roce::gso::id_columns(pkt.len());
+        let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
+        assert_eq!(icrc, Some(h.compute(pkt) ^ cols.delta(seg as u16)));
+        let i = index(pkt);
+        seen[i] += 1;
+        let x = wire::Packet::parse(pkt).expect("parse");
+        if i == 300 {
+            assert_eq!(x.bth.opcode, wire::Opcode::SEND_ONLY);
+            continue;
+        }
+        assert_eq!(x.payload, &data[i * 1024..(i + 1) * 1024], "packet {i}");
+        assert_eq!(
+            x.bth.ack_req,
+            i % 62 == 61 || i == 299,
+            "AckReq of packet {i}"
+        );
+    }
+    assert!(seen.iter().all(|&n| n >= 1), "every packet arrived");
+    let again: usize = seen.iter().map(|n| n - 1).sum();
+    assert_eq!(snapshot(&p.a.dev.core).retransmits, again as u64);
+}
+
+/// The requester's window takes a whole run of full packets at every path MTU, so a
+/// transmission can always end at a packed post's AckReq packet.
+#[test]
+fn the_window_takes_a_whole_packed_run() {
+    for mtu in [256usize, 512, 1024, 2048, 4096] {
+        let full = wire::BTH_LEN + wire::RETH_LEN + mtu + wire::ICRC_LEN;
+        let run = crate::roce::gso::run_capacity(full);
+        assert!(
+            crate::roce::qp::window(mtu) as usize >= run,
+            "path MTU {mtu}: window {} < run {run}",
+            crate::roce::qp::window(mtu)
+        );
+    }
 }
