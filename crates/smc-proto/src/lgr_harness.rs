@@ -469,6 +469,8 @@ pub struct EndpointPair {
     pub dead: BTreeSet<(Side, LinkId)>,
     /// Steps taken.
     pub steps: usize,
+    /// WRITEs only posted so far (with `Knobs::all_posted`, every other one is packed).
+    posted_writes: u64,
 }
 
 /// A device on side `s` number `i`: distinct GIDs and MACs per side and device.
@@ -516,6 +518,7 @@ impl EndpointPair {
             trace: Vec::new(),
             dead: BTreeSet::new(),
             steps: 0,
+            posted_writes: 0,
         }
     }
 
@@ -842,6 +845,8 @@ impl EndpointPair {
             .collect();
         let mut drop = self.knobs.drop.take();
         let all_posted = self.knobs.all_posted;
+        let mut posted_writes = self.posted_writes;
+        let posts = &mut posted_writes;
         let mut traced = Vec::new();
         // (rkey, addr, bytes) executed at post; work requests that failed.
         let mut placed = Vec::new();
@@ -892,7 +897,12 @@ impl EndpointPair {
                 // With `all_posted`, every other WRITE as a fabric's packed WRITE instead
                 // (software RoCE's packets laid end to end): the replay then keeps that
                 // buffer, whose pieces lie between other bytes.
-                if all_posted && every_other_post() && wp.keep(packed(piece)) {
+                *posts += 1;
+                if all_posted && posts.is_multiple_of(2) {
+                    assert!(
+                        wp.keep(packed(piece)),
+                        "a packed buffer of the piece's bytes"
+                    );
                     posted.push((t.link, t.wr, t.rkey, t.addr, piece.to_vec()));
                 } else {
                     posted.push((t.link, t.wr, t.rkey, t.addr, wp.shared().to_vec()));
@@ -939,6 +949,7 @@ impl EndpointPair {
         }
         self.knobs.drop = drop;
         self.trace.extend(traced);
+        self.posted_writes = posted_writes;
         let peer = self.host_mut(s.other());
         for (rkey, addr, bytes) in &placed {
             let (lgr, rmb, _) = *peer
@@ -1377,18 +1388,4 @@ fn packed(bytes: &[u8]) -> crate::endpoint::Strided {
         piece: PIECE,
         len: bytes.len(),
     }
-}
-
-thread_local! {
-    /// Posted WRITEs of this thread's harness so far (each test runs on a thread of its own,
-    /// so a seed replays the same choices).
-    static POSTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// True for every other WRITE posted on this thread.
-fn every_other_post() -> bool {
-    POSTS.with(|n| {
-        n.set(n.get() + 1);
-        n.get().is_multiple_of(2)
-    })
 }
