@@ -1001,7 +1001,8 @@ impl QueuePair {
     /// next [`QueuePair::post_send`] on this QP, [`QueuePair::doorbell`], or at the latest a
     /// few milliseconds (the roce device's progress tick). Ringing once for several posts
     /// lets their packets leave in one system call, and an unsignaled WRITE so followed by a
-    /// SEND needs no acknowledgement of its own. The caller should ring (post or doorbell)
+    /// SEND needs no acknowledgement of its own (a packed WRITE,
+    /// [`QueuePair::post_write_packed_held`], asks for some at post). The caller should ring (post or doorbell)
     /// when its batch is complete. The shm backend executes at once, as `post_send_status`.
     pub fn post_send_held(&self, wr: &SendWr<'_>) -> Result<PostStatus> {
         match &self.inner {

@@ -10,7 +10,8 @@
 //! value that depends only on the packet length and k ([`Ipv4IdColumns`]), so re-sealing is
 //! four XORed bytes, not a pass over the packet. A kept packet remembers which identification
 //! its ICRC is sealed for, so a retransmission in another run (or alone, with identification 0)
-//! re-seals it again. The receiver recovers the identification from the ICRC the same way.
+//! re-seals it again — a packed WRITE's packet, sealed at post and immutable, as a copy
+//! ([`Layout::lay_out`]). The receiver recovers the identification from the ICRC the same way.
 //!
 //! A run is at most [`MAX_SEGMENTS`] packets (the limit of older kernels) and 65,507 bytes, all
 //! of one length except a shorter last one (the kernel cuts the payload into `gso_size` pieces).

@@ -700,8 +700,9 @@ impl RoceQp {
             // is wanted or that ends what this post transmits, and every ACKREQ_EVERY packets.
             // ACKs are cumulative: an unsignaled message whose packets leave with a later
             // one is acknowledged by the later one's ACK. `pump` makes sure the last packet
-            // of every transmission asks for an ACK, so no packet is ever left waiting for
-            // the retransmission timer for want of one.
+            // of every transmission asks for an ACK (these packets are re-sealed with it; a
+            // packed post's are sealed with it where a transmission may end), so no packet is
+            // ever left waiting for the retransmission timer for want of one.
             let ack_req = (last && (signaled || ring)) || sq.since_ackreq > ACKREQ_EVERY;
             if ack_req {
                 sq.since_ackreq = 0;

@@ -1,9 +1,12 @@
 //! The packets a roce requester keeps until they are acknowledged (go-back-N resends them as
 //! they are), and their view for transmission.
 //!
-//! A packet is kept one of two ways. *Flat*: the whole sealed packet in one buffer of the send
-//! queue's pool (SENDs, WRITEs of the caller's slice or of a registered region: their bytes
-//! are copied into the packet once). *Shared*: a WRITE ONLY packet of
+//! A packet is kept one of three ways. *Fixed*: a packet of a packed WRITE (qp.rs
+//! `post_write_packed`), a slice of the post's immutable buffer where its packets lie end to
+//! end, sealed at post for its place in a `UDP_SEGMENT` run; sent as it lies, or as a resealed
+//! copy where a transmission gives it another place. *Flat*: the whole sealed packet in one
+//! buffer of the send queue's pool (SENDs, WRITEs of the caller's slice or of a registered
+//! region: their bytes are copied into the packet once). *Shared*: a WRITE ONLY packet of
 //! [`SendWr::WriteShared`](crate::SendWr::WriteShared) bytes, kept as its headers (BTH and
 //! RETH, in an inline array), a slice of the shared, reference-counted buffer, and its pad
 //! and ICRC: the payload is never copied in user space. The kernel gathers the pieces of a
