@@ -147,6 +147,19 @@ fn writes_then_sends(
     len: impl Fn(u64) -> usize,
     stride: u64,
 ) -> Vec<WorkCompletion> {
+    writes_then_sends_with(a, b, rounds, len, stride, write)
+}
+
+/// [`writes_then_sends`] with the WRITEs posted by `write` (a, b, work request id, bytes,
+/// offset in b's RMB).
+fn writes_then_sends_with(
+    a: &End,
+    b: &End,
+    rounds: u64,
+    len: impl Fn(u64) -> usize,
+    stride: u64,
+    write: impl Fn(&End, &End, u64, &[u8], u64),
+) -> Vec<WorkCompletion> {
     let mut expect = vec![0u8; 1 << 20];
     for round in 0..rounds {
         let data = pattern(len(round), round as u8);

@@ -123,6 +123,26 @@ impl RawPeer {
         )
     }
 
+    /// A packed WRITE of `data` to `va` (`RoceQp::post_write_packed`) and the 44-byte SEND
+    /// after it; the WRITE's buffer.
+    fn packed_update(&self, data: &[u8], va: u64) -> crate::PackedBytes {
+        let packed = self
+            .a
+            .qp
+            .post_write_packed(1, data, va, 0x77)
+            .expect("packed")
+            .expect("a QP ready to send");
+        self.a
+            .qp
+            .post_send(&SendWr::Send {
+                wr_id: 2,
+                data: &[0xCD; 44],
+                signaled: true,
+            })
+            .expect("send");
+        packed
+    }
+
     /// [`update`](Self::update) with the WRITE `wr` of `len` bytes.
     fn update_wr(&mut self, wr: &SendWr<'_>, len: usize, psn: &mut u32) -> Vec<Datagram> {
         let want = len.div_ceil(1024).max(1) + 1;
@@ -578,18 +598,7 @@ fn packed_writes_leave_as_sealed_at_post() {
         let mut packed = None;
         for _ in 0..3 {
             first = psn;
-            let kept =
-                p.a.qp
-                    .post_write_packed(1, data, at, 0x77)
-                    .expect("packed")
-                    .expect("a QP ready to send");
-            p.a.qp
-                .post_send(&SendWr::Send {
-                    wr_id: 2,
-                    data: &[0xCD; 44],
-                    signaled: true,
-                })
-                .expect("send");
+            let kept = p.packed_update(data, at);
             let want = len.div_ceil(1024) + 1;
             got = p.datagrams(want);
             assert_eq!(got.iter().map(|d| d.1.len()).sum::<usize>(), want);
@@ -633,18 +642,7 @@ fn a_packed_post_resent_from_inside_a_run_is_resealed() {
     let first = p.a.qp.local_info().psn;
     let va = 0x5800_0000;
     let data = pattern(64 * 1024, 5);
-    let packed =
-        p.a.qp
-            .post_write_packed(1, &data, va, 0x77)
-            .expect("packed")
-            .expect("ready");
-    p.a.qp
-        .post_send(&SendWr::Send {
-            wr_id: 2,
-            data: &[0xCD; 44],
-            signaled: true,
-        })
-        .expect("send");
+    let packed = p.packed_update(&data, va);
     let got = p.datagrams(65);
     assert_eq!(got.iter().map(|d| d.1.len()).sum::<usize>(), 65);
     let resend_from = wire::psn_add(first, 10);
@@ -693,17 +691,7 @@ fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
     let first = p.a.qp.local_info().psn;
     let va = 0x5C00_0000;
     let data = pattern(300 * 1024, 6);
-    p.a.qp
-        .post_write_packed(1, &data, va, 0x77)
-        .expect("packed")
-        .expect("ready");
-    p.a.qp
-        .post_send(&SendWr::Send {
-            wr_id: 2,
-            data: &[0xCD; 44],
-            signaled: true,
-        })
-        .expect("send");
+    p.packed_update(&data, va);
     let index = |pkt: &[u8]| {
         wire::Packet::parse(pkt).map_or(usize::MAX, |x| {
             (x.bth.psn.wrapping_sub(first) & wire::U24_MASK) as usize

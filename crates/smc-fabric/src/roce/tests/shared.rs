@@ -14,15 +14,7 @@ use bytes::{Bytes, BytesMut};
 /// all is acknowledged, the QP holds no slice of the arena.
 #[test]
 fn shared_writes_survive_loss_and_retransmission() {
-    let faults = ["ra", "rb"]
-        .iter()
-        .flat_map(|d| {
-            [Fault::Drop(3.0), Fault::Reorder(2.0), Fault::Duplicate(2.0)]
-                .into_iter()
-                .map(move |f| (d.to_string(), f))
-        })
-        .collect();
-    let (a, b) = pair(24, faults, 64);
+    let (a, b) = pair(24, lossy_both_ways(), 64);
     let mut arena = BytesMut::with_capacity(1 << 20);
     let mut expect = vec![0u8; 1 << 20];
     let mut kept: Vec<Bytes> = Vec::new();
@@ -109,55 +101,37 @@ fn a_failed_qp_lets_go_of_shared_bytes() {
 
 /// Packed WRITEs (`RoceQp::post_write_packed`, sealed at post) under loss, reordering and
 /// duplication on both sides, where every packet leaves alone (faults act per packet) and so
-/// sealed for identification 0, a copy for all but the first of each run: every WRITE's
-/// bytes arrive exactly, each SEND once and in order; the buffers returned hold the bytes
-/// posted.
+/// is sealed for identification 0 at post: every WRITE's bytes arrive exactly, each SEND once
+/// and in order; the buffers returned hold the bytes posted.
 #[test]
 fn packed_writes_survive_loss_and_retransmission() {
-    let faults = ["ra", "rb"]
+    let (a, b) = pair(28, lossy_both_ways(), 64);
+    writes_then_sends_with(
+        &a,
+        &b,
+        8,
+        |round| 60_000 + round as usize * 1111,
+        110_000,
+        |a, b, wr, data, off| {
+            let packed =
+                a.qp.post_write_packed(wr, data, b.rmb.vaddr() + off, b.rmb.key)
+                    .expect("write")
+                    .expect("ready");
+            assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
+        },
+    );
+    let ca = snapshot(&a.dev.core);
+    assert!(ca.fault_drops > 0 && ca.retransmits > 0, "{ca:?}");
+}
+
+/// Drops, reordering and duplication on both devices (`ra`, `rb`).
+fn lossy_both_ways() -> Vec<(String, Fault)> {
+    ["ra", "rb"]
         .iter()
         .flat_map(|d| {
             [Fault::Drop(3.0), Fault::Reorder(2.0), Fault::Duplicate(2.0)]
                 .into_iter()
                 .map(move |f| (d.to_string(), f))
         })
-        .collect();
-    let (a, b) = pair(28, faults, 64);
-    let mut expect = vec![0u8; 1 << 20];
-    let rounds = 8u64;
-    let mut kept = Vec::new();
-    for round in 0..rounds {
-        let data = pattern(60_000 + round as usize * 1111, round as u8 + 40);
-        let off = round * 110_000;
-        let packed =
-            a.qp.post_write_packed(100 + round, &data, b.rmb.vaddr() + off, b.rmb.key)
-                .expect("write")
-                .expect("ready");
-        assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
-        kept.push(packed);
-        expect[off as usize..off as usize + data.len()].copy_from_slice(&data);
-        a.qp.post_send(&SendWr::Send {
-            wr_id: round,
-            data: &round.to_be_bytes(),
-            signaled: true,
-        })
-        .expect("send");
-    }
-    let got = collect(&b.cq, rounds as usize);
-    assert_eq!(got.len(), rounds as usize, "all SENDs delivered");
-    for (i, w) in got.iter().enumerate() {
-        assert_eq!(w.status, WcStatus::Success);
-        let mut m = [0u8; 8];
-        b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
-        assert_eq!(u64::from_be_bytes(m), i as u64, "in order");
-    }
-    let mut back = vec![0u8; 1 << 20];
-    b.rmb.read_at(0, &mut back).expect("read");
-    assert!(back == expect, "WRITE bytes differ");
-    // The SENDs' completions (the packed WRITEs are unsignaled).
-    let done = collect(&a.cq, rounds as usize);
-    assert_eq!(done.len(), rounds as usize);
-    assert!(done.iter().all(|w| w.status == WcStatus::Success));
-    let ca = snapshot(&a.dev.core);
-    assert!(ca.fault_drops > 0 && ca.retransmits > 0, "{ca:?}");
+        .collect()
 }
