@@ -883,7 +883,7 @@ impl RoceQp {
             IcrcPrefix::none(conn.icrc)
         };
         // rocev2.md 8.1: AckReq where a transmission may end (see above).
-        let ends_run = |i: usize| (i + 1) % per_run == 0 || i + 1 == count;
+        let ends_run = |i: usize| (i + 1).is_multiple_of(per_run) || i + 1 == count;
         let first_psn = sq.next_psn;
         for i in 0..count {
             let start = i * mtu;

@@ -132,6 +132,12 @@ impl RawPeer {
             .post_write_packed(1, data, va, 0x77)
             .expect("packed")
             .expect("a QP ready to send");
+        self.cdc();
+        packed
+    }
+
+    /// The 44-byte SEND of an update (work request 2, signaled), ringing the doorbell.
+    fn cdc(&self) {
         self.a
             .qp
             .post_send(&SendWr::Send {
@@ -140,7 +146,6 @@ impl RawPeer {
                 signaled: true,
             })
             .expect("send");
-        packed
     }
 
     /// [`update`](Self::update) with the WRITE `wr` of `len` bytes.
@@ -148,14 +153,7 @@ impl RawPeer {
         let want = len.div_ceil(1024).max(1) + 1;
         for attempt in 0..3 {
             self.a.qp.post_send_held(wr).expect("write");
-            self.a
-                .qp
-                .post_send(&SendWr::Send {
-                    wr_id: 2,
-                    data: &[0xCD; 44],
-                    signaled: true,
-                })
-                .expect("send");
+            self.cdc();
             let got = self.datagrams(want);
             let n: usize = got.iter().map(|d| d.1.len()).sum();
             assert_eq!(n, want, "packets of the update");
