@@ -870,11 +870,10 @@ impl RoceQp {
         // A post of more than a packet takes a buffer of the pool (a stream's: the same few
         // go round); a lone packet a buffer of its own, not a large one for a few bytes.
         let mut buf = if count > 1 {
-            lock(&sq.post_pool).pop().unwrap_or_default()
+            sq.post_pool.take()
         } else {
             Vec::new()
         };
-        buf.clear();
         buf.reserve(total);
         // The ICRC's fixed start for the full packets' length, hashed once per post.
         let prefix = if count >= PREFIX_MIN_PACKETS {
@@ -911,8 +910,7 @@ impl RoceQp {
             let mut head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
             let off = buf.len();
             let Ok(h) = repr.emit_head(len, &mut head) else {
-                // Not reached: a WRITE ONLY's headers fit; the buffer goes back unused.
-                lock(&sq.post_pool).push(buf);
+                // Not reached: a WRITE ONLY's headers fit (the buffer is freed).
                 return Err(FabricError::InvalidArgument("packed WRITE headers"));
             };
             buf.extend_from_slice(&head[..h]);
@@ -931,7 +929,11 @@ impl RoceQp {
         }
         let bytes = bytes::Bytes::from_owner(super::txpkt::PostBuf {
             buf,
-            pool: Arc::downgrade(&sq.post_pool),
+            pool: if count > 1 {
+                Arc::downgrade(&sq.post_pool)
+            } else {
+                std::sync::Weak::new()
+            },
         });
         // The packets as slices of the buffer: packet i at i × `full`, the last one to the end.
         for i in 0..count {

@@ -154,15 +154,38 @@ impl TxPkt {
     }
 }
 
-/// The buffers of a QP's packed posts, back for reuse once no packet and no replay store
-/// holds a slice of them (the last slice may drop on any thread).
-pub(crate) type PostPool = std::sync::Mutex<Vec<Vec<u8>>>;
+/// The buffers of a QP's packed posts of several packets, back for reuse once no packet and
+/// no replay store holds a slice of them (the last slice may drop on any thread), with their
+/// capacities' sum.
+#[derive(Default)]
+pub(crate) struct PostPool(std::sync::Mutex<(Vec<Vec<u8>>, usize)>);
+
+impl PostPool {
+    /// A buffer of the pool (empty), or a new one.
+    pub(crate) fn take(&self) -> Vec<u8> {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let buf = p.0.pop().unwrap_or_default();
+        p.1 -= buf.capacity();
+        buf
+    }
+
+    /// Keep `buf` for reuse if the pool has room ([`POST_POOL_BYTES`]); else free it.
+    fn put(&self, mut buf: Vec<u8>) {
+        buf.clear();
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if p.1 + buf.capacity() <= POST_POOL_BYTES {
+            p.1 += buf.capacity();
+            p.0.push(buf);
+        }
+    }
+}
 
 /// Most bytes of buffers a QP's pool keeps: what a stream has posted and not had
 /// acknowledged (a default RMBE, 1 MiB, of packets and the replay's hold on them), with room.
 pub(crate) const POST_POOL_BYTES: usize = 2 << 20;
 
-/// A packed post's buffer, returned to its QP's pool when the last slice of it drops.
+/// A packed post's buffer, returned to its QP's pool when the last slice of it drops (a
+/// lone packet's, with no pool, freed: small buffers would crowd the pool out).
 pub(crate) struct PostBuf {
     pub(crate) buf: Vec<u8>,
     pub(crate) pool: std::sync::Weak<PostPool>,
@@ -176,14 +199,8 @@ impl AsRef<[u8]> for PostBuf {
 
 impl Drop for PostBuf {
     fn drop(&mut self) {
-        let Some(pool) = self.pool.upgrade() else {
-            return;
-        };
-        let buf = std::mem::take(&mut self.buf);
-        let mut p = pool.lock().unwrap_or_else(|e| e.into_inner());
-        let held: usize = p.iter().map(Vec::capacity).sum();
-        if held + buf.capacity() <= POST_POOL_BYTES {
-            p.push(buf);
+        if let Some(pool) = self.pool.upgrade() {
+            pool.put(std::mem::take(&mut self.buf));
         }
     }
 }
@@ -349,6 +366,42 @@ mod tests {
                 assert!(p.into_buffer().is_none());
             }
         }
+    }
+
+    /// A QP's pool of packed posts' buffers keeps at most `POST_POOL_BYTES` of them, counts
+    /// what it lends, and gets back a buffer whose last slice drops; a buffer with no pool
+    /// (a lone packet's) is freed.
+    #[test]
+    fn the_post_pool_keeps_a_bounded_number_of_bytes() {
+        let pool = std::sync::Arc::new(PostPool::default());
+        let chunk = 256 << 10;
+        for _ in 0..(POST_POOL_BYTES / chunk + 3) {
+            pool.put(Vec::with_capacity(chunk));
+        }
+        let held = |p: &PostPool| {
+            let g = p.0.lock().expect("pool");
+            (g.0.len(), g.1, g.0.iter().map(Vec::capacity).sum::<usize>())
+        };
+        let (n, bytes, sum) = held(&pool);
+        assert_eq!((n, bytes), (POST_POOL_BYTES / chunk, sum));
+        let mut lent = pool.take();
+        assert!(lent.capacity() >= chunk && lent.is_empty());
+        lent.push(7);
+        assert_eq!(held(&pool).1, bytes - lent.capacity());
+        let b = Bytes::from_owner(PostBuf {
+            buf: lent,
+            pool: std::sync::Arc::downgrade(&pool),
+        });
+        let slice = b.slice(..1);
+        drop(b);
+        assert_eq!(held(&pool).1, bytes - chunk, "a slice still holds it");
+        drop(slice);
+        assert_eq!(held(&pool), (n, bytes, bytes), "back in the pool");
+        drop(Bytes::from_owner(PostBuf {
+            buf: vec![1, 2, 3],
+            pool: std::sync::Weak::new(),
+        }));
+        assert_eq!(held(&pool).0, n);
     }
 
     /// A flat packet's wire view is its buffer, cut before the ICRC.
