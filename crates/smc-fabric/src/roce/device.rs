@@ -532,6 +532,12 @@ impl RoceCore {
             .fetch_add((pkts.len() - sent) as u64, Ordering::Relaxed);
     }
 
+    /// Whether packets leave in `UDP_SEGMENT` runs ([`transmit_pkts`](Self::transmit_pkts)):
+    /// not once the kernel refused them, nor while faults are injected (they act per packet).
+    pub(crate) fn sends_runs(&self) -> bool {
+        self.faults.is_none() && !self.gso_off.load(Ordering::Relaxed)
+    }
+
     /// Send a QP's kept packets, each with the IPv4 identification its ICRC is sealed for:
     /// in `UDP_SEGMENT` runs (gso.rs), all runs of one call in one `sendmmsg`, where the socket
     /// can, else one datagram per packet with identification 0 (also when faults are
@@ -540,12 +546,6 @@ impl RoceCore {
     /// pieces between two payloads — a tail and the next packet's headers — as one,
     /// `gso::Layout`); only when faults are injected is each packet joined into one
     /// buffer first.
-    /// Whether packets leave in `UDP_SEGMENT` runs ([`transmit_pkts`](Self::transmit_pkts)):
-    /// not once the kernel refused them, nor while faults are injected (they act per packet).
-    pub(crate) fn sends_runs(&self) -> bool {
-        self.faults.is_none() && !self.gso_off.load(Ordering::Relaxed)
-    }
-
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();

@@ -419,7 +419,7 @@ impl RoceQp {
         self.take_owed_ack(Duration::ZERO);
         self.core
             .push_event(crate::DeviceEvent::QpFatal { qp_num: self.qpn });
-        let wcs: Vec<WorkCompletion> = {
+        {
             let mut sq = lock(&self.sq);
             sq.pkts.clear();
             // A QP in error sends nothing again: its pool of packet buffers (up to 1 MiB)
@@ -430,15 +430,18 @@ impl RoceQp {
             sq.post_pool = Arc::default();
             sq.next_tx = 0;
             let mut first = first;
-            sq.wrs
+            let wcs: Vec<WorkCompletion> = sq
+                .wrs
                 .drain(..)
                 .map(|w| {
                     let st = first.take().unwrap_or(WcStatus::WrFlushError);
                     wc(w.wr_id, st, w.opcode, w.byte_len, self.qpn)
                 })
-                .collect()
-        };
-        self.send_cq.push_all(wcs);
+                .collect();
+            // Pushed under the send queue's lock (the CQ's is taken inside it): a post that
+            // finds the QP in error once it has the lock completes after these, in order.
+            self.send_cq.push_all(wcs);
+        }
         let mut rwcs = Vec::new();
         if let Ok(mut r) = self.resp.try_lock() {
             if let Some(Cursor::Send { entry, .. }) = r.cursor.take() {
@@ -614,6 +617,14 @@ impl RoceQp {
     }
 
     fn post(&self, wr: &SendWr<'_>, ring: bool) -> Result<PostStatus> {
+        // In the error state every request completes flushed, whatever it holds (looked at
+        // again under the lock, `begin_post`).
+        if self.state() == QpState::Error {
+            let (op, len) = wr_shape(wr);
+            self.send_cq
+                .push(wc(wr.wr_id(), WcStatus::WrFlushError, op, len, self.qpn));
+            return Ok(PostStatus::Queued);
+        }
         // Where the payload comes from: the caller's bytes, or (a WRITE from a registered
         // region) the region itself, read chunk by chunk straight into each packet.
         let (src, write, signaled) = match *wr {
@@ -849,17 +860,17 @@ impl RoceQp {
         remote_addr: u64,
         rkey: u32,
     ) -> Result<Option<PackedBytes>> {
+        let Some((conn, mut sq)) =
+            self.begin_post(wr_id, WcOpcode::RdmaWrite, data.len() as u32)?
+        else {
+            return Ok(None);
+        };
         if data.len() > u32::MAX as usize >> 1 {
             return Err(FabricError::MessageTooLarge {
                 len: data.len(),
                 max: u32::MAX as usize >> 1,
             });
         }
-        let Some((conn, mut sq)) =
-            self.begin_post(wr_id, WcOpcode::RdmaWrite, data.len() as u32)?
-        else {
-            return Ok(None);
-        };
         let mtu = conn.mtu;
         let count = data.len().div_ceil(mtu).max(1);
         let head_len = roce::BTH_LEN + roce::RETH_LEN;
@@ -967,7 +978,8 @@ impl RoceQp {
             buf: bytes,
             first: head_len,
             stride: full,
-            piece: mtu,
+            // A lone packet's piece is the whole WRITE (shorter than a path MTU).
+            piece: mtu.min(data.len()).max(1),
             len: data.len(),
         }))
     }
@@ -1007,6 +1019,8 @@ impl RoceQp {
             }) {
                 Some(cut) => end = cut + 1,
                 None if start > 0 => end = start,
+                // Not reached with nothing in flight: the window takes a whole run
+                // (`the_window_takes_a_whole_packed_run`).
                 None => {}
             }
         }

@@ -176,6 +176,7 @@ fn writes_then_sends_with(
     let got = collect(&b.cq, rounds as usize);
     assert_eq!(got.len(), rounds as usize, "all SENDs delivered");
     for (i, w) in got.iter().enumerate() {
+        assert_eq!(w.status, WcStatus::Success);
         let mut m = [0u8; 8];
         b.rx.read_at(w.wr_id as usize * 64, &mut m).expect("read");
         assert_eq!(u64::from_be_bytes(m), i as u64, "in order");

@@ -208,8 +208,8 @@ impl Drop for PostBuf {
 /// One packet as it leaves: its bytes are `parts` then `tail`, laid end to end by the kernel
 /// (one iovec each); the ICRC is the last four bytes of `tail`, sealed for identification
 /// `id` — or, `fixed`, the last four of `parts[0]`, the whole packet, which is immutable:
-/// [`reseal`](Wire::reseal) leaves it as it is, and a transmission that needs it sealed
-/// for another identification sends a copy.
+/// [`reseal`](Wire::reseal) leaves it as it is, and [`seal_for`](Wire::seal_for) gives a
+/// copy where a transmission needs it sealed for another identification.
 pub(crate) struct Wire<'a> {
     pub(crate) parts: [&'a [u8]; 2],
     pub(crate) tail: &'a mut [u8],
@@ -251,7 +251,7 @@ impl<'a> Wire<'a> {
     }
 
     /// Seal the packet for identification `to` (four XORed bytes, gso.rs); a fixed packet
-    /// stays as it is (see [`sealed_for`](Wire::sealed_for)).
+    /// stays as it is (see [`seal_for`](Wire::seal_for)).
     pub(crate) fn reseal(&mut self, to: u16) {
         if self.fixed {
             return;

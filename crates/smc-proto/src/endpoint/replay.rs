@@ -438,6 +438,22 @@ mod tests {
             }),
             "pieces past the buffer's end"
         );
+        assert!(
+            !p.keep(Strided {
+                piece: 0,
+                ..strided(40)
+            }),
+            "a zero piece"
+        );
+        if cfg!(debug_assertions) {
+            assert!(
+                !p.keep(Strided {
+                    first: 9,
+                    ..strided(40)
+                }),
+                "other bytes than the piece's"
+            );
+        }
         assert!(p.keep(strided(40)));
         let kept = p.take_kept().expect("kept");
         assert!(p.take_kept().is_none());

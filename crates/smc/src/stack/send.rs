@@ -89,13 +89,15 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
             // the packets' buffer for replay, not a copy.
             match l.qp.post_write_packed_held(t.wr.0, bytes, t.addr, t.rkey) {
                 Ok(Some(p)) => {
-                    piece.keep(smc_proto::endpoint::Strided {
+                    let kept = piece.keep(smc_proto::endpoint::Strided {
                         buf: p.buf,
                         first: p.first,
                         stride: p.stride,
                         piece: p.piece,
                         len: p.len,
                     });
+                    // Refused, the engine would copy the bytes again for replay.
+                    debug_assert!(kept, "a packed WRITE's buffer the engine cannot keep");
                     Ok(PostStatus::Queued)
                 }
                 // The QP is in error: the request completes flushed (the engine copies the

@@ -120,6 +120,10 @@ fn packed_writes_survive_loss_and_retransmission() {
             assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
         },
     );
+    // The SENDs' completions (the packed WRITEs are unsignaled).
+    let done = collect(&a.cq, 8);
+    assert_eq!(done.len(), 8);
+    assert!(done.iter().all(|w| w.status == WcStatus::Success));
     let ca = snapshot(&a.dev.core);
     assert!(ca.fault_drops > 0 && ca.retransmits > 0, "{ca:?}");
 }
