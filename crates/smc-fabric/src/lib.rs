@@ -1056,6 +1056,16 @@ impl QueuePair {
             QpImpl::Roce(..) => roce::shortest_shared_write(send_len),
         }
     }
+    /// The shortest WRITE worth posting packed ([`QueuePair::post_write_packed_held`]): one of
+    /// more than a path MTU (several packets, which leave as runs from one buffer); a WRITE of
+    /// one packet gains nothing from it and costs an allocation or two. `usize::MAX` where
+    /// WRITEs are not packed (shm) or the QP is not connected.
+    pub fn packs_writes_from(&self) -> usize {
+        match &self.inner {
+            QpImpl::Shm(_) => usize::MAX,
+            QpImpl::Roce(_, q) => q.packs_writes_from(),
+        }
+    }
     /// Post an unsignaled RDMA WRITE of `data` held as [`QueuePair::post_send_held`] does, on
     /// a backend that keeps a WRITE's bytes ([`QueuePair::keeps_write_bytes`]): its packets
     /// are built end to end in one buffer (the one copy of the bytes), sealed for the place

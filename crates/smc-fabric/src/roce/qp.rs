@@ -841,6 +841,11 @@ impl RoceQp {
         Ok(PostStatus::Queued)
     }
 
+    /// The shortest WRITE of more than one packet (see `QueuePair::packs_writes_from`).
+    pub(crate) fn packs_writes_from(&self) -> usize {
+        self.conn.get().map_or(usize::MAX, |c| c.mtu + 1)
+    }
+
     /// Post an unsignaled RDMA WRITE of `data`, held as [`RoceQp::post_send_held`] holds, its
     /// packets built end to end in one buffer of the QP's pool and sealed at post for good:
     /// the bytes are copied once, from `data` into the packets, and the packets leave from

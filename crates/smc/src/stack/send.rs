@@ -83,10 +83,11 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
         // backend, and one acknowledgement for both), or when this path is dropped. Only a
         // failure is of interest (see `Endpoint::send_with`): unsignaled, no completion to
         // queue and process per WRITE.
-        let posted = if data.len() == bytes.len() && l.qp.keeps_write_bytes() {
-            // roce: the bytes copied once, straight into the WRITE's packets (built end to
-            // end and sealed at post, smc-fabric `post_write_packed_held`); the engine keeps
-            // the packets' buffer for replay, not a copy.
+        let posted = if data.len() == bytes.len() && bytes.len() >= l.qp.packs_writes_from() {
+            // roce, a WRITE of several packets: the bytes copied once, straight into the
+            // WRITE's packets (built end to end and sealed at post, smc-fabric
+            // `post_write_packed_held`); the engine keeps the packets' buffer for replay, not
+            // a copy.
             match l.qp.post_write_packed_held(t.wr.0, bytes, t.addr, t.rkey) {
                 Ok(Some(p)) => {
                     let kept = piece.keep(smc_proto::endpoint::Strided {
@@ -105,6 +106,17 @@ impl smc_proto::endpoint::SendPath for DirectSend<'_> {
                 Ok(None) => Ok(PostStatus::Queued),
                 Err(e) => Err(e),
             }
+        } else if data.len() == bytes.len() && l.qp.keeps_write_bytes() {
+            // roce, a WRITE of one packet: its packet keeps a slice of the piece's shared
+            // buffer (the engine's replay keeps the same buffer), cut from the connection's
+            // arena without an allocation of its own.
+            l.qp.post_send_held(&SendWr::WriteShared {
+                wr_id: t.wr.0,
+                data: piece.shared(),
+                remote_addr: t.addr,
+                rkey: t.rkey,
+                signaled: false,
+            })
         } else {
             l.qp.post_send_held(&SendWr::WriteInline {
                 wr_id: t.wr.0,
