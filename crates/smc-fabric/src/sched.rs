@@ -10,13 +10,104 @@
 //! non-idle tasks"): it runs at once on an idle CPU, else when the running task sleeps or
 //! has used its slice, and finds more work waiting then.
 //!
-//! [`QuietWake`] puts the calling thread under `SCHED_BATCH` for one sleep and back under
-//! `SCHED_OTHER` after it, keeping its nice value. It leaves alone a thread under any other
-//! policy (an application's real-time or idle thread). The wake-up latency it adds is at
-//! most a scheduler slice, and only when no CPU is idle: for sleeps that wait for bulk data,
-//! not for a reply.
+//! [`QuietWake`] puts the calling thread under `SCHED_BATCH` for its sleep, keeping its nice
+//! value, and leaves alone a thread under any other policy (an application's real-time or
+//! idle thread). The wake-up latency it adds is at most a scheduler slice, and only when no
+//! CPU is idle: for sleeps that wait for bulk data, not for a reply.
+//!
+//! A stream's reader sleeps once per update or so, and switching its policy there and back
+//! took three system calls per sleep — 7 % of a RoCE receiver's CPU (docs/performance.md,
+//! "Session 24"). So the policy is *kept* after the sleep: the reader's next bulk sleep, a
+//! few tens of µs later, begins without a system call. It is given back (`SCHED_OTHER`)
+//! when the thread next waits for something other than bulk data ([`QuietWake::settle`],
+//! called by the stack before such a wait), and by [`restore_stale`] once the thread's last
+//! bulk sleep ended more than [`KEEP_MAX`] ago — a software RoCE device's progress thread
+//! calls it every tick — so that whatever the application does between its reads, or after
+//! its last one, runs under its own policy within a few ms.
 
-/// `SCHED_BATCH` for the calling thread while this lives (see the module's text).
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// Longest a thread stays under the `SCHED_BATCH` of its last bulk sleep before
+/// [`restore_stale`] gives its policy back (a stream's reader begins its next sleep well
+/// within it).
+pub const KEEP_MAX: Duration = Duration::from_millis(1);
+
+/// `KeptBatch::state` of a thread under its own policy.
+const NORMAL: u64 = 0;
+/// `KeptBatch::state` of a thread asleep under `SCHED_BATCH` ([`QuietWake`] alive).
+const ASLEEP: u64 = u64::MAX;
+
+/// A thread's `SCHED_BATCH` as [`QuietWake`] left it, shared with [`restore_stale`].
+struct KeptBatch {
+    tid: libc::pid_t,
+    /// Whether [`restore_stale`] looks at it (not for the tests' own threads, which
+    /// [`restore`] alone gives back: the progress threads of other tests sweep meanwhile).
+    swept: bool,
+    /// [`NORMAL`], [`ASLEEP`], or since when it is kept: µs since [`epoch`] (at least 1).
+    state: AtomicU64,
+}
+
+/// The calling thread's record, registered in [`registry`] at its first quiet sleep; it
+/// goes with the thread (the registry holds it weakly).
+struct Mine(Arc<KeptBatch>);
+
+impl Drop for Mine {
+    fn drop(&mut self) {
+        if self.0.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
+            KEPT.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+thread_local! {
+    static MINE: Mine = Mine(register());
+}
+
+/// Threads kept under `SCHED_BATCH` or asleep under it right now (read without the lock by
+/// [`restore_stale`]).
+static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+fn registry() -> &'static Mutex<Vec<Weak<KeptBatch>>> {
+    static R: OnceLock<Mutex<Vec<Weak<KeptBatch>>>> = OnceLock::new();
+    R.get_or_init(Mutex::default)
+}
+
+fn register() -> Arc<KeptBatch> {
+    #[cfg(test)]
+    let swept = !tests::UNSWEPT.with(|u| u.get());
+    #[cfg(not(test))]
+    let swept = true;
+    let k = Arc::new(KeptBatch {
+        tid: gettid(),
+        swept,
+        state: AtomicU64::new(NORMAL),
+    });
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.retain(|w| w.strong_count() > 0);
+    r.push(Arc::downgrade(&k));
+    k
+}
+
+/// The calling thread's id.
+fn gettid() -> libc::pid_t {
+    // SAFETY: no arguments; it cannot fail.
+    unsafe { libc::gettid() }
+}
+
+fn epoch() -> Instant {
+    static E: OnceLock<Instant> = OnceLock::new();
+    *E.get_or_init(Instant::now)
+}
+
+/// Now in µs since [`epoch`], at least 1 (0 is [`NORMAL`]).
+fn now_stamp() -> u64 {
+    (epoch().elapsed().as_micros() as u64).clamp(1, ASLEEP - 1)
+}
+
+/// `SCHED_BATCH` for the calling thread while this lives, and after it until given back (see
+/// the module's text).
 #[derive(Debug)]
 pub struct QuietWake {
     /// The thread was under `SCHED_OTHER` and is under `SCHED_BATCH` now.
@@ -24,56 +115,176 @@ pub struct QuietWake {
 }
 
 impl QuietWake {
-    /// Put the calling thread under `SCHED_BATCH` if it is under `SCHED_OTHER`.
+    /// Put the calling thread under `SCHED_BATCH` if it is under `SCHED_OTHER` (no system
+    /// call if its last bulk sleep left it there and nobody has given it back since).
     pub fn begin() -> QuietWake {
-        QuietWake {
-            switched: policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH),
-        }
+        let switched = MINE
+            .try_with(|m| {
+                let st = &m.0.state;
+                let s = st.load(Ordering::Acquire);
+                if s != NORMAL && s != ASLEEP {
+                    // Kept since the last sleep; `restore_stale` may take it back meanwhile
+                    // (then it is NORMAL, and the policy is switched below as at first).
+                    if st
+                        .compare_exchange(s, ASLEEP, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        return true;
+                    }
+                }
+                let switched = policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH);
+                if switched && st.swap(ASLEEP, Ordering::AcqRel) == NORMAL {
+                    KEPT.fetch_add(1, Ordering::AcqRel);
+                }
+                switched
+            })
+            .unwrap_or(false);
+        QuietWake { switched }
     }
 
-    /// Whether the thread's policy was changed (and is restored at drop).
+    /// Whether the thread is under `SCHED_BATCH` for this sleep by this type's doing.
     pub fn switched(&self) -> bool {
         self.switched
+    }
+
+    /// Give the calling thread its own policy back if a bulk sleep left it under
+    /// `SCHED_BATCH`: the stack calls it before any other wait (one thread-local load when
+    /// there is nothing to give back).
+    pub fn settle() {
+        let _ = MINE.try_with(|m| {
+            if m.0.state.load(Ordering::Acquire) == NORMAL {
+                return;
+            }
+            if m.0.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
+                KEPT.fetch_sub(1, Ordering::AcqRel);
+                set_policy(libc::SCHED_OTHER);
+            }
+        });
     }
 }
 
 impl Drop for QuietWake {
     fn drop(&mut self) {
         if self.switched {
-            set_policy(libc::SCHED_OTHER);
+            // Kept from now on (see the module's text).
+            let _ = MINE.try_with(|m| {
+                let _ = m.0.state.compare_exchange(
+                    ASLEEP,
+                    now_stamp(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            });
+        }
+    }
+}
+
+/// Give their own policy back to the threads whose last bulk sleep ended `max_age` or more
+/// ago and that sleep no more (software RoCE's progress thread calls it every tick with
+/// [`KEEP_MAX`]). Nothing but an atomic load while no thread is kept.
+pub fn restore_stale(max_age: Duration) {
+    restore(max_age, None);
+}
+
+/// [`restore_stale`] for every swept thread, or for thread `only` alone.
+fn restore(max_age: Duration, only: Option<libc::pid_t>) {
+    if KEPT.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    let now = now_stamp();
+    let age = max_age.as_micros() as u64;
+    let kept: Vec<Arc<KeptBatch>> = registry()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .filter(|k| only.map_or(k.swept, |t| t == k.tid))
+        .collect();
+    for k in kept {
+        let s = k.state.load(Ordering::Acquire);
+        if s == NORMAL || s == ASLEEP || now.saturating_sub(s) < age {
+            continue;
+        }
+        if k.state
+            .compare_exchange(s, NORMAL, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            KEPT.fetch_sub(1, Ordering::AcqRel);
+            // Only if it is still under the batch policy it was left in (an application
+            // that set its own meanwhile keeps it).
+            if policy_of(k.tid) == Some(libc::SCHED_BATCH) {
+                set_policy_of(k.tid, libc::SCHED_OTHER);
+            }
         }
     }
 }
 
 /// The calling thread's scheduling policy (`SCHED_RESET_ON_FORK` included when set).
 fn policy() -> Option<libc::c_int> {
-    // SAFETY: no arguments but the calling thread's id (0).
-    let p = unsafe { libc::sched_getscheduler(0) };
+    policy_of(0)
+}
+
+/// Thread `tid`'s scheduling policy (0: the calling thread).
+fn policy_of(tid: libc::pid_t) -> Option<libc::c_int> {
+    // SAFETY: no arguments but a thread id.
+    let p = unsafe { libc::sched_getscheduler(tid) };
     (p >= 0).then_some(p)
 }
 
 /// Set the calling thread's policy, priority 0 (the only one of the normal policies; the nice
 /// value stays); whether it took.
 fn set_policy(policy: libc::c_int) -> bool {
+    set_policy_of(0, policy)
+}
+
+/// [`set_policy`] for thread `tid` of this process (0: the calling thread).
+fn set_policy_of(tid: libc::pid_t, policy: libc::c_int) -> bool {
     let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: `param` is a live sched_param for the duration of the call; pid 0 is the calling
-    // thread.
-    unsafe { libc::sched_setscheduler(0, policy, &param) == 0 }
+    // SAFETY: `param` is a live sched_param for the duration of the call.
+    unsafe { libc::sched_setscheduler(tid, policy, &param) == 0 }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    thread_local! {
+        /// Set by a test's thread before its first quiet sleep: [`restore_stale`] leaves it.
+        pub(crate) static UNSWEPT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// A thread for a test: unswept (see [`UNSWEPT`]).
+    fn spawn<T: Send + 'static>(
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        std::thread::spawn(move || {
+            UNSWEPT.with(|u| u.set(true));
+            f()
+        })
+    }
+
     #[test]
-    fn a_normal_thread_is_batch_for_the_sleep_and_normal_after() {
-        std::thread::spawn(|| {
+    fn a_normal_thread_is_batch_for_the_sleep_and_after_until_it_settles() {
+        spawn(|| {
             assert_eq!(policy(), Some(libc::SCHED_OTHER));
             {
                 let q = QuietWake::begin();
                 assert!(q.switched());
                 assert_eq!(policy(), Some(libc::SCHED_BATCH));
             }
+            // Kept for the next bulk sleep, which begins without switching anything.
+            assert_eq!(policy(), Some(libc::SCHED_BATCH));
+            {
+                let q = QuietWake::begin();
+                assert!(q.switched());
+                assert_eq!(policy(), Some(libc::SCHED_BATCH));
+            }
+            QuietWake::settle();
+            assert_eq!(policy(), Some(libc::SCHED_OTHER));
+            // Settled, the next sleep switches again.
+            drop(QuietWake::begin());
+            assert_eq!(policy(), Some(libc::SCHED_BATCH));
+            QuietWake::settle();
             assert_eq!(policy(), Some(libc::SCHED_OTHER));
         })
         .join()
@@ -82,16 +293,63 @@ mod tests {
 
     #[test]
     fn a_thread_under_another_policy_is_left_alone() {
-        std::thread::spawn(|| {
+        spawn(|| {
             assert!(set_policy(libc::SCHED_IDLE));
             {
                 let q = QuietWake::begin();
                 assert!(!q.switched());
                 assert_eq!(policy(), Some(libc::SCHED_IDLE));
             }
+            QuietWake::settle();
             assert_eq!(policy(), Some(libc::SCHED_IDLE));
         })
         .join()
         .expect("thread");
+    }
+
+    /// A thread left under `SCHED_BATCH` by its last bulk sleep is given its policy back by
+    /// another thread once that sleep is old enough, and not before; one asleep is left be.
+    #[test]
+    fn a_kept_thread_is_restored_once_its_last_sleep_is_old() {
+        let (to_main, from_thread) = std::sync::mpsc::channel();
+        let (to_thread, from_main) = std::sync::mpsc::channel::<()>();
+        let t = spawn(move || {
+            drop(QuietWake::begin());
+            to_main.send(gettid()).expect("send");
+            // Asleep under the batch policy while the main thread looks.
+            from_main.recv().expect("recv");
+            let q = QuietWake::begin();
+            to_main.send(0).expect("send");
+            from_main.recv().expect("recv");
+            drop(q);
+            to_main.send(0).expect("send");
+            from_main.recv().expect("recv");
+        });
+        let tid = from_thread.recv().expect("tid");
+        assert_eq!(policy_of(tid), Some(libc::SCHED_BATCH));
+        restore(Duration::from_secs(3600), Some(tid));
+        assert_eq!(
+            policy_of(tid),
+            Some(libc::SCHED_BATCH),
+            "restored too early"
+        );
+        restore(Duration::ZERO, Some(tid));
+        assert_eq!(policy_of(tid), Some(libc::SCHED_OTHER));
+        // Its next sleep switches again; while asleep nothing restores it.
+        to_thread.send(()).expect("send");
+        from_thread.recv().expect("asleep");
+        assert_eq!(policy_of(tid), Some(libc::SCHED_BATCH));
+        restore(Duration::ZERO, Some(tid));
+        assert_eq!(
+            policy_of(tid),
+            Some(libc::SCHED_BATCH),
+            "restored while asleep"
+        );
+        to_thread.send(()).expect("send");
+        from_thread.recv().expect("woke");
+        restore(Duration::ZERO, Some(tid));
+        assert_eq!(policy_of(tid), Some(libc::SCHED_OTHER));
+        to_thread.send(()).expect("send");
+        t.join().expect("thread");
     }
 }

@@ -1284,8 +1284,14 @@ fn run(core: Arc<RoceCore>) {
             last_port_check = now;
             check_port(&core);
         }
+        // Application threads that a bulk read's sleep left under `SCHED_BATCH` and that
+        // have not slept again since get their own policy back (sched.rs; an atomic load
+        // when there are none).
+        crate::sched::restore_stale(crate::sched::KEEP_MAX);
     }
     core.flush_owed_acks(None);
+    // No tick restores them any more.
+    crate::sched::restore_stale(Duration::ZERO);
 }
 
 /// Follow the netdev: down (or gone, or without carrier) is a port failure, as an RNIC's port
