@@ -25,13 +25,15 @@
 //! calls it every tick — so that whatever the application does between its reads, or after
 //! its last one, runs under its own policy within a few ms.
 
+use std::cell::OnceCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
-/// Longest a thread stays under the `SCHED_BATCH` of its last bulk sleep before
-/// [`restore_stale`] gives its policy back (a stream's reader begins its next sleep well
-/// within it).
+/// How long after its last bulk sleep a thread may stay under that sleep's `SCHED_BATCH`
+/// before [`restore_stale`] gives its policy back (a stream's reader begins its next sleep
+/// well within it). The progress thread's tick comes on top: a thread is given back
+/// between `KEEP_MAX` and `KEEP_MAX` + 2 ms after that sleep (device.rs `TICK`).
 pub const KEEP_MAX: Duration = Duration::from_millis(1);
 
 /// `KeptBatch::state` of a thread under its own policy.
@@ -41,6 +43,9 @@ const ASLEEP: u64 = u64::MAX;
 
 /// A thread's `SCHED_BATCH` as [`QuietWake`] left it, shared with [`restore_stale`].
 struct KeptBatch {
+    /// The process it was registered in: a forked child's copy of the registry names the
+    /// parent's threads, which the child's sweeps leave alone.
+    pid: u32,
     tid: libc::pid_t,
     /// Whether [`restore_stale`] looks at it (not for the tests' own threads, which
     /// [`restore`] alone gives back: the progress threads of other tests sweep meanwhile).
@@ -49,45 +54,75 @@ struct KeptBatch {
     state: AtomicU64,
 }
 
-/// The calling thread's record, registered in [`registry`] at its first quiet sleep; it
-/// goes with the thread (the registry holds it weakly).
-struct Mine(Arc<KeptBatch>);
+/// The calling thread's record, made at its first switch to `SCHED_BATCH`: `None` inside
+/// when the registry could not be had (a forked child's copy of a lock another thread of
+/// the parent held), and then the thread is given its policy back after each sleep, as
+/// before there was a registry. It goes with the thread (the registry holds it weakly).
+struct Mine(OnceCell<Option<Arc<KeptBatch>>>);
 
 impl Drop for Mine {
     fn drop(&mut self) {
-        if self.0.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
-            KEPT.fetch_sub(1, Ordering::AcqRel);
+        if let Some(Some(k)) = self.0.get() {
+            if k.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
+                KEPT.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 }
 
 thread_local! {
-    static MINE: Mine = Mine(register());
+    static MINE: Mine = const { Mine(OnceCell::new()) };
+    /// Whether `MINE` was ever touched on this thread: [`QuietWake::settle`] looks here
+    /// first, so that a thread that never slept quietly touches no thread-local with a
+    /// destructor (whose registration may allocate: `settle` runs in `fork` and `exec`
+    /// hooks, also in the child of a `vfork`).
+    static TOUCHED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Threads kept under `SCHED_BATCH` or asleep under it right now (read without the lock by
 /// [`restore_stale`]).
 static KEPT: AtomicUsize = AtomicUsize::new(0);
 
+/// Whether some thread is kept under `SCHED_BATCH` or asleep under it (the progress thread
+/// then ticks at its shortest even when it has no QP, so that the bound holds).
+pub fn any_kept() -> bool {
+    KEPT.load(Ordering::Acquire) > 0
+}
+
 fn registry() -> &'static Mutex<Vec<Weak<KeptBatch>>> {
     static R: OnceLock<Mutex<Vec<Weak<KeptBatch>>>> = OnceLock::new();
     R.get_or_init(Mutex::default)
 }
 
-fn register() -> Arc<KeptBatch> {
+/// The registry's lock if it can be had: waited for a few rounds (a sweep holds it for
+/// µs), never for good (a forked child's copy of it may be held by a thread that is not
+/// there).
+fn try_registry(rounds: u32) -> Option<std::sync::MutexGuard<'static, Vec<Weak<KeptBatch>>>> {
+    for _ in 0..rounds.max(1) {
+        match registry().try_lock() {
+            Ok(g) => return Some(g),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => std::thread::yield_now(),
+        }
+    }
+    None
+}
+
+fn register() -> Option<Arc<KeptBatch>> {
     #[cfg(test)]
     let swept = !tests::UNSWEPT.with(|u| u.get());
     #[cfg(not(test))]
     let swept = true;
     let k = Arc::new(KeptBatch {
+        pid: std::process::id(),
         tid: gettid(),
         swept,
         state: AtomicU64::new(NORMAL),
     });
-    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    let mut r = try_registry(64)?;
     r.retain(|w| w.strong_count() > 0);
     r.push(Arc::downgrade(&k));
-    k
+    Some(k)
 }
 
 /// The calling thread's id.
@@ -110,7 +145,7 @@ fn now_stamp() -> u64 {
 /// the module's text).
 #[derive(Debug)]
 pub struct QuietWake {
-    /// The thread was under `SCHED_OTHER` and is under `SCHED_BATCH` now.
+    /// The thread was switched to `SCHED_BATCH` for this sleep, now or by an earlier one.
     switched: bool,
 }
 
@@ -118,25 +153,33 @@ impl QuietWake {
     /// Put the calling thread under `SCHED_BATCH` if it is under `SCHED_OTHER` (no system
     /// call if its last bulk sleep left it there and nobody has given it back since).
     pub fn begin() -> QuietWake {
+        TOUCHED.set(true);
         let switched = MINE
             .try_with(|m| {
-                let st = &m.0.state;
-                let s = st.load(Ordering::Acquire);
-                if s != NORMAL && s != ASLEEP {
-                    // Kept since the last sleep; `restore_stale` may take it back meanwhile
-                    // (then it is NORMAL, and the policy is switched below as at first).
-                    if st
-                        .compare_exchange(s, ASLEEP, Ordering::AcqRel, Ordering::Acquire)
-                        .is_ok()
+                if let Some(Some(k)) = m.0.get() {
+                    let s = k.state.load(Ordering::Acquire);
+                    // Kept since the last sleep (an application that set a policy of its
+                    // own meanwhile is not looked for here; `settle` and `restore_stale`
+                    // leave such a policy alone). `restore_stale` may take it back at this
+                    // very moment: then it is NORMAL, and the policy is looked at below.
+                    if s != NORMAL
+                        && s != ASLEEP
+                        && k.state
+                            .compare_exchange(s, ASLEEP, Ordering::AcqRel, Ordering::Acquire)
+                            .is_ok()
                     {
                         return true;
                     }
                 }
-                let switched = policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH);
-                if switched && st.swap(ASLEEP, Ordering::AcqRel) == NORMAL {
-                    KEPT.fetch_add(1, Ordering::AcqRel);
+                if !(policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH)) {
+                    return false;
                 }
-                switched
+                if let Some(k) = m.0.get_or_init(register) {
+                    if k.state.swap(ASLEEP, Ordering::AcqRel) == NORMAL {
+                        KEPT.fetch_add(1, Ordering::AcqRel);
+                    }
+                }
+                true
             })
             .unwrap_or(false);
         QuietWake { switched }
@@ -148,16 +191,25 @@ impl QuietWake {
     }
 
     /// Give the calling thread its own policy back if a bulk sleep left it under
-    /// `SCHED_BATCH`: the stack calls it before any other wait (one thread-local load when
-    /// there is nothing to give back).
+    /// `SCHED_BATCH` (and it is still under it): the stack calls it before any other wait,
+    /// a write, and before a thread, process or program is made, which would inherit the
+    /// policy. A thread-local load when there is nothing to give back.
     pub fn settle() {
+        if !TOUCHED.try_with(|t| t.get()).unwrap_or(false) {
+            return;
+        }
         let _ = MINE.try_with(|m| {
-            if m.0.state.load(Ordering::Acquire) == NORMAL {
+            let Some(Some(k)) = m.0.get() else {
+                return;
+            };
+            if k.state.load(Ordering::Acquire) == NORMAL {
                 return;
             }
-            if m.0.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
+            if k.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
                 KEPT.fetch_sub(1, Ordering::AcqRel);
-                set_policy(libc::SCHED_OTHER);
+                if policy() == Some(libc::SCHED_BATCH) {
+                    set_policy(libc::SCHED_OTHER);
+                }
             }
         });
     }
@@ -165,42 +217,54 @@ impl QuietWake {
 
 impl Drop for QuietWake {
     fn drop(&mut self) {
-        if self.switched {
-            // Kept from now on (see the module's text).
-            let _ = MINE.try_with(|m| {
-                let _ = m.0.state.compare_exchange(
-                    ASLEEP,
-                    now_stamp(),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
-            });
+        if !self.switched {
+            return;
+        }
+        // Kept from now on (see the module's text); a thread without a record (the
+        // registry could not be had) is given its policy back at once.
+        let kept = MINE
+            .try_with(|m| match m.0.get() {
+                Some(Some(k)) => {
+                    let _ = k.state.compare_exchange(
+                        ASLEEP,
+                        now_stamp(),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                    true
+                }
+                _ => false,
+            })
+            .unwrap_or(false);
+        if !kept {
+            set_policy(libc::SCHED_OTHER);
         }
     }
 }
 
-/// Give their own policy back to the threads whose last bulk sleep ended `max_age` or more
-/// ago and that sleep no more (software RoCE's progress thread calls it every tick with
-/// [`KEEP_MAX`]). Nothing but an atomic load while no thread is kept.
+/// Give their own policy back to the threads of this process whose last bulk sleep ended
+/// `max_age` or more ago and that sleep no more (software RoCE's progress thread calls it
+/// every tick with [`KEEP_MAX`]). Nothing but an atomic load while no thread is kept.
 pub fn restore_stale(max_age: Duration) {
     restore(max_age, None);
 }
 
 /// [`restore_stale`] for every swept thread, or for thread `only` alone.
 fn restore(max_age: Duration, only: Option<libc::pid_t>) {
-    if KEPT.load(Ordering::Acquire) == 0 {
+    if !any_kept() {
         return;
     }
     let now = now_stamp();
     let age = max_age.as_micros() as u64;
-    let kept: Vec<Arc<KeptBatch>> = registry()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .filter_map(Weak::upgrade)
-        .filter(|k| only.map_or(k.swept, |t| t == k.tid))
-        .collect();
-    for k in kept {
+    let pid = std::process::id();
+    // A sweep that finds the registry busy is skipped: the next tick comes soon.
+    let Some(r) = try_registry(1) else {
+        return;
+    };
+    for k in r.iter().filter_map(Weak::upgrade) {
+        if k.pid != pid || !only.map_or(k.swept, |t| t == k.tid) {
+            continue;
+        }
         let s = k.state.load(Ordering::Acquire);
         if s == NORMAL || s == ASLEEP || now.saturating_sub(s) < age {
             continue;
@@ -300,6 +364,29 @@ pub(crate) mod tests {
                 assert!(!q.switched());
                 assert_eq!(policy(), Some(libc::SCHED_IDLE));
             }
+            QuietWake::settle();
+            assert_eq!(policy(), Some(libc::SCHED_IDLE));
+        })
+        .join()
+        .expect("thread");
+    }
+
+    /// A policy the application sets on a kept thread is its own: neither the thread's
+    /// settling nor a sweep changes it.
+    #[test]
+    fn an_applications_own_policy_is_left_alone() {
+        spawn(|| {
+            drop(QuietWake::begin());
+            assert!(set_policy(libc::SCHED_IDLE));
+            QuietWake::settle();
+            assert_eq!(policy(), Some(libc::SCHED_IDLE));
+            assert!(set_policy(libc::SCHED_OTHER));
+            drop(QuietWake::begin());
+            assert_eq!(policy(), Some(libc::SCHED_BATCH));
+            assert!(set_policy(libc::SCHED_IDLE));
+            restore(Duration::ZERO, Some(gettid()));
+            assert_eq!(policy(), Some(libc::SCHED_IDLE));
+            // Nothing is kept any more: the next settle does nothing either.
             QuietWake::settle();
             assert_eq!(policy(), Some(libc::SCHED_IDLE));
         })
