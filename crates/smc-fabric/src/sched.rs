@@ -25,9 +25,9 @@
 //! calls it every tick — so that whatever the application does between its reads, or after
 //! its last one, runs under its own policy within a few ms.
 
-use std::cell::OnceCell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, TryLockError, Weak};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// How long after its last bulk sleep a thread may stay under that sleep's `SCHED_BATCH`
@@ -36,52 +36,77 @@ use std::time::{Duration, Instant};
 /// between `KEEP_MAX` and `KEEP_MAX` + 2 ms after that sleep (device.rs `TICK`).
 pub const KEEP_MAX: Duration = Duration::from_millis(1);
 
-/// `KeptBatch::state` of a thread under its own policy.
+/// `Slot::state` of a thread under its own policy.
 const NORMAL: u64 = 0;
-/// `KeptBatch::state` of a thread asleep under `SCHED_BATCH` ([`QuietWake`] alive).
+/// `Slot::state` of a thread asleep under `SCHED_BATCH` ([`QuietWake`] alive).
 const ASLEEP: u64 = u64::MAX;
 
-/// A thread's `SCHED_BATCH` as [`QuietWake`] left it, shared with [`restore_stale`].
-struct KeptBatch {
-    /// The process it was registered in: a forked child's copy of the registry names the
-    /// parent's threads, which the child's sweeps leave alone.
-    pid: u32,
-    tid: libc::pid_t,
+/// Threads of a process that can be kept at once; a thread that finds no free slot is
+/// given its policy back after each sleep, as before slots were kept.
+const SLOTS: usize = 256;
+
+/// A thread's `SCHED_BATCH` as [`QuietWake`] left it, shared with [`restore_stale`]. A
+/// fixed table of atomics rather than a registry under a lock: a forked child copies it in
+/// any state (the child's fork handler, [`forked`], takes the parent's other threads out).
+struct Slot {
+    /// The thread's id; 0: the slot is free.
+    tid: AtomicI32,
     /// Whether [`restore_stale`] looks at it (not for the tests' own threads, which
     /// [`restore`] alone gives back: the progress threads of other tests sweep meanwhile).
-    swept: bool,
+    swept: AtomicBool,
     /// [`NORMAL`], [`ASLEEP`], or since when it is kept: µs since [`epoch`] (at least 1).
     state: AtomicU64,
+    /// How many times a sweep gave this thread its policy back.
+    sweeps: AtomicU32,
 }
 
-/// The calling thread's record, made at its first switch to `SCHED_BATCH`: `None` inside
-/// when the registry could not be had (a forked child's copy of a lock another thread of
-/// the parent held), and then the thread is given its policy back after each sleep, as
-/// before there was a registry. It goes with the thread (the registry holds it weakly).
-struct Mine(OnceCell<Option<Arc<KeptBatch>>>);
+#[allow(clippy::declare_interior_mutable_const)]
+const FREE: Slot = Slot {
+    tid: AtomicI32::new(0),
+    swept: AtomicBool::new(true),
+    state: AtomicU64::new(NORMAL),
+    sweeps: AtomicU32::new(0),
+};
+
+static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
+
+/// Threads kept under `SCHED_BATCH` or asleep under it right now.
+static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+/// `Mine`'s value before the thread's first switch.
+const UNSET: usize = usize::MAX;
+/// `Mine`'s value when no slot was free.
+const NO_SLOT: usize = usize::MAX - 1;
+
+/// The calling thread's slot index (or [`UNSET`], [`NO_SLOT`]), taken at its first switch
+/// to `SCHED_BATCH` and freed when the thread ends.
+struct Mine(Cell<usize>);
+
+impl Mine {
+    fn slot(&self) -> Option<&'static Slot> {
+        TABLE.get(self.0.get())
+    }
+}
 
 impl Drop for Mine {
     fn drop(&mut self) {
-        if let Some(Some(k)) = self.0.get() {
+        if let Some(k) = self.slot() {
             if k.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
                 KEPT.fetch_sub(1, Ordering::AcqRel);
             }
+            k.tid.store(0, Ordering::Release);
         }
     }
 }
 
 thread_local! {
-    static MINE: Mine = const { Mine(OnceCell::new()) };
+    static MINE: Mine = const { Mine(Cell::new(UNSET)) };
     /// Whether `MINE` was ever touched on this thread: [`QuietWake::settle`] looks here
     /// first, so that a thread that never slept quietly touches no thread-local with a
     /// destructor (whose registration may allocate: `settle` runs in `fork` and `exec`
     /// hooks, also in the child of a `vfork`).
-    static TOUCHED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static TOUCHED: Cell<bool> = const { Cell::new(false) };
 }
-
-/// Threads kept under `SCHED_BATCH` or asleep under it right now (read without the lock by
-/// [`restore_stale`]).
-static KEPT: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether some thread is kept under `SCHED_BATCH` or asleep under it (the progress thread
 /// then ticks at its shortest even when it has no QP, so that the bound holds).
@@ -89,40 +114,52 @@ pub fn any_kept() -> bool {
     KEPT.load(Ordering::Acquire) > 0
 }
 
-fn registry() -> &'static Mutex<Vec<Weak<KeptBatch>>> {
-    static R: OnceLock<Mutex<Vec<Weak<KeptBatch>>>> = OnceLock::new();
-    R.get_or_init(Mutex::default)
-}
-
-/// The registry's lock if it can be had: waited for a few rounds (a sweep holds it for
-/// µs), never for good (a forked child's copy of it may be held by a thread that is not
-/// there).
-fn try_registry(rounds: u32) -> Option<std::sync::MutexGuard<'static, Vec<Weak<KeptBatch>>>> {
-    for _ in 0..rounds.max(1) {
-        match registry().try_lock() {
-            Ok(g) => return Some(g),
-            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => std::thread::yield_now(),
-        }
-    }
-    None
-}
-
-fn register() -> Option<Arc<KeptBatch>> {
+/// Take a free slot for the calling thread: its index, or [`NO_SLOT`].
+fn take_slot() -> usize {
+    static AT_FORK: std::sync::Once = std::sync::Once::new();
+    AT_FORK.call_once(|| {
+        // SAFETY: a handler with no arguments that only touches atomics and this thread's
+        // own thread-locals.
+        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    });
     #[cfg(test)]
     let swept = !tests::UNSWEPT.with(|u| u.get());
     #[cfg(not(test))]
     let swept = true;
-    let k = Arc::new(KeptBatch {
-        pid: std::process::id(),
-        tid: gettid(),
-        swept,
-        state: AtomicU64::new(NORMAL),
-    });
-    let mut r = try_registry(64)?;
-    r.retain(|w| w.strong_count() > 0);
-    r.push(Arc::downgrade(&k));
-    Some(k)
+    let tid = gettid();
+    for (i, k) in TABLE.iter().enumerate() {
+        if k.tid
+            .compare_exchange(0, tid, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            k.swept.store(swept, Ordering::Release);
+            k.sweeps.store(0, Ordering::Release);
+            k.state.store(NORMAL, Ordering::Release);
+            return i;
+        }
+    }
+    NO_SLOT
+}
+
+/// In a forked child (fork handler): the parent's other threads are not here, and the
+/// forking thread has another id. Their slots are freed; the forking thread's keeps its
+/// state under its new id.
+extern "C" fn forked() {
+    let me = MINE.try_with(|m| m.0.get()).unwrap_or(UNSET);
+    let tid = gettid();
+    let mut kept = 0;
+    for (i, k) in TABLE.iter().enumerate() {
+        if i == me {
+            k.tid.store(tid, Ordering::Release);
+            if k.state.load(Ordering::Acquire) != NORMAL {
+                kept += 1;
+            }
+        } else {
+            k.state.store(NORMAL, Ordering::Release);
+            k.tid.store(0, Ordering::Release);
+        }
+    }
+    KEPT.store(kept, Ordering::Release);
 }
 
 /// The calling thread's id.
@@ -156,7 +193,7 @@ impl QuietWake {
         TOUCHED.set(true);
         let switched = MINE
             .try_with(|m| {
-                if let Some(Some(k)) = m.0.get() {
+                if let Some(k) = m.slot() {
                     let s = k.state.load(Ordering::Acquire);
                     // Kept since the last sleep (an application that set a policy of its
                     // own meanwhile is not looked for here; `settle` and `restore_stale`
@@ -174,7 +211,10 @@ impl QuietWake {
                 if !(policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH)) {
                     return false;
                 }
-                if let Some(k) = m.0.get_or_init(register) {
+                if m.0.get() == UNSET {
+                    m.0.set(take_slot());
+                }
+                if let Some(k) = m.slot() {
                     if k.state.swap(ASLEEP, Ordering::AcqRel) == NORMAL {
                         KEPT.fetch_add(1, Ordering::AcqRel);
                     }
@@ -191,18 +231,28 @@ impl QuietWake {
     }
 
     /// Give the calling thread its own policy back if a bulk sleep left it under
-    /// `SCHED_BATCH` (and it is still under it): the stack calls it before any other wait,
-    /// a write, and before a thread, process or program is made, which would inherit the
-    /// policy. A thread-local load when there is nothing to give back.
+    /// `SCHED_BATCH` (and it is still under it): the stack calls it before a stream's other
+    /// waits and before it starts a thread, and `smc run` before `fork`, `exec`,
+    /// `posix_spawn` and `vfork`, which would pass the policy on (the progress thread's
+    /// sweep covers the rest within [`KEEP_MAX`] and a tick). A thread-local load when
+    /// there is nothing to give back.
     pub fn settle() {
         if !TOUCHED.try_with(|t| t.get()).unwrap_or(false) {
             return;
         }
         let _ = MINE.try_with(|m| {
-            let Some(Some(k)) = m.0.get() else {
+            let Some(k) = m.slot() else {
                 return;
             };
             if k.state.load(Ordering::Acquire) == NORMAL {
+                return;
+            }
+            // In the child of a `vfork` (an exec hook), the thread-locals and the table are
+            // the parent's: only the child's own policy is given back there.
+            if k.tid.load(Ordering::Acquire) != gettid() {
+                if policy() == Some(libc::SCHED_BATCH) {
+                    set_policy(libc::SCHED_OTHER);
+                }
                 return;
             }
             if k.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
@@ -220,11 +270,11 @@ impl Drop for QuietWake {
         if !self.switched {
             return;
         }
-        // Kept from now on (see the module's text); a thread without a record (the
-        // registry could not be had) is given its policy back at once.
+        // Kept from now on (see the module's text); a thread without a slot is given its
+        // policy back at once.
         let kept = MINE
-            .try_with(|m| match m.0.get() {
-                Some(Some(k)) => {
+            .try_with(|m| match m.slot() {
+                Some(k) => {
                     let _ = k.state.compare_exchange(
                         ASLEEP,
                         now_stamp(),
@@ -233,7 +283,7 @@ impl Drop for QuietWake {
                     );
                     true
                 }
-                _ => false,
+                None => false,
             })
             .unwrap_or(false);
         if !kept {
@@ -242,9 +292,9 @@ impl Drop for QuietWake {
     }
 }
 
-/// Give their own policy back to the threads of this process whose last bulk sleep ended
-/// `max_age` or more ago and that sleep no more (software RoCE's progress thread calls it
-/// every tick with [`KEEP_MAX`]). Nothing but an atomic load while no thread is kept.
+/// Give their own policy back to the threads whose last bulk sleep ended `max_age` or more
+/// ago and that sleep no more (software RoCE's progress thread calls it every tick with
+/// [`KEEP_MAX`]). Nothing but an atomic load while no thread is kept.
 pub fn restore_stale(max_age: Duration) {
     restore(max_age, None);
 }
@@ -256,13 +306,9 @@ fn restore(max_age: Duration, only: Option<libc::pid_t>) {
     }
     let now = now_stamp();
     let age = max_age.as_micros() as u64;
-    let pid = std::process::id();
-    // A sweep that finds the registry busy is skipped: the next tick comes soon.
-    let Some(r) = try_registry(1) else {
-        return;
-    };
-    for k in r.iter().filter_map(Weak::upgrade) {
-        if k.pid != pid || !only.map_or(k.swept, |t| t == k.tid) {
+    for k in &TABLE {
+        let tid = k.tid.load(Ordering::Acquire);
+        if tid == 0 || !only.map_or(k.swept.load(Ordering::Acquire), |t| t == tid) {
             continue;
         }
         let s = k.state.load(Ordering::Acquire);
@@ -274,13 +320,20 @@ fn restore(max_age: Duration, only: Option<libc::pid_t>) {
             .is_ok()
         {
             KEPT.fetch_sub(1, Ordering::AcqRel);
+            k.sweeps.fetch_add(1, Ordering::Relaxed);
             // Only if it is still under the batch policy it was left in (an application
             // that set its own meanwhile keeps it).
-            if policy_of(k.tid) == Some(libc::SCHED_BATCH) {
-                set_policy_of(k.tid, libc::SCHED_OTHER);
+            if policy_of(tid) == Some(libc::SCHED_BATCH) {
+                set_policy_of(tid, libc::SCHED_OTHER);
             }
         }
     }
+}
+
+/// How many times a sweep gave the calling thread its policy back (tests).
+#[cfg(test)]
+pub(crate) fn sweeps_of_mine() -> u32 {
+    MINE.with(|m| m.slot().map_or(0, |k| k.sweeps.load(Ordering::Acquire)))
 }
 
 /// The calling thread's scheduling policy (`SCHED_RESET_ON_FORK` included when set).
@@ -372,26 +425,25 @@ pub(crate) mod tests {
     }
 
     /// A policy the application sets on a kept thread is its own: neither the thread's
-    /// settling nor a sweep changes it.
+    /// settling nor a sweep changes it (each thread ends under `SCHED_IDLE`, which an
+    /// unprivileged thread may enter and not leave).
     #[test]
     fn an_applications_own_policy_is_left_alone() {
-        spawn(|| {
+        let settled = spawn(|| {
             drop(QuietWake::begin());
             assert!(set_policy(libc::SCHED_IDLE));
             QuietWake::settle();
-            assert_eq!(policy(), Some(libc::SCHED_IDLE));
-            assert!(set_policy(libc::SCHED_OTHER));
+            policy()
+        });
+        let swept = spawn(|| {
             drop(QuietWake::begin());
-            assert_eq!(policy(), Some(libc::SCHED_BATCH));
             assert!(set_policy(libc::SCHED_IDLE));
             restore(Duration::ZERO, Some(gettid()));
-            assert_eq!(policy(), Some(libc::SCHED_IDLE));
-            // Nothing is kept any more: the next settle does nothing either.
             QuietWake::settle();
-            assert_eq!(policy(), Some(libc::SCHED_IDLE));
-        })
-        .join()
-        .expect("thread");
+            policy()
+        });
+        assert_eq!(settled.join().expect("thread"), Some(libc::SCHED_IDLE));
+        assert_eq!(swept.join().expect("thread"), Some(libc::SCHED_IDLE));
     }
 
     /// A thread left under `SCHED_BATCH` by its last bulk sleep is given its policy back by

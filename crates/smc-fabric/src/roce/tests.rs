@@ -1085,7 +1085,7 @@ fn deferred_looks_are_bounded() {
 
 /// A thread that a bulk read's sleep left under `SCHED_BATCH` (sched.rs, kept for its next
 /// sleep) gets its own policy back from a running device's progress thread once that sleep
-/// is `KEEP_MAX` old; one that sleeps again meanwhile keeps it without a system call.
+/// is `KEEP_MAX` old — the sweep, not the sleep's end (a broken keep fails the count).
 #[test]
 fn the_progress_thread_gives_a_kept_batch_policy_back() {
     let (_a, _b) = pair(32, Vec::new(), 1);
@@ -1105,6 +1105,11 @@ fn the_progress_thread_gives_a_kept_batch_policy_back() {
             assert!(t.elapsed() < Duration::from_secs(20), "never given back");
             std::thread::sleep(Duration::from_millis(1));
         }
+        assert_eq!(
+            crate::sched::sweeps_of_mine(),
+            1,
+            "not given back by a sweep"
+        );
     })
     .join()
     .expect("thread");

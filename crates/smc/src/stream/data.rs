@@ -658,8 +658,6 @@ impl SmcStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        // A writer runs under its own policy, not a bulk read's kept `SCHED_BATCH`.
-        smc_fabric::QuietWake::settle();
         let inner: &crate::stack::Inner = &self.stack.inner;
         let deadline = self.deadline(self.write_timeout);
         let mut core = inner.lock();
