@@ -27,8 +27,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long after its last bulk sleep a thread may stay under that sleep's `SCHED_BATCH`
 /// before [`restore_stale`] gives its policy back (a stream's reader begins its next sleep
@@ -48,6 +47,7 @@ const SLOTS: usize = 256;
 /// A thread's `SCHED_BATCH` as [`QuietWake`] left it, shared with [`restore_stale`]. A
 /// fixed table of atomics rather than a registry under a lock: a forked child copies it in
 /// any state (the child's fork handler, [`forked`], takes the parent's other threads out).
+#[repr(align(64))]
 struct Slot {
     /// The thread's id; 0: the slot is free.
     tid: AtomicI32,
@@ -72,6 +72,15 @@ static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
 
 /// Threads kept under `SCHED_BATCH` or asleep under it right now.
 static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+/// The process whose threads the table names (set at the first claim and by [`forked`]): a
+/// child made without fork handlers (a raw `clone`) has the parent's table, and its sweeps
+/// leave it alone rather than reach the parent's threads.
+static OWNER: AtomicI32 = AtomicI32::new(0);
+
+/// Whether [`forked`] is registered as a fork handler (a flag, not a `Once`: a child forked
+/// while another thread ran a `Once` would inherit it running).
+static AT_FORK: AtomicBool = AtomicBool::new(false);
 
 /// `Mine`'s value before the thread's first switch.
 const UNSET: usize = usize::MAX;
@@ -116,12 +125,16 @@ pub fn any_kept() -> bool {
 
 /// Take a free slot for the calling thread: its index, or [`NO_SLOT`].
 fn take_slot() -> usize {
-    static AT_FORK: std::sync::Once = std::sync::Once::new();
-    AT_FORK.call_once(|| {
+    if !AT_FORK.load(Ordering::Acquire) {
         // SAFETY: a handler with no arguments that only touches atomics and this thread's
-        // own thread-locals.
-        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-    });
+        // own thread-locals. Registered twice by two threads at once: harmless (it is
+        // idempotent). Not registered: the table is the parent's in a child, which `OWNER`
+        // keeps the child's sweeps off.
+        if unsafe { libc::pthread_atfork(None, None, Some(forked)) } == 0 {
+            AT_FORK.store(true, Ordering::Release);
+        }
+        OWNER.store(getpid(), Ordering::Release);
+    }
     #[cfg(test)]
     let swept = !tests::UNSWEPT.with(|u| u.get());
     #[cfg(not(test))]
@@ -145,7 +158,13 @@ fn take_slot() -> usize {
 /// forking thread has another id. Their slots are freed; the forking thread's keeps its
 /// state under its new id.
 extern "C" fn forked() {
-    let me = MINE.try_with(|m| m.0.get()).unwrap_or(UNSET);
+    // Not `MINE` on a thread that never touched it (its first touch registers a destructor).
+    let me = if TOUCHED.try_with(|t| t.get()).unwrap_or(false) {
+        MINE.try_with(|m| m.0.get()).unwrap_or(UNSET)
+    } else {
+        UNSET
+    };
+    OWNER.store(getpid(), Ordering::Release);
     let tid = gettid();
     let mut kept = 0;
     for (i, k) in TABLE.iter().enumerate() {
@@ -168,14 +187,25 @@ fn gettid() -> libc::pid_t {
     unsafe { libc::gettid() }
 }
 
-fn epoch() -> Instant {
-    static E: OnceLock<Instant> = OnceLock::new();
-    *E.get_or_init(Instant::now)
+/// The calling process's id.
+fn getpid() -> libc::pid_t {
+    // SAFETY: no arguments; it cannot fail.
+    unsafe { libc::getpid() }
 }
 
-/// Now in µs since [`epoch`], at least 1 (0 is [`NORMAL`]).
+/// Now on the monotonic clock in µs, at least 1 (0 is [`NORMAL`]; read with no lazily made
+/// state, which a forked child could inherit half made).
 fn now_stamp() -> u64 {
-    (epoch().elapsed().as_micros() as u64).clamp(1, ASLEEP - 1)
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a live timespec for the call's duration.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let us = (ts.tv_sec as u64)
+        .saturating_mul(1_000_000)
+        .saturating_add(ts.tv_nsec as u64 / 1_000);
+    us.clamp(1, ASLEEP - 1)
 }
 
 /// `SCHED_BATCH` for the calling thread while this lives, and after it until given back (see
@@ -184,6 +214,8 @@ fn now_stamp() -> u64 {
 pub struct QuietWake {
     /// The thread was switched to `SCHED_BATCH` for this sleep, now or by an earlier one.
     switched: bool,
+    /// Not `Send`: its drop marks the calling thread's slot.
+    _thread: std::marker::PhantomData<*const ()>,
 }
 
 impl QuietWake {
@@ -222,7 +254,10 @@ impl QuietWake {
                 true
             })
             .unwrap_or(false);
-        QuietWake { switched }
+        QuietWake {
+            switched,
+            _thread: std::marker::PhantomData,
+        }
     }
 
     /// Whether the thread is under `SCHED_BATCH` for this sleep by this type's doing.
@@ -301,7 +336,7 @@ pub fn restore_stale(max_age: Duration) {
 
 /// [`restore_stale`] for every swept thread, or for thread `only` alone.
 fn restore(max_age: Duration, only: Option<libc::pid_t>) {
-    if !any_kept() {
+    if !any_kept() || OWNER.load(Ordering::Acquire) != getpid() {
         return;
     }
     let now = now_stamp();
@@ -312,7 +347,9 @@ fn restore(max_age: Duration, only: Option<libc::pid_t>) {
             continue;
         }
         let s = k.state.load(Ordering::Acquire);
-        if s == NORMAL || s == ASLEEP || now.saturating_sub(s) < age {
+        // A stamp after `now` is a later owner's of the slot (its tid not the one read
+        // above): left for the next sweep.
+        if s == NORMAL || s == ASLEEP || s > now || now - s < age {
             continue;
         }
         if k.state
