@@ -19,6 +19,8 @@ where
     F: FnOnce() -> T + Send + 'static,
     T: Send + 'static,
 {
+    // The new thread inherits the caller's policy: not a bulk read's kept `SCHED_BATCH`.
+    crate::QuietWake::settle();
     let (started, running) = std::sync::mpsc::sync_channel::<()>(1);
     let h = builder.spawn(move || {
         let _ = started.send(());

@@ -33,6 +33,7 @@ pub(crate) const INHERITED_VAR: &str = "SMC_PRELOAD_INHERITED";
 /// their owner (bash's `/dev/tcp` redirection handed to `head`): the new program asks the
 /// owner for a relay at its first use. Returns the value for [`INHERITED_VAR`].
 pub(crate) fn before_exec() -> Option<String> {
+    smc_fabric::QuietWake::settle();
     surviving_connections(false)
 }
 

@@ -182,6 +182,9 @@ pub(crate) fn held(fd: i32) -> bool {
 }
 
 extern "C" fn at_fork_prepare() {
+    // The child inherits the policy: not a bulk read's kept `SCHED_BATCH` (smc-fabric
+    // sched.rs), nor do the programs of `exec`, `posix_spawn` and `vfork` below.
+    smc_fabric::QuietWake::settle();
     guard((), connecting::fork_prepare);
     settle::fork_prepare();
     guard((), relay::fork_prepare);

@@ -632,6 +632,7 @@ unsafe fn spawn(
     let Some(real) = real else {
         return libc::ENOSYS;
     };
+    smc_fabric::QuietWake::settle();
     match guard(None, || exec::surviving_connections(true)) {
         // SAFETY: passed on unchanged.
         None => unsafe { real(pid, path, actions, attr, argv, envp) },

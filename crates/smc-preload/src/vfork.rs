@@ -21,6 +21,7 @@ static REAL: AtomicUsize = AtomicUsize::new(0);
 /// connections. Returns the address of the C library's `vfork` (its `fork` if that cannot be
 /// found: a copy of the memory instead of a borrowed one, which a `vfork` caller accepts).
 extern "C" fn vfork_prepare() -> usize {
+    smc_fabric::QuietWake::settle();
     if !table::borrowed_memory() {
         // A pending client handshake ends first: the new program would get its socket in
         // the middle of it (and not named as a connection to ask the owner for).

@@ -1188,7 +1188,11 @@ fn run(core: Arc<RoceCore>) {
         // to the receivers (an application thread about to sleep in the socket's receive
         // call, `ReceiveWait::block`, that found it held here would wait on a futex for it).
         let idle = lock(&core.qps).values().all(|w| w.strong_count() == 0);
-        let mut timeout = if idle {
+        // Application threads that a bulk read's sleep left under `SCHED_BATCH` and that
+        // have not slept again since get their own policy back (sched.rs; an atomic load
+        // when there are none). While there are, this thread ticks at its shortest.
+        crate::sched::restore_stale(crate::sched::KEEP_MAX);
+        let mut timeout = if idle && !crate::sched::any_kept() {
             Duration::from_millis(20)
         } else {
             TICK
@@ -1286,6 +1290,8 @@ fn run(core: Arc<RoceCore>) {
         }
     }
     core.flush_owed_acks(None);
+    // No tick restores them any more.
+    crate::sched::restore_stale(Duration::ZERO);
 }
 
 /// Follow the netdev: down (or gone, or without carrier) is a port failure, as an RNIC's port

@@ -1082,3 +1082,35 @@ fn deferred_looks_are_bounded() {
     assert_eq!(Look::at(false, true, &mut deferred), Look::Defer);
     assert_eq!(deferred, 1);
 }
+
+/// A thread that a bulk read's sleep left under `SCHED_BATCH` (sched.rs, kept for its next
+/// sleep) gets its own policy back from a running device's progress thread once that sleep
+/// is `KEEP_MAX` old — the sweep, not the sleep's end (a broken keep fails the count).
+#[test]
+fn the_progress_thread_gives_a_kept_batch_policy_back() {
+    let (_a, _b) = pair(32, Vec::new(), 1);
+    let policy = || {
+        // SAFETY: the calling thread's policy; no pointer.
+        unsafe { libc::sched_getscheduler(0) }
+    };
+    std::thread::spawn(move || {
+        assert_eq!(policy(), libc::SCHED_OTHER);
+        let q = crate::QuietWake::begin();
+        assert!(q.switched());
+        drop(q);
+        // Given back by the progress thread's tick (every `TICK` at most while QPs live),
+        // whatever this thread does meanwhile.
+        let t = Instant::now();
+        while policy() != libc::SCHED_OTHER {
+            assert!(t.elapsed() < Duration::from_secs(20), "never given back");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            crate::sched::sweeps_of_mine(),
+            1,
+            "not given back by a sweep"
+        );
+    })
+    .join()
+    .expect("thread");
+}

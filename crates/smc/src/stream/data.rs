@@ -257,6 +257,11 @@ impl SmcStream {
         want: Want,
     ) -> (crate::stack::CoreGuard<'a>, Option<smc_proto::Timestamp>) {
         let mut wcs = [smc_fabric::WorkCompletion::EMPTY; 32];
+        // A thread that a bulk read's sleep left under `SCHED_BATCH` waits for something else
+        // now (a reply, room to write): under its own policy again (smc-fabric sched.rs).
+        if !self.quiet_wake(want) {
+            smc_fabric::QuietWake::settle();
+        }
         // Whether this thread is the poller (the flag changes only under the core lock).
         let mut polling = !inner.poller.swap(true, Ordering::AcqRel);
         // Adaptive spinning only for a read that follows a write of this stream (a reply
