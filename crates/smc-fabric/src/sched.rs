@@ -54,7 +54,8 @@ struct Slot {
     /// Whether [`restore_stale`] looks at it (not for the tests' own threads, which
     /// [`restore`] alone gives back: the progress threads of other tests sweep meanwhile).
     swept: AtomicBool,
-    /// [`NORMAL`], [`ASLEEP`], or since when it is kept: µs since [`epoch`] (at least 1).
+    /// [`NORMAL`], [`ASLEEP`], or since when it is kept: µs on the monotonic clock
+    /// ([`now_stamp`], at least 1).
     state: AtomicU64,
     /// How many times a sweep gave this thread its policy back.
     sweeps: AtomicU32,
