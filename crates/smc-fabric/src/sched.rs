@@ -74,6 +74,10 @@ static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
 /// Threads kept under `SCHED_BATCH` or asleep under it right now.
 static KEPT: AtomicUsize = AtomicUsize::new(0);
 
+/// One past the highest slot ever taken: a sweep looks at no slot beyond (most processes use
+/// a few of the 256).
+static USED: AtomicUsize = AtomicUsize::new(0);
+
 /// The process whose threads the table names (set at the first claim and by [`forked`]): a
 /// child made without fork handlers (a raw `clone`) has the parent's table, and its sweeps
 /// leave it alone rather than reach the parent's threads.
@@ -149,6 +153,7 @@ fn take_slot() -> usize {
             k.swept.store(swept, Ordering::Release);
             k.sweeps.store(0, Ordering::Release);
             k.state.store(NORMAL, Ordering::Release);
+            USED.fetch_max(i + 1, Ordering::AcqRel);
             return i;
         }
     }
@@ -286,16 +291,12 @@ impl QuietWake {
             // In the child of a `vfork` (an exec hook), the thread-locals and the table are
             // the parent's: only the child's own policy is given back there.
             if k.tid.load(Ordering::Acquire) != gettid() {
-                if policy() == Some(libc::SCHED_BATCH) {
-                    set_policy(libc::SCHED_OTHER);
-                }
+                give_back(0);
                 return;
             }
             if k.state.swap(NORMAL, Ordering::AcqRel) != NORMAL {
                 KEPT.fetch_sub(1, Ordering::AcqRel);
-                if policy() == Some(libc::SCHED_BATCH) {
-                    set_policy(libc::SCHED_OTHER);
-                }
+                give_back(0);
             }
         });
     }
@@ -342,7 +343,8 @@ fn restore(max_age: Duration, only: Option<libc::pid_t>) {
     }
     let now = now_stamp();
     let age = max_age.as_micros() as u64;
-    for k in &TABLE {
+    let used = USED.load(Ordering::Acquire).min(SLOTS);
+    for k in &TABLE[..used] {
         let tid = k.tid.load(Ordering::Acquire);
         if tid == 0 || !only.map_or(k.swept.load(Ordering::Acquire), |t| t == tid) {
             continue;
@@ -359,11 +361,7 @@ fn restore(max_age: Duration, only: Option<libc::pid_t>) {
         {
             KEPT.fetch_sub(1, Ordering::AcqRel);
             k.sweeps.fetch_add(1, Ordering::Relaxed);
-            // Only if it is still under the batch policy it was left in (an application
-            // that set its own meanwhile keeps it).
-            if policy_of(tid) == Some(libc::SCHED_BATCH) {
-                set_policy_of(tid, libc::SCHED_OTHER);
-            }
+            give_back(tid);
         }
     }
 }
@@ -372,6 +370,14 @@ fn restore(max_age: Duration, only: Option<libc::pid_t>) {
 #[cfg(test)]
 pub(crate) fn sweeps_of_mine() -> u32 {
     MINE.with(|m| m.slot().map_or(0, |k| k.sweeps.load(Ordering::Acquire)))
+}
+
+/// Thread `tid` (0: the calling one) back under `SCHED_OTHER` — only if it is still under the
+/// batch policy it was left in: an application that set its own meanwhile keeps it.
+fn give_back(tid: libc::pid_t) {
+    if policy_of(tid) == Some(libc::SCHED_BATCH) {
+        set_policy_of(tid, libc::SCHED_OTHER);
+    }
 }
 
 /// The calling thread's scheduling policy (`SCHED_RESET_ON_FORK` included when set).
