@@ -903,47 +903,75 @@ impl RoceQp {
         // rocev2.md 8.1: AckReq where a transmission may end (see above).
         let ends_run = |i: usize| (i + 1).is_multiple_of(per_run) || i + 1 == count;
         let first_psn = sq.next_psn;
+        let repr = |i: usize, len: usize| PacketRepr {
+            bth: Bth {
+                opcode: Opcode::WRITE_ONLY,
+                pkey: roce::DEFAULT_PKEY,
+                dest_qp: conn.dest_qp,
+                ack_req: ends_run(i),
+                psn: psn_add(first_psn, i as u32),
+                ..Bth::default()
+            },
+            reth: Some(Reth {
+                va: remote_addr.wrapping_add((i * mtu) as u64),
+                rkey,
+                dma_len: len as u32,
+            }),
+            aeth: None,
+            immdt: None,
+            payload: &[],
+        };
+        // The headers of a full packet, built once: packets differ only in the AckReq bit
+        // (BTH byte 8, bit 7), the PSN (BTH bytes 9–11) and the RETH's virtual address (its
+        // first 8 bytes), which each packet patches (rocev2.md 3.1, 4). The short last
+        // packet, whose pad count and DMA length differ, is built from its own headers.
+        let mut full_head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
+        if repr(0, mtu).emit_head(mtu, &mut full_head).is_err() {
+            // Not reached: a WRITE ONLY's headers fit.
+            return Err(FabricError::InvalidArgument("packed WRITE headers"));
+        }
+        // The identification columns of a full packet's length, looked up once (gso.rs).
+        let cols = by_run.then(|| super::gso::id_columns(full));
         for i in 0..count {
             let start = i * mtu;
             let len = (data.len() - start).min(mtu);
-            let k = i % per_run;
-            let ack_req = ends_run(i);
-            let repr = PacketRepr {
-                bth: Bth {
-                    opcode: Opcode::WRITE_ONLY,
-                    pkey: roce::DEFAULT_PKEY,
-                    dest_qp: conn.dest_qp,
-                    ack_req,
-                    psn: psn_add(first_psn, i as u32),
-                    ..Bth::default()
-                },
-                reth: Some(Reth {
-                    va: remote_addr.wrapping_add(start as u64),
-                    rkey,
-                    dma_len: len as u32,
-                }),
-                aeth: None,
-                immdt: None,
-                payload: &[],
-            };
-            let mut head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
+            let k = (i % per_run) as u16;
             let off = buf.len();
-            let Ok(h) = repr.emit_head(len, &mut head) else {
-                // Not reached: a WRITE ONLY's headers fit (the buffer is freed).
-                return Err(FabricError::InvalidArgument("packed WRITE headers"));
-            };
-            buf.extend_from_slice(&head[..h]);
-            buf.extend_from_slice(&data[start..start + len]);
-            buf.resize(buf.len() + roce::pad_len(len) + roce::ICRC_LEN, 0);
-            let packet = &mut buf[off..];
-            if packet.len() == full {
-                prefix.seal(packet);
+            if len == mtu {
+                let mut head = full_head;
+                if ends_run(i) {
+                    head[8] |= 0x80;
+                }
+                head[9..12].copy_from_slice(&psn_add(first_psn, i as u32).to_be_bytes()[1..]);
+                head[roce::BTH_LEN..roce::BTH_LEN + 8]
+                    .copy_from_slice(&remote_addr.wrapping_add(start as u64).to_be_bytes());
+                buf.extend_from_slice(&head);
             } else {
-                conn.icrc.seal(packet);
+                let mut head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
+                let Ok(h) = repr(i, len).emit_head(len, &mut head) else {
+                    // Not reached: a WRITE ONLY's headers fit (the buffer is freed).
+                    return Err(FabricError::InvalidArgument("packed WRITE headers"));
+                };
+                buf.extend_from_slice(&head[..h]);
             }
-            if by_run {
-                let mut id = 0u16;
-                super::gso::reseal_tail(packet.len(), packet, &mut id, k as u16);
+            buf.extend_from_slice(&data[start..start + len]);
+            buf.extend_from_slice(
+                &[0u8; 3 + roce::ICRC_LEN][..roce::pad_len(len) + roce::ICRC_LEN],
+            );
+            let packet = &mut buf[off..];
+            // Sealed for identification k of its run (gso.rs): ICRC(k) = ICRC(0) ⊕ the
+            // columns of k's set bits (rocev2.md 13.3).
+            let icrc = if packet.len() == full {
+                prefix.compute(packet) ^ cols.map_or(0, |c| c.delta(k))
+            } else {
+                let sum = conn.icrc.compute(packet);
+                match by_run {
+                    true => sum ^ super::gso::id_columns(packet.len()).delta(k),
+                    false => sum,
+                }
+            };
+            if let Some(tail) = packet.last_chunk_mut::<{ roce::ICRC_LEN }>() {
+                *tail = icrc.to_le_bytes();
             }
         }
         let bytes = bytes::Bytes::from_owner(super::txpkt::PostBuf {
