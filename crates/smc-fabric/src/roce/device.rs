@@ -549,7 +549,7 @@ impl RoceCore {
     pub(crate) fn transmit_pkts(&self, dst: Dest, pkts: &mut [super::txpkt::Wire<'_>]) {
         let mut done = 0;
         let v4 = dst.ip.is_ipv4();
-        if pkts.len() > 1 && self.sends_runs() {
+        if (pkts.len() > 1 || pkts.first().is_some_and(|w| w.packets > 1)) && self.sends_runs() {
             let to = SocketAddr::new(dst.ip, roce::UDP_PORT);
             let n = pkts.len();
             done = super::gso::with_layout(|layout| {
@@ -596,12 +596,38 @@ impl RoceCore {
             return;
         }
         // Alone, each packet is sealed for identification 0 (a fixed one sealed for another:
-        // a copy).
-        let copies: Vec<Option<Vec<u8>>> = pkts[done..]
+        // a copy); a whole run's packets one by one.
+        let mut singles: Vec<super::txpkt::Wire<'_>> = Vec::new();
+        for w in &mut pkts[done..] {
+            if w.packets > 1 {
+                let seg = usize::from(w.seg).max(1);
+                for (j, p) in w.parts[0].chunks(seg).enumerate() {
+                    singles.push(super::txpkt::Wire {
+                        parts: [p, &[]],
+                        tail: &mut [],
+                        id: super::txpkt::Sealed::Fixed(w.id.get().wrapping_add(j as u16)),
+                        packets: 1,
+                        seg: 0,
+                    });
+                }
+            } else {
+                singles.push(super::txpkt::Wire {
+                    parts: w.parts,
+                    tail: &mut *w.tail,
+                    id: match &mut w.id {
+                        super::txpkt::Sealed::Kept(id) => super::txpkt::Sealed::Kept(id),
+                        super::txpkt::Sealed::Fixed(id) => super::txpkt::Sealed::Fixed(*id),
+                    },
+                    packets: 1,
+                    seg: 0,
+                });
+            }
+        }
+        let copies: Vec<Option<Vec<u8>>> = singles
             .iter_mut()
             .map(|w| if v4 { w.seal_for(0) } else { None })
             .collect();
-        let rest: Vec<[&[u8]; 3]> = pkts[done..]
+        let rest: Vec<[&[u8]; 3]> = singles
             .iter()
             .zip(&copies)
             .map(|(w, c)| match c {

@@ -287,25 +287,59 @@ impl Layout {
         self.clear();
         let n = pkts.len();
         let mut start = 0;
+        // A packed post's first packet (sealed at post for identification 0) starts a run:
+        // after the last packets of the post before it, it would need a copy; so does a
+        // packed post's whole run (one wire of several packets).
+        let starts_run =
+            |w: &super::txpkt::Wire<'_>| w.packets > 1 || (v4 && w.fixed() && w.id.get() == 0);
         while start < n {
-            // A packed post's first packet (sealed at post for identification 0) starts a
-            // run: after the last packets of the post before it, it would need a copy.
-            let end = run_end(
-                |i| pkts[i].len(),
-                |i| v4 && pkts[i].fixed && *pkts[i].id == 0,
-                start,
-                n,
-            );
+            let (end, packets, seg) = match pkts.get(start).filter(|w| w.packets > 1) {
+                // A packed post's whole run, sealed at post for its places, goes as it lies
+                // (one iovec); when its last packet is full, packets no longer than its own
+                // may follow it in the message (an update's CDC SEND).
+                Some(w) => {
+                    let seg = usize::from(w.seg);
+                    let mut packets = usize::from(w.packets);
+                    let mut bytes = w.parts[0].len();
+                    let mut end = start + 1;
+                    if bytes == packets * seg {
+                        while let Some(x) = pkts.get(end) {
+                            let l = x.len();
+                            if packets >= MAX_SEGMENTS
+                                || starts_run(x)
+                                || l > seg
+                                || bytes + l > MAX_SEND_BYTES
+                            {
+                                break;
+                            }
+                            bytes += l;
+                            packets += 1;
+                            end += 1;
+                            if l < seg {
+                                break;
+                            }
+                        }
+                    }
+                    (end, packets, seg)
+                }
+                None => {
+                    let end = run_end(|i| pkts[i].len(), |i| starts_run(&pkts[i]), start, n);
+                    (end, end - start, pkts[start].len())
+                }
+            };
             // Each packet sealed for its index in the run: in place, or (a fixed packet
             // sealed for another place) a copy into `copies`, noted by packet.
             let copies_from = self.copy_of.len();
             if v4 {
-                for (k, w) in pkts[start..end].iter_mut().enumerate() {
-                    if let Some(copy) = w.seal_for(k as u16) {
-                        self.copy_of
-                            .push((start + k, self.copies.len(), copy.len()));
-                        self.copies.extend_from_slice(&copy);
+                let mut k = 0u16;
+                for (i, w) in pkts.iter_mut().enumerate().take(end).skip(start) {
+                    if w.packets == 1 {
+                        if let Some(copy) = w.seal_for(k) {
+                            self.copy_of.push((i, self.copies.len(), copy.len()));
+                            self.copies.extend_from_slice(&copy);
+                        }
                     }
+                    k = k.wrapping_add(w.packets);
                 }
             }
             let mut next_copy = copies_from;
@@ -354,11 +388,9 @@ impl Layout {
             self.msgs.push(Msg {
                 iovs: (first_iov, self.iovs.len()),
                 first: start,
-                packets: end - start,
+                packets,
                 bytes,
-                gso_size: (end - start > 1)
-                    .then(|| u16::try_from(pkts[start].len()).ok())
-                    .flatten(),
+                gso_size: (packets > 1).then(|| u16::try_from(seg).ok()).flatten(),
             });
             start = end;
         }
@@ -610,8 +642,9 @@ mod tests {
             pkts.push(Wire {
                 parts: [&heads[k], &payload[k]],
                 tail,
-                id,
-                fixed: false,
+                id: super::super::txpkt::Sealed::Kept(id),
+                packets: 1,
+                seg: 0,
             });
         }
         let (id_flat, id_last) = id_flat.split_at_mut(3);
@@ -671,21 +704,20 @@ mod tests {
         // then the first post's second packet alone again (a retransmission).
         let a: Vec<u8> = (0..200u8).collect();
         let b: Vec<u8> = (0..=255u8).chain(0..44).map(|x| x ^ 0x5A).collect();
-        let mut ids = [0u16, 1, 0, 1, 2, 1];
-        let [i0, i1, i2, i3, i4, i5] = &mut ids;
         let fixed = |bytes, id| Wire {
             parts: [bytes, &[]],
             tail: &mut [],
-            id,
-            fixed: true,
+            id: super::super::txpkt::Sealed::Fixed(id),
+            packets: 1,
+            seg: 0,
         };
         let mut pkts = vec![
-            fixed(&a[..100], i0),
-            fixed(&a[100..], i1),
-            fixed(&b[..100], i2),
-            fixed(&b[100..200], i3),
-            fixed(&b[200..], i4),
-            fixed(&a[100..], i5),
+            fixed(&a[..100], 0),
+            fixed(&a[100..], 1),
+            fixed(&b[..100], 0),
+            fixed(&b[100..200], 1),
+            fixed(&b[200..], 2),
+            fixed(&a[100..], 1),
         ];
         with_layout(|layout| {
             let l = layout.lay_out(&mut pkts, true);

@@ -801,6 +801,7 @@ impl RoceQp {
                                 body: Body::Flat(bytes),
                                 ipv4_id: 0,
                                 ack_req,
+                                count: 1,
                             })
                         }
                         Err(e) => {
@@ -982,17 +983,25 @@ impl RoceQp {
                 std::sync::Weak::new()
             },
         });
-        // The packets as slices of the buffer: packet i at i × `full`, the last one to the end.
-        for i in 0..count {
+        // One entry per run (packet i at i × `full`, the last one to the end): the packets
+        // from one AckReq packet to the next, sealed for identifications 0, 1, 2… of a run.
+        let mut i = 0;
+        while i < count {
+            let n = (per_run - i % per_run).min(count - i);
             let off = i * full;
-            let end = if i + 1 == count { total } else { off + full };
-            let k = i % per_run;
-            sq.pkts.push_back(TxPkt {
-                psn: psn_add(first_psn, i as u32),
-                body: Body::Fixed(bytes.slice(off..end)),
-                ipv4_id: if by_run { k as u16 } else { 0 },
-                ack_req: ends_run(i),
-            });
+            let end = if i + n == count {
+                total
+            } else {
+                off + n * full
+            };
+            sq.pkts.push_back(TxPkt::run(
+                psn_add(first_psn, i as u32),
+                bytes.slice(off..end),
+                n as u16,
+                full as u16,
+                by_run.then_some(0),
+            ));
+            i += n;
         }
         let psn = psn_add(first_psn, count as u32);
         sq.next_psn = psn;
@@ -1032,30 +1041,20 @@ impl RoceQp {
         let start = sq.next_tx;
         let mut end = start;
         let window = window(conn.mtu);
+        // Whole entries: a packed post's run (sealed for its place in a run, its last packet
+        // asking for an ACK) leaves whole or waits for the window while packets are in
+        // flight (their ACKs open it); with none in flight it leaves whole however far it
+        // reaches (not reached: the window takes a whole run,
+        // `the_window_takes_a_whole_packed_run`).
         while sq
             .pkts
             .get(end)
-            .is_some_and(|p| psn_diff(p.psn, oldest) < window)
+            .is_some_and(|p| psn_diff(p.last_psn(), oldest) < window)
         {
             end += 1;
         }
-        // A packed post's packets are sealed for runs that start after its AckReq packets: a
-        // window that cuts between two of those sends up to the last one it takes in full
-        // (each asks for an ACK); if that is nothing, the rest waits for the window while
-        // packets are in flight (their ACKs open it), and goes as far as the window lets it
-        // when none are (resealed copies, gso.rs).
-        if end < sq.pkts.len() {
-            match (start..end).rev().find(|&i| {
-                sq.pkts
-                    .get(i)
-                    .is_some_and(|p| p.ack_req || !matches!(p.body, Body::Fixed(_)))
-            }) {
-                Some(cut) => end = cut + 1,
-                None if start > 0 => end = start,
-                // Not reached with nothing in flight: the window takes a whole run
-                // (`the_window_takes_a_whole_packed_run`).
-                None => {}
-            }
+        if end == start && start == 0 {
+            end = 1;
         }
         if end == start {
             return;
@@ -1063,10 +1062,20 @@ impl RoceQp {
         // What leaves now: the highest PSN sent (the bound of the ACKs taken), and what is
         // sent again.
         for p in sq.pkts.range(start..end) {
-            if sq.high_psn.is_some_and(|h| psn_diff(p.psn, h) <= 0) {
-                bump(&self.core.counters.retransmits);
-            } else {
-                sq.high_psn = Some(p.psn);
+            let again = match sq.high_psn {
+                Some(h) if psn_diff(p.psn, h) <= 0 => {
+                    (psn_diff(h, p.psn) + 1).min(i32::from(p.count)) as u64
+                }
+                _ => 0,
+            };
+            if again > 0 {
+                self.core
+                    .counters
+                    .retransmits
+                    .fetch_add(again, Ordering::Relaxed);
+            }
+            if sq.high_psn.is_none_or(|h| psn_diff(p.last_psn(), h) > 0) {
+                sq.high_psn = Some(p.last_psn());
             }
         }
         // The last packet of a transmission always asks for an ACK (a held post's last
@@ -1078,8 +1087,13 @@ impl RoceQp {
                 sq.since_ackreq = 0;
             }
         }
-        // The packets the window lets go: UDP_SEGMENT runs, else one sendmmsg.
-        let mut batch: Vec<Wire<'_>> = sq.pkts.range_mut(start..end).map(TxPkt::wire).collect();
+        // The packets the window lets go: UDP_SEGMENT runs, else one sendmmsg (a packed
+        // post's run as it lies, one wire).
+        let whole = self.core.sends_runs();
+        let mut batch: Vec<Wire<'_>> = Vec::with_capacity(end - start + 1);
+        for p in sq.pkts.range_mut(start..end) {
+            p.wires(whole, &mut batch);
+        }
         // An ACK this QP owes as responder leaves in the same system call, after the requests
         // (the peer, woken by the first datagram, finds the reply first). RoCE has no
         // piggybacked acknowledgement: it is an ACK packet of its own, but no datagram of
@@ -1116,7 +1130,11 @@ impl RoceQp {
         }
         let mut removed = 0;
         let keep = SPARE_BYTES / max_packet(self.conn.get().map_or(4096, |c| c.mtu));
-        while sq.pkts.front().is_some_and(|p| psn_diff(p.psn, psn) <= 0) {
+        while sq
+            .pkts
+            .front()
+            .is_some_and(|p| psn_diff(p.last_psn(), psn) <= 0)
+        {
             // A shared packet lets go of its slice of the WRITE's bytes here.
             if let Some(b) = sq.pkts.pop_front().and_then(TxPkt::into_buffer) {
                 if sq.spare.len() < keep {
@@ -1126,6 +1144,15 @@ impl RoceQp {
             removed += 1;
         }
         sq.next_tx = sq.next_tx.saturating_sub(removed);
+        // A packed run acknowledged in part keeps the rest (in its place: it may have left).
+        let mut trimmed = false;
+        if let Some(p) = sq.pkts.front_mut() {
+            let k = psn_diff(psn, p.psn) + 1;
+            if k > 0 {
+                p.trim_front(k as u16);
+                trimmed = true;
+            }
+        }
         while sq
             .wrs
             .front()
@@ -1143,7 +1170,7 @@ impl RoceQp {
                 }
             }
         }
-        if removed > 0 {
+        if removed > 0 || trimmed {
             sq.last_progress = Instant::now();
             sq.retries_left = RETRY_CNT;
             sq.rnr_retries_left = RNR_RETRY;

@@ -1,10 +1,12 @@
 //! The packets a roce requester keeps until they are acknowledged (go-back-N resends them as
 //! they are), and their view for transmission.
 //!
-//! A packet is kept one of three ways. *Fixed*: a packet of a packed WRITE (qp.rs
-//! `post_write_packed`), a slice of the post's immutable buffer where its packets lie end to
-//! end, sealed at post for its place in a `UDP_SEGMENT` run; sent as it lies, or as a resealed
-//! copy where a transmission gives it another place. *Flat*: the whole sealed packet in one
+//! A packet is kept one of three ways, and a packed WRITE's packets a fourth. *Run*: the
+//! packets of a packed WRITE (qp.rs `post_write_packed`) that one `UDP_SEGMENT` run carries,
+//! kept as one entry — a slice of the post's immutable buffer where they lie end to end, each
+//! sealed at post for its place in the run; sent as they lie (one iovec, one message), or
+//! packet by packet as resealed copies where a transmission gives them other places (a
+//! retransmission after part of the run was acknowledged). *Flat*: the whole sealed packet in one
 //! buffer of the send queue's pool (SENDs, WRITEs of the caller's slice or of a registered
 //! region: their bytes are copied into the packet once). *Shared*: a WRITE ONLY packet of
 //! [`SendWr::WriteShared`](crate::SendWr::WriteShared) bytes, kept as its headers (BTH and
@@ -27,12 +29,17 @@ const TAIL_MAX: usize = 3 + ICRC_LEN;
 
 /// How a kept packet holds its bytes.
 pub(crate) enum Body {
-    /// A packet of a packed WRITE (`RoceQp::post_write_packed`): a slice of the post's
-    /// immutable buffer, where the packets lie end to end, sealed at post for the
-    /// identification the packet gets in its `UDP_SEGMENT` run (`TxPkt::ipv4_id`). Sent as it
-    /// lies; a transmission that needs it sealed for another identification sends a copy
-    /// (gso.rs `Layout::lay_out`).
-    Fixed(Bytes),
+    /// Packets of a packed WRITE (`RoceQp::post_write_packed`): a slice of the post's
+    /// immutable buffer where they lie end to end, `stride` bytes each but a shorter last,
+    /// packet j sealed for identification `first_id + j` (`Some(first_id)`: sealed for a
+    /// `UDP_SEGMENT` run) or for 0 (`None`: they leave one by one). Sent as they lie; a
+    /// transmission that needs one sealed for another identification sends a copy (gso.rs
+    /// `Layout::lay_out`).
+    Run {
+        bytes: Bytes,
+        stride: u16,
+        first_id: Option<u16>,
+    },
     /// The whole sealed packet (a buffer of the send queue's pool).
     Flat(Vec<u8>),
     /// Headers, payload and tail (pad zeros, then the ICRC) apart; the payload a slice of the
@@ -46,17 +53,67 @@ pub(crate) enum Body {
     },
 }
 
-/// A packet posted and not yet acknowledged.
+/// A packet posted and not yet acknowledged, or (a [`Body::Run`]) `count` packets of
+/// consecutive PSNs from `psn`.
 pub(crate) struct TxPkt {
     pub(crate) psn: u32,
     pub(crate) body: Body,
-    /// The IPv4 identification the packet's ICRC is sealed for (gso.rs).
+    /// The IPv4 identification the packet's ICRC is sealed for (gso.rs; a run keeps its
+    /// packets' in its body).
     pub(crate) ipv4_id: u16,
-    /// Whether the BTH's AckReq bit is set.
+    /// Whether the BTH's AckReq bit is set (of a run: of its last packet, which has it).
     pub(crate) ack_req: bool,
+    /// Packets the entry holds: 1, or a run's.
+    pub(crate) count: u16,
 }
 
 impl TxPkt {
+    /// The packets `bytes` holds end to end (`stride` bytes each but a shorter last),
+    /// `count` of them from PSN `psn`, sealed as [`Body::Run`] says; the last asks for an
+    /// ACK.
+    pub(crate) fn run(
+        psn: u32,
+        bytes: Bytes,
+        count: u16,
+        stride: u16,
+        first_id: Option<u16>,
+    ) -> TxPkt {
+        TxPkt {
+            psn,
+            body: Body::Run {
+                bytes,
+                stride,
+                first_id,
+            },
+            ipv4_id: 0,
+            ack_req: true,
+            count: count.max(1),
+        }
+    }
+
+    /// The PSN of the entry's last packet.
+    pub(crate) fn last_psn(&self) -> u32 {
+        (self.psn + u32::from(self.count) - 1) & roce::U24_MASK
+    }
+
+    /// Let go of the first `k` packets of a run (acknowledged; `k` less than its count): the
+    /// entry keeps the rest, sealed as they were.
+    pub(crate) fn trim_front(&mut self, k: u16) {
+        let Body::Run {
+            bytes,
+            stride,
+            first_id,
+        } = &mut self.body
+        else {
+            return;
+        };
+        let k = k.min(self.count.saturating_sub(1));
+        *bytes = bytes.slice((usize::from(k) * usize::from(*stride)).min(bytes.len())..);
+        *first_id = first_id.map(|f| f.wrapping_add(k));
+        self.count -= k;
+        self.psn = (self.psn + u32::from(k)) & roce::U24_MASK;
+    }
+
     /// A packet of `repr`'s headers and `payload` (`repr.payload` is not used), sealed with
     /// `prefix` for identification 0 (a prefix made for the packet's length, or any other: it
     /// falls back to the full computation), without copying the payload.
@@ -84,6 +141,7 @@ impl TxPkt {
             },
             ipv4_id: 0,
             ack_req,
+            count: 1,
         })
     }
 
@@ -95,7 +153,7 @@ impl TxPkt {
         }
         match &mut self.body {
             // Sealed at post, AckReq included (the QP ends transmissions where it is set).
-            Body::Fixed(_) => return,
+            Body::Run { .. } => return,
             Body::Flat(bytes) => {
                 if let Some(b) = bytes.get_mut(BTH_ACKREQ.0) {
                     *b |= BTH_ACKREQ.1;
@@ -119,14 +177,57 @@ impl TxPkt {
         self.ack_req = true;
     }
 
-    /// The packet's pieces for transmission.
+    /// The entry's pieces for transmission, into `out`: a packet's; a run's as one wire of
+    /// all its packets where `whole` allows and they are sealed for the identifications a
+    /// run starting with them gives (0, 1, 2…), else one wire per packet.
+    pub(crate) fn wires<'a>(&'a mut self, whole: bool, out: &mut Vec<Wire<'a>>) {
+        let count = self.count;
+        if !matches!(self.body, Body::Run { .. }) {
+            out.push(self.wire());
+            return;
+        }
+        if let Body::Run {
+            bytes,
+            stride,
+            first_id,
+        } = &self.body
+        {
+            if whole && count > 1 && *first_id == Some(0) {
+                out.push(Wire {
+                    parts: [&bytes[..], &[]],
+                    tail: &mut [],
+                    id: Sealed::Fixed(0),
+                    packets: count,
+                    seg: *stride,
+                });
+                return;
+            }
+            let stride = usize::from(*stride).max(1);
+            for (j, packet) in bytes.chunks(stride).take(usize::from(count)).enumerate() {
+                out.push(Wire {
+                    parts: [packet, &[]],
+                    tail: &mut [],
+                    id: Sealed::Fixed(first_id.map_or(0, |f| f.wrapping_add(j as u16))),
+                    packets: 1,
+                    seg: 0,
+                });
+            }
+        }
+    }
+
+    /// The packet's pieces for transmission (one packet; a run's first).
     pub(crate) fn wire(&mut self) -> Wire<'_> {
         match &mut self.body {
-            Body::Fixed(bytes) => Wire {
-                parts: [&bytes[..], &[]],
+            Body::Run {
+                bytes,
+                stride,
+                first_id,
+            } => Wire {
+                parts: [&bytes[..usize::from(*stride).min(bytes.len())], &[]],
                 tail: &mut [],
-                id: &mut self.ipv4_id,
-                fixed: true,
+                id: Sealed::Fixed(first_id.unwrap_or(0)),
+                packets: 1,
+                seg: 0,
             },
             Body::Flat(bytes) => Wire::flat(bytes, &mut self.ipv4_id),
             Body::Shared {
@@ -138,8 +239,9 @@ impl TxPkt {
             } => Wire {
                 parts: [&head[..usize::from(*head_len)], &payload[..]],
                 tail: &mut tail[..usize::from(*tail_len)],
-                id: &mut self.ipv4_id,
-                fixed: false,
+                id: Sealed::Kept(&mut self.ipv4_id),
+                packets: 1,
+                seg: 0,
             },
         }
     }
@@ -149,7 +251,7 @@ impl TxPkt {
     pub(crate) fn into_buffer(self) -> Option<Vec<u8>> {
         match self.body {
             Body::Flat(bytes) => Some(bytes),
-            Body::Shared { .. } | Body::Fixed(_) => None,
+            Body::Shared { .. } | Body::Run { .. } => None,
         }
     }
 }
@@ -207,14 +309,36 @@ impl Drop for PostBuf {
 
 /// One packet as it leaves: its bytes are `parts` then `tail`, laid end to end by the kernel
 /// (one iovec each); the ICRC is the last four bytes of `tail`, sealed for identification
-/// `id` — or, `fixed`, the last four of `parts[0]`, the whole packet, which is immutable:
-/// [`reseal`](Wire::reseal) leaves it as it is, and [`seal_for`](Wire::seal_for) gives a
-/// copy where a transmission needs it sealed for another identification.
+/// `id` — or, [`Sealed::Fixed`], the last four of `parts[0]`, the whole packet, which is
+/// immutable: [`reseal`](Wire::reseal) leaves it as it is, and [`seal_for`](Wire::seal_for)
+/// gives a copy where a transmission needs it sealed for another identification. Or (`packets`
+/// more than 1) a whole run of a packed WRITE: `parts[0]` holds that many fixed packets end
+/// to end, `seg` bytes each but a shorter last, sealed for identifications 0, 1, 2…: one
+/// `UDP_SEGMENT` message as it lies (gso.rs).
 pub(crate) struct Wire<'a> {
     pub(crate) parts: [&'a [u8]; 2],
     pub(crate) tail: &'a mut [u8],
-    pub(crate) id: &'a mut u16,
-    pub(crate) fixed: bool,
+    pub(crate) id: Sealed<'a>,
+    pub(crate) packets: u16,
+    pub(crate) seg: u16,
+}
+
+/// The identification a packet's ICRC is sealed for.
+pub(crate) enum Sealed<'a> {
+    /// Kept in the packet, which a transmission re-seals in place (and notes here).
+    Kept(&'a mut u16),
+    /// Fixed at post: the packet is immutable.
+    Fixed(u16),
+}
+
+impl Sealed<'_> {
+    /// The identification.
+    pub(crate) fn get(&self) -> u16 {
+        match self {
+            Sealed::Kept(id) => **id,
+            Sealed::Fixed(id) => *id,
+        }
+    }
 }
 
 impl<'a> Wire<'a> {
@@ -225,9 +349,15 @@ impl<'a> Wire<'a> {
         Wire {
             parts: [body, &[]],
             tail,
-            id,
-            fixed: false,
+            id: Sealed::Kept(id),
+            packets: 1,
+            seg: 0,
         }
+    }
+
+    /// Whether the packet is immutable, sealed at post.
+    pub(crate) fn fixed(&self) -> bool {
+        matches!(self.id, Sealed::Fixed(_))
     }
 
     /// The packet's length (the UDP payload).
@@ -253,17 +383,16 @@ impl<'a> Wire<'a> {
     /// Seal the packet for identification `to` (four XORed bytes, gso.rs); a fixed packet
     /// stays as it is (see [`seal_for`](Wire::seal_for)).
     pub(crate) fn reseal(&mut self, to: u16) {
-        if self.fixed {
-            return;
-        }
         let len = self.len();
-        super::gso::reseal_tail(len, self.tail, self.id, to);
+        if let Sealed::Kept(id) = &mut self.id {
+            super::gso::reseal_tail(len, self.tail, id, to);
+        }
     }
 
     /// Seal the packet for identification `to`: in place, or — a fixed packet sealed for
     /// another — as a copy, returned (to be sent instead of the packet).
     pub(crate) fn seal_for(&mut self, to: u16) -> Option<Vec<u8>> {
-        if !self.fixed || *self.id == to {
+        if !self.fixed() || self.id.get() == to {
             self.reseal(to);
             return None;
         }
@@ -276,7 +405,7 @@ impl<'a> Wire<'a> {
         for p in self.pieces() {
             v.extend_from_slice(p);
         }
-        let mut id = *self.id;
+        let mut id = self.id.get();
         let len = v.len();
         super::gso::reseal_tail(len, &mut v, &mut id, to);
         v
