@@ -534,6 +534,12 @@ impl RoceCore {
 
     /// Whether packets leave in `UDP_SEGMENT` runs ([`transmit_pkts`](Self::transmit_pkts)):
     /// not once the kernel refused them, nor while faults are injected (they act per packet).
+    /// Tests: turn `UDP_SEGMENT` off as the kernel's refusal of it does.
+    #[cfg(test)]
+    pub(crate) fn refuse_runs(&self) {
+        self.gso_off.store(true, Ordering::Relaxed);
+    }
+
     pub(crate) fn sends_runs(&self) -> bool {
         self.faults.is_none() && !self.gso_off.load(Ordering::Relaxed)
     }

@@ -28,7 +28,7 @@ use smc_wire::roce::{IcrcHeaders, IcrcPrefix, Ipv4IdColumns, ICRC_LEN};
 /// Most segments in one send (64 before Linux 6.x raised `UDP_MAX_SEGMENTS` to 128).
 pub(crate) const MAX_SEGMENTS: usize = 64;
 /// Largest UDP payload of one send.
-const MAX_SEND_BYTES: usize = 65_507;
+pub(crate) const MAX_SEND_BYTES: usize = 65_507;
 /// `UDP_SEGMENT` (`SOL_UDP`): the segment size of a GSO send.
 const UDP_SEGMENT: libc::c_int = 103;
 
@@ -301,6 +301,13 @@ impl Layout {
                     let seg = usize::from(w.seg);
                     let mut packets = usize::from(w.packets);
                     let mut bytes = w.parts[0].len();
+                    debug_assert!(
+                        packets <= MAX_SEGMENTS
+                            && bytes <= MAX_SEND_BYTES
+                            && (packets - 1) * seg < bytes
+                            && bytes <= packets * seg,
+                        "a whole run outside one message's limits"
+                    );
                     let mut end = start + 1;
                     if bytes == packets * seg {
                         while let Some(x) = pkts.get(end) {

@@ -927,7 +927,14 @@ impl RoceQp {
         // first 8 bytes), which each packet patches (rocev2.md 3.1, 4). The short last
         // packet, whose pad count and DMA length differ, is built from its own headers.
         let mut full_head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
-        if repr(0, mtu).emit_head(mtu, &mut full_head).is_err() {
+        let template = PacketRepr {
+            bth: Bth {
+                ack_req: false,
+                ..repr(0, mtu).bth
+            },
+            ..repr(0, mtu)
+        };
+        if template.emit_head(mtu, &mut full_head).is_err() {
             // Not reached: a WRITE ONLY's headers fit.
             return Err(FabricError::InvalidArgument("packed WRITE headers"));
         }
@@ -1148,7 +1155,7 @@ impl RoceQp {
         let mut trimmed = false;
         if let Some(p) = sq.pkts.front_mut() {
             let k = psn_diff(psn, p.psn) + 1;
-            if k > 0 {
+            if k > 0 && matches!(p.body, Body::Run { .. }) {
                 p.trim_front(k as u16);
                 trimmed = true;
             }

@@ -78,6 +78,16 @@ impl TxPkt {
         stride: u16,
         first_id: Option<u16>,
     ) -> TxPkt {
+        // One UDP_SEGMENT message as it lies (gso.rs): every packet `stride` bytes but a
+        // shorter last, within the kernel's limits.
+        debug_assert!(
+            usize::from(count) <= super::gso::MAX_SEGMENTS
+                && bytes.len() <= super::gso::MAX_SEND_BYTES
+                && stride > 0
+                && usize::from(count.max(1) - 1) * usize::from(stride) < bytes.len()
+                && bytes.len() <= usize::from(count.max(1)) * usize::from(stride),
+            "a packed run outside one message's limits"
+        );
         TxPkt {
             psn,
             body: Body::Run {
@@ -107,6 +117,10 @@ impl TxPkt {
         else {
             return;
         };
+        debug_assert!(
+            k < self.count,
+            "a trim of a whole run (it is popped instead)"
+        );
         let k = k.min(self.count.saturating_sub(1));
         *bytes = bytes.slice((usize::from(k) * usize::from(*stride)).min(bytes.len())..);
         *first_id = first_id.map(|f| f.wrapping_add(k));
@@ -215,8 +229,10 @@ impl TxPkt {
         }
     }
 
-    /// The packet's pieces for transmission (one packet; a run's first).
-    pub(crate) fn wire(&mut self) -> Wire<'_> {
+    /// The packet's pieces for transmission: an entry of one packet (a run goes through
+    /// [`wires`](Self::wires), which cuts it).
+    fn wire(&mut self) -> Wire<'_> {
+        debug_assert!(self.count == 1, "a run's wire taken whole as one packet");
         match &mut self.body {
             Body::Run {
                 bytes,

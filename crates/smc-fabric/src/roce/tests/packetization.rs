@@ -790,3 +790,236 @@ fn the_window_takes_a_whole_packed_run() {
         );
     }
 }
+
+/// An ACK inside a packed run (the front entry trimmed), then the retransmission timer: packets 31.. leave again, each sealed for its place in its datagram, with the
+/// right PSNs, RETHs and bytes; the retransmissions counted are those packets.
+#[test]
+fn an_ack_inside_a_packed_run_then_the_timer() {
+    let mut p = raw_peer(40);
+    let first = p.a.qp.local_info().psn;
+    let va = 0x5900_0000;
+    let data = pattern(64 * 1024, 8);
+    let packed = p.packed_update(&data, va);
+    let got = p.datagrams(65);
+    assert_eq!(got.iter().map(|d| d.1.len()).sum::<usize>(), 65);
+    assert_eq!(shape(&got), [(Some(1056), 62), (Some(1056), 3)]);
+    let before = snapshot(&p.a.dev.core).retransmits;
+    p.ack(wire::psn_add(first, 30));
+    let again = p.datagrams(34);
+    eprintln!("resent shape {:?}", shape(&again));
+    assert_eq!(again.iter().map(|d| d.1.len()).sum::<usize>(), 34);
+    p.check_with(
+        &again,
+        &data[31 * 1024..],
+        va + 31 * 1024,
+        wire::psn_add(first, 31),
+        &|n| n + 31 == 61 || n + 31 == 63,
+    );
+    p.ack(wire::psn_add(first, 64));
+    let done = collect(&p.a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+    let resent = snapshot(&p.a.dev.core).retransmits - before;
+    assert!(resent >= 34, "{resent}");
+    assert_eq!(packed.pieces().collect::<Vec<_>>().concat(), data);
+    assert!(!p.a.qp.has_unacked());
+}
+
+/// An ACK inside a packed run, then a PSN-sequence NAK inside what is left of it (go-back-N
+/// from there, resealed copies), then an ACK inside the third run and the timer.
+#[test]
+fn an_ack_then_a_nak_inside_packed_runs() {
+    let mut p = raw_peer(41);
+    let first = p.a.qp.local_info().psn;
+    let va = 0x5A00_0000;
+    let data = pattern(130 * 1024 + 77, 9);
+    let _packed = p.packed_update(&data, va);
+    let n = data.len().div_ceil(1024);
+    let got = p.datagrams(n + 1);
+    assert_eq!(got.iter().map(|d| d.1.len()).sum::<usize>(), n + 1);
+    p.ack(wire::psn_add(first, 20));
+    std::thread::sleep(Duration::from_millis(5));
+    p.acknowledge(
+        wire::psn_add(first, 40),
+        wire::AethKind::Nak {
+            code: wire::nak::PSN_SEQUENCE,
+        },
+    );
+    let again = p.datagrams(n + 1 - 40);
+    assert_eq!(again.iter().map(|d| d.1.len()).sum::<usize>(), n + 1 - 40);
+    p.check_with(
+        &again,
+        &data[40 * 1024..],
+        va + 40 * 1024,
+        wire::psn_add(first, 40),
+        &|i| (i + 40) % 62 == 61 || i + 40 + 1 == n,
+    );
+    // ACK inside the third run (124..), then time out.
+    p.ack(wire::psn_add(first, 125));
+    let again = p.datagrams(n + 1 - 126);
+    p.check_with(
+        &again,
+        &data[126 * 1024..],
+        va + 126 * 1024,
+        wire::psn_add(first, 126),
+        &|i| i + 126 + 1 == n,
+    );
+    p.ack(wire::psn_add(first, n as u32));
+    let done = collect(&p.a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+}
+
+/// `UDP_SEGMENT` refused after a packed post was sealed for runs: its packets leave one
+/// by one, each a copy sealed for identification 0.
+#[test]
+fn runs_sealed_for_gso_leave_one_by_one_once_refused() {
+    let mut p = raw_peer(42);
+    let first = p.a.qp.local_info().psn;
+    let va = 0x5B00_0000;
+    let data = pattern(70 * 1024 + 5, 10);
+    let _packed =
+        p.a.qp
+            .post_write_packed(1, &data, va, 0x77)
+            .expect("packed")
+            .expect("ready");
+    p.a.dev.core.refuse_runs();
+    p.cdc();
+    let n = data.len().div_ceil(1024);
+    let got = p.datagrams(n + 1);
+    assert!(got.iter().all(|d| d.1.len() == 1), "{:?}", shape(&got));
+    p.check_with(&got, &data, va, first, &|i| i % 62 == 61 || i + 1 == n);
+    p.ack(wire::psn_add(first, n as u32));
+    let done = collect(&p.a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+}
+
+/// A whole run's wire handed to `transmit_pkts` when `UDP_SEGMENT` is off (the race
+/// between `pump` reading `sends_runs` and the send): split into packets, each sealed for 0.
+/// And with UDP_SEGMENT on: one datagram, each segment sealed for its index.
+#[test]
+fn a_whole_run_is_split_where_runs_are_refused() {
+    use crate::roce::txpkt::TxPkt;
+    let mut p = raw_peer(43);
+    let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
+    let data = pattern(3 * 1024 - 10, 11);
+    let mut buf = Vec::new();
+    let mut stride = 0;
+    for j in 0..3usize {
+        let piece = &data[j * 1024..((j + 1) * 1024).min(data.len())];
+        let repr = wire::PacketRepr {
+            bth: wire::Bth {
+                opcode: wire::Opcode::WRITE_ONLY,
+                pkey: wire::DEFAULT_PKEY,
+                dest_qp: PEER_QPN,
+                ack_req: j == 2,
+                psn: 100 + j as u32,
+                ..wire::Bth::default()
+            },
+            reth: Some(wire::Reth {
+                va: 0x1000 + (j * 1024) as u64,
+                rkey: 0x77,
+                dma_len: piece.len() as u32,
+            }),
+            aeth: None,
+            immdt: None,
+            payload: piece,
+        };
+        let mut b = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut b).expect("emit");
+        let icrc = h.compute(&b) ^ crate::roce::gso::id_columns(b.len()).delta(j as u16);
+        let l = b.len();
+        b[l - 4..].copy_from_slice(&icrc.to_le_bytes());
+        if j == 0 {
+            stride = b.len();
+        }
+        buf.extend_from_slice(&b);
+    }
+    let dest = p.a.qp.conn.get().expect("conn").ip;
+    for gso in [true, false] {
+        if !gso {
+            p.a.dev.core.refuse_runs();
+        }
+        let mut run = TxPkt::run(
+            100,
+            bytes::Bytes::from(buf.clone()),
+            3,
+            stride as u16,
+            Some(0),
+        );
+        let mut batch = Vec::new();
+        run.wires(true, &mut batch);
+        assert_eq!(batch.len(), 1);
+        assert_eq!(batch[0].packets, 3);
+        p.a.dev.core.transmit_pkts(dest, &mut batch);
+        drop(batch);
+        let got = p.datagrams(3);
+        let mut all = 0;
+        for (k, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
+            let cols = crate::roce::gso::id_columns(pkt.len());
+            let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
+            assert_eq!(
+                icrc,
+                Some(h.compute(pkt) ^ cols.delta(k as u16)),
+                "gso {gso}"
+            );
+            all += 1;
+        }
+        assert_eq!(all, 3);
+        if gso {
+            assert_eq!(shape(&got), [(Some(stride), 3)]);
+        } else {
+            assert_eq!(shape(&got), [(None, 1), (None, 1), (None, 1)]);
+        }
+    }
+}
+
+/// The layout of a whole run (its last packet full) followed by packets: a follower of the
+/// run's length, a shorter one, then one more (next message); a run whose last packet is
+/// short takes no follower.
+#[test]
+fn whole_runs_take_followers_only_after_a_full_last_packet() {
+    use crate::roce::txpkt::{Sealed, Wire};
+    let run_full: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
+    let run_short: Vec<u8> = (0..250u32).map(|i| (i * 3) as u8).collect();
+    let mut f1 = vec![1u8; 100];
+    let mut f2 = vec![2u8; 60];
+    let mut f3 = vec![3u8; 100];
+    let mut ids = [0u16; 3];
+    let [i1, i2, i3] = &mut ids;
+    let mut pkts = vec![
+        Wire {
+            parts: [&run_full[..], &[]],
+            tail: &mut [],
+            id: Sealed::Fixed(0),
+            packets: 3,
+            seg: 100,
+        },
+        Wire::flat(&mut f1, i1),
+        Wire::flat(&mut f2, i2),
+        Wire::flat(&mut f3, i3),
+        Wire {
+            parts: [&run_short[..], &[]],
+            tail: &mut [],
+            id: Sealed::Fixed(0),
+            packets: 3,
+            seg: 100,
+        },
+    ];
+    crate::roce::gso::with_layout(|layout| {
+        let l = layout.lay_out(&mut pkts, true);
+        let m: Vec<(usize, usize, usize, Option<u16>)> = l
+            .msgs()
+            .iter()
+            .map(|m| (m.first, m.packets, m.bytes, m.gso_size))
+            .collect();
+        assert_eq!(
+            m,
+            [
+                (0, 5, 460, Some(100)),
+                (3, 1, 100, None),
+                (4, 3, 250, Some(100))
+            ]
+        );
+    });
+    drop(pkts);
+    assert_eq!(ids, [3, 4, 0], "followers sealed for their places");
+}
