@@ -885,7 +885,8 @@ impl RoceQp {
         let per_run = super::gso::run_capacity(full);
         // Where packets leave one by one (injected faults, no UDP_SEGMENT), each is sealed
         // for identification 0; IPv6 has none.
-        let by_run = conn.ip.ip.is_ipv4() && self.core.sends_runs();
+        let runs = self.core.sends_runs();
+        let by_run = conn.ip.ip.is_ipv4() && runs;
         let total = (count - 1) * full + packet_len(data.len() - (count - 1) * mtu);
         // A post of more than a packet takes a buffer of the pool (a stream's: the same few
         // go round); a lone packet a buffer of its own, not a large one for a few bytes.
@@ -1006,7 +1007,8 @@ impl RoceQp {
                 bytes.slice(off..end),
                 n as u16,
                 full as u16,
-                by_run.then_some(0),
+                // IPv6 has no identification: a run fits any place, and leaves whole too.
+                runs.then_some(0),
             ));
             i += n;
         }

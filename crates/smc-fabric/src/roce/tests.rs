@@ -1115,9 +1115,8 @@ fn the_progress_thread_gives_a_kept_batch_policy_back() {
     .expect("thread");
 }
 
-/// Packed WRITEs over IPv6 with `UDP_SEGMENT` on and no faults: their runs have no
-/// identification to be sealed for (`first_id` none), leave packet by packet into the
-/// layout's runs; every byte arrives, no ICRC fails.
+/// Packed WRITEs over IPv6 with `UDP_SEGMENT` on and no faults: no identification to seal
+/// for, their runs leave whole; every byte arrives, no ICRC fails.
 #[test]
 fn packed_writes_over_ipv6_arrive_whole() {
     let f = fabric(Vec::new());

@@ -32,7 +32,8 @@ pub(crate) enum Body {
     /// Packets of a packed WRITE (`RoceQp::post_write_packed`): a slice of the post's
     /// immutable buffer where they lie end to end, `stride` bytes each but a shorter last,
     /// packet j sealed for identification `first_id + j` (`Some(first_id)`: sealed for a
-    /// `UDP_SEGMENT` run) or for 0 (`None`: they leave one by one). Sent as they lie; a
+    /// `UDP_SEGMENT` run; over IPv6, which has no identification, the places are nominal) or
+    /// for 0 (`None`: they leave one by one). Sent as they lie; a
     /// transmission that needs one sealed for another identification sends a copy (gso.rs
     /// `Layout::lay_out`).
     Run {
