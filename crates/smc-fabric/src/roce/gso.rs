@@ -341,9 +341,9 @@ impl Layout {
                 let mut k = 0u16;
                 for (i, w) in pkts.iter_mut().enumerate().take(end).skip(start) {
                     if w.packets == 1 {
-                        if let Some(copy) = w.seal_for(k) {
-                            self.copy_of.push((i, self.copies.len(), copy.len()));
-                            self.copies.extend_from_slice(&copy);
+                        let at = self.copies.len();
+                        if let Some(len) = w.seal_into(k, &mut self.copies) {
+                            self.copy_of.push((i, at, len));
                         }
                     }
                     k = k.wrapping_add(w.packets);

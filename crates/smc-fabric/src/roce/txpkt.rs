@@ -416,6 +416,23 @@ impl<'a> Wire<'a> {
         Some(self.copy_sealed_for(to))
     }
 
+    /// [`seal_for`](Self::seal_for), a copy appended to `out` (no allocation of its own):
+    /// its length, or `None` when the packet was sealed in place (or already was).
+    pub(crate) fn seal_into(&mut self, to: u16, out: &mut Vec<u8>) -> Option<usize> {
+        if !self.fixed() || self.id.get() == to {
+            self.reseal(to);
+            return None;
+        }
+        let at = out.len();
+        for p in self.pieces() {
+            out.extend_from_slice(p);
+        }
+        let mut id = self.id.get();
+        let len = out.len() - at;
+        super::gso::reseal_tail(len, &mut out[at..], &mut id, to);
+        Some(len)
+    }
+
     /// The packet's bytes as one buffer sealed for identification `to` (a copy).
     fn copy_sealed_for(&self, to: u16) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len());
