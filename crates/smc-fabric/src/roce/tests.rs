@@ -923,6 +923,22 @@ fn a_waiter_sleeps_in_the_receive_call() {
     assert!(b.cq.poll(&mut w) >= 1);
 }
 
+/// Device "ra" on lo (`addr(test, 0)`) with the IPv6 GID `::1` (given, since `::1` is never a
+/// GID of its own), and that GID; `None` (the test skipped) where `[::1]:4791` cannot be
+/// bound.
+fn loopback_v6_device(f: &FabricConfig, test: u8) -> Option<(Arc<RoceHandle>, crate::Gid)> {
+    let v6 = std::net::Ipv6Addr::LOCALHOST;
+    let dev = match RoceHandle::open_with(f, "ra", Some(addr(test, 0)), Some(vec![(v6, 128)])) {
+        Ok(d) => d,
+        Err(e) => panic!("open: {e}"),
+    };
+    if dev.core.gids.len() < 2 {
+        eprintln!("skipped: [::1]:4791 cannot be bound here (no IPv6 on lo, or in use)");
+        return None;
+    }
+    Some((dev, crate::Gid(v6.octets())))
+}
+
 /// The IPv6 path of the backend: a device on lo with an IPv6 GID on `::1` (given, since `::1`
 /// is never a GID of its own) and two QPs of it connected through that GID. Loss, reordering
 /// and duplication are injected, so go-back-N, NAKs, duplicate ACKs and retransmissions run
@@ -937,17 +953,10 @@ fn ipv6_gid_carries_rc_traffic() {
         .into_iter()
         .map(|f| ("ra".to_string(), f))
         .collect();
-    let f = fabric(faults);
     let v6 = std::net::Ipv6Addr::LOCALHOST;
-    let dev = match RoceHandle::open_with(&f, "ra", Some(addr(9, 0)), Some(vec![(v6, 128)])) {
-        Ok(d) => d,
-        Err(e) => panic!("open: {e}"),
-    };
-    if dev.core.gids.len() < 2 {
-        eprintln!("skipped: [::1]:4791 cannot be bound here (no IPv6 on lo, or in use)");
+    let Some((dev, gid6)) = loopback_v6_device(&fabric(faults), 9) else {
         return;
-    }
-    let gid6 = crate::Gid(v6.octets());
+    };
     assert_eq!(dev.core.gids, vec![dev.core.gid, gid6]);
     assert_eq!(dev.core.source_for(gid6), Some(1));
     assert_eq!(dev.core.source_for(dev.core.gid), Some(0));
@@ -1119,17 +1128,9 @@ fn the_progress_thread_gives_a_kept_batch_policy_back() {
 /// for, their runs leave whole; every byte arrives, no ICRC fails.
 #[test]
 fn packed_writes_over_ipv6_arrive_whole() {
-    let f = fabric(Vec::new());
-    let v6 = std::net::Ipv6Addr::LOCALHOST;
-    let dev = match RoceHandle::open_with(&f, "ra", Some(addr(44, 0)), Some(vec![(v6, 128)])) {
-        Ok(d) => d,
-        Err(e) => panic!("open: {e}"),
-    };
-    if dev.core.gids.len() < 2 {
-        eprintln!("skipped: no IPv6");
+    let Some((dev, gid6)) = loopback_v6_device(&fabric(Vec::new()), 44) else {
         return;
-    }
-    let gid6 = crate::Gid(v6.octets());
+    };
     let a = end(dev.clone(), 64);
     let b = end(dev.clone(), 64);
     let (ra, rb) = (remote(&a), remote(&b));
