@@ -603,32 +603,10 @@ impl RoceCore {
         }
         // Alone, each packet is sealed for identification 0 (a fixed one sealed for another:
         // a copy); a whole run's packets one by one.
-        let mut singles: Vec<super::txpkt::Wire<'_>> = Vec::new();
-        for w in &mut pkts[done..] {
-            if w.packets > 1 {
-                let seg = usize::from(w.seg).max(1);
-                for (j, p) in w.parts[0].chunks(seg).enumerate() {
-                    singles.push(super::txpkt::Wire {
-                        parts: [p, &[]],
-                        tail: &mut [],
-                        id: super::txpkt::Sealed::Fixed(w.id.get().wrapping_add(j as u16)),
-                        packets: 1,
-                        seg: 0,
-                    });
-                }
-            } else {
-                singles.push(super::txpkt::Wire {
-                    parts: w.parts,
-                    tail: &mut *w.tail,
-                    id: match &mut w.id {
-                        super::txpkt::Sealed::Kept(id) => super::txpkt::Sealed::Kept(id),
-                        super::txpkt::Sealed::Fixed(id) => super::txpkt::Sealed::Fixed(*id),
-                    },
-                    packets: 1,
-                    seg: 0,
-                });
-            }
-        }
+        let mut singles: Vec<super::txpkt::Wire<'_>> = pkts[done..]
+            .iter_mut()
+            .flat_map(super::txpkt::Wire::split)
+            .collect();
         let copies: Vec<Option<Vec<u8>>> = singles
             .iter_mut()
             .map(|w| if v4 { w.seal_for(0) } else { None })

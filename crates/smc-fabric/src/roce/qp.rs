@@ -928,17 +928,12 @@ impl RoceQp {
         // first 8 bytes), which each packet patches (rocev2.md 3.1, 4). The short last
         // packet, whose pad count and DMA length differ, is built from its own headers.
         let mut full_head = [0u8; roce::BTH_LEN + roce::RETH_LEN];
-        let template = PacketRepr {
-            bth: Bth {
-                ack_req: false,
-                ..repr(0, mtu).bth
-            },
-            ..repr(0, mtu)
-        };
-        if template.emit_head(mtu, &mut full_head).is_err() {
+        if repr(0, mtu).emit_head(mtu, &mut full_head).is_err() {
             // Not reached: a WRITE ONLY's headers fit.
             return Err(FabricError::InvalidArgument("packed WRITE headers"));
         }
+        // AckReq off in the template: each packet sets its own.
+        full_head[8] &= !0x80;
         // The identification columns of a full packet's length, looked up once (gso.rs).
         let cols = by_run.then(|| super::gso::id_columns(full));
         for i in 0..count {

@@ -217,16 +217,7 @@ impl TxPkt {
                 });
                 return;
             }
-            let stride = usize::from(*stride).max(1);
-            for (j, packet) in bytes.chunks(stride).take(usize::from(count)).enumerate() {
-                out.push(Wire {
-                    parts: [packet, &[]],
-                    tail: &mut [],
-                    id: Sealed::Fixed(first_id.map_or(0, |f| f.wrapping_add(j as u16))),
-                    packets: 1,
-                    seg: 0,
-                });
-            }
+            out.extend(run_packets(bytes, *stride, count, *first_id));
         }
     }
 
@@ -409,11 +400,8 @@ impl<'a> Wire<'a> {
     /// Seal the packet for identification `to`: in place, or — a fixed packet sealed for
     /// another — as a copy, returned (to be sent instead of the packet).
     pub(crate) fn seal_for(&mut self, to: u16) -> Option<Vec<u8>> {
-        if !self.fixed() || self.id.get() == to {
-            self.reseal(to);
-            return None;
-        }
-        Some(self.copy_sealed_for(to))
+        let mut copy = Vec::new();
+        self.seal_into(to, &mut copy).map(|_| copy)
     }
 
     /// [`seal_for`](Self::seal_for), a copy appended to `out` (no allocation of its own):
@@ -433,17 +421,43 @@ impl<'a> Wire<'a> {
         Some(len)
     }
 
-    /// The packet's bytes as one buffer sealed for identification `to` (a copy).
-    fn copy_sealed_for(&self, to: u16) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.len());
-        for p in self.pieces() {
-            v.extend_from_slice(p);
-        }
-        let mut id = self.id.get();
-        let len = v.len();
-        super::gso::reseal_tail(len, &mut v, &mut id, to);
-        v
+    /// The wire's packets one by one: a whole run's, each as sealed at post; a packet's, itself.
+    pub(crate) fn split(&mut self) -> impl Iterator<Item = Wire<'_>> {
+        let (bytes, seg, packets, first) = (self.parts[0], self.seg, self.packets, self.id.get());
+        let run = (packets > 1).then(|| run_packets(bytes, seg, packets, Some(first)));
+        let single = (packets <= 1).then_some(Wire {
+            parts: self.parts,
+            tail: &mut *self.tail,
+            id: match &mut self.id {
+                Sealed::Kept(id) => Sealed::Kept(id),
+                Sealed::Fixed(id) => Sealed::Fixed(*id),
+            },
+            packets: 1,
+            seg: 0,
+        });
+        single.into_iter().chain(run.into_iter().flatten())
     }
+}
+
+/// The `count` packets `bytes` holds end to end, `stride` bytes each but a shorter last, as
+/// fixed wires: packet j sealed for identification `first + j` (for 0 without `first`).
+fn run_packets(
+    bytes: &[u8],
+    stride: u16,
+    count: u16,
+    first: Option<u16>,
+) -> impl Iterator<Item = Wire<'_>> {
+    bytes
+        .chunks(usize::from(stride).max(1))
+        .take(usize::from(count))
+        .enumerate()
+        .map(move |(j, packet)| Wire {
+            parts: [packet, &[]],
+            tail: &mut [],
+            id: Sealed::Fixed(first.map_or(0, |f| f.wrapping_add(j as u16))),
+            packets: 1,
+            seg: 0,
+        })
 }
 
 #[cfg(test)]
