@@ -3,7 +3,8 @@
 //! RFC 7609 §3.5.1.1: "A client who wishes to do SMC-R will include TCP option 254 using an
 //! ExID equal to the EBCDIC (codepage IBM-1047) encoding of "SMCR" on its SYN flow." A
 //! userspace stack cannot add TCP options through the sockets API, so smc-rs loads a small
-//! eBPF `sock_ops` program into a cgroup v2 with aya. Its source is bpf/smc_tcp_option.bpf.c;
+//! eBPF `sock_ops` program into a cgroup v2 (its own loader, `loader.rs`, over aya-obj; the
+//! maps through aya). Its source is bpf/smc_tcp_option.bpf.c;
 //! `scripts/build-bpf.sh` compiles it into bpf/smc_tcp_option.bpf.o, which is committed, so a
 //! build needs no clang. The program acts only on sockets this instance marked:
 //!
@@ -19,6 +20,9 @@
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+
+#[cfg(feature = "ebpf")]
+mod loader;
 
 /// Where the cgroup v2 hierarchy is usually mounted (unified mode, then hybrid mode).
 pub const CGROUP2_CANDIDATES: &[&str] = &["/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
@@ -235,9 +239,7 @@ fn mount_cgroup2(dir: &Path) -> std::io::Result<PathBuf> {
 #[cfg(feature = "ebpf")]
 mod imp {
     use super::*;
-    use aya::maps::{HashMap, IterableMap, MapData};
-    use aya::programs::{CgroupAttachMode, SockOps};
-    use aya::{Ebpf, EbpfLoader};
+    use aya::maps::{HashMap, IterableMap, Map, MapData};
     use std::os::fd::OwnedFd;
     use std::sync::Mutex;
 
@@ -259,20 +261,11 @@ mod imp {
         accepted: HashMap<MapData, [u32; 11], u32>,
     }
 
-    /// What keeps the program attached.
-    enum Attachment {
-        /// aya's objects, as loaded (their descriptors where the kernel put them).
-        Loaded(#[allow(dead_code)] Ebpf),
-        /// A duplicate of the link's descriptor out of the program's numbers
-        /// (`smc_fabric::fdplace`): the kernel keeps the link, and the program it holds, while
-        /// a descriptor names it.
-        Link(#[allow(dead_code)] OwnedFd),
-    }
-
     /// The loaded and attached discovery program; detached when dropped.
     pub struct TcpOptionDiscovery {
-        // Kept alive: dropping it detaches and unloads the program.
-        _attached: Attachment,
+        // Kept alive: closing the link (the last descriptor naming it) detaches and unloads the
+        // program.
+        _link: OwnedFd,
         maps: Mutex<Maps>,
         /// The kernel's ids of the maps (sockets, listen ports, accepted), to tell in a forked
         /// child that its descriptors still name them (see [`Self::usable_after_fork`]).
@@ -290,59 +283,6 @@ mod imp {
             cur = c.source();
         }
         s
-    }
-
-    /// A map, its descriptor moved out of the program's numbers (`smc_fabric::fdplace`).
-    fn placed_map(m: aya::maps::Map) -> Result<aya::maps::Map, DiscoveryError> {
-        use aya::maps::Map;
-        if !smc_fabric::fdplace::keeps_high() {
-            return Ok(m);
-        }
-        let moved = |data: &MapData| -> Result<MapData, DiscoveryError> {
-            let dup = smc_fabric::fdplace::dup_placed(data.fd().as_fd()).map_err(|e| {
-                DiscoveryError::Map {
-                    map: "dup",
-                    msg: e.to_string(),
-                }
-            })?;
-            MapData::from_fd(dup).map_err(map_err("from_fd"))
-        };
-        Ok(match m {
-            Map::HashMap(data) => Map::HashMap(moved(&data)?),
-            Map::LruHashMap(data) => Map::LruHashMap(moved(&data)?),
-            other => other,
-        })
-    }
-
-    /// The descriptors of this process that name a BPF link (`None` without /proc).
-    fn bpf_links() -> Option<Vec<i32>> {
-        let dir = std::fs::read_dir("/proc/self/fd").ok()?;
-        Some(
-            dir.filter_map(|e| {
-                let e = e.ok()?;
-                let n: i32 = e.file_name().to_str()?.parse().ok()?;
-                let target = std::fs::read_link(e.path()).ok()?;
-                (target.as_os_str() == "anon_inode:bpf_link").then_some(n)
-            })
-            .collect(),
-        )
-    }
-
-    /// A high duplicate (`smc_fabric::fdplace`) of the one BPF link descriptor that is not in
-    /// `before`; `None` unless there is exactly one.
-    fn new_link(before: &Option<Vec<i32>>) -> Option<OwnedFd> {
-        let before = before.as_ref()?;
-        let added: Vec<i32> = bpf_links()?
-            .into_iter()
-            .filter(|n| !before.contains(n))
-            .collect();
-        let [n] = added[..] else {
-            return None;
-        };
-        // SAFETY: a descriptor of this process that aya's link owns and keeps open until
-        // after the duplicate is made (the `Ebpf` is dropped by the caller afterwards).
-        let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(n) };
-        smc_fabric::fdplace::dup_placed(fd).ok()
     }
 
     /// The kernel's ids of the maps, asked through their descriptors.
@@ -373,36 +313,24 @@ mod imp {
                 path: cgroup.clone(),
                 error,
             })?;
-            let links_before = bpf_links();
-            // No kernel BTF: the program reads only `bpf_sock_ops` fields, a stable ABI, so it
-            // has no CO-RE relocation to resolve against the running kernel's types. aya
-            // 0.13's `Ebpf::load` parses `/sys/kernel/btf/vmlinux` twice (in
-            // `EbpfLoader::new` and for its `btf` argument); this way once (`new` still
-            // does): `perf stat` of `smc nc` sending 1 MiB, 70–94 ms of CPU → 53–57 ms, of
-            // which the one parse left is about 18 % (`perf record`).
-            let mut bpf = EbpfLoader::new()
-                .btf(None)
-                .load(PROGRAM)
-                .map_err(|e| DiscoveryError::Load(chain(&e)))?;
-            let prog: &mut SockOps = bpf
-                .program_mut("smc_tcp_option")
-                .ok_or_else(|| DiscoveryError::Load("program smc_tcp_option missing".into()))?
-                .try_into()
-                .map_err(|e: aya::programs::ProgramError| DiscoveryError::Load(chain(&e)))?;
-            prog.load().map_err(|e| DiscoveryError::Load(chain(&e)))?;
-            prog.attach(dir.as_fd(), CgroupAttachMode::Single)
-                .map_err(|e| DiscoveryError::Load(chain(&e)))?;
-            let mut take = |name: &'static str| {
-                bpf.take_map(name).ok_or_else(|| DiscoveryError::Map {
-                    map: name,
-                    msg: "missing from the object".into(),
-                })
+            let loaded = super::loader::load_sock_ops(PROGRAM, "smc_tcp_option", &dir)
+                .map_err(DiscoveryError::Load)?;
+            let mut fds = loaded.maps;
+            let mut take = |name: &'static str| -> Result<MapData, DiscoveryError> {
+                let at =
+                    fds.iter()
+                        .position(|(n, _)| n == name)
+                        .ok_or_else(|| DiscoveryError::Map {
+                            map: name,
+                            msg: "missing from the object".into(),
+                        })?;
+                MapData::from_fd(fds.swap_remove(at).1).map_err(map_err(name))
             };
-            let sockets = HashMap::try_from(placed_map(take("smc_sockets")?)?)
+            let sockets = HashMap::try_from(Map::HashMap(take("smc_sockets")?))
                 .map_err(map_err("smc_sockets"))?;
-            let listen_ports = HashMap::try_from(placed_map(take("smc_listen_ports")?)?)
+            let listen_ports = HashMap::try_from(Map::HashMap(take("smc_listen_ports")?))
                 .map_err(map_err("smc_listen_ports"))?;
-            let accepted = HashMap::try_from(placed_map(take("smc_accepted")?)?)
+            let accepted = HashMap::try_from(Map::LruHashMap(take("smc_accepted")?))
                 .map_err(map_err("smc_accepted"))?;
             let maps = Maps {
                 sockets,
@@ -410,19 +338,11 @@ mod imp {
                 accepted,
             };
             let map_ids = map_ids(&maps).map_err(map_err("info"))?;
-            // The program's own descriptors (BTF, program, link) would keep six low numbers
-            // for good in a program under `smc run`, which counts on the numbers TCP gives it
-            // (wrk refuses a socket numbered beyond 10 + 3 × its connections): keep only a
-            // high duplicate of the link, found as the one link descriptor the load added.
-            let attached = match new_link(&links_before) {
-                Some(link) if smc_fabric::fdplace::keeps_high() => {
-                    drop(bpf);
-                    Attachment::Link(link)
-                }
-                _ => Attachment::Loaded(bpf),
-            };
+            // Every descriptor (maps, link) was placed as it was made (`smc_fabric::fdplace`):
+            // none keeps a low number that a program under `smc run` counts on (wrk refuses a
+            // socket numbered beyond 10 + 3 × its connections).
             Ok(TcpOptionDiscovery {
-                _attached: attached,
+                _link: loaded.link,
                 maps: Mutex::new(maps),
                 map_ids,
                 cgroup,
@@ -431,8 +351,8 @@ mod imp {
 
         /// In a process forked from the one that loaded this instance (the fork copied the
         /// instance, its descriptors and its attached program): whether the copy can serve the
-        /// child, so that the child needs no program of its own. Loading one costs tens of
-        /// milliseconds (the kernel's BTF is parsed for it) and takes one of the 64 programs
+        /// child, so that the child needs no program of its own. Loading one costs milliseconds
+        /// of CPU (its maps are allocated, the verifier runs) and takes one of the 64 programs
         /// the kernel attaches to a cgroup: a postmaster forks a backend per connection, and
         /// with 80 clients the backends past the limit could not load theirs and declined
         /// their clients (TCP).
