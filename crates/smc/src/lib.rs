@@ -9,6 +9,7 @@
 //!   over the TCP socket and then moves its data over the fabric; or it falls back to the
 //!   plain TCP stream, and [`SmcStream::mode`] says why ([`FallbackReason`]).
 
+mod clock;
 pub mod config;
 pub mod control;
 mod crossing;

@@ -240,12 +240,9 @@ pub(crate) struct Core {
     pub(crate) fab: Fabric,
     pub(crate) slots: Slots,
     pub(crate) stats: StackStats,
-    /// The endpoint's clock: the TSC where it is invariant (quanta calibrates it against the
-    /// monotonic clock, and falls back to that clock elsewhere). A data-path message needs a
-    /// reading or two; at about 27 ns `Instant::now` cost as much as handling a CDC.
-    clock: quanta::Clock,
-    /// The clock's raw reading when the stack started (the endpoint's epoch).
-    start: u64,
+    /// The endpoint's clock: the monotonic clock, then — once a thread of its own calibrated
+    /// it (`crate::clock`) — the TSC where it is invariant.
+    pub(crate) clock: crate::clock::EndpointClock,
     /// Work requests whose post failed synchronously (the QP is in error): reported to the
     /// endpoint only after the QP's receive flush was seen, so that every message that
     /// arrived before the failure is processed first (otherwise failover validation would
@@ -368,7 +365,7 @@ impl Core {
 
     /// Current time on the endpoint's clock.
     pub(crate) fn now(&self) -> Timestamp {
-        Timestamp::from_duration(self.clock.delta(self.start, self.clock.raw()))
+        Timestamp::from_duration(self.clock.now())
     }
 
     /// Perform every output of the endpoint (TCP writes, fabric operations, events) until
@@ -1271,14 +1268,12 @@ impl Stack {
             rng: seed,
             dir: config.fabric.dir.clone(),
         };
-        let clock = quanta::Clock::new();
         let core = Core {
             ep: Endpoint::new(ec),
             fab,
             slots: Slots::default(),
             stats: StackStats::default(),
-            clock: clock.clone(),
-            start: clock.raw(),
+            clock: crate::clock::EndpointClock::new(),
             failed_posts: Vec::new(),
             deferred: HashMap::new(),
             flushed: Default::default(),
@@ -1333,6 +1328,20 @@ impl Stack {
                 }
                 Err(e) => tracing::warn!(%e, path = %p.display(), "no control socket"),
             }
+        }
+        let weak = Arc::downgrade(&inner);
+        // The TSC's calibration, off the program's path (`crate::clock`). A stack whose
+        // thread cannot start keeps the monotonic clock.
+        if let Err(e) = smc_fabric::threads::spawn_running(
+            std::thread::Builder::new().name("smc-clock".into()),
+            move || {
+                let tsc = crate::clock::calibrated_tsc();
+                if let Some(inner) = weak.upgrade() {
+                    inner.lock().clock.install(tsc);
+                }
+            },
+        ) {
+            tracing::debug!(%e, "no clock thread: the stack keeps the monotonic clock");
         }
         let weak = Arc::downgrade(&inner);
         smc_fabric::threads::spawn_running(
