@@ -10,6 +10,10 @@
 //! thread of its own, and the stack reads the monotonic clock until that thread installs the
 //! calibrated clock, under the core's lock like every reading, so the readings stay ordered
 //! across the switch.
+//!
+//! A process forked while a parent's thread calibrated inherits quanta's calibration as begun
+//! and never finished: its stack's clock thread then waits for it for good, and that stack
+//! keeps the monotonic clock — slower readings, the same times.
 
 use std::time::{Duration, Instant};
 
