@@ -309,7 +309,13 @@ mod imp {
                 Some(p) => p.to_path_buf(),
                 None => find_cgroup2()?,
             };
-            let dir = std::fs::File::open(&cgroup).map_err(|error| DiscoveryError::Cgroup {
+            // Placed as made, as the program's descriptors are (`smc_fabric::fdplace`).
+            let dir = smc_fabric::fdplace::make(|| {
+                use rustix::fs::{Mode, OFlags};
+                let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+                rustix::fs::open(&cgroup, flags, Mode::empty()).map_err(std::io::Error::from)
+            })
+            .map_err(|error| DiscoveryError::Cgroup {
                 path: cgroup.clone(),
                 error,
             })?;

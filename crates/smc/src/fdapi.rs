@@ -190,9 +190,12 @@ std::thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Before `fork()` (a `pthread_atfork` prepare handler): hold the stack lock across the
-/// fork, so that the child never inherits it held by a thread it does not have.
+/// Before `fork()` (a `pthread_atfork` prepare handler): wait for a calibration of the clock
+/// under way, and hold the stack lock across the fork, so that the child never inherits it
+/// held by a thread it does not have.
 pub fn fork_prepare() {
+    // A child must not inherit the TSC's calibration half made (`crate::clock`).
+    crate::clock::settle_before_fork();
     let g = STACK.lock().unwrap_or_else(|p| p.into_inner());
     FORK_GUARD.with_borrow_mut(|s| *s = Some(g));
 }

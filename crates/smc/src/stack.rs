@@ -1330,9 +1330,12 @@ impl Stack {
             }
         }
         let weak = Arc::downgrade(&inner);
-        // The TSC's calibration, off the program's path (`crate::clock`). A stack whose
-        // thread cannot start keeps the monotonic clock.
-        if let Err(e) = smc_fabric::threads::spawn_running(
+        // The TSC's calibration, off the program's path (`crate::clock`): done already for
+        // an earlier stack of the process, else on a thread of its own. A stack whose thread
+        // cannot start keeps the monotonic clock.
+        if let Some(tsc) = crate::clock::calibrated() {
+            inner.lock().clock.install(tsc);
+        } else if let Err(e) = smc_fabric::threads::spawn_running(
             std::thread::Builder::new().name("smc-clock".into()),
             move || {
                 let tsc = crate::clock::calibrated_tsc();

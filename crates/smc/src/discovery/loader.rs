@@ -191,7 +191,15 @@ pub(super) fn load_sock_ops(
         }
         bpf_fd(BPF_PROG_LOAD, &mut attr)
     };
-    let prog_fd = match load(None) {
+    // The verifier gives up with EAGAIN when a signal is pending: again, a few times.
+    let mut first = load(None);
+    for _ in 0..4 {
+        match &first {
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => first = load(None),
+            _ => break,
+        }
+    }
+    let prog_fd = match first {
         Ok(fd) => fd,
         Err(e) => {
             // Again with the verifier's log, to say why.
