@@ -322,22 +322,28 @@ mod imp {
             let loaded = super::loader::load_sock_ops(PROGRAM, "smc_tcp_option", &dir)
                 .map_err(DiscoveryError::Load)?;
             let mut fds = loaded.maps;
-            let mut take = |name: &'static str| -> Result<MapData, DiscoveryError> {
-                let at =
-                    fds.iter()
-                        .position(|(n, _)| n == name)
-                        .ok_or_else(|| DiscoveryError::Map {
-                            map: name,
-                            msg: "missing from the object".into(),
-                        })?;
-                MapData::from_fd(fds.swap_remove(at).1).map_err(map_err(name))
+            // Each map as aya's map of its kind (the loader said which).
+            let mut take = |name: &'static str| -> Result<Map, DiscoveryError> {
+                use super::loader::MapKind;
+                let at = fds.iter().position(|(n, _, _)| n == name).ok_or_else(|| {
+                    DiscoveryError::Map {
+                        map: name,
+                        msg: "missing from the object".into(),
+                    }
+                })?;
+                let (_, kind, fd) = fds.swap_remove(at);
+                let data = MapData::from_fd(fd).map_err(map_err(name))?;
+                Ok(match kind {
+                    MapKind::Hash => Map::HashMap(data),
+                    MapKind::LruHash => Map::LruHashMap(data),
+                })
             };
-            let sockets = HashMap::try_from(Map::HashMap(take("smc_sockets")?))
-                .map_err(map_err("smc_sockets"))?;
-            let listen_ports = HashMap::try_from(Map::HashMap(take("smc_listen_ports")?))
+            let sockets =
+                HashMap::try_from(take("smc_sockets")?).map_err(map_err("smc_sockets"))?;
+            let listen_ports = HashMap::try_from(take("smc_listen_ports")?)
                 .map_err(map_err("smc_listen_ports"))?;
-            let accepted = HashMap::try_from(Map::LruHashMap(take("smc_accepted")?))
-                .map_err(map_err("smc_accepted"))?;
+            let accepted =
+                HashMap::try_from(take("smc_accepted")?).map_err(map_err("smc_accepted"))?;
             let maps = Maps {
                 sockets,
                 listen_ports,

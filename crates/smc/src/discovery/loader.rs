@@ -13,18 +13,18 @@
 //! Every descriptor is made and placed through `smc_fabric::fdplace`, so that under `smc run`
 //! none of them takes a number the program counts on.
 
+use aya_obj::generated::{bpf_attach_type, bpf_cmd, bpf_map_type, bpf_prog_type};
 use aya_obj::{EbpfSectionKind, Object};
 use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
-const BPF_MAP_CREATE: libc::c_long = 0;
-const BPF_PROG_LOAD: libc::c_long = 5;
-const BPF_LINK_CREATE: libc::c_long = 28;
-/// `enum bpf_prog_type`: BPF_PROG_TYPE_SOCK_OPS.
-const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
-/// `enum bpf_attach_type`: BPF_CGROUP_SOCK_OPS.
-const BPF_CGROUP_SOCK_OPS: u32 = 3;
+// The kernel's numbers, from the uapi bindings aya-obj carries.
+const BPF_MAP_CREATE: libc::c_long = bpf_cmd::BPF_MAP_CREATE as libc::c_long;
+const BPF_PROG_LOAD: libc::c_long = bpf_cmd::BPF_PROG_LOAD as libc::c_long;
+const BPF_LINK_CREATE: libc::c_long = bpf_cmd::BPF_LINK_CREATE as libc::c_long;
+const BPF_PROG_TYPE_SOCK_OPS: u32 = bpf_prog_type::BPF_PROG_TYPE_SOCK_OPS as u32;
+const BPF_CGROUP_SOCK_OPS: u32 = bpf_attach_type::BPF_CGROUP_SOCK_OPS as u32;
 /// The kernel's name fields hold 15 bytes and a NUL (BPF_OBJ_NAME_LEN).
 const NAME_LEN: usize = 16;
 /// The verifier's log asked for when a load fails, bytes.
@@ -73,10 +73,18 @@ struct LinkCreateAttr {
     flags: u32,
 }
 
-/// The maps, named as in the object, and the link that keeps the program attached.
+/// The maps, named as in the object, with their kinds, and the link that keeps the program
+/// attached.
 pub(super) struct Loaded {
-    pub maps: Vec<(String, OwnedFd)>,
+    pub maps: Vec<(String, MapKind, OwnedFd)>,
     pub link: OwnedFd,
+}
+
+/// The kinds of map the program may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MapKind {
+    Hash,
+    LruHash,
 }
 
 /// bpf(2) with `attr`; a new descriptor on success, placed by `fdplace`.
@@ -142,6 +150,11 @@ pub(super) fn load_sock_ops(
         ) {
             return Err(format!("map {name}: a data section, not supported"));
         }
+        let kind = match map.map_type() {
+            t if t == bpf_map_type::BPF_MAP_TYPE_HASH as u32 => MapKind::Hash,
+            t if t == bpf_map_type::BPF_MAP_TYPE_LRU_HASH as u32 => MapKind::LruHash,
+            t => return Err(format!("map {name}: type {t}, not a hash map")),
+        };
         let mut attr = MapCreateAttr {
             map_type: map.map_type(),
             key_size: map.key_size(),
@@ -153,13 +166,13 @@ pub(super) fn load_sock_ops(
         };
         let fd =
             bpf_fd(BPF_MAP_CREATE, &mut attr).map_err(|e| format!("creating map {name}: {e}"))?;
-        maps.push((name.clone(), fd));
+        maps.push((name.clone(), kind, fd));
     }
     let text_sections: HashSet<usize> = obj.functions.keys().map(|(s, _)| *s).collect();
     obj.relocate_maps(
         defs.iter()
             .zip(&maps)
-            .map(|((name, map), (_, fd))| (name.as_str(), fd.as_raw_fd(), map)),
+            .map(|((name, map), (_, _, fd))| (name.as_str(), fd.as_raw_fd(), map)),
         &text_sections,
     )
     .map_err(|e| format!("relocating maps: {e}"))?;
@@ -246,13 +259,44 @@ mod tests {
         assert_eq!(&n[..4], b"abc\0");
     }
 
+    /// Our attribute prefixes against the uapi `union bpf_attr` as aya-obj's bindings have it.
     #[test]
     fn attributes_have_the_kernels_offsets() {
-        assert_eq!(std::mem::size_of::<MapCreateAttr>(), 44);
-        assert_eq!(std::mem::offset_of!(ProgLoadAttr, insns), 8);
-        assert_eq!(std::mem::offset_of!(ProgLoadAttr, log_buf), 32);
-        assert_eq!(std::mem::offset_of!(ProgLoadAttr, prog_name), 48);
-        assert_eq!(std::mem::offset_of!(ProgLoadAttr, expected_attach_type), 68);
+        use aya_obj::generated::{bpf_attr__bindgen_ty_1 as Map, bpf_attr__bindgen_ty_4 as Prog};
+        use std::mem::offset_of;
+        assert_eq!(
+            offset_of!(MapCreateAttr, map_flags),
+            offset_of!(Map, map_flags)
+        );
+        assert_eq!(
+            offset_of!(MapCreateAttr, numa_node),
+            offset_of!(Map, numa_node)
+        );
+        assert_eq!(
+            offset_of!(MapCreateAttr, map_name),
+            offset_of!(Map, map_name)
+        );
+        assert_eq!(
+            std::mem::size_of::<MapCreateAttr>(),
+            offset_of!(Map, map_ifindex)
+        );
+        assert_eq!(offset_of!(ProgLoadAttr, insns), offset_of!(Prog, insns));
+        assert_eq!(offset_of!(ProgLoadAttr, license), offset_of!(Prog, license));
+        assert_eq!(offset_of!(ProgLoadAttr, log_buf), offset_of!(Prog, log_buf));
+        assert_eq!(
+            offset_of!(ProgLoadAttr, kern_version),
+            offset_of!(Prog, kern_version)
+        );
+        assert_eq!(
+            offset_of!(ProgLoadAttr, prog_name),
+            offset_of!(Prog, prog_name)
+        );
+        assert_eq!(
+            offset_of!(ProgLoadAttr, expected_attach_type),
+            offset_of!(Prog, expected_attach_type)
+        );
+        // BPF_LINK_CREATE: prog_fd, then target_fd (a union with target_ifindex), attach_type,
+        // flags, 4 bytes each.
         assert_eq!(std::mem::size_of::<LinkCreateAttr>(), 16);
     }
 }
