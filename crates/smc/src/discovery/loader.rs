@@ -220,8 +220,8 @@ pub(super) fn load_sock_ops(
             let again = load(Some(&mut log));
             let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
             let text = String::from_utf8_lossy(&log[..end]);
-            let tail: Vec<&str> = text.lines().rev().take(8).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(8)..];
             match again {
                 Ok(fd) => fd,
                 Err(_) => {
