@@ -162,7 +162,13 @@ fn child_entry() {
         // takes it, so a connection that needs a new RMB (a new memfd) finds no resources.
         // After the first connection that fell back, lift the limit again.
         "rmb-starved-server" => {
-            let st = Stack::new(scale_config(&dir)).expect("stack");
+            // Small RMBs (16 elements of 16 KiB): a connection needs a new one every 16.
+            // The descriptor limit below is set after each accept, while the stack may
+            // already be taking the next connection's TCP socket; a starvation that comes
+            // too late then lets one RMB through, and the next RMB's connection falls back.
+            let mut c = scale_config(&dir);
+            c.rmb_bytes = 256 * 1024;
+            let st = Stack::new(c).expect("stack");
             let l = SmcListener::bind_with(&st, "127.0.0.1:0").expect("bind");
             println!("PORT {}", l.local_addr().expect("addr").port());
             let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
@@ -341,18 +347,21 @@ fn rmb_exhaustion_falls_back_cleanly_and_recovers() {
     let _serial = serial();
     let dir = test_dir("rmb-exhaust");
     let peer = Peer::spawn("child_entry", "rmb-starved-server", &dir, &[]);
-    // The client's RMBs hold twice as many elements as the server's, so the connection
-    // that needs the server's second RMB does not need a new client RMB too. (If it did,
-    // the starved server could also fail to map the client's new RMB — its CONFIRM RKEY
-    // needs a descriptor — and which of the two declines came first would be a race.)
+    // The client's RMB holds 255 elements (the most one RMB holds), the server's 16, so
+    // every connection that needs a new server RMB before the 256th finds room in the
+    // client's first RMB. (If it needed a new client RMB too, the starved server could
+    // also fail to map it — its CONFIRM RKEY needs a descriptor — and which of the two
+    // failures came first would be a race; the client would then, rightly, open a second
+    // link group.)
     let mut cfg = scale_config(&dir);
-    cfg.rmb_bytes *= 2;
+    cfg.rmb_bytes = 4 * 1024 * 1024;
     let st = Stack::new(cfg).expect("stack");
     let mut conns: Vec<(u64, SmcStream)> = Vec::new();
     let mut fallback = None;
-    // 128 elements of 16 KiB fit in the server's RMB (2 MiB): the 129th connection needs a
-    // new RMB, so a fallback comes after at most a few RMBs' worth of connections.
-    for i in 0..600u64 {
+    // The 17th connection needs the server's second RMB; should the starvation come late
+    // there, the 33rd needs the third, and so on: fifteen chances before the client's own
+    // RMB is full.
+    for i in 0..255u64 {
         let s = SmcStream::connect_with(&st, ("127.0.0.1", peer.port))
             .unwrap_or_else(|e| panic!("connection {i}: {e}"));
         let mode = s.mode();
@@ -362,7 +371,7 @@ fn rmb_exhaustion_falls_back_cleanly_and_recovers() {
             break;
         }
     }
-    let (at, mode) = fallback.expect("no connection met the exhausted server");
+    let (at, mode) = fallback.expect("no connection in 255 met the exhausted server");
     println!("connection {at} fell back: {mode:?}");
     assert!(at >= 1, "the first connection must run over SMC-R");
     assert_eq!(
