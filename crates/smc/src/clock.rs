@@ -1,31 +1,179 @@
-//! The endpoint's clock: the monotonic clock until quanta's TSC calibration is done, then the
-//! TSC.
+//! The endpoint's clock: the monotonic clock until a thread has measured the TSC's rate against
+//! it, then the TSC.
 //!
 //! A data-path message needs a reading or two, and at about 27 ns a reading `Instant::now`
-//! costs as much as handling a CDC (docs/performance.md, session 5); quanta reads the TSC in
-//! about 10. But quanta calibrates the TSC against the monotonic clock once per process,
-//! spinning until the two agree, for up to 200 ms: on this VM in about one process start in
-//! eight the agreement never came and the spin ran its full 200 ms (session 26, `smc nc`
-//! connecting: 14–18 ms of CPU, and 175–218 ms in those starts). So the calibration runs on a
-//! thread of its own, and the stack reads the monotonic clock until that thread installs the
-//! calibrated clock, under the core's lock like every reading, so the readings stay ordered
-//! across the switch.
+//! costs as much as handling a CDC (docs/performance.md, session 5); the TSC reads in about 10.
+//! Its rate is measured once per process, on a thread of its own, off the program's path: two
+//! pairs of readings (the TSC bracketed by two monotonic readings, the tightest of a few) 20 ms
+//! apart, with a sleep between them — a few microseconds of CPU. (quanta, used before, spins
+//! until its estimate settles, up to 200 ms; on this VM about one start in eight spun the full
+//! 200 ms, and once the spin ran beside the program it took that CPU from a stream's first
+//! quarter second: docs/performance.md, session 27.) The stack reads the monotonic clock until
+//! the thread installs the TSC clock, under the core's lock like every reading, continuing from
+//! the monotonic reading, so the readings stay ordered across the switch.
 //!
-//! The calibrated clock is kept for the process ([`calibrated`]): a later stack installs it at
-//! once. A process forked while a thread calibrated would inherit quanta's calibration as
-//! begun and never finished (the child's clock thread would wait for it for good, its stacks
-//! on the monotonic clock): `fdapi::fork_prepare` waits for a calibration under way
-//! ([`settle_before_fork`]) — at most 200 ms, and only in a stack's first moments (a
-//! pre-forking server makes its stack and then its workers).
+//! The TSC is used only where the kernel itself keeps time with it (`current_clocksource` is
+//! `tsc`): the kernel has then checked that it runs at a constant rate and in step on every CPU
+//! (the vDSO's `clock_gettime` reads it the same way). Elsewhere, or where that file cannot be
+//! read, the stack stays on the monotonic clock.
+//!
+//! The measured rate is kept for the process ([`measured`]): a later stack installs it at once.
+//! Nothing here blocks on another thread, so a process forked while a thread measures cannot
+//! inherit a lock held for good; `fdapi::fork_prepare` still waits for a measurement under way
+//! ([`settle_before_fork`], at most a few tens of ms, and only in a stack's first moments), so
+//! that a pre-forked worker's stack starts with the rate known.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The process's calibrated clock, once a thread calibrated it.
-static TSC: OnceLock<quanta::Clock> = OnceLock::new();
-/// Whether a thread is calibrating now.
+/// The TSC's rate as measured for the process: nanoseconds per tick in 32.32 fixed point. 0:
+/// not measured yet; [`UNUSABLE`]: the TSC is not to be used here.
+static SCALE: AtomicU64 = AtomicU64::new(0);
+const UNUSABLE: u64 = u64::MAX;
+/// Whether a thread is measuring now.
 static CALIBRATING: AtomicBool = AtomicBool::new(false);
+
+/// How long apart the two pairs of readings are taken.
+const SPAN: Duration = Duration::from_millis(20);
+/// Readings per pair; the tightest bracket is kept.
+const TRIES: usize = 5;
+/// A pair whose monotonic readings lie further apart than this (the thread was preempted in
+/// every try) is taken again after another span.
+const WIDEST: Duration = Duration::from_micros(20);
+/// Attempts at a measurement before the process gives up on the TSC.
+const ATTEMPTS: usize = 5;
+
+/// The TSC's rate: nanoseconds per tick in 32.32 fixed point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TscScale {
+    mult: u64,
+}
+
+impl TscScale {
+    /// Nanoseconds in `ticks` ticks.
+    #[inline]
+    fn ns(self, ticks: u64) -> u64 {
+        let ns = (u128::from(ticks) * u128::from(self.mult)) >> 32;
+        u64::try_from(ns).unwrap_or(u64::MAX)
+    }
+
+    /// The rate of `ticks` ticks in `ns` nanoseconds, if it is one of a TSC (50 MHz to 20 GHz).
+    fn from_span(ns: u64, ticks: u64) -> Option<TscScale> {
+        if ticks == 0 {
+            return None;
+        }
+        let mult = u64::try_from((u128::from(ns) << 32) / u128::from(ticks)).ok()?;
+        // 0.05 to 20 ns per tick.
+        ((1u64 << 32) / 20..=20u64 << 32)
+            .contains(&mult)
+            .then_some(TscScale { mult })
+    }
+}
+
+/// The time-stamp counter.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn rdtsc() -> u64 {
+    // SAFETY: RDTSC exists on every x86_64 CPU and only reads the counter.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn rdtsc() -> u64 {
+    0
+}
+
+/// Whether the kernel keeps time with the TSC (see the module's text).
+fn tsc_usable() -> bool {
+    cfg!(target_arch = "x86_64")
+        && std::fs::read_to_string(
+            "/sys/devices/system/clocksource/clocksource0/current_clocksource",
+        )
+        .is_ok_and(|s| s.trim() == "tsc")
+}
+
+/// A TSC reading and the monotonic time it was taken at (the middle of the tightest of
+/// [`TRIES`] brackets), with that bracket's width.
+fn pair() -> (Instant, u64, Duration) {
+    let mut best: Option<(Instant, u64, Duration)> = None;
+    for _ in 0..TRIES {
+        let a = Instant::now();
+        let t = rdtsc();
+        let b = Instant::now();
+        let w = b.duration_since(a);
+        if best.is_none_or(|(_, _, bw)| w < bw) {
+            best = Some((a + w / 2, t, w));
+        }
+    }
+    best.unwrap_or_else(|| (Instant::now(), rdtsc(), Duration::MAX))
+}
+
+/// Measure the TSC's rate: two pairs [`SPAN`] apart, again if either was not tight.
+fn measure() -> Option<TscScale> {
+    if !tsc_usable() {
+        return None;
+    }
+    for _ in 0..ATTEMPTS {
+        let (m0, t0, w0) = pair();
+        std::thread::sleep(SPAN);
+        let (m1, t1, w1) = pair();
+        if w0 > WIDEST || w1 > WIDEST {
+            continue;
+        }
+        let ns = u64::try_from(m1.duration_since(m0).as_nanos()).ok()?;
+        return TscScale::from_span(ns, t1.wrapping_sub(t0));
+    }
+    None
+}
+
+/// The TSC's rate, measured by this call (sleeping about [`SPAN`]) unless it was already;
+/// `None` where the TSC is not used. Kept for the process ([`measured`]).
+pub(crate) fn measured_now() -> Option<TscScale> {
+    if let Some(m) = measured_state() {
+        return m;
+    }
+    CALIBRATING.store(true, Ordering::Release);
+    let m = measure();
+    match m {
+        Some(s) => tracing::debug!(
+            mhz = (1u64 << 32) as f64 / s.mult as f64 * 1e3,
+            "the TSC's rate measured"
+        ),
+        None => tracing::debug!("the TSC is not used: the monotonic clock stays"),
+    }
+    let v = m.map_or(UNUSABLE, |s| s.mult);
+    // The first measurement to finish is the process's (another thread may have measured
+    // meanwhile: its value is as good).
+    let _ = SCALE.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire);
+    CALIBRATING.store(false, Ordering::Release);
+    measured_state().flatten()
+}
+
+/// `Some(rate or None)` once the process has measured (or given up on) the TSC; `None`
+/// before.
+fn measured_state() -> Option<Option<TscScale>> {
+    match SCALE.load(Ordering::Acquire) {
+        0 => None,
+        UNUSABLE => Some(None),
+        mult => Some(Some(TscScale { mult })),
+    }
+}
+
+/// Whether the process has measured the TSC already (with its rate, if it is used): a later
+/// stack installs it at once.
+pub(crate) fn measured() -> Option<Option<TscScale>> {
+    measured_state()
+}
+
+/// Before a `fork()`: wait (sleeping, at most 200 ms) for a measurement under way, so that a
+/// child's stacks start with the rate known.
+pub(crate) fn settle_before_fork() {
+    let end = Instant::now() + Duration::from_millis(200);
+    while CALIBRATING.load(Ordering::Acquire) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
 
 /// The stack's time since its start.
 pub(crate) struct EndpointClock {
@@ -33,10 +181,10 @@ pub(crate) struct EndpointClock {
     tsc: Option<Tsc>,
 }
 
-/// The calibrated clock and where its readings begin: `raw0` was read when the monotonic
-/// clock read `base` since the start.
+/// The TSC's rate and where its readings begin: `raw0` was read when the monotonic clock read
+/// `base` since the start.
 struct Tsc {
-    clock: quanta::Clock,
+    scale: TscScale,
     raw0: u64,
     base: Duration,
 }
@@ -54,47 +202,22 @@ impl EndpointClock {
     #[inline]
     pub(crate) fn now(&self) -> Duration {
         match &self.tsc {
-            Some(t) => t.base + t.clock.delta(t.raw0, t.clock.raw()),
+            Some(t) => t.base + Duration::from_nanos(t.scale.ns(rdtsc().saturating_sub(t.raw0))),
             None => self.start.elapsed(),
         }
     }
 
-    /// Read `clock` (calibrated) from now on, continuing from the monotonic clock's reading.
-    pub(crate) fn install(&mut self, clock: quanta::Clock) {
+    /// Read the TSC at `scale` from now on, continuing from the monotonic clock's reading.
+    pub(crate) fn install(&mut self, scale: TscScale) {
         let base = self.start.elapsed();
-        let raw0 = clock.raw();
-        self.tsc = Some(Tsc { clock, raw0, base });
+        let raw0 = rdtsc();
+        self.tsc = Some(Tsc { scale, raw0, base });
     }
 
-    /// Whether the calibrated clock is installed.
+    /// Whether the TSC clock is installed.
     #[cfg(test)]
     pub(crate) fn calibrated(&self) -> bool {
         self.tsc.is_some()
-    }
-}
-
-/// quanta's clock, calibrated (the first call of the process spins until it is, up to 200 ms),
-/// and kept for the process's later stacks ([`calibrated`]).
-pub(crate) fn calibrated_tsc() -> quanta::Clock {
-    TSC.get_or_init(|| {
-        CALIBRATING.store(true, Ordering::Release);
-        let c = quanta::Clock::new();
-        CALIBRATING.store(false, Ordering::Release);
-        c
-    })
-    .clone()
-}
-
-/// The process's calibrated clock, if a thread made it already.
-pub(crate) fn calibrated() -> Option<quanta::Clock> {
-    TSC.get().cloned()
-}
-
-/// Before a `fork()`: wait for a calibration under way, so that the child inherits it done.
-pub(crate) fn settle_before_fork() {
-    if CALIBRATING.load(Ordering::Acquire) {
-        // Waits for the calibrating thread (the `OnceLock` and quanta's own cell both wait).
-        let _ = calibrated_tsc();
     }
 }
 
@@ -103,20 +226,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn readings_go_on_across_the_switch_to_the_calibrated_clock() {
+    fn scales_convert_ticks_and_refuse_rates_no_tsc_has() {
+        // 2.5 GHz: 0.4 ns per tick.
+        let s = TscScale::from_span(1_000_000_000, 2_500_000_000).expect("2.5 GHz");
+        assert!((s.ns(2_500_000_000) as i64 - 1_000_000_000).abs() <= 1);
+        assert_eq!(s.ns(0), 0);
+        // A long uptime's worth of ticks does not overflow.
+        assert!(s.ns(u64::MAX) > 1 << 62);
+        // 1 GHz exactly.
+        let g = TscScale::from_span(1000, 1000).expect("1 GHz");
+        assert_eq!(g.ns(123_456), 123_456);
+        // No ticks, or a rate outside 50 MHz to 20 GHz: not a TSC's.
+        assert_eq!(TscScale::from_span(1000, 0), None);
+        assert_eq!(TscScale::from_span(1_000_000, 10), None);
+        assert_eq!(TscScale::from_span(10, 1_000_000), None);
+    }
+
+    #[test]
+    fn readings_go_on_across_the_switch_to_the_tsc() {
+        let Some(scale) = measured_now() else {
+            // Not on a TSC the kernel keeps time with: nothing to switch to.
+            assert!(!tsc_usable() || measured() == Some(None));
+            return;
+        };
         let mut c = EndpointClock::new();
         std::thread::sleep(Duration::from_millis(2));
         let before = c.now();
         assert!(before >= Duration::from_millis(2));
         assert!(!c.calibrated());
-        c.install(calibrated_tsc());
+        c.install(scale);
         assert!(c.calibrated());
         let after = c.now();
         assert!(after >= before, "{after:?} < {before:?}");
         // The two clocks agree: a reading after the switch lies between the monotonic
-        // clock's readings taken around it (give or take the calibration's error, well under
-        // a millisecond on this span).
-        std::thread::sleep(Duration::from_millis(5));
+        // clock's readings taken around it, give or take the measurement's error (parts per
+        // million; a millisecond is ample on this span).
+        std::thread::sleep(Duration::from_millis(50));
         let m0 = c.start.elapsed();
         let t = c.now();
         let m1 = c.start.elapsed();
@@ -124,22 +269,26 @@ mod tests {
         assert!(t + slack >= m0 && t <= m1 + slack, "{m0:?} {t:?} {m1:?}");
     }
 
-    /// A stack starts on the monotonic clock and its clock thread installs the calibrated one.
+    /// A stack starts on the monotonic clock and its clock thread installs the TSC clock
+    /// where the kernel keeps time with the TSC.
     #[test]
-    fn a_stacks_clock_thread_installs_the_calibrated_clock() {
+    fn a_stacks_clock_thread_installs_the_tsc_clock() {
         use crate::{DiscoveryMode, Stack, StackConfig};
         let dir = std::env::temp_dir().join(format!("smc-clock-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("fabric dir");
         let mut c = StackConfig::new(smc_fabric::FabricConfig::with_dir(&dir, 1));
         c.discovery = DiscoveryMode::AssertPeer;
         let stack = Stack::new(c).expect("stack");
+        let want = tsc_usable();
         let end = Instant::now() + Duration::from_secs(10);
-        while !stack.inner.lock().clock.calibrated() && Instant::now() < end {
+        while stack.inner.lock().clock.calibrated() != want && Instant::now() < end {
             std::thread::sleep(Duration::from_millis(2));
         }
-        assert!(
+        assert_eq!(
             stack.inner.lock().clock.calibrated(),
-            "no calibrated clock after 10 s"
+            want,
+            "the kernel's clocksource is{} the TSC",
+            if want { "" } else { " not" }
         );
         let a = stack.inner.lock().now();
         let b = stack.inner.lock().now();

@@ -190,11 +190,11 @@ std::thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Before `fork()` (a `pthread_atfork` prepare handler): wait for a calibration of the clock
-/// under way, and hold the stack lock across the fork, so that the child never inherits it
+/// Before `fork()` (a `pthread_atfork` prepare handler): wait for a measurement of the TSC's
+/// rate under way, and hold the stack lock across the fork, so that the child never inherits it
 /// held by a thread it does not have.
 pub fn fork_prepare() {
-    // A child must not inherit the TSC's calibration half made (`crate::clock`).
+    // A child's stacks should start with the TSC's rate known (`crate::clock`).
     crate::clock::settle_before_fork();
     let g = STACK.lock().unwrap_or_else(|p| p.into_inner());
     FORK_GUARD.with_borrow_mut(|s| *s = Some(g));

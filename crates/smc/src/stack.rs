@@ -1330,17 +1330,20 @@ impl Stack {
             }
         }
         let weak = Arc::downgrade(&inner);
-        // The TSC's calibration, off the program's path (`crate::clock`): done already for
-        // an earlier stack of the process, else on a thread of its own. A stack whose thread
-        // cannot start keeps the monotonic clock.
-        if let Some(tsc) = crate::clock::calibrated() {
-            inner.lock().clock.install(tsc);
+        // The TSC's rate, measured off the program's path (`crate::clock`): known already
+        // from an earlier stack of the process, else measured on a thread of its own. A stack
+        // whose thread cannot start, or where the TSC is not used, keeps the monotonic clock.
+        if let Some(known) = crate::clock::measured() {
+            if let Some(scale) = known {
+                inner.lock().clock.install(scale);
+            }
         } else if let Err(e) = smc_fabric::threads::spawn_running(
             std::thread::Builder::new().name("smc-clock".into()),
             move || {
-                let tsc = crate::clock::calibrated_tsc();
-                if let Some(inner) = weak.upgrade() {
-                    inner.lock().clock.install(tsc);
+                if let Some(scale) = crate::clock::measured_now() {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.lock().clock.install(scale);
+                    }
                 }
             },
         ) {
