@@ -23,15 +23,16 @@
 //! ([`settle_before_fork`], at most a few tens of ms, and only in a stack's first moments), so
 //! that a pre-forked worker's stack starts with the rate known.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The TSC's rate as measured for the process: nanoseconds per tick in 32.32 fixed point. 0:
 /// not measured yet; [`UNUSABLE`]: the TSC is not to be used here.
 static SCALE: AtomicU64 = AtomicU64::new(0);
 const UNUSABLE: u64 = u64::MAX;
-/// Whether a thread is measuring now.
-static CALIBRATING: AtomicBool = AtomicBool::new(false);
+/// How many threads are measuring now (the stacks made before the first measurement ends
+/// measure each).
+static CALIBRATING: AtomicUsize = AtomicUsize::new(0);
 
 /// How long apart the two pairs of readings are taken.
 const SPAN: Duration = Duration::from_millis(20);
@@ -133,7 +134,7 @@ pub(crate) fn measured_now() -> Option<TscScale> {
     if let Some(m) = measured_state() {
         return m;
     }
-    CALIBRATING.store(true, Ordering::Release);
+    CALIBRATING.fetch_add(1, Ordering::AcqRel);
     let m = measure();
     match m {
         Some(s) => tracing::debug!(
@@ -146,7 +147,7 @@ pub(crate) fn measured_now() -> Option<TscScale> {
     // The first measurement to finish is the process's (another thread may have measured
     // meanwhile: its value is as good).
     let _ = SCALE.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire);
-    CALIBRATING.store(false, Ordering::Release);
+    CALIBRATING.fetch_sub(1, Ordering::AcqRel);
     measured_state().flatten()
 }
 
@@ -170,7 +171,7 @@ pub(crate) fn measured() -> Option<Option<TscScale>> {
 /// child's stacks start with the rate known.
 pub(crate) fn settle_before_fork() {
     let end = Instant::now() + Duration::from_millis(200);
-    while CALIBRATING.load(Ordering::Acquire) && Instant::now() < end {
+    while CALIBRATING.load(Ordering::Acquire) > 0 && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
