@@ -1,16 +1,18 @@
-//! The endpoint's clock: the monotonic clock until a thread has measured the TSC's rate against
-//! it, then the TSC.
+//! The endpoint's clock: the monotonic clock until the stack has measured the TSC's rate
+//! against it, then the TSC.
 //!
 //! A data-path message needs a reading or two, and at about 27 ns a reading `Instant::now`
 //! costs as much as handling a CDC (docs/performance.md, session 5); the TSC reads in about 10.
-//! Its rate is measured once per process, on a thread of its own, off the program's path: two
-//! pairs of readings (the TSC bracketed by two monotonic readings, the tightest of a few) 20 ms
-//! apart, with a sleep between them — a few microseconds of CPU. (quanta, used before, spins
-//! until its estimate settles, up to 200 ms; on this VM about one start in eight spun the full
-//! 200 ms, and once the spin ran beside the program it took that CPU from a stream's first
-//! quarter second: docs/performance.md, session 27.) The stack reads the monotonic clock until
-//! the thread installs the TSC clock, under the core's lock like every reading, continuing from
-//! the monotonic reading, so the readings stay ordered across the switch.
+//! Its rate is measured once per process, off the program's path, by the stack's runtime
+//! thread, a step at each of its looks ([`Measurement`]): a pair of readings (the TSC
+//! bracketed by two monotonic readings, the tightest of a few) when the stack starts, and
+//! another once 20 ms have passed — a few microseconds of CPU, no thread or sleep of its own.
+//! (quanta, used before, spins until its estimate settles, up to 200 ms; on this VM about one
+//! start in eight spun the full 200 ms, and on a thread beside the program that spin took
+//! the CPU from a stream's first fifth of a second: docs/performance.md, session 27.) The stack
+//! reads the monotonic clock until the runtime installs the TSC clock, under the core's lock
+//! like every reading, continuing from the monotonic reading, so the readings stay ordered
+//! across the switch.
 //!
 //! The TSC is used only where the kernel itself keeps time with it (`current_clocksource` is
 //! `tsc`): the kernel has then checked that it runs at a constant rate and in step on every CPU
@@ -18,10 +20,10 @@
 //! read, the stack stays on the monotonic clock.
 //!
 //! The measured rate is kept for the process ([`measured`]): a later stack installs it at once.
-//! Nothing here blocks on another thread, so a process forked while a thread measures cannot
-//! inherit a lock held for good; `fdapi::fork_prepare` still waits for a measurement under way
-//! ([`settle_before_fork`], at most a few tens of ms, and only in a stack's first moments), so
-//! that a pre-forked worker's stack starts with the rate known.
+//! Nothing here blocks, so a process forked during a measurement cannot inherit a lock held for
+//! good; `fdapi::fork_prepare` still waits for measurements under way ([`settle_before_fork`],
+//! at most 200 ms, and only in a stack's first moments), so that a pre-forked worker's stack
+//! starts with the rate known.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -111,6 +113,7 @@ fn pair() -> (Instant, u64, Duration) {
 }
 
 /// Measure the TSC's rate: two pairs [`SPAN`] apart, again if either was not tight.
+#[cfg(test)]
 fn measure() -> Option<TscScale> {
     if !tsc_usable() {
         return None;
@@ -128,8 +131,82 @@ fn measure() -> Option<TscScale> {
     None
 }
 
+/// A measurement of the TSC's rate under way, taken a step at a time by a thread that wakes
+/// often anyway (the stack's runtime thread): no thread of its own, no sleep of its own.
+pub(crate) struct Measurement {
+    /// The first pair of readings (see [`pair`]) and how many attempts were made.
+    first: (Instant, u64, Duration),
+    attempts: usize,
+}
+
+impl Measurement {
+    /// A measurement for a stack, unless the process has one (or needs none): then `None`.
+    pub(crate) fn start() -> Option<Measurement> {
+        if measured_state().is_some() {
+            return None;
+        }
+        if !tsc_usable() {
+            let _ = SCALE.compare_exchange(0, UNUSABLE, Ordering::AcqRel, Ordering::Acquire);
+            tracing::debug!("the TSC is not used: the monotonic clock stays");
+            return None;
+        }
+        CALIBRATING.fetch_add(1, Ordering::AcqRel);
+        Some(Measurement {
+            first: pair(),
+            attempts: 0,
+        })
+    }
+
+    /// Take the second pair once [`SPAN`] has passed since the first. `None`: not done yet.
+    /// `Some(rate)`: done — the process's rate (or none, given up), to install.
+    pub(crate) fn step(&mut self) -> Option<Option<TscScale>> {
+        if let Some(m) = measured_state() {
+            // Another stack's measurement ended first.
+            return Some(self.finish(m));
+        }
+        let (m0, t0, w0) = self.first;
+        if m0.elapsed() < SPAN {
+            return None;
+        }
+        let (m1, t1, w1) = pair();
+        if w0 > WIDEST || w1 > WIDEST {
+            self.attempts += 1;
+            if self.attempts >= ATTEMPTS {
+                return Some(self.finish(None));
+            }
+            self.first = (m1, t1, w1);
+            return None;
+        }
+        let ns = u64::try_from(m1.duration_since(m0).as_nanos()).unwrap_or(u64::MAX);
+        let m = TscScale::from_span(ns, t1.wrapping_sub(t0));
+        match m {
+            Some(s) => tracing::debug!(
+                mhz = (1u64 << 32) as f64 / s.mult as f64 * 1e3,
+                "the TSC's rate measured"
+            ),
+            None => tracing::debug!("the TSC is not used: the monotonic clock stays"),
+        }
+        Some(self.finish(m))
+    }
+
+    /// Publish `m` for the process (the first measurement to end is the process's) and
+    /// return the process's rate.
+    fn finish(&mut self, m: Option<TscScale>) -> Option<TscScale> {
+        let v = m.map_or(UNUSABLE, |s| s.mult);
+        let _ = SCALE.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire);
+        measured_state().flatten()
+    }
+}
+
+impl Drop for Measurement {
+    fn drop(&mut self) {
+        CALIBRATING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The TSC's rate, measured by this call (sleeping about [`SPAN`]) unless it was already;
 /// `None` where the TSC is not used. Kept for the process ([`measured`]).
+#[cfg(test)]
 pub(crate) fn measured_now() -> Option<TscScale> {
     if let Some(m) = measured_state() {
         return m;
@@ -270,10 +347,10 @@ mod tests {
         assert!(t + slack >= m0 && t <= m1 + slack, "{m0:?} {t:?} {m1:?}");
     }
 
-    /// A stack starts on the monotonic clock and its clock thread installs the TSC clock
+    /// A stack starts on the monotonic clock and its runtime thread installs the TSC clock
     /// where the kernel keeps time with the TSC.
     #[test]
-    fn a_stacks_clock_thread_installs_the_tsc_clock() {
+    fn a_stacks_runtime_installs_the_tsc_clock() {
         use crate::{DiscoveryMode, Stack, StackConfig};
         let dir = std::env::temp_dir().join(format!("smc-clock-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("fabric dir");

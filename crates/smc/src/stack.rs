@@ -1329,25 +1329,10 @@ impl Stack {
                 Err(e) => tracing::warn!(%e, path = %p.display(), "no control socket"),
             }
         }
-        let weak = Arc::downgrade(&inner);
-        // The TSC's rate, measured off the program's path (`crate::clock`): known already
-        // from an earlier stack of the process, else measured on a thread of its own. A stack
-        // whose thread cannot start, or where the TSC is not used, keeps the monotonic clock.
-        if let Some(known) = crate::clock::measured() {
-            if let Some(scale) = known {
-                inner.lock().clock.install(scale);
-            }
-        } else if let Err(e) = smc_fabric::threads::spawn_running(
-            std::thread::Builder::new().name("smc-clock".into()),
-            move || {
-                if let Some(scale) = crate::clock::measured_now() {
-                    if let Some(inner) = weak.upgrade() {
-                        inner.lock().clock.install(scale);
-                    }
-                }
-            },
-        ) {
-            tracing::debug!(%e, "no clock thread: the stack keeps the monotonic clock");
+        // The TSC's rate (`crate::clock`): known already from an earlier stack of the
+        // process, else measured by the runtime thread, off the program's path.
+        if let Some(Some(scale)) = crate::clock::measured() {
+            inner.lock().clock.install(scale);
         }
         let weak = Arc::downgrade(&inner);
         smc_fabric::threads::spawn_running(

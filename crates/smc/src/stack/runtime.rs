@@ -10,6 +10,9 @@ pub(super) fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<Completi
     // looks since found the core locked.
     let mut parked: Option<Instant> = None;
     let mut skipped = 0;
+    // The TSC's rate, measured a step at each look under the lock (`crate::clock`): this
+    // thread wakes at least every `MAX_SLEEP`; the stack reads the monotonic clock meanwhile.
+    let mut measuring = crate::clock::Measurement::start();
     loop {
         let Some(inner) = weak.upgrade() else {
             return;
@@ -45,6 +48,12 @@ pub(super) fn runtime(weak: Weak<Inner>, devices: Vec<Device>, cqs: Vec<Completi
         let (deadline, closing) = {
             let mut core = core;
             let closing = std::mem::take(&mut core.closing);
+            if let Some(done) = measuring.as_mut().and_then(|m| m.step()) {
+                if let Some(scale) = done {
+                    core.clock.install(scale);
+                }
+                measuring = None;
+            }
             let now = core.now();
             // Completions are polled under the lock, so that busy-polling application
             // threads and this thread process them in order.
