@@ -112,25 +112,6 @@ fn pair() -> (Instant, u64, Duration) {
     best.unwrap_or_else(|| (Instant::now(), rdtsc(), Duration::MAX))
 }
 
-/// Measure the TSC's rate: two pairs [`SPAN`] apart, again if either was not tight.
-#[cfg(test)]
-fn measure() -> Option<TscScale> {
-    if !tsc_usable() {
-        return None;
-    }
-    for _ in 0..ATTEMPTS {
-        let (m0, t0, w0) = pair();
-        std::thread::sleep(SPAN);
-        let (m1, t1, w1) = pair();
-        if w0 > WIDEST || w1 > WIDEST {
-            continue;
-        }
-        let ns = u64::try_from(m1.duration_since(m0).as_nanos()).ok()?;
-        return TscScale::from_span(ns, t1.wrapping_sub(t0));
-    }
-    None
-}
-
 /// A measurement of the TSC's rate under way, taken a step at a time by a thread that wakes
 /// often anyway (the stack's runtime thread): no thread of its own, no sleep of its own.
 pub(crate) struct Measurement {
@@ -142,7 +123,7 @@ pub(crate) struct Measurement {
 impl Measurement {
     /// A measurement for a stack, unless the process has one (or needs none): then `None`.
     pub(crate) fn start() -> Option<Measurement> {
-        if measured_state().is_some() {
+        if measured().is_some() {
             return None;
         }
         if !tsc_usable() {
@@ -160,7 +141,7 @@ impl Measurement {
     /// Take the second pair once [`SPAN`] has passed since the first. `None`: not done yet.
     /// `Some(rate)`: done — the process's rate (or none, given up), to install.
     pub(crate) fn step(&mut self) -> Option<Option<TscScale>> {
-        if let Some(m) = measured_state() {
+        if let Some(m) = measured() {
             // Another stack's measurement ended first.
             return Some(self.finish(m));
         }
@@ -194,7 +175,7 @@ impl Measurement {
     fn finish(&mut self, m: Option<TscScale>) -> Option<TscScale> {
         let v = m.map_or(UNUSABLE, |s| s.mult);
         let _ = SCALE.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire);
-        measured_state().flatten()
+        measured().flatten()
     }
 }
 
@@ -204,44 +185,14 @@ impl Drop for Measurement {
     }
 }
 
-/// The TSC's rate, measured by this call (sleeping about [`SPAN`]) unless it was already;
-/// `None` where the TSC is not used. Kept for the process ([`measured`]).
-#[cfg(test)]
-pub(crate) fn measured_now() -> Option<TscScale> {
-    if let Some(m) = measured_state() {
-        return m;
-    }
-    CALIBRATING.fetch_add(1, Ordering::AcqRel);
-    let m = measure();
-    match m {
-        Some(s) => tracing::debug!(
-            mhz = (1u64 << 32) as f64 / s.mult as f64 * 1e3,
-            "the TSC's rate measured"
-        ),
-        None => tracing::debug!("the TSC is not used: the monotonic clock stays"),
-    }
-    let v = m.map_or(UNUSABLE, |s| s.mult);
-    // The first measurement to finish is the process's (another thread may have measured
-    // meanwhile: its value is as good).
-    let _ = SCALE.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire);
-    CALIBRATING.fetch_sub(1, Ordering::AcqRel);
-    measured_state().flatten()
-}
-
-/// `Some(rate or None)` once the process has measured (or given up on) the TSC; `None`
-/// before.
-fn measured_state() -> Option<Option<TscScale>> {
+/// `Some(rate or None)` once the process has measured (or given up on) the TSC — a later
+/// stack installs it at once; `None` before.
+pub(crate) fn measured() -> Option<Option<TscScale>> {
     match SCALE.load(Ordering::Acquire) {
         0 => None,
         UNUSABLE => Some(None),
         mult => Some(Some(TscScale { mult })),
     }
-}
-
-/// Whether the process has measured the TSC already (with its rate, if it is used): a later
-/// stack installs it at once.
-pub(crate) fn measured() -> Option<Option<TscScale>> {
-    measured_state()
 }
 
 /// Before a `fork()`: wait (sleeping, at most 200 ms) for a measurement under way, so that a
@@ -322,7 +273,13 @@ mod tests {
 
     #[test]
     fn readings_go_on_across_the_switch_to_the_tsc() {
-        let Some(scale) = measured_now() else {
+        // The process's rate, as a runtime thread measures it: a step now and then.
+        if let Some(mut m) = Measurement::start() {
+            while m.step().is_none() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        let Some(Some(scale)) = measured() else {
             // Not on a TSC the kernel keeps time with: nothing to switch to.
             assert!(!tsc_usable() || measured() == Some(None));
             return;
