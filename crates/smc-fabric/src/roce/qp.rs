@@ -1,5 +1,5 @@
 //! RC queue pairs of the roce backend: the QP's state and the requester (segmentation, PSNs,
-//! AckReq, packed WRITEs sealed at post, a window of 256 KiB of packets, cumulative ACKs,
+//! AckReq, packed WRITEs sealed at post, a window of 512 KiB of packets, cumulative ACKs,
 //! go-back-N on a PSN-sequence NAK, on an RNR NAK after its timer and on the retransmission
 //! timer). The responder (PSN check, duplicate ACKs, one sequence NAK, RNR NAK without a posted
 //! receive, opcode-sequence and length rules, R_Key and bounds check of every WRITE, placement
@@ -38,25 +38,27 @@ pub(crate) const MAX_SEND: usize = 8192;
 /// Most payload bytes in flight beyond the oldest unacknowledged packet: the requester's
 /// window is [`window`] PSNs, this many bytes' worth of packets at the path MTU. rxe's
 /// requester keeps 128 PSNs (rocev2.md 10.1); the window is the requester's own business (a
-/// responder takes any PSN in order), and 256 KiB lets four 64 KiB SMC-R updates be in flight,
-/// so the updates a stream posts leave from the posting thread instead of waiting for an ACK to
-/// let them go from the progress thread (measured at a path MTU of 1024, 256 PSNs: a 256 MiB
-/// stream 15–20 % faster, a third fewer context switches at the receiver). Not larger: go-back-N
-/// resends everything after a lost packet, up to a window, and more bytes in flight wake both
-/// sides more (512 and 1,024 PSNs at a path MTU of 1024, and 256 PSNs of 4 KiB, were slower:
-/// docs/performance.md, "Session 22").
-const WINDOW_BYTES: usize = 256 << 10;
+/// responder takes any PSN in order). Half the default RMBE of 1 MiB: eight 64 KiB SMC-R
+/// updates in flight. With 256 KiB a stream's writer filled the window, the peer's reader
+/// drained what had arrived and slept, and the writer then waited for room in the RMBE that
+/// the reader could not free (sessions 23–27 made posting cheaper, so the writer reaches the
+/// window sooner than when session 22 found 512 PSNs slower); measured at a path MTU of 1024
+/// (docs/performance.md, "Session 28"): a 256 MiB stream's median 1,426 → 1,693 MB/s in ten
+/// alternating rounds, `smc bench --fabric roce` 0.80–0.84× → 0.79–0.95× TCP, and 1 MiB
+/// (the whole RMBE) slower again. Not larger: go-back-N resends everything after a lost
+/// packet, up to a window, and more bytes in flight wake both sides more.
+const WINDOW_BYTES: usize = 512 << 10;
 
-/// The requester's window in PSNs at path MTU `mtu`: [`WINDOW_BYTES`] of packets, 256 at a
-/// path MTU of 1024, 64 at 4096 (at least 16).
+/// The requester's window in PSNs at path MTU `mtu`: [`WINDOW_BYTES`] of packets, 512 at a
+/// path MTU of 1024, 128 at 4096 (at least 16).
 pub(crate) fn window(mtu: usize) -> i32 {
-    (WINDOW_BYTES / mtu.max(1)).clamp(16, 1024) as i32
+    (WINDOW_BYTES / mtu.max(1)).clamp(16, 2048) as i32
 }
 /// The requester window a responder must keep open: rxe's, the smallest a peer has.
 const PEER_WINDOW: i32 = 128;
 /// Most bytes of packet buffers a send queue keeps for reuse: what a stream has posted and not
 /// yet had acknowledged when it fills the default RMBE of 1 MiB (up to 1,024 packets at a path
-/// MTU of 1024, of which the window sends 256). A smaller pool (a window's worth was tried)
+/// MTU of 1024, of which the window sends 512). A smaller pool (a window's worth was tried)
 /// freed buffers at every drained window and allocated them again at the next posts.
 const SPARE_BYTES: usize = 1 << 20;
 /// AckReq at least every 65 packets inside a long message (rocev2.md 8.1).
@@ -1345,12 +1347,12 @@ fn roce_gid(a: IpAddr) -> [u8; 16] {
 
 #[cfg(test)]
 mod tests {
-    /// The window holds the same bytes at every path MTU: 256 KiB of packets.
+    /// The window holds the same bytes at every path MTU: 512 KiB of packets.
     #[test]
     fn the_window_is_bytes_not_packets() {
-        assert_eq!(super::window(1024), 256);
-        assert_eq!(super::window(2048), 128);
-        assert_eq!(super::window(4096), 64);
-        assert_eq!(super::window(256), 1024);
+        assert_eq!(super::window(1024), 512);
+        assert_eq!(super::window(2048), 256);
+        assert_eq!(super::window(4096), 128);
+        assert_eq!(super::window(256), 2048);
     }
 }

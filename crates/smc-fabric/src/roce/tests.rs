@@ -485,8 +485,8 @@ fn a_coalesced_datagram_with_a_corrupted_packet() {
 
 /// An ACK past the highest PSN a QP has transmitted (posted packets the window still holds
 /// back) is a ghost: ignored and counted, so those packets still leave. The peer is a plain
-/// UDP socket of the test that never acknowledges by itself: the window (256 packets) keeps
-/// the rest of a 300-packet WRITE queued, deterministically.
+/// UDP socket of the test that never acknowledges by itself: the window (512 packets at a
+/// path MTU of 1,024) keeps the rest of a WRITE 44 packets longer queued, deterministically.
 #[test]
 fn ghost_acks_do_not_complete_unsent_packets() {
     let f = fabric(Vec::new());
@@ -497,6 +497,9 @@ fn ghost_acks_do_not_complete_unsent_packets() {
     let peer = std::net::UdpSocket::bind((addr(16, 1), wire::UDP_PORT)).expect("bind peer");
     peer.set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
+    // Room for a window's packets where the test may (root); else the retransmission timer
+    // resends what did not fit, and the loop below waits for it.
+    let _ = super::device::setsockopt_int(&peer, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20);
     let peer_qpn = 0x00_4242;
     let mut gid = [0u8; 16];
     gid[10] = 0xff;
@@ -514,7 +517,8 @@ fn ghost_acks_do_not_complete_unsent_packets() {
     .expect("rtr");
     a.qp.to_rts().expect("rts");
     let base = a.qp.local_info().psn;
-    let data = pattern(300 * 1024, 3);
+    let window = super::qp::window(1024) as u32;
+    let data = pattern((window as usize + 44) * 1024, 3);
     a.qp.post_send(&SendWr::WriteInline {
         wr_id: 1,
         data: &data,
@@ -529,7 +533,7 @@ fn ghost_acks_do_not_complete_unsent_packets() {
         let (n, _) = peer.recv_from(&mut buf).expect("a packet from the QP");
         wire::Packet::parse(&buf[..n]).expect("parse").bth.psn
     };
-    let window_end = wire::psn_add(base, 255);
+    let window_end = wire::psn_add(base, window - 1);
     while next_psn() != window_end {}
     let ack = |psn: u32| {
         let repr = wire::PacketRepr {
@@ -552,15 +556,15 @@ fn ghost_acks_do_not_complete_unsent_packets() {
         peer.send_to(&buf, (addr(16, 0), wire::UDP_PORT))
             .expect("send");
     };
-    // A ghost: PSN base + 280 was posted but has not left.
-    ack(wire::psn_add(base, 280));
+    // A ghost: PSN base + window + 24 was posted but has not left.
+    ack(wire::psn_add(base, window + 24));
     let ghosts = || snapshot(&a.dev.core).drop_ghost_acks;
     let end_t = Instant::now() + Duration::from_secs(5);
     while ghosts() == 0 && Instant::now() < end_t {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert_eq!(ghosts(), 1);
-    // The true ACK of the window opens it: the next packet to leave is base + 256 (a
+    // The true ACK of the window opens it: the next packet to leave is base + window (a
     // retransmission of the window may come first), not one past the ghost's PSN.
     ack(window_end);
     let after = loop {
@@ -569,7 +573,7 @@ fn ghost_acks_do_not_complete_unsent_packets() {
             break p;
         }
     };
-    assert_eq!(after, wire::psn_add(base, 256));
+    assert_eq!(after, wire::psn_add(base, window));
     assert!(a.qp.has_unacked());
 }
 

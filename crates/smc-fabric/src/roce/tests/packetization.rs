@@ -694,18 +694,18 @@ fn a_packed_post_resent_from_inside_a_run_is_resealed() {
     assert!(snapshot(&p.a.dev.core).retransmits >= 55);
 }
 
-/// A packed post longer than the requester's window (300 packets against 256 at a path MTU
-/// of 1,024), nothing lost: the first transmission ends at the last AckReq packet the window
-/// takes whole (packet 248: four runs of 62) and nothing after it leaves before an ACK; an
+/// A packed post longer than the requester's window (88 packets more than its 512 at a path
+/// MTU of 1,024), nothing lost: the first transmission ends at the last AckReq packet the
+/// window takes whole (packet 495: eight runs of 62) and nothing after it leaves before an ACK; an
 /// ACK for a packet held back is a ghost (those packets have not left) and completes nothing;
 /// the real ACK lets the rest go. Every packet leaves sealed for its place as posted (no
 /// copies: each ICRC for its segment in its datagram), and the retransmissions counted are
 /// the packets seen twice (the wait for anything past the window lets the retransmission
-/// timer resend the first 248, which must stop there too).
+/// timer resend the first 496, which must stop there too).
 #[test]
 fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
     let mut p = raw_peer(29);
-    // Room for a window's datagrams (four of 64 KiB) in the peer's socket, as our devices
+    // Room for a window's datagrams (eight of 64 KiB) in the peer's socket, as our devices
     // make for theirs.
     if crate::roce::device::setsockopt_int(&p.sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)
         .is_err()
@@ -715,36 +715,40 @@ fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
     }
     let first = p.a.qp.local_info().psn;
     let va = 0x5C00_0000;
-    let data = pattern(300 * 1024, 6);
+    let window = crate::roce::qp::window(1024) as usize;
+    // The packets, and the AckReq packets' runs the window takes whole.
+    let n = window + 88;
+    let whole = window / 62 * 62;
+    let data = pattern(n * 1024, 6);
     p.packed_update(&data, va);
     let index = |pkt: &[u8]| {
         wire::Packet::parse(pkt).map_or(usize::MAX, |x| {
             (x.bth.psn.wrapping_sub(first) & wire::U24_MASK) as usize
         })
     };
-    let mut got = p.datagrams(248);
+    let mut got = p.datagrams(whole);
     let highest = |got: &[Datagram]| got.iter().flat_map(|d| &d.1).map(|x| index(x)).max();
-    assert_eq!(highest(&got), Some(247), "{:?}", shape(&got));
+    assert_eq!(highest(&got), Some(whole - 1), "{:?}", shape(&got));
     // Whatever comes before an ACK (the retransmission timer's go-back-N) stops there too.
     got.extend(p.datagrams(1));
     assert_eq!(
         highest(&got),
-        Some(247),
+        Some(whole - 1),
         "nothing past the window before an ACK"
     );
     let ghosts = snapshot(&p.a.dev.core).drop_ghost_acks;
-    p.ack(wire::psn_add(first, 250));
+    p.ack(wire::psn_add(first, whole as u32 + 2));
     let end = Instant::now() + Duration::from_secs(5);
     while snapshot(&p.a.dev.core).drop_ghost_acks == ghosts && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(snapshot(&p.a.dev.core).drop_ghost_acks, ghosts + 1);
-    p.ack(wire::psn_add(first, 247));
+    p.ack(wire::psn_add(first, whole as u32 - 1));
     let end = Instant::now() + Duration::from_secs(5);
-    while highest(&got) != Some(300) && Instant::now() < end {
+    while highest(&got) != Some(n) && Instant::now() < end {
         got.extend(p.datagrams(1));
     }
-    p.ack(wire::psn_add(first, 300));
+    p.ack(wire::psn_add(first, n as u32));
     let done = collect(&p.a.cq, 1);
     assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
     // All acknowledged: whatever was resent meanwhile is in the socket (loopback delivers at
@@ -752,7 +756,7 @@ fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
     got.extend(p.datagrams_now());
     // Each packet: its ICRC sealed for its segment in its datagram, its bytes, its AckReq.
     let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
-    let mut seen = vec![0usize; 301];
+    let mut seen = vec![0usize; n + 1];
     for (seg, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
         let cols = crate::roce::gso::id_columns(pkt.len());
         let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
@@ -760,14 +764,14 @@ fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
         let i = index(pkt);
         seen[i] += 1;
         let x = wire::Packet::parse(pkt).expect("parse");
-        if i == 300 {
+        if i == n {
             assert_eq!(x.bth.opcode, wire::Opcode::SEND_ONLY);
             continue;
         }
         assert_eq!(x.payload, &data[i * 1024..(i + 1) * 1024], "packet {i}");
         assert_eq!(
             x.bth.ack_req,
-            i % 62 == 61 || i == 299,
+            i % 62 == 61 || i == n - 1,
             "AckReq of packet {i}"
         );
     }
