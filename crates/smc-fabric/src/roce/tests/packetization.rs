@@ -696,8 +696,8 @@ fn a_packed_post_resent_from_inside_a_run_is_resealed() {
 
 /// A packed post longer than the requester's window (88 packets more than its 512 at a path
 /// MTU of 1,024), nothing lost: the first transmission ends at the last AckReq packet the
-/// window takes whole (packet 495: eight runs of 62) and nothing after it leaves before an ACK; an
-/// ACK for a packet held back is a ghost (those packets have not left) and completes nothing;
+/// window takes whole (packet 496: eight runs of 62) and nothing after it leaves before an
+/// ACK; an ACK for a packet held back is a ghost (those packets have not left) and completes nothing;
 /// the real ACK lets the rest go. Every packet leaves sealed for its place as posted (no
 /// copies: each ICRC for its segment in its datagram), and the retransmissions counted are
 /// the packets seen twice (the wait for anything past the window lets the retransmission
