@@ -41,8 +41,8 @@ pub(crate) const MAX_SEND: usize = 8192;
 /// responder takes any PSN in order). Half the default RMBE of 1 MiB: eight 64 KiB SMC-R
 /// updates in flight. With 256 KiB a stream's writer filled the window, the peer's reader
 /// drained what had arrived and slept, and the writer then waited for room in the RMBE that
-/// the reader could not free (sessions 23–27 made posting cheaper, so the writer reaches the
-/// window sooner than when session 22 found 512 PSNs slower); measured at a path MTU of 1024
+/// the reader could not free (session 22 had found 512 PSNs slower, before sessions 23–27 made
+/// posting cheaper — likely why it no longer holds; not traced); measured at a path MTU of 1024
 /// (docs/performance.md, "Session 28"): a 256 MiB stream's median 1,426 → 1,693 MB/s in ten
 /// alternating rounds, `smc bench --fabric roce --tests stream` 0.80–0.95× → 0.79–1.03× TCP
 /// in seven alternating pairs, and 1 MiB (the whole RMBE) slower again. Not larger: go-back-N resends everything after a lost
