@@ -24,6 +24,10 @@
 //! bulk sleep ended more than [`KEEP_MAX`] ago — a software RoCE device's progress thread
 //! calls it every tick — so that whatever the application does between its reads, or after
 //! its last one, runs under its own policy within a few ms.
+//!
+//! The progress thread itself runs under `SCHED_BATCH` for good ([`batch_for_good`]): it is
+//! woken for datagrams nobody waits for, leases and ticks, none of which needs the CPU before
+//! the thread running there sleeps or ends its slice.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -381,6 +385,13 @@ fn give_back(tid: libc::pid_t) {
 }
 
 /// The calling thread's scheduling policy (`SCHED_RESET_ON_FORK` included when set).
+/// Put the calling thread under `SCHED_BATCH` for good when it is under `SCHED_OTHER`
+/// (a software RoCE device's progress thread, device.rs `run`: not a thread of the
+/// application's, so not kept in a slot or swept); whether it is now.
+pub(crate) fn batch_for_good() -> bool {
+    policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH)
+}
+
 fn policy() -> Option<libc::c_int> {
     policy_of(0)
 }

@@ -17,7 +17,7 @@ use rustix::net::{AddressFamily, SocketType};
 use smc_wire::roce;
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -162,6 +162,8 @@ pub(crate) struct RoceCore {
     rx_waits_made: AtomicU64,
     /// How many QPs hold back an ACK (qp.rs, `ACK_DELAY`): a sleeper sends them first.
     pub(crate) acks_owed: AtomicUsize,
+    /// The progress thread's kernel thread id, once it runs (0 before).
+    progress_tid: AtomicI32,
 }
 
 /// An application thread's promise to receive on a device's socket when it becomes readable
@@ -975,6 +977,7 @@ impl RoceHandle {
             rx_waiters: AtomicU32::new(0),
             rx_waits_made: AtomicU64::new(0),
             acks_owed: AtomicUsize::new(0),
+            progress_tid: AtomicI32::new(0),
         });
         {
             let mut d = lock(&DEVICES);
@@ -995,6 +998,20 @@ impl RoceHandle {
             core,
             thread: Mutex::new(Some(thread)),
         }))
+    }
+
+    /// The scheduling policy of the device's progress thread, once it has started (its
+    /// kernel thread id: `pthread_getschedparam` would answer from glibc's cache, filled by
+    /// the first question, perhaps before the thread set its policy).
+    #[cfg(test)]
+    pub(crate) fn progress_policy(&self) -> Option<libc::c_int> {
+        let tid = self.core.progress_tid.load(Ordering::Acquire);
+        if tid == 0 {
+            return None;
+        }
+        // SAFETY: no arguments but a thread id.
+        let p = unsafe { libc::sched_getscheduler(tid) };
+        (p >= 0).then_some(p)
     }
 
     pub(crate) fn set_port_state(&self, state: PortState) {
@@ -1185,6 +1202,16 @@ impl Look {
 }
 
 fn run(core: Arc<RoceCore>) {
+    // Under `SCHED_BATCH` for good (sched.rs): its wake-ups — for a datagram nobody waits
+    // for (a stream writer's ACKs), a lease's end, a tick — never take a busy CPU from the
+    // thread on it (on a two-core machine, often the stream's writer, which then ran at
+    // its peer's pace; docs/performance.md, "Session 29"). It runs at once on an idle CPU,
+    // else within the running thread's slice: well inside its own timers (`ACK_DELAY`,
+    // 200 µs, is the shortest; the transport's are 1 ms and more).
+    crate::sched::batch_for_good();
+    // SAFETY: no arguments.
+    let tid = unsafe { libc::gettid() };
+    core.progress_tid.store(tid, Ordering::Release);
     let mut last_port_check = Instant::now();
     // When the oldest ACK held back for a reply falls due (qp.rs, `ACK_DELAY`).
     let mut ack_due: Option<Instant> = None;

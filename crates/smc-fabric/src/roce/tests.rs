@@ -1096,6 +1096,27 @@ fn deferred_looks_are_bounded() {
     assert_eq!(deferred, 1);
 }
 
+/// A device's progress thread runs under `SCHED_BATCH` (device.rs `run`), unless it was
+/// started under a policy other than `SCHED_OTHER`, which it keeps.
+#[test]
+fn the_progress_thread_runs_under_sched_batch() {
+    // SAFETY: the calling thread's policy; no pointer.
+    let own = unsafe { libc::sched_getscheduler(0) };
+    let dev = RoceHandle::open_at(&fabric(Vec::new()), "ra", Some(addr(33, 0))).expect("open");
+    let want = match own {
+        libc::SCHED_OTHER => libc::SCHED_BATCH,
+        p => p,
+    };
+    // The thread sets its policy as it starts: give it a moment.
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut seen = dev.progress_policy();
+    while seen != Some(want) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+        seen = dev.progress_policy();
+    }
+    assert_eq!(seen, Some(want));
+}
+
 /// A thread that a bulk read's sleep left under `SCHED_BATCH` (sched.rs, kept for its next
 /// sleep) gets its own policy back from a running device's progress thread once that sleep
 /// is `KEEP_MAX` old — the sweep, not the sleep's end (a broken keep fails the count).
