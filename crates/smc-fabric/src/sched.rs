@@ -384,14 +384,14 @@ fn give_back(tid: libc::pid_t) {
     }
 }
 
-/// The calling thread's scheduling policy (`SCHED_RESET_ON_FORK` included when set).
 /// Put the calling thread under `SCHED_BATCH` for good when it is under `SCHED_OTHER`
 /// (a software RoCE device's progress thread, device.rs `run`: not a thread of the
-/// application's, so not kept in a slot or swept); whether it is now.
+/// application's, so not kept in a slot or swept); whether it switched.
 pub(crate) fn batch_for_good() -> bool {
     policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH)
 }
 
+/// The calling thread's scheduling policy (`SCHED_RESET_ON_FORK` included when set).
 fn policy() -> Option<libc::c_int> {
     policy_of(0)
 }

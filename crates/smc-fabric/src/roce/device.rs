@@ -1204,10 +1204,11 @@ impl Look {
 fn run(core: Arc<RoceCore>) {
     // Under `SCHED_BATCH` for good (sched.rs): its wake-ups — for a datagram nobody waits
     // for (a stream writer's ACKs), a lease's end, a tick — never take a busy CPU from the
-    // thread on it (on a two-core machine, often the stream's writer, which then ran at
-    // its peer's pace; docs/performance.md, "Session 29"). It runs at once on an idle CPU,
-    // else within the running thread's slice: well inside its own timers (`ACK_DELAY`,
-    // 200 µs, is the shortest; the transport's are 1 ms and more).
+    // thread on it (on a two-core machine, often the stream's writer: up to 180 times per
+    // 256 MiB, docs/performance.md, "Session 29"). It runs at once on an idle CPU, else
+    // when the running thread sleeps or its slice ends: well inside its own deadlines
+    // (`ACK_DELAY`, 200 µs, is the shortest; the transport's timers are 1 ms and more).
+    // An application's own policy (a thread that made the device under another) is kept.
     crate::sched::batch_for_good();
     // SAFETY: no arguments.
     let tid = unsafe { libc::gettid() };
