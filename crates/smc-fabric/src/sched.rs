@@ -25,7 +25,7 @@
 //! calls it every tick — so that whatever the application does between its reads, or after
 //! its last one, runs under its own policy within a few ms.
 //!
-//! The progress thread itself runs under `SCHED_BATCH` for good ([`batch_for_good`]): it is
+//! The progress thread itself runs under `SCHED_BATCH` for good ([`batch_if_other`]): it is
 //! woken for datagrams nobody waits for, leases and ticks, none of which needs the CPU before
 //! the thread running there sleeps or ends its slice.
 
@@ -250,7 +250,7 @@ impl QuietWake {
                         return true;
                     }
                 }
-                if !(policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH)) {
+                if !batch_if_other() {
                     return false;
                 }
                 if m.0.get() == UNSET {
@@ -384,10 +384,11 @@ fn give_back(tid: libc::pid_t) {
     }
 }
 
-/// Put the calling thread under `SCHED_BATCH` for good when it is under `SCHED_OTHER`
-/// (a software RoCE device's progress thread, device.rs `run`: not a thread of the
-/// application's, so not kept in a slot or swept); whether it switched.
-pub(crate) fn batch_for_good() -> bool {
+/// Put the calling thread under `SCHED_BATCH` when it is under `SCHED_OTHER` (a thread under
+/// any other policy keeps it); whether it switched. [`QuietWake::begin`] does so for a sleep;
+/// a software RoCE device's progress thread for good (device.rs `run`: not a thread of the
+/// application's, so not kept in a slot or swept).
+pub(crate) fn batch_if_other() -> bool {
     policy() == Some(libc::SCHED_OTHER) && set_policy(libc::SCHED_BATCH)
 }
 

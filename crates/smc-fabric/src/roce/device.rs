@@ -1209,7 +1209,7 @@ fn run(core: Arc<RoceCore>) {
     // when the running thread sleeps or its slice ends: well inside its own deadlines
     // (`ACK_DELAY`, 200 µs, is the shortest; the transport's timers are 1 ms and more).
     // An application's own policy (a thread that made the device under another) is kept.
-    crate::sched::batch_for_good();
+    crate::sched::batch_if_other();
     // SAFETY: no arguments.
     let tid = unsafe { libc::gettid() };
     core.progress_tid.store(tid, Ordering::Release);

@@ -45,8 +45,9 @@ pub(crate) const MAX_SEND: usize = 8192;
 /// posting cheaper — likely why it no longer holds; not traced); measured at a path MTU of 1024
 /// (docs/performance.md, "Session 28"): a 256 MiB stream's median 1,426 → 1,693 MB/s in ten
 /// alternating rounds, `smc bench --fabric roce --tests stream` 0.80–0.95× → 0.79–1.03× TCP
-/// in seven alternating pairs, and 1 MiB (the whole RMBE) slower again. Not larger: go-back-N resends everything after a lost
-/// packet, up to a window, and more bytes in flight wake both sides more.
+/// in seven alternating pairs, and 1 MiB (the whole RMBE) slower again. Not larger: go-back-N
+/// resends everything after a lost packet, up to a window, and more bytes in flight wake both
+/// sides more.
 const WINDOW_BYTES: usize = 512 << 10;
 
 /// The requester's window in PSNs at path MTU `mtu`: [`WINDOW_BYTES`] of packets, 512 at a
