@@ -223,6 +223,28 @@ impl Net {
     }
 }
 
+/// The line of `smc bench --fabric roce` that lists each round's transfer rates, SMC-R / TCP
+/// MB/s and their ratio (TCP's time over SMC-R's), in the order run; a round missing either
+/// time shows a dash.
+fn rounds_line(bytes: u64, each: &[[Option<f64>; 2]]) -> String {
+    let rounds: Vec<String> = each
+        .iter()
+        .map(|[s, t]| match (s, t) {
+            (Some(s), Some(t)) => format!(
+                "{:.1} / {:.1} ({:.2}x)",
+                bytes as f64 / s / 1e6,
+                bytes as f64 / t / 1e6,
+                t / s
+            ),
+            _ => "-".to_string(),
+        })
+        .collect();
+    format!(
+        "each round, transfer SMC-R / TCP MB/s: {}",
+        rounds.join(" · ")
+    )
+}
+
 /// One stream's times.
 struct Streamed {
     /// From the client's start to both ends' exit.
@@ -510,12 +532,22 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
     let (mut smc, mut tcp) = (Vec::new(), Vec::new());
     let (mut smc_x, mut tcp_x) = (Vec::new(), Vec::new());
     let mut floor = Vec::new();
+    // Each round's transfer times in the order run (SMC-R, TCP): the medians hide how far
+    // apart the rounds were, which on a noisy machine is what a reader needs to weigh them.
+    let mut each = Vec::new();
     for _ in 0..rounds.max(1) {
-        for (on, whole, transfer) in [(true, &mut smc, &mut smc_x), (false, &mut tcp, &mut tcp_x)] {
+        let mut pair = [None; 2];
+        for (i, (on, whole, transfer)) in
+            [(true, &mut smc, &mut smc_x), (false, &mut tcp, &mut tcp_x)]
+                .into_iter()
+                .enumerate()
+        {
             let r = net.stream(on, &src, false, 0, || Ok(()))?;
             whole.push(r.took.as_secs_f64());
             transfer.extend(r.transfer);
+            pair[i] = r.transfer;
         }
+        each.push(pair);
         // The floor is a yardstick: a round of it that fails is said, not fatal.
         match net.floor(&src, path_mtu) {
             Ok(secs) => floor.push(secs),
@@ -542,6 +574,7 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
             mbs(t),
             t / s
         );
+        println!("  {}", rounds_line(bytes, &each));
         if !floor.is_empty() {
             let n = floor.len();
             let f = median(&mut floor);
@@ -602,7 +635,7 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_mtu, transfer_of};
+    use super::{parse_mtu, rounds_line, transfer_of};
 
     #[test]
     fn veth_mtus_outside_what_a_roce_device_and_a_veth_take_are_refused() {
@@ -622,5 +655,22 @@ mod tests {
         assert_eq!(transfer_of(err), Some((1_048_576, 0.0125)));
         assert_eq!(transfer_of("smc nc: listening on 10.1.1.1:7000\n"), None);
         assert_eq!(transfer_of("smc nc: received 5 bytes in soon s\n"), None);
+    }
+
+    #[test]
+    fn lists_each_rounds_rates_in_the_order_run() {
+        let each = [
+            [Some(0.5), Some(0.25)],
+            [Some(0.2), None],
+            [Some(1.0), Some(1.0)],
+        ];
+        assert_eq!(
+            rounds_line(1_000_000, &each),
+            "each round, transfer SMC-R / TCP MB/s: 2.0 / 4.0 (0.50x) · - · 1.0 / 1.0 (1.00x)"
+        );
+        assert_eq!(
+            rounds_line(1, &[]),
+            "each round, transfer SMC-R / TCP MB/s: "
+        );
     }
 }
