@@ -398,7 +398,7 @@ fn policy() -> Option<libc::c_int> {
 }
 
 /// Thread `tid`'s scheduling policy (0: the calling thread).
-fn policy_of(tid: libc::pid_t) -> Option<libc::c_int> {
+pub(crate) fn policy_of(tid: libc::pid_t) -> Option<libc::c_int> {
     // SAFETY: no arguments but a thread id.
     let p = unsafe { libc::sched_getscheduler(tid) };
     (p >= 0).then_some(p)

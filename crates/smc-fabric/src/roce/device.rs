@@ -1009,9 +1009,7 @@ impl RoceHandle {
         if tid == 0 {
             return None;
         }
-        // SAFETY: no arguments but a thread id.
-        let p = unsafe { libc::sched_getscheduler(tid) };
-        (p >= 0).then_some(p)
+        crate::sched::policy_of(tid)
     }
 
     pub(crate) fn set_port_state(&self, state: PortState) {

@@ -1100,8 +1100,7 @@ fn deferred_looks_are_bounded() {
 /// started under a policy other than `SCHED_OTHER`, which it keeps.
 #[test]
 fn the_progress_thread_runs_under_sched_batch() {
-    // SAFETY: the calling thread's policy; no pointer.
-    let own = unsafe { libc::sched_getscheduler(0) };
+    let own = crate::sched::policy_of(0).expect("own policy");
     let dev = RoceHandle::open_at(&fabric(Vec::new()), "ra", Some(addr(33, 0))).expect("open");
     let want = match own {
         libc::SCHED_OTHER => libc::SCHED_BATCH,
