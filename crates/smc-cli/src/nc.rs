@@ -23,7 +23,8 @@ pub struct NcArgs {
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
     /// Print the connection mode (SMC-R or TCP and why) and addresses on stderr; a listener
-    /// also says how many bytes it received, in how long from the first to the end of stream.
+    /// also says how many bytes it received, in how long from the first to the end of stream,
+    /// and both ends the CPU time the process took while the stream ran.
     #[arg(short, long)]
     verbose: bool,
     /// Client: instead of copying stdin, send SIZE bytes and wait for SIZE bytes back (from an
@@ -55,7 +56,9 @@ pub fn run(args: &NcArgs) -> Result<ExitCode> {
             match args.pingpong {
                 Some(size) => pingpong(s, size, Duration::from_secs_f64(args.time.max(0.0)))?,
                 None => {
+                    let cpu = process_cpu();
                     pump(s)?;
+                    report_cpu(args, cpu);
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -115,6 +118,7 @@ fn listen(stack: &Stack, args: &NcArgs, port: u16) -> Result<ExitCode> {
     }
     let (s, _) = l.accept().context("accepting")?;
     report(args, &s);
+    let cpu = process_cpu();
     let received = pump(s)?;
     if args.verbose {
         if let Some((bytes, secs)) = received.rate() {
@@ -126,7 +130,30 @@ fn listen(stack: &Stack, args: &NcArgs, port: u16) -> Result<ExitCode> {
             );
         }
     }
+    report_cpu(args, cpu);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The CPU time the whole process has taken so far: every thread, the stack's helpers too
+/// (`CLOCK_PROCESS_CPUTIME_ID`).
+fn process_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(
+        u64::try_from(t.tv_sec).unwrap_or(0),
+        u32::try_from(t.tv_nsec).unwrap_or(0),
+    )
+}
+
+/// `-v`: the CPU time the process took since `from` (the stream's start), on stderr. Read by
+/// `smc bench --fabric roce` (CPU per byte of each end).
+fn report_cpu(args: &NcArgs, from: Duration) {
+    if args.verbose {
+        let cpu = process_cpu().saturating_sub(from);
+        eprintln!(
+            "smc nc: CPU while the stream ran: {:.6} s",
+            cpu.as_secs_f64()
+        );
+    }
 }
 
 /// Echo one client until it shuts down its write side, then shut down ours.

@@ -219,6 +219,7 @@ impl Net {
         Ok(Streamed {
             took,
             transfer: transfer.map(|(_, secs)| secs),
+            cpu: [cpu_of(&ce), cpu_of(&se)],
         })
     }
 }
@@ -251,6 +252,50 @@ struct Streamed {
     took: Duration,
     /// From the receiver's first byte to its end of stream (its `smc nc -v` line).
     transfer: Option<f64>,
+    /// Seconds of CPU the sender and the receiver took while the stream ran (their `smc nc
+    /// -v` lines).
+    cpu: [Option<f64>; 2],
+}
+
+/// Seconds of the line `smc nc: CPU while the stream ran: S s`.
+fn cpu_of(stderr: &str) -> Option<f64> {
+    stderr.lines().find_map(|l| {
+        l.strip_prefix("smc nc: CPU while the stream ran: ")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+/// The rows of `smc bench --fabric roce` with each end's CPU per GiB streamed (medians over
+/// the rounds that reported it) and SMC-R's over TCP's; none when a kind has no round with
+/// both ends' figures.
+fn cpu_rows(bytes: u64, smc: &[[Option<f64>; 2]], tcp: &[[Option<f64>; 2]]) -> Vec<String> {
+    let gib = bytes as f64 / f64::from(1u32 << 30);
+    let per_gib_ms = |v: &[[Option<f64>; 2]], end: usize| {
+        let mut x: Vec<f64> = v
+            .iter()
+            .filter_map(|c| c[end])
+            .map(|s| s / gib * 1e3)
+            .collect();
+        x.sort_by(f64::total_cmp);
+        x.get(x.len() / 2).copied()
+    };
+    ["sender", "receiver"]
+        .iter()
+        .enumerate()
+        .filter_map(|(end, name)| {
+            let (s, t) = (per_gib_ms(smc, end)?, per_gib_ms(tcp, end)?);
+            Some(format!(
+                "{:<46} {:>11.1} ms {:>11.1} ms {:>7.2}x",
+                format!("{name} CPU per GiB (SMC-R's ÷ TCP's)"),
+                s,
+                t,
+                s / t
+            ))
+        })
+        .collect()
 }
 
 /// Bytes and seconds of the receiver's line `smc nc: received N bytes in S s (...)` (or
@@ -532,19 +577,24 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
     let (mut smc, mut tcp) = (Vec::new(), Vec::new());
     let (mut smc_x, mut tcp_x) = (Vec::new(), Vec::new());
     let mut floor = Vec::new();
+    // Each round's CPU of the sender and the receiver, per kind.
+    let (mut smc_cpu, mut tcp_cpu) = (Vec::new(), Vec::new());
     // Each round's transfer times in the order run (SMC-R, TCP): the medians hide how far
     // apart the rounds were, which on a noisy machine is what a reader needs to weigh them.
     let mut each = Vec::new();
     for _ in 0..rounds.max(1) {
         let mut pair = [None; 2];
-        for (i, (on, whole, transfer)) in
-            [(true, &mut smc, &mut smc_x), (false, &mut tcp, &mut tcp_x)]
-                .into_iter()
-                .enumerate()
+        for (i, (on, whole, transfer, cpu)) in [
+            (true, &mut smc, &mut smc_x, &mut smc_cpu),
+            (false, &mut tcp, &mut tcp_x, &mut tcp_cpu),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let r = net.stream(on, &src, false, 0, || Ok(()))?;
             whole.push(r.took.as_secs_f64());
             transfer.extend(r.transfer);
+            cpu.push(r.cpu);
             pair[i] = r.transfer;
         }
         each.push(pair);
@@ -575,6 +625,11 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
             t / s
         );
         println!("  {}", rounds_line(bytes, &each));
+        // What the rate is made of on a machine whose CPUs both ends need: each end's CPU
+        // for the same bytes.
+        for row in cpu_rows(bytes, &smc_cpu, &tcp_cpu) {
+            println!("  {row}");
+        }
         if !floor.is_empty() {
             let n = floor.len();
             let f = median(&mut floor);
@@ -635,7 +690,7 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_mtu, rounds_line, transfer_of};
+    use super::{cpu_of, cpu_rows, parse_mtu, rounds_line, transfer_of};
 
     #[test]
     fn veth_mtus_outside_what_a_roce_device_and_a_veth_take_are_refused() {
@@ -655,6 +710,41 @@ mod tests {
         assert_eq!(transfer_of(err), Some((1_048_576, 0.0125)));
         assert_eq!(transfer_of("smc nc: listening on 10.1.1.1:7000\n"), None);
         assert_eq!(transfer_of("smc nc: received 5 bytes in soon s\n"), None);
+    }
+
+    #[test]
+    fn reads_each_ends_cpu_and_gives_it_per_gib() {
+        let err = "smc nc: connected to 10.1.1.1:7000 over SMC-R\n\
+                   smc nc: CPU while the stream ran: 0.150000 s\n";
+        assert_eq!(cpu_of(err), Some(0.15));
+        assert_eq!(cpu_of("smc nc: CPU while the stream ran: soon s\n"), None);
+        assert_eq!(cpu_of("smc nc: listening on 10.1.1.1:7000\n"), None);
+        // 256 MiB: a quarter GiB. Medians per end over the rounds that said it.
+        let smc = [
+            [Some(0.040), Some(0.030)],
+            [Some(0.050), None],
+            [Some(0.045), Some(0.020)],
+        ];
+        let tcp = [[Some(0.036), Some(0.012)], [Some(0.034), Some(0.014)]];
+        assert_eq!(
+            cpu_rows(256 << 20, &smc, &tcp),
+            vec![
+                format!(
+                    "{:<46} {:>11.1} ms {:>11.1} ms {:>7.2}x",
+                    "sender CPU per GiB (SMC-R's ÷ TCP's)", 180.0, 144.0, 1.25
+                ),
+                format!(
+                    "{:<46} {:>11.1} ms {:>11.1} ms {:>7.2}x",
+                    "receiver CPU per GiB (SMC-R's ÷ TCP's)",
+                    120.0,
+                    56.0,
+                    120.0 / 56.0
+                ),
+            ]
+        );
+        // A kind without any figure for an end: no row for that end.
+        assert_eq!(cpu_rows(256 << 20, &smc, &[[Some(0.036), None]]).len(), 1);
+        assert!(cpu_rows(256 << 20, &[], &tcp).is_empty());
     }
 
     #[test]
