@@ -24,7 +24,7 @@ pub struct NcArgs {
     bind: String,
     /// Print the connection mode (SMC-R or TCP and why) and addresses on stderr; a listener
     /// also says how many bytes it received, in how long from the first to the end of stream,
-    /// and both ends the CPU time the process took while the stream ran.
+    /// and both ends say how much CPU time their process took while the stream ran.
     #[arg(short, long)]
     verbose: bool,
     /// Client: instead of copying stdin, send SIZE bytes and wait for SIZE bytes back (from an

@@ -269,8 +269,8 @@ fn cpu_of(stderr: &str) -> Option<f64> {
 }
 
 /// The rows of `smc bench --fabric roce` with each end's CPU per GiB streamed (medians over
-/// the rounds that reported it) and SMC-R's over TCP's; none when a kind has no round with
-/// both ends' figures.
+/// the rounds that reported it) and SMC-R's over TCP's; an end's row is left out when either
+/// kind has no round with that end's figure.
 fn cpu_rows(bytes: u64, smc: &[[Option<f64>; 2]], tcp: &[[Option<f64>; 2]]) -> Vec<String> {
     let gib = bytes as f64 / f64::from(1u32 << 30);
     let per_gib_ms = |v: &[[Option<f64>; 2]], end: usize| {
