@@ -575,7 +575,6 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
         .map(|m| m.bytes())
         .context("no RoCE path MTU on this veth MTU")?;
     let (mut smc, mut tcp) = (Vec::new(), Vec::new());
-    let (mut smc_x, mut tcp_x) = (Vec::new(), Vec::new());
     let mut floor = Vec::new();
     // Each round's CPU of the sender and the receiver, per kind.
     let (mut smc_cpu, mut tcp_cpu) = (Vec::new(), Vec::new());
@@ -584,16 +583,15 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
     let mut each = Vec::new();
     for _ in 0..rounds.max(1) {
         let mut pair = [None; 2];
-        for (i, (on, whole, transfer, cpu)) in [
-            (true, &mut smc, &mut smc_x, &mut smc_cpu),
-            (false, &mut tcp, &mut tcp_x, &mut tcp_cpu),
+        for (i, (on, whole, cpu)) in [
+            (true, &mut smc, &mut smc_cpu),
+            (false, &mut tcp, &mut tcp_cpu),
         ]
         .into_iter()
         .enumerate()
         {
             let r = net.stream(on, &src, false, 0, || Ok(()))?;
             whole.push(r.took.as_secs_f64());
-            transfer.extend(r.transfer);
             cpu.push(r.cpu);
             pair[i] = r.transfer;
         }
@@ -615,7 +613,13 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
         smc.len()
     );
     println!("  {:<46} {:>14} {:>14} {:>8}", "", "SMC-R", "TCP", "ratio");
-    if smc_x.len() == smc.len() && tcp_x.len() == tcp.len() {
+    // The transfer medians, from every round's pair when each round said both.
+    let transfers = |k: usize| {
+        each.iter()
+            .map(|p: &[Option<f64>; 2]| p[k])
+            .collect::<Option<Vec<f64>>>()
+    };
+    if let (Some(mut smc_x), Some(mut tcp_x)) = (transfers(0), transfers(1)) {
         let (s, t) = (median(&mut smc_x), median(&mut tcp_x));
         println!(
             "  {:<46} {:>9.1} MB/s {:>9.1} MB/s {:>7.2}x",
