@@ -21,6 +21,7 @@ mod mr;
 mod netdev;
 mod qp;
 mod rx;
+mod seal;
 mod steer;
 mod txpkt;
 
