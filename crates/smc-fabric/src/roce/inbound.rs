@@ -44,6 +44,9 @@ pub(crate) struct RxFrom {
     /// for the datagram's segment length hashed when the datagram holds at least
     /// [`PREFIX_MIN_PACKETS`] packets (smc-wire `IcrcPrefix`), else none.
     pub(crate) prefix: IcrcPrefix,
+    /// For a datagram of at least four packets whose segment length suits it (seal.rs), the
+    /// ICRCs of its packets four at a time.
+    pub(crate) seal4: Option<super::seal::Seal4>,
 }
 
 impl RxFrom {
@@ -61,6 +64,9 @@ impl RxFrom {
         RxFrom {
             src,
             via,
+            seal4: (packets >= 4)
+                .then(|| super::seal::Seal4::new(&icrc, seg))
+                .flatten(),
             prefix: if packets >= PREFIX_MIN_PACKETS {
                 super::gso::icrc_prefix(&icrc, seg)
             } else {
@@ -72,7 +78,7 @@ impl RxFrom {
 
 /// One received UDP payload from `from`, likely sent with IPv4 identification `id` (packet k
 /// of a coalesced datagram: k): packet checks (rocev2.md 9.1 step 1), then the requester or
-/// responder side of its QP.
+/// responder side of its QP. `icrc0`: its ICRC for identification 0 where already computed.
 pub(crate) fn receive(
     core: &RoceCore,
     tables: &Tables,
@@ -80,6 +86,7 @@ pub(crate) fn receive(
     from: &RxFrom,
     id: u16,
     buf: &[u8],
+    icrc0: Option<u32>,
 ) {
     let (src, via) = (from.src, from.via);
     let p = match Packet::parse(buf) {
@@ -95,7 +102,7 @@ pub(crate) fn receive(
     // per length. The expected one costs a few XORs; solving, an elimination. IPv6 has no
     // identification: its ICRC is checked in full (rocev2.md 13.3).
     let wire = buf.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
-    let icrc0 = from.prefix.compute(buf);
+    let icrc0 = icrc0.unwrap_or_else(|| from.prefix.compute(buf));
     let fits = |w: u32| {
         if w == icrc0 {
             return true;

@@ -123,6 +123,23 @@ impl Seal4 {
         // bytes, a path MTU that is a multiple of 64 needing no pad.
         unsafe { buf.set_len(len + 4 * self.full) };
     }
+
+    /// The ICRCs of four received packets of the length this was made for (whole UDP
+    /// payloads, their last four bytes not covered), as [`IcrcHeaders::compute`] gives them
+    /// for identification 0: the packet's first 28 bytes, whatever its headers, complete the
+    /// first block. A packet of another length gets the full computation.
+    pub(crate) fn icrc4(&self, pkts: [&[u8]; 4]) -> [u32; 4] {
+        if pkts.iter().any(|p| p.len() != self.full) {
+            return pkts.map(|p| self.headers.compute(p));
+        }
+        let firsts = pkts.map(|p| {
+            let mut f = self.first;
+            f[36..].copy_from_slice(&p[..HEAD]);
+            f[36 + 4] = 0xFF; // BTH byte 4 (FECN, BECN, reserved): masked
+            f
+        });
+        fold4(&firsts, pkts.map(|p| &p[HEAD..self.full - ICRC_LEN]))
+    }
 }
 
 /// Pad bytes after a payload of `len` bytes (BTH PadCnt: to a multiple of four).
@@ -156,7 +173,6 @@ fn available() -> bool {
 
 /// Copy each `src[p]` into `dst[p]` (of one length, a whole number of 64-byte blocks) and
 /// return the CRC-32 of `firsts[p]` followed by `src[p]`.
-#[cfg(target_arch = "x86_64")]
 fn copy_fold4(
     firsts: &[[u8; BLOCK]; 4],
     src: [&[u8]; 4],
@@ -164,18 +180,40 @@ fn copy_fold4(
 ) -> [u32; 4] {
     let n = src[0].len();
     assert!(
-        n.is_multiple_of(BLOCK)
-            && src.iter().all(|s| s.len() == n)
-            && dst.iter().all(|d| d.len() == n),
-        "copy_fold4: four equal lengths of whole blocks"
+        dst.iter().all(|d| d.len() == n),
+        "copy_fold4: a destination as long as its source"
+    );
+    fold4_checked::<true>(firsts, src, dst)
+}
+
+/// The CRC-32 of `firsts[p]` followed by `src[p]` (of one length, a whole number of 64-byte
+/// blocks).
+fn fold4(firsts: &[[u8; BLOCK]; 4], src: [&[u8]; 4]) -> [u32; 4] {
+    fold4_checked::<false>(firsts, src, Default::default())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn fold4_checked<const COPY: bool>(
+    firsts: &[[u8; BLOCK]; 4],
+    src: [&[u8]; 4],
+    dst: [&mut [MaybeUninit<u8>]; 4],
+) -> [u32; 4] {
+    let n = src[0].len();
+    assert!(
+        n.is_multiple_of(BLOCK) && src.iter().all(|s| s.len() == n),
+        "fold4: four equal lengths of whole blocks"
     );
     // SAFETY: `Seal4` exists only where `available` found every feature the function enables;
-    // the lengths it reads and writes were checked above.
-    unsafe { copy_fold4_avx512(firsts, src, dst) }
+    // the lengths it reads (and, with COPY, writes: `copy_fold4` checked them) are checked.
+    unsafe { fold4_avx512::<COPY>(firsts, src, dst) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn copy_fold4(_: &[[u8; BLOCK]; 4], _: [&[u8]; 4], _: [&mut [MaybeUninit<u8>]; 4]) -> [u32; 4] {
+fn fold4_checked<const COPY: bool>(
+    _: &[[u8; BLOCK]; 4],
+    _: [&[u8]; 4],
+    _: [&mut [MaybeUninit<u8>]; 4],
+) -> [u32; 4] {
     // Not reached: `available` is false here, so no `Seal4` is made.
     unreachable!("seal.rs: no Seal4 off x86_64")
 }
@@ -232,16 +270,17 @@ const FOLD_64: i64 = key(64);
 const MU: i64 = reflect33(barrett_mu()) as i64;
 const POLY: i64 = reflect33(0x1_04C1_1DB7) as i64;
 
-/// [`copy_fold4`]'s work: each packet's blocks folded in one 512-bit register from a register
+/// [`fold4`]'s and [`copy_fold4`]'s work (with `COPY`, each block is also stored into
+/// `dst[p]`): each packet's blocks folded in one 512-bit register from a register
 /// of all ones, the four lanes folded into one, and the 128-bit remainder reduced to the CRC
 /// (the PCLMULQDQ method's Barrett reduction, bit-reflected).
 ///
 /// # Safety
-/// The CPU must have AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.1; `src[p]` and `dst[p]` are of
-/// one length, a whole number of 64-byte blocks.
+/// The CPU must have AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.1; the `src[p]` are of one
+/// length, a whole number of 64-byte blocks, and with `COPY` each `dst[p]` is as long.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.1")]
-unsafe fn copy_fold4_avx512(
+unsafe fn fold4_avx512<const COPY: bool>(
     firsts: &[[u8; BLOCK]; 4],
     src: [&[u8]; 4],
     dst: [&mut [MaybeUninit<u8>]; 4],
@@ -265,8 +304,10 @@ unsafe fn copy_fold4_avx512(
             // SAFETY: 64 bytes read from a slice of at least `at + 64` bytes (the caller's
             // lengths).
             let d = unsafe { _mm512_loadu_si512(src[p].as_ptr().add(at).cast()) };
-            // SAFETY: 64 bytes written to a slice of as many as `src[p]`.
-            unsafe { _mm512_storeu_si512(dst[p].as_mut_ptr().add(at).cast(), d) };
+            if COPY {
+                // SAFETY: 64 bytes written to a slice as long as `src[p]`.
+                unsafe { _mm512_storeu_si512(dst[p].as_mut_ptr().add(at).cast(), d) };
+            }
             let lo = _mm512_clmulepi64_epi128(acc[p], k512, 0x00);
             let hi = _mm512_clmulepi64_epi128(acc[p], k512, 0x11);
             acc[p] = _mm512_ternarylogic_epi64(lo, hi, d, 0x96); // lo ⊕ hi ⊕ d
@@ -374,6 +415,18 @@ mod tests {
                 let h = headers(s as u32 * 31 + n as u32);
                 let seal = Seal4::new(&h, HEAD + mtu + ICRC_LEN).expect("IPv4, whole blocks");
                 check(&seal, &h, mtu, s, (s as usize * 37) % 300);
+                // Received packets: any headers, byte 4 too (FECN, BECN: masked).
+                let mut pkts: Vec<Vec<u8>> = (0..4).map(|j| packet(s * 8 + j, mtu)).collect();
+                pkts[1][4] = 0xC0;
+                pkts[2][0] = 0x08; // a WRITE MIDDLE's opcode: the bytes are what they are
+                let got = seal.icrc4(std::array::from_fn(|j| &pkts[j][..]));
+                for j in 0..4 {
+                    assert_eq!(
+                        got[j],
+                        h.compute(&pkts[j]),
+                        "mtu {mtu} seed {s} received {j}"
+                    );
+                }
             }
         }
     }
@@ -405,6 +458,9 @@ mod tests {
             h.seal(&mut b_sealed);
             let a_len = HEAD + 1024 + ICRC_LEN;
             assert_eq!(&buf[a_len..a_len + b_sealed.len()], &b_sealed[..]);
+            let got = seal.icrc4([&a, &b_sealed, &a, &a]);
+            assert_eq!(got[1], h.compute(&b_sealed));
+            assert_eq!(got[0], h.compute(&a));
         }
     }
 }
