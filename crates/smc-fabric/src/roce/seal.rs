@@ -23,9 +23,9 @@ use std::mem::MaybeUninit;
 
 use smc_wire::roce::{IcrcHeaders, BTH_LEN, ICRC_LEN, RETH_LEN};
 
-/// What a full packet's covered bytes start with: 36 bytes in front of the BTH (IPv4), the BTH
-/// and the RETH — one 64-byte block.
-pub(crate) const HEAD: usize = BTH_LEN + RETH_LEN;
+/// A WRITE ONLY's BTH and RETH: after the 36 covered bytes in front of the BTH (IPv4) they
+/// complete the first 64-byte block.
+const HEAD: usize = BTH_LEN + RETH_LEN;
 const BLOCK: usize = 64;
 
 /// The full packets of a post built four at a time, on a CPU that has the instructions
@@ -60,8 +60,8 @@ impl Seal4 {
         })
     }
 
-    /// Append four full packets to `buf`: packet j is `heads[j]` (its BTH with byte 4 clear,
-    /// and its RETH), the payload `payloads[j]` and its ICRC — for IPv4 identification 0,
+    /// Append four full packets to `buf`: packet j is `heads[j]` (its BTH and its RETH), the
+    /// payload `payloads[j]` and its ICRC — for IPv4 identification 0,
     /// XORed with `deltas[j]` (gso.rs: the columns of the identification it will leave with).
     /// Payloads of another length than the one this was made for are built and sealed the
     /// plain way.
