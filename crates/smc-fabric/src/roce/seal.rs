@@ -19,6 +19,9 @@
 //! The constants are x^n mod P and ⌊x^64 / P⌋ for the CRC-32 polynomial, bit-reflected —
 //! computed below at compile time, and tested against the published values.
 
+// Off x86_64 no `Seal4` is made; the constants and the kernel's helpers go unused there.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 use std::mem::MaybeUninit;
 
 use smc_wire::roce::{IcrcHeaders, BTH_LEN, ICRC_LEN, RETH_LEN};
@@ -88,12 +91,7 @@ impl Seal4 {
             }
             return;
         }
-        let firsts: [[u8; BLOCK]; 4] = std::array::from_fn(|j| {
-            let mut f = self.first;
-            f[36..].copy_from_slice(&heads[j]);
-            f[36 + 4] = 0xFF; // BTH byte 4 (FECN, BECN, reserved): masked
-            f
-        });
+        let firsts = heads.map(|h| self.first_block(&h));
         let len = buf.len();
         buf.reserve(4 * self.full);
         let mut spare = buf.spare_capacity_mut();
@@ -106,7 +104,7 @@ impl Seal4 {
         let icrcs = {
             let [d0, d1, d2, d3] = &mut dst;
             let bodies = [d0, d1, d2, d3].map(|d| &mut d[HEAD..HEAD + mtu]);
-            copy_fold4(&firsts, payloads, bodies)
+            fold4::<true>(&firsts, payloads, bodies)
         };
         for j in 0..4 {
             let (head, rest) = dst[j].split_at_mut(HEAD);
@@ -119,9 +117,18 @@ impl Seal4 {
             }
         }
         // SAFETY: the four packets' bytes after `len` are written — each its head (`HEAD`
-        // bytes), its payload (`mtu`, by `copy_fold4`) and its ICRC (`ICRC_LEN`): `full`
+        // bytes), its payload (`mtu`, by `fold4`) and its ICRC (`ICRC_LEN`): `full`
         // bytes, a path MTU that is a multiple of 64 needing no pad.
         unsafe { buf.set_len(len + 4 * self.full) };
+    }
+
+    /// A packet's first covered block: the 36 bytes in front of its BTH, then its BTH (byte 4
+    /// masked: FECN, BECN, reserved) and its RETH, or whatever 28 bytes it starts with.
+    fn first_block(&self, head: &[u8; HEAD]) -> [u8; BLOCK] {
+        let mut f = self.first;
+        f[36..].copy_from_slice(head);
+        f[36 + 4] = 0xFF;
+        f
     }
 
     /// The ICRCs of four received packets of the length this was made for (whole UDP
@@ -129,16 +136,16 @@ impl Seal4 {
     /// for identification 0: the packet's first 28 bytes, whatever its headers, complete the
     /// first block. A packet of another length gets the full computation.
     pub(crate) fn icrc4(&self, pkts: [&[u8]; 4]) -> [u32; 4] {
-        if pkts.iter().any(|p| p.len() != self.full) {
-            return pkts.map(|p| self.headers.compute(p));
+        let mut heads = [[0u8; HEAD]; 4];
+        for (h, p) in heads.iter_mut().zip(pkts) {
+            match p.first_chunk::<HEAD>() {
+                Some(c) if p.len() == self.full => *h = *c,
+                _ => return pkts.map(|p| self.headers.compute(p)),
+            }
         }
-        let firsts = pkts.map(|p| {
-            let mut f = self.first;
-            f[36..].copy_from_slice(&p[..HEAD]);
-            f[36 + 4] = 0xFF; // BTH byte 4 (FECN, BECN, reserved): masked
-            f
-        });
-        fold4(&firsts, pkts.map(|p| &p[HEAD..self.full - ICRC_LEN]))
+        let firsts = heads.map(|h| self.first_block(&h));
+        let rest = pkts.map(|p| &p[HEAD..self.full - ICRC_LEN]);
+        fold4::<false>(&firsts, rest, Default::default())
     }
 }
 
@@ -171,45 +178,29 @@ fn available() -> bool {
     false
 }
 
-/// Copy each `src[p]` into `dst[p]` (of one length, a whole number of 64-byte blocks) and
-/// return the CRC-32 of `firsts[p]` followed by `src[p]`.
-fn copy_fold4(
-    firsts: &[[u8; BLOCK]; 4],
-    src: [&[u8]; 4],
-    dst: [&mut [MaybeUninit<u8>]; 4],
-) -> [u32; 4] {
-    let n = src[0].len();
-    assert!(
-        dst.iter().all(|d| d.len() == n),
-        "copy_fold4: a destination as long as its source"
-    );
-    fold4_checked::<true>(firsts, src, dst)
-}
-
 /// The CRC-32 of `firsts[p]` followed by `src[p]` (of one length, a whole number of 64-byte
-/// blocks).
-fn fold4(firsts: &[[u8; BLOCK]; 4], src: [&[u8]; 4]) -> [u32; 4] {
-    fold4_checked::<false>(firsts, src, Default::default())
-}
-
+/// blocks); with `COPY`, each `src[p]` is also copied into `dst[p]` (as long), else `dst` is
+/// not used.
 #[cfg(target_arch = "x86_64")]
-fn fold4_checked<const COPY: bool>(
+fn fold4<const COPY: bool>(
     firsts: &[[u8; BLOCK]; 4],
     src: [&[u8]; 4],
     dst: [&mut [MaybeUninit<u8>]; 4],
 ) -> [u32; 4] {
     let n = src[0].len();
     assert!(
-        n.is_multiple_of(BLOCK) && src.iter().all(|s| s.len() == n),
+        n.is_multiple_of(BLOCK)
+            && src.iter().all(|s| s.len() == n)
+            && (!COPY || dst.iter().all(|d| d.len() == n)),
         "fold4: four equal lengths of whole blocks"
     );
     // SAFETY: `Seal4` exists only where `available` found every feature the function enables;
-    // the lengths it reads (and, with COPY, writes: `copy_fold4` checked them) are checked.
+    // the lengths it reads (and, with COPY, writes) are checked above.
     unsafe { fold4_avx512::<COPY>(firsts, src, dst) }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn fold4_checked<const COPY: bool>(
+fn fold4<const COPY: bool>(
     _: &[[u8; BLOCK]; 4],
     _: [&[u8]; 4],
     _: [&mut [MaybeUninit<u8>]; 4],
@@ -270,8 +261,7 @@ const FOLD_64: i64 = key(64);
 const MU: i64 = reflect33(barrett_mu()) as i64;
 const POLY: i64 = reflect33(0x1_04C1_1DB7) as i64;
 
-/// [`fold4`]'s and [`copy_fold4`]'s work (with `COPY`, each block is also stored into
-/// `dst[p]`): each packet's blocks folded in one 512-bit register from a register
+/// [`fold4`]'s work (with `COPY`, each block is also stored into `dst[p]`): each packet's blocks folded in one 512-bit register from a register
 /// of all ones, the four lanes folded into one, and the 128-bit remainder reduced to the CRC
 /// (the PCLMULQDQ method's Barrett reduction, bit-reflected).
 ///
