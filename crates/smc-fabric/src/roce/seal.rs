@@ -14,7 +14,9 @@
 //! block stored into the packet as it is loaded; at the end the four lanes are folded into one
 //! and the 128-bit remainder reduced to the CRC (Barrett). crc32fast alone takes about 50 ns
 //! for a 1,052-byte packet on this machine (an AMD EPYC with AVX-512: its wide kernels start at
-//! 2 KiB), and the copy before it another pass; see docs/performance.md, "Session 32".
+//! 2 KiB), and the copy before it another pass; see docs/performance.md, "Session 32". The
+//! receiver folds the packets of a coalesced datagram the same way, without the copy
+//! ([`Seal4::icrc4`], before the checks of inbound.rs compare the ICRCs).
 //!
 //! The constants are x^n mod P and ⌊x^64 / P⌋ for the CRC-32 polynomial, bit-reflected —
 //! computed below at compile time, and tested against the published values.
