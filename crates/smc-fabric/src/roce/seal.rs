@@ -263,9 +263,10 @@ const FOLD_64: i64 = key(64);
 const MU: i64 = reflect33(barrett_mu()) as i64;
 const POLY: i64 = reflect33(0x1_04C1_1DB7) as i64;
 
-/// [`fold4`]'s work (with `COPY`, each block is also stored into `dst[p]`): each packet's blocks folded in one 512-bit register from a register
-/// of all ones, the four lanes folded into one, and the 128-bit remainder reduced to the CRC
-/// (the PCLMULQDQ method's Barrett reduction, bit-reflected).
+/// [`fold4`]'s work (with `COPY`, each block is also stored into `dst[p]`): each packet's
+/// blocks folded in one 512-bit register from a register of all ones, the four lanes folded
+/// into one, and the 128-bit remainder reduced to the CRC (the PCLMULQDQ method's Barrett
+/// reduction, bit-reflected).
 ///
 /// # Safety
 /// The CPU must have AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.1; the `src[p]` are of one
