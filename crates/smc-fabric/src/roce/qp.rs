@@ -899,12 +899,6 @@ impl RoceQp {
             Vec::new()
         };
         buf.reserve(total);
-        // The ICRC's fixed start for the full packets' length, hashed once per post.
-        let prefix = if count >= PREFIX_MIN_PACKETS {
-            super::gso::icrc_prefix(&conn.icrc, full)
-        } else {
-            IcrcPrefix::none(conn.icrc)
-        };
         // rocev2.md 8.1: AckReq where a transmission may end (see above).
         let ends_run = |i: usize| (i + 1).is_multiple_of(per_run) || i + 1 == count;
         let first_psn = sq.next_psn;
@@ -951,6 +945,13 @@ impl RoceQp {
             .then(|| super::seal::Seal4::new(&conn.icrc, full))
             .flatten();
         let by_four = seal4.as_ref().map_or(0, |_| full_count - full_count % 4);
+        // The ICRC's fixed start for the full packets' length, hashed once per post for the
+        // packets sealed one by one (none when all but the last went four at a time).
+        let prefix = if count - by_four >= PREFIX_MIN_PACKETS {
+            super::gso::icrc_prefix(&conn.icrc, full)
+        } else {
+            IcrcPrefix::none(conn.icrc)
+        };
         let head_of = |i: usize| {
             let mut head = full_head;
             if ends_run(i) {
