@@ -268,6 +268,13 @@ fn cpu_of(stderr: &str) -> Option<f64> {
     })
 }
 
+/// The middle value of the rounds' figures (the upper one of two), as every row of
+/// `smc bench --fabric roce` reports; NaN for none.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// The rows of `smc bench --fabric roce` with each end's CPU per GiB streamed (medians over
 /// the rounds that reported it) and SMC-R's over TCP's; an end's row is left out when either
 /// kind has no round with that end's figure.
@@ -279,8 +286,7 @@ fn cpu_rows(bytes: u64, smc: &[[Option<f64>; 2]], tcp: &[[Option<f64>; 2]]) -> V
             .filter_map(|c| c[end])
             .map(|s| s / gib * 1e3)
             .collect();
-        x.sort_by(f64::total_cmp);
-        x.get(x.len() / 2).copied()
+        (!x.is_empty()).then(|| median(&mut x))
     };
     ["sender", "receiver"]
         .iter()
@@ -602,10 +608,6 @@ pub fn bench(bytes: u64, rounds: usize, mtu: u32) -> Result<ExitCode> {
             Err(e) => eprintln!("smc bench: a round of the floor failed: {e:#}"),
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let mbs = |secs: f64| bytes as f64 / secs / 1e6;
     println!(
         "stream of {bytes} bytes from a file in memory between two namespaces over one veth \
