@@ -1095,6 +1095,17 @@ impl QueuePair {
             QpImpl::Roce(_, q) => q.doorbell(),
         }
     }
+    /// [`QueuePair::doorbell`] for WRITEs whose announcement (the CDC) is not posted yet:
+    /// software RoCE keeps back a last run of packets that does not fill its datagram, for
+    /// the next packed WRITE to continue it (it leaves with the next post that rings, the
+    /// next doorbell, or at the latest a few milliseconds later from the device's progress
+    /// thread). The shm backend has nothing waiting.
+    pub fn doorbell_runs(&self) {
+        match &self.inner {
+            QpImpl::Shm(_) => {}
+            QpImpl::Roce(_, q) => q.doorbell_runs(),
+        }
+    }
     /// Post a receive buffer for one incoming SEND.
     pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
         match &self.inner {

@@ -308,10 +308,31 @@ impl Layout {
                             && bytes <= packets * seg,
                         "a whole run outside one message's limits"
                     );
+                    debug_assert!(
+                        !v4 || w.id.get() == 0,
+                        "a whole run that does not start its message at place 0"
+                    );
                     let mut end = start + 1;
                     if bytes == packets * seg {
                         while let Some(x) = pkts.get(end) {
                             let l = x.len();
+                            // A whole run sealed for the places after these packets (a packed
+                            // post continuing the run before it, qp.rs `doorbell_runs`).
+                            if x.packets > 1
+                                && x.seg == w.seg
+                                && x.fixed()
+                                && usize::from(x.id.get()) == packets
+                                && packets + usize::from(x.packets) <= MAX_SEGMENTS
+                                && bytes + l <= MAX_SEND_BYTES
+                            {
+                                bytes += l;
+                                packets += usize::from(x.packets);
+                                end += 1;
+                                if l < usize::from(x.packets) * seg {
+                                    break;
+                                }
+                                continue;
+                            }
                             if packets >= MAX_SEGMENTS
                                 || starts_run(x)
                                 || l > seg

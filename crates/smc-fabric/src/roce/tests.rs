@@ -1194,7 +1194,7 @@ fn a_packed_run_across_the_psn_wrap() {
     r.trim_front(3);
     assert_eq!((r.psn, r.count, r.last_psn()), (1, 2, 2));
     let mut out = Vec::new();
-    r.wires(true, &mut out);
+    r.wires(true, None, &mut out);
     assert_eq!(out.len(), 2);
     assert_eq!(out[0].len(), 100);
     assert_eq!(out[1].len(), 60);

@@ -102,6 +102,28 @@ impl TxPkt {
         }
     }
 
+    /// Where the message a packed run leaves in would take its next packet, when that message
+    /// has room for more: the run's packets are all `stride` bytes long (no shorter last one
+    /// ends it), sealed for a `UDP_SEGMENT` run, and end before the run's capacity (gso.rs
+    /// `run_capacity`). A packed post of the same stride can then be sealed for the places
+    /// after it (`RoceQp::post_write_packed`) and leave in the same datagram.
+    pub(crate) fn open_end(&self, stride: usize) -> Option<u16> {
+        let Body::Run {
+            bytes,
+            stride: s,
+            first_id: Some(first),
+        } = &self.body
+        else {
+            return None;
+        };
+        let end = usize::from(*first) + usize::from(self.count);
+        (usize::from(*s) == stride
+            && bytes.len() == usize::from(self.count) * stride
+            && end < super::gso::run_capacity(stride))
+        .then(|| u16::try_from(end).ok())
+        .flatten()
+    }
+
     /// The PSN of the entry's last packet.
     pub(crate) fn last_psn(&self) -> u32 {
         (self.psn + u32::from(self.count) - 1) & roce::U24_MASK
@@ -193,32 +215,51 @@ impl TxPkt {
     }
 
     /// The entry's pieces for transmission, into `out`: a packet's; a run's as one wire of
-    /// all its packets where `whole` allows and they are sealed for the identifications a
-    /// run starting with them gives (0, 1, 2…), else one wire per packet.
-    pub(crate) fn wires<'a>(&'a mut self, whole: bool, out: &mut Vec<Wire<'a>>) {
+    /// all its packets where `whole` allows and they are sealed for the identifications their
+    /// place in a message gives — a run starting with them (0, 1, 2…), or, `open` being
+    /// `Some(f)`, the message of the entry before, which ends with a full packet at place
+    /// f − 1 (a packed post sealed to continue it) — else one wire per packet. Returns
+    /// where the message ends now for the next entry, when it ends open ([`open_end`]).
+    ///
+    /// [`open_end`]: Self::open_end
+    pub(crate) fn wires<'a>(
+        &'a mut self,
+        whole: bool,
+        open: Option<u16>,
+        out: &mut Vec<Wire<'a>>,
+    ) -> Option<u16> {
         let count = self.count;
         if !matches!(self.body, Body::Run { .. }) {
             out.push(self.wire());
-            return;
+            return None;
         }
-        if let Body::Run {
+        let Body::Run {
             bytes,
             stride,
             first_id,
         } = &self.body
-        {
-            if whole && count > 1 && *first_id == Some(0) {
-                out.push(Wire {
-                    parts: [&bytes[..], &[]],
-                    tail: &mut [],
-                    id: Sealed::Fixed(0),
-                    packets: count,
-                    seg: *stride,
-                });
-                return;
-            }
-            out.extend(run_packets(bytes, *stride, count, *first_id));
+        else {
+            return None;
+        };
+        // Whole where the message is the run's own (several packets from place 0: gso.rs
+        // starts a message with them) or the open one it was sealed to continue.
+        let fits = first_id.is_some_and(|f| (f == 0 && count > 1) || open == Some(f));
+        if whole && fits {
+            let next = self.open_end(usize::from(*stride));
+            let Body::Run { bytes, stride, .. } = &self.body else {
+                return None;
+            };
+            out.push(Wire {
+                parts: [&bytes[..], &[]],
+                tail: &mut [],
+                id: Sealed::Fixed(first_id.unwrap_or(0)),
+                packets: count,
+                seg: *stride,
+            });
+            return next;
         }
+        out.extend(run_packets(bytes, *stride, count, *first_id));
+        None
     }
 
     /// The packet's pieces for transmission: an entry of one packet (a run goes through

@@ -23,9 +23,12 @@ pub(super) struct DirectSend<'a> {
 
 impl Drop for DirectSend<'_> {
     fn drop(&mut self) {
+        // WRITEs whose CDC the engine holds back (coalescing, TCP_CORK) or posts later: a
+        // short last run of their packets may wait for the next write's packets to fill its
+        // datagram (smc-fabric `doorbell_runs`); the CDC, when posted, takes it along.
         for link in self.held.drain(..) {
             if let Some(l) = self.fab.links.get(&link) {
-                l.qp.doorbell();
+                l.qp.doorbell_runs();
             }
         }
     }
