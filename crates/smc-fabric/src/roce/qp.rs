@@ -1138,7 +1138,11 @@ impl RoceQp {
         if end == start && start == 0 {
             end = 1;
         }
-        if keep_open && end == sq.pkts.len() && end > start {
+        if keep_open && end < sq.pkts.len() {
+            // The window cut: the ACKs that open it keep a last open run back when they
+            // reach it.
+            sq.keep_open = true;
+        } else if keep_open && end > start {
             let stride = match &sq.pkts[end - 1].body {
                 Body::Run { stride, .. } => usize::from(*stride),
                 _ => 0,

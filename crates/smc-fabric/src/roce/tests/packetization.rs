@@ -1098,3 +1098,74 @@ fn a_short_last_run_waits_for_the_next_post_to_fill_its_datagram() {
     }
     assert!(!p.a.qp.has_unacked(), "the kept run acknowledged");
 }
+
+/// Nine 64 KiB WRITEs whose CDC is held back, past the requester's window (576 packets, 512
+/// PSNs in flight): what the window cuts leaves with the ACKs that open it, but the last run
+/// that leaves room in its datagram (18 packets) stays back as `doorbell_runs` kept it until
+/// the CDC takes it along — unless the hold limit passed meanwhile. Every packet arrives once,
+/// sealed for its segment, with its bytes.
+#[test]
+fn the_acks_after_a_window_cut_keep_the_open_run_back() {
+    let mut p = raw_peer(34);
+    if crate::roce::device::setsockopt_int(&p.sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)
+        .is_err()
+    {
+        eprintln!("skipped: SO_RCVBUFFORCE needs root (a window's datagrams would not fit)");
+        return;
+    }
+    let first = p.a.qp.local_info().psn;
+    let va = 0x6400_0000;
+    let data = pattern(9 * 64 * 1024, 10);
+    let (n, kept_run) = (9 * 64, 9 * 64 % 62);
+    let mut bufs = Vec::new();
+    for (i, piece) in data.chunks(64 * 1024).enumerate() {
+        let at = va + (i * 64 * 1024) as u64;
+        bufs.push(p.a.qp.post_write_packed(1, piece, at, 0x77).expect("post"));
+        p.a.qp.doorbell_runs();
+    }
+    let index = |pkt: &[u8]| {
+        wire::Packet::parse(pkt).map_or(usize::MAX, |x| {
+            (x.bth.psn.wrapping_sub(first) & wire::U24_MASK) as usize
+        })
+    };
+    let count = |got: &[Datagram]| got.iter().map(|d| d.1.len()).sum::<usize>();
+    // Loopback delivers at send: what the window let go is in the socket.
+    let mut got = p.datagrams_now();
+    let sent = count(&got);
+    assert!(sent < n - kept_run, "the window cut ({sent} packets)");
+    let acked = Instant::now();
+    p.ack(wire::psn_add(first, sent as u32 - 1));
+    got.extend(p.datagrams(n - kept_run - sent));
+    // Whatever else that transmission sent is in the socket a moment later.
+    std::thread::sleep(Duration::from_micros(500));
+    got.extend(p.datagrams_now());
+    if acked.elapsed() < Duration::from_micros(4500) {
+        assert_eq!(
+            count(&got),
+            n - kept_run,
+            "the open run kept back after the ACK"
+        );
+    }
+    p.cdc();
+    got.extend(p.datagrams(n + 1 - count(&got)));
+    p.ack(wire::psn_add(first, n as u32));
+    let done = collect(&p.a.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
+    let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
+    let mut seen = vec![0usize; n + 1];
+    for (seg, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
+        let cols = crate::roce::gso::id_columns(pkt.len());
+        let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
+        assert_eq!(icrc, Some(h.compute(pkt) ^ cols.delta(seg as u16)));
+        let i = index(pkt);
+        seen[i] += 1;
+        if i < n {
+            let x = wire::Packet::parse(pkt).expect("parse");
+            assert_eq!(x.payload, &data[i * 1024..(i + 1) * 1024], "packet {i}");
+        }
+    }
+    assert!(seen.iter().all(|&k| k >= 1), "every packet: {seen:?}");
+    let again: usize = seen.iter().map(|k| k - 1).sum();
+    assert_eq!(snapshot(&p.a.dev.core).retransmits, again as u64);
+    drop(bufs);
+}
