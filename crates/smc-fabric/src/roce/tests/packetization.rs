@@ -260,6 +260,50 @@ fn shape(got: &[Datagram]) -> Vec<(Option<usize>, usize)> {
     got.iter().map(|(s, p)| (*s, p.len())).collect()
 }
 
+impl RawPeer {
+    /// Room for a window's datagrams (eight of 64 KiB) in the peer's socket, as our devices
+    /// make for theirs; false, said on stderr, without root (the test is skipped).
+    fn room_for_a_window(&self) -> bool {
+        let ok = crate::roce::device::setsockopt_int(
+            &self.sock,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            8 << 20,
+        )
+        .is_ok();
+        if !ok {
+            eprintln!("skipped: SO_RCVBUFFORCE needs root (a window's datagrams would not fit)");
+        }
+        ok
+    }
+
+    /// Every packet of `got` with its ICRC checked (sealed for its segment in its datagram)
+    /// and parsed, with its index: its PSN's distance from `first`. Returns how often each
+    /// index below `n` arrived.
+    fn each_packet(
+        &self,
+        got: &[Datagram],
+        first: u32,
+        n: usize,
+        mut f: impl FnMut(usize, &wire::Packet<'_>),
+    ) -> Vec<usize> {
+        let h = wire::IcrcHeaders::new(self.me.into(), self.peer_ip.into(), wire::UDP_PORT);
+        let mut seen = vec![0usize; n];
+        for (seg, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
+            let cols = crate::roce::gso::id_columns(pkt.len());
+            let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
+            assert_eq!(icrc, Some(h.compute(pkt) ^ cols.delta(seg as u16)));
+            let x = wire::Packet::parse(pkt).expect("parse");
+            let i = (x.bth.psn.wrapping_sub(first) & wire::U24_MASK) as usize;
+            if let Some(k) = seen.get_mut(i) {
+                *k += 1;
+            }
+            f(i, &x);
+        }
+        seen
+    }
+}
+
 /// A WRITE leaves as one WRITE ONLY message per path MTU, each with its own RETH: an update
 /// of 61 KiB and its CDC SEND reach a peer with `UDP_GRO` as one datagram (62 packets: 61 of
 /// 1,056 bytes, the SEND of 60 last); one of 64 KiB, which cannot fit one UDP datagram
@@ -705,12 +749,7 @@ fn a_packed_post_resent_from_inside_a_run_is_resealed() {
 #[test]
 fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
     let mut p = raw_peer(29);
-    // Room for a window's datagrams (eight of 64 KiB) in the peer's socket, as our devices
-    // make for theirs.
-    if crate::roce::device::setsockopt_int(&p.sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)
-        .is_err()
-    {
-        eprintln!("skipped: SO_RCVBUFFORCE needs root (a window's datagrams would not fit)");
+    if !p.room_for_a_window() {
         return;
     }
     let first = p.a.qp.local_info().psn;
@@ -755,18 +794,10 @@ fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
     // send).
     got.extend(p.datagrams_now());
     // Each packet: its ICRC sealed for its segment in its datagram, its bytes, its AckReq.
-    let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
-    let mut seen = vec![0usize; n + 1];
-    for (seg, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
-        let cols = crate::roce::gso::id_columns(pkt.len());
-        let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
-        assert_eq!(icrc, Some(h.compute(pkt) ^ cols.delta(seg as u16)));
-        let i = index(pkt);
-        seen[i] += 1;
-        let x = wire::Packet::parse(pkt).expect("parse");
+    let seen = p.each_packet(&got, first, n + 1, |i, x| {
         if i == n {
             assert_eq!(x.bth.opcode, wire::Opcode::SEND_ONLY);
-            continue;
+            return;
         }
         assert_eq!(x.payload, &data[i * 1024..(i + 1) * 1024], "packet {i}");
         assert_eq!(
@@ -774,7 +805,7 @@ fn a_packed_post_longer_than_the_window_leaves_whole_runs() {
             i % 62 == 61 || i == n - 1,
             "AckReq of packet {i}"
         );
-    }
+    });
     assert!(seen.iter().all(|&n| n >= 1), "every packet arrived");
     let again: usize = seen.iter().map(|n| n - 1).sum();
     assert_eq!(snapshot(&p.a.dev.core).retransmits, again as u64);
@@ -1078,18 +1109,10 @@ fn a_short_last_run_waits_for_the_next_post_to_fill_its_datagram() {
     p.a.qp.doorbell_runs();
     let got = p.datagrams(64);
     assert_eq!(got.iter().map(|d| d.1.len()).collect::<Vec<_>>(), [62, 2]);
-    let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
-    for (n, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()).enumerate() {
-        let cols = crate::roce::gso::id_columns(pkt.1.len());
-        assert_eq!(
-            pkt.1.last_chunk::<4>().map(|t| u32::from_le_bytes(*t)),
-            Some(h.compute(pkt.1) ^ cols.delta(pkt.0 as u16)),
-            "ICRC of packet {n}"
-        );
-        let parsed = wire::Packet::parse(pkt.1).expect("parse");
-        assert_eq!(parsed.bth.psn, wire::psn_add(first, n as u32));
-        assert_eq!(parsed.payload, &half_a[n * 1024..(n + 1) * 1024]);
-    }
+    let seen = p.each_packet(&got, first, 64, |i, x| {
+        assert_eq!(x.payload, &half_a[i * 1024..(i + 1) * 1024], "packet {i}");
+    });
+    assert!(seen.iter().all(|&k| k == 1), "every packet once: {seen:?}");
     p.ack(wire::psn_add(first, 63));
     drop(a);
     let end = Instant::now() + Duration::from_secs(5);
@@ -1102,15 +1125,12 @@ fn a_short_last_run_waits_for_the_next_post_to_fill_its_datagram() {
 /// Nine 64 KiB WRITEs whose CDC is held back, past the requester's window (576 packets, 512
 /// PSNs in flight): what the window cuts leaves with the ACKs that open it, but the last run
 /// that leaves room in its datagram (18 packets) stays back as `doorbell_runs` kept it until
-/// the CDC takes it along — unless the hold limit passed meanwhile. Every packet arrives once,
-/// sealed for its segment, with its bytes.
+/// the CDC takes it along — unless the hold limit passed meanwhile. Every packet arrives,
+/// sealed for its segment, with its bytes (one seen twice is a counted retransmission).
 #[test]
 fn the_acks_after_a_window_cut_keep_the_open_run_back() {
     let mut p = raw_peer(34);
-    if crate::roce::device::setsockopt_int(&p.sock, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20)
-        .is_err()
-    {
-        eprintln!("skipped: SO_RCVBUFFORCE needs root (a window's datagrams would not fit)");
+    if !p.room_for_a_window() {
         return;
     }
     let first = p.a.qp.local_info().psn;
@@ -1123,11 +1143,6 @@ fn the_acks_after_a_window_cut_keep_the_open_run_back() {
         bufs.push(p.a.qp.post_write_packed(1, piece, at, 0x77).expect("post"));
         p.a.qp.doorbell_runs();
     }
-    let index = |pkt: &[u8]| {
-        wire::Packet::parse(pkt).map_or(usize::MAX, |x| {
-            (x.bth.psn.wrapping_sub(first) & wire::U24_MASK) as usize
-        })
-    };
     let count = |got: &[Datagram]| got.iter().map(|d| d.1.len()).sum::<usize>();
     // Loopback delivers at send: what the window let go is in the socket.
     let mut got = p.datagrams_now();
@@ -1151,19 +1166,11 @@ fn the_acks_after_a_window_cut_keep_the_open_run_back() {
     p.ack(wire::psn_add(first, n as u32));
     let done = collect(&p.a.cq, 1);
     assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
-    let h = wire::IcrcHeaders::new(p.me.into(), p.peer_ip.into(), wire::UDP_PORT);
-    let mut seen = vec![0usize; n + 1];
-    for (seg, pkt) in got.iter().flat_map(|d| d.1.iter().enumerate()) {
-        let cols = crate::roce::gso::id_columns(pkt.len());
-        let icrc = pkt.last_chunk::<4>().map(|t| u32::from_le_bytes(*t));
-        assert_eq!(icrc, Some(h.compute(pkt) ^ cols.delta(seg as u16)));
-        let i = index(pkt);
-        seen[i] += 1;
+    let seen = p.each_packet(&got, first, n + 1, |i, x| {
         if i < n {
-            let x = wire::Packet::parse(pkt).expect("parse");
             assert_eq!(x.payload, &data[i * 1024..(i + 1) * 1024], "packet {i}");
         }
-    }
+    });
     assert!(seen.iter().all(|&k| k >= 1), "every packet: {seen:?}");
     let again: usize = seen.iter().map(|k| k - 1).sum();
     assert_eq!(snapshot(&p.a.dev.core).retransmits, again as u64);
