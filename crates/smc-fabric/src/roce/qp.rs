@@ -923,9 +923,10 @@ impl RoceQp {
         // it back for more, `doorbell_runs`): this post's first packets then take the places
         // after it, and both leave in one datagram instead of the short run in one of its own.
         let phase = match sq.pkts.back() {
-            Some(last) if runs && sq.never_sent(last) => {
-                usize::from(last.open_end(full).unwrap_or(0))
-            }
+            Some(last) if runs && sq.never_sent(last) => match last.open_end() {
+                Some((end, stride)) if stride == full => usize::from(end),
+                _ => 0,
+            },
             _ => 0,
         };
         // Packet i's place in its run.
@@ -1143,12 +1144,8 @@ impl RoceQp {
             // reach it.
             sq.keep_open = true;
         } else if keep_open && end > start {
-            let stride = match &sq.pkts[end - 1].body {
-                Body::Run { stride, .. } => usize::from(*stride),
-                _ => 0,
-            };
             let last = &sq.pkts[end - 1];
-            if sq.never_sent(last) && last.open_end(stride).is_some() {
+            if sq.never_sent(last) && last.open_end().is_some() {
                 end -= 1;
                 sq.held_since = held_since.or_else(|| Some(Instant::now()));
                 sq.keep_open = true;

@@ -102,26 +102,25 @@ impl TxPkt {
         }
     }
 
-    /// Where the message a packed run leaves in would take its next packet, when that message
-    /// has room for more: the run's packets are all `stride` bytes long (no shorter last one
-    /// ends it), sealed for a `UDP_SEGMENT` run, and end before the run's capacity (gso.rs
-    /// `run_capacity`). A packed post of the same stride can then be sealed for the places
-    /// after it (`RoceQp::post_write_packed`) and leave in the same datagram.
-    pub(crate) fn open_end(&self, stride: usize) -> Option<u16> {
+    /// Where the message a packed run leaves in would take its next packet, and the run's
+    /// stride, when that message has room for more: the run's packets are all full (no
+    /// shorter last one ends it), sealed for a `UDP_SEGMENT` run, and end before the run's
+    /// capacity (gso.rs `run_capacity`). A packed post of the same stride can then be sealed
+    /// for the places after it (`RoceQp::post_write_packed`) and leave in the same datagram.
+    pub(crate) fn open_end(&self) -> Option<(u16, usize)> {
         let Body::Run {
             bytes,
-            stride: s,
+            stride,
             first_id: Some(first),
         } = &self.body
         else {
             return None;
         };
+        let stride = usize::from(*stride);
         let end = usize::from(*first) + usize::from(self.count);
-        (usize::from(*s) == stride
-            && bytes.len() == usize::from(self.count) * stride
-            && end < super::gso::run_capacity(stride))
-        .then(|| u16::try_from(end).ok())
-        .flatten()
+        (bytes.len() == usize::from(self.count) * stride && end < super::gso::run_capacity(stride))
+            .then(|| u16::try_from(end).ok().map(|e| (e, stride)))
+            .flatten()
     }
 
     /// The PSN of the entry's last packet.
@@ -245,10 +244,7 @@ impl TxPkt {
         // starts a message with them) or the open one it was sealed to continue.
         let fits = first_id.is_some_and(|f| (f == 0 && count > 1) || open == Some(f));
         if whole && fits {
-            let next = self.open_end(usize::from(*stride));
-            let Body::Run { bytes, stride, .. } = &self.body else {
-                return None;
-            };
+            let next = self.open_end().map(|(end, _)| end);
             out.push(Wire {
                 parts: [&bytes[..], &[]],
                 tail: &mut [],
