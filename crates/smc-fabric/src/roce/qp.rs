@@ -1139,6 +1139,9 @@ impl RoceQp {
         if end == start && start == 0 {
             end = 1;
         }
+        // Where the socket refused `UDP_SEGMENT` (or faults are injected) every packet
+        // leaves alone: nothing could continue a kept run's datagram, so none is kept.
+        let keep_open = keep_open && self.core.sends_runs();
         if keep_open && end < sq.pkts.len() {
             // The window cut: the ACKs that open it keep a last open run back when they
             // reach it.

@@ -927,6 +927,37 @@ fn runs_sealed_for_gso_leave_one_by_one_once_refused() {
     assert_eq!((done[0].wr_id, done[0].status), (2, WcStatus::Success));
 }
 
+/// A packed post sealed for runs, then `UDP_SEGMENT` refused: `doorbell_runs` keeps no short
+/// last run back for a datagram that can no longer be shared — all 64 packets leave in the
+/// call, one by one (a kept run would leave only after the hold limit).
+#[test]
+fn no_run_is_kept_back_once_runs_are_refused() {
+    let mut p = raw_peer(44);
+    let first = p.a.qp.local_info().psn;
+    let va = 0x5C00_0000;
+    let data = pattern(64 * 1024, 12);
+    let _packed =
+        p.a.qp
+            .post_write_packed(1, &data, va, 0x77)
+            .expect("packed")
+            .expect("ready");
+    p.a.dev.core.refuse_runs();
+    let before = p.a.dev.core.counters.tx_packets.load(Ordering::Relaxed);
+    p.a.qp.doorbell_runs();
+    let sent = p.a.dev.core.counters.tx_packets.load(Ordering::Relaxed) - before;
+    assert_eq!(sent, 64, "every packet in the doorbell's call");
+    let got = p.datagrams(64);
+    assert!(got.iter().all(|d| d.1.len() == 1), "{:?}", shape(&got));
+    // Each alone, sealed for identification 0; the bytes and the AckReq of each run's end.
+    let seen = p.each_packet(&got, first, 64, |i, x| {
+        assert_eq!(x.payload, &data[i * 1024..(i + 1) * 1024], "packet {i}");
+        let reth = x.reth.expect("WRITE ONLY");
+        assert_eq!(reth.va, va + (i * 1024) as u64, "packet {i}");
+        assert_eq!(x.bth.ack_req, i == 61 || i == 63, "packet {i}");
+    });
+    assert!(seen.iter().all(|&k| k == 1), "every packet once: {seen:?}");
+}
+
 /// A whole run's wire handed to `transmit_pkts` when `UDP_SEGMENT` is off (the race
 /// between `pump` reading `sends_runs` and the send): split into packets, each sealed for 0.
 /// And with UDP_SEGMENT on: one datagram, each segment sealed for its index.
